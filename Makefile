@@ -1,0 +1,74 @@
+# kvferry — top-level driver.
+#
+#   make demo    install what is missing, build, run a local PD deployment
+#   make test    install what is missing, build (also with address+undefined
+#                sanitizers and libFuzzer), run the whole suite
+#   make build   configure and build into build/ (the command is build/kvferry)
+#   make bench   run bench/baselines.sh (kvferry against iperf3/memcpy/UCX)
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+FUZZ_BUILD ?= build-fuzz
+JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
+CTEST_ARGS ?= --output-on-failure -j2
+
+# Debian packages the build, the tests and the benchmarks need.
+DEB_PACKAGES = cmake make gcc clang libclang-rt-14-dev pkg-config \
+               libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev \
+               libxxhash-dev python3 iperf3 iproute2 procps
+
+.PHONY: all deps build asan fuzz test test-release test-asan test-fuzz demo bench clean
+
+all: build
+
+deps:
+	@missing=""; \
+	for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q 'install ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then \
+	    echo "kvferry needs these Debian packages:$$missing"; \
+	    echo "run as root, or: sudo apt-get install$$missing"; exit 1; \
+	  fi; \
+	  echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
+
+build: deps $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j$(JOBS)
+
+asan: deps
+	cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DKVF_SANITIZE=ON
+	cmake --build $(ASAN_BUILD) -j$(JOBS)
+
+fuzz: deps
+	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \
+	      -DKVF_FUZZ=ON -DKVF_SANITIZE=ON
+	cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzz_wire fuzz_registry
+
+test-release: build
+	cd $(BUILD) && ctest $(CTEST_ARGS)
+
+# The sanitizer build runs the whole suite too (leaks included).
+test-asan: asan
+	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest $(CTEST_ARGS)
+
+# libFuzzer on the wire decoder and the registry handlers, bounded in time.
+test-fuzz: fuzz
+	cd $(FUZZ_BUILD) && ctest $(CTEST_ARGS) -R '^fuzz\.'
+
+test: test-release test-asan test-fuzz
+
+demo: build
+	$(BUILD)/kvferry demo --model llama3-8b --requests 32 --tokens 1024
+
+bench: build
+	bash bench/baselines.sh
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD) $(FUZZ_BUILD)

@@ -1,0 +1,422 @@
+/*
+ * kvferry — move LLM KV cache from prefill servers to decode servers, one
+ * request ("room") at a time, and turn every failure into an explicit,
+ * per-room error with its root cause on every rank involved.
+ *
+ * Objects
+ *   kvf_engine_t    one per rank (one GPU's worth of KV): role, parallel
+ *                   coordinates, registered layout, a progress thread.
+ *   kvf_sender_t    one room on a prefill rank.
+ *   kvf_receiver_t  one room on a decode rank.
+ *   kvf_bootstrap_t a bootstrap registry (HTTP) server, SGLang-compatible.
+ *
+ * Threads
+ *   Every function is thread-safe and non-blocking unless its comment says
+ *   otherwise: a scheduler may call kvf_*_poll() for thousands of rooms in
+ *   each step.  All network I/O happens on the engine's own threads.  A
+ *   handle must not be used concurrently with, or after, its destroy call.
+ *
+ * Errors
+ *   Functions return kvf_status_t (status.h): KVF_OK or a negative code.
+ *   Output arguments (suffix _p) are written only on KVF_OK.  A room that
+ *   fails does not make any call fail: its poll state becomes
+ *   KVF_POLL_FAILED and kvf_*_failure() returns its failure record.
+ */
+#ifndef KVFERRY_KVFERRY_H
+#define KVFERRY_KVFERRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvferry/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(KVF_BUILDING_LIBRARY)
+#define KVF_API __attribute__((visibility("default")))
+#else
+#define KVF_API
+#endif
+
+#define KVF_VERSION_MAJOR 0
+#define KVF_VERSION_MINOR 1
+#define KVF_VERSION_PATCH 0
+
+/** @return the library version as "MAJOR.MINOR.PATCH" (static string). */
+KVF_API const char *kvf_version(void);
+
+/** @return the symbolic name of a status, e.g. "KVF_ERR_TIMED_OUT" (static). */
+KVF_API const char *kvf_status_name(kvf_status_t status);
+
+/** @return a one-line description of a status (static, thread-safe). */
+KVF_API const char *kvf_status_str(kvf_status_t status);
+
+/* ------------------------------------------------------------------------ */
+/* Roles, poll states, failure records                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvf_role {
+    KVF_ROLE_PREFILL = 0,
+    KVF_ROLE_DECODE  = 1
+} kvf_role_t;
+
+/** @return "prefill" or "decode" (static). */
+KVF_API const char *kvf_role_name(kvf_role_t role);
+
+/**
+ * Poll state of a room.  The order is total and a room only moves up,
+ * except that FAILED overrides everything: a scheduler may take the MIN
+ * over its TP ranks and every rank agrees.  Values match SGLang's KVPoll.
+ */
+typedef enum kvf_poll {
+    KVF_POLL_FAILED            = 0,
+    KVF_POLL_BOOTSTRAPPING     = 1,
+    KVF_POLL_WAITING_FOR_INPUT = 2,
+    KVF_POLL_TRANSFERRING      = 3,
+    KVF_POLL_SUCCESS           = 4
+} kvf_poll_t;
+
+/** @return "Failed", "Bootstrapping", ... (static). */
+KVF_API const char *kvf_poll_name(kvf_poll_t state);
+
+#define KVF_REASON_MAX 512
+#define KVF_ADDR_MAX   64
+
+/**
+ * Why a room failed.  The first root cause wins: a consequence seen later
+ * (a reset connection after the peer already reported the failure, say)
+ * never overwrites it.
+ */
+typedef struct kvf_failure {
+    kvf_status_t status;             /**< what went wrong, as a code */
+    kvf_role_t   origin_side;        /**< side of the rank that saw the root cause */
+    int          origin_rank;        /**< its tp rank */
+    char         origin_addr[KVF_ADDR_MAX]; /**< its control address host:port */
+    int          from_another_rank;  /**< 1 if this rank only learned of it from a peer */
+    char         reason[KVF_REASON_MAX];    /**< human-readable root cause */
+} kvf_failure_t;
+
+/* ------------------------------------------------------------------------ */
+/* Engine                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvf_engine   kvf_engine_t;
+typedef struct kvf_sender   kvf_sender_t;
+typedef struct kvf_receiver kvf_receiver_t;
+
+/**
+ * Engine parameters.  Initialise with kvf_engine_params_init(), which sets
+ * every default (several come from KVF_* environment variables), then
+ * override what you need.  `size` lets the struct grow without breaking
+ * callers built against an older header.
+ */
+typedef struct kvf_engine_params {
+    size_t      size;          /**< sizeof(kvf_engine_params_t); set by _init */
+    kvf_role_t  role;          /**< default KVF_ROLE_PREFILL */
+    int         tp_rank;       /**< default 0 */
+    int         tp_size;       /**< default 1 */
+    int         pp_rank;       /**< default 0 */
+    int         pp_size;       /**< default 1 */
+    int         dp_rank;       /**< default 0 */
+    int         dp_size;       /**< default 1 */
+    const char *host;          /**< address to bind and advertise; default "127.0.0.1" (KVF_HOST) */
+    int         port;          /**< control port; default 0 = any free port */
+    /**
+     * Prefill: the registry this engine registers with, "host:port".
+     * Decode: unused (each receiver names its own).  Default NULL.
+     */
+    const char *bootstrap_addr;
+    /**
+     * Prefill only: run the registry in-process, listening on
+     * bootstrap_addr (its port may be 0: the chosen one is then reported by
+     * kvf_engine_bootstrap_addr()).  Default 0.
+     */
+    int         host_bootstrap;
+    const char *transport;     /**< "auto" or "tcp"; default "auto" (KVF_TRANSPORT) */
+    int         checksum;      /**< 1: XXH3 end-to-end checksums; default 0 (KVF_CHECKSUM) */
+    /** Deadlines, in milliseconds: no progress for that long fails the room. */
+    unsigned    bootstrap_timeout_ms;   /**< default 30000 (KVF_BOOTSTRAP_TIMEOUT_MS) */
+    unsigned    waiting_timeout_ms;     /**< default 300000 (KVF_WAITING_TIMEOUT_MS) */
+    unsigned    transfer_timeout_ms;    /**< default 30000 (KVF_TRANSFER_TIMEOUT_MS) */
+    unsigned    heartbeat_interval_ms;  /**< default 500 (KVF_HEARTBEAT_INTERVAL_MS) */
+    unsigned    heartbeat_timeout_ms;   /**< default 2500 (KVF_HEARTBEAT_TIMEOUT_MS) */
+} kvf_engine_params_t;
+
+/** Fill `params` with the defaults documented above. */
+KVF_API void kvf_engine_params_init(kvf_engine_params_t *params);
+
+/**
+ * Create an engine: bind its control port and start its progress thread.
+ * May block briefly (bind, thread start); never on the network.
+ *
+ * @param [in]  params    parameters; strings are copied
+ * @param [out] engine_p  the new engine
+ * @return KVF_OK, KVF_ERR_INVALID_PARAM (with a log line saying which),
+ *         KVF_ERR_IO (bind failed), KVF_ERR_NO_MEMORY, KVF_ERR_UNSUPPORTED.
+ */
+KVF_API kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
+                                       kvf_engine_t **engine_p);
+
+/**
+ * Destroy an engine: fail and free every room still attached, close every
+ * connection, stop its threads.  Blocks until its threads have stopped.
+ * Senders and receivers must be destroyed first.
+ */
+KVF_API void kvf_engine_destroy(kvf_engine_t *engine);
+
+/** Write the engine's control address "host:port" into buf (NUL-terminated). */
+KVF_API kvf_status_t kvf_engine_address(const kvf_engine_t *engine,
+                                        char *buf, size_t len);
+
+/**
+ * Write the address of the in-process registry ("host:port") into buf.
+ * @return KVF_ERR_STATE when this engine hosts no registry.
+ */
+KVF_API kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *engine,
+                                               char *buf, size_t len);
+
+/** The engine's 64-bit instance id: random, new at every kvf_engine_create. */
+KVF_API uint64_t kvf_engine_instance_id(const kvf_engine_t *engine);
+
+/* ------------------------------------------------------------------------ */
+/* Layout                                                                   */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvf_attn_kind {
+    KVF_ATTN_MHA = 0,   /**< MHA/GQA: per-rank slice of KV heads */
+    KVF_ATTN_MLA = 1    /**< MLA: every rank holds the full latent vector */
+} kvf_attn_kind_t;
+
+typedef enum kvf_mem_kind {
+    KVF_MEM_HOST = 0,   /**< ordinary host memory */
+    KVF_MEM_CUDA = 1    /**< device memory: reserved for the UCX transport */
+} kvf_mem_kind_t;
+
+/** One registered buffer: `length` bytes at `base`, cut into items. */
+typedef struct kvf_buffer {
+    void  *base;
+    size_t length;         /**< bytes; a whole number of items */
+    size_t item_bytes;     /**< bytes per page (KV) or per slot (aux, state) */
+} kvf_buffer_t;
+
+/**
+ * What an engine registers.  KV buffers are typically one K and one V
+ * buffer per layer (MHA) or one per layer (MLA); prefill and decode must
+ * register the same number, in the same order.  Arrays are copied.
+ */
+typedef struct kvf_layout {
+    size_t              size;        /**< sizeof(kvf_layout_t) */
+    uint32_t            page_size;   /**< tokens per page; required */
+    const char         *kv_dtype;    /**< e.g. "bfloat16"; required */
+    kvf_attn_kind_t     attn;        /**< default KVF_ATTN_MHA */
+    uint32_t            num_layers;  /**< model layers on this rank; required */
+    uint32_t            heads_per_rank;  /**< MHA: KV heads on this rank */
+    uint32_t            total_heads;     /**< MHA: KV heads of the model */
+    uint32_t            bytes_per_head;  /**< MHA: bytes per head per token */
+    kvf_mem_kind_t      mem_kind;    /**< default KVF_MEM_HOST */
+    uint32_t            num_kv;      /**< number of KV buffers */
+    const kvf_buffer_t *kv;
+    uint32_t            num_aux;     /**< aux buffers (bytes per slot) */
+    const kvf_buffer_t *aux;
+    uint32_t            num_state;   /**< optional state buffers (bytes per slot) */
+    const kvf_buffer_t *state;
+} kvf_layout_t;
+
+/** Zero a layout and set its `size`. */
+KVF_API void kvf_layout_init(kvf_layout_t *layout);
+
+/**
+ * Register the engine's layout, once.  A prefill engine then registers
+ * itself with its bootstrap registry in the background (retrying with
+ * backoff).  Rooms can be created only after this call.
+ *
+ * @return KVF_OK, KVF_ERR_INVALID_PARAM (the log and nothing else says
+ *         which field), KVF_ERR_STATE (already registered),
+ *         KVF_ERR_UNSUPPORTED (memory kind not supported by any transport).
+ */
+KVF_API kvf_status_t kvf_engine_register_layout(kvf_engine_t *engine,
+                                                const kvf_layout_t *layout);
+
+/* ------------------------------------------------------------------------ */
+/* Sender (prefill side of a room)                                          */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * Create the sender for `room`.  BOOTSTRAPPING until every decode rank this
+ * engine must feed has sent its destination, then WAITING_FOR_INPUT.
+ *
+ * @param [in]  bootstrap_addr  the registry "host:port" (informational on
+ *                              prefill; checked against the engine's)
+ * @return KVF_OK, KVF_ERR_STATE (no layout registered),
+ *         KVF_ERR_ROOM_IN_USE (a live sender has this room id),
+ *         KVF_ERR_NO_MEMORY.
+ */
+KVF_API kvf_status_t kvf_sender_create(kvf_engine_t *engine,
+                                       const char *bootstrap_addr,
+                                       uint64_t room, kvf_sender_t **sender_p);
+
+/**
+ * Declare the room's size: `num_pages` KV pages and the source aux slot.
+ * Once.  @return KVF_OK, KVF_ERR_STATE (second call),
+ * KVF_ERR_OUT_OF_RANGE (aux slot not registered).
+ */
+KVF_API kvf_status_t kvf_sender_init(kvf_sender_t *sender, uint32_t num_pages,
+                                     uint32_t aux_slot);
+
+/**
+ * Source state slots (recurrent/SWA state), written on the last chunk.
+ * Optional; before the last send.  @return KVF_OK, KVF_ERR_STATE,
+ * KVF_ERR_OUT_OF_RANGE, KVF_ERR_INVALID_PARAM (count differs from the
+ * number of state buffers).
+ */
+KVF_API kvf_status_t kvf_sender_set_state(kvf_sender_t *sender,
+                                          const uint32_t *slots, size_t n);
+
+/**
+ * Send one prefill chunk: `n` source pages, the next `n` of the room.
+ * Non-blocking: the pages are copied out of the caller's array and written
+ * by the progress thread; the page memory must stay unchanged until the
+ * room reaches SUCCESS or FAILED.  On the last chunk (is_last) aux and
+ * state are written too and the receivers are told the byte count.
+ *
+ * @return KVF_OK; KVF_ERR_STATE (not initialised, not yet
+ *         WAITING_FOR_INPUT, already sent the last chunk, or the room
+ *         failed), KVF_ERR_OUT_OF_RANGE (a page outside the registered
+ *         buffers, or more pages than declared): nothing is sent.
+ */
+KVF_API kvf_status_t kvf_sender_send(kvf_sender_t *sender,
+                                     const uint32_t *pages, size_t n,
+                                     int is_last);
+
+/** @return the sender's poll state (an atomic load: cheap). */
+KVF_API kvf_poll_t kvf_sender_poll(const kvf_sender_t *sender);
+
+/**
+ * Consume the failure record, once.
+ * @return KVF_OK (record written), KVF_ERR_AGAIN (the room has not
+ *         failed), KVF_ERR_NOT_FOUND (already consumed).
+ */
+KVF_API kvf_status_t kvf_sender_failure(kvf_sender_t *sender,
+                                        kvf_failure_t *failure_p);
+
+/** Abort the room here and on all its peers.  No-op once final. */
+KVF_API void kvf_sender_abort(kvf_sender_t *sender);
+
+/** Release the sender (aborting the room if it is still live). */
+KVF_API void kvf_sender_destroy(kvf_sender_t *sender);
+
+/** The room id. */
+KVF_API uint64_t kvf_sender_room(const kvf_sender_t *sender);
+
+/* ------------------------------------------------------------------------ */
+/* Receiver (decode side of a room)                                         */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * Create the receiver for `room`, fed by the prefill server whose registry
+ * is at `bootstrap_addr`.  The registry lookup and the connection happen on
+ * the engine's threads (cached per address and per peer): BOOTSTRAPPING
+ * until kvf_receiver_init() and the connection are done.
+ *
+ * @param [in] prefill_dp_rank  prefill DP group to use, or -1 for the
+ *                              registry's choice / room % dp_size
+ * @return KVF_OK, KVF_ERR_STATE (no layout), KVF_ERR_ROOM_IN_USE,
+ *         KVF_ERR_INVALID_PARAM (malformed address), KVF_ERR_NO_MEMORY.
+ */
+KVF_API kvf_status_t kvf_receiver_create(kvf_engine_t *engine,
+                                         const char *bootstrap_addr,
+                                         uint64_t room, int prefill_dp_rank,
+                                         kvf_receiver_t **receiver_p);
+
+/**
+ * Declare the destination: decode page indices (one per prefill page, in
+ * order), the aux slot and optional state slots (one per state buffer).
+ * Once.  @return KVF_OK, KVF_ERR_STATE (second call),
+ * KVF_ERR_OUT_OF_RANGE (an index outside the registered buffers),
+ * KVF_ERR_INVALID_PARAM (n == 0, duplicate page, state count mismatch).
+ */
+KVF_API kvf_status_t kvf_receiver_init(kvf_receiver_t *receiver,
+                                       const uint32_t *pages, size_t n,
+                                       uint32_t aux_slot,
+                                       const uint32_t *state_slots,
+                                       size_t n_state);
+
+/** @return the receiver's poll state (an atomic load: cheap). */
+KVF_API kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *receiver);
+
+/** Consume the failure record, once (as kvf_sender_failure). */
+KVF_API kvf_status_t kvf_receiver_failure(kvf_receiver_t *receiver,
+                                          kvf_failure_t *failure_p);
+
+/** Abort the room here and on all its peers.  No-op once final. */
+KVF_API void kvf_receiver_abort(kvf_receiver_t *receiver);
+
+/**
+ * Release the receiver.  Blocks (microseconds) until no write into its
+ * pages is in progress; afterwards nothing more is written into them.
+ */
+KVF_API void kvf_receiver_destroy(kvf_receiver_t *receiver);
+
+/** The room id. */
+KVF_API uint64_t kvf_receiver_room(const kvf_receiver_t *receiver);
+
+/* ------------------------------------------------------------------------ */
+/* Statistics                                                               */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvf_engine_stats {
+    uint64_t rooms_by_state[5];   /**< live rooms, indexed by kvf_poll_t */
+    uint64_t rooms_succeeded;     /**< total rooms that reached SUCCESS */
+    uint64_t rooms_failed;        /**< total rooms that reached FAILED */
+    uint64_t failures_room;       /**< failures with a room-level status */
+    uint64_t failures_peer;       /**< failures with a peer-level status */
+    uint64_t failures_other;
+    uint64_t bytes_sent;          /**< payload bytes written to peers */
+    uint64_t bytes_received;      /**< payload bytes placed by peers */
+    uint64_t peers_connected;
+} kvf_engine_stats_t;
+
+/** Snapshot the engine's counters. */
+KVF_API void kvf_engine_stats(kvf_engine_t *engine, kvf_engine_stats_t *stats_p);
+
+/* ------------------------------------------------------------------------ */
+/* Bootstrap registry                                                       */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvf_bootstrap kvf_bootstrap_t;
+
+/**
+ * Start a bootstrap registry (HTTP, SGLang's routes plus /metrics) on
+ * host:port (port 0: any free port).  It serves from its own thread.
+ * @return KVF_OK, KVF_ERR_IO (cannot listen), KVF_ERR_NO_MEMORY.
+ */
+KVF_API kvf_status_t kvf_bootstrap_create(const char *host, int port,
+                                          kvf_bootstrap_t **bootstrap_p);
+
+/** @return the port the registry listens on. */
+KVF_API int kvf_bootstrap_port(const kvf_bootstrap_t *bootstrap);
+
+/** Stop the registry and free it.  Blocks until its thread has stopped. */
+KVF_API void kvf_bootstrap_destroy(kvf_bootstrap_t *bootstrap);
+
+/* ------------------------------------------------------------------------ */
+/* Logging                                                                  */
+/* ------------------------------------------------------------------------ */
+
+typedef enum kvf_log_level {
+    KVF_LOG_ERROR = 0,
+    KVF_LOG_WARN  = 1,
+    KVF_LOG_INFO  = 2,
+    KVF_LOG_DEBUG = 3
+} kvf_log_level_t;
+
+/** Set the log level (default from KVF_LOG: error|warn|info|debug; else warn). */
+KVF_API void kvf_log_set_level(kvf_log_level_t level);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVFERRY_KVFERRY_H */

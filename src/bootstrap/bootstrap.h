@@ -1,0 +1,152 @@
+/*
+ * Bootstrap registry: internal interface.
+ *
+ * The server (registry.c, libmicrohttpd) keeps which prefill rank serves
+ * which (dp, cp, tp, pp) coordinates and answers SGLang's bootstrap routes.
+ * The client (client.c, libcurl, jansson) is what engines use: blocking
+ * calls with timeouts, made only from an engine's resolver thread, never
+ * from an application's thread.
+ */
+#ifndef KVF_BOOTSTRAP_BOOTSTRAP_H
+#define KVF_BOOTSTRAP_BOOTSTRAP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvferry/kvferry.h"
+
+/* Largest request body the server accepts (bytes); more gets 413. */
+#define KVF_BS_MAX_BODY (1u << 20)
+
+/* A prefill rank's registration: the JSON fields of SGLang's PUT /route. */
+typedef struct kvf_bs_reg {
+    int         attn_tp_size, attn_tp_rank;
+    int         attn_cp_size, attn_cp_rank;
+    int         attn_dp_size, attn_dp_rank;
+    int         pp_size, pp_rank;
+    int         system_dp_size, system_dp_rank;
+    const char *rank_ip;
+    int         rank_port;
+    int         page_size;
+    const char *kv_cache_dtype;
+    const char *load_balance_method;   /* e.g. "round_robin"; "follow_bootstrap_room" */
+} kvf_bs_reg_t;
+
+/* The server's parallel info: GET /route with every parameter -1. */
+typedef struct kvf_bs_info {
+    int  attn_tp_size;
+    int  attn_cp_size;
+    int  dp_size;
+    int  pp_size;
+    int  page_size;
+    char kv_cache_dtype[64];
+    int  follow_bootstrap_room;
+} kvf_bs_info_t;
+
+/*
+ * Source of engine statistics for GET /metrics (an in-process registry
+ * reports its engine's rooms, bytes and failures).  Called from the
+ * server's thread.
+ */
+typedef void (*kvf_bs_stats_cb_t)(void *arg, kvf_engine_stats_t *stats_p);
+void kvf__bootstrap_set_stats_cb(kvf_bootstrap_t *bs, kvf_bs_stats_cb_t cb,
+                                 void *arg);
+
+/*
+ * Client calls.  `addr` is "host:port".  Each call blocks for at most
+ * timeout_ms and writes a one-line reason into err on failure.  Every call
+ * also returns KVF_ERR_INVALID_PARAM for an address kvf__split_addr()
+ * refuses or whose port is 0, and KVF_ERR_NO_MEMORY.
+ */
+
+/* PUT /route, retried with exponential backoff (50 ms doubling to 1 s)
+ * until it answers 200 or timeout_ms has passed.  An answer that retrying
+ * cannot change (400 invalid registration, 409 conflicting parallel info,
+ * 413) ends the call at once.
+ * @return KVF_OK, KVF_ERR_BOOTSTRAP. */
+kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
+                              unsigned timeout_ms, char *err, size_t errlen);
+
+/* GET /route?...=-1.  @return KVF_OK; KVF_ERR_AGAIN (503: not every rank
+ * has registered yet); KVF_ERR_BOOTSTRAP (unreachable, other answers). */
+kvf_status_t kvf__bs_get_info(const char *addr, unsigned timeout_ms,
+                              kvf_bs_info_t *info_p, char *err, size_t errlen);
+
+/* GET /route for one prefill rank.  @return KVF_OK; KVF_ERR_NOT_FOUND
+ * (404: every rank has registered, this one is not among them);
+ * KVF_ERR_AGAIN (503: this rank has not registered, others may still
+ * come); KVF_ERR_BOOTSTRAP. */
+kvf_status_t kvf__bs_get_rank(const char *addr, int dp_rank, int cp_rank,
+                              int tp_rank, int pp_rank, unsigned timeout_ms,
+                              char *ip, size_t iplen, int *port_p,
+                              char *err, size_t errlen);
+
+/* GET /health.  @return KVF_OK or KVF_ERR_BOOTSTRAP. */
+kvf_status_t kvf__bs_health(const char *addr, unsigned timeout_ms,
+                            char *err, size_t errlen);
+
+/* POST /register_dp_rank {bootstrap_room, dp_rank}. */
+kvf_status_t kvf__bs_register_dp_rank(const char *addr, uint64_t room,
+                                      int dp_rank, unsigned timeout_ms,
+                                      char *err, size_t errlen);
+
+/* POST /query_dp_ranks {bootstrap_rooms:[...]}: dp_ranks_p[i] is the DP
+ * rank of rooms[i], or -1 where the registry does not know the room. */
+kvf_status_t kvf__bs_query_dp_ranks(const char *addr, const uint64_t *rooms,
+                                    size_t n, int *dp_ranks_p,
+                                    unsigned timeout_ms, char *err,
+                                    size_t errlen);
+
+/* Split "host:port" (IPv4, name, or [IPv6]:port; the brackets are not
+ * copied).  The port may be 0..65535: whether 0 ("any port") is acceptable
+ * is the caller's decision.  @return KVF_OK or KVF_ERR_INVALID_PARAM
+ * (no port, unbracketed IPv6, empty host, port not a number or out of
+ * range, host longer than hostlen - 1). */
+kvf_status_t kvf__split_addr(const char *addr, char *host, size_t hostlen,
+                             int *port_p);
+
+/*
+ * The registry's request handling without the network (registry.c): the
+ * MHD glue and the fuzzer both feed requests through kvf__registry_handle.
+ */
+
+/* Room -> DP rank entries kept for POST /register_dp_rank; beyond this the
+ * oldest registration is forgotten. */
+#define KVF_BS_MAX_ROOMS (1u << 20)
+/* Largest attn_tp_size * attn_cp_size * dp_size * pp_size accepted. */
+#define KVF_BS_MAX_RANKS 65536
+
+typedef struct kvf_registry_state kvf_registry_state_t;
+
+/* max_rooms 0 means KVF_BS_MAX_ROOMS.  @return NULL when out of memory. */
+kvf_registry_state_t *kvf__registry_state_create(size_t max_rooms);
+void kvf__registry_state_destroy(kvf_registry_state_t *st);
+
+/* Set or clear (cb NULL) the /metrics stats source.  When it returns, the
+ * previous callback is not running and will not be called again, so its
+ * arg may be freed.  Must not be called from inside the callback. */
+void kvf__registry_set_stats_cb(kvf_registry_state_t *st,
+                                kvf_bs_stats_cb_t cb, void *arg);
+
+/*
+ * Answer one request.  `method` is the HTTP method, `path` the URL path
+ * without the query, `query` the raw (percent-encoded) query string without
+ * '?' or NULL, `body` the request body (NULL when body_len is 0).  A
+ * body_len above KVF_BS_MAX_BODY answers 413 without reading `body` (the
+ * network glue passes NULL then: it never buffers more than the limit).
+ * Thread-safe.
+ *
+ * @param [out] resp_p   response body, NUL-terminated, caller frees with
+ *                       free(); NULL only when out of memory (status 500)
+ * @param [out] ctype_p  its Content-Type (static string)
+ * @return the HTTP status code.
+ */
+int kvf__registry_handle(kvf_registry_state_t *st, const char *method,
+                         const char *path, const char *query,
+                         const char *body, size_t body_len, char **resp_p,
+                         const char **ctype_p);
+
+/* The Allow header value for a known path ("GET, PUT"), or NULL. */
+const char *kvf__registry_allowed(const char *path);
+
+#endif /* KVF_BOOTSTRAP_BOOTSTRAP_H */

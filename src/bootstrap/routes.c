@@ -1,0 +1,851 @@
+/*
+ * Bootstrap registry request handling: SGLang's CommonKVBootstrapServer
+ * routes (PUT/GET /route, /health, /register_dp_rank, /query_dp_ranks)
+ * plus GET /metrics, as one pure function of (method, path, query, body)
+ * and the registry state.  The MHD glue (registry.c), the unit tests and
+ * the fuzzer all call kvf__registry_handle(), so the fuzzer exercises
+ * exactly what the network reaches.
+ *
+ * Compatibility notes (SGLang disaggregation/common/conn.py):
+ *  - dp_size is attn_dp_size when system_dp_size == 1, else system_dp_size;
+ *    the DP coordinate of a rank follows the same rule.
+ *  - a missing load_balance_method counts as "follow_bootstrap_room".
+ *  - prefill_http_port and enable_dsa_cache_layer_split are echoed in the
+ *    parallel info only when the first registration carried them, so older
+ *    decode servers (whose PrefillServerInfo lacks them) keep working.
+ *  - SGLang counts every PUT; we count distinct coordinates, so a restarted
+ *    rank re-registering does not make the registry "ready" too early.
+ *  - stricter than SGLang: 400 (not 500) for bad input, 409 for a rank
+ *    whose parallel info differs from the first registration.
+ */
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <jansson.h>
+
+#include "bootstrap/bootstrap.h"
+#include "bootstrap/rooms.h"
+#include "util/log.h"
+
+#define CT_TEXT    "text/plain; charset=utf-8"
+#define CT_JSON    "application/json"
+#define CT_METRICS "text/plain; version=0.0.4; charset=utf-8"
+
+enum { R_ROUTE, R_HEALTH, R_REG_DP, R_QUERY_DP, R_METRICS, R_OTHER, R_N };
+enum { M_GET, M_PUT, M_POST, M_HEAD, M_OTHER, M_N };
+static const char *const route_names[R_N] = {
+    "/route", "/health", "/register_dp_rank", "/query_dp_ranks", "/metrics",
+    "other"};
+static const char *const method_names[M_N] = {"GET", "PUT", "POST", "HEAD",
+                                              "other"};
+static const int counted_codes[] = {200, 400, 404, 405, 409, 413, 500, 503};
+#define C_N ((int)(sizeof(counted_codes) / sizeof(counted_codes[0])) + 1)
+
+typedef struct rank_entry {
+    char *ip;        /* NULL: not registered */
+    int   port;
+} rank_entry_t;
+
+struct kvf_registry_state {
+    pthread_mutex_t lock;
+
+    /* Parallel info, fixed by the first registration. */
+    int    have_info;
+    int    attn_tp_size, attn_cp_size, dp_size, pp_size, page_size;
+    int    dtype_null;
+    char   dtype[64];
+    int    follow_bootstrap_room;
+    int    has_http_port, http_port;
+    int    has_dsa, dsa;
+    char   first_desc[320];         /* who set the info, for 409 messages */
+    rank_entry_t *ranks;            /* [dp][cp][tp][pp] */
+    size_t nranks, nregistered;
+
+    kvf_bs_rooms_t rooms;           /* POST /register_dp_rank */
+
+    uint64_t requests[R_N][M_N][C_N];
+
+    kvf_bs_stats_cb_t stats_cb;
+    void             *stats_arg;
+    unsigned          stats_busy;   /* callbacks running right now */
+    pthread_cond_t    stats_idle;
+};
+
+typedef struct reply {
+    int         status;
+    char       *body;
+    const char *ctype;
+} reply_t;
+
+__attribute__((format(printf, 3, 4)))
+static void reply_text(reply_t *r, int status, const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    if (vasprintf(&r->body, fmt, ap) < 0) {
+        r->body = NULL;
+        status = 500;
+    }
+    va_end(ap);
+    r->status = status;
+    r->ctype = CT_TEXT;
+}
+
+/* Takes ownership of `j`. */
+static void reply_json(reply_t *r, json_t *j)
+{
+    r->body = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    r->status = r->body ? 200 : 500;
+    r->ctype = r->body ? CT_JSON : CT_TEXT;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Request parsing helpers                                                  */
+/* ------------------------------------------------------------------------ */
+
+static int hexval(int c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* Percent-decode [s, s+n) into out (at least n+1 bytes). */
+static void url_decode(const char *s, size_t n, char *out)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] == '+') {
+            out[o++] = ' ';
+        } else if (s[i] == '%' && i + 2 < n && hexval(s[i + 1]) >= 0 &&
+                   hexval(s[i + 2]) >= 0) {
+            out[o++] = (char)(hexval(s[i + 1]) * 16 + hexval(s[i + 2]));
+            i += 2;
+        } else {
+            out[o++] = s[i];
+        }
+    }
+    out[o] = '\0';
+}
+
+/*
+ * Find parameter `name` in a raw query string; the first occurrence wins.
+ * @return 0 and *v_p (a decimal int), 1 when missing or empty (as SGLang),
+ *         -1 when not an integer (*bad_p: the decoded value, to be freed).
+ */
+static int query_int(const char *query, const char *name, int *v_p,
+                     char **bad_p)
+{
+    const char *p = query;
+
+    while (p != NULL && *p != '\0') {
+        const char *end = strchr(p, '&');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        const char *eq = memchr(p, '=', len);
+        size_t klen = eq ? (size_t)(eq - p) : len;
+        char *key = malloc(klen + 1);
+        if (key == NULL)
+            return 1;
+        url_decode(p, klen, key);
+        int match = strcmp(key, name) == 0;
+        free(key);
+        if (match) {
+            size_t vlen = eq ? len - klen - 1 : 0;
+            char *val = malloc(vlen + 1);
+            if (val == NULL)
+                return 1;
+            url_decode(eq ? eq + 1 : p, vlen, val);
+            if (val[0] == '\0') {
+                free(val);
+                return 1;
+            }
+            char *e;
+            errno = 0;
+            long v = strtol(val, &e, 10);
+            if (errno != 0 || *e != '\0' || v < INT_MIN || v > INT_MAX ||
+                val[0] == ' ' || val[0] == '\t' || val[0] == '\n') {
+                *bad_p = val;
+                return -1;
+            }
+            free(val);
+            *v_p = (int)v;
+            return 0;
+        }
+        p = end ? end + 1 : NULL;
+    }
+    return 1;
+}
+
+/* A JSON object body, or NULL after a 400 reply naming what is wrong. */
+static json_t *parse_object(const char *what, const char *body, size_t len,
+                            reply_t *r)
+{
+    json_error_t jerr;
+    json_t *root = json_loadb(body ? body : "", len, 0, &jerr);
+
+    if (root == NULL) {
+        reply_text(r, 400, "%s: malformed JSON body: %s (line %d, column %d)",
+                   what, jerr.text, jerr.line, jerr.column);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        reply_text(r, 400, "%s: the body must be a JSON object", what);
+        json_decref(root);
+        return NULL;
+    }
+    return root;
+}
+
+/* An integer field within [min, INT_MAX], or a 400 reply. */
+static int field_int(json_t *o, const char *name, int min, int *v_p,
+                     reply_t *r)
+{
+    json_t *v = json_object_get(o, name);
+
+    if (!json_is_integer(v)) {
+        reply_text(r, 400, "PUT /route: field \"%s\" %s", name,
+                   v ? "must be an integer" : "is missing");
+        return -1;
+    }
+    json_int_t x = json_integer_value(v);
+    if (x < min || x > INT_MAX) {
+        reply_text(r, 400, "PUT /route: field \"%s\" is %lld; it must be "
+                   "at least %d", name, (long long)x, min);
+        return -1;
+    }
+    *v_p = (int)x;
+    return 0;
+}
+
+/* A string field of at most max bytes (null allowed when *null_p given). */
+static int field_str(json_t *o, const char *name, size_t max, int *null_p,
+                     const char **s_p, reply_t *r)
+{
+    json_t *v = json_object_get(o, name);
+
+    if (null_p != NULL && json_is_null(v)) {
+        *null_p = 1;
+        *s_p = "";
+        return 0;
+    }
+    if (!json_is_string(v) || json_string_length(v) == 0 ||
+        json_string_length(v) > max) {
+        reply_text(r, 400, "PUT /route: field \"%s\" must be a non-empty "
+                   "string of at most %zu bytes", name, max);
+        return -1;
+    }
+    if (null_p != NULL)
+        *null_p = 0;
+    *s_p = json_string_value(v);
+    return 0;
+}
+
+/* SGLang's int(x): an integer, or a string of decimal digits. */
+static int json_to_u64(json_t *v, uint64_t *x_p)
+{
+    if (json_is_integer(v) && json_integer_value(v) >= 0) {
+        *x_p = (uint64_t)json_integer_value(v);
+        return 0;
+    }
+    if (!json_is_string(v))
+        return -1;
+    const char *s = json_string_value(v);
+    uint64_t x = 0;
+    if (*s == '\0')
+        return -1;
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9' || x > (UINT64_MAX - (uint64_t)(*s - '0')) / 10)
+            return -1;
+        x = x * 10 + (uint64_t)(*s - '0');
+    }
+    *x_p = x;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Routes                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* The entry for (dp, cp, tp, pp), or NULL when outside the layout. */
+static rank_entry_t *rank_at_locked(kvf_registry_state_t *st, int dp, int cp,
+                                    int tp, int pp)
+{
+    if (!st->have_info || dp < 0 || dp >= st->dp_size || cp < 0 ||
+        cp >= st->attn_cp_size || tp < 0 || tp >= st->attn_tp_size ||
+        pp < 0 || pp >= st->pp_size)
+        return NULL;
+    size_t i = (size_t)dp;
+    i = i * (size_t)st->attn_cp_size + (size_t)cp;
+    i = i * (size_t)st->attn_tp_size + (size_t)tp;
+    i = i * (size_t)st->pp_size + (size_t)pp;
+    return &st->ranks[i];
+}
+
+typedef struct put_fields {
+    int attn_tp_size, attn_tp_rank, attn_cp_size, attn_cp_rank;
+    int attn_dp_size, attn_dp_rank, pp_size, pp_rank;
+    int system_dp_size, system_dp_rank, rank_port, page_size;
+} put_fields_t;
+
+static const struct { const char *name; size_t off; int min; } put_ints[] = {
+#define F_(n, m) {#n, offsetof(put_fields_t, n), m}
+    F_(attn_tp_size, 1), F_(attn_tp_rank, 0), F_(attn_cp_size, 1),
+    F_(attn_cp_rank, 0), F_(attn_dp_size, 1), F_(attn_dp_rank, 0),
+    F_(pp_size, 1), F_(pp_rank, 0), F_(system_dp_size, 1),
+    F_(system_dp_rank, 0), F_(rank_port, 1), F_(page_size, 1),
+#undef F_
+};
+
+static int check_rank(const char *rn, int rank, const char *sn, int size,
+                      reply_t *r)
+{
+    if (rank < size)
+        return 0;
+    reply_text(r, 400, "PUT /route: %s=%d is out of range for %s=%d",
+               rn, rank, sn, size);
+    return -1;
+}
+
+/* The first field in which a registration differs from the fixed info. */
+static int conflict_locked(kvf_registry_state_t *st, const put_fields_t *f,
+                           int dp_size, int dtype_null, const char *dtype,
+                           char *buf, size_t len)
+{
+    const struct { const char *n; int mine, theirs; } ints[] = {
+        {"attn_tp_size", f->attn_tp_size, st->attn_tp_size},
+        {"attn_cp_size", f->attn_cp_size, st->attn_cp_size},
+        {"dp_size", dp_size, st->dp_size},
+        {"pp_size", f->pp_size, st->pp_size},
+        {"page_size", f->page_size, st->page_size},
+    };
+    for (size_t i = 0; i < sizeof(ints) / sizeof(ints[0]); i++) {
+        if (ints[i].mine != ints[i].theirs) {
+            snprintf(buf, len, "%s=%d, but the registry has %s=%d",
+                     ints[i].n, ints[i].mine, ints[i].n, ints[i].theirs);
+            return 1;
+        }
+    }
+    if (dtype_null != st->dtype_null || strcmp(dtype, st->dtype) != 0) {
+        snprintf(buf, len, "kv_cache_dtype=%s, but the registry has "
+                 "kv_cache_dtype=%s", dtype_null ? "null" : dtype,
+                 st->dtype_null ? "null" : st->dtype);
+        return 1;
+    }
+    return 0;
+}
+
+static void set_info_locked(kvf_registry_state_t *st, const put_fields_t *f,
+                            int dp_size, int dtype_null, const char *dtype,
+                            json_t *o)
+{
+    json_t *lbm = json_object_get(o, "load_balance_method");
+    json_t *hp = json_object_get(o, "prefill_http_port");
+    json_t *dsa = json_object_get(o, "enable_dsa_cache_layer_split");
+
+    st->have_info = 1;
+    st->attn_tp_size = f->attn_tp_size;
+    st->attn_cp_size = f->attn_cp_size;
+    st->dp_size = dp_size;
+    st->pp_size = f->pp_size;
+    st->page_size = f->page_size;
+    st->dtype_null = dtype_null;
+    snprintf(st->dtype, sizeof(st->dtype), "%s", dtype);
+    st->follow_bootstrap_room =
+        lbm == NULL ||
+        (json_is_string(lbm) &&
+         strcmp(json_string_value(lbm), "follow_bootstrap_room") == 0);
+    st->has_http_port = json_is_integer(hp) && json_integer_value(hp) > 0 &&
+                        json_integer_value(hp) <= 65535;
+    st->http_port = st->has_http_port ? (int)json_integer_value(hp) : 0;
+    st->has_dsa = json_is_boolean(dsa);
+    st->dsa = json_is_true(dsa);
+}
+
+static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
+                      reply_t *r)
+{
+    json_t *o = parse_object("PUT /route", body, len, r);
+    put_fields_t f;
+    const char *ip, *dtype;
+    int dtype_null;
+
+    if (o == NULL)
+        return;
+    for (size_t i = 0; i < sizeof(put_ints) / sizeof(put_ints[0]); i++)
+        if (field_int(o, put_ints[i].name, put_ints[i].min,
+                      (int *)((char *)&f + put_ints[i].off), r) != 0)
+            goto out;
+    if (field_str(o, "rank_ip", 255, NULL, &ip, r) != 0 ||
+        field_str(o, "kv_cache_dtype", 63, &dtype_null, &dtype, r) != 0)
+        goto out;
+    json_t *lbm = json_object_get(o, "load_balance_method");
+    if (lbm != NULL && !json_is_string(lbm) && !json_is_null(lbm)) {
+        reply_text(r, 400, "PUT /route: field \"load_balance_method\" must "
+                   "be a string");
+        goto out;
+    }
+    if (f.rank_port > 65535) {
+        reply_text(r, 400, "PUT /route: rank_port=%d is out of range 1..65535",
+                   f.rank_port);
+        goto out;
+    }
+    /* SGLang uses system DP when it is on (no DP attention), attention DP
+     * otherwise; the unused rank carries no meaning and is not checked. */
+    int sys_dp = f.system_dp_size > 1;
+    int dp_size = sys_dp ? f.system_dp_size : f.attn_dp_size;
+    int dp = sys_dp ? f.system_dp_rank : f.attn_dp_rank;
+    if (check_rank("attn_tp_rank", f.attn_tp_rank, "attn_tp_size",
+                   f.attn_tp_size, r) ||
+        check_rank("attn_cp_rank", f.attn_cp_rank, "attn_cp_size",
+                   f.attn_cp_size, r) ||
+        check_rank("pp_rank", f.pp_rank, "pp_size", f.pp_size, r) ||
+        check_rank(sys_dp ? "system_dp_rank" : "attn_dp_rank", dp,
+                   sys_dp ? "system_dp_size" : "attn_dp_size", dp_size, r))
+        goto out;
+    uint64_t total = 1;
+    const int sizes[] = {f.attn_tp_size, f.attn_cp_size, dp_size, f.pp_size};
+    for (int i = 0; i < 4; i++) {
+        total *= (uint64_t)sizes[i];
+        if (total > KVF_BS_MAX_RANKS) {
+            reply_text(r, 400, "PUT /route: attn_tp_size*attn_cp_size*"
+                       "dp_size*pp_size exceeds %d ranks", KVF_BS_MAX_RANKS);
+            goto out;
+        }
+    }
+
+    char coords[64];
+    snprintf(coords, sizeof(coords), "dp%d cp%d tp%d pp%d", dp,
+             f.attn_cp_rank, f.attn_tp_rank, f.pp_rank);
+    char *ipcopy = strdup(ip);
+    if (ipcopy == NULL) {
+        reply_text(r, 500, "out of memory");
+        goto out;
+    }
+
+    pthread_mutex_lock(&st->lock);
+    if (!st->have_info) {
+        st->ranks = calloc(total, sizeof(*st->ranks));
+        if (st->ranks == NULL) {
+            pthread_mutex_unlock(&st->lock);
+            free(ipcopy);
+            reply_text(r, 500, "out of memory");
+            goto out;
+        }
+        st->nranks = total;
+        set_info_locked(st, &f, dp_size, dtype_null, dtype, o);
+        snprintf(st->first_desc, sizeof(st->first_desc), "rank %s at %s:%d",
+                 coords, ip, f.rank_port);
+    } else {
+        char why[200];
+        if (conflict_locked(st, &f, dp_size, dtype_null, dtype, why,
+                            sizeof(why))) {
+            reply_text(r, 409, "Registration of prefill rank %s (%s:%d) "
+                       "conflicts with this bootstrap registry: %s (set by "
+                       "the first registration, %s). Every prefill rank must "
+                       "use the same parallel configuration, page size and "
+                       "KV cache dtype; restart the registry to change them.",
+                       coords, ip, f.rank_port, why, st->first_desc);
+            pthread_mutex_unlock(&st->lock);
+            kvf_warn("bootstrap registry: %s", r->body ? r->body : why);
+            free(ipcopy);
+            goto out;
+        }
+    }
+    rank_entry_t *e = rank_at_locked(st, dp, f.attn_cp_rank, f.attn_tp_rank,
+                                     f.pp_rank);
+    if (e->ip != NULL)
+        kvf_info("bootstrap registry: prefill rank %s re-registered: "
+                 "%s:%d replaces %s:%d", coords, ip, f.rank_port, e->ip,
+                 e->port);
+    else
+        st->nregistered++;
+    free(e->ip);
+    e->ip = ipcopy;
+    e->port = f.rank_port;
+    size_t nreg = st->nregistered, ntotal = st->nranks;
+    pthread_mutex_unlock(&st->lock);
+    kvf_info("bootstrap registry: prefill rank %s at %s:%d registered "
+             "(%zu/%zu)", coords, ip, f.rank_port, nreg, ntotal);
+    reply_text(r, 200, "OK");
+out:
+    json_decref(o);
+}
+
+static void reply_not_ready_locked(kvf_registry_state_t *st, reply_t *r)
+{
+    if (!st->have_info)
+        reply_text(r, 503, "Prefill server not fully registered yet (no "
+                   "prefill rank has registered with this bootstrap "
+                   "registry).");
+    else
+        reply_text(r, 503, "Prefill server not fully registered yet (%zu of "
+                   "%zu ranks registered; attn_tp_size=%d attn_cp_size=%d "
+                   "dp_size=%d pp_size=%d).", st->nregistered, st->nranks,
+                   st->attn_tp_size, st->attn_cp_size, st->dp_size,
+                   st->pp_size);
+}
+
+static json_t *info_json_locked(kvf_registry_state_t *st)
+{
+    json_t *j = json_pack("{s:i, s:i, s:i, s:i, s:i, s:o, s:b}",
+        "attn_tp_size", st->attn_tp_size, "attn_cp_size", st->attn_cp_size,
+        "dp_size", st->dp_size, "pp_size", st->pp_size,
+        "page_size", st->page_size,
+        "kv_cache_dtype", st->dtype_null ? json_null() : json_string(st->dtype),
+        "follow_bootstrap_room", st->follow_bootstrap_room);
+    if (j != NULL && st->has_dsa)
+        json_object_set_new(j, "enable_dsa_cache_layer_split",
+                            json_boolean(st->dsa));
+    if (j != NULL && st->has_http_port)
+        json_object_set_new(j, "prefill_http_port",
+                            json_integer(st->http_port));
+    return j;
+}
+
+static void route_get(kvf_registry_state_t *st, const char *query,
+                      reply_t *r)
+{
+    static const char *const names[4] = {"prefill_dp_rank", "prefill_cp_rank",
+                                         "target_tp_rank", "target_pp_rank"};
+    int v[4];
+
+    for (int i = 0; i < 4; i++) {
+        char *bad = NULL;
+        int rc = query_int(query, names[i], &v[i], &bad);
+        if (rc == 1) {
+            reply_text(r, 400, "Missing inputs for bootstrap server: GET "
+                       "/route needs prefill_dp_rank, prefill_cp_rank, "
+                       "target_tp_rank and target_pp_rank (%s is missing).",
+                       names[i]);
+            return;
+        }
+        if (rc < 0) {
+            reply_text(r, 400, "GET /route: %s=\"%.64s\" is not an integer",
+                       names[i], bad);
+            free(bad);
+            return;
+        }
+    }
+    int dp = v[0], cp = v[1], tp = v[2], pp = v[3];
+    const rank_entry_t *e;
+
+    pthread_mutex_lock(&st->lock);
+    if (dp == -1 && cp == -1 && tp == -1 && pp == -1) {
+        if (st->nregistered < st->nranks || !st->have_info)
+            reply_not_ready_locked(st, r);
+        else
+            reply_json(r, info_json_locked(st));
+    } else if ((e = rank_at_locked(st, dp, cp, tp, pp)) != NULL &&
+               e->ip != NULL) {
+        reply_json(r, json_pack("{s:s, s:i}", "rank_ip", e->ip, "rank_port",
+                                e->port));
+    } else if (!st->have_info || st->nregistered < st->nranks) {
+        reply_not_ready_locked(st, r);
+    } else {
+        reply_text(r, 404, "Bootstrap info not found for dp_rank=%d "
+                   "cp_rank=%d tp_rank=%d pp_rank=%d (the registry has "
+                   "dp_size=%d attn_cp_size=%d attn_tp_size=%d pp_size=%d).",
+                   dp, cp, tp, pp, st->dp_size, st->attn_cp_size,
+                   st->attn_tp_size, st->pp_size);
+    }
+    pthread_mutex_unlock(&st->lock);
+}
+
+static void route_register_dp(kvf_registry_state_t *st, const char *body,
+                              size_t len, reply_t *r)
+{
+    json_t *o = parse_object("POST /register_dp_rank", body, len, r);
+    uint64_t room, dp;
+
+    if (o == NULL)
+        return;
+    if (json_to_u64(json_object_get(o, "bootstrap_room"), &room) != 0 ||
+        json_to_u64(json_object_get(o, "dp_rank"), &dp) != 0 ||
+        dp > INT32_MAX) {
+        reply_text(r, 400, "POST /register_dp_rank: the body needs "
+                   "\"bootstrap_room\" (a non-negative integer) and "
+                   "\"dp_rank\" (a non-negative integer)");
+        json_decref(o);
+        return;
+    }
+    json_decref(o);
+    pthread_mutex_lock(&st->lock);
+    int rc = kvf__bs_rooms_put(&st->rooms, room, (int)dp);
+    pthread_mutex_unlock(&st->lock);
+    if (rc != 0)
+        reply_text(r, 500, "out of memory");
+    else
+        reply_text(r, 200, "OK");
+}
+
+static void route_query_dp(kvf_registry_state_t *st, const char *body,
+                           size_t len, reply_t *r)
+{
+    json_t *o = parse_object("POST /query_dp_ranks", body, len, r);
+    json_t *rooms, *res, *v;
+    size_t i;
+
+    if (o == NULL)
+        return;
+    rooms = json_object_get(o, "bootstrap_rooms");
+    if (!json_is_array(rooms)) {
+        reply_text(r, 400, "POST /query_dp_ranks: the body needs "
+                   "\"bootstrap_rooms\", an array of room ids");
+        json_decref(o);
+        return;
+    }
+    res = json_object();
+    pthread_mutex_lock(&st->lock);
+    json_array_foreach(rooms, i, v) {
+        uint64_t room;
+        if (json_to_u64(v, &room) != 0) {
+            pthread_mutex_unlock(&st->lock);
+            reply_text(r, 400, "POST /query_dp_ranks: bootstrap_rooms[%zu] "
+                       "is not a non-negative integer", i);
+            json_decref(res);
+            json_decref(o);
+            return;
+        }
+        int dp = kvf__bs_rooms_get(&st->rooms, room);
+        char key[24];
+        snprintf(key, sizeof(key), "%llu", (unsigned long long)room);
+        if (dp >= 0 && res != NULL)
+            json_object_set_new(res, key, json_integer(dp));
+    }
+    pthread_mutex_unlock(&st->lock);
+    json_decref(o);
+    reply_json(r, res);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Metrics                                                                  */
+/* ------------------------------------------------------------------------ */
+
+static void metric_head(FILE *f, const char *name, const char *type,
+                        const char *help)
+{
+    fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+}
+
+static void route_metrics(kvf_registry_state_t *st, reply_t *r)
+{
+    uint64_t req[R_N][M_N][C_N];
+    kvf_engine_stats_t es;
+    kvf_bs_stats_cb_t cb;
+    void *arg;
+    size_t nreg, ntotal, nrooms;
+    char *text = NULL;
+    size_t textlen = 0;
+
+    pthread_mutex_lock(&st->lock);
+    memcpy(req, st->requests, sizeof(req));
+    nreg = st->nregistered;
+    ntotal = st->nranks;
+    nrooms = st->rooms.count;
+    cb = st->stats_cb;
+    arg = st->stats_arg;
+    if (cb != NULL)
+        st->stats_busy++;
+    pthread_mutex_unlock(&st->lock);
+
+    /* The engine's callback takes engine locks: call it with ours released. */
+    memset(&es, 0, sizeof(es));
+    if (cb != NULL) {
+        cb(arg, &es);
+        pthread_mutex_lock(&st->lock);
+        if (--st->stats_busy == 0)
+            pthread_cond_broadcast(&st->stats_idle);
+        pthread_mutex_unlock(&st->lock);
+    }
+
+    FILE *f = open_memstream(&text, &textlen);
+    if (f == NULL) {
+        reply_text(r, 500, "out of memory");
+        return;
+    }
+    metric_head(f, "kvferry_registry_ranks_registered", "gauge",
+                "Prefill ranks registered with this bootstrap registry.");
+    fprintf(f, "kvferry_registry_ranks_registered %zu\n", nreg);
+    metric_head(f, "kvferry_registry_ranks_expected", "gauge",
+                "Prefill ranks the registry waits for (0: none registered).");
+    fprintf(f, "kvferry_registry_ranks_expected %zu\n", ntotal);
+    metric_head(f, "kvferry_registry_rooms_tracked", "gauge",
+                "Rooms with a DP rank from POST /register_dp_rank.");
+    fprintf(f, "kvferry_registry_rooms_tracked %zu\n", nrooms);
+    metric_head(f, "kvferry_registry_requests_total", "counter",
+                "HTTP requests answered, by route, method and status code.");
+    for (int a = 0; a < R_N; a++)
+        for (int m = 0; m < M_N; m++)
+            for (int c = 0; c < C_N; c++) {
+                if (req[a][m][c] == 0)
+                    continue;
+                char code[8];
+                if (c < C_N - 1)
+                    snprintf(code, sizeof(code), "%d", counted_codes[c]);
+                else
+                    snprintf(code, sizeof(code), "other");
+                fprintf(f, "kvferry_registry_requests_total{route=\"%s\","
+                        "method=\"%s\",code=\"%s\"} %llu\n", route_names[a],
+                        method_names[m], code,
+                        (unsigned long long)req[a][m][c]);
+            }
+
+    if (cb != NULL) {
+        static const char *const states[] = {NULL, "bootstrapping",
+            "waiting_for_input", "transferring"};
+        metric_head(f, "kvferry_rooms", "gauge", "Live rooms by poll state.");
+        for (int s = KVF_POLL_BOOTSTRAPPING; s <= KVF_POLL_TRANSFERRING; s++)
+            fprintf(f, "kvferry_rooms{state=\"%s\"} %llu\n", states[s],
+                    (unsigned long long)es.rooms_by_state[s]);
+        metric_head(f, "kvferry_rooms_total", "counter",
+                    "Rooms that ended, by result.");
+        fprintf(f, "kvferry_rooms_total{result=\"success\"} %llu\n"
+                "kvferry_rooms_total{result=\"failed\"} %llu\n",
+                (unsigned long long)es.rooms_succeeded,
+                (unsigned long long)es.rooms_failed);
+        metric_head(f, "kvferry_bytes_total", "counter",
+                    "KV payload bytes moved, by direction.");
+        fprintf(f, "kvferry_bytes_total{direction=\"sent\"} %llu\n"
+                "kvferry_bytes_total{direction=\"received\"} %llu\n",
+                (unsigned long long)es.bytes_sent,
+                (unsigned long long)es.bytes_received);
+        metric_head(f, "kvferry_failures_total", "counter",
+                    "Room failures by blast radius of their status.");
+        fprintf(f, "kvferry_failures_total{class=\"room\"} %llu\n"
+                "kvferry_failures_total{class=\"peer\"} %llu\n"
+                "kvferry_failures_total{class=\"other\"} %llu\n",
+                (unsigned long long)es.failures_room,
+                (unsigned long long)es.failures_peer,
+                (unsigned long long)es.failures_other);
+        metric_head(f, "kvferry_peers_connected", "gauge",
+                    "Peers with a live control connection.");
+        fprintf(f, "kvferry_peers_connected %llu\n",
+                (unsigned long long)es.peers_connected);
+    }
+    if (fclose(f) != 0 || text == NULL) {
+        free(text);
+        reply_text(r, 500, "out of memory");
+        return;
+    }
+    r->status = 200;
+    r->body = text;
+    r->ctype = CT_METRICS;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Dispatch                                                                 */
+/* ------------------------------------------------------------------------ */
+
+static int route_of(const char *path)
+{
+    for (int i = 0; i < R_OTHER; i++)
+        if (path != NULL && strcmp(path, route_names[i]) == 0)
+            return i;
+    return R_OTHER;
+}
+
+static int method_of(const char *method)
+{
+    for (int i = 0; i < M_OTHER; i++)
+        if (method != NULL && strcmp(method, method_names[i]) == 0)
+            return i;
+    return M_OTHER;
+}
+
+const char *kvf__registry_allowed(const char *path)
+{
+    static const char *const allowed[R_N] = {"GET, HEAD, PUT", "GET, HEAD",
+        "POST", "POST", "GET, HEAD", NULL};
+    return allowed[route_of(path)];
+}
+
+int kvf__registry_handle(kvf_registry_state_t *st, const char *method,
+                         const char *path, const char *query,
+                         const char *body, size_t body_len, char **resp_p,
+                         const char **ctype_p)
+{
+    int route = route_of(path), m = method_of(method);
+    int get = m == M_GET || m == M_HEAD;
+    reply_t r = {0};
+
+    if (body_len > KVF_BS_MAX_BODY) {
+        reply_text(&r, 413, "request body too large: the bootstrap registry "
+                   "accepts at most %u bytes", KVF_BS_MAX_BODY);
+    } else if (route == R_OTHER) {
+        reply_text(&r, 404, "no such route: %.200s (routes: /route, /health, "
+                   "/register_dp_rank, /query_dp_ranks, /metrics)",
+                   path ? path : "");
+    } else if (route == R_ROUTE && m == M_PUT) {
+        route_put(st, body, body_len, &r);
+    } else if (route == R_ROUTE && get) {
+        route_get(st, query, &r);
+    } else if (route == R_HEALTH && get) {
+        reply_text(&r, 200, "OK");
+    } else if (route == R_REG_DP && m == M_POST) {
+        route_register_dp(st, body, body_len, &r);
+    } else if (route == R_QUERY_DP && m == M_POST) {
+        route_query_dp(st, body, body_len, &r);
+    } else if (route == R_METRICS && get) {
+        route_metrics(st, &r);
+    } else {
+        reply_text(&r, 405, "Method not allowed: %.16s %s (allowed: %s)",
+                   method ? method : "", route_names[route],
+                   kvf__registry_allowed(path));
+    }
+
+    int c = 0;
+    while (c < C_N - 1 && counted_codes[c] != r.status)
+        c++;
+    pthread_mutex_lock(&st->lock);
+    st->requests[route][m][c]++;
+    pthread_mutex_unlock(&st->lock);
+
+    *resp_p = r.body;
+    *ctype_p = r.ctype ? r.ctype : CT_TEXT;
+    return r.status;
+}
+
+kvf_registry_state_t *kvf__registry_state_create(size_t max_rooms)
+{
+    kvf_registry_state_t *st = calloc(1, sizeof(*st));
+
+    if (st == NULL)
+        return NULL;
+    pthread_mutex_init(&st->lock, NULL);
+    pthread_cond_init(&st->stats_idle, NULL);
+    kvf__bs_rooms_init(&st->rooms, max_rooms ? max_rooms : KVF_BS_MAX_ROOMS);
+    return st;
+}
+
+void kvf__registry_state_destroy(kvf_registry_state_t *st)
+{
+    if (st == NULL)
+        return;
+    for (size_t i = 0; i < st->nranks; i++)
+        free(st->ranks[i].ip);
+    free(st->ranks);
+    kvf__bs_rooms_free(&st->rooms);
+    pthread_cond_destroy(&st->stats_idle);
+    pthread_mutex_destroy(&st->lock);
+    free(st);
+}
+
+void kvf__registry_set_stats_cb(kvf_registry_state_t *st,
+                                kvf_bs_stats_cb_t cb, void *arg)
+{
+    pthread_mutex_lock(&st->lock);
+    st->stats_cb = cb;
+    st->stats_arg = arg;
+    while (st->stats_busy > 0)
+        pthread_cond_wait(&st->stats_idle, &st->lock);
+    pthread_mutex_unlock(&st->lock);
+}
+

@@ -1,0 +1,426 @@
+/*
+ * Engine: parameters, creation, layout registration and the progress
+ * thread.  The progress thread is one epoll loop over the control
+ * listener, a wake-up eventfd and every peer's stream, plus a 50 ms tick
+ * for heartbeats and room deadlines.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "bootstrap/bootstrap.h"
+#include "core/engine_int.h"
+#include "util/log.h"
+#include "util/time.h"
+
+#define TICK_MS 50
+
+static unsigned env_ms(const char *name, unsigned def)
+{
+    const char *v = getenv(name);
+    if (v == NULL || *v == '\0')
+        return def;
+    char *end;
+    unsigned long x = strtoul(v, &end, 10);
+    if (*end != '\0' || x == 0 || x > 86400000ul) {
+        kvf_warn("ignoring %s=%s: expected milliseconds (1..86400000)", name, v);
+        return def;
+    }
+    return (unsigned)x;
+}
+
+void kvf_engine_params_init(kvf_engine_params_t *p)
+{
+    const char *v;
+
+    memset(p, 0, sizeof(*p));
+    p->size = sizeof(*p);
+    p->role = KVF_ROLE_PREFILL;
+    p->tp_size = p->pp_size = p->dp_size = 1;
+    p->host = (v = getenv("KVF_HOST")) ? v : "127.0.0.1";
+    p->transport = (v = getenv("KVF_TRANSPORT")) ? v : "auto";
+    p->checksum = (v = getenv("KVF_CHECKSUM")) != NULL && strcmp(v, "0") != 0;
+    p->bootstrap_timeout_ms = env_ms("KVF_BOOTSTRAP_TIMEOUT_MS", 30000);
+    p->waiting_timeout_ms = env_ms("KVF_WAITING_TIMEOUT_MS", 300000);
+    p->transfer_timeout_ms = env_ms("KVF_TRANSFER_TIMEOUT_MS", 30000);
+    p->heartbeat_interval_ms = env_ms("KVF_HEARTBEAT_INTERVAL_MS", 500);
+    p->heartbeat_timeout_ms = env_ms("KVF_HEARTBEAT_TIMEOUT_MS", 2500);
+}
+
+void kvf__engine_wake(kvf_engine_t *eng)
+{
+    uint64_t one = 1;
+    if (write(eng->wakefd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+        kvf_warn("eventfd write: %m");
+}
+
+static int check_rank(const char *what, int rank, int size)
+{
+    if (size < 1 || rank < 0 || rank >= size) {
+        kvf_error("invalid %s: rank %d of size %d (need 0 <= rank < size)", what,
+                  rank, size);
+        return 0;
+    }
+    return 1;
+}
+
+static kvf_status_t check_params(const kvf_engine_params_t *p)
+{
+    if (p == NULL || p->size < sizeof(kvf_engine_params_t)) {
+        kvf_error("engine params not initialised: call kvf_engine_params_init()");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (p->role != KVF_ROLE_PREFILL && p->role != KVF_ROLE_DECODE) {
+        kvf_error("invalid role %d", (int)p->role);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (!check_rank("tp", p->tp_rank, p->tp_size) ||
+        !check_rank("pp", p->pp_rank, p->pp_size) ||
+        !check_rank("dp", p->dp_rank, p->dp_size))
+        return KVF_ERR_INVALID_PARAM;
+    if (p->port < 0 || p->port > 65535 || p->host == NULL) {
+        kvf_error("invalid host/port");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (p->host_bootstrap && (p->role != KVF_ROLE_PREFILL || p->bootstrap_addr == NULL)) {
+        kvf_error("host_bootstrap needs role prefill and a bootstrap_addr to listen on");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (p->role == KVF_ROLE_PREFILL && p->bootstrap_addr == NULL) {
+        kvf_error("a prefill engine needs bootstrap_addr (the registry host:port)");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (p->transport != NULL && strcmp(p->transport, "auto") != 0 &&
+        strcmp(p->transport, "tcp") != 0) {
+        kvf_error("transport '%s' is not built into this kvferry (available: auto, tcp)",
+                  p->transport);
+        return KVF_ERR_UNSUPPORTED;
+    }
+    if (p->heartbeat_interval_ms == 0 || p->heartbeat_timeout_ms <= p->heartbeat_interval_ms) {
+        kvf_error("heartbeat_timeout_ms (%u) must exceed heartbeat_interval_ms (%u)",
+                  p->heartbeat_timeout_ms, p->heartbeat_interval_ms);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (p->bootstrap_timeout_ms == 0 || p->waiting_timeout_ms == 0 ||
+        p->transfer_timeout_ms == 0) {
+        kvf_error("room deadlines must be positive");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    return KVF_OK;
+}
+
+static void stats_cb(void *arg, kvf_engine_stats_t *stats_p)
+{
+    kvf_engine_stats((kvf_engine_t *)arg, stats_p);
+}
+
+static kvf_status_t start_bootstrap(kvf_engine_t *eng)
+{
+    char host[128];
+    int port;
+
+    if (kvf__split_addr(eng->bootstrap_addr, host, sizeof(host), &port) != KVF_OK) {
+        kvf_error("invalid bootstrap address '%s' (expected host:port)",
+                  eng->bootstrap_addr);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    kvf_status_t st = kvf_bootstrap_create(host, port, &eng->bootstrap);
+    if (st != KVF_OK)
+        return st;
+    kvf__bootstrap_set_stats_cb(eng->bootstrap, stats_cb, eng);
+    if (port == 0) {
+        char buf[160];
+        snprintf(buf, sizeof(buf), "%s:%d", host, kvf_bootstrap_port(eng->bootstrap));
+        free(eng->bootstrap_addr);
+        eng->bootstrap_addr = strdup(buf);
+        if (eng->bootstrap_addr == NULL)
+            return KVF_ERR_NO_MEMORY;
+    }
+    kvf_info("bootstrap registry in-process at %s", eng->bootstrap_addr);
+    return KVF_OK;
+}
+
+static void *progress_main(void *arg);
+
+kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
+                               kvf_engine_t **engine_p)
+{
+    kvf_status_t st = check_params(params);
+    if (st != KVF_OK)
+        return st;
+
+    kvf_engine_t *eng = calloc(1, sizeof(*eng));
+    if (eng == NULL)
+        return KVF_ERR_NO_MEMORY;
+    eng->params = *params;
+    eng->epfd = eng->wakefd = eng->listenfd = -1;
+    eng->ev_listener = KVF_EV_LISTENER;
+    eng->ev_wake = KVF_EV_WAKE;
+    pthread_mutex_init(&eng->lock, NULL);
+    pthread_cond_init(&eng->resolver_cond, NULL);
+    kvf_map_init(&eng->rooms_by_id);
+    kvf_map_init(&eng->stash);
+
+    st = KVF_ERR_NO_MEMORY;
+    eng->host = strdup(params->host);
+    eng->transport = strdup(params->transport ? params->transport : "auto");
+    if (params->bootstrap_addr)
+        eng->bootstrap_addr = strdup(params->bootstrap_addr);
+    if (!eng->host || !eng->transport || (params->bootstrap_addr && !eng->bootstrap_addr))
+        goto err;
+    eng->params.host = eng->host;
+    eng->params.transport = eng->transport;
+    if (getrandom(&eng->instance_id, sizeof(eng->instance_id), 0) !=
+        sizeof(eng->instance_id))
+        eng->instance_id = kvf_now_ns() ^ ((uint64_t)getpid() << 32);
+
+    st = kvf_tcp_listen(eng->host, params->port, &eng->listenfd, &eng->port);
+    if (st != KVF_OK)
+        goto err;
+    snprintf(eng->addr, sizeof(eng->addr), "%s:%d", eng->host, eng->port);
+
+    st = KVF_ERR_IO;
+    eng->epfd = epoll_create1(EPOLL_CLOEXEC);
+    eng->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (eng->epfd < 0 || eng->wakefd < 0) {
+        kvf_error("epoll/eventfd: %m");
+        goto err;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_listener};
+    struct epoll_event wev = {.events = EPOLLIN, .data.ptr = &eng->ev_wake};
+    if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->listenfd, &ev) != 0 ||
+        epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->wakefd, &wev) != 0) {
+        kvf_error("epoll_ctl: %m");
+        goto err;
+    }
+    if (params->host_bootstrap && (st = start_bootstrap(eng)) != KVF_OK)
+        goto err;
+    eng->params.bootstrap_addr = eng->bootstrap_addr;
+
+    st = kvf__resolver_start(eng);
+    if (st != KVF_OK)
+        goto err;
+    if (pthread_create(&eng->progress_thread, NULL, progress_main, eng) != 0) {
+        kvf_error("cannot start the progress thread");
+        kvf__resolver_stop(eng);
+        st = KVF_ERR_NO_MEMORY;
+        goto err;
+    }
+    kvf_info("%s engine tp %d/%d at %s (instance %016llx)",
+             kvf_role_name(params->role), params->tp_rank, params->tp_size,
+             eng->addr, (unsigned long long)eng->instance_id);
+    *engine_p = eng;
+    return KVF_OK;
+
+err:
+    if (eng->bootstrap)
+        kvf_bootstrap_destroy(eng->bootstrap);
+    if (eng->epfd >= 0) close(eng->epfd);
+    if (eng->wakefd >= 0) close(eng->wakefd);
+    if (eng->listenfd >= 0) close(eng->listenfd);
+    free(eng->host);
+    free(eng->transport);
+    free(eng->bootstrap_addr);
+    pthread_mutex_destroy(&eng->lock);
+    pthread_cond_destroy(&eng->resolver_cond);
+    free(eng);
+    return st;
+}
+
+void kvf_engine_destroy(kvf_engine_t *eng)
+{
+    if (eng == NULL)
+        return;
+    pthread_mutex_lock(&eng->lock);
+    eng->stopping = 1;
+    pthread_cond_broadcast(&eng->resolver_cond);
+    pthread_mutex_unlock(&eng->lock);
+    kvf__engine_wake(eng);
+    pthread_join(eng->progress_thread, NULL);
+    kvf__resolver_stop(eng);
+
+    /* Threads are gone: tear down without the lock. */
+    if (eng->rooms != NULL)
+        kvf_warn("engine destroyed with rooms still attached; destroy them first");
+    while (eng->peers != NULL) {
+        kvf_peer_t *p = eng->peers;
+        kvf__peer_fail(p, KVF_ERR_CONN_RESET, "engine destroyed");
+        eng->peers = p->next;
+        p->next = NULL;
+        kvf__peer_put(p);
+    }
+    for (size_t i = 0; i < eng->stash.cap; i++) {
+        kvf_stash_t *s = eng->stash.slots[i].val;
+        while (s != NULL) {
+            kvf_stash_t *n = s->next;
+            free(s->link.pages);
+            free(s->link.state_slots);
+            free(s->failure);
+            free(s);
+            s = n;
+        }
+    }
+    kvf_map_free(&eng->stash);
+    kvf_map_free(&eng->rooms_by_id);
+    if (eng->bootstrap)
+        kvf_bootstrap_destroy(eng->bootstrap);
+    close(eng->epfd);
+    close(eng->wakefd);
+    close(eng->listenfd);
+    kvf__layout_free(&eng->layout);
+    free(eng->register_error);
+    free(eng->host);
+    free(eng->transport);
+    free(eng->bootstrap_addr);
+    pthread_mutex_destroy(&eng->lock);
+    pthread_cond_destroy(&eng->resolver_cond);
+    free(eng);
+}
+
+kvf_status_t kvf_engine_address(const kvf_engine_t *eng, char *buf, size_t len)
+{
+    if (eng == NULL || buf == NULL || len <= strlen(eng->addr))
+        return KVF_ERR_INVALID_PARAM;
+    strcpy(buf, eng->addr);
+    return KVF_OK;
+}
+
+kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *eng, char *buf, size_t len)
+{
+    if (eng == NULL || buf == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    if (eng->bootstrap == NULL)
+        return KVF_ERR_STATE;
+    if (len <= strlen(eng->bootstrap_addr))
+        return KVF_ERR_INVALID_PARAM;
+    strcpy(buf, eng->bootstrap_addr);
+    return KVF_OK;
+}
+
+uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)
+{
+    return eng->instance_id;
+}
+
+void kvf_layout_init(kvf_layout_t *layout)
+{
+    memset(layout, 0, sizeof(*layout));
+    layout->size = sizeof(*layout);
+}
+
+kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *layout)
+{
+    char err[256];
+    kvf_layout_int_t l;
+
+    if (eng == NULL || layout == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    kvf_status_t st = kvf__layout_copy(&l, layout, err, sizeof(err));
+    if (st != KVF_OK) {
+        kvf_error("layout rejected: %s", err);
+        return st;
+    }
+    pthread_mutex_lock(&eng->lock);
+    if (eng->registered) {
+        pthread_mutex_unlock(&eng->lock);
+        kvf__layout_free(&l);
+        kvf_error("layout already registered on this engine");
+        return KVF_ERR_STATE;
+    }
+    eng->layout = l;
+    for (uint32_t i = 0; i < l.num_kv; i++)
+        eng->kv_item_bytes_sum += l.kv[i].item_bytes;
+    for (uint32_t i = 0; i < l.num_aux; i++)
+        eng->aux_item_bytes_sum += l.aux[i].item_bytes;
+    for (uint32_t i = 0; i < l.num_state; i++)
+        eng->state_item_bytes_sum += l.state[i].item_bytes;
+    eng->registered = 1;
+    if (eng->params.role == KVF_ROLE_PREFILL) {
+        eng->want_register = 1;
+        pthread_cond_broadcast(&eng->resolver_cond);
+    }
+    pthread_mutex_unlock(&eng->lock);
+    return KVF_OK;
+}
+
+void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
+{
+    pthread_mutex_lock(&eng->lock);
+    *stats_p = eng->stats;
+    memset(stats_p->rooms_by_state, 0, sizeof(stats_p->rooms_by_state));
+    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
+        stats_p->rooms_by_state[atomic_load_explicit(&r->state, memory_order_relaxed)]++;
+    stats_p->peers_connected = 0;
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
+        stats_p->peers_connected += p->state == KVF_PEER_READY;
+    pthread_mutex_unlock(&eng->lock);
+}
+
+static void accept_all(kvf_engine_t *eng)
+{
+    for (;;) {
+        int fd = accept4(eng->listenfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno != EAGAIN && errno != EINTR)
+                kvf_warn("accept: %m");
+            return;
+        }
+        kvf__peer_accept(eng, fd);
+    }
+}
+
+static void flush_peers(kvf_engine_t *eng)
+{
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
+        if (p->conn != NULL && p->state != KVF_PEER_DEAD)
+            kvf_tcp_conn_flush(p->conn);
+}
+
+static void *progress_main(void *arg)
+{
+    kvf_engine_t *eng = arg;
+    struct epoll_event evs[64];
+    uint64_t next_tick = kvf_now_ms() + TICK_MS;
+
+    pthread_mutex_lock(&eng->lock);
+    while (!eng->stopping) {
+        uint64_t now = kvf_now_ms();
+        int timeout = next_tick > now ? (int)(next_tick - now) : 0;
+        pthread_mutex_unlock(&eng->lock);
+        int n = epoll_wait(eng->epfd, evs, 64, timeout);
+        pthread_mutex_lock(&eng->lock);
+        if (n < 0 && errno != EINTR) {
+            kvf_error("epoll_wait: %m");
+            break;
+        }
+        for (int i = 0; i < n; i++) {
+            kvf_ev_kind_t *kind = evs[i].data.ptr;
+            if (*kind == KVF_EV_LISTENER) {
+                accept_all(eng);
+            } else if (*kind == KVF_EV_WAKE) {
+                uint64_t v;
+                if (read(eng->wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+                    kvf_warn("eventfd read: %m");
+            } else {
+                kvf__peer_handle((kvf_peer_t *)kind, evs[i].events);
+            }
+        }
+        /* Application threads queue work and wake us; send it. */
+        flush_peers(eng);
+        now = kvf_now_ms();
+        if (now >= next_tick) {
+            kvf__peers_tick(eng, now);
+            kvf__rooms_tick(eng, now);
+            flush_peers(eng);
+            next_tick = now + TICK_MS;
+        }
+    }
+    pthread_mutex_unlock(&eng->lock);
+    return NULL;
+}

@@ -1,0 +1,419 @@
+/*
+ * Peers: one stream per pair of engines, its handshake and its liveness.
+ *
+ * Decode engines connect (one connection per prefill rank, cached by
+ * address and shared by every room); prefill engines accept.  Both sides
+ * send HELLO first: protocol version, instance id, ranks and the layout.
+ * An incompatible pair stays connected, so that every room on it can fail
+ * on both sides with the precise message, rather than a refused connect.
+ *
+ * Liveness: every byte received counts; when a peer has sent nothing for
+ * heartbeat_interval we send a HEARTBEAT, and when we have heard nothing
+ * for heartbeat_timeout the peer is dead and its rooms fail.  A stopped
+ * (SIGSTOP) process, a hung one and a cut link all look the same here.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "core/engine_int.h"
+#include "util/log.h"
+#include "util/time.h"
+
+static void on_connected(void *arg);
+static void on_msg(void *arg, const kvf_msg_t *msg);
+static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t);
+static int  rx_valid(void *arg);
+static void on_placed(void *arg, const uint8_t *p, size_t n);
+static void on_data_end(void *arg, uint64_t placed);
+static void on_close(void *arg, kvf_status_t st, const char *reason);
+
+static const kvf_tcp_handler_t handler = {
+    .on_connected = on_connected,
+    .on_msg = on_msg,
+    .on_data = on_data,
+    .rx_valid = rx_valid,
+    .on_placed = on_placed,
+    .on_data_end = on_data_end,
+    .on_close = on_close,
+};
+
+const char *kvf__peer_name(const kvf_peer_t *p, char *buf, size_t len)
+{
+    if (p->state == KVF_PEER_CONNECTING ||
+        (p->state == KVF_PEER_HANDSHAKE && p->instance_id == 0))
+        snprintf(buf, len, "%s peer at %s",
+                 p->outbound ? "prefill" : "decode", p->addr);
+    else
+        snprintf(buf, len, "%s rank %d (%s)", kvf_role_name(p->role), p->tp_rank,
+                 p->addr);
+    return buf;
+}
+
+static kvf_peer_t *peer_new(kvf_engine_t *eng)
+{
+    kvf_peer_t *p = calloc(1, sizeof(*p));
+    if (p == NULL)
+        return NULL;
+    p->ev_kind = KVF_EV_PEER;
+    p->eng = eng;
+    p->refs = 1;                        /* engine->peers */
+    p->last_hb_ms = kvf_now_ms();
+    p->next = eng->peers;
+    eng->peers = p;
+    return p;
+}
+
+void kvf__peer_put(kvf_peer_t *p)
+{
+    if (--p->refs > 0)
+        return;
+    kvf_tcp_conn_destroy(p->conn);
+    kvf__layout_free(&p->layout);
+    free(p->incompatible);
+    free(p);
+}
+
+kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
+{
+    if (p->state == KVF_PEER_DEAD || p->conn == NULL)
+        return KVF_ERR_CONN_RESET;
+    kvf_status_t st = kvf_tcp_send_msg(p->conn, msg);
+    if (st == KVF_OK)
+        kvf__engine_wake(p->eng);
+    return st;
+}
+
+static void send_hello(kvf_peer_t *p)
+{
+    kvf_engine_t *eng = p->eng;
+    const kvf_layout_int_t *l = &eng->layout;
+    uint32_t nk = l->num_kv, na = l->num_aux, ns = l->num_state;
+    uint64_t *v = calloc(2 * (nk + na + ns) + 1, sizeof(uint64_t));
+    if (v == NULL) {
+        kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for HELLO");
+        return;
+    }
+    uint64_t *kb = v, *ki = kb + nk, *ab = ki + nk, *ai = ab + na, *sb = ai + na,
+             *si = sb + ns;
+    for (uint32_t i = 0; i < nk; i++) {
+        kb[i] = l->kv[i].item_bytes;
+        ki[i] = l->kv[i].length / l->kv[i].item_bytes;
+    }
+    for (uint32_t i = 0; i < na; i++) {
+        ab[i] = l->aux[i].item_bytes;
+        ai[i] = l->aux[i].length / l->aux[i].item_bytes;
+    }
+    for (uint32_t i = 0; i < ns; i++) {
+        sb[i] = l->state[i].item_bytes;
+        si[i] = l->state[i].length / l->state[i].item_bytes;
+    }
+    kvf_msg_t m = {.type = KVF_MSG_HELLO};
+    kvf_msg_hello_t *h = &m.u.hello;
+    h->magic = KVF_WIRE_MAGIC;
+    h->version = KVF_WIRE_VERSION;
+    h->role = (uint8_t)eng->params.role;
+    h->flags = eng->params.checksum ? KVF_HELLO_F_CHECKSUM : 0;
+    h->instance_id = eng->instance_id;
+    h->tp_rank = (uint32_t)eng->params.tp_rank;
+    h->tp_size = (uint32_t)eng->params.tp_size;
+    h->pp_rank = (uint32_t)eng->params.pp_rank;
+    h->pp_size = (uint32_t)eng->params.pp_size;
+    h->dp_rank = (uint32_t)eng->params.dp_rank;
+    h->dp_size = (uint32_t)eng->params.dp_size;
+    h->addr = (kvf_wire_str_t){eng->addr, (uint32_t)strlen(eng->addr)};
+    h->layout.page_size = l->page_size;
+    h->layout.kv_dtype = (kvf_wire_str_t){l->kv_dtype, (uint32_t)strlen(l->kv_dtype)};
+    h->layout.attn = (uint8_t)l->attn;
+    h->layout.mem_kind = (uint8_t)l->mem_kind;
+    h->layout.num_layers = l->num_layers;
+    h->layout.heads_per_rank = l->heads_per_rank;
+    h->layout.total_heads = l->total_heads;
+    h->layout.bytes_per_head = l->bytes_per_head;
+    h->layout.kv_item_bytes = (kvf_wire_arr64_t){nk, kb, NULL};
+    h->layout.kv_items = (kvf_wire_arr64_t){nk, ki, NULL};
+    h->layout.aux_item_bytes = (kvf_wire_arr64_t){na, ab, NULL};
+    h->layout.aux_items = (kvf_wire_arr64_t){na, ai, NULL};
+    h->layout.state_item_bytes = (kvf_wire_arr64_t){ns, sb, NULL};
+    h->layout.state_items = (kvf_wire_arr64_t){ns, si, NULL};
+    kvf_status_t st = kvf__peer_send(p, &m);
+    free(v);
+    if (st != KVF_OK)
+        kvf__peer_fail(p, st, "cannot send HELLO: %s", kvf_status_str(st));
+}
+
+kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port)
+{
+    char addr[KVF_ADDR_MAX];
+    snprintf(addr, sizeof(addr), "%s:%d", host, port);
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
+        if (p->outbound && p->state != KVF_PEER_DEAD && strcmp(p->addr, addr) == 0)
+            return p;
+
+    kvf_peer_t *p = peer_new(eng);
+    if (p == NULL)
+        return NULL;
+    p->outbound = 1;
+    p->state = KVF_PEER_CONNECTING;
+    snprintf(p->addr, sizeof(p->addr), "%s", addr);
+    kvf_status_t st = kvf_tcp_connect(host, port, eng->epfd, p, &handler, p, &p->conn);
+    if (st != KVF_OK) {
+        /* Dead from the start: rooms that link it fail right away. */
+        p->state = KVF_PEER_DEAD;
+        eng->peer_generation++;
+    }
+    kvf_debug("connecting to prefill peer %s", addr);
+    return p;
+}
+
+void kvf__peer_accept(kvf_engine_t *eng, int fd)
+{
+    kvf_peer_t *p = peer_new(eng);
+    if (p == NULL) {
+        close(fd);
+        return;
+    }
+    p->state = KVF_PEER_HANDSHAKE;
+    snprintf(p->addr, sizeof(p->addr), "(connecting)");
+    if (kvf_tcp_accept(fd, eng->epfd, p, &handler, p, &p->conn) != KVF_OK) {
+        close(fd);
+        p->state = KVF_PEER_DEAD;
+        return;
+    }
+    send_hello(p);
+}
+
+void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
+{
+    char why[384], name[128], reason[KVF_REASON_MAX];
+    va_list ap;
+
+    if (p->state == KVF_PEER_DEAD)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof(why), fmt, ap);
+    va_end(ap);
+    kvf__peer_name(p, name, sizeof(name));
+    p->state = KVF_PEER_DEAD;
+    p->eng->peer_generation++;
+    snprintf(reason, sizeof(reason), "%s: %s", name, why);
+    /* Rooms first, then the stream: completions of its puts must not be
+     * taken for the root cause. */
+    int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason);
+    if (rooms > 0)
+        kvf_warn("%s (%d live rooms failed)", reason, rooms);
+    else
+        kvf_info("%s", reason);
+    if (p->conn)
+        kvf_tcp_conn_shutdown(p->conn);
+}
+
+void kvf__peer_handle(kvf_peer_t *p, uint32_t events)
+{
+    if (p->state != KVF_PEER_DEAD && p->conn)
+        kvf_tcp_conn_handle(p->conn, events);
+}
+
+static void on_connected(void *arg)
+{
+    kvf_peer_t *p = arg;
+    p->state = KVF_PEER_HANDSHAKE;
+    send_hello(p);
+}
+
+static void on_close(void *arg, kvf_status_t st, const char *reason)
+{
+    kvf_peer_t *p = arg;
+    char name[128];
+    if (p->state == KVF_PEER_DEAD)
+        return;
+    kvf__peer_name(p, name, sizeof(name));
+    kvf__peer_fail(p, st, "connection lost: %s", reason);
+}
+
+static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout_t *w,
+                                      char *err, size_t errlen)
+{
+    memset(l, 0, sizeof(*l));
+    if (w->kv_dtype.len >= sizeof(l->kv_dtype) || w->kv_items.count != w->kv_item_bytes.count ||
+        w->aux_items.count != w->aux_item_bytes.count ||
+        w->state_items.count != w->state_item_bytes.count || w->attn > KVF_ATTN_MLA) {
+        snprintf(err, errlen, "malformed layout descriptor in HELLO");
+        return KVF_ERR_PROTOCOL;
+    }
+    l->page_size = w->page_size;
+    memcpy(l->kv_dtype, w->kv_dtype.ptr, w->kv_dtype.len);
+    l->attn = (kvf_attn_kind_t)w->attn;
+    l->mem_kind = (kvf_mem_kind_t)w->mem_kind;
+    l->num_layers = w->num_layers;
+    l->heads_per_rank = w->heads_per_rank;
+    l->total_heads = w->total_heads;
+    l->bytes_per_head = w->bytes_per_head;
+    l->num_kv = w->kv_items.count;
+    l->num_aux = w->aux_items.count;
+    l->num_state = w->state_items.count;
+    const kvf_wire_arr64_t *bytes[3] = {&w->kv_item_bytes, &w->aux_item_bytes,
+                                        &w->state_item_bytes};
+    const kvf_wire_arr64_t *items[3] = {&w->kv_items, &w->aux_items, &w->state_items};
+    kvf_buffer_t **dst[3] = {&l->kv, &l->aux, &l->state};
+    for (int k = 0; k < 3; k++) {
+        uint32_t n = bytes[k]->count;
+        if (n == 0)
+            continue;
+        *dst[k] = calloc(n, sizeof(kvf_buffer_t));
+        if (*dst[k] == NULL) {
+            kvf__layout_free(l);
+            return KVF_ERR_NO_MEMORY;
+        }
+        for (uint32_t i = 0; i < n; i++) {
+            uint64_t b = kvf_wire_arr64_at(bytes[k], i), c = kvf_wire_arr64_at(items[k], i);
+            if (b == 0 || b > UINT32_MAX || c > (UINT64_MAX / b)) {
+                snprintf(err, errlen, "malformed buffer sizes in HELLO");
+                kvf__layout_free(l);
+                return KVF_ERR_PROTOCOL;
+            }
+            (*dst[k])[i].item_bytes = b;
+            (*dst[k])[i].length = b * c;
+        }
+    }
+    return KVF_OK;
+}
+
+static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
+{
+    kvf_engine_t *eng = p->eng;
+    char err[KVF_REASON_MAX];
+
+    if (p->state != KVF_PEER_HANDSHAKE) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "second HELLO on an established connection");
+        return;
+    }
+    if (h->role == (uint8_t)eng->params.role) {
+        kvf__peer_fail(p, KVF_ERR_INCOMPATIBLE, "peer is also a %s engine",
+                       kvf_role_name(eng->params.role));
+        return;
+    }
+    kvf_status_t st = layout_from_hello(&p->layout, &h->layout, err, sizeof(err));
+    if (st != KVF_OK) {
+        kvf__peer_fail(p, st, "%s", err);
+        return;
+    }
+    p->role = (kvf_role_t)h->role;
+    p->tp_rank = (int)h->tp_rank;
+    p->tp_size = (int)h->tp_size;
+    p->pp_rank = (int)h->pp_rank;
+    p->pp_size = (int)h->pp_size;
+    p->dp_rank = (int)h->dp_rank;
+    p->dp_size = (int)h->dp_size;
+    p->instance_id = h->instance_id;
+    p->checksum = (h->flags & KVF_HELLO_F_CHECKSUM) != 0;
+    snprintf(p->addr, sizeof(p->addr), "%.*s", (int)h->addr.len, h->addr.ptr);
+
+    const kvf_layout_int_t *pre = p->role == KVF_ROLE_PREFILL ? &p->layout : &eng->layout;
+    const kvf_layout_int_t *dec = p->role == KVF_ROLE_PREFILL ? &eng->layout : &p->layout;
+    if (kvf__layout_check(pre, dec, err, sizeof(err)) != KVF_OK) {
+        p->incompatible = strdup(err);
+        kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
+                  p->addr, err);
+    } else if (p->tp_size != eng->params.tp_size) {
+        snprintf(err, sizeof(err),
+                 "TP size mismatch: prefill server has tp_size=%d, but decode server "
+                 "has tp_size=%d. This build transfers between equal TP sizes only.",
+                 p->role == KVF_ROLE_PREFILL ? p->tp_size : eng->params.tp_size,
+                 p->role == KVF_ROLE_PREFILL ? eng->params.tp_size : p->tp_size);
+        p->incompatible = strdup(err);
+        kvf_error("%s", err);
+    }
+    p->state = KVF_PEER_READY;
+    kvf_info("%s rank %d at %s connected (instance %016llx)", kvf_role_name(p->role),
+             p->tp_rank, p->addr, (unsigned long long)p->instance_id);
+    kvf__rooms_peer_ready(eng, p);
+}
+
+static void on_msg(void *arg, const kvf_msg_t *msg)
+{
+    kvf_peer_t *p = arg;
+    if (msg->type == KVF_MSG_HELLO) {
+        on_hello(p, &msg->u.hello);
+        return;
+    }
+    if (p->state != KVF_PEER_READY) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "%s before HELLO",
+                       kvf_wire_type_name((uint8_t)msg->type));
+        return;
+    }
+    if (msg->type == KVF_MSG_HEARTBEAT)
+        return;
+    kvf__room_on_msg(p, msg);
+}
+
+static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+{
+    kvf_peer_t *p = arg;
+    if (p->state != KVF_PEER_READY || p->role != KVF_ROLE_PREFILL) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA from a peer that may not send it");
+        return;
+    }
+    kvf__room_on_data(p, d, t);
+}
+
+static int rx_valid(void *arg)
+{
+    kvf_peer_t *p = arg;
+    return p->rx_room != NULL && p->rx_room->attached &&
+           atomic_load_explicit(&p->rx_room->state, memory_order_relaxed) != KVF_POLL_FAILED;
+}
+
+static void on_placed(void *arg, const uint8_t *ptr, size_t n)
+{
+    kvf_peer_t *p = arg;
+    if (p->rx_link != NULL && p->rx_link->hash != NULL)
+        XXH3_64bits_update(p->rx_link->hash, ptr, n);
+}
+
+static void on_data_end(void *arg, uint64_t placed)
+{
+    kvf__room_on_data_end((kvf_peer_t *)arg, placed);
+}
+
+void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
+{
+    const kvf_engine_params_t *pr = &eng->params;
+    char name[128];
+
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
+        if (p->state == KVF_PEER_DEAD || p->state == KVF_PEER_CONNECTING)
+            continue;
+        uint64_t last_rx = kvf_tcp_conn_last_rx(p->conn);
+        if (now - last_rx >= pr->heartbeat_timeout_ms) {
+            kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT,
+                           "sent nothing for %.1f s (heartbeat timeout %.1f s): the "
+                           "process is stopped, hung or cut off from the network",
+                           (double)(now - last_rx) / 1000.0,
+                           (double)pr->heartbeat_timeout_ms / 1000.0);
+            continue;
+        }
+        if (p->state == KVF_PEER_READY &&
+            now - kvf_tcp_conn_last_tx(p->conn) >= pr->heartbeat_interval_ms &&
+            kvf_tcp_conn_idle(p->conn)) {
+            kvf_msg_t m = {.type = KVF_MSG_HEARTBEAT};
+            m.u.heartbeat.seq = ++p->hb_seq;
+            m.u.heartbeat.time_ns = kvf_now_ns();
+            if (kvf__peer_send(p, &m) != KVF_OK)
+                kvf_debug("heartbeat to %s not queued", kvf__peer_name(p, name, sizeof(name)));
+        }
+    }
+    /* Unlink dead peers; their memory lives on while rooms reference it. */
+    for (kvf_peer_t **pp = &eng->peers; *pp != NULL;) {
+        kvf_peer_t *p = *pp;
+        if (p->state == KVF_PEER_DEAD) {
+            *pp = p->next;
+            p->next = NULL;
+            kvf__peer_put(p);
+        } else {
+            pp = &p->next;
+        }
+    }
+}

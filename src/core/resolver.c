@@ -1,0 +1,334 @@
+/*
+ * The resolver thread: everything that talks to a bootstrap registry,
+ * because those calls block (HTTP with timeouts) and must never run on an
+ * application's thread or on the progress thread.
+ *
+ * Prefill: registers the engine (PUT /route), then again every few seconds
+ * so that a restarted registry learns it back.
+ * Decode: for each new receiver, finds the prefill rank that serves it
+ * (GET /route, cached per registry and per rank; the caches are dropped
+ * whenever a peer dies, since a dead peer may have come back elsewhere) and
+ * links the room to that peer's connection.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "bootstrap/bootstrap.h"
+#include "core/engine_int.h"
+#include "util/log.h"
+#include "util/time.h"
+
+#define REGISTER_PERIOD_MS  5000
+#define REGISTER_RETRY_MS   1000
+#define RETRY_MS            200
+#define CALL_TIMEOUT_MS     2000
+#define CACHE_MAX           64
+
+typedef struct info_entry {
+    char          addr[KVF_ADDR_MAX];
+    kvf_bs_info_t info;
+} info_entry_t;
+
+typedef struct rank_entry {
+    char addr[KVF_ADDR_MAX];
+    int  dp, tp, pp;
+    char ip[64];
+    int  port;
+} rank_entry_t;
+
+typedef struct resolver {
+    info_entry_t info[CACHE_MAX];
+    int          ninfo;
+    rank_entry_t ranks[CACHE_MAX];
+    int          nranks;
+    uint64_t     generation;
+} resolver_t;
+
+typedef enum { RES_OK, RES_RETRY, RES_FATAL } res_t;
+
+typedef struct result {
+    res_t        res;
+    kvf_status_t status;
+    char         err[KVF_REASON_MAX - 64];
+    char         ip[64];
+    int          port;
+    int          rank;
+} result_t;
+
+static const kvf_bs_info_t *get_info(resolver_t *rs, const char *addr, result_t *out)
+{
+    for (int i = 0; i < rs->ninfo; i++)
+        if (strcmp(rs->info[i].addr, addr) == 0)
+            return &rs->info[i].info;
+    kvf_bs_info_t info;
+    kvf_status_t st = kvf__bs_get_info(addr, CALL_TIMEOUT_MS, &info, out->err,
+                                       sizeof(out->err));
+    if (st != KVF_OK) {
+        out->res = RES_RETRY;
+        return NULL;
+    }
+    if (rs->ninfo == CACHE_MAX)
+        rs->ninfo = 0;
+    info_entry_t *e = &rs->info[rs->ninfo++];
+    snprintf(e->addr, sizeof(e->addr), "%s", addr);
+    e->info = info;
+    return &e->info;
+}
+
+static int pick_dp(const kvf_bs_info_t *info, const char *addr, uint64_t room,
+                   int requested, result_t *out)
+{
+    if (requested >= 0) {
+        if (requested >= info->dp_size) {
+            out->res = RES_FATAL;
+            out->status = KVF_ERR_INVALID_PARAM;
+            snprintf(out->err, sizeof(out->err), "prefill DP rank %d requested, but the "
+                     "prefill server at %s has dp_size=%d", requested, addr, info->dp_size);
+            return -1;
+        }
+        return requested;
+    }
+    if (info->dp_size <= 1)
+        return 0;
+    if (info->follow_bootstrap_room)
+        return (int)(room % (uint64_t)info->dp_size);
+    int dp = -1;
+    char err[256];
+    if (kvf__bs_query_dp_ranks(addr, &room, 1, &dp, CALL_TIMEOUT_MS, err, sizeof(err)) ==
+            KVF_OK && dp >= 0 && dp < info->dp_size)
+        return dp;
+    return (int)(room % (uint64_t)info->dp_size);
+}
+
+static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, const char *addr,
+                         uint64_t room, int dp_req, result_t *out)
+{
+    const kvf_engine_params_t *p = &eng->params;
+    const kvf_bs_info_t *info = get_info(rs, addr, out);
+    if (info == NULL)
+        return;
+    if (info->attn_tp_size != p->tp_size) {
+        out->res = RES_FATAL;
+        out->status = KVF_ERR_UNSUPPORTED;
+        snprintf(out->err, sizeof(out->err),
+                 "TP size mismatch: prefill server has tp_size=%d, but decode server has "
+                 "tp_size=%d. This build transfers between equal TP sizes only.",
+                 info->attn_tp_size, p->tp_size);
+        return;
+    }
+    if (info->pp_size != 1 || p->pp_size != 1) {
+        out->res = RES_FATAL;
+        out->status = KVF_ERR_UNSUPPORTED;
+        snprintf(out->err, sizeof(out->err),
+                 "pipeline parallelism (prefill pp_size=%d, decode pp_size=%d) is not "
+                 "supported by this build: use pp_size 1 on both sides",
+                 info->pp_size, p->pp_size);
+        return;
+    }
+    int dp = pick_dp(info, addr, room, dp_req, out);
+    if (dp < 0)
+        return;
+    out->rank = p->tp_rank;
+    for (int i = 0; i < rs->nranks; i++) {
+        rank_entry_t *e = &rs->ranks[i];
+        if (e->dp == dp && e->tp == out->rank && e->pp == 0 && !strcmp(e->addr, addr)) {
+            snprintf(out->ip, sizeof(out->ip), "%s", e->ip);
+            out->port = e->port;
+            out->res = RES_OK;
+            return;
+        }
+    }
+    kvf_status_t st = kvf__bs_get_rank(addr, dp, 0, out->rank, 0, CALL_TIMEOUT_MS, out->ip,
+                                       sizeof(out->ip), &out->port, out->err,
+                                       sizeof(out->err));
+    if (st != KVF_OK) {
+        out->res = RES_RETRY;
+        return;
+    }
+    if (rs->nranks == CACHE_MAX)
+        rs->nranks = 0;
+    rank_entry_t *e = &rs->ranks[rs->nranks++];
+    snprintf(e->addr, sizeof(e->addr), "%s", addr);
+    e->dp = dp;
+    e->tp = out->rank;
+    e->pp = 0;
+    snprintf(e->ip, sizeof(e->ip), "%s", out->ip);
+    e->port = out->port;
+    out->res = RES_OK;
+}
+
+/* Under the lock: apply a resolution to its room. */
+static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
+{
+    if (!r->attached || atomic_load(&r->state) != KVF_POLL_BOOTSTRAPPING)
+        return;
+    if (res->res == RES_FATAL) {
+        kvf__room_fail(r, res->status, "%s", res->err);
+        return;
+    }
+    if (res->res == RES_RETRY) {
+        free(r->boot_err);
+        r->boot_err = strdup(res->err);
+        kvf__resolver_enqueue(eng, r);
+        return;
+    }
+    kvf_peer_t *p = kvf__peer_get(eng, res->ip, res->port);
+    r->links = calloc(1, sizeof(kvf_link_t));
+    if (p == NULL || r->links == NULL) {
+        kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for the room's link");
+        return;
+    }
+    r->links[0].peer = p;
+    r->links[0].rank = (uint32_t)res->rank;
+    p->refs++;
+    r->nlinks = r->expected_links = 1;
+    kvf__room_try_request(r);
+    kvf__engine_wake(eng);
+}
+
+static void do_register(kvf_engine_t *eng)
+{
+    const kvf_engine_params_t *p = &eng->params;
+    char err[KVF_REASON_MAX];
+    kvf_bs_reg_t reg = {
+        .attn_tp_size = p->tp_size, .attn_tp_rank = p->tp_rank,
+        .attn_cp_size = 1, .attn_cp_rank = 0,
+        .attn_dp_size = p->dp_size, .attn_dp_rank = p->dp_rank,
+        .pp_size = p->pp_size, .pp_rank = p->pp_rank,
+        .system_dp_size = p->dp_size, .system_dp_rank = p->dp_rank,
+        .rank_ip = eng->host, .rank_port = eng->port,
+        .page_size = (int)eng->layout.page_size,
+        .kv_cache_dtype = eng->layout.kv_dtype,
+        .load_balance_method = "round_robin",
+    };
+    kvf_status_t st = kvf__bs_register(eng->bootstrap_addr, &reg, CALL_TIMEOUT_MS, err,
+                                       sizeof(err));
+    pthread_mutex_lock(&eng->lock);
+    free(eng->register_error);
+    eng->register_error = NULL;
+    if (st != KVF_OK) {
+        kvf_error("prefill rank %d cannot register with the bootstrap registry: %s",
+                  p->tp_rank, err);
+        eng->register_error = strdup(err);
+    }
+    pthread_mutex_unlock(&eng->lock);
+}
+
+static void timed_wait(kvf_engine_t *eng, uint64_t ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += (time_t)(ms / 1000);
+    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_cond_timedwait(&eng->resolver_cond, &eng->lock, &ts);
+}
+
+static void *resolver_main(void *arg)
+{
+    kvf_engine_t *eng = arg;
+    resolver_t *rs = calloc(1, sizeof(*rs));
+    uint64_t next_register = 0;
+    int retrying = 0;
+
+    pthread_mutex_lock(&eng->lock);
+    while (!eng->stopping && rs != NULL) {
+        uint64_t now = kvf_now_ms();
+        if (eng->want_register && now >= next_register) {
+            pthread_mutex_unlock(&eng->lock);
+            do_register(eng);
+            pthread_mutex_lock(&eng->lock);
+            next_register = kvf_now_ms() +
+                (eng->register_error ? REGISTER_RETRY_MS : REGISTER_PERIOD_MS);
+            continue;
+        }
+        if (eng->rq_head == NULL || retrying) {
+            uint64_t wait = eng->want_register ? next_register - now : 1000;
+            if (retrying && wait > RETRY_MS)
+                wait = RETRY_MS;
+            timed_wait(eng, wait ? wait : 1);
+            retrying = 0;
+            continue;
+        }
+        if (rs->generation != eng->peer_generation) {
+            rs->ninfo = rs->nranks = 0;
+            rs->generation = eng->peer_generation;
+        }
+        kvf_room_t *batch = eng->rq_head;
+        eng->rq_head = eng->rq_tail = NULL;
+        while (batch != NULL && !eng->stopping) {
+            kvf_room_t *r = batch;
+            batch = r->rq_next;
+            r->rq_next = NULL;
+            result_t res = {.res = RES_OK};
+            if (r->attached && atomic_load(&r->state) == KVF_POLL_BOOTSTRAPPING) {
+                char *addr = strdup(r->bootstrap_addr);
+                uint64_t id = r->id;
+                int dp = r->dp_rank;
+                pthread_mutex_unlock(&eng->lock);
+                if (addr == NULL) {
+                    res.res = RES_FATAL;
+                    res.status = KVF_ERR_NO_MEMORY;
+                } else {
+                    resolve_room(rs, eng, addr, id, dp, &res);
+                }
+                free(addr);
+                pthread_mutex_lock(&eng->lock);
+                post_result(eng, r, &res);
+                retrying |= res.res == RES_RETRY;
+            }
+            kvf__room_put(r);
+        }
+        while (batch != NULL) {
+            kvf_room_t *r = batch;
+            batch = r->rq_next;
+            kvf__room_put(r);
+        }
+    }
+    pthread_mutex_unlock(&eng->lock);
+    free(rs);
+    return NULL;
+}
+
+void kvf__resolver_enqueue(kvf_engine_t *eng, kvf_room_t *r)
+{
+    r->refs++;
+    r->rq_next = NULL;
+    if (eng->rq_tail)
+        eng->rq_tail->rq_next = r;
+    else
+        eng->rq_head = r;
+    eng->rq_tail = r;
+    pthread_cond_broadcast(&eng->resolver_cond);
+}
+
+kvf_status_t kvf__resolver_start(kvf_engine_t *eng)
+{
+    if (pthread_create(&eng->resolver_thread, NULL, resolver_main, eng) != 0) {
+        kvf_error("cannot start the resolver thread");
+        return KVF_ERR_NO_MEMORY;
+    }
+    return KVF_OK;
+}
+
+void kvf__resolver_stop(kvf_engine_t *eng)
+{
+    pthread_mutex_lock(&eng->lock);
+    eng->stopping = 1;
+    pthread_cond_broadcast(&eng->resolver_cond);
+    pthread_mutex_unlock(&eng->lock);
+    pthread_join(eng->resolver_thread, NULL);
+    /* Rooms still queued hold a reference each. */
+    while (eng->rq_head != NULL) {
+        kvf_room_t *r = eng->rq_head;
+        eng->rq_head = r->rq_next;
+        kvf__room_put(r);
+    }
+    eng->rq_tail = NULL;
+}

@@ -1,0 +1,629 @@
+/*
+ * TCP transport: framing, scatter-gather writes, scatter reads.  See tcp.h.
+ *
+ * The one idea: the stream is strictly ordered, so "data placed before
+ * DONE is processed" needs no acknowledgement per write: the writer only
+ * has to put DONE after the last payload byte, and the reader only has to
+ * place every payload byte before it parses the next header.
+ */
+#include "transport/tcp/tcp.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "util/log.h"
+#include "util/time.h"
+
+#define TCP_FRAME_SEGS    1023              /* + 1 header iovec = IOV_MAX */
+#define TCP_FRAME_BYTES   (4u << 20)        /* payload per DATA frame */
+#define TCP_RX_BUF        (256u << 10)
+#define TCP_DIRECT_MIN    (16u << 10)       /* recv() straight into memory */
+#define TCP_PASS_BYTES    (32u << 20)       /* fairness: bytes per event */
+#define TCP_SOCKBUF       (4 << 20)
+
+enum { RX_HDR, RX_BODY, RX_PAYLOAD };
+
+struct kvf_tcp_conn {
+    int                      fd;
+    int                      epfd;
+    void                    *ep_data;
+    uint32_t                 ep_events;
+    const kvf_tcp_handler_t *h;
+    void                    *arg;
+    int                      connecting;
+    int                      dead;
+    uint64_t                 last_rx_ms;
+    uint64_t                 last_tx_ms;
+
+    /* transmit */
+    kvf_buf_t                ctrl;          /* encoded control frames */
+    size_t                   ctrl_off;
+    kvf_put_t               *q_head, *q_tail;
+    kvf_put_t               *cur_put;       /* producing the current frame */
+    int                      cur_put_ended;
+    int                      frame_active;
+    kvf_buf_t                frame;         /* current DATA header + body */
+    struct iovec             iov[TCP_FRAME_SEGS + 1];
+    int                      iov_n, iov_i;
+    kvf_wire_seg_t           segs[TCP_FRAME_SEGS];
+
+    /* receive */
+    kvf_buf_t                rx;            /* bytes rx.data[rx_off..rx.len) unread */
+    size_t                   rx_off;
+    int                      rx_state;
+    kvf_wire_hdr_t           hdr;
+    kvf_rx_target_t         *tgt;
+    uint32_t                 tgt_cap, tgt_n, tgt_i, tgt_off;
+    uint64_t                 payload_left, placed;
+};
+
+static void conn_fail(kvf_tcp_conn_t *c, kvf_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static int set_nonblock(int fd)
+{
+    int fl = fcntl(fd, F_GETFL, 0);
+    return fl < 0 ? -1 : fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+}
+
+static void tune_socket(int fd)
+{
+    int one = 1, sz = TCP_SOCKBUF;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sz, sizeof(sz));
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &sz, sizeof(sz));
+}
+
+static kvf_status_t resolve(const char *host, int port, struct sockaddr_storage *ss,
+                            socklen_t *len)
+{
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICSERV};
+    struct addrinfo *res = NULL;
+    char portstr[16];
+
+    snprintf(portstr, sizeof(portstr), "%d", port);
+    int rc = getaddrinfo(host, portstr, &hints, &res);
+    if (rc != 0 || res == NULL) {
+        kvf_error("cannot resolve %s:%d: %s", host, port, gai_strerror(rc));
+        return KVF_ERR_UNREACHABLE;
+    }
+    memcpy(ss, res->ai_addr, res->ai_addrlen);
+    *len = res->ai_addrlen;
+    freeaddrinfo(res);
+    return KVF_OK;
+}
+
+kvf_status_t kvf_tcp_listen(const char *host, int port, int *fd_p, int *port_p)
+{
+    struct sockaddr_storage ss;
+    socklen_t len;
+    int one = 1, fd;
+
+    if (resolve(host, port, &ss, &len) != KVF_OK)
+        return KVF_ERR_IO;
+    fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        kvf_error("socket: %m");
+        return KVF_ERR_IO;
+    }
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, (struct sockaddr *)&ss, len) != 0) {
+        kvf_error("cannot bind control port %s:%d: %m", host, port);
+        goto err;
+    }
+    if (listen(fd, 512) != 0) {
+        kvf_error("listen on %s:%d: %m", host, port);
+        goto err;
+    }
+    len = sizeof(ss);
+    getsockname(fd, (struct sockaddr *)&ss, &len);
+    *port_p = ntohs(ss.ss_family == AF_INET6
+                        ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                        : ((struct sockaddr_in *)&ss)->sin_port);
+    *fd_p = fd;
+    return KVF_OK;
+err:
+    close(fd);
+    return KVF_ERR_IO;
+}
+
+static void update_events(kvf_tcp_conn_t *c)
+{
+    uint32_t want = EPOLLIN | EPOLLRDHUP;
+    if (c->connecting || !kvf_tcp_conn_idle(c))
+        want |= EPOLLOUT;
+    if (c->dead || want == c->ep_events)
+        return;
+    struct epoll_event ev = {.events = want, .data.ptr = c->ep_data};
+    if (epoll_ctl(c->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0)
+        c->ep_events = want;
+}
+
+static kvf_status_t conn_new(int fd, int epfd, void *ep_data, int connecting,
+                             const kvf_tcp_handler_t *h, void *arg,
+                             kvf_tcp_conn_t **conn_p)
+{
+    kvf_tcp_conn_t *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return KVF_ERR_NO_MEMORY;
+    c->fd = fd;
+    c->epfd = epfd;
+    c->ep_data = ep_data;
+    c->h = h;
+    c->arg = arg;
+    c->connecting = connecting;
+    c->last_rx_ms = c->last_tx_ms = kvf_now_ms();
+    kvf_buf_init(&c->ctrl);
+    kvf_buf_init(&c->frame);
+    kvf_buf_init(&c->rx);
+    if (kvf_buf_reserve(&c->rx, TCP_RX_BUF) != KVF_OK)
+        goto err;
+    c->ep_events = EPOLLIN | EPOLLRDHUP | (connecting ? EPOLLOUT : 0);
+    struct epoll_event ev = {.events = c->ep_events, .data.ptr = ep_data};
+    if (epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        kvf_error("epoll_ctl: %m");
+        goto err;
+    }
+    *conn_p = c;
+    return KVF_OK;
+err:
+    kvf_buf_free(&c->rx);
+    free(c);
+    return KVF_ERR_NO_MEMORY;
+}
+
+kvf_status_t kvf_tcp_connect(const char *host, int port, int epfd, void *ep_data,
+                             const kvf_tcp_handler_t *h, void *arg,
+                             kvf_tcp_conn_t **conn_p)
+{
+    struct sockaddr_storage ss;
+    socklen_t len;
+    kvf_status_t st = resolve(host, port, &ss, &len);
+    if (st != KVF_OK)
+        return st;
+    int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        kvf_error("socket: %m");
+        return KVF_ERR_IO;
+    }
+    tune_socket(fd);
+    if (connect(fd, (struct sockaddr *)&ss, len) != 0 && errno != EINPROGRESS) {
+        kvf_warn("connect to %s:%d: %m", host, port);
+        close(fd);
+        return KVF_ERR_UNREACHABLE;
+    }
+    st = conn_new(fd, epfd, ep_data, 1, h, arg, conn_p);
+    if (st != KVF_OK)
+        close(fd);
+    return st;
+}
+
+kvf_status_t kvf_tcp_accept(int fd, int epfd, void *ep_data,
+                            const kvf_tcp_handler_t *h, void *arg,
+                            kvf_tcp_conn_t **conn_p)
+{
+    if (set_nonblock(fd) != 0)
+        return KVF_ERR_IO;
+    tune_socket(fd);
+    return conn_new(fd, epfd, ep_data, 0, h, arg, conn_p);
+}
+
+int kvf_tcp_conn_idle(const kvf_tcp_conn_t *c)
+{
+    return !c->frame_active && c->ctrl_off == c->ctrl.len &&
+           c->cur_put == NULL && c->q_head == NULL;
+}
+
+uint64_t kvf_tcp_conn_last_rx(const kvf_tcp_conn_t *c) { return c->last_rx_ms; }
+uint64_t kvf_tcp_conn_last_tx(const kvf_tcp_conn_t *c) { return c->last_tx_ms; }
+
+/* Complete every queued put with `st` (the stream is gone). */
+static void fail_puts(kvf_tcp_conn_t *c, kvf_status_t st)
+{
+    kvf_put_t *p = c->cur_put;
+    c->cur_put = NULL;
+    c->frame_active = 0;
+    if (p != NULL)
+        p->complete(p, st);
+    while ((p = c->q_head) != NULL) {
+        c->q_head = p->qnext;
+        p->complete(p, st);
+    }
+    c->q_tail = NULL;
+}
+
+void kvf_tcp_conn_shutdown(kvf_tcp_conn_t *c)
+{
+    if (c->dead)
+        return;
+    c->dead = 1;
+    epoll_ctl(c->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    close(c->fd);
+    c->fd = -1;
+    fail_puts(c, KVF_ERR_CONN_RESET);
+}
+
+void kvf_tcp_conn_destroy(kvf_tcp_conn_t *c)
+{
+    if (c == NULL)
+        return;
+    kvf_tcp_conn_shutdown(c);
+    kvf_buf_free(&c->ctrl);
+    kvf_buf_free(&c->frame);
+    kvf_buf_free(&c->rx);
+    free(c->tgt);
+    free(c);
+}
+
+static void conn_fail(kvf_tcp_conn_t *c, kvf_status_t st, const char *fmt, ...)
+{
+    char reason[512];
+    va_list ap;
+
+    if (c->dead)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(reason, sizeof(reason), fmt, ap);
+    va_end(ap);
+    kvf_tcp_conn_shutdown(c);
+    c->h->on_close(c->arg, st, reason);
+}
+
+kvf_status_t kvf_tcp_send_msg(kvf_tcp_conn_t *c, const kvf_msg_t *msg)
+{
+    if (c->dead)
+        return KVF_ERR_CONN_RESET;
+    if (c->ctrl_off == c->ctrl.len)
+        c->ctrl.len = c->ctrl_off = 0;
+    return kvf_wire_encode(&c->ctrl, msg);
+}
+
+void kvf_tcp_put(kvf_tcp_conn_t *c, kvf_put_t *put)
+{
+    if (c->dead) {
+        put->complete(put, KVF_ERR_CONN_RESET);
+        return;
+    }
+    put->qnext = NULL;
+    if (c->q_tail)
+        c->q_tail->qnext = put;
+    else
+        c->q_head = put;
+    c->q_tail = put;
+}
+
+/*
+ * Pull segments from the current put into one DATA frame.
+ * @return 1 a frame is ready, 0 the put ended with nothing more to send.
+ */
+static int build_frame(kvf_tcp_conn_t *c)
+{
+    kvf_put_t *p = c->cur_put;
+    uint64_t payload = 0;
+    uint32_t n = 0;
+
+    while (n < TCP_FRAME_SEGS && payload < TCP_FRAME_BYTES) {
+        const void *src;
+        int rc = p->next(p, &c->segs[n], &src);
+        if (rc < 0) {
+            /* Room failed: drop what was collected, it was never sent. */
+            c->cur_put = NULL;
+            p->complete(p, (kvf_status_t)rc);
+            return 0;
+        }
+        if (rc == 0) {
+            c->cur_put_ended = 1;
+            break;
+        }
+        c->iov[n + 1].iov_base = (void *)src;
+        c->iov[n + 1].iov_len = c->segs[n].len;
+        payload += c->segs[n].len;
+        n++;
+    }
+    if (n == 0) {
+        c->cur_put = NULL;
+        p->complete(p, KVF_OK);
+        return 0;
+    }
+    kvf_msg_t m = {.type = KVF_MSG_DATA};
+    m.u.data.room = p->room;
+    m.u.data.src_rank = p->src_rank;
+    m.u.data.payload_len = payload;
+    m.u.data.nseg = n;
+    m.u.data.segs = c->segs;
+    c->frame.len = 0;
+    kvf_status_t st = kvf_wire_encode(&c->frame, &m);
+    if (st != KVF_OK) {
+        c->cur_put = NULL;
+        p->complete(p, st);
+        return 0;
+    }
+    c->iov[0].iov_base = c->frame.data;
+    c->iov[0].iov_len = c->frame.len;
+    c->iov_n = (int)n + 1;
+    c->iov_i = 0;
+    c->frame_active = 1;
+    return 1;
+}
+
+/* Advance the iovec cursor past `n` written bytes. */
+static void iov_advance(kvf_tcp_conn_t *c, size_t n)
+{
+    while (n > 0 && c->iov_i < c->iov_n) {
+        struct iovec *v = &c->iov[c->iov_i];
+        if (n < v->iov_len) {
+            v->iov_base = (uint8_t *)v->iov_base + n;
+            v->iov_len -= n;
+            return;
+        }
+        n -= v->iov_len;
+        c->iov_i++;
+    }
+}
+
+void kvf_tcp_conn_flush(kvf_tcp_conn_t *c)
+{
+    size_t budget = TCP_PASS_BYTES;
+
+    while (!c->dead && !c->connecting && budget > 0) {
+        if (c->frame_active) {
+            ssize_t n = writev(c->fd, c->iov + c->iov_i, c->iov_n - c->iov_i);
+            if (n < 0) {
+                if (errno == EINTR)
+                    continue;
+                if (errno != EAGAIN)
+                    conn_fail(c, KVF_ERR_CONN_RESET, "write failed: %s",
+                              strerror(errno));
+                break;
+            }
+            c->last_tx_ms = kvf_now_ms();
+            budget -= (size_t)n < budget ? (size_t)n : budget;
+            iov_advance(c, (size_t)n);
+            if (c->iov_i < c->iov_n)
+                continue;
+            c->frame_active = 0;
+            if (c->cur_put_ended) {
+                kvf_put_t *p = c->cur_put;
+                c->cur_put = NULL;
+                c->cur_put_ended = 0;
+                p->complete(p, KVF_OK);
+            }
+            continue;
+        }
+        if (c->ctrl_off < c->ctrl.len) {
+            ssize_t n = send(c->fd, c->ctrl.data + c->ctrl_off,
+                             c->ctrl.len - c->ctrl_off, MSG_NOSIGNAL);
+            if (n < 0) {
+                if (errno == EINTR)
+                    continue;
+                if (errno != EAGAIN)
+                    conn_fail(c, KVF_ERR_CONN_RESET, "write failed: %s",
+                              strerror(errno));
+                break;
+            }
+            c->last_tx_ms = kvf_now_ms();
+            c->ctrl_off += (size_t)n;
+            if (c->ctrl_off == c->ctrl.len)
+                c->ctrl.len = c->ctrl_off = 0;
+            continue;
+        }
+        if (c->cur_put == NULL && c->q_head != NULL) {
+            c->cur_put = c->q_head;
+            c->q_head = c->cur_put->qnext;
+            if (c->q_head == NULL)
+                c->q_tail = NULL;
+            c->cur_put_ended = 0;
+        }
+        if (c->cur_put == NULL)
+            break;
+        build_frame(c);
+    }
+    update_events(c);
+}
+
+/* Place up to n bytes from src (NULL: read straight from the socket). */
+static void place(kvf_tcp_conn_t *c, const uint8_t *src, size_t n)
+{
+    kvf_rx_target_t *t = &c->tgt[c->tgt_i];
+    if (t->dst != NULL) {
+        memcpy(t->dst + c->tgt_off, src, n);
+        if (c->h->on_placed)
+            c->h->on_placed(c->arg, t->dst + c->tgt_off, n);
+        c->placed += n;
+    }
+    c->tgt_off += (uint32_t)n;
+    c->payload_left -= n;
+    if (c->tgt_off == t->len) {
+        c->tgt_i++;
+        c->tgt_off = 0;
+    }
+}
+
+static void payload_done(kvf_tcp_conn_t *c)
+{
+    c->rx_state = RX_HDR;
+    c->h->on_data_end(c->arg, c->placed);
+}
+
+/* Parse whatever complete frames the receive buffer holds. */
+static void parse_buffered(kvf_tcp_conn_t *c)
+{
+    char err[256];
+
+    while (!c->dead) {
+        size_t have = c->rx.len - c->rx_off;
+        const uint8_t *p = c->rx.data + c->rx_off;
+
+        if (c->rx_state == RX_PAYLOAD) {
+            if (c->payload_left == 0) {
+                payload_done(c);
+                continue;
+            }
+            if (have == 0)
+                return;
+            size_t left = c->tgt[c->tgt_i].len - c->tgt_off;
+            size_t n = have < left ? have : left;
+            place(c, p, n);
+            c->rx_off += n;
+            continue;
+        }
+        if (c->rx_state == RX_HDR) {
+            if (have < KVF_WIRE_HDR_LEN)
+                return;
+            if (kvf_wire_parse_header(p, &c->hdr, err, sizeof(err)) != KVF_OK) {
+                conn_fail(c, KVF_ERR_PROTOCOL, "malformed frame header: %s", err);
+                return;
+            }
+            c->rx_off += KVF_WIRE_HDR_LEN;
+            c->rx_state = RX_BODY;
+            continue;
+        }
+        /* RX_BODY */
+        if (have < c->hdr.length) {
+            size_t need = c->hdr.length;
+            if (c->rx.cap < need) {
+                kvf_buf_consume(&c->rx, c->rx_off);
+                c->rx_off = 0;
+                if (kvf_buf_reserve(&c->rx, need - c->rx.len) != KVF_OK) {
+                    conn_fail(c, KVF_ERR_PROTOCOL, "no memory for a %zu-byte frame", need);
+                }
+            }
+            return;
+        }
+        kvf_msg_t m;
+        kvf_status_t st = kvf_wire_decode(&c->hdr, p, &m, err, sizeof(err));
+        if (st != KVF_OK) {
+            conn_fail(c, st, "malformed %s message: %s",
+                      kvf_wire_type_name(c->hdr.type), err);
+            return;
+        }
+        c->rx_off += c->hdr.length;
+        if (m.type != KVF_MSG_DATA) {
+            c->rx_state = RX_HDR;
+            c->h->on_msg(c->arg, &m);
+            continue;
+        }
+        if (c->tgt_cap < m.u.data.nseg) {
+            kvf_rx_target_t *t = realloc(c->tgt, m.u.data.nseg * sizeof(*t));
+            if (t == NULL) {
+                conn_fail(c, KVF_ERR_NO_MEMORY, "no memory for DATA targets");
+                return;
+            }
+            c->tgt = t;
+            c->tgt_cap = m.u.data.nseg;
+        }
+        for (uint32_t i = 0; i < m.u.data.nseg; i++) {
+            kvf_wire_seg_t s;
+            kvf_wire_seg_at(&m.u.data, i, &s);
+            c->tgt[i].dst = NULL;
+            c->tgt[i].len = s.len;
+        }
+        c->tgt_n = m.u.data.nseg;
+        c->tgt_i = c->tgt_off = 0;
+        c->payload_left = m.u.data.payload_len;
+        c->placed = 0;
+        c->rx_state = RX_PAYLOAD;
+        c->h->on_data(c->arg, &m.u.data, c->tgt);
+    }
+}
+
+static void discard_rest(kvf_tcp_conn_t *c)
+{
+    for (uint32_t i = c->tgt_i; i < c->tgt_n; i++)
+        c->tgt[i].dst = NULL;
+}
+
+static void handle_readable(kvf_tcp_conn_t *c)
+{
+    size_t budget = TCP_PASS_BYTES;
+
+    if (c->rx_state == RX_PAYLOAD && !c->h->rx_valid(c->arg))
+        discard_rest(c);
+    while (!c->dead && budget > 0) {
+        parse_buffered(c);
+        if (c->dead)
+            return;
+        if (c->rx_off == c->rx.len)
+            c->rx.len = c->rx_off = 0;
+
+        ssize_t n;
+        kvf_rx_target_t *t = c->rx_state == RX_PAYLOAD ? &c->tgt[c->tgt_i] : NULL;
+        if (t != NULL && t->dst != NULL && c->rx_off == c->rx.len &&
+            t->len - c->tgt_off >= TCP_DIRECT_MIN) {
+            /* Large piece, buffer empty: read straight into place. */
+            n = recv(c->fd, t->dst + c->tgt_off, t->len - c->tgt_off, 0);
+            if (n > 0) {
+                c->last_rx_ms = kvf_now_ms();
+                budget -= (size_t)n < budget ? (size_t)n : budget;
+                uint8_t *at = t->dst + c->tgt_off;
+                if (c->h->on_placed)
+                    c->h->on_placed(c->arg, at, (size_t)n);
+                c->placed += (size_t)n;
+                c->tgt_off += (uint32_t)n;
+                c->payload_left -= (size_t)n;
+                if (c->tgt_off == t->len) {
+                    c->tgt_i++;
+                    c->tgt_off = 0;
+                }
+                continue;
+            }
+        } else {
+            if (c->rx.len == c->rx.cap && c->rx_off > 0) {
+                kvf_buf_consume(&c->rx, c->rx_off);
+                c->rx_off = 0;
+            }
+            n = recv(c->fd, c->rx.data + c->rx.len, c->rx.cap - c->rx.len, 0);
+            if (n > 0) {
+                c->last_rx_ms = kvf_now_ms();
+                budget -= (size_t)n < budget ? (size_t)n : budget;
+                c->rx.len += (size_t)n;
+                continue;
+            }
+        }
+        if (n == 0) {
+            conn_fail(c, KVF_ERR_CONN_RESET, "peer closed the connection");
+            return;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN)
+            conn_fail(c, KVF_ERR_CONN_RESET, "read failed: %s", strerror(errno));
+        return;
+    }
+}
+
+void kvf_tcp_conn_handle(kvf_tcp_conn_t *c, uint32_t events)
+{
+    if (c->dead)
+        return;
+    if (c->connecting) {
+        if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP)))
+            return;
+        int err = 0;
+        socklen_t len = sizeof(err);
+        getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &err, &len);
+        if (err != 0) {
+            conn_fail(c, KVF_ERR_UNREACHABLE, "connect failed: %s", strerror(err));
+            return;
+        }
+        c->connecting = 0;
+        c->last_rx_ms = kvf_now_ms();
+        c->h->on_connected(c->arg);
+    }
+    if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
+        handle_readable(c);
+    if (!c->dead)
+        kvf_tcp_conn_flush(c);
+}

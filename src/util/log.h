@@ -1,0 +1,29 @@
+/*
+ * Logging: one line per event on stderr, "kvferry[pid] LEVEL file:line: msg".
+ *
+ * Errors are logged where they are first detected; callers up the stack
+ * return the status without logging it again.  The level comes from KVF_LOG
+ * (error|warn|info|debug) or kvf_log_set_level().
+ */
+#ifndef KVF_UTIL_LOG_H
+#define KVF_UTIL_LOG_H
+
+#include "kvferry/kvferry.h"
+
+extern int kvf__log_level;
+
+void kvf__log(kvf_log_level_t level, const char *file, int line,
+              const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+
+#define KVF_LOG_(lvl, ...)                                                     \
+    do {                                                                       \
+        if ((int)(lvl) <= kvf__log_level)                                      \
+            kvf__log((lvl), __FILE__, __LINE__, __VA_ARGS__);                  \
+    } while (0)
+
+#define kvf_error(...) KVF_LOG_(KVF_LOG_ERROR, __VA_ARGS__)
+#define kvf_warn(...)  KVF_LOG_(KVF_LOG_WARN, __VA_ARGS__)
+#define kvf_info(...)  KVF_LOG_(KVF_LOG_INFO, __VA_ARGS__)
+#define kvf_debug(...) KVF_LOG_(KVF_LOG_DEBUG, __VA_ARGS__)
+
+#endif /* KVF_UTIL_LOG_H */

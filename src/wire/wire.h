@@ -1,0 +1,219 @@
+/*
+ * The engine-to-engine control protocol: message structs and a
+ * bounds-checked codec.  docs/PROTOCOL.md is the normative description.
+ *
+ * Every message is a frame: an 8-byte header, then `length` bytes of body,
+ * all integers little-endian whatever the host:
+ *
+ *     u32 length    body bytes that follow the header (<= KVF_WIRE_MAX_BODY)
+ *     u8  type      kvf_msg_type_t
+ *     u8  flags     0 (reserved; receivers reject non-zero)
+ *     u16 reserved  0 (receivers reject non-zero)
+ *
+ * A DATA frame is followed by `payload_len` raw payload bytes that are not
+ * part of the body: the receiver scatters them straight into registered
+ * memory.  The protocol version travels in HELLO, which each side sends
+ * first; a peer with another version is refused with KVF_ERR_VERSION.
+ *
+ * Decoding never copies: strings and arrays in a decoded message point into
+ * the caller's body buffer, which must outlive the message.  Arrays are read
+ * through the kvf_wire_*_at() accessors, which work for encoded input
+ * (native arrays) and decoded output (raw little-endian bytes) alike.
+ */
+#ifndef KVF_WIRE_WIRE_H
+#define KVF_WIRE_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvferry/status.h"
+#include "util/buf.h"
+
+#define KVF_WIRE_MAGIC      0x5946564bu /* "KVFY" as little-endian bytes */
+#define KVF_WIRE_VERSION    1
+#define KVF_WIRE_HDR_LEN    8
+#define KVF_WIRE_MAX_BODY   (16u << 20)
+#define KVF_WIRE_MAX_SEGS   8192
+#define KVF_WIRE_MAX_STR    1024       /* strings: addresses, dtype, reasons */
+#define KVF_WIRE_MAX_BUFS   4096       /* kv/aux/state buffers in a layout */
+#define KVF_WIRE_SEG_LEN    17         /* encoded size of one DATA segment */
+
+typedef enum kvf_msg_type {
+    KVF_MSG_HELLO     = 1,
+    KVF_MSG_ROOM_REQ  = 2,
+    KVF_MSG_DATA      = 3,
+    KVF_MSG_DONE      = 4,
+    KVF_MSG_DONE_ACK  = 5,
+    KVF_MSG_FAIL      = 6,
+    KVF_MSG_ABORT     = 7,
+    KVF_MSG_HEARTBEAT = 8
+} kvf_msg_type_t;
+
+/* Which registered buffer family a DATA segment targets. */
+typedef enum kvf_buf_kind {
+    KVF_BUF_KV    = 0,
+    KVF_BUF_AUX   = 1,
+    KVF_BUF_STATE = 2
+} kvf_buf_kind_t;
+
+/* A string: not NUL-terminated; len <= KVF_WIRE_MAX_STR. */
+typedef struct kvf_wire_str {
+    const char *ptr;
+    uint32_t    len;
+} kvf_wire_str_t;
+
+/* Arrays: `native` is set for encoding, `raw` (LE bytes) after decoding. */
+typedef struct kvf_wire_arr32 {
+    uint32_t        count;
+    const uint32_t *native;
+    const uint8_t  *raw;
+} kvf_wire_arr32_t;
+
+typedef struct kvf_wire_arr64 {
+    uint32_t        count;
+    const uint64_t *native;
+    const uint8_t  *raw;
+} kvf_wire_arr64_t;
+
+uint32_t kvf_wire_arr32_at(const kvf_wire_arr32_t *a, uint32_t i);
+uint64_t kvf_wire_arr64_at(const kvf_wire_arr64_t *a, uint32_t i);
+
+/* Layout descriptor, exchanged in HELLO. */
+typedef struct kvf_wire_layout {
+    uint32_t         page_size;
+    kvf_wire_str_t   kv_dtype;
+    uint8_t          attn;            /* kvf_attn_kind_t */
+    uint8_t          mem_kind;        /* kvf_mem_kind_t */
+    uint32_t         num_layers;
+    uint32_t         heads_per_rank;
+    uint32_t         total_heads;
+    uint32_t         bytes_per_head;
+    kvf_wire_arr64_t kv_item_bytes;   /* bytes per page, per KV buffer */
+    kvf_wire_arr64_t kv_items;        /* pages per KV buffer */
+    kvf_wire_arr64_t aux_item_bytes;  /* bytes per slot, per aux buffer */
+    kvf_wire_arr64_t aux_items;       /* slots per aux buffer */
+    kvf_wire_arr64_t state_item_bytes;
+    kvf_wire_arr64_t state_items;
+} kvf_wire_layout_t;
+
+#define KVF_HELLO_F_CHECKSUM 0x1u      /* sender computes XXH3 checksums */
+
+typedef struct kvf_msg_hello {
+    uint32_t          magic;          /* KVF_WIRE_MAGIC */
+    uint16_t          version;        /* KVF_WIRE_VERSION */
+    uint8_t           role;           /* kvf_role_t */
+    uint8_t           flags;          /* KVF_HELLO_F_* */
+    uint64_t          instance_id;
+    uint32_t          tp_rank, tp_size;
+    uint32_t          pp_rank, pp_size;
+    uint32_t          dp_rank, dp_size;
+    kvf_wire_str_t    addr;           /* advertised control address host:port */
+    kvf_wire_layout_t layout;
+} kvf_msg_hello_t;
+
+/* Decode -> prefill: the room's destination on one decode rank. */
+typedef struct kvf_msg_room_req {
+    uint64_t         room;
+    uint32_t         dst_rank;            /* decode tp rank */
+    uint32_t         expected_receivers;  /* decode ranks this sender feeds */
+    uint32_t         aux_slot;
+    kvf_wire_arr32_t pages;               /* decode page indices, in order */
+    kvf_wire_arr32_t state_slots;         /* one per state buffer */
+} kvf_msg_room_req_t;
+
+typedef struct kvf_wire_seg {
+    uint8_t  kind;     /* kvf_buf_kind_t */
+    uint32_t buf;      /* buffer index within its kind */
+    uint64_t offset;   /* byte offset inside that buffer */
+    uint32_t len;      /* bytes, > 0 */
+} kvf_wire_seg_t;
+
+/* Prefill -> decode: segments, then payload_len payload bytes. */
+typedef struct kvf_msg_data {
+    uint64_t              room;
+    uint32_t              src_rank;
+    uint64_t              payload_len;   /* == sum of segment lengths */
+    uint32_t              nseg;          /* 1..KVF_WIRE_MAX_SEGS */
+    const kvf_wire_seg_t *segs;          /* encode: input array */
+    const uint8_t        *raw_segs;      /* decode: nseg * KVF_WIRE_SEG_LEN bytes */
+} kvf_msg_data_t;
+
+void kvf_wire_seg_at(const kvf_msg_data_t *d, uint32_t i, kvf_wire_seg_t *seg_p);
+
+/* Prefill -> decode: this rank's part of the room is complete. */
+typedef struct kvf_msg_done {
+    uint64_t room;
+    uint32_t src_rank;
+    uint64_t bytes;        /* payload bytes this sender wrote for the room */
+    uint8_t  has_checksum;
+    uint64_t checksum;     /* XXH3-64 over those bytes, in write order */
+} kvf_msg_done_t;
+
+/* Decode -> prefill: the data is in decode memory (status KVF_OK) or not. */
+typedef struct kvf_msg_done_ack {
+    uint64_t room;
+    int32_t  status;
+    uint64_t bytes;
+} kvf_msg_done_ack_t;
+
+/* Either way: the room failed (FAIL) or was aborted (ABORT) at origin. */
+typedef struct kvf_msg_fail {
+    uint64_t       room;
+    int32_t        status;         /* kvf_status_t, negative */
+    uint8_t        origin_side;    /* kvf_role_t */
+    uint32_t       origin_rank;
+    kvf_wire_str_t origin_addr;
+    kvf_wire_str_t reason;
+} kvf_msg_fail_t;
+
+typedef struct kvf_msg_heartbeat {
+    uint64_t seq;
+    uint64_t time_ns;
+} kvf_msg_heartbeat_t;
+
+typedef struct kvf_msg {
+    kvf_msg_type_t type;
+    union {
+        kvf_msg_hello_t     hello;
+        kvf_msg_room_req_t  room_req;
+        kvf_msg_data_t      data;
+        kvf_msg_done_t      done;
+        kvf_msg_done_ack_t  done_ack;
+        kvf_msg_fail_t      fail;      /* FAIL and ABORT */
+        kvf_msg_heartbeat_t heartbeat;
+    } u;
+} kvf_msg_t;
+
+typedef struct kvf_wire_hdr {
+    uint32_t length;
+    uint8_t  type;
+} kvf_wire_hdr_t;
+
+/*
+ * Append one encoded frame (header and body; for DATA not the payload) to
+ * `out`.  @return KVF_OK, KVF_ERR_INVALID_PARAM (a field over its limit:
+ * the message would not decode), KVF_ERR_NO_MEMORY.
+ */
+kvf_status_t kvf_wire_encode(kvf_buf_t *out, const kvf_msg_t *msg);
+
+/*
+ * Parse a frame header (exactly KVF_WIRE_HDR_LEN bytes at p).
+ * @return KVF_OK; KVF_ERR_PROTOCOL with `err` set (unknown type, non-zero
+ * reserved bits, length over KVF_WIRE_MAX_BODY).
+ */
+kvf_status_t kvf_wire_parse_header(const uint8_t *p, kvf_wire_hdr_t *hdr_p,
+                                   char *err, size_t errlen);
+
+/*
+ * Decode a body of hdr->length bytes.  Every length and count is checked
+ * against the body and against the limits above; trailing bytes are an
+ * error.  @return KVF_OK; KVF_ERR_PROTOCOL or, for a HELLO of another
+ * version or magic, KVF_ERR_VERSION, with a reason in `err`.
+ */
+kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
+                             kvf_msg_t *msg_p, char *err, size_t errlen);
+
+/* "HELLO", "DATA", ... (static). */
+const char *kvf_wire_type_name(uint8_t type);
+
+#endif /* KVF_WIRE_WIRE_H */

@@ -1,0 +1,73 @@
+/*
+ * A minimal unit-test harness: CHECK() records a failure and goes on,
+ * KVF_TEST() registers a case, KVF_TEST_MAIN() runs them all and prints
+ * "N passed, N failed".  Each test file is its own executable (ctest gives
+ * it a process and a timeout).
+ */
+#ifndef KVF_TEST_H
+#define KVF_TEST_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef void (*kvf_test_fn_t)(void);
+
+static int kvf_test_failures_;   /* failed CHECKs in the current case */
+
+#define CHECK(cond)                                                            \
+    do {                                                                       \
+        if (!(cond)) {                                                         \
+            fprintf(stderr, "  %s:%d: CHECK failed: %s\n", __FILE__, __LINE__, \
+                    #cond);                                                    \
+            kvf_test_failures_++;                                              \
+        }                                                                      \
+    } while (0)
+
+#define CHECK_EQ_INT(a, b)                                                     \
+    do {                                                                       \
+        long long a_ = (long long)(a), b_ = (long long)(b);                    \
+        if (a_ != b_) {                                                        \
+            fprintf(stderr, "  %s:%d: CHECK failed: %s == %s (%lld != %lld)\n",\
+                    __FILE__, __LINE__, #a, #b, a_, b_);                       \
+            kvf_test_failures_++;                                              \
+        }                                                                      \
+    } while (0)
+
+#define CHECK_STR_CONTAINS(hay, needle)                                        \
+    do {                                                                       \
+        const char *h_ = (hay), *n_ = (needle);                                \
+        if (h_ == NULL || strstr(h_, n_) == NULL) {                            \
+            fprintf(stderr, "  %s:%d: \"%s\" does not contain \"%s\"\n",       \
+                    __FILE__, __LINE__, h_ ? h_ : "(null)", n_);               \
+            kvf_test_failures_++;                                              \
+        }                                                                      \
+    } while (0)
+
+typedef struct { const char *name; kvf_test_fn_t fn; } kvf_test_case_t;
+
+#define KVF_TEST_MAIN(...)                                                     \
+    int main(int argc, char **argv)                                            \
+    {                                                                          \
+        kvf_test_case_t cases[] = {__VA_ARGS__};                               \
+        int passed = 0, failed = 0;                                            \
+        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {       \
+            if (argc > 1 && strcmp(argv[1], cases[i].name) != 0)               \
+                continue;                                                      \
+            kvf_test_failures_ = 0;                                            \
+            cases[i].fn();                                                     \
+            if (kvf_test_failures_) {                                          \
+                printf("FAIL %s\n", cases[i].name);                            \
+                failed++;                                                      \
+            } else {                                                           \
+                printf("ok   %s\n", cases[i].name);                            \
+                passed++;                                                      \
+            }                                                                  \
+        }                                                                      \
+        printf("%d passed, %d failed\n", passed, failed);                      \
+        return failed ? 1 : 0;                                                 \
+    }
+
+#define KVF_CASE(fn) { #fn, fn }
+
+#endif /* KVF_TEST_H */

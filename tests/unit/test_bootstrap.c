@@ -1,0 +1,793 @@
+/*
+ * Bootstrap registry: a real server on 127.0.0.1, port 0, driven through
+ * the client calls (kvf__bs_*) for the good paths and through raw libcurl
+ * requests for what the client never sends (bad parameters, malformed and
+ * oversized bodies, wrong methods).
+ */
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <curl/curl.h>
+
+#include "bootstrap/bootstrap.h"
+#include "util/time.h"
+
+#include "kvf_test.h"
+
+#define TMO 3000u
+
+typedef struct srv {
+    kvf_bootstrap_t *bs;
+    char addr[64];
+} srv_t;
+
+static int srv_start(srv_t *s)
+{
+    if (kvf_bootstrap_create("127.0.0.1", 0, &s->bs) != KVF_OK)
+        return -1;
+    snprintf(s->addr, sizeof(s->addr), "127.0.0.1:%d",
+             kvf_bootstrap_port(s->bs));
+    return 0;
+}
+
+static kvf_bs_reg_t mkreg(int tp_size, int tp_rank, int port)
+{
+    kvf_bs_reg_t r = {
+        .attn_tp_size = tp_size, .attn_tp_rank = tp_rank,
+        .attn_cp_size = 1, .attn_cp_rank = 0,
+        .attn_dp_size = 1, .attn_dp_rank = 0,
+        .pp_size = 1, .pp_rank = 0,
+        .system_dp_size = 1, .system_dp_rank = 0,
+        .rank_ip = "10.0.0.1", .rank_port = port,
+        .page_size = 64, .kv_cache_dtype = "bfloat16",
+        .load_balance_method = "round_robin",
+    };
+    return r;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Raw HTTP                                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct raw_resp {
+    long   status;
+    char  *body;
+    size_t len;
+    char   allow[64];
+} raw_resp_t;
+
+static size_t raw_data(char *p, size_t size, size_t n, void *arg)
+{
+    raw_resp_t *r = arg;
+    char *nb = realloc(r->body, r->len + size * n + 1);
+    if (nb == NULL)
+        return 0;
+    r->body = nb;
+    memcpy(r->body + r->len, p, size * n);
+    r->len += size * n;
+    r->body[r->len] = '\0';
+    return size * n;
+}
+
+static size_t raw_header(char *p, size_t size, size_t n, void *arg)
+{
+    raw_resp_t *r = arg;
+    if (size * n > 7 && strncasecmp(p, "Allow: ", 7) == 0)
+        snprintf(r->allow, sizeof(r->allow), "%.*s", (int)(size * n - 9),
+                 p + 7);
+    return size * n;
+}
+
+typedef struct gen { size_t left; } gen_t;
+
+static size_t gen_read(char *p, size_t size, size_t n, void *arg)
+{
+    gen_t *g = arg;
+    size_t k = size * n < g->left ? size * n : g->left;
+    memset(p, 'x', k);
+    g->left -= k;
+    return k;
+}
+
+/* body_len (size_t)-1: strlen(body).  chunked: upload `chunked` bytes of
+ * 'x' with Transfer-Encoding: chunked instead of body. */
+static raw_resp_t raw(const srv_t *s, const char *method, const char *target,
+                      const char *body, size_t body_len, size_t chunked)
+{
+    raw_resp_t r = {0};
+    char url[256];
+    gen_t g = {chunked};
+    struct curl_slist *h = NULL;
+    CURL *c = curl_easy_init();
+
+    snprintf(url, sizeof(url), "http://%s%s", s->addr, target);
+    curl_easy_setopt(c, CURLOPT_URL, url);
+    curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, 10000L);
+    curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, raw_data);
+    curl_easy_setopt(c, CURLOPT_WRITEDATA, &r);
+    curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, raw_header);
+    curl_easy_setopt(c, CURLOPT_HEADERDATA, &r);
+    if (chunked) {
+        h = curl_slist_append(h, "Transfer-Encoding: chunked");
+        curl_easy_setopt(c, CURLOPT_UPLOAD, 1L);
+        curl_easy_setopt(c, CURLOPT_READFUNCTION, gen_read);
+        curl_easy_setopt(c, CURLOPT_READDATA, &g);
+    } else if (body != NULL) {
+        curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+        curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE,
+                         (curl_off_t)(body_len == (size_t)-1 ? strlen(body)
+                                                             : body_len));
+    }
+    if (strcmp(method, "HEAD") == 0)
+        curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+    else
+        curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, h);
+    CURLcode rc = curl_easy_perform(c);
+    if (rc == CURLE_OK)
+        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &r.status);
+    else
+        fprintf(stderr, "  raw %s %s: %s\n", method, target,
+                curl_easy_strerror(rc));
+    curl_slist_free_all(h);
+    curl_easy_cleanup(c);
+    return r;
+}
+
+#define RAW_CHECK(srv_, meth_, tgt_, req_, want_status, want_text)             \
+    do {                                                                       \
+        raw_resp_t r_ = raw((srv_), (meth_), (tgt_), (req_), (size_t)-1, 0);   \
+        CHECK_EQ_INT(r_.status, (want_status));                                \
+        CHECK_STR_CONTAINS(r_.body ? r_.body : "", (want_text));               \
+        free(r_.body);                                                         \
+    } while (0)
+
+static void put_reg(const srv_t *s, const kvf_bs_reg_t *reg, int want)
+{
+    char err[512] = "";
+    kvf_status_t st = kvf__bs_register(s->addr, reg, TMO, err, sizeof(err));
+    CHECK_EQ_INT(st, want);
+    if (st != want)
+        fprintf(stderr, "  register: %s\n", err);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Tests                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static void test_split_addr(void)
+{
+    char host[64];
+    int port = -7;
+
+    CHECK_EQ_INT(kvf__split_addr("127.0.0.1:8998", host, sizeof(host), &port),
+                 KVF_OK);
+    CHECK(strcmp(host, "127.0.0.1") == 0);
+    CHECK_EQ_INT(port, 8998);
+    CHECK_EQ_INT(kvf__split_addr("[::1]:80", host, sizeof(host), &port),
+                 KVF_OK);
+    CHECK(strcmp(host, "::1") == 0);
+    CHECK_EQ_INT(port, 80);
+    CHECK_EQ_INT(kvf__split_addr("prefill-0.svc:65535", host, sizeof(host),
+                                 &port), KVF_OK);
+    CHECK(strcmp(host, "prefill-0.svc") == 0);
+    CHECK_EQ_INT(port, 65535);
+    CHECK_EQ_INT(kvf__split_addr("h:0", host, sizeof(host), &port), KVF_OK);
+    CHECK_EQ_INT(port, 0);
+
+    port = -7;
+    const char *bad[] = {"127.0.0.1", "127.0.0.1:", ":80", "h:65536",
+                         "h:-1", "h:8x", "h:123456", "::1:80", "[::1]80",
+                         "[::1", "[]:80", "", "h: 80"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        kvf_status_t st = kvf__split_addr(bad[i], host, sizeof(host), &port);
+        if (st != KVF_ERR_INVALID_PARAM)
+            fprintf(stderr, "  accepted \"%s\"\n", bad[i]);
+        CHECK_EQ_INT(st, KVF_ERR_INVALID_PARAM);
+    }
+    CHECK_EQ_INT(port, -7);
+    CHECK_EQ_INT(kvf__split_addr("abcdef:1", host, 6, &port),
+                 KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(kvf__split_addr("abcde:1", host, 6, &port), KVF_OK);
+    CHECK_EQ_INT(kvf__split_addr(NULL, host, 6, &port), KVF_ERR_INVALID_PARAM);
+}
+
+static void test_health_routes_methods(void)
+{
+    srv_t s;
+    char err[512];
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    CHECK(kvf_bootstrap_port(s.bs) > 0);
+    CHECK_EQ_INT(kvf__bs_health(s.addr, TMO, err, sizeof(err)), KVF_OK);
+    RAW_CHECK(&s, "GET", "/health", NULL, 200, "OK");
+    raw_resp_t r = raw(&s, "HEAD", "/health", NULL, 0, 0);
+    CHECK_EQ_INT(r.status, 200);
+    free(r.body);
+    RAW_CHECK(&s, "GET", "/nope", NULL, 404, "no such route: /nope");
+    RAW_CHECK(&s, "GET", "/route/", NULL, 404, "no such route");
+    r = raw(&s, "DELETE", "/route", NULL, 0, 0);
+    CHECK_EQ_INT(r.status, 405);
+    CHECK_STR_CONTAINS(r.body, "Method not allowed");
+    CHECK(strcmp(r.allow, "GET, HEAD, PUT") == 0);
+    free(r.body);
+    RAW_CHECK(&s, "POST", "/health", "{}", 405, "allowed: GET, HEAD");
+    RAW_CHECK(&s, "GET", "/register_dp_rank", NULL, 405, "allowed: POST");
+    RAW_CHECK(&s, "PUT", "/query_dp_ranks", "{}", 405, "allowed: POST");
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_register_until_ready(void)
+{
+    srv_t s;
+    char err[512] = "", ip[64];
+    int port = 0;
+    kvf_bs_info_t info;
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    memset(&info, 0, sizeof(info));
+    CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
+                 KVF_ERR_AGAIN);
+    CHECK_STR_CONTAINS(err, "no prefill rank has registered");
+    CHECK_STR_CONTAINS(err, "answered 503");
+
+    kvf_bs_reg_t r0 = mkreg(2, 0, 17000), r1 = mkreg(2, 1, 17001);
+    put_reg(&s, &r0, KVF_OK);
+    CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
+                 KVF_ERR_AGAIN);
+    CHECK_STR_CONTAINS(err, "1 of 2 ranks registered");
+    CHECK(strchr(err, '\n') == NULL);
+    /* The registered rank answers; the missing one is not 404 yet. */
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 0, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(port, 17000);
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 1, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_ERR_AGAIN);
+
+    put_reg(&s, &r1, KVF_OK);
+    CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
+                 KVF_OK);
+    CHECK_EQ_INT(info.attn_tp_size, 2);
+    CHECK_EQ_INT(info.attn_cp_size, 1);
+    CHECK_EQ_INT(info.dp_size, 1);
+    CHECK_EQ_INT(info.pp_size, 1);
+    CHECK_EQ_INT(info.page_size, 64);
+    CHECK(strcmp(info.kv_cache_dtype, "bfloat16") == 0);
+    CHECK_EQ_INT(info.follow_bootstrap_room, 0);
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, 200,
+              "{\"attn_tp_size\":2,\"attn_cp_size\":1,\"dp_size\":1,"
+              "\"pp_size\":1,\"page_size\":64,\"kv_cache_dtype\":\"bfloat16\","
+              "\"follow_bootstrap_room\":false}");
+
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 1, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_OK);
+    CHECK(strcmp(ip, "10.0.0.1") == 0);
+    CHECK_EQ_INT(port, 17001);
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=0&prefill_cp_rank=0&"
+              "target_tp_rank=1&target_pp_rank=0", NULL, 200,
+              "{\"rank_ip\":\"10.0.0.1\",\"rank_port\":17001}");
+    port = 5;
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 2, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_ERR_NOT_FOUND);
+    CHECK_EQ_INT(port, 5);
+    CHECK_STR_CONTAINS(err, "Bootstrap info not found for dp_rank=0 "
+                       "cp_rank=0 tp_rank=2 pp_rank=0");
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 1, 0, 0, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_ERR_NOT_FOUND);
+    /* An ip buffer too small for the answer is a failure, not truncation. */
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 1, 0, TMO, ip, 4, &port, err,
+                                  sizeof(err)), KVF_ERR_BOOTSTRAP);
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_route_params(void)
+{
+    srv_t s;
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    RAW_CHECK(&s, "GET", "/route", NULL, 400, "Missing inputs");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1", NULL, 400, "target_pp_rank is missing");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=&target_pp_rank=-1", NULL, 400,
+              "target_tp_rank is missing");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=abc&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, 400,
+              "prefill_dp_rank=\"abc\" is not an integer");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=99999999999&prefill_cp_rank="
+              "-1&target_tp_rank=-1&target_pp_rank=-1", NULL, 400,
+              "is not an integer");
+    /* Percent-encoded parameters are decoded. */
+    RAW_CHECK(&s, "GET", "/route?prefill%5Fdp_rank=%2D1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, 503,
+              "not fully registered");
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_bad_bodies(void)
+{
+    srv_t s;
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    RAW_CHECK(&s, "PUT", "/route", "{\"attn_tp_size\": 1,", 400,
+              "malformed JSON body");
+    RAW_CHECK(&s, "PUT", "/route", "", 400, "malformed JSON body");
+    RAW_CHECK(&s, "PUT", "/route", "[1,2]", 400, "must be a JSON object");
+    RAW_CHECK(&s, "PUT", "/route", "{\"attn_tp_size\": 1}", 400,
+              "field \"attn_tp_rank\" is missing");
+    RAW_CHECK(&s, "POST", "/register_dp_rank", "{\"bootstrap_room\": 1", 400,
+              "malformed JSON body");
+    RAW_CHECK(&s, "POST", "/register_dp_rank", "{\"bootstrap_room\": -1, "
+              "\"dp_rank\": 0}", 400, "non-negative");
+    RAW_CHECK(&s, "POST", "/query_dp_ranks", "{\"bootstrap_rooms\": 5}", 400,
+              "an array of room ids");
+    RAW_CHECK(&s, "POST", "/query_dp_ranks", "{\"bootstrap_rooms\": [1, "
+              "\"x\"]}", 400, "bootstrap_rooms[1]");
+
+    char base[512];
+    const char *fmt = "{\"attn_tp_size\":%s,\"attn_tp_rank\":%s,"
+        "\"attn_cp_size\":1,\"attn_cp_rank\":0,\"attn_dp_size\":1,"
+        "\"attn_dp_rank\":0,\"pp_size\":1,\"pp_rank\":0,\"system_dp_size\":1,"
+        "\"system_dp_rank\":7,\"rank_ip\":\"10.0.0.1\",\"rank_port\":%s,"
+        "\"page_size\":1,\"kv_cache_dtype\":\"auto\"}";
+    snprintf(base, sizeof(base), fmt, "2", "2", "5000");
+    RAW_CHECK(&s, "PUT", "/route", base, 400,
+              "attn_tp_rank=2 is out of range for attn_tp_size=2");
+    snprintf(base, sizeof(base), fmt, "0", "0", "5000");
+    RAW_CHECK(&s, "PUT", "/route", base, 400, "\"attn_tp_size\" is 0");
+    snprintf(base, sizeof(base), fmt, "1", "0", "0");
+    RAW_CHECK(&s, "PUT", "/route", base, 400, "\"rank_port\" is 0");
+    snprintf(base, sizeof(base), fmt, "1", "0", "65536");
+    RAW_CHECK(&s, "PUT", "/route", base, 400, "rank_port=65536");
+    snprintf(base, sizeof(base), fmt, "\"1\"", "0", "5000");
+    RAW_CHECK(&s, "PUT", "/route", base, 400,
+              "\"attn_tp_size\" must be an integer");
+    snprintf(base, sizeof(base), fmt, "100000", "0", "5000");
+    RAW_CHECK(&s, "PUT", "/route", base, 400, "exceeds 65536 ranks");
+    /* system_dp_rank is not checked when system DP is off (SGLang sends
+     * the scheduler's DP rank there under DP attention). */
+    snprintf(base, sizeof(base), fmt, "1", "0", "5000");
+    RAW_CHECK(&s, "PUT", "/route", base, 200, "OK");
+
+    /* Oversized: declared with Content-Length, then chunked (undeclared). */
+    size_t big = (size_t)KVF_BS_MAX_BODY + 1;
+    char *huge = malloc(big);
+    memset(huge, ' ', big);
+    raw_resp_t r = raw(&s, "POST", "/register_dp_rank", huge, big, 0);
+    CHECK_EQ_INT(r.status, 413);
+    CHECK_STR_CONTAINS(r.body, "too large");
+    free(r.body);
+    r = raw(&s, "PUT", "/route", NULL, 0, 3u << 20);
+    CHECK_EQ_INT(r.status, 413);
+    free(r.body);
+    /* Exactly the limit is accepted (and is not JSON). */
+    r = raw(&s, "POST", "/query_dp_ranks", huge, KVF_BS_MAX_BODY, 0);
+    CHECK_EQ_INT(r.status, 400);
+    free(r.body);
+    free(huge);
+    /* The server still serves after all that. */
+    RAW_CHECK(&s, "GET", "/health", NULL, 200, "OK");
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_conflict_and_reregister(void)
+{
+    srv_t s;
+    char err[512] = "", ip[64];
+    int port = 0;
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    kvf_bs_reg_t r0 = mkreg(2, 0, 17000);
+    put_reg(&s, &r0, KVF_OK);
+
+    kvf_bs_reg_t bad = mkreg(4, 1, 17001);
+    uint64_t t0 = kvf_now_ms();
+    CHECK_EQ_INT(kvf__bs_register(s.addr, &bad, 5000, err, sizeof(err)),
+                 KVF_ERR_BOOTSTRAP);
+    CHECK(kvf_now_ms() - t0 < 1000);   /* 409 is final: no retries */
+    CHECK_STR_CONTAINS(err, "answered 409");
+    CHECK_STR_CONTAINS(err, "attn_tp_size=4, but the registry has "
+                       "attn_tp_size=2");
+    bad = mkreg(2, 1, 17001);
+    bad.page_size = 1;
+    CHECK_EQ_INT(kvf__bs_register(s.addr, &bad, TMO, err, sizeof(err)),
+                 KVF_ERR_BOOTSTRAP);
+    CHECK_STR_CONTAINS(err, "page_size=1, but the registry has page_size=64");
+    bad = mkreg(2, 1, 17001);
+    bad.kv_cache_dtype = "fp8_e5m2";
+    CHECK_EQ_INT(kvf__bs_register(s.addr, &bad, TMO, err, sizeof(err)),
+                 KVF_ERR_BOOTSTRAP);
+    CHECK_STR_CONTAINS(err, "kv_cache_dtype=fp8_e5m2");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, 503, "1 of 2");
+
+    /* A restarted rank 0 replaces its entry and does not count twice. */
+    r0.rank_ip = "10.0.0.9";
+    r0.rank_port = 18000;
+    put_reg(&s, &r0, KVF_OK);
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, 503, "1 of 2");
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 0, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_OK);
+    CHECK(strcmp(ip, "10.0.0.9") == 0);
+    CHECK_EQ_INT(port, 18000);
+    RAW_CHECK(&s, "GET", "/metrics", NULL, 200,
+              "kvferry_registry_ranks_registered 1\n");
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_dp_layouts(void)
+{
+    srv_t s;
+    char err[512] = "", ip[64];
+    int port = 0;
+    kvf_bs_info_t info;
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    /* System DP (no DP attention): dp_size and the coordinate come from
+     * system_dp_*; SGLang's optional fields are echoed when sent. */
+    const char *fmt = "{\"attn_tp_size\":1,\"attn_tp_rank\":0,"
+        "\"attn_cp_size\":1,\"attn_cp_rank\":0,\"attn_dp_size\":1,"
+        "\"attn_dp_rank\":0,\"pp_size\":1,\"pp_rank\":0,\"system_dp_size\":2,"
+        "\"system_dp_rank\":%d,\"rank_ip\":\"::1\",\"rank_port\":%d,"
+        "\"page_size\":16,\"kv_cache_dtype\":null,"
+        "\"prefill_http_port\":30000,\"enable_dsa_cache_layer_split\":false}";
+    char body[512];
+    snprintf(body, sizeof(body), fmt, 1, 6001);
+    RAW_CHECK(&s, "PUT", "/route", body, 200, "OK");
+    snprintf(body, sizeof(body), fmt, 0, 6000);
+    RAW_CHECK(&s, "PUT", "/route", body, 200, "OK");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, 200,
+              "\"dp_size\":2,\"pp_size\":1,\"page_size\":16,"
+              "\"kv_cache_dtype\":null,\"follow_bootstrap_room\":true,"
+              "\"enable_dsa_cache_layer_split\":false,"
+              "\"prefill_http_port\":30000}");
+    CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
+                 KVF_OK);
+    CHECK_EQ_INT(info.dp_size, 2);
+    CHECK_EQ_INT(info.follow_bootstrap_room, 1);
+    CHECK(info.kv_cache_dtype[0] == '\0');
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 1, 0, 0, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_OK);
+    CHECK(strcmp(ip, "::1") == 0);
+    CHECK_EQ_INT(port, 6001);
+    kvf_bootstrap_destroy(s.bs);
+
+    /* DP attention: attn_dp_* count, system_dp_rank is ignored. */
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    for (int dp = 0; dp < 2; dp++) {
+        kvf_bs_reg_t r = mkreg(1, 0, 7000 + dp);
+        r.attn_dp_size = 2;
+        r.attn_dp_rank = dp;
+        r.system_dp_rank = 3;
+        r.load_balance_method = "follow_bootstrap_room";
+        put_reg(&s, &r, KVF_OK);
+    }
+    CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
+                 KVF_OK);
+    CHECK_EQ_INT(info.dp_size, 2);
+    CHECK_EQ_INT(info.follow_bootstrap_room, 1);
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 1, 0, 0, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(port, 7001);
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_dp_rooms(void)
+{
+    srv_t s;
+    char err[512] = "";
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    CHECK_EQ_INT(kvf__bs_register_dp_rank(s.addr, 5, 1, TMO, err,
+                                          sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(kvf__bs_register_dp_rank(s.addr, UINT64_MAX, 2, TMO, err,
+                                          sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(kvf__bs_register_dp_rank(s.addr, 5, 3, TMO, err,
+                                          sizeof(err)), KVF_OK);
+    uint64_t rooms[] = {5, 6, UINT64_MAX};
+    int dps[3] = {9, 9, 9};
+    CHECK_EQ_INT(kvf__bs_query_dp_ranks(s.addr, rooms, 3, dps, TMO, err,
+                                        sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(dps[0], 3);
+    CHECK_EQ_INT(dps[1], -1);
+    CHECK_EQ_INT(dps[2], 2);
+    CHECK_EQ_INT(kvf__bs_query_dp_ranks(s.addr, rooms, 0, dps, TMO, err,
+                                        sizeof(err)), KVF_OK);
+    /* SGLang's shapes: "OK", and an object keyed by the decimal room id. */
+    RAW_CHECK(&s, "POST", "/register_dp_rank",
+              "{\"bootstrap_room\": 9007199254740993, \"dp_rank\": 4}", 200,
+              "OK");
+    RAW_CHECK(&s, "POST", "/query_dp_ranks",
+              "{\"bootstrap_rooms\": [9007199254740993, 5, 77]}", 200,
+              "{\"9007199254740993\":4,\"5\":3}");
+    RAW_CHECK(&s, "POST", "/query_dp_ranks", "{\"bootstrap_rooms\": []}", 200,
+              "{}");
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_room_eviction(void)
+{
+    kvf_registry_state_t *st = kvf__registry_state_create(4);
+    char *resp, body[128];
+    const char *ctype;
+
+    for (int room = 1; room <= 10; room++) {
+        snprintf(body, sizeof(body), "{\"bootstrap_room\":%d,\"dp_rank\":%d}",
+                 room, room % 3);
+        CHECK_EQ_INT(kvf__registry_handle(st, "POST", "/register_dp_rank",
+                                          NULL, body, strlen(body), &resp,
+                                          &ctype), 200);
+        free(resp);
+    }
+    snprintf(body, sizeof(body), "{\"bootstrap_rooms\":[1,6,7,8,9,10]}");
+    CHECK_EQ_INT(kvf__registry_handle(st, "POST", "/query_dp_ranks", NULL,
+                                      body, strlen(body), &resp, &ctype), 200);
+    CHECK(strcmp(resp, "{\"7\":1,\"8\":2,\"9\":0,\"10\":1}") == 0);
+    CHECK(strcmp(ctype, "application/json") == 0);
+    free(resp);
+    /* Odd inputs straight into the handler. */
+    CHECK_EQ_INT(kvf__registry_handle(st, NULL, NULL, NULL, NULL, 0, &resp,
+                                      &ctype), 404);
+    free(resp);
+    CHECK_EQ_INT(kvf__registry_handle(st, "GET", "/route", "a=%&b&=&&%zz",
+                                      NULL, 0, &resp, &ctype), 400);
+    free(resp);
+    CHECK_EQ_INT(kvf__registry_handle(st, "PUT", "/route", NULL, NULL,
+                                      KVF_BS_MAX_BODY + 1u, &resp, &ctype),
+                 413);
+    free(resp);
+    kvf__registry_state_destroy(st);
+
+    /* Many rooms through a larger map: growth and eviction together. */
+    st = kvf__registry_state_create(3000);
+    for (int room = 0; room < 10000; room++) {
+        snprintf(body, sizeof(body), "{\"bootstrap_room\":%d,\"dp_rank\":1}",
+                 room * 7919);
+        kvf__registry_handle(st, "POST", "/register_dp_rank", NULL, body,
+                             strlen(body), &resp, &ctype);
+        free(resp);
+    }
+    snprintf(body, sizeof(body), "{\"bootstrap_rooms\":[%d,%d,%d]}",
+             6999 * 7919, 7000 * 7919, 9999 * 7919);
+    kvf__registry_handle(st, "POST", "/query_dp_ranks", NULL, body,
+                         strlen(body), &resp, &ctype);
+    char want[128];
+    snprintf(want, sizeof(want), "{\"%d\":1,\"%d\":1}", 7000 * 7919,
+             9999 * 7919);
+    CHECK(resp != NULL && strcmp(resp, want) == 0);
+    free(resp);
+    kvf__registry_handle(st, "GET", "/metrics", NULL, NULL, 0, &resp, &ctype);
+    CHECK_STR_CONTAINS(resp, "kvferry_registry_rooms_tracked 3000\n");
+    free(resp);
+    kvf__registry_state_destroy(st);
+}
+
+static void fake_stats(void *arg, kvf_engine_stats_t *s)
+{
+    (*(int *)arg)++;
+    s->rooms_by_state[KVF_POLL_BOOTSTRAPPING] = 3;
+    s->rooms_by_state[KVF_POLL_WAITING_FOR_INPUT] = 2;
+    s->rooms_by_state[KVF_POLL_TRANSFERRING] = 1;
+    s->rooms_succeeded = 40;
+    s->rooms_failed = 2;
+    s->failures_room = 1;
+    s->failures_peer = 1;
+    s->bytes_sent = 123456789;
+    s->bytes_received = 7;
+    s->peers_connected = 4;
+}
+
+static void test_metrics(void)
+{
+    srv_t s;
+    int calls = 0;
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    raw_resp_t r = raw(&s, "GET", "/metrics", NULL, 0, 0);
+    CHECK_EQ_INT(r.status, 200);
+    CHECK_STR_CONTAINS(r.body, "# TYPE kvferry_registry_ranks_registered "
+                       "gauge\nkvferry_registry_ranks_registered 0\n");
+    CHECK(r.body && strstr(r.body, "kvferry_rooms{") == NULL);
+    free(r.body);
+
+    RAW_CHECK(&s, "GET", "/nope", NULL, 404, "");
+    kvf__bootstrap_set_stats_cb(s.bs, fake_stats, &calls);
+    r = raw(&s, "GET", "/metrics", NULL, 0, 0);
+    CHECK_EQ_INT(r.status, 200);
+    CHECK_EQ_INT(calls, 1);
+    const char *want[] = {
+        "# HELP kvferry_registry_requests_total ",
+        "# TYPE kvferry_registry_requests_total counter\n",
+        "kvferry_registry_requests_total{route=\"/metrics\",method=\"GET\","
+        "code=\"200\"} 1\n",
+        "kvferry_registry_requests_total{route=\"other\",method=\"GET\","
+        "code=\"404\"} 1\n",
+        "# TYPE kvferry_rooms gauge\n",
+        "kvferry_rooms{state=\"bootstrapping\"} 3\n",
+        "kvferry_rooms{state=\"waiting_for_input\"} 2\n",
+        "kvferry_rooms{state=\"transferring\"} 1\n",
+        "# TYPE kvferry_rooms_total counter\n",
+        "kvferry_rooms_total{result=\"success\"} 40\n",
+        "kvferry_rooms_total{result=\"failed\"} 2\n",
+        "kvferry_bytes_total{direction=\"sent\"} 123456789\n",
+        "kvferry_bytes_total{direction=\"received\"} 7\n",
+        "kvferry_failures_total{class=\"room\"} 1\n",
+        "kvferry_failures_total{class=\"peer\"} 1\n",
+        "kvferry_failures_total{class=\"other\"} 0\n",
+        "# TYPE kvferry_peers_connected gauge\n",
+        "kvferry_peers_connected 4\n",
+    };
+    for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++)
+        CHECK_STR_CONTAINS(r.body, want[i]);
+    free(r.body);
+
+    kvf__bootstrap_set_stats_cb(s.bs, NULL, NULL);
+    r = raw(&s, "GET", "/metrics", NULL, 0, 0);
+    CHECK(r.body && strstr(r.body, "kvferry_peers_connected") == NULL);
+    CHECK_EQ_INT(calls, 1);
+    free(r.body);
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static int free_port(void)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET};
+    socklen_t len = sizeof(a);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 ||
+        getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static void test_unreachable(void)
+{
+    char addr[64], err[512] = "";
+    int port = free_port();
+    kvf_bs_reg_t r = mkreg(1, 0, 17000);
+
+    CHECK(port > 0);
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", port);
+    uint64_t t0 = kvf_now_ms();
+    CHECK_EQ_INT(kvf__bs_register(addr, &r, 700, err, sizeof(err)),
+                 KVF_ERR_BOOTSTRAP);
+    uint64_t dt = kvf_now_ms() - t0;
+    CHECK(dt >= 650 && dt < 1700);
+    char want[256];
+    snprintf(want, sizeof(want), "bootstrap registry %s unreachable: "
+             "Couldn't connect to server (PUT /route)", addr);
+    CHECK_STR_CONTAINS(err, want);
+    CHECK_STR_CONTAINS(err, "attempts in");
+    CHECK(strchr(err, '\n') == NULL);
+
+    CHECK_EQ_INT(kvf__bs_health(addr, 500, err, sizeof(err)),
+                 KVF_ERR_BOOTSTRAP);
+    CHECK_STR_CONTAINS(err, "unreachable");
+    CHECK_EQ_INT(kvf__bs_health("nonsense", 500, err, sizeof(err)),
+                 KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(err, "not host:port");
+    CHECK_EQ_INT(kvf__bs_health("127.0.0.1:0", 500, err, sizeof(err)),
+                 KVF_ERR_INVALID_PARAM);
+}
+
+static int count_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    while (d && readdir(d))
+        n++;
+    if (d)
+        closedir(d);
+    return n;
+}
+
+static void test_create_errors(void)
+{
+    kvf_bootstrap_t *a, *b;
+
+    int fds = count_fds();
+    CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 0, &a), KVF_OK);
+    int port = kvf_bootstrap_port(a);
+    CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", port, &b), KVF_ERR_IO);
+    CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 70000, &b),
+                 KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(kvf_bootstrap_create("no-such-host.invalid", 0, &b),
+                 KVF_ERR_IO);
+    kvf_bootstrap_destroy(a);
+    kvf_bootstrap_destroy(NULL);
+    CHECK_EQ_INT(count_fds(), fds);
+}
+
+typedef struct hammer { const char *addr; int id, failures; } hammer_t;
+
+static void *hammer_main(void *arg)
+{
+    hammer_t *h = arg;
+    char err[512];
+    for (int i = 0; i < 40; i++) {
+        uint64_t room = (uint64_t)h->id * 1000 + (uint64_t)i;
+        int dp = -1;
+        if (kvf__bs_register_dp_rank(h->addr, room, h->id, TMO, err,
+                                     sizeof(err)) != KVF_OK ||
+            kvf__bs_query_dp_ranks(h->addr, &room, 1, &dp, TMO, err,
+                                   sizeof(err)) != KVF_OK ||
+            dp != h->id || kvf__bs_health(h->addr, TMO, err, sizeof(err)))
+            h->failures++;
+    }
+    return NULL;
+}
+
+static void test_concurrent_clients(void)
+{
+    srv_t s;
+    pthread_t t[8];
+    hammer_t h[8];
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    for (int i = 0; i < 8; i++) {
+        h[i] = (hammer_t){.addr = s.addr, .id = i};
+        pthread_create(&t[i], NULL, hammer_main, &h[i]);
+    }
+    for (int i = 0; i < 8; i++) {
+        pthread_join(t[i], NULL);
+        CHECK_EQ_INT(h[i].failures, 0);
+    }
+    kvf_bootstrap_destroy(s.bs);
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_split_addr),
+              KVF_CASE(test_health_routes_methods),
+              KVF_CASE(test_register_until_ready),
+              KVF_CASE(test_route_params),
+              KVF_CASE(test_bad_bodies),
+              KVF_CASE(test_conflict_and_reregister),
+              KVF_CASE(test_dp_layouts),
+              KVF_CASE(test_dp_rooms),
+              KVF_CASE(test_room_eviction),
+              KVF_CASE(test_metrics),
+              KVF_CASE(test_unreachable),
+              KVF_CASE(test_create_errors),
+              KVF_CASE(test_concurrent_clients))

@@ -1,0 +1,260 @@
+/*
+ * Engine tests in one process: a prefill engine (hosting the registry) and
+ * a decode engine talking over real loopback TCP.  The multi-process tests
+ * (tests/mp) cover separate processes; these pin down the API contract.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvferry/kvferry.h"
+#include "unit/kvf_test.h"
+
+#define LAYERS   2
+#define NKV      (2 * LAYERS)
+#define HEADS    2
+#define HEAD_B   32
+#define PAGE     4
+#define PAGES    64
+#define PAGE_B   (PAGE * HEADS * HEAD_B)
+#define AUX_B    16
+#define SLOTS    8
+
+typedef struct side {
+    kvf_engine_t *eng;
+    uint8_t      *kv[NKV];
+    uint8_t      *aux;
+    uint8_t      *state;
+} side_t;
+
+static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs,
+                      uint32_t page_size, const char *dtype, int with_state)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = role;
+    p.bootstrap_addr = bs;
+    p.host_bootstrap = host_bs;
+    p.bootstrap_timeout_ms = 5000;
+    p.transfer_timeout_ms = 5000;
+    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
+
+    kvf_buffer_t kv[NKV], aux, st;
+    size_t page_b = (size_t)page_size * HEADS * HEAD_B;
+    for (int i = 0; i < NKV; i++) {
+        s->kv[i] = calloc(PAGES, page_b);
+        kv[i] = (kvf_buffer_t){s->kv[i], PAGES * page_b, page_b};
+    }
+    s->aux = calloc(SLOTS, AUX_B);
+    aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
+    s->state = calloc(SLOTS, 8);
+    st = (kvf_buffer_t){s->state, SLOTS * 8, 8};
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = page_size;
+    l.kv_dtype = dtype;
+    l.num_layers = LAYERS;
+    l.heads_per_rank = l.total_heads = HEADS;
+    l.bytes_per_head = HEAD_B;
+    l.num_kv = NKV;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;
+    l.num_state = with_state ? 1 : 0;
+    l.state = &st;
+    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
+}
+
+static void side_fini(side_t *s)
+{
+    kvf_engine_destroy(s->eng);
+    for (int i = 0; i < NKV; i++)
+        free(s->kv[i]);
+    free(s->aux);
+    free(s->state);
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* Poll both until final or 10 s. */
+static void wait_final(kvf_sender_t *s, kvf_receiver_t *r)
+{
+    for (int i = 0; i < 10000; i++) {
+        kvf_poll_t a = s ? kvf_sender_poll(s) : KVF_POLL_SUCCESS;
+        kvf_poll_t b = r ? kvf_receiver_poll(r) : KVF_POLL_SUCCESS;
+        if ((a == KVF_POLL_SUCCESS || a == KVF_POLL_FAILED) &&
+            (b == KVF_POLL_SUCCESS || b == KVF_POLL_FAILED))
+            return;
+        sleep_ms(1);
+    }
+}
+
+static void wait_state(kvf_sender_t *s, kvf_poll_t want)
+{
+    for (int i = 0; i < 10000 && kvf_sender_poll(s) < want &&
+                    kvf_sender_poll(s) != KVF_POLL_FAILED; i++)
+        sleep_ms(1);
+}
+
+static void pair_up(side_t *pre, side_t *dec, uint32_t dec_page, const char *dec_dtype,
+                    char *bs, size_t bslen)
+{
+    side_init(pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre->eng, bs, bslen), KVF_OK);
+    side_init(dec, KVF_ROLE_DECODE, NULL, 0, dec_page, dec_dtype, 1);
+}
+
+static void test_one_room(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 7 + b * 13 + 1);
+    memcpy(pre.aux + 3 * AUX_B, "room-42-tag-0001", AUX_B);
+    pre.state[5 * 8] = 0x5a;
+
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    uint32_t src[6] = {10, 11, 12, 30, 31, 2};
+    uint32_t dst[6] = {40, 41, 7, 8, 9, 63};
+    uint32_t sst = 5, dst_state = 1;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 42, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 42, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, 6, 2, &dst_state, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, 6, 2, &dst_state, 1), KVF_ERR_STATE);
+    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 6, 3), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_init(s, 6, 3), KVF_ERR_STATE);
+    CHECK_EQ_INT(kvf_sender_set_state(s, &sst, 1), KVF_OK);
+    uint32_t bad = PAGES;
+    CHECK_EQ_INT(kvf_sender_send(s, &bad, 1, 0), KVF_ERR_OUT_OF_RANGE);
+    CHECK_EQ_INT(kvf_sender_send(s, src, 4, 0), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src + 4, 1, 1), KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(kvf_sender_send(s, src + 4, 2, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src, 1, 1), KVF_ERR_STATE);
+    wait_final(s, r);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
+    for (int b = 0; b < NKV; b++)
+        for (int i = 0; i < 6; i++)
+            CHECK(memcmp(dec.kv[b] + (size_t)dst[i] * PAGE_B,
+                         pre.kv[b] + (size_t)src[i] * PAGE_B, PAGE_B) == 0);
+    CHECK(memcmp(dec.aux + 2 * AUX_B, "room-42-tag-0001", AUX_B) == 0);
+    CHECK_EQ_INT(dec.state[1 * 8], 0x5a);
+    /* Nothing outside the destination was touched. */
+    CHECK_EQ_INT(dec.kv[0][0], 0);
+    CHECK_EQ_INT(dec.aux[0], 0);
+    kvf_failure_t f;
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_ERR_AGAIN);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+
+    kvf_engine_stats_t st;
+    kvf_engine_stats(dec.eng, &st);
+    CHECK_EQ_INT(st.rooms_succeeded, 1);
+    CHECK(st.bytes_received == 6ull * PAGE_B * NKV + AUX_B + 8);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_page_size_mismatch(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, 1, "bfloat16", bs, sizeof(bs));
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    uint32_t dst[2] = {1, 2};
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 7, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 7, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
+    wait_final(s, r);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
+    kvf_failure_t f;
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_INCOMPATIBLE);
+    CHECK_STR_CONTAINS(f.reason, "Page size mismatch: prefill server has page_size=4, "
+                                 "but decode server has page_size=1.");
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_ERR_NOT_FOUND);
+    CHECK_EQ_INT(kvf_sender_failure(s, &f), KVF_OK);
+    CHECK_STR_CONTAINS(f.reason, "Page size mismatch");
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    CHECK_EQ_INT(f.origin_side, KVF_ROLE_DECODE);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_abort_propagates(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    uint32_t dst[2] = {1, 2};
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 9, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 9, &s), KVF_ERR_ROOM_IN_USE);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 9, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
+    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    kvf_receiver_abort(r);
+    wait_final(s, r);
+    kvf_failure_t f;
+    CHECK_EQ_INT(kvf_sender_failure(s, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    CHECK_STR_CONTAINS(f.reason, "aborted by the application on decode rank 0");
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_bad_calls(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    kvf_receiver_t *r;
+    uint32_t dup[2] = {3, 3}, big[1] = {PAGES};
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, "no-port", 1, -1, &r), KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 1, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, big, 1, 0, NULL, 0), KVF_ERR_OUT_OF_RANGE);
+    CHECK_EQ_INT(kvf_receiver_init(r, dup, 2, 0, NULL, 0), KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(kvf_receiver_init(r, dup, 1, SLOTS, NULL, 0), KVF_ERR_OUT_OF_RANGE);
+    kvf_receiver_destroy(r);
+    kvf_sender_t *s;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 2, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, dup, 1, 0), KVF_ERR_STATE);
+    kvf_sender_destroy(s);
+    CHECK_EQ_INT(kvf_sender_create(dec.eng, bs, 3, &s), KVF_ERR_STATE);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_status_strings(void)
+{
+    CHECK(strcmp(kvf_status_name(KVF_ERR_TIMED_OUT), "KVF_ERR_TIMED_OUT") == 0);
+    CHECK(strcmp(kvf_status_str(KVF_OK), "success") == 0);
+    CHECK(strcmp(kvf_status_str((kvf_status_t)-999), "unknown status") == 0);
+    CHECK(strcmp(kvf_poll_name(KVF_POLL_WAITING_FOR_INPUT), "WaitingForInput") == 0);
+    CHECK(KVF_POLL_FAILED < KVF_POLL_BOOTSTRAPPING &&
+          KVF_POLL_TRANSFERRING < KVF_POLL_SUCCESS);
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
+              KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
+              KVF_CASE(test_bad_calls))

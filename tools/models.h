@@ -1,0 +1,83 @@
+/*
+ * Model KV layouts for the kvferry tool.
+ *
+ * A model is named by its KV geometry only: layers, KV heads, values per
+ * head (MHA/GQA) or values per token (MLA).  kvt_geom_t is one rank's view
+ * of it for a given TP size, dtype and page size: how many KV buffers, which
+ * GLOBAL heads this rank holds, and the byte layout of a page, which is the
+ * same on prefill and decode:
+ *
+ *   offset = ((page * page_size + slot) * heads_per_rank + h_local)
+ *            * bytes_per_head + byte
+ *
+ * Data is defined over global heads (see pattern.h), so a decode rank can
+ * verify the heads it holds whatever the prefill TP size was.
+ */
+#ifndef KVT_MODELS_H
+#define KVT_MODELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "kvferry/kvferry.h"
+
+typedef struct kvt_model {
+    const char     *name;
+    kvf_attn_kind_t attn;
+    uint32_t        num_layers;
+    uint32_t        kv_heads;   /**< MHA: KV heads of the model; MLA: 1 */
+    uint32_t        head_dim;   /**< MHA: values per head; MLA: values per token */
+    const char     *note;       /**< one line for the usage text */
+} kvt_model_t;
+
+typedef struct kvt_dtype {
+    const char *name;
+    uint32_t    bytes;
+} kvt_dtype_t;
+
+/** One rank's layout of a model. */
+typedef struct kvt_geom {
+    const kvt_model_t *model;
+    const kvt_dtype_t *dtype;
+    uint32_t tp_size;
+    uint32_t tp_rank;
+    uint32_t page_size;       /**< tokens per page */
+    uint32_t num_buffers;     /**< KV buffers: 2 per layer (MHA) or 1 (MLA) */
+    uint32_t total_heads;     /**< logical heads: kv_heads (MHA) or 1 (MLA) */
+    uint32_t heads_per_rank;
+    uint32_t head_first;      /**< GLOBAL index of this rank's first head */
+    uint32_t bytes_per_head;  /**< bytes of one head of one token */
+    size_t   token_bytes;     /**< heads_per_rank * bytes_per_head */
+    size_t   page_bytes;      /**< page_size * token_bytes: one page of one buffer */
+} kvt_geom_t;
+
+/** Bytes of the aux slot that carries a room's tag (pattern.h). */
+#define KVT_AUX_SLOT_BYTES 64
+
+const kvt_model_t *kvt_model_find(const char *name);
+const kvt_dtype_t *kvt_dtype_find(const char *name);
+
+/** Print the known models and dtypes, one per line, indented. */
+void kvt_models_print(FILE *out);
+
+/**
+ * Check that `tp_size` can split `model`'s KV heads: it must divide them, or
+ * be a multiple of them (GQA replication).  On error writes a message that
+ * names `option` (e.g. "--decode-tp") into err and returns -1.
+ */
+int kvt_tp_check(const kvt_model_t *model, uint32_t tp_size,
+                 const char *option, char *err, size_t errlen);
+
+/** Fill `g` for one rank.  Arguments must have passed kvt_tp_check(). */
+void kvt_geom_init(kvt_geom_t *g, const kvt_model_t *model,
+                   const kvt_dtype_t *dtype, uint32_t tp_size,
+                   uint32_t tp_rank, uint32_t page_size);
+
+/** Pages a room of `tokens` tokens needs (the last may be partly used). */
+static inline uint32_t kvt_pages_for(uint32_t tokens, uint32_t page_size)
+{
+    return (tokens + page_size - 1) / page_size;
+}
+
+#endif /* KVT_MODELS_H */

@@ -1,0 +1,69 @@
+/*
+ * Options of `kvferry demo` and of its `_rank` processes.
+ *
+ * One table describes every option once: the parser, the usage text and the
+ * argv the orchestrator hands to each rank process are all generated from
+ * it, so a new option (--fault, --prefill-pp, ...) is one table row plus a
+ * struct field, and the ranks can never disagree with the orchestrator on
+ * a default: the orchestrator resolves defaults and forwards every value
+ * explicitly.
+ */
+#ifndef KVT_OPTS_H
+#define KVT_OPTS_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+typedef struct kvt_opts {
+    const char *model;
+    uint32_t    requests;
+    uint32_t    tokens;
+    uint32_t    chunk;             /**< 0: all tokens in one send */
+    uint32_t    page_size;
+    uint32_t    decode_page_size;  /**< 0: same as page_size */
+    const char *kv_dtype;
+    const char *decode_kv_dtype;   /**< NULL: same as kv_dtype */
+    uint32_t    prefill_tp;
+    uint32_t    decode_tp;
+    uint32_t    concurrency;
+    uint64_t    seed;
+    uint32_t    timeout;           /**< seconds */
+    int         checksum;
+    const char *transport;         /**< NULL: the engine's default */
+    int         contiguous;        /**< decode pages contiguous, not scattered */
+    int         json;
+    /* _rank only */
+    const char *role;              /**< "prefill" or "decode" */
+    uint32_t    rank;
+    const char *registry;          /**< "host:port" */
+} kvt_opts_t;
+
+typedef enum kvt_opts_mode {
+    KVT_OPTS_DEMO,   /**< `kvferry demo`: public options */
+    KVT_OPTS_RANK    /**< `kvferry _rank`: forwarded options + rank identity */
+} kvt_opts_mode_t;
+
+void kvt_opts_defaults(kvt_opts_t *o);
+
+/**
+ * Parse argv[first..argc).  An unknown option or a bad value prints a
+ * message to stderr and returns -1 (the caller exits 2).  "--help" returns 1.
+ */
+int kvt_opts_parse(kvt_opts_t *o, kvt_opts_mode_t mode, int argc,
+                   char **argv, int first);
+
+/** Fill derived defaults and check consistency; -1 with a message printed. */
+int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode);
+
+/** Print the option list of `kvferry demo`. */
+void kvt_opts_usage(FILE *out);
+
+/**
+ * The forwarded options of `o` as a malloc'd argv fragment (every value
+ * explicit, NULL-terminated), for a rank process.  Free with
+ * kvt_opts_argv_free().  NULL when out of memory.
+ */
+char **kvt_opts_argv(const kvt_opts_t *o);
+void kvt_opts_argv_free(char **argv);
+
+#endif /* KVT_OPTS_H */

@@ -1,0 +1,661 @@
+/*
+ * `kvferry _rank`: one prefill or decode rank of `kvferry demo`, a process
+ * of its own, driven like a scheduler drives kvferry.
+ *
+ * It creates an engine, registers KV buffers shaped like the model's (a
+ * pool of pages per buffer, twice what the rooms in flight need, so decode
+ * pages can be scattered), says "ready" on stdout, waits for "go" on stdin,
+ * then runs the rooms in index order with a window of --concurrency rooms
+ * in flight, polling them in a loop as a scheduler step would.
+ *
+ * Protocol with the orchestrator: stdin carries commands (one per line;
+ * "go" for now), stdout carries events, one JSON object per line:
+ *   {"event":"ready", side, rank, addr, pid, ...}
+ *   {"event":"phase", side, rank, room, index, phase}   bootstrap, waiting,
+ *        mid (prefill sent a non-last chunk), last (prefill sent the last
+ *        chunk), transferring (decode saw TRANSFERRING)
+ *   {"event":"room", side, rank, room, index, state, verified, bytes,
+ *        start, end, failure?}                          a room became final
+ *   {"event":"result", side, rank, rooms[], failures[], bytes, start, end,
+ *        stats}                                         the last line
+ *   {"event":"error", side, rank, message}              a fatal setup error
+ * Per-room events let the orchestrator account for rooms of a rank that is
+ * later killed, and are what a fault injector keys its timing on.  Logs go
+ * to stderr.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "kvferry/kvferry.h"
+#include "models.h"
+#include "opts.h"
+#include "pattern.h"
+#include "pool.h"
+#include "tool.h"
+
+typedef enum kvt_stage {
+    KVT_FREE = 0,   /* window slot unused */
+    KVT_BOOT,       /* prefill: waiting for WAITING_FOR_INPUT */
+    KVT_SEND,       /* prefill: sending chunks, one per loop turn */
+    KVT_WAIT,       /* waiting for SUCCESS or FAILED */
+} kvt_stage_t;
+
+typedef struct kvt_room {
+    kvt_stage_t     stage;
+    uint32_t        index;
+    uint64_t        id;
+    kvf_sender_t   *snd;
+    kvf_receiver_t *rcv;
+    kvf_poll_t      seen;      /* highest state reported as a phase */
+    uint32_t       *pages;     /* room_pages entries, owned by the rank */
+    int             has_pages;
+    uint32_t        sent;      /* prefill: pages sent so far */
+    uint32_t        aux_slot;
+    int             has_aux;
+    double          start;
+} kvt_room_t;
+
+typedef struct kvt_rank {
+    kvt_opts_t      o;
+    int             prefill;
+    const char     *side;
+    kvt_geom_t      g;
+    kvf_engine_t   *eng;
+    char            addr[KVF_ADDR_MAX];
+    uint8_t        *kv;            /* num_buffers * buf_len bytes */
+    size_t          kv_len;
+    size_t          buf_len;       /* one buffer: pool_pages * page_bytes */
+    uint8_t        *aux;
+    uint32_t        aux_slots;
+    kvt_pool_t      pages;
+    kvt_pool_t      slots;
+    uint32_t        room_pages;
+    uint32_t        chunk_pages;
+    kvt_room_t     *win;           /* concurrency slots */
+    uint32_t       *page_store;
+    json_t         *rooms;
+    json_t         *failures;
+    uint64_t        bytes;
+    double          first_start;
+    double          last_end;
+} kvt_rank_t;
+
+/* ------------------------------------------------------------------------ */
+/* Events                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* Write one event line and steal `ev`.  stdout is a pipe to the
+ * orchestrator: flush per line so it sees progress as it happens. */
+static void kvt_emit(kvt_rank_t *r, const char *event, json_t *ev)
+{
+    if (!ev) {
+        fprintf(stderr, "kvferry _rank %s[%u]: cannot build the '%s' event "
+                "(out of memory?)\n", r->side, r->o.rank, event);
+        return;
+    }
+    json_object_set_new(ev, "event", json_string(event));
+    json_object_set_new(ev, "side", json_string(r->side));
+    json_object_set_new(ev, "rank", json_integer(r->o.rank));
+    char *s = json_dumps(ev, JSON_COMPACT);
+    if (s) {
+        fputs(s, stdout);
+        fputc('\n', stdout);
+        fflush(stdout);
+        free(s);
+    }
+    json_decref(ev);
+}
+
+static void kvt_emit_phase(kvt_rank_t *r, const kvt_room_t *rm,
+                           const char *phase)
+{
+    kvt_emit(r, "phase", json_pack("{s:I, s:i, s:s}", "room", (json_int_t)rm->id,
+                                   "index", (int)rm->index, "phase", phase));
+}
+
+static void kvt_fatal(kvt_rank_t *r, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static void kvt_fatal(kvt_rank_t *r, const char *fmt, ...)
+{
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof(msg), fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "kvferry _rank %s[%u]: %s\n", r->side, r->o.rank, msg);
+    kvt_emit(r, "error", json_pack("{s:s}", "message", msg));
+}
+
+/* A failure record, as reported on stdout. */
+static json_t *kvt_failure_json(kvt_rank_t *r, const kvt_room_t *rm,
+                                const char *status, const char *reason,
+                                int from_another, const char *origin_side,
+                                int origin_rank, const char *origin_addr)
+{
+    return json_pack("{s:I, s:i, s:i, s:s, s:s, s:b, s:s, s:s, s:i, s:s}",
+                     "room", (json_int_t)rm->id, "index", (int)rm->index,
+                     "rank", (int)r->o.rank, "side", r->side,
+                     "reason", reason, "from_another_rank", from_another,
+                     "status", status, "origin_side", origin_side,
+                     "origin_rank", origin_rank, "origin_addr", origin_addr);
+}
+
+/* A failure this process detected itself (a refused call, bad data). */
+static json_t *kvt_local_failure(kvt_rank_t *r, const kvt_room_t *rm,
+                                 const char *status, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static json_t *kvt_local_failure(kvt_rank_t *r, const kvt_room_t *rm,
+                                 const char *status, const char *fmt, ...)
+{
+    char reason[KVF_REASON_MAX + 128];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(reason, sizeof(reason), fmt, ap);
+    va_end(ap);
+    return kvt_failure_json(r, rm, status, reason, 0, r->side, (int)r->o.rank,
+                            r->addr);
+}
+
+/* The engine's failure record of a FAILED room (consumed here, once). */
+static json_t *kvt_engine_failure(kvt_rank_t *r, kvt_room_t *rm)
+{
+    kvf_failure_t f;
+    memset(&f, 0, sizeof(f));
+    kvf_status_t st = r->prefill ? kvf_sender_failure(rm->snd, &f)
+                                 : kvf_receiver_failure(rm->rcv, &f);
+    if (st != KVF_OK)
+        return kvt_local_failure(r, rm, kvf_status_name(st),
+                                 "room FAILED but its failure record could "
+                                 "not be read: %s (engine bug)",
+                                 kvf_status_str(st));
+    f.reason[sizeof(f.reason) - 1] = '\0';
+    f.origin_addr[sizeof(f.origin_addr) - 1] = '\0';
+    return kvt_failure_json(r, rm, kvf_status_name(f.status), f.reason,
+                            f.from_another_rank, kvf_role_name(f.origin_side),
+                            f.origin_rank, f.origin_addr);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Pages                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static uint8_t *kvt_page(kvt_rank_t *r, uint32_t buffer, uint32_t page)
+{
+    return r->kv + (size_t)buffer * r->buf_len + (size_t)page * r->g.page_bytes;
+}
+
+static uint8_t *kvt_aux(kvt_rank_t *r, uint32_t slot)
+{
+    return r->aux + (size_t)slot * KVT_AUX_SLOT_BYTES;
+}
+
+static uint64_t kvt_room_bytes(const kvt_rank_t *r)
+{
+    return (uint64_t)r->room_pages * r->g.page_bytes * r->g.num_buffers;
+}
+
+/* Decode: check every byte of every page of every buffer, then the aux
+ * record.  @return NULL if all is right, else the failure record. */
+static json_t *kvt_verify_room(kvt_rank_t *r, kvt_room_t *rm)
+{
+    const kvt_geom_t *g = &r->g;
+    for (uint32_t b = 0; b < g->num_buffers; b++) {
+        for (uint32_t i = 0; i < r->room_pages; i++) {
+            kvt_mismatch_t mm;
+            if (kvt_pattern_verify(kvt_page(r, b, rm->pages[i]), g, rm->id, b,
+                                   i * g->page_size, g->page_size, &mm) == 0)
+                continue;
+            return kvt_local_failure(
+                r, rm, "VERIFY_FAILED",
+                "verification failed after SUCCESS: buffer %u (layer %u %s), "
+                "room page %u = decode page %u, token %u, head %u, byte %u: "
+                "expected 0x%02x, found 0x%02x (the engine reported data "
+                "that is not in place)", mm.buffer,
+                g->model->attn == KVF_ATTN_MLA ? mm.buffer : mm.buffer / 2,
+                g->model->attn == KVF_ATTN_MLA ? "KV" : (mm.buffer % 2 ? "V" : "K"),
+                i, rm->pages[i], mm.token, mm.head, mm.byte, mm.expected, mm.got);
+        }
+    }
+    char why[256];
+    if (kvt_aux_check(kvt_aux(r, rm->aux_slot), rm->id, why, sizeof(why)))
+        return kvt_local_failure(r, rm, "VERIFY_FAILED",
+                                 "verification failed after SUCCESS: %s", why);
+    return NULL;
+}
+
+static void kvt_release(kvt_rank_t *r, kvt_room_t *rm)
+{
+    if (rm->has_pages) {
+        /* Decode zeroes what it returns, so a later room that got no data
+         * can never verify against stale bytes of an earlier one. */
+        if (!r->prefill)
+            for (uint32_t b = 0; b < r->g.num_buffers; b++)
+                for (uint32_t i = 0; i < r->room_pages; i++)
+                    memset(kvt_page(r, b, rm->pages[i]), 0, r->g.page_bytes);
+        kvt_pool_give(&r->pages, rm->pages, r->room_pages);
+        rm->has_pages = 0;
+    }
+    if (rm->has_aux) {
+        memset(kvt_aux(r, rm->aux_slot), 0, KVT_AUX_SLOT_BYTES);
+        kvt_pool_give(&r->slots, &rm->aux_slot, 1);
+        rm->has_aux = 0;
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Rooms                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* The room is final on this rank: verify (decode, SUCCESS), report,
+ * destroy the handle, then give its pages back. */
+static void kvt_finish(kvt_rank_t *r, kvt_room_t *rm, kvf_poll_t state,
+                       json_t *failure)
+{
+    double end = kvt_wall_now();
+    uint64_t bytes = 0;
+    int verified = 0;
+
+    if (state == KVF_POLL_FAILED && !failure)
+        failure = kvt_engine_failure(r, rm);
+    if (state == KVF_POLL_SUCCESS) {
+        if (r->prefill) {
+            bytes = kvt_room_bytes(r);
+        } else {
+            failure = kvt_verify_room(r, rm);
+            verified = failure == NULL;
+            bytes = verified ? kvt_room_bytes(r) : 0;
+        }
+    }
+    /* Destroy before touching the pages: after kvf_receiver_destroy no
+     * write into them can land, and prefill pages are no longer read. */
+    if (rm->snd)
+        kvf_sender_destroy(rm->snd);
+    if (rm->rcv)
+        kvf_receiver_destroy(rm->rcv);
+    rm->snd = NULL;
+    rm->rcv = NULL;
+    kvt_release(r, rm);
+
+    r->bytes += bytes;
+    if (end > r->last_end)
+        r->last_end = end;
+    json_t *res = json_pack("{s:I, s:i, s:s, s:o, s:I, s:f, s:f}",
+                            "room", (json_int_t)rm->id, "index", (int)rm->index,
+                            "state", kvf_poll_name(state),
+                            "verified", r->prefill ? json_null() : json_boolean(verified),
+                            "bytes", (json_int_t)bytes, "start", rm->start,
+                            "end", end);
+    if (failure) {
+        json_array_append(r->failures, failure);
+        json_object_set_new(res, "failure", failure);
+    }
+    json_array_append_new(r->rooms, res);
+    kvt_emit(r, "room", json_copy(res));   /* shallow: the event fields stay out of r->rooms */
+    rm->stage = KVT_FREE;
+}
+
+/* A call the demo makes was refused: the room fails here with that reason,
+ * and the abort tells its peers. */
+static void kvt_call_failed(kvt_rank_t *r, kvt_room_t *rm, const char *call,
+                            kvf_status_t st)
+{
+    json_t *f = kvt_local_failure(r, rm, kvf_status_name(st),
+                                  "%s refused the room: %s (%s)", call,
+                                  kvf_status_str(st), kvf_status_name(st));
+    if (rm->snd)
+        kvf_sender_abort(rm->snd);
+    if (rm->rcv)
+        kvf_receiver_abort(rm->rcv);
+    kvt_finish(r, rm, KVF_POLL_FAILED, f);
+}
+
+static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index)
+{
+    uint32_t *pages = rm->pages;
+    memset(rm, 0, sizeof(*rm));
+    rm->pages = pages;
+    rm->index = index;
+    rm->id = kvt_room_id(r->o.seed, index);
+    rm->start = kvt_wall_now();
+    rm->seen = KVF_POLL_BOOTSTRAPPING;
+    if (r->first_start == 0)
+        r->first_start = rm->start;
+    kvf_status_t st;
+    if (r->prefill) {
+        rm->stage = KVT_BOOT;
+        st = kvf_sender_create(r->eng, r->o.registry, rm->id, &rm->snd);
+        if (st != KVF_OK) {
+            kvt_call_failed(r, rm, "kvf_sender_create", st);
+            return;
+        }
+        kvt_emit_phase(r, rm, "bootstrap");
+        return;
+    }
+    rm->stage = KVT_WAIT;
+    st = kvf_receiver_create(r->eng, r->o.registry, rm->id, -1, &rm->rcv);
+    if (st != KVF_OK) {
+        kvt_call_failed(r, rm, "kvf_receiver_create", st);
+        return;
+    }
+    kvt_emit_phase(r, rm, "bootstrap");
+    /* The window never holds more rooms than the pools were sized for. */
+    if (kvt_pool_take(&r->pages, r->room_pages, rm->pages) ||
+        kvt_pool_take(&r->slots, 1, &rm->aux_slot))
+        abort();
+    rm->has_pages = rm->has_aux = 1;
+    st = kvf_receiver_init(rm->rcv, rm->pages, r->room_pages, rm->aux_slot,
+                           NULL, 0);
+    if (st != KVF_OK)
+        kvt_call_failed(r, rm, "kvf_receiver_init", st);
+}
+
+/* Prefill: "compute" one chunk (fill its pages) and send it. */
+static void kvt_send_chunk(kvt_rank_t *r, kvt_room_t *rm)
+{
+    uint32_t n = r->room_pages - rm->sent;
+    if (n > r->chunk_pages)
+        n = r->chunk_pages;
+    int last = rm->sent + n == r->room_pages;
+    for (uint32_t b = 0; b < r->g.num_buffers; b++)
+        for (uint32_t i = rm->sent; i < rm->sent + n; i++)
+            kvt_pattern_fill(kvt_page(r, b, rm->pages[i]), &r->g, rm->id, b,
+                             i * r->g.page_size, r->g.page_size);
+    if (last)
+        kvt_aux_fill(kvt_aux(r, rm->aux_slot), rm->id);
+    kvf_status_t st = kvf_sender_send(rm->snd, rm->pages + rm->sent, n, last);
+    if (st != KVF_OK) {
+        /* Refused because the room failed meanwhile: report that cause. */
+        if (kvf_sender_poll(rm->snd) == KVF_POLL_FAILED)
+            kvt_finish(r, rm, KVF_POLL_FAILED, NULL);
+        else
+            kvt_call_failed(r, rm, "kvf_sender_send", st);
+        return;
+    }
+    rm->sent += n;
+    kvt_emit_phase(r, rm, last ? "last" : "mid");
+    if (last)
+        rm->stage = KVT_WAIT;
+}
+
+/* One poll of one room.  @return 1 if anything happened. */
+static int kvt_progress(kvt_rank_t *r, kvt_room_t *rm)
+{
+    kvf_poll_t st = r->prefill ? kvf_sender_poll(rm->snd)
+                               : kvf_receiver_poll(rm->rcv);
+    if (st == KVF_POLL_FAILED) {
+        kvt_finish(r, rm, st, NULL);
+        return 1;
+    }
+    int changed = 0;
+    if (st > rm->seen && st < KVF_POLL_SUCCESS) {
+        /* Prefill reports its own sends as phases, decode what it sees. */
+        if (st == KVF_POLL_WAITING_FOR_INPUT || !r->prefill)
+            kvt_emit_phase(r, rm, st == KVF_POLL_WAITING_FOR_INPUT
+                                      ? "waiting" : "transferring");
+        rm->seen = st;
+        changed = 1;
+    }
+    switch (rm->stage) {
+    case KVT_BOOT: {
+        if (st < KVF_POLL_WAITING_FOR_INPUT)
+            return changed;
+        if (kvt_pool_take(&r->pages, r->room_pages, rm->pages) ||
+            kvt_pool_take(&r->slots, 1, &rm->aux_slot))
+            abort();
+        rm->has_pages = rm->has_aux = 1;
+        kvf_status_t s = kvf_sender_init(rm->snd, r->room_pages, rm->aux_slot);
+        if (s != KVF_OK) {
+            kvt_call_failed(r, rm, "kvf_sender_init", s);
+            return 1;
+        }
+        rm->stage = KVT_SEND;
+        return 1;
+    }
+    case KVT_SEND:
+        kvt_send_chunk(r, rm);
+        return 1;
+    case KVT_WAIT:
+        if (st == KVF_POLL_SUCCESS) {
+            kvt_finish(r, rm, st, NULL);
+            return 1;
+        }
+        return changed;
+    case KVT_FREE:
+        break;
+    }
+    return changed;
+}
+
+static void kvt_run(kvt_rank_t *r)
+{
+    uint32_t next = 0, done = 0, inflight = 0, conc = r->o.concurrency;
+    while (done < r->o.requests) {
+        int changed = 0;
+        for (uint32_t i = 0; i < conc && next < r->o.requests; i++) {
+            if (r->win[i].stage != KVT_FREE)
+                continue;
+            /* Every rank starts rooms in index order, so the windows of
+             * all ranks always overlap and no room waits on a peer that
+             * has not admitted it. */
+            kvt_start(r, &r->win[i], next++);
+            inflight++;
+            changed = 1;
+        }
+        for (uint32_t i = 0; i < conc; i++) {
+            kvt_room_t *rm = &r->win[i];
+            if (rm->stage == KVT_FREE)
+                continue;
+            changed |= kvt_progress(r, rm);
+        }
+        uint32_t live = 0;
+        for (uint32_t i = 0; i < conc; i++)
+            live += r->win[i].stage != KVT_FREE;
+        done += inflight - live;
+        inflight = live;
+        if (!changed) {
+            struct timespec ts = { 0, 200 * 1000 };
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Setup                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static int kvt_setup_memory(kvt_rank_t *r)
+{
+    uint32_t conc = r->o.concurrency;
+    uint64_t pool = 2ull * conc * r->room_pages;
+    uint64_t total = pool * r->g.page_bytes * r->g.num_buffers;
+    if (pool > UINT32_MAX) {
+        kvt_fatal(r, "a pool of %" PRIu64 " pages is too large: lower "
+                  "--concurrency or --tokens", pool);
+        return -1;
+    }
+    r->buf_len = pool * r->g.page_bytes;
+    r->kv_len = total;
+    r->kv = mmap(NULL, total, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_POPULATE,
+                 -1, 0);
+    if (r->kv == MAP_FAILED) {
+        r->kv = NULL;
+        kvt_fatal(r, "cannot map %.2f GiB of KV buffers (%u buffers x %"
+                  PRIu64 " pages x %zu B): %s; lower --concurrency or --tokens",
+                  (double)total / (1 << 30), r->g.num_buffers, pool,
+                  r->g.page_bytes, strerror(errno));
+        return -1;
+    }
+    r->aux_slots = 2 * conc;
+    r->aux = calloc(r->aux_slots, KVT_AUX_SLOT_BYTES);
+    r->win = calloc(conc, sizeof(*r->win));
+    r->page_store = malloc((size_t)conc * r->room_pages * sizeof(uint32_t));
+    if (!r->aux || !r->win || !r->page_store ||
+        kvt_pool_init(&r->pages, (uint32_t)pool, !r->prefill && !r->o.contiguous,
+                      kvt_mix64(r->o.seed ^ (0xD0ull << 32 | r->o.rank))) ||
+        kvt_pool_init(&r->slots, r->aux_slots, 0, 0)) {
+        kvt_fatal(r, "out of memory");
+        return -1;
+    }
+    for (uint32_t i = 0; i < conc; i++)
+        r->win[i].pages = r->page_store + (size_t)i * r->room_pages;
+    return 0;
+}
+
+static int kvt_setup_engine(kvt_rank_t *r)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = r->prefill ? KVF_ROLE_PREFILL : KVF_ROLE_DECODE;
+    p.tp_rank = (int)r->o.rank;
+    p.tp_size = (int)r->g.tp_size;
+    p.host = "127.0.0.1";
+    p.port = 0;
+    p.bootstrap_addr = r->prefill ? r->o.registry : NULL;
+    if (r->o.transport)
+        p.transport = r->o.transport;
+    if (r->o.checksum)
+        p.checksum = 1;
+    kvf_status_t st = kvf_engine_create(&p, &r->eng);
+    if (st != KVF_OK) {
+        kvt_fatal(r, "kvf_engine_create failed: %s (%s); see the engine's "
+                  "log line above", kvf_status_str(st), kvf_status_name(st));
+        return -1;
+    }
+    if (kvf_engine_address(r->eng, r->addr, sizeof(r->addr)) != KVF_OK)
+        snprintf(r->addr, sizeof(r->addr), "?");
+
+    kvf_buffer_t *kv = calloc(r->g.num_buffers, sizeof(*kv));
+    if (!kv) {
+        kvt_fatal(r, "out of memory");
+        return -1;
+    }
+    for (uint32_t b = 0; b < r->g.num_buffers; b++) {
+        kv[b].base = r->kv + (size_t)b * r->buf_len;
+        kv[b].length = r->buf_len;
+        kv[b].item_bytes = r->g.page_bytes;
+    }
+    kvf_buffer_t aux = { r->aux, (size_t)r->aux_slots * KVT_AUX_SLOT_BYTES,
+                         KVT_AUX_SLOT_BYTES };
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = r->g.page_size;
+    l.kv_dtype = r->g.dtype->name;
+    l.attn = r->g.model->attn;
+    l.num_layers = r->g.model->num_layers;
+    l.heads_per_rank = r->g.heads_per_rank;
+    l.total_heads = r->g.total_heads;
+    l.bytes_per_head = r->g.bytes_per_head;
+    l.num_kv = r->g.num_buffers;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;
+    st = kvf_engine_register_layout(r->eng, &l);
+    free(kv);   /* the engine copies the arrays */
+    if (st != KVF_OK) {
+        kvt_fatal(r, "kvf_engine_register_layout failed: %s (%s); see the "
+                  "engine's log line above", kvf_status_str(st),
+                  kvf_status_name(st));
+        return -1;
+    }
+    return 0;
+}
+
+/* Block until the orchestrator says "go" (all ranks ready, registry
+ * complete), so that every rank starts its rooms together. */
+static int kvt_wait_go(void)
+{
+    char line[128];
+    while (fgets(line, sizeof(line), stdin)) {
+        if (strncmp(line, "go", 2) == 0)
+            return 0;
+    }
+    return -1;
+}
+
+static void kvt_cleanup(kvt_rank_t *r)
+{
+    if (r->win)
+        for (uint32_t i = 0; i < r->o.concurrency; i++) {
+            if (r->win[i].snd)
+                kvf_sender_destroy(r->win[i].snd);
+            if (r->win[i].rcv)
+                kvf_receiver_destroy(r->win[i].rcv);
+        }
+    if (r->eng)
+        kvf_engine_destroy(r->eng);
+    if (r->kv)
+        munmap(r->kv, r->kv_len);
+    kvt_pool_fini(&r->pages);
+    kvt_pool_fini(&r->slots);
+    free(r->aux);
+    free(r->win);
+    free(r->page_store);
+    json_decref(r->rooms);
+    json_decref(r->failures);
+}
+
+int kvt_rank_main(int argc, char **argv)
+{
+    kvt_rank_t r;
+    memset(&r, 0, sizeof(r));
+    kvt_opts_defaults(&r.o);
+    if (kvt_opts_parse(&r.o, KVT_OPTS_RANK, argc, argv, 2) != 0 ||
+        kvt_opts_resolve(&r.o, KVT_OPTS_RANK) != 0)
+        return 2;
+    /* The engine's sockets must not kill us; a closed stdout is handled by
+     * the orchestrator's death signal instead. */
+    signal(SIGPIPE, SIG_IGN);
+    r.prefill = strcmp(r.o.role, "prefill") == 0;
+    r.side = r.prefill ? "prefill" : "decode";
+    uint32_t page_size = r.prefill ? r.o.page_size : r.o.decode_page_size;
+    kvt_geom_init(&r.g, kvt_model_find(r.o.model),
+                  kvt_dtype_find(r.prefill ? r.o.kv_dtype : r.o.decode_kv_dtype),
+                  r.prefill ? r.o.prefill_tp : r.o.decode_tp, r.o.rank, page_size);
+    r.room_pages = kvt_pages_for(r.o.tokens, page_size);
+    r.chunk_pages = kvt_pages_for(r.o.chunk, page_size);
+    r.rooms = json_array();
+    r.failures = json_array();
+
+    int rc = 1;
+    if (kvt_setup_memory(&r) || kvt_setup_engine(&r))
+        goto out;
+    kvt_emit(&r, "ready", json_pack(
+        "{s:s, s:i, s:i, s:i, s:I, s:I, s:I}", "addr", r.addr,
+        "pid", (int)getpid(), "buffers", (int)r.g.num_buffers,
+        "heads", (int)r.g.heads_per_rank, "page_bytes", (json_int_t)r.g.page_bytes,
+        "pool_pages", (json_int_t)(r.buf_len / r.g.page_bytes),
+        "memory_bytes", (json_int_t)r.kv_len));
+    if (kvt_wait_go() != 0) {
+        fprintf(stderr, "kvferry _rank %s[%u]: stdin closed before \"go\": "
+                "the orchestrator went away\n", r.side, r.o.rank);
+        goto out;
+    }
+    kvt_run(&r);
+
+    kvf_engine_stats_t s;
+    kvf_engine_stats(r.eng, &s);
+    kvt_emit(&r, "result", json_pack(
+        "{s:s, s:O, s:O, s:I, s:f, s:f, s:{s:I, s:I, s:I, s:I}}",
+        "addr", r.addr, "rooms", r.rooms, "failures", r.failures,
+        "bytes", (json_int_t)r.bytes, "start", r.first_start, "end", r.last_end,
+        "stats", "bytes_sent", (json_int_t)s.bytes_sent,
+        "bytes_received", (json_int_t)s.bytes_received,
+        "rooms_succeeded", (json_int_t)s.rooms_succeeded,
+        "rooms_failed", (json_int_t)s.rooms_failed));
+    rc = 0;
+out:
+    kvt_cleanup(&r);
+    return rc;
+}
