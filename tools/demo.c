@@ -265,6 +265,17 @@ static int kvt_ranks_all(kvt_demo_t *d, int ready)
     return 1;
 }
 
+/* Has every rank sent its result (or gone)? */
+static int kvt_ranks_finished(kvt_demo_t *d)
+{
+    for (size_t i = 0; i < d->kids.n; i++) {
+        kvt_child_t *c = &d->kids.v[i];
+        if (c->role != KVT_CHILD_REGISTRY && !c->finished && c->out_fd >= 0)
+            return 0;
+    }
+    return 1;
+}
+
 /* Once every rank is ready and the registry knows every prefill rank,
  * release them all at once: the clock of the run starts here. */
 static void kvt_maybe_go(kvt_demo_t *d)
@@ -314,7 +325,15 @@ static void kvt_demo_loop(kvt_demo_t *d)
         kvt_demo_error(d, "out of memory");
         return;
     }
+    int released = 0;
     while (!kvt_ranks_all(d, 0)) {
+        if (!released && kvt_ranks_finished(d)) {
+            /* Every rank has reported: let them all exit together. */
+            for (size_t i = 0; i < n; i++)
+                if (d->kids.v[i].role != KVT_CHILD_REGISTRY)
+                    kvt_child_send(&d->kids.v[i], "exit\n");
+            released = 1;
+        }
         uint64_t now = kvt_mono_ms();
         if (now >= d->deadline_ms) {
             d->timed_out = 1;

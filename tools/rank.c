@@ -234,6 +234,20 @@ static json_t *kvt_verify_room(kvt_rank_t *r, kvt_room_t *rm)
     return NULL;
 }
 
+/* Pages and an aux slot for a room.  The pools hold twice what the window
+ * of rooms in flight can use, so running out is a bug in this file. */
+static void kvt_take(kvt_rank_t *r, kvt_room_t *rm)
+{
+    if (kvt_pool_take(&r->pages, r->room_pages, rm->pages) ||
+        kvt_pool_take(&r->slots, 1, &rm->aux_slot)) {
+        fprintf(stderr, "kvferry _rank %s[%u]: internal error: page pool "
+                "exhausted with %u rooms in flight\n", r->side, r->o.rank,
+                r->o.concurrency);
+        abort();
+    }
+    rm->has_pages = rm->has_aux = 1;
+}
+
 static void kvt_release(kvt_rank_t *r, kvt_room_t *rm)
 {
     if (rm->has_pages) {
@@ -349,11 +363,7 @@ static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index)
         return;
     }
     kvt_emit_phase(r, rm, "bootstrap");
-    /* The window never holds more rooms than the pools were sized for. */
-    if (kvt_pool_take(&r->pages, r->room_pages, rm->pages) ||
-        kvt_pool_take(&r->slots, 1, &rm->aux_slot))
-        abort();
-    rm->has_pages = rm->has_aux = 1;
+    kvt_take(r, rm);
     st = kvf_receiver_init(rm->rcv, rm->pages, r->room_pages, rm->aux_slot,
                            NULL, 0);
     if (st != KVF_OK)
@@ -410,10 +420,7 @@ static int kvt_progress(kvt_rank_t *r, kvt_room_t *rm)
     case KVT_BOOT: {
         if (st < KVF_POLL_WAITING_FOR_INPUT)
             return changed;
-        if (kvt_pool_take(&r->pages, r->room_pages, rm->pages) ||
-            kvt_pool_take(&r->slots, 1, &rm->aux_slot))
-            abort();
-        rm->has_pages = rm->has_aux = 1;
+        kvt_take(r, rm);
         kvf_status_t s = kvf_sender_init(rm->snd, r->room_pages, rm->aux_slot);
         if (s != KVF_OK) {
             kvt_call_failed(r, rm, "kvf_sender_init", s);
@@ -487,8 +494,10 @@ static int kvt_setup_memory(kvt_rank_t *r)
     r->buf_len = pool * r->g.page_bytes;
     r->kv_len = total;
     r->kv = mmap(NULL, total, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_POPULATE,
-                 -1, 0);
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    /* MAP_POPULATE: a real KV pool is allocated before serving, and
+     * first-touch page faults would otherwise be measured as transfer time.
+     * (MADV_HUGEPAGE made start-up slower here: direct compaction.) */
     if (r->kv == MAP_FAILED) {
         r->kv = NULL;
         kvt_fatal(r, "cannot map %.2f GiB of KV buffers (%u buffers x %"
@@ -572,16 +581,33 @@ static int kvt_setup_engine(kvt_rank_t *r)
     return 0;
 }
 
-/* Block until the orchestrator says "go" (all ranks ready, registry
- * complete), so that every rank starts its rooms together. */
-static int kvt_wait_go(void)
+/* The next command from the orchestrator, one per stdin line: "go" runs
+ * the batch of rooms, "exit" or EOF ends the process.  Ranks that are done
+ * keep their engines up until then, so no rank tears down connections
+ * that a slower rank still uses.  (Room batches after a fault, or a hold
+ * at a phase, are further commands here.) */
+static int kvt_next_command(char *cmd, size_t len)
 {
-    char line[128];
-    while (fgets(line, sizeof(line), stdin)) {
-        if (strncmp(line, "go", 2) == 0)
+    while (fgets(cmd, (int)len, stdin)) {
+        cmd[strcspn(cmd, "\r\n")] = '\0';
+        if (cmd[0])
             return 0;
     }
     return -1;
+}
+
+static void kvt_emit_result(kvt_rank_t *r)
+{
+    kvf_engine_stats_t s;
+    kvf_engine_stats(r->eng, &s);
+    kvt_emit(r, "result", json_pack(
+        "{s:s, s:O, s:O, s:I, s:f, s:f, s:{s:I, s:I, s:I, s:I}}",
+        "addr", r->addr, "rooms", r->rooms, "failures", r->failures,
+        "bytes", (json_int_t)r->bytes, "start", r->first_start, "end", r->last_end,
+        "stats", "bytes_sent", (json_int_t)s.bytes_sent,
+        "bytes_received", (json_int_t)s.bytes_received,
+        "rooms_succeeded", (json_int_t)s.rooms_succeeded,
+        "rooms_failed", (json_int_t)s.rooms_failed));
 }
 
 static void kvt_cleanup(kvt_rank_t *r)
@@ -637,23 +663,20 @@ int kvt_rank_main(int argc, char **argv)
         "heads", (int)r.g.heads_per_rank, "page_bytes", (json_int_t)r.g.page_bytes,
         "pool_pages", (json_int_t)(r.buf_len / r.g.page_bytes),
         "memory_bytes", (json_int_t)r.kv_len));
-    if (kvt_wait_go() != 0) {
-        fprintf(stderr, "kvferry _rank %s[%u]: stdin closed before \"go\": "
-                "the orchestrator went away\n", r.side, r.o.rank);
-        goto out;
+    char cmd[128];
+    int ran = 0;
+    while (kvt_next_command(cmd, sizeof(cmd)) == 0) {
+        if (strcmp(cmd, "exit") == 0)
+            break;
+        if (strcmp(cmd, "go") == 0 && !ran) {
+            kvt_run(&r);
+            kvt_emit_result(&r);
+            ran = 1;
+            continue;
+        }
+        fprintf(stderr, "kvferry _rank %s[%u]: ignoring command '%s'\n",
+                r.side, r.o.rank, cmd);
     }
-    kvt_run(&r);
-
-    kvf_engine_stats_t s;
-    kvf_engine_stats(r.eng, &s);
-    kvt_emit(&r, "result", json_pack(
-        "{s:s, s:O, s:O, s:I, s:f, s:f, s:{s:I, s:I, s:I, s:I}}",
-        "addr", r.addr, "rooms", r.rooms, "failures", r.failures,
-        "bytes", (json_int_t)r.bytes, "start", r.first_start, "end", r.last_end,
-        "stats", "bytes_sent", (json_int_t)s.bytes_sent,
-        "bytes_received", (json_int_t)s.bytes_received,
-        "rooms_succeeded", (json_int_t)s.rooms_succeeded,
-        "rooms_failed", (json_int_t)s.rooms_failed));
     rc = 0;
 out:
     kvt_cleanup(&r);

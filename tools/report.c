@@ -17,6 +17,7 @@ static const char *const kvt_phase_names[] = {
 };
 #define KVT_NPHASES (int)(sizeof(kvt_phase_names) / sizeof(kvt_phase_names[0]))
 #define KVT_UNRESOLVED_LIST_MAX 20
+#define KVT_UNRESOLVED_PRINT_MAX 5
 
 int kvt_report_init(kvt_report_t *r, const kvt_opts_t *o)
 {
@@ -124,9 +125,14 @@ static json_t *kvt_pending(kvt_report_t *r, uint32_t i)
         if (s->state >= 0)
             continue;
         int pre = k < r->o->prefill_tp;
-        json_array_append_new(a, json_sprintf(
-            "%s[%u] last phase: %s", pre ? "prefill" : "decode",
-            pre ? k : k - r->o->prefill_tp, kvt_phase_names[s->phase]));
+        unsigned rank = pre ? k : k - r->o->prefill_tp;
+        if (s->phase == 0)
+            json_array_append_new(a, json_sprintf(
+                "%s[%u] not started", pre ? "prefill" : "decode", rank));
+        else
+            json_array_append_new(a, json_sprintf(
+                "%s[%u] last phase: %s", pre ? "prefill" : "decode", rank,
+                kvt_phase_names[s->phase]));
     }
     return a;
 }
@@ -179,6 +185,8 @@ json_t *kvt_report_summary(kvt_report_t *r, const kvt_children_t *kids,
         }
     }
 
+    if (info->error)   /* the root cause first; exits below follow from it */
+        json_array_append_new(problems, json_string(info->error));
     int procs_ok = 1;
     for (size_t i = 0; i < kids->n; i++) {
         const kvt_child_t *c = &kids->v[i];
@@ -192,8 +200,6 @@ json_t *kvt_report_summary(kvt_report_t *r, const kvt_children_t *kids,
             json_array_append_new(problems, json_sprintf("%s: %s", c->name, ex));
         }
     }
-    if (info->error)
-        json_array_append_new(problems, json_string(info->error));
     if (info->timed_out)
         json_array_append_new(problems, json_sprintf(
             "timeout: not finished after --timeout %u s; every process was "
@@ -318,6 +324,12 @@ void kvt_report_print(FILE *out, json_t *s)
     json_t *u = json_object_get(s, "unresolved_rooms"), *e;
     size_t i;
     json_array_foreach(u, i, e) {
+        if (i == KVT_UNRESOLVED_PRINT_MAX) {
+            fprintf(out, "  ... %lld unresolved in all; --json lists the "
+                    "first %d\n", kvt_int(s, "unresolved"),
+                    KVT_UNRESOLVED_LIST_MAX);
+            break;
+        }
         fprintf(out, "  unresolved room %lld (request %lld):", kvt_int(e, "room"),
                 kvt_int(e, "index"));
         json_t *p;

@@ -390,7 +390,9 @@ typedef struct kvf_bootstrap kvf_bootstrap_t;
 /**
  * Start a bootstrap registry (HTTP, SGLang's routes plus /metrics) on
  * host:port (port 0: any free port).  It serves from its own thread.
- * @return KVF_OK, KVF_ERR_IO (cannot listen), KVF_ERR_NO_MEMORY.
+ * @return KVF_OK, KVF_ERR_IO (cannot resolve the host or listen),
+ *         KVF_ERR_INVALID_PARAM (NULL host, port outside 0..65535),
+ *         KVF_ERR_NO_MEMORY.
  */
 KVF_API kvf_status_t kvf_bootstrap_create(const char *host, int port,
                                           kvf_bootstrap_t **bootstrap_p);

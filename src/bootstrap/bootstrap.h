@@ -29,7 +29,9 @@ typedef struct kvf_bs_reg {
     int         rank_port;
     int         page_size;
     const char *kv_cache_dtype;
-    const char *load_balance_method;   /* e.g. "round_robin"; "follow_bootstrap_room" */
+    /* e.g. "round_robin"; NULL is not sent, which SGLang (and the
+     * registry) read as "follow_bootstrap_room". */
+    const char *load_balance_method;
 } kvf_bs_reg_t;
 
 /* The server's parallel info: GET /route with every parameter -1. */

@@ -260,9 +260,13 @@ static int get_int(json_t *o, const char *name, int *v_p)
 kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
                               unsigned timeout_ms, char *err, size_t errlen)
 {
+    if (reg == NULL) {
+        set_err(err, errlen, "bootstrap registration without parameters");
+        return KVF_ERR_INVALID_PARAM;
+    }
     json_t *j = json_pack(
         "{s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:s?, s:i, s:i, "
-        "s:s?, s:s?}",
+        "s:s?}",
         "attn_tp_size", reg->attn_tp_size, "attn_tp_rank", reg->attn_tp_rank,
         "attn_cp_size", reg->attn_cp_size, "attn_cp_rank", reg->attn_cp_rank,
         "attn_dp_size", reg->attn_dp_size, "attn_dp_rank", reg->attn_dp_rank,
@@ -270,8 +274,14 @@ kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
         "system_dp_size", reg->system_dp_size,
         "system_dp_rank", reg->system_dp_rank,
         "rank_ip", reg->rank_ip, "rank_port", reg->rank_port,
-        "page_size", reg->page_size, "kv_cache_dtype", reg->kv_cache_dtype,
-        "load_balance_method", reg->load_balance_method);
+        "page_size", reg->page_size, "kv_cache_dtype", reg->kv_cache_dtype);
+    /* Left out when NULL: SGLang then assumes "follow_bootstrap_room". */
+    if (j != NULL && reg->load_balance_method != NULL &&
+        json_object_set_new(j, "load_balance_method",
+                            json_string(reg->load_balance_method)) != 0) {
+        json_decref(j);
+        j = NULL;
+    }
     char *body = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     if (body == NULL) {
@@ -313,7 +323,8 @@ kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
         uint64_t nap = deadline - now < delay ? deadline - now : delay;
         kvf_debug("bootstrap register attempt %u failed (%s); retrying in "
                   "%llu ms", attempts, err ? err : "", (unsigned long long)nap);
-        struct timespec ts = {(time_t)(nap / 1000), (long)(nap % 1000) * 1000000};
+        struct timespec ts = {(time_t)(nap / 1000),
+                              (long)(nap % 1000) * 1000000};
         nanosleep(&ts, NULL);
         delay = delay * 2 > BS_BACKOFF_MAX_MS ? BS_BACKOFF_MAX_MS : delay * 2;
     }

@@ -18,6 +18,7 @@
  *  - stricter than SGLang: 400 (not 500) for bad input, 409 for a rank
  *    whose parallel info differs from the first registration.
  */
+#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
@@ -167,11 +168,15 @@ static int query_int(const char *query, const char *name, int *v_p,
                 free(val);
                 return 1;
             }
+            /* As Python's int(): surrounding whitespace is fine. */
             char *e;
             errno = 0;
             long v = strtol(val, &e, 10);
-            if (errno != 0 || *e != '\0' || v < INT_MIN || v > INT_MAX ||
-                val[0] == ' ' || val[0] == '\t' || val[0] == '\n') {
+            int digits = e != val;
+            while (isspace((unsigned char)*e))
+                e++;
+            if (errno != 0 || !digits || *e != '\0' || v < INT_MIN ||
+                v > INT_MAX) {
                 *bad_p = val;
                 return -1;
             }
@@ -204,8 +209,8 @@ static json_t *parse_object(const char *what, const char *body, size_t len,
     return root;
 }
 
-/* An integer field within [min, INT_MAX], or a 400 reply. */
-static int field_int(json_t *o, const char *name, int min, int *v_p,
+/* An integer field within [min, max], or a 400 reply. */
+static int field_int(json_t *o, const char *name, int min, int max, int *v_p,
                      reply_t *r)
 {
     json_t *v = json_object_get(o, name);
@@ -216,9 +221,9 @@ static int field_int(json_t *o, const char *name, int min, int *v_p,
         return -1;
     }
     json_int_t x = json_integer_value(v);
-    if (x < min || x > INT_MAX) {
-        reply_text(r, 400, "PUT /route: field \"%s\" is %lld; it must be "
-                   "at least %d", name, (long long)x, min);
+    if (x < min || x > max) {
+        reply_text(r, 400, "PUT /route: field \"%s\" is %lld, outside "
+                   "%d..%d", name, (long long)x, min, max);
         return -1;
     }
     *v_p = (int)x;
@@ -236,10 +241,14 @@ static int field_str(json_t *o, const char *name, size_t max, int *null_p,
         *s_p = "";
         return 0;
     }
-    if (!json_is_string(v) || json_string_length(v) == 0 ||
-        json_string_length(v) > max) {
-        reply_text(r, 400, "PUT /route: field \"%s\" must be a non-empty "
-                   "string of at most %zu bytes", name, max);
+    int ok = json_is_string(v) && json_string_length(v) > 0 &&
+             json_string_length(v) <= max;
+    /* Printable ASCII only: these strings end up in log lines. */
+    for (const char *c = ok ? json_string_value(v) : ""; *c; c++)
+        ok &= *c > ' ' && *c < 0x7f;
+    if (!ok) {
+        reply_text(r, 400, "PUT /route: field \"%s\" must be a string of 1 "
+                   "to %zu printable characters without spaces", name, max);
         return -1;
     }
     if (null_p != NULL)
@@ -262,9 +271,10 @@ static int json_to_u64(json_t *v, uint64_t *x_p)
     if (*s == '\0')
         return -1;
     for (; *s; s++) {
-        if (*s < '0' || *s > '9' || x > (UINT64_MAX - (uint64_t)(*s - '0')) / 10)
+        uint64_t d = (uint64_t)(*s - '0');
+        if (*s < '0' || *s > '9' || x > (UINT64_MAX - d) / 10)
             return -1;
-        x = x * 10 + (uint64_t)(*s - '0');
+        x = x * 10 + d;
     }
     *x_p = x;
     return 0;
@@ -295,12 +305,18 @@ typedef struct put_fields {
     int system_dp_size, system_dp_rank, rank_port, page_size;
 } put_fields_t;
 
-static const struct { const char *name; size_t off; int min; } put_ints[] = {
-#define F_(n, m) {#n, offsetof(put_fields_t, n), m}
-    F_(attn_tp_size, 1), F_(attn_tp_rank, 0), F_(attn_cp_size, 1),
-    F_(attn_cp_rank, 0), F_(attn_dp_size, 1), F_(attn_dp_rank, 0),
-    F_(pp_size, 1), F_(pp_rank, 0), F_(system_dp_size, 1),
-    F_(system_dp_rank, 0), F_(rank_port, 1), F_(page_size, 1),
+static const struct {
+    const char *name;
+    size_t      off;
+    int         min, max;
+} put_ints[] = {
+#define F_(n, lo, hi) {#n, offsetof(put_fields_t, n), lo, hi}
+    F_(attn_tp_size, 1, INT_MAX), F_(attn_tp_rank, 0, INT_MAX),
+    F_(attn_cp_size, 1, INT_MAX), F_(attn_cp_rank, 0, INT_MAX),
+    F_(attn_dp_size, 1, INT_MAX), F_(attn_dp_rank, 0, INT_MAX),
+    F_(pp_size, 1, INT_MAX), F_(pp_rank, 0, INT_MAX),
+    F_(system_dp_size, 1, INT_MAX), F_(system_dp_rank, 0, INT_MAX),
+    F_(rank_port, 1, 65535), F_(page_size, 1, INT_MAX),
 #undef F_
 };
 
@@ -380,7 +396,7 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
     if (o == NULL)
         return;
     for (size_t i = 0; i < sizeof(put_ints) / sizeof(put_ints[0]); i++)
-        if (field_int(o, put_ints[i].name, put_ints[i].min,
+        if (field_int(o, put_ints[i].name, put_ints[i].min, put_ints[i].max,
                       (int *)((char *)&f + put_ints[i].off), r) != 0)
             goto out;
     if (field_str(o, "rank_ip", 255, NULL, &ip, r) != 0 ||
@@ -390,11 +406,6 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
     if (lbm != NULL && !json_is_string(lbm) && !json_is_null(lbm)) {
         reply_text(r, 400, "PUT /route: field \"load_balance_method\" must "
                    "be a string");
-        goto out;
-    }
-    if (f.rank_port > 65535) {
-        reply_text(r, 400, "PUT /route: rank_port=%d is out of range 1..65535",
-                   f.rank_port);
         goto out;
     }
     /* SGLang uses system DP when it is on (no DP attention), attention DP

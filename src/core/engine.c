@@ -244,6 +244,11 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     kvf__engine_wake(eng);
     pthread_join(eng->progress_thread, NULL);
     kvf__resolver_stop(eng);
+    /* The registry's thread reads engine stats: stop it before anything
+     * it could read is freed. */
+    if (eng->bootstrap)
+        kvf_bootstrap_destroy(eng->bootstrap);
+    eng->bootstrap = NULL;
 
     /* Threads are gone: tear down without the lock. */
     if (eng->rooms != NULL)
@@ -268,8 +273,6 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     }
     kvf_map_free(&eng->stash);
     kvf_map_free(&eng->rooms_by_id);
-    if (eng->bootstrap)
-        kvf_bootstrap_destroy(eng->bootstrap);
     close(eng->epfd);
     close(eng->wakefd);
     close(eng->listenfd);

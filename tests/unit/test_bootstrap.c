@@ -313,9 +313,16 @@ static void test_route_params(void)
     RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=99999999999&prefill_cp_rank="
               "-1&target_tp_rank=-1&target_pp_rank=-1", NULL, 400,
               "is not an integer");
-    /* Percent-encoded parameters are decoded. */
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=", NULL, 400,
+              "target_pp_rank is missing");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=+", NULL, 400,
+              "target_pp_rank=\" \" is not an integer");
+    /* Percent-encoded parameters are decoded; spaces around a number are
+     * accepted, as Python's int() does. */
     RAW_CHECK(&s, "GET", "/route?prefill%5Fdp_rank=%2D1&prefill_cp_rank=-1&"
-              "target_tp_rank=-1&target_pp_rank=-1", NULL, 503,
+              "target_tp_rank=+-1+&target_pp_rank=-1", NULL, 503,
               "not fully registered");
     kvf_bootstrap_destroy(s.bs);
 }
@@ -352,14 +359,20 @@ static void test_bad_bodies(void)
     RAW_CHECK(&s, "PUT", "/route", base, 400,
               "attn_tp_rank=2 is out of range for attn_tp_size=2");
     snprintf(base, sizeof(base), fmt, "0", "0", "5000");
-    RAW_CHECK(&s, "PUT", "/route", base, 400, "\"attn_tp_size\" is 0");
+    RAW_CHECK(&s, "PUT", "/route", base, 400,
+              "\"attn_tp_size\" is 0, outside 1..2147483647");
     snprintf(base, sizeof(base), fmt, "1", "0", "0");
     RAW_CHECK(&s, "PUT", "/route", base, 400, "\"rank_port\" is 0");
     snprintf(base, sizeof(base), fmt, "1", "0", "65536");
-    RAW_CHECK(&s, "PUT", "/route", base, 400, "rank_port=65536");
+    RAW_CHECK(&s, "PUT", "/route", base, 400,
+              "\"rank_port\" is 65536, outside 1..65535");
     snprintf(base, sizeof(base), fmt, "\"1\"", "0", "5000");
     RAW_CHECK(&s, "PUT", "/route", base, 400,
               "\"attn_tp_size\" must be an integer");
+    snprintf(base, sizeof(base), fmt, "1", "0", "5000");
+    char *ws = strstr(base, "10.0.0.1");
+    memcpy(ws, "10.0 0.1", 8);
+    RAW_CHECK(&s, "PUT", "/route", base, 400, "\"rank_ip\" must be a string");
     snprintf(base, sizeof(base), fmt, "100000", "0", "5000");
     RAW_CHECK(&s, "PUT", "/route", base, 400, "exceeds 65536 ranks");
     /* system_dp_rank is not checked when system DP is off (SGLang sends
@@ -498,6 +511,19 @@ static void test_dp_layouts(void)
     CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 1, 0, 0, 0, TMO, ip, sizeof(ip),
                                   &port, err, sizeof(err)), KVF_OK);
     CHECK_EQ_INT(port, 7001);
+    kvf_bootstrap_destroy(s.bs);
+
+    /* No load_balance_method: the key is left out, as SGLang's default. */
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    kvf_bs_reg_t r = mkreg(1, 0, 7000);
+    r.load_balance_method = NULL;
+    put_reg(&s, &r, KVF_OK);
+    CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
+                 KVF_OK);
+    CHECK_EQ_INT(info.follow_bootstrap_room, 1);
     kvf_bootstrap_destroy(s.bs);
 }
 
