@@ -58,6 +58,7 @@ typedef struct kvt_demo {
     int             signal;           /* SIGINT/SIGTERM received */
     int             timed_out;
     char            error[512];       /* first setup error */
+    char            transport[32];    /* what the ranks' engines report */
     kvt_report_t    rep;
 } kvt_demo_t;
 
@@ -91,7 +92,10 @@ static void kvt_demo_on_event(kvt_demo_t *d, kvt_child_t *c, json_t *ev)
     } else if (strcmp(type, "room") == 0) {
         kvt_report_room(&d->rep, c, ev);
     } else if (strcmp(type, "ready") == 0) {
+        const char *t = json_string_value(json_object_get(ev, "transport"));
         c->ready = 1;
+        if (t != NULL)
+            snprintf(d->transport, sizeof(d->transport), "%s", t);
     } else if (strcmp(type, "result") == 0) {
         kvt_report_result(&d->rep, c, ev);
         c->finished = 1;
@@ -439,14 +443,6 @@ int kvt_demo_main(int argc, char **argv)
     }
     d.exe[len] = '\0';
 
-    /* What the ranks' engines will use: the option, or the engine default
-     * (which may come from KVF_TRANSPORT). */
-    kvf_engine_params_t params;
-    kvf_engine_params_init(&params);
-    char transport[32];
-    snprintf(transport, sizeof(transport), "%s",
-             d.o.transport ? d.o.transport : params.transport ? params.transport : "auto");
-
     char **fwd = kvt_opts_argv(&d.o);
     if (!fwd || kvt_report_init(&d.rep, &d.o) != 0 ||
         kvt_children_init(&d.kids, 1 + d.o.prefill_tp + d.o.decode_tp) != 0 ||
@@ -467,7 +463,7 @@ int kvt_demo_main(int argc, char **argv)
     }
     kvt_children_stop_all(&d.kids, KVT_STOP_GRACE_MS, kvt_demo_on_line, &d);
 
-    kvt_run_info_t info = { transport, d.error[0] ? d.error : NULL,
+    kvt_run_info_t info = { d.transport[0] ? d.transport : "unknown", d.error[0] ? d.error : NULL,
                             d.timed_out, d.signal };
     int ok = 0;
     json_t *summary = kvt_report_summary(&d.rep, &d.kids, &info, &ok);

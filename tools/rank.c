@@ -658,7 +658,8 @@ int kvt_rank_main(int argc, char **argv)
     if (kvt_setup_memory(&r) || kvt_setup_engine(&r))
         goto out;
     kvt_emit(&r, "ready", json_pack(
-        "{s:s, s:i, s:i, s:i, s:I, s:I, s:I}", "addr", r.addr,
+        "{s:s, s:s, s:i, s:i, s:i, s:I, s:I, s:I}", "addr", r.addr,
+        "transport", kvf_engine_transport(r.eng),
         "pid", (int)getpid(), "buffers", (int)r.g.num_buffers,
         "heads", (int)r.g.heads_per_rank, "page_bytes", (json_int_t)r.g.page_bytes,
         "pool_pages", (json_int_t)(r.buf_len / r.g.page_bytes),

@@ -177,6 +177,12 @@ KVF_API kvf_status_t kvf_engine_address(const kvf_engine_t *engine,
 KVF_API kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *engine,
                                                char *buf, size_t len);
 
+/**
+ * The transport this engine moves payload with ("tcp"), resolved from the
+ * `transport` parameter ("auto" picks the best one built in).  Static string.
+ */
+KVF_API const char *kvf_engine_transport(const kvf_engine_t *engine);
+
 /** The engine's 64-bit instance id: random, new at every kvf_engine_create. */
 KVF_API uint64_t kvf_engine_instance_id(const kvf_engine_t *engine);
 

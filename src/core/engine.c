@@ -306,6 +306,12 @@ kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *eng, char *buf, size_
     return KVF_OK;
 }
 
+const char *kvf_engine_transport(const kvf_engine_t *eng)
+{
+    (void)eng;
+    return "tcp";      /* the only transport built in */
+}
+
 uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)
 {
     return eng->instance_id;

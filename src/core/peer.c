@@ -313,18 +313,29 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
 
     const kvf_layout_int_t *pre = p->role == KVF_ROLE_PREFILL ? &p->layout : &eng->layout;
     const kvf_layout_int_t *dec = p->role == KVF_ROLE_PREFILL ? &eng->layout : &p->layout;
-    if (kvf__layout_check(pre, dec, err, sizeof(err)) != KVF_OK) {
-        p->incompatible = strdup(err);
-        kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
-                  p->addr, err);
-    } else if (p->tp_size != eng->params.tp_size) {
+    /* Parallel layout first: a TP mismatch also shows as a bytes-per-page
+     * mismatch, and the TP message is the one that says what to change. */
+    int pre_tp = p->role == KVF_ROLE_PREFILL ? p->tp_size : eng->params.tp_size;
+    int dec_tp = p->role == KVF_ROLE_PREFILL ? eng->params.tp_size : p->tp_size;
+    int pre_pp = p->role == KVF_ROLE_PREFILL ? p->pp_size : eng->params.pp_size;
+    int dec_pp = p->role == KVF_ROLE_PREFILL ? eng->params.pp_size : p->pp_size;
+    err[0] = '\0';
+    if (pre_tp != dec_tp)
         snprintf(err, sizeof(err),
                  "TP size mismatch: prefill server has tp_size=%d, but decode server "
                  "has tp_size=%d. This build transfers between equal TP sizes only.",
-                 p->role == KVF_ROLE_PREFILL ? p->tp_size : eng->params.tp_size,
-                 p->role == KVF_ROLE_PREFILL ? eng->params.tp_size : p->tp_size);
+                 pre_tp, dec_tp);
+    else if (pre_pp != 1 || dec_pp != 1)
+        snprintf(err, sizeof(err),
+                 "Pipeline parallelism is not supported by this build: prefill server "
+                 "has pp_size=%d and decode server has pp_size=%d; use pp_size=1 on both.",
+                 pre_pp, dec_pp);
+    else
+        kvf__layout_check(pre, dec, err, sizeof(err));
+    if (err[0] != '\0') {
         p->incompatible = strdup(err);
-        kvf_error("%s", err);
+        kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
+                  p->addr, err);
     }
     p->state = KVF_PEER_READY;
     kvf_info("%s rank %d at %s connected (instance %016llx)", kvf_role_name(p->role),

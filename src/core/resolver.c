@@ -49,13 +49,18 @@ typedef struct resolver {
 
 typedef enum { RES_OK, RES_RETRY, RES_FATAL } res_t;
 
+#define MAX_TARGETS 64
+
 typedef struct result {
     res_t        res;
     kvf_status_t status;
     char         err[KVF_REASON_MAX - 64];
-    char         ip[64];
-    int          port;
-    int          rank;
+    int          ntargets;
+    struct {
+        char ip[64];
+        int  port;
+        int  rank;
+    } t[MAX_TARGETS];
 } result_t;
 
 static const kvf_bs_info_t *get_info(resolver_t *rs, const char *addr, result_t *out)
@@ -103,60 +108,82 @@ static int pick_dp(const kvf_bs_info_t *info, const char *addr, uint64_t room,
     return (int)(room % (uint64_t)info->dp_size);
 }
 
-static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, const char *addr,
-                         uint64_t room, int dp_req, result_t *out)
+/*
+ * The prefill TP ranks that hold this decode rank's KV heads.  Equal sizes
+ * pair rank to rank; otherwise the handshake refuses the pair (this build
+ * moves KV between equal TP sizes only), so that the refusal reaches the
+ * prefill ranks that would have fed the room and fails it there too.
+ */
+static int target_ranks(int prefill_tp, int decode_tp, int rank, int *out)
 {
-    const kvf_engine_params_t *p = &eng->params;
-    const kvf_bs_info_t *info = get_info(rs, addr, out);
-    if (info == NULL)
-        return;
-    if (info->attn_tp_size != p->tp_size) {
-        out->res = RES_FATAL;
-        out->status = KVF_ERR_UNSUPPORTED;
-        snprintf(out->err, sizeof(out->err),
-                 "TP size mismatch: prefill server has tp_size=%d, but decode server has "
-                 "tp_size=%d. This build transfers between equal TP sizes only.",
-                 info->attn_tp_size, p->tp_size);
-        return;
+    int n = 0;
+    if (prefill_tp >= decode_tp && prefill_tp % decode_tp == 0) {
+        int k = prefill_tp / decode_tp;
+        for (int i = 0; i < k && n < MAX_TARGETS; i++)
+            out[n++] = rank * k + i;
+    } else if (decode_tp % prefill_tp == 0) {
+        out[n++] = rank / (decode_tp / prefill_tp);
+    } else {
+        out[n++] = rank % prefill_tp;
     }
-    if (info->pp_size != 1 || p->pp_size != 1) {
-        out->res = RES_FATAL;
-        out->status = KVF_ERR_UNSUPPORTED;
-        snprintf(out->err, sizeof(out->err),
-                 "pipeline parallelism (prefill pp_size=%d, decode pp_size=%d) is not "
-                 "supported by this build: use pp_size 1 on both sides",
-                 info->pp_size, p->pp_size);
-        return;
-    }
-    int dp = pick_dp(info, addr, room, dp_req, out);
-    if (dp < 0)
-        return;
-    out->rank = p->tp_rank;
+    return n;
+}
+
+static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, char *ip,
+                       size_t iplen, int *port, result_t *out)
+{
     for (int i = 0; i < rs->nranks; i++) {
         rank_entry_t *e = &rs->ranks[i];
-        if (e->dp == dp && e->tp == out->rank && e->pp == 0 && !strcmp(e->addr, addr)) {
-            snprintf(out->ip, sizeof(out->ip), "%s", e->ip);
-            out->port = e->port;
-            out->res = RES_OK;
-            return;
+        if (e->dp == dp && e->tp == tp && e->pp == 0 && !strcmp(e->addr, addr)) {
+            snprintf(ip, iplen, "%s", e->ip);
+            *port = e->port;
+            return 1;
         }
     }
-    kvf_status_t st = kvf__bs_get_rank(addr, dp, 0, out->rank, 0, CALL_TIMEOUT_MS, out->ip,
-                                       sizeof(out->ip), &out->port, out->err,
-                                       sizeof(out->err));
-    if (st != KVF_OK) {
-        out->res = RES_RETRY;
-        return;
-    }
+    if (kvf__bs_get_rank(addr, dp, 0, tp, 0, CALL_TIMEOUT_MS, ip, iplen, port, out->err,
+                         sizeof(out->err)) != KVF_OK)
+        return 0;
     if (rs->nranks == CACHE_MAX)
         rs->nranks = 0;
     rank_entry_t *e = &rs->ranks[rs->nranks++];
     snprintf(e->addr, sizeof(e->addr), "%s", addr);
     e->dp = dp;
-    e->tp = out->rank;
+    e->tp = tp;
     e->pp = 0;
-    snprintf(e->ip, sizeof(e->ip), "%s", out->ip);
-    e->port = out->port;
+    snprintf(e->ip, sizeof(e->ip), "%s", ip);
+    e->port = *port;
+    return 1;
+}
+
+static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, const char *addr,
+                         uint64_t room, int dp_req, result_t *out)
+{
+    const kvf_engine_params_t *p = &eng->params;
+    const kvf_bs_info_t *info = get_info(rs, addr, out);
+    int ranks[MAX_TARGETS];
+
+    if (info == NULL)
+        return;
+    if (info->attn_tp_size < 1) {
+        out->res = RES_FATAL;
+        out->status = KVF_ERR_BOOTSTRAP;
+        snprintf(out->err, sizeof(out->err), "bootstrap registry %s reports "
+                 "attn_tp_size=%d", addr, info->attn_tp_size);
+        return;
+    }
+    int dp = pick_dp(info, addr, room, dp_req, out);
+    if (dp < 0)
+        return;
+    int n = target_ranks(info->attn_tp_size, p->tp_size, p->tp_rank, ranks);
+    for (int i = 0; i < n; i++) {
+        out->t[i].rank = ranks[i];
+        if (!lookup_rank(rs, addr, dp, ranks[i], out->t[i].ip, sizeof(out->t[i].ip),
+                         &out->t[i].port, out)) {
+            out->res = RES_RETRY;
+            return;
+        }
+    }
+    out->ntargets = n;
     out->res = RES_OK;
 }
 
@@ -175,16 +202,23 @@ static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
         kvf__resolver_enqueue(eng, r);
         return;
     }
-    kvf_peer_t *p = kvf__peer_get(eng, res->ip, res->port);
-    r->links = calloc(1, sizeof(kvf_link_t));
-    if (p == NULL || r->links == NULL) {
-        kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for the room's link");
+    r->links = calloc((size_t)res->ntargets, sizeof(kvf_link_t));
+    if (r->links == NULL) {
+        kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for the room's links");
         return;
     }
-    r->links[0].peer = p;
-    r->links[0].rank = (uint32_t)res->rank;
-    p->refs++;
-    r->nlinks = r->expected_links = 1;
+    for (int i = 0; i < res->ntargets; i++) {
+        kvf_peer_t *p = kvf__peer_get(eng, res->t[i].ip, res->t[i].port);
+        if (p == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for a peer");
+            return;
+        }
+        r->links[i].peer = p;
+        r->links[i].rank = (uint32_t)res->t[i].rank;
+        p->refs++;
+        r->nlinks++;
+    }
+    r->expected_links = r->nlinks;
     kvf__room_try_request(r);
     kvf__engine_wake(eng);
 }

@@ -833,6 +833,8 @@ void kvf__room_try_request(kvf_room_t *r)
 
     if (!r->initialized || r->nlinks == 0 || room_final(r))
         return;
+    /* Wait for every handshake before judging, so that a refusal reaches
+     * every prefill rank of the room. */
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_peer_t *p = r->links[i].peer;
         if (p->state == KVF_PEER_DEAD) {
@@ -842,8 +844,10 @@ void kvf__room_try_request(kvf_room_t *r)
         }
         if (p->state != KVF_PEER_READY)
             return;
-        if (p->incompatible) {
-            kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
+    }
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        if (r->links[i].peer->incompatible) {
+            kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", r->links[i].peer->incompatible);
             return;
         }
     }
