@@ -142,6 +142,12 @@ typedef struct kvf_engine_params {
     unsigned    transfer_timeout_ms;    /**< default 30000 (KVF_TRANSFER_TIMEOUT_MS) */
     unsigned    heartbeat_interval_ms;  /**< default 500 (KVF_HEARTBEAT_INTERVAL_MS) */
     unsigned    heartbeat_timeout_ms;   /**< default 2500 (KVF_HEARTBEAT_TIMEOUT_MS) */
+    /**
+     * Faults to inject, for testing failure handling: a spec such as
+     * "reset@1048576" or "corrupt@4096,drop-ack" (docs/FAILURES.md).
+     * Default NULL = none (KVF_FAULTS).
+     */
+    const char *faults;
 } kvf_engine_params_t;
 
 /** Fill `params` with the defaults documented above. */

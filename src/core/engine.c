@@ -51,6 +51,7 @@ void kvf_engine_params_init(kvf_engine_params_t *p)
     p->transfer_timeout_ms = env_ms("KVF_TRANSFER_TIMEOUT_MS", 30000);
     p->heartbeat_interval_ms = env_ms("KVF_HEARTBEAT_INTERVAL_MS", 500);
     p->heartbeat_timeout_ms = env_ms("KVF_HEARTBEAT_TIMEOUT_MS", 2500);
+    p->faults = (v = getenv("KVF_FAULTS")) != NULL && *v != '\0' ? v : NULL;
 }
 
 void kvf__engine_wake(kvf_engine_t *eng)
@@ -176,6 +177,16 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
         goto err;
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
+    eng->params.faults = NULL;
+    if (params->faults != NULL) {
+        char err[256];
+        st = kvf_faults_parse(params->faults, &eng->faults, err, sizeof(err));
+        if (st != KVF_OK) {
+            kvf_error("invalid fault spec '%s': %s", params->faults, err);
+            goto err;
+        }
+        kvf_warn("fault injection active: %s", params->faults);
+    }
     if (getrandom(&eng->instance_id, sizeof(eng->instance_id), 0) !=
         sizeof(eng->instance_id))
         eng->instance_id = kvf_now_ns() ^ ((uint64_t)getpid() << 32);
@@ -224,6 +235,7 @@ err:
     if (eng->epfd >= 0) close(eng->epfd);
     if (eng->wakefd >= 0) close(eng->wakefd);
     if (eng->listenfd >= 0) close(eng->listenfd);
+    kvf_faults_free(eng->faults);
     free(eng->host);
     free(eng->transport);
     free(eng->bootstrap_addr);
@@ -277,6 +289,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     close(eng->wakefd);
     close(eng->listenfd);
     kvf__layout_free(&eng->layout);
+    kvf_faults_free(eng->faults);
     free(eng->register_error);
     free(eng->host);
     free(eng->transport);
@@ -388,7 +401,7 @@ static void flush_peers(kvf_engine_t *eng)
 {
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
         if (p->conn != NULL && p->state != KVF_PEER_DEAD)
-            kvf_tcp_conn_flush(p->conn);
+            p->conn->ops->flush(p->conn);
 }
 
 static void *progress_main(void *arg)

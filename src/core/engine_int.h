@@ -64,7 +64,7 @@ struct kvf_peer {
     kvf_engine_t     *eng;
     int               refs;
     kvf_peer_state_t  state;
-    kvf_tcp_conn_t   *conn;
+    kvf_conn_t       *conn;
     int               outbound;      /* we connected (decode side) */
     char              addr[KVF_ADDR_MAX]; /* remote control address */
     /* From the remote HELLO. */
@@ -98,8 +98,9 @@ typedef struct kvf_link {
     uint64_t       expected;      /* receiver: bytes this peer must place */
     int            req_sent;      /* receiver: ROOM_REQ sent */
     int            done;          /* sender: acked; receiver: DONE checked */
-    int            puts;          /* sender: puts in flight */
     int            last_queued;   /* sender: the last chunk's put is queued */
+    int            broken;        /* its connection broke; a reconnect may resume it */
+    uint64_t       resume_instance; /* receiver: the peer instance to resume with */
     XXH3_state_t  *hash;          /* checksum of this peer's bytes, or NULL */
 } kvf_link_t;
 
@@ -133,7 +134,10 @@ struct kvf_room {
     uint32_t         n_pages;
     uint32_t        *state_dst;
     uint32_t         n_state_dst;
-    char            *boot_err;      /* last resolver error */
+    char            *last_err;      /* last resolver or connection error */
+    uint32_t         retries;       /* reconnects used */
+    uint64_t         retry_at_ms;   /* decode: next reconnect; prefill: resume deadline */
+    uint32_t        *src_pages;     /* sender: source pages sent so far (for resends) */
     kvf_room_t      *rq_next;       /* resolver queue */
 };
 
@@ -182,6 +186,7 @@ struct kvf_engine {
     char               *register_error;
 
     kvf_bootstrap_t    *bootstrap;        /* in-process registry */
+    kvf_faults_t       *faults;           /* injected faults, or NULL */
     kvf_engine_stats_t  stats;
 };
 

@@ -30,7 +30,7 @@ static void on_placed(void *arg, const uint8_t *p, size_t n);
 static void on_data_end(void *arg, uint64_t placed);
 static void on_close(void *arg, kvf_status_t st, const char *reason);
 
-static const kvf_tcp_handler_t handler = {
+static const kvf_conn_handler_t handler = {
     .on_connected = on_connected,
     .on_msg = on_msg,
     .on_data = on_data,
@@ -70,7 +70,8 @@ void kvf__peer_put(kvf_peer_t *p)
 {
     if (--p->refs > 0)
         return;
-    kvf_tcp_conn_destroy(p->conn);
+    if (p->conn)
+        p->conn->ops->destroy(p->conn);
     kvf__layout_free(&p->layout);
     free(p->incompatible);
     free(p);
@@ -80,7 +81,7 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
 {
     if (p->state == KVF_PEER_DEAD || p->conn == NULL)
         return KVF_ERR_CONN_RESET;
-    kvf_status_t st = kvf_tcp_send_msg(p->conn, msg);
+    kvf_status_t st = p->conn->ops->send_msg(p->conn, msg);
     if (st == KVF_OK)
         kvf__engine_wake(p->eng);
     return st;
@@ -144,6 +145,20 @@ static void send_hello(kvf_peer_t *p)
         kvf__peer_fail(p, st, "cannot send HELLO: %s", kvf_status_str(st));
 }
 
+/* With KVF_FAULTS set, every connection goes through the fault transport. */
+static kvf_status_t wrap_faults(kvf_peer_t *p)
+{
+    if (p->eng->faults == NULL)
+        return KVF_OK;
+    kvf_conn_t *inner = p->conn;
+    kvf_status_t st = kvf_fault_wrap(p->eng->faults, inner, &p->conn);
+    if (st != KVF_OK) {
+        inner->ops->destroy(inner);
+        p->conn = NULL;
+    }
+    return st;
+}
+
 kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port)
 {
     char addr[KVF_ADDR_MAX];
@@ -158,7 +173,10 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port)
     p->outbound = 1;
     p->state = KVF_PEER_CONNECTING;
     snprintf(p->addr, sizeof(p->addr), "%s", addr);
-    kvf_status_t st = kvf_tcp_connect(host, port, eng->epfd, p, &handler, p, &p->conn);
+    kvf_conn_env_t env = {eng->epfd, p};
+    kvf_status_t st = kvf_tcp_ops.connect(host, port, &env, &handler, p, &p->conn);
+    if (st == KVF_OK)
+        st = wrap_faults(p);
     if (st != KVF_OK) {
         /* Dead from the start: rooms that link it fail right away. */
         p->state = KVF_PEER_DEAD;
@@ -177,8 +195,13 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd)
     }
     p->state = KVF_PEER_HANDSHAKE;
     snprintf(p->addr, sizeof(p->addr), "(connecting)");
-    if (kvf_tcp_accept(fd, eng->epfd, p, &handler, p, &p->conn) != KVF_OK) {
+    kvf_conn_env_t env = {eng->epfd, p};
+    if (kvf_tcp_ops.accept(fd, &env, &handler, p, &p->conn) != KVF_OK) {
         close(fd);
+        p->state = KVF_PEER_DEAD;
+        return;
+    }
+    if (wrap_faults(p) != KVF_OK) {
         p->state = KVF_PEER_DEAD;
         return;
     }
@@ -203,17 +226,17 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
      * taken for the root cause. */
     int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason);
     if (rooms > 0)
-        kvf_warn("%s (%d live rooms failed)", reason, rooms);
+        kvf_warn("%s (%d live rooms affected)", reason, rooms);
     else
         kvf_info("%s", reason);
     if (p->conn)
-        kvf_tcp_conn_shutdown(p->conn);
+        p->conn->ops->shutdown(p->conn);
 }
 
 void kvf__peer_handle(kvf_peer_t *p, uint32_t events)
 {
     if (p->state != KVF_PEER_DEAD && p->conn)
-        kvf_tcp_conn_handle(p->conn, events);
+        p->conn->ops->handle(p->conn, events);
 }
 
 static void on_connected(void *arg)
@@ -397,7 +420,10 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
         if (p->state == KVF_PEER_DEAD || p->state == KVF_PEER_CONNECTING)
             continue;
-        uint64_t last_rx = kvf_tcp_conn_last_rx(p->conn);
+        const kvf_transport_ops_t *ops = p->conn->ops;
+        if (ops->tick)
+            ops->tick(p->conn, now);
+        uint64_t last_rx = ops->last_rx(p->conn);
         if (now - last_rx >= pr->heartbeat_timeout_ms) {
             kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT,
                            "sent nothing for %.1f s (heartbeat timeout %.1f s): the "
@@ -407,8 +433,8 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
             continue;
         }
         if (p->state == KVF_PEER_READY &&
-            now - kvf_tcp_conn_last_tx(p->conn) >= pr->heartbeat_interval_ms &&
-            kvf_tcp_conn_idle(p->conn)) {
+            now - ops->last_tx(p->conn) >= pr->heartbeat_interval_ms &&
+            ops->idle(p->conn)) {
             kvf_msg_t m = {.type = KVF_MSG_HEARTBEAT};
             m.u.heartbeat.seq = ++p->hb_seq;
             m.u.heartbeat.time_ns = kvf_now_ns();

@@ -197,8 +197,8 @@ static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
         return;
     }
     if (res->res == RES_RETRY) {
-        free(r->boot_err);
-        r->boot_err = strdup(res->err);
+        free(r->last_err);
+        r->last_err = strdup(res->err);
         kvf__resolver_enqueue(eng, r);
         return;
     }

@@ -27,6 +27,8 @@
 
 #define MAX_RUN_BYTES (1ull << 30)   /* one segment per run at most this big */
 #define MAX_LINKS     1024
+#define MAX_RETRIES   3              /* reconnects per room */
+#define RETRY_BASE_MS 100            /* first reconnect delay; doubles */
 
 struct kvf_sender   { kvf_room_t room; };
 struct kvf_receiver { kvf_room_t room; };
@@ -82,11 +84,12 @@ void kvf__room_put(kvf_room_t *r)
     free(r->links);
     free(r->failure);
     free(r->state_src);
+    free(r->src_pages);
     free(r->bootstrap_addr);
     free(r->sorted_pages);
     free(r->pages);
     free(r->state_dst);
-    free(r->boot_err);
+    free(r->last_err);
     free(r);
 }
 
@@ -304,6 +307,7 @@ static void room_abort(kvf_room_t *r)
 typedef struct chunk_put {
     kvf_put_t   put;
     kvf_room_t *room;
+    kvf_peer_t *peer;         /* the connection it was queued on */
     uint32_t    link;
     uint32_t    nruns, run, buf;
     uint32_t    extra;        /* aux then state segments, on the last chunk */
@@ -366,6 +370,12 @@ static void send_done(kvf_room_t *r, kvf_link_t *lk)
     kvf__peer_send(lk->peer, &m);
 }
 
+/*
+ * Puts on one connection complete in order, so when the last chunk's put
+ * completes, everything before it is in the stream too: DONE may follow.
+ * A put from a connection the link has since left (a resumed link) is
+ * stale: its outcome no longer matters.
+ */
 static void chunk_complete(kvf_put_t *put, kvf_status_t st)
 {
     chunk_put_t *c = (chunk_put_t *)put;
@@ -373,19 +383,24 @@ static void chunk_complete(kvf_put_t *put, kvf_status_t st)
     kvf_link_t *lk = &r->links[c->link];
     char name[128];
 
-    lk->puts--;
-    if (st != KVF_OK) {
-        kvf__room_fail(r, st, "transfer to %s failed: %s",
-                       kvf__peer_name(lk->peer, name, sizeof(name)), kvf_status_str(st));
-    } else if (lk->last_queued && lk->puts == 0 && !room_final(r)) {
+    if (c->peer != lk->peer || room_final(r)) {
+        /* stale, or nothing left to do */
+    } else if (st != KVF_OK) {
+        if (!lk->broken)   /* broken: the room waits for a reconnect */
+            kvf__room_fail(r, st, "transfer to %s failed: %s",
+                           kvf__peer_name(lk->peer, name, sizeof(name)),
+                           kvf_status_str(st));
+    } else if (c->last) {
         send_done(r, lk);
     }
+    kvf__peer_put(c->peer);
     kvf__room_put(r);
     free(c);
 }
 
+/* Queue src[i] -> the link's destination page dst_off + i, i < n. */
 static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *pages,
-                                size_t n, int last)
+                                uint32_t dst_off, size_t n, int last)
 {
     kvf_link_t *lk = &r->links[li];
     chunk_put_t *c = malloc(sizeof(*c) + n * sizeof(kvf_run_t));
@@ -396,20 +411,24 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
         if (r->eng->layout.kv[i].item_bytes > max_ib)
             max_ib = r->eng->layout.kv[i].item_bytes;
     memset(c, 0, sizeof(*c));
-    c->nruns = (uint32_t)kvf__plan_runs(pages, lk->pages + r->pages_sent, n,
+    c->nruns = (uint32_t)kvf__plan_runs(pages, lk->pages + dst_off, n,
                                         (uint32_t)(MAX_RUN_BYTES / max_ib), c->runs);
     c->put.next = chunk_next;
     c->put.complete = chunk_complete;
     c->put.room = r->id;
     c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
     c->room = r;
+    c->peer = lk->peer;
     c->link = li;
     c->last = last;
     r->refs++;
-    lk->puts++;
+    lk->peer->refs++;
     if (last)
         lk->last_queued = 1;
-    kvf_tcp_put(lk->peer->conn, &c->put);
+    if (lk->peer->conn == NULL)
+        chunk_complete(&c->put, KVF_ERR_CONN_RESET);
+    else
+        lk->peer->conn->ops->put(lk->peer->conn, &c->put);
     return KVF_OK;
 }
 
@@ -556,6 +575,11 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
                   (unsigned long long)min_items(l->aux, l->num_aux));
         st = KVF_ERR_OUT_OF_RANGE;
     } else {
+        r->src_pages = malloc(num_pages * sizeof(uint32_t));
+        if (r->src_pages == NULL) {
+            pthread_mutex_unlock(&eng->lock);
+            return KVF_ERR_NO_MEMORY;
+        }
         r->num_pages = num_pages;
         r->aux_slot = aux_slot;
         r->initialized = 1;
@@ -658,8 +682,10 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
     }
     if (why == NULL) {
         st = KVF_OK;
+        memcpy(r->src_pages + r->pages_sent, pages, n * sizeof(uint32_t));
         for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++)
-            st = queue_chunk(r, i, pages, n, is_last);
+            if (!r->links[i].broken)   /* a resumed link gets it all again */
+                st = queue_chunk(r, i, pages, r->pages_sent, n, is_last);
         if (st != KVF_OK) {
             kvf__room_fail(r, st, "cannot queue chunk: %s", kvf_status_str(st));
         } else {
@@ -837,13 +863,38 @@ void kvf__room_try_request(kvf_room_t *r)
      * every prefill rank of the room. */
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_peer_t *p = r->links[i].peer;
+        if (r->links[i].broken)
+            return;
         if (p->state == KVF_PEER_DEAD) {
-            kvf__room_fail(r, KVF_ERR_UNREACHABLE, "cannot reach %s",
-                           kvf__peer_name(p, name, sizeof(name)));
+            char why[160];
+            snprintf(why, sizeof(why), "cannot reach %s",
+                     kvf__peer_name(p, name, sizeof(name)));
+            if (r->links[i].resume_instance != 0 && r->retries < MAX_RETRIES) {
+                r->links[i].broken = 1;
+                r->retries++;
+                r->retry_at_ms = kvf_now_ms() + (RETRY_BASE_MS << (r->retries - 1));
+                return;
+            }
+            if (r->retries > 0)
+                kvf__room_fail(r, KVF_ERR_UNREACHABLE, "%s after %u reconnects; the "
+                               "connection was lost first: %s", why, r->retries,
+                               r->last_err ? r->last_err : "unknown");
+            else
+                kvf__room_fail(r, KVF_ERR_UNREACHABLE, "%s", why);
             return;
         }
         if (p->state != KVF_PEER_READY)
             return;
+        if (r->links[i].resume_instance != 0 &&
+            r->links[i].resume_instance != p->instance_id) {
+            kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s restarted (instance %016llx, "
+                           "was %016llx) while room %llu was in flight: its KV for the "
+                           "room is gone", kvf__peer_name(p, name, sizeof(name)),
+                           (unsigned long long)p->instance_id,
+                           (unsigned long long)r->links[i].resume_instance,
+                           (unsigned long long)r->id);
+            return;
+        }
     }
     for (uint32_t i = 0; i < r->nlinks; i++) {
         if (r->links[i].peer->incompatible) {
@@ -865,8 +916,14 @@ void kvf__room_try_request(kvf_room_t *r)
         m.u.room_req.aux_slot = r->aux_slot;
         m.u.room_req.pages = (kvf_wire_arr32_t){r->n_pages, r->pages, NULL};
         m.u.room_req.state_slots = (kvf_wire_arr32_t){r->n_state_dst, r->state_dst, NULL};
+        m.u.room_req.attempt = lk->resume_instance ? r->retries : 0;
+        /* A resumed link starts over: the prefill rank resends everything. */
         lk->expected = expected;
-        if (want_checksum(eng, lk->peer) && (lk->hash = XXH3_createState()) != NULL)
+        lk->bytes = 0;
+        lk->done = 0;
+        if (lk->hash == NULL && want_checksum(eng, lk->peer))
+            lk->hash = XXH3_createState();
+        if (lk->hash)
             XXH3_64bits_reset(lk->hash);
         kvf_status_t st = kvf__peer_send(lk->peer, &m);
         if (st != KVF_OK) {
@@ -1066,6 +1123,61 @@ static void stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_t exp
     }
 }
 
+/*
+ * A decode rank that lost its connection asks again (attempt > 0): move its
+ * link to the new connection and resend everything queued so far (writes
+ * are idempotent).  @return 0 if the room has no such link (a first
+ * request, then).
+ */
+static int resume(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
+{
+    char name[128];
+    uint32_t li;
+
+    for (li = 0; li < r->nlinks; li++)
+        if (r->links[li].rank == req->rank)
+            break;
+    if (li == r->nlinks)
+        return 0;
+    kvf_link_t *lk = &r->links[li];
+    kvf__peer_name(p, name, sizeof(name));
+    if (room_final(r)) {
+        send_fail(r, p, 0);
+        return 1;
+    }
+    if (lk->peer->instance_id != p->instance_id) {
+        kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s restarted while room %llu was in "
+                       "flight (instance %016llx, was %016llx)", name,
+                       (unsigned long long)r->id, (unsigned long long)p->instance_id,
+                       (unsigned long long)lk->peer->instance_id);
+        return 1;
+    }
+    if (req->n_pages != lk->n_pages ||
+        memcmp(req->pages, lk->pages, lk->n_pages * sizeof(uint32_t)) != 0) {
+        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s resumed room %llu with a different "
+                       "destination", name, (unsigned long long)r->id);
+        return 1;
+    }
+    kvf_info("%s resumed room %llu (attempt %u): resending %u pages", name,
+             (unsigned long long)r->id, r->retries, r->pages_sent);
+    kvf__peer_put(lk->peer);
+    lk->peer = p;
+    p->refs++;
+    lk->broken = 0;
+    lk->bytes = 0;
+    lk->done = 0;
+    lk->last_queued = 0;
+    if (lk->hash)
+        XXH3_64bits_reset(lk->hash);
+    r->t_state_ms = kvf_now_ms();
+    if (r->pages_sent > 0 || r->last_sent) {
+        kvf_status_t st = queue_chunk(r, li, r->src_pages, 0, r->pages_sent, r->last_sent);
+        if (st != KVF_OK)
+            kvf__room_fail(r, st, "cannot queue the resend: %s", kvf_status_str(st));
+    }
+    return 1;
+}
+
 static void on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
 {
     kvf_engine_t *eng = p->eng;
@@ -1125,6 +1237,8 @@ static void on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
                 *f = tmp;
         }
         stash_add(p, m->room, &lk, m->expected_receivers, f);
+    } else if (m->attempt > 0 && resume(r, p, &lk)) {
+        /* resumed on a new connection */
     } else if (bad != NULL) {
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s sent a destination for room %llu "
                        "with %s", name, (unsigned long long)m->room, bad);
@@ -1197,10 +1311,33 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         p->rx_room = NULL;
         p->rx_link = NULL;
     }
+    uint64_t now = kvf_now_ms();
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
-        if (link_of(r, p) != NULL && !room_final(r)) {
-            kvf__room_fail(r, st, "%s", reason);
-            n++;
+        kvf_link_t *lk = link_of(r, p);
+        if (lk == NULL || room_final(r))
+            continue;
+        n++;
+        /* A reset stream may be transient: the decode side reconnects and
+         * resumes; the prefill side waits for that, briefly. */
+        if (st != KVF_ERR_CONN_RESET || r->retries >= MAX_RETRIES) {
+            if (r->retries > 0)
+                kvf__room_fail(r, st, "%s (gave up after %u reconnects)", reason,
+                               r->retries);
+            else
+                kvf__room_fail(r, st, "%s", reason);
+            continue;
+        }
+        for (uint32_t i = 0; i < r->nlinks; i++)
+            if (r->links[i].peer == p)
+                r->links[i].broken = 1;
+        free(r->last_err);
+        r->last_err = strdup(reason);
+        if (r->side == KVF_ROLE_DECODE) {
+            r->retries++;
+            r->retry_at_ms = now + (RETRY_BASE_MS << (r->retries - 1));
+        } else {
+            r->retries++;
+            r->retry_at_ms = now + eng->params.heartbeat_timeout_ms;
         }
     }
     return n;
@@ -1229,7 +1366,7 @@ static void deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
                      r->pages_sent, r->num_pages);
     } else {
         if (s == KVF_POLL_BOOTSTRAPPING)
-            snprintf(buf, len, "%s", r->boot_err ? r->boot_err
+            snprintf(buf, len, "%s", r->last_err ? r->last_err
                      : !r->initialized ? "kvf_receiver_init was not called"
                      : "waiting for the prefill rank's handshake");
         else if (s == KVF_POLL_WAITING_FOR_INPUT)
@@ -1239,12 +1376,63 @@ static void deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
     }
 }
 
+/* Decode: reconnect the broken links of a room and ask to resume. */
+static void reconnect(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        char host[KVF_ADDR_MAX];
+        char *colon;
+        if (!lk->broken)
+            continue;
+        snprintf(host, sizeof(host), "%s", lk->peer->addr);
+        colon = strrchr(host, ':');
+        if (colon == NULL) {
+            kvf__room_fail(r, KVF_ERR_UNREACHABLE, "no address to reconnect to");
+            return;
+        }
+        *colon = '\0';
+        kvf_peer_t *p = kvf__peer_get(eng, host, atoi(colon + 1));
+        if (p == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to reconnect");
+            return;
+        }
+        if (lk->resume_instance == 0)
+            lk->resume_instance = lk->peer->instance_id;
+        kvf__peer_put(lk->peer);
+        lk->peer = p;
+        p->refs++;
+        lk->broken = 0;
+        lk->req_sent = 0;
+    }
+    kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
+             r->retries, MAX_RETRIES);
+    kvf__room_try_request(r);
+}
+
+static int has_broken_link(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].broken)
+            return 1;
+    return 0;
+}
+
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
 {
     const kvf_engine_params_t *pr = &eng->params;
     char detail[384];
 
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
+        if (!room_final(r) && has_broken_link(r) && now >= r->retry_at_ms) {
+            if (r->side == KVF_ROLE_DECODE)
+                reconnect(r);
+            else
+                kvf__room_fail(r, KVF_ERR_CONN_RESET, "%s; it did not reconnect within "
+                               "%.1f s", r->last_err ? r->last_err : "connection lost",
+                               pr->heartbeat_timeout_ms / 1000.0);
+        }
         kvf_poll_t s = room_state(r);
         unsigned limit = s == KVF_POLL_BOOTSTRAPPING ? pr->bootstrap_timeout_ms
                        : s == KVF_POLL_WAITING_FOR_INPUT ? pr->waiting_timeout_ms

@@ -55,4 +55,89 @@ typedef struct kvf_rx_target {
     uint32_t len;
 } kvf_rx_target_t;
 
+/* What a connection tells the engine.  Called on the progress thread with
+ * the engine lock held. */
+typedef struct kvf_conn_handler {
+    /* An outbound connect finished (the stream is writable). */
+    void (*on_connected)(void *arg);
+    /* A decoded control message (every type but DATA). */
+    void (*on_msg)(void *arg, const kvf_msg_t *msg);
+    /* A DATA frame arrived: fill targets[0..d->nseg-1] (dst NULL: discard). */
+    void (*on_data)(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *targets);
+    /* Before more payload of the current frame is placed: 0 = discard the
+     * rest (its room went away meanwhile). */
+    int  (*rx_valid)(void *arg);
+    /* Payload bytes were placed at p (for checksums).  May be NULL. */
+    void (*on_placed)(void *arg, const uint8_t *p, size_t n);
+    /* The current DATA frame's payload has been read completely. */
+    void (*on_data_end)(void *arg, uint64_t placed);
+    /* The stream failed or the peer closed it.  Called once; the conn is
+     * shut down afterwards and only destroy may follow. */
+    void (*on_close)(void *arg, kvf_status_t status, const char *reason);
+} kvf_conn_handler_t;
+
+/* Where a connection registers itself for events. */
+typedef struct kvf_conn_env {
+    int   epfd;       /* the engine's epoll instance */
+    void *ep_data;    /* epoll_event.data.ptr for this connection */
+} kvf_conn_env_t;
+
+typedef struct kvf_conn kvf_conn_t;
+typedef struct kvf_transport_ops kvf_transport_ops_t;
+
+/* Every backend's connection struct starts with this. */
+struct kvf_conn {
+    const kvf_transport_ops_t *ops;
+};
+
+/*
+ * A transport backend.  Every op runs on the progress thread under the
+ * engine lock (put/send_msg may also run on an application thread under
+ * the lock: they only queue), never blocks, and reports failures through
+ * the handler's on_close, never by returning them later.
+ */
+struct kvf_transport_ops {
+    const char *name;
+    /* Start a non-blocking connect; on_connected or on_close follows. */
+    kvf_status_t (*connect)(const char *host, int port, const kvf_conn_env_t *env,
+                            const kvf_conn_handler_t *h, void *arg, kvf_conn_t **conn_p);
+    /* Take over an accepted socket. */
+    kvf_status_t (*accept)(int fd, const kvf_conn_env_t *env,
+                           const kvf_conn_handler_t *h, void *arg, kvf_conn_t **conn_p);
+    /* epoll reported `events` for this connection. */
+    void         (*handle)(kvf_conn_t *c, uint32_t events);
+    /* Queue a control message (ordered after every put completed before). */
+    kvf_status_t (*send_msg)(kvf_conn_t *c, const kvf_msg_t *msg);
+    /* Queue a put; it always completes, with KVF_ERR_CONN_RESET if the
+     * connection goes first. */
+    void         (*put)(kvf_conn_t *c, kvf_put_t *put);
+    /* Move queued bytes as far as the network takes them. */
+    void         (*flush)(kvf_conn_t *c);
+    /* Periodic tick (timers of the backend).  May be NULL. */
+    void         (*tick)(kvf_conn_t *c, uint64_t now_ms);
+    /* Close now: queued puts complete with KVF_ERR_CONN_RESET; no on_close. */
+    void         (*shutdown)(kvf_conn_t *c);
+    void         (*destroy)(kvf_conn_t *c);
+    /* kvf_now_ms() of the last byte received / sent. */
+    uint64_t     (*last_rx)(const kvf_conn_t *c);
+    uint64_t     (*last_tx)(const kvf_conn_t *c);
+    /* 1 when nothing is queued or half-written. */
+    int          (*idle)(const kvf_conn_t *c);
+};
+
+/* The backends built in. */
+extern const kvf_transport_ops_t kvf_tcp_ops;
+
+/*
+ * The fault-injecting transport (transport/fault): wraps `inner` with the
+ * faults of a spec string (docs/FAILURES.md, KVF_FAULTS).  The faults are
+ * per engine: `kvf_faults_t` counts payload bytes over all its connections.
+ */
+typedef struct kvf_faults kvf_faults_t;
+kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p,
+                              char *err, size_t errlen);
+void         kvf_faults_free(kvf_faults_t *faults);
+kvf_status_t kvf_fault_wrap(kvf_faults_t *faults, kvf_conn_t *inner,
+                            kvf_conn_t **conn_p);
+
 #endif /* KVF_TRANSPORT_TRANSPORT_H */

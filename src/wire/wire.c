@@ -428,6 +428,7 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         kvf_wire_wr_u32(w, m->u.room_req.aux_slot);
         kvf_wire_wr_arr32(w, &m->u.room_req.pages);
         kvf_wire_wr_arr32(w, &m->u.room_req.state_slots);
+        kvf_wire_wr_u32(w, m->u.room_req.attempt);
         break;
     case KVF_MSG_DATA:
         kvf_wire_wr_data(w, &m->u.data);
@@ -719,6 +720,7 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         kvf_wire_rd_arr32(rd, &r->pages, UINT32_MAX, "page");
         kvf_wire_rd_arr32(rd, &r->state_slots, KVF_WIRE_MAX_BUFS,
                           "state slot");
+        r->attempt            = kvf_wire_rd_u32(rd, "attempt");
         break;
     }
     case KVF_MSG_DATA: {

@@ -119,6 +119,7 @@ typedef struct kvf_msg_room_req {
     uint32_t         aux_slot;
     kvf_wire_arr32_t pages;               /* decode page indices, in order */
     kvf_wire_arr32_t state_slots;         /* one per state buffer */
+    uint32_t         attempt;             /* 0; n: resumed after n reconnects */
 } kvf_msg_room_req_t;
 
 typedef struct kvf_wire_seg {

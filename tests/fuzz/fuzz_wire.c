@@ -93,7 +93,8 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
                a->u.room_req.aux_slot == b->u.room_req.aux_slot &&
                fz_arr32_eq(&a->u.room_req.pages, &b->u.room_req.pages) &&
                fz_arr32_eq(&a->u.room_req.state_slots,
-                           &b->u.room_req.state_slots);
+                           &b->u.room_req.state_slots) &&
+               a->u.room_req.attempt == b->u.room_req.attempt;
     case KVF_MSG_DATA:
         return fz_data_eq(&a->u.data, &b->u.data);
     case KVF_MSG_DONE:

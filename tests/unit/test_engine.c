@@ -29,6 +29,11 @@ typedef struct side {
     uint8_t      *state;
 } side_t;
 
+/* Engine settings of the next side_init (tests change them). */
+static const char *next_faults;
+static int next_checksum;
+static unsigned next_transfer_ms = 5000, next_hb_interval_ms = 500, next_hb_timeout_ms = 2500;
+
 static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs,
                       uint32_t page_size, const char *dtype, int with_state)
 {
@@ -38,7 +43,11 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs,
     p.bootstrap_addr = bs;
     p.host_bootstrap = host_bs;
     p.bootstrap_timeout_ms = 5000;
-    p.transfer_timeout_ms = 5000;
+    p.transfer_timeout_ms = next_transfer_ms;
+    p.heartbeat_interval_ms = next_hb_interval_ms;
+    p.heartbeat_timeout_ms = next_hb_timeout_ms;
+    p.faults = next_faults;
+    p.checksum = next_checksum;
     CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
 
     kvf_buffer_t kv[NKV], aux, st;
@@ -245,6 +254,139 @@ static void test_bad_calls(void)
     side_fini(&pre);
 }
 
+/*
+ * One whole room (all 64 pages, 64 KiB of KV) from prefill to decode with
+ * faults injected: `pre_faults` on the prefill engine, `dec_faults` on the
+ * decode engine.  Fills the failure records of both sides.
+ */
+static void faulty_room(const char *pre_faults, const char *dec_faults, int checksum,
+                        kvf_poll_t *ps, kvf_poll_t *ds, kvf_failure_t *pf,
+                        kvf_failure_t *df, int *bytes_ok)
+{
+    side_t pre, dec;
+    char bs[64];
+    uint32_t src[PAGES], dst[PAGES];
+
+    next_checksum = checksum;
+    next_faults = pre_faults;
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = dec_faults;
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    next_faults = NULL;
+    next_checksum = 0;
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 31 + b * 7 + 3);
+    for (int i = 0; i < PAGES; i++) {
+        src[i] = (uint32_t)i;
+        dst[i] = (uint32_t)((i * 37) % PAGES);   /* scattered, a permutation */
+    }
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 77, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 77, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, PAGES, 1, NULL, 0), KVF_OK);
+    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, PAGES, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src, PAGES / 2, 0), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src + PAGES / 2, PAGES / 2, 1), KVF_OK);
+    wait_final(s, r);
+    *ps = kvf_sender_poll(s);
+    *ds = kvf_receiver_poll(r);
+    memset(pf, 0, sizeof(*pf));
+    memset(df, 0, sizeof(*df));
+    kvf_sender_failure(s, pf);
+    kvf_receiver_failure(r, df);
+    int ok = 1;
+    for (int b = 0; b < NKV; b++)
+        for (int i = 0; i < PAGES; i++)
+            ok &= memcmp(dec.kv[b] + (size_t)dst[i] * PAGE_B,
+                         pre.kv[b] + (size_t)src[i] * PAGE_B, PAGE_B) == 0;
+    *bytes_ok = ok;
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_reset_resumes(void)
+{
+    kvf_poll_t ps, ds;
+    kvf_failure_t pf, df;
+    int ok;
+    faulty_room("reset@20000", NULL, 1, &ps, &ds, &pf, &df, &ok);
+    CHECK_EQ_INT(ps, KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(ds, KVF_POLL_SUCCESS);
+    CHECK(ok);
+    faulty_room("truncate@30000", NULL, 0, &ps, &ds, &pf, &df, &ok);
+    CHECK_EQ_INT(ds, KVF_POLL_SUCCESS);
+    CHECK(ok);
+}
+
+static void test_repeated_resets_give_up(void)
+{
+    kvf_poll_t ps, ds;
+    kvf_failure_t pf, df;
+    int ok;
+    faulty_room("reset@10000,reset@20000,reset@30000,reset@40000,reset@50000", NULL, 0,
+                &ps, &ds, &pf, &df, &ok);
+    CHECK_EQ_INT(ps, KVF_POLL_FAILED);
+    CHECK_EQ_INT(ds, KVF_POLL_FAILED);
+    CHECK_EQ_INT(df.status, KVF_ERR_CONN_RESET);
+    CHECK_STR_CONTAINS(df.reason, "prefill rank 0");
+    CHECK_STR_CONTAINS(df.reason, "gave up after 3 reconnects");
+    CHECK(pf.reason[0] != '\0');
+}
+
+static void test_corrupt_fails_with_checksum(void)
+{
+    kvf_poll_t ps, ds;
+    kvf_failure_t pf, df;
+    int ok;
+    faulty_room("corrupt@12345", NULL, 1, &ps, &ds, &pf, &df, &ok);
+    CHECK_EQ_INT(ds, KVF_POLL_FAILED);
+    CHECK_EQ_INT(ps, KVF_POLL_FAILED);
+    CHECK_EQ_INT(df.status, KVF_ERR_CHECKSUM);
+    CHECK_STR_CONTAINS(df.reason, "checksum mismatch");
+    CHECK_EQ_INT(df.from_another_rank, 0);
+    CHECK_EQ_INT(pf.status, KVF_ERR_CHECKSUM);
+    CHECK_EQ_INT(pf.from_another_rank, 1);
+    CHECK_EQ_INT(pf.origin_side, KVF_ROLE_DECODE);
+}
+
+static void test_dropped_ack_times_out(void)
+{
+    kvf_poll_t ps, ds;
+    kvf_failure_t pf, df;
+    int ok;
+    next_transfer_ms = 1000;
+    faulty_room(NULL, "drop-ack", 0, &ps, &ds, &pf, &df, &ok);
+    next_transfer_ms = 5000;
+    CHECK_EQ_INT(ds, KVF_POLL_SUCCESS);
+    CHECK(ok);
+    CHECK_EQ_INT(ps, KVF_POLL_FAILED);
+    CHECK_EQ_INT(pf.status, KVF_ERR_TIMED_OUT);
+    CHECK_STR_CONTAINS(pf.reason, "Transferring");
+}
+
+static void test_stall_is_a_dead_peer(void)
+{
+    kvf_poll_t ps, ds;
+    kvf_failure_t pf, df;
+    int ok;
+    next_hb_interval_ms = 100;
+    next_hb_timeout_ms = 600;
+    faulty_room("stall@20000:3000", NULL, 0, &ps, &ds, &pf, &df, &ok);
+    next_hb_interval_ms = 500;
+    next_hb_timeout_ms = 2500;
+    CHECK_EQ_INT(ds, KVF_POLL_FAILED);
+    CHECK_EQ_INT(df.status, KVF_ERR_PEER_TIMEOUT);
+    CHECK_STR_CONTAINS(df.reason, "prefill rank 0");
+    CHECK_STR_CONTAINS(df.reason, "heartbeat timeout");
+    CHECK_EQ_INT(ps, KVF_POLL_FAILED);
+}
+
 static void test_status_strings(void)
 {
     CHECK(strcmp(kvf_status_name(KVF_ERR_TIMED_OUT), "KVF_ERR_TIMED_OUT") == 0);
@@ -257,4 +399,7 @@ static void test_status_strings(void)
 
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
-              KVF_CASE(test_bad_calls))
+              KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
+              KVF_CASE(test_repeated_resets_give_up),
+              KVF_CASE(test_corrupt_fails_with_checksum),
+              KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer))

@@ -87,6 +87,7 @@ static kvf_msg_t sample_room_req(void)
     m.u.room_req.aux_slot = BIG32;
     m.u.room_req.pages = (kvf_wire_arr32_t){ 6, pages, NULL };
     m.u.room_req.state_slots = (kvf_wire_arr32_t){ 2, slots, NULL };
+    m.u.room_req.attempt = 3;
     return m;
 }
 
@@ -269,6 +270,7 @@ static void test_roundtrip_room_req(void)
     CHECK(d.u.room_req.aux_slot == BIG32);
     check_arr32(&d.u.room_req.pages, &m.u.room_req.pages);
     check_arr32(&d.u.room_req.state_slots, &m.u.room_req.state_slots);
+    CHECK_EQ_INT(d.u.room_req.attempt, 3);
     kvf_buf_free(&b);
 
     /* empty arrays */
@@ -860,7 +862,7 @@ static void test_encode_refuses(void)
     REFUSE(m);
 
     /* a page list that would make the body exceed KVF_WIRE_MAX_BODY */
-    uint32_t fit = (KVF_WIRE_MAX_BODY - 28) / 4;
+    uint32_t fit = (KVF_WIRE_MAX_BODY - 32) / 4;
     uint32_t *big = calloc((size_t)fit + 1, sizeof(uint32_t));
     m = sample_room_req();
     m.u.room_req.state_slots.count = 0;

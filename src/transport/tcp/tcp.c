@@ -35,16 +35,20 @@
 enum { RX_HDR, RX_BODY, RX_PAYLOAD };
 
 struct kvf_tcp_conn {
+    kvf_conn_t               base;          /* ops: first member */
     int                      fd;
     int                      epfd;
     void                    *ep_data;
     uint32_t                 ep_events;
-    const kvf_tcp_handler_t *h;
+    const kvf_conn_handler_t *h;
     void                    *arg;
     int                      connecting;
+    int                      closing;       /* in on_close: queue nothing */
     int                      dead;
     uint64_t                 last_rx_ms;
     uint64_t                 last_tx_ms;
+    uint64_t                 paused_until_ms;  /* 0: not paused */
+    char                    *truncate_reason;  /* cut the next frame (faults) */
 
     /* transmit */
     kvf_buf_t                ctrl;          /* encoded control frames */
@@ -70,6 +74,7 @@ struct kvf_tcp_conn {
 
 static void conn_fail(kvf_tcp_conn_t *c, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+static int tcp_idle(const kvf_conn_t *base);
 
 static int set_nonblock(int fd)
 {
@@ -142,7 +147,8 @@ err:
 static void update_events(kvf_tcp_conn_t *c)
 {
     uint32_t want = EPOLLIN | EPOLLRDHUP;
-    if (c->connecting || !kvf_tcp_conn_idle(c))
+    if (c->connecting || (!tcp_idle(&c->base) && (c->paused_until_ms == 0 ||
+                                                   kvf_now_ms() >= c->paused_until_ms)))
         want |= EPOLLOUT;
     if (c->dead || want == c->ep_events)
         return;
@@ -151,16 +157,17 @@ static void update_events(kvf_tcp_conn_t *c)
         c->ep_events = want;
 }
 
-static kvf_status_t conn_new(int fd, int epfd, void *ep_data, int connecting,
-                             const kvf_tcp_handler_t *h, void *arg,
-                             kvf_tcp_conn_t **conn_p)
+static kvf_status_t conn_new(int fd, const kvf_conn_env_t *env, int connecting,
+                             const kvf_conn_handler_t *h, void *arg,
+                             kvf_conn_t **conn_p)
 {
     kvf_tcp_conn_t *c = calloc(1, sizeof(*c));
     if (c == NULL)
         return KVF_ERR_NO_MEMORY;
+    c->base.ops = &kvf_tcp_ops;
     c->fd = fd;
-    c->epfd = epfd;
-    c->ep_data = ep_data;
+    c->epfd = env->epfd;
+    c->ep_data = env->ep_data;
     c->h = h;
     c->arg = arg;
     c->connecting = connecting;
@@ -171,12 +178,12 @@ static kvf_status_t conn_new(int fd, int epfd, void *ep_data, int connecting,
     if (kvf_buf_reserve(&c->rx, TCP_RX_BUF) != KVF_OK)
         goto err;
     c->ep_events = EPOLLIN | EPOLLRDHUP | (connecting ? EPOLLOUT : 0);
-    struct epoll_event ev = {.events = c->ep_events, .data.ptr = ep_data};
-    if (epoll_ctl(epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+    struct epoll_event ev = {.events = c->ep_events, .data.ptr = c->ep_data};
+    if (epoll_ctl(c->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
         kvf_error("epoll_ctl: %m");
         goto err;
     }
-    *conn_p = c;
+    *conn_p = &c->base;
     return KVF_OK;
 err:
     kvf_buf_free(&c->rx);
@@ -184,9 +191,9 @@ err:
     return KVF_ERR_NO_MEMORY;
 }
 
-kvf_status_t kvf_tcp_connect(const char *host, int port, int epfd, void *ep_data,
-                             const kvf_tcp_handler_t *h, void *arg,
-                             kvf_tcp_conn_t **conn_p)
+static kvf_status_t tcp_connect(const char *host, int port, const kvf_conn_env_t *env,
+                                const kvf_conn_handler_t *h, void *arg,
+                                kvf_conn_t **conn_p)
 {
     struct sockaddr_storage ss;
     socklen_t len;
@@ -204,30 +211,38 @@ kvf_status_t kvf_tcp_connect(const char *host, int port, int epfd, void *ep_data
         close(fd);
         return KVF_ERR_UNREACHABLE;
     }
-    st = conn_new(fd, epfd, ep_data, 1, h, arg, conn_p);
+    st = conn_new(fd, env, 1, h, arg, conn_p);
     if (st != KVF_OK)
         close(fd);
     return st;
 }
 
-kvf_status_t kvf_tcp_accept(int fd, int epfd, void *ep_data,
-                            const kvf_tcp_handler_t *h, void *arg,
-                            kvf_tcp_conn_t **conn_p)
+static kvf_status_t tcp_accept(int fd, const kvf_conn_env_t *env,
+                               const kvf_conn_handler_t *h, void *arg,
+                               kvf_conn_t **conn_p)
 {
     if (set_nonblock(fd) != 0)
         return KVF_ERR_IO;
     tune_socket(fd);
-    return conn_new(fd, epfd, ep_data, 0, h, arg, conn_p);
+    return conn_new(fd, env, 0, h, arg, conn_p);
 }
 
-int kvf_tcp_conn_idle(const kvf_tcp_conn_t *c)
+static int tcp_idle(const kvf_conn_t *base)
 {
+    const kvf_tcp_conn_t *c = (const kvf_tcp_conn_t *)base;
     return !c->frame_active && c->ctrl_off == c->ctrl.len &&
            c->cur_put == NULL && c->q_head == NULL;
 }
 
-uint64_t kvf_tcp_conn_last_rx(const kvf_tcp_conn_t *c) { return c->last_rx_ms; }
-uint64_t kvf_tcp_conn_last_tx(const kvf_tcp_conn_t *c) { return c->last_tx_ms; }
+static uint64_t tcp_last_rx(const kvf_conn_t *c)
+{
+    return ((const kvf_tcp_conn_t *)c)->last_rx_ms;
+}
+
+static uint64_t tcp_last_tx(const kvf_conn_t *c)
+{
+    return ((const kvf_tcp_conn_t *)c)->last_tx_ms;
+}
 
 /* Complete every queued put with `st` (the stream is gone). */
 static void fail_puts(kvf_tcp_conn_t *c, kvf_status_t st)
@@ -244,8 +259,9 @@ static void fail_puts(kvf_tcp_conn_t *c, kvf_status_t st)
     c->q_tail = NULL;
 }
 
-void kvf_tcp_conn_shutdown(kvf_tcp_conn_t *c)
+static void tcp_shutdown(kvf_conn_t *base)
 {
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     if (c->dead)
         return;
     c->dead = 1;
@@ -255,15 +271,17 @@ void kvf_tcp_conn_shutdown(kvf_tcp_conn_t *c)
     fail_puts(c, KVF_ERR_CONN_RESET);
 }
 
-void kvf_tcp_conn_destroy(kvf_tcp_conn_t *c)
+static void tcp_destroy(kvf_conn_t *base)
 {
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     if (c == NULL)
         return;
-    kvf_tcp_conn_shutdown(c);
+    tcp_shutdown(base);
     kvf_buf_free(&c->ctrl);
     kvf_buf_free(&c->frame);
     kvf_buf_free(&c->rx);
     free(c->tgt);
+    free(c->truncate_reason);
     free(c);
 }
 
@@ -272,27 +290,32 @@ static void conn_fail(kvf_tcp_conn_t *c, kvf_status_t st, const char *fmt, ...)
     char reason[512];
     va_list ap;
 
-    if (c->dead)
+    if (c->dead || c->closing)
         return;
     va_start(ap, fmt);
     vsnprintf(reason, sizeof(reason), fmt, ap);
     va_end(ap);
-    kvf_tcp_conn_shutdown(c);
+    /* The handler learns why before the puts complete with a bare
+     * KVF_ERR_CONN_RESET, so the root cause is what rooms record. */
+    c->closing = 1;
     c->h->on_close(c->arg, st, reason);
+    tcp_shutdown(&c->base);
 }
 
-kvf_status_t kvf_tcp_send_msg(kvf_tcp_conn_t *c, const kvf_msg_t *msg)
+static kvf_status_t tcp_send_msg(kvf_conn_t *base, const kvf_msg_t *msg)
 {
-    if (c->dead)
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
+    if (c->dead || c->closing)
         return KVF_ERR_CONN_RESET;
     if (c->ctrl_off == c->ctrl.len)
         c->ctrl.len = c->ctrl_off = 0;
     return kvf_wire_encode(&c->ctrl, msg);
 }
 
-void kvf_tcp_put(kvf_tcp_conn_t *c, kvf_put_t *put)
+static void tcp_put(kvf_conn_t *base, kvf_put_t *put)
 {
-    if (c->dead) {
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
+    if (c->dead || c->closing) {
         put->complete(put, KVF_ERR_CONN_RESET);
         return;
     }
@@ -373,11 +396,25 @@ static void iov_advance(kvf_tcp_conn_t *c, size_t n)
     }
 }
 
-void kvf_tcp_conn_flush(kvf_tcp_conn_t *c)
+static void tcp_flush(kvf_conn_t *base)
 {
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     size_t budget = TCP_PASS_BYTES;
 
     while (!c->dead && !c->connecting && budget > 0) {
+        if (c->paused_until_ms != 0) {
+            if (kvf_now_ms() < c->paused_until_ms)
+                break;
+            c->paused_until_ms = 0;
+        }
+        if (c->truncate_reason != NULL && c->frame_active) {
+            /* The header and segment table go out, the payload never does. */
+            ssize_t n = send(c->fd, c->iov[c->iov_i].iov_base, c->iov[c->iov_i].iov_len,
+                             MSG_NOSIGNAL);
+            (void)n;
+            conn_fail(c, KVF_ERR_CONN_RESET, "%s", c->truncate_reason);
+            return;
+        }
         if (c->frame_active) {
             ssize_t n = writev(c->fd, c->iov + c->iov_i, c->iov_n - c->iov_i);
             if (n < 0) {
@@ -593,7 +630,9 @@ static void handle_readable(kvf_tcp_conn_t *c)
             }
         }
         if (n == 0) {
-            conn_fail(c, KVF_ERR_CONN_RESET, "peer closed the connection");
+            conn_fail(c, KVF_ERR_CONN_RESET, "peer closed the connection%s",
+                      c->rx_state == RX_HDR && c->rx_off == c->rx.len ? ""
+                      : " in the middle of a frame");
             return;
         }
         if (errno == EINTR)
@@ -604,8 +643,9 @@ static void handle_readable(kvf_tcp_conn_t *c)
     }
 }
 
-void kvf_tcp_conn_handle(kvf_tcp_conn_t *c, uint32_t events)
+static void tcp_handle(kvf_conn_t *base, uint32_t events)
 {
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     if (c->dead)
         return;
     if (c->connecting) {
@@ -625,5 +665,46 @@ void kvf_tcp_conn_handle(kvf_tcp_conn_t *c, uint32_t events)
     if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR))
         handle_readable(c);
     if (!c->dead)
-        kvf_tcp_conn_flush(c);
+        tcp_flush(&c->base);
 }
+
+void kvf_tcp_conn_abort(kvf_conn_t *base, int rst, const char *reason)
+{
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
+    if (c->dead)
+        return;
+    if (rst) {
+        struct linger lg = {.l_onoff = 1, .l_linger = 0};
+        setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    }
+    conn_fail(c, KVF_ERR_CONN_RESET, "%s", reason);
+}
+
+void kvf_tcp_conn_pause(kvf_conn_t *base, uint64_t until_ms)
+{
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
+    c->paused_until_ms = until_ms;
+    update_events(c);
+}
+
+void kvf_tcp_conn_truncate(kvf_conn_t *base, const char *reason)
+{
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
+    if (c->truncate_reason == NULL)
+        c->truncate_reason = strdup(reason);
+}
+
+const kvf_transport_ops_t kvf_tcp_ops = {
+    .name = "tcp",
+    .connect = tcp_connect,
+    .accept = tcp_accept,
+    .handle = tcp_handle,
+    .send_msg = tcp_send_msg,
+    .put = tcp_put,
+    .flush = tcp_flush,
+    .shutdown = tcp_shutdown,
+    .destroy = tcp_destroy,
+    .last_rx = tcp_last_rx,
+    .last_tx = tcp_last_tx,
+    .idle = tcp_idle,
+};
