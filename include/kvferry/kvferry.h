@@ -366,6 +366,16 @@ KVF_API kvf_status_t kvf_receiver_failure(kvf_receiver_t *receiver,
 KVF_API void kvf_receiver_abort(kvf_receiver_t *receiver);
 
 /**
+ * May the room's destination pages be given to another request?  1 once
+ * the room is final and no write into its pages can still land; 0 before.
+ * With the tcp transport bytes are placed only by the engine, which drops
+ * them once the room is final, so this is 1 as soon as the room is final;
+ * one-sided transports wait for the prefill ranks' confirmation or a drain
+ * deadline.  An atomic load: cheap.
+ */
+KVF_API int kvf_receiver_pages_released(const kvf_receiver_t *receiver);
+
+/**
  * Release the receiver.  Blocks (microseconds) until no write into its
  * pages is in progress; afterwards nothing more is written into them.
  */

@@ -845,6 +845,15 @@ kvf_status_t kvf_receiver_failure(kvf_receiver_t *rv, kvf_failure_t *f)
     return consume_failure(&rv->room, f);
 }
 void kvf_receiver_abort(kvf_receiver_t *rv) { room_abort(&rv->room); }
+
+int kvf_receiver_pages_released(const kvf_receiver_t *rv)
+{
+    /* Placement happens under the engine lock and checks that the room is
+     * live first (kvf__room_on_data, rx_valid); the final state is stored
+     * under the same lock, so once it is visible no write is in progress
+     * or can start. */
+    return room_final(&rv->room);
+}
 void kvf_receiver_destroy(kvf_receiver_t *rv)
 {
     if (rv != NULL)

@@ -219,8 +219,10 @@ static void test_abort_propagates(void)
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 9, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
     wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_receiver_pages_released(r), 0);
     kvf_receiver_abort(r);
     wait_final(s, r);
+    CHECK_EQ_INT(kvf_receiver_pages_released(r), 1);
     kvf_failure_t f;
     CHECK_EQ_INT(kvf_sender_failure(s, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
