@@ -224,6 +224,8 @@ typedef struct kvf_layout {
     const char         *kv_dtype;    /**< e.g. "bfloat16"; required */
     kvf_attn_kind_t     attn;        /**< default KVF_ATTN_MHA */
     uint32_t            num_layers;  /**< model layers on this rank; required */
+    uint32_t            first_layer; /**< global index of its first layer: a
+                                          pipeline stage's offset; default 0 */
     uint32_t            heads_per_rank;  /**< MHA: KV heads on this rank */
     uint32_t            total_heads;     /**< MHA: KV heads of the model */
     uint32_t            bytes_per_head;  /**< MHA: bytes per head per token */

@@ -30,6 +30,7 @@
 #include <xxhash.h>
 
 #include "kvferry/kvferry.h"
+#include "core/parallel.h"
 #include "core/planner.h"
 #include "transport/tcp/tcp.h"
 #include "util/map.h"
@@ -46,7 +47,7 @@ typedef struct kvf_layout_int {
     char            kv_dtype[64];
     kvf_attn_kind_t attn;
     kvf_mem_kind_t  mem_kind;
-    uint32_t        num_layers;
+    uint32_t        num_layers, first_layer;
     uint32_t        heads_per_rank, total_heads, bytes_per_head;
     uint32_t        num_kv, num_aux, num_state;
     kvf_buffer_t   *kv, *aux, *state;   /* base NULL for a peer's layout */
@@ -86,9 +87,13 @@ struct kvf_peer {
  * One peer of a room.  On a sender: a decode rank it feeds (destination
  * pages from its ROOM_REQ).  On a receiver: a prefill rank that feeds it.
  */
+#define KVF_NO_SLOT UINT32_MAX   /* ROOM_REQ aux_slot: another prefill rank sends aux */
+
 typedef struct kvf_link {
     kvf_peer_t    *peer;
     uint32_t       rank;          /* the peer's tp rank */
+    int            idle;          /* the prefill rank sends nothing to this decode rank */
+    kvf_slice_t    slice;         /* sender: what of each page goes to this peer */
     uint32_t      *pages;         /* sender: decode pages (n_pages) */
     uint32_t       n_pages;
     uint32_t       aux_slot;
@@ -197,11 +202,19 @@ void kvf__engine_wake(kvf_engine_t *eng);
 kvf_status_t kvf__layout_copy(kvf_layout_int_t *dst, const kvf_layout_t *src,
                               char *err, size_t errlen);
 void         kvf__layout_free(kvf_layout_int_t *l);
-/* Can this prefill layout feed this decode layout?  KVF_OK, or
- * KVF_ERR_INCOMPATIBLE with an SGLang-style message in err. */
+/* Same model and settings on both sides (page size, dtype, attention,
+ * heads, aux, state)?  KVF_OK, or KVF_ERR_INCOMPATIBLE with an
+ * SGLang-style message in err. */
 kvf_status_t kvf__layout_check(const kvf_layout_int_t *prefill,
                                const kvf_layout_int_t *decode,
                                char *err, size_t errlen);
+/* Can this prefill rank and this decode rank work together (the model
+ * check above, TP and PP pairing, page sizes of the buffers it writes)? */
+kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
+                             const kvf_layout_int_t *dl, const kvf_par_t *dp,
+                             char *err, size_t errlen);
+void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp_size,
+                   const kvf_layout_int_t *l);
 
 /* peer.c */
 kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port);

@@ -59,6 +59,11 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *src,
                  "(got %u, %u, %u)", src->page_size, src->num_layers, src->num_kv);
         return KVF_ERR_INVALID_PARAM;
     }
+    if (src->num_kv % src->num_layers != 0) {
+        snprintf(err, errlen, "num_kv (%u) must be a multiple of num_layers (%u): the same "
+                 "number of KV buffers for every layer", src->num_kv, src->num_layers);
+        return KVF_ERR_INVALID_PARAM;
+    }
     if (src->kv_dtype == NULL || src->kv_dtype[0] == '\0' ||
         strlen(src->kv_dtype) >= sizeof(l->kv_dtype)) {
         snprintf(err, errlen, "kv_dtype must be a name such as \"bfloat16\"");
@@ -88,6 +93,7 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *src,
     l->attn = src->attn;
     l->mem_kind = src->mem_kind;
     l->num_layers = src->num_layers;
+    l->first_layer = src->first_layer;
     l->heads_per_rank = src->heads_per_rank;
     l->total_heads = src->total_heads;
     l->bytes_per_head = src->bytes_per_head;
@@ -131,6 +137,60 @@ static const char *attn_name(kvf_attn_kind_t a)
     return a == KVF_ATTN_MLA ? "MLA" : "MHA/GQA";
 }
 
+void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp_size,
+                   const kvf_layout_int_t *l)
+{
+    par->tp_rank = tp_rank;
+    par->tp_size = tp_size;
+    par->pp_rank = pp_rank;
+    par->pp_size = pp_size;
+    par->attn = l->attn;
+    par->total_heads = l->total_heads;
+    par->heads_per_rank = l->heads_per_rank;
+    par->num_layers = l->num_layers;
+    par->first_layer = l->first_layer;
+    par->num_kv = l->num_kv;
+}
+
+/*
+ * The pair as a whole: same model and settings (page size, dtype,
+ * attention, heads, aux and state buffers), TP sizes the heads allow, a
+ * supported pipeline pairing, and, for the buffers this prefill rank writes
+ * whole pages of into this decode rank, equal page sizes.
+ */
+kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
+                             const kvf_layout_int_t *dl, const kvf_par_t *dp,
+                             char *err, size_t errlen)
+{
+    kvf_status_t st = kvf__layout_check(pl, dl, err, errlen);
+    if (st != KVF_OK)
+        return st;
+    if (pl->attn == KVF_ATTN_MHA &&
+        ((st = kvf__check_tp("prefill", pl->total_heads, pp->tp_size, pl->heads_per_rank,
+                             err, errlen)) != KVF_OK ||
+         (st = kvf__check_tp("decode", dl->total_heads, dp->tp_size, dl->heads_per_rank,
+                             err, errlen)) != KVF_OK))
+        return st;
+    kvf_slice_t s;
+    st = kvf__plan_slice(pp, dp, &s, err, errlen);
+    if (st == KVF_ERR_NOT_FOUND)
+        return KVF_OK;
+    if (st != KVF_OK || s.sliced)
+        return st;
+    for (uint32_t i = 0; i < pl->num_kv; i++) {
+        const kvf_buffer_t *d = &dl->kv[i + s.dst_buf0];
+        if (pl->kv[i].item_bytes != d->item_bytes) {
+            snprintf(err, errlen,
+                     "KV bytes-per-page mismatch on buffer %u: prefill server has %zu "
+                     "bytes per page, but decode server has %zu. Check --page-size, the "
+                     "KV head count per rank (--tp-size) and the head dimension on both "
+                     "servers.", i, pl->kv[i].item_bytes, d->item_bytes);
+            return KVF_ERR_INCOMPATIBLE;
+        }
+    }
+    return KVF_OK;
+}
+
 kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
                                char *err, size_t errlen)
 {
@@ -155,14 +215,6 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
                  attn_name(p->attn), attn_name(d->attn));
         return KVF_ERR_INCOMPATIBLE;
     }
-    if (p->num_layers != d->num_layers || p->num_kv != d->num_kv) {
-        snprintf(err, errlen,
-                 "Layer count mismatch: prefill server registered %u layers (%u KV "
-                 "buffers), but decode server registered %u layers (%u KV buffers). "
-                 "Both servers must serve the same model with the same pipeline "
-                 "layout.", p->num_layers, p->num_kv, d->num_layers, d->num_kv);
-        return KVF_ERR_INCOMPATIBLE;
-    }
     if (p->attn == KVF_ATTN_MHA &&
         (p->total_heads != d->total_heads || p->bytes_per_head != d->bytes_per_head)) {
         snprintf(err, errlen,
@@ -171,16 +223,6 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
                  "the same model.", p->total_heads, p->bytes_per_head, d->total_heads,
                  d->bytes_per_head);
         return KVF_ERR_INCOMPATIBLE;
-    }
-    for (uint32_t i = 0; i < p->num_kv; i++) {
-        if (p->kv[i].item_bytes != d->kv[i].item_bytes) {
-            snprintf(err, errlen,
-                     "KV bytes-per-page mismatch on buffer %u: prefill server has %zu "
-                     "bytes per page, but decode server has %zu. Check --page-size, "
-                     "the KV head count per rank (--tp-size) and the head dimension "
-                     "on both servers.", i, p->kv[i].item_bytes, d->kv[i].item_bytes);
-            return KVF_ERR_INCOMPATIBLE;
-        }
     }
     if (p->num_aux != d->num_aux) {
         snprintf(err, errlen,

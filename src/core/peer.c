@@ -130,6 +130,7 @@ static void send_hello(kvf_peer_t *p)
     h->layout.attn = (uint8_t)l->attn;
     h->layout.mem_kind = (uint8_t)l->mem_kind;
     h->layout.num_layers = l->num_layers;
+    h->layout.first_layer = l->first_layer;
     h->layout.heads_per_rank = l->heads_per_rank;
     h->layout.total_heads = l->total_heads;
     h->layout.bytes_per_head = l->bytes_per_head;
@@ -262,7 +263,8 @@ static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout
     memset(l, 0, sizeof(*l));
     if (w->kv_dtype.len >= sizeof(l->kv_dtype) || w->kv_items.count != w->kv_item_bytes.count ||
         w->aux_items.count != w->aux_item_bytes.count ||
-        w->state_items.count != w->state_item_bytes.count || w->attn > KVF_ATTN_MLA) {
+        w->state_items.count != w->state_item_bytes.count || w->attn > KVF_ATTN_MLA ||
+        w->num_layers == 0 || w->kv_items.count == 0 || w->page_size == 0) {
         snprintf(err, errlen, "malformed layout descriptor in HELLO");
         return KVF_ERR_PROTOCOL;
     }
@@ -271,6 +273,7 @@ static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout
     l->attn = (kvf_attn_kind_t)w->attn;
     l->mem_kind = (kvf_mem_kind_t)w->mem_kind;
     l->num_layers = w->num_layers;
+    l->first_layer = w->first_layer;
     l->heads_per_rank = w->heads_per_rank;
     l->total_heads = w->total_heads;
     l->bytes_per_head = w->bytes_per_head;
@@ -318,6 +321,14 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
                        kvf_role_name(eng->params.role));
         return;
     }
+    if (h->tp_size == 0 || h->tp_rank >= h->tp_size || h->pp_size == 0 ||
+        h->pp_rank >= h->pp_size || h->dp_size == 0 || h->dp_rank >= h->dp_size ||
+        h->tp_size > 65536 || h->pp_size > 65536) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "HELLO with impossible ranks (tp %u/%u, pp "
+                       "%u/%u, dp %u/%u)", h->tp_rank, h->tp_size, h->pp_rank, h->pp_size,
+                       h->dp_rank, h->dp_size);
+        return;
+    }
     kvf_status_t st = layout_from_hello(&p->layout, &h->layout, err, sizeof(err));
     if (st != KVF_OK) {
         kvf__peer_fail(p, st, "%s", err);
@@ -334,27 +345,15 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
     p->checksum = (h->flags & KVF_HELLO_F_CHECKSUM) != 0;
     snprintf(p->addr, sizeof(p->addr), "%.*s", (int)h->addr.len, h->addr.ptr);
 
-    const kvf_layout_int_t *pre = p->role == KVF_ROLE_PREFILL ? &p->layout : &eng->layout;
-    const kvf_layout_int_t *dec = p->role == KVF_ROLE_PREFILL ? &eng->layout : &p->layout;
-    /* Parallel layout first: a TP mismatch also shows as a bytes-per-page
-     * mismatch, and the TP message is the one that says what to change. */
-    int pre_tp = p->role == KVF_ROLE_PREFILL ? p->tp_size : eng->params.tp_size;
-    int dec_tp = p->role == KVF_ROLE_PREFILL ? eng->params.tp_size : p->tp_size;
-    int pre_pp = p->role == KVF_ROLE_PREFILL ? p->pp_size : eng->params.pp_size;
-    int dec_pp = p->role == KVF_ROLE_PREFILL ? eng->params.pp_size : p->pp_size;
+    kvf_par_t mine, theirs;
+    kvf__par_fill(&mine, eng->params.tp_rank, eng->params.tp_size, eng->params.pp_rank,
+                  eng->params.pp_size, &eng->layout);
+    kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
     err[0] = '\0';
-    if (pre_tp != dec_tp)
-        snprintf(err, sizeof(err),
-                 "TP size mismatch: prefill server has tp_size=%d, but decode server "
-                 "has tp_size=%d. This build transfers between equal TP sizes only.",
-                 pre_tp, dec_tp);
-    else if (pre_pp != 1 || dec_pp != 1)
-        snprintf(err, sizeof(err),
-                 "Pipeline parallelism is not supported by this build: prefill server "
-                 "has pp_size=%d and decode server has pp_size=%d; use pp_size=1 on both.",
-                 pre_pp, dec_pp);
+    if (p->role == KVF_ROLE_PREFILL)
+        kvf__pair_check(&p->layout, &theirs, &eng->layout, &mine, err, sizeof(err));
     else
-        kvf__layout_check(pre, dec, err, sizeof(err));
+        kvf__pair_check(&eng->layout, &mine, &p->layout, &theirs, err, sizeof(err));
     if (err[0] != '\0') {
         p->incompatible = strdup(err);
         kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,

@@ -109,38 +109,48 @@ static int pick_dp(const kvf_bs_info_t *info, const char *addr, uint64_t room,
 }
 
 /*
- * The prefill TP ranks that hold this decode rank's KV heads.  Equal sizes
- * pair rank to rank; otherwise the handshake refuses the pair (this build
- * moves KV between equal TP sizes only), so that the refusal reaches the
- * prefill ranks that would have fed the room and fails it there too.
+ * The prefill ranks a decode rank talks to for a room: for each pipeline
+ * stage it takes layers from (its own stage, or every stage when the
+ * decode side has PP 1), the TP ranks that hold its heads (parallel.h)
+ * plus the idle ones it must tell about the room.  An unsupported PP
+ * pairing still links its own stage, so the handshake can refuse it on
+ * both sides.
  */
-static int target_ranks(int prefill_tp, int decode_tp, int rank, int *out)
+static int targets(const kvf_engine_t *eng, const kvf_bs_info_t *info, int *tp, int *pp)
 {
-    int n = 0;
-    if (prefill_tp >= decode_tp && prefill_tp % decode_tp == 0) {
-        int k = prefill_tp / decode_tp;
-        for (int i = 0; i < k && n < MAX_TARGETS; i++)
-            out[n++] = rank * k + i;
-    } else if (decode_tp % prefill_tp == 0) {
-        out[n++] = rank / (decode_tp / prefill_tp);
-    } else {
-        out[n++] = rank % prefill_tp;
+    const kvf_engine_params_t *p = &eng->params;
+    const kvf_layout_int_t *l = &eng->layout;
+    int src[KVF_MAX_SOURCES], idle[KVF_MAX_SOURCES], n = 0;
+    int ns = kvf__sources(l->attn, l->total_heads, info->attn_tp_size, p->tp_size,
+                          p->tp_rank, src);
+    int ni = kvf__idle_sources(l->attn, l->total_heads, info->attn_tp_size, p->tp_size,
+                               p->tp_rank, idle);
+    int s0 = 0, s1 = info->pp_size;
+    if (p->pp_size != 1 || info->pp_size == 1) {
+        s0 = p->pp_rank % info->pp_size;
+        s1 = s0 + 1;
+    }
+    for (int s = s0; s < s1; s++) {
+        for (int i = 0; i < ns + ni && n < MAX_TARGETS; i++) {
+            tp[n] = i < ns ? src[i] : idle[i - ns];
+            pp[n++] = s;
+        }
     }
     return n;
 }
 
-static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, char *ip,
+static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, int pp, char *ip,
                        size_t iplen, int *port, result_t *out)
 {
     for (int i = 0; i < rs->nranks; i++) {
         rank_entry_t *e = &rs->ranks[i];
-        if (e->dp == dp && e->tp == tp && e->pp == 0 && !strcmp(e->addr, addr)) {
+        if (e->dp == dp && e->tp == tp && e->pp == pp && !strcmp(e->addr, addr)) {
             snprintf(ip, iplen, "%s", e->ip);
             *port = e->port;
             return 1;
         }
     }
-    if (kvf__bs_get_rank(addr, dp, 0, tp, 0, CALL_TIMEOUT_MS, ip, iplen, port, out->err,
+    if (kvf__bs_get_rank(addr, dp, 0, tp, pp, CALL_TIMEOUT_MS, ip, iplen, port, out->err,
                          sizeof(out->err)) != KVF_OK)
         return 0;
     if (rs->nranks == CACHE_MAX)
@@ -149,7 +159,7 @@ static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, char *i
     snprintf(e->addr, sizeof(e->addr), "%s", addr);
     e->dp = dp;
     e->tp = tp;
-    e->pp = 0;
+    e->pp = pp;
     snprintf(e->ip, sizeof(e->ip), "%s", ip);
     e->port = *port;
     return 1;
@@ -158,26 +168,26 @@ static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, char *i
 static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, const char *addr,
                          uint64_t room, int dp_req, result_t *out)
 {
-    const kvf_engine_params_t *p = &eng->params;
     const kvf_bs_info_t *info = get_info(rs, addr, out);
-    int ranks[MAX_TARGETS];
+    int tp[MAX_TARGETS], pp[MAX_TARGETS];
 
     if (info == NULL)
         return;
-    if (info->attn_tp_size < 1) {
+    if (info->attn_tp_size < 1 || info->attn_tp_size > 4096 || info->pp_size < 1 ||
+        info->pp_size > 1024) {
         out->res = RES_FATAL;
         out->status = KVF_ERR_BOOTSTRAP;
         snprintf(out->err, sizeof(out->err), "bootstrap registry %s reports "
-                 "attn_tp_size=%d", addr, info->attn_tp_size);
+                 "attn_tp_size=%d, pp_size=%d", addr, info->attn_tp_size, info->pp_size);
         return;
     }
     int dp = pick_dp(info, addr, room, dp_req, out);
     if (dp < 0)
         return;
-    int n = target_ranks(info->attn_tp_size, p->tp_size, p->tp_rank, ranks);
+    int n = targets(eng, info, tp, pp);
     for (int i = 0; i < n; i++) {
-        out->t[i].rank = ranks[i];
-        if (!lookup_rank(rs, addr, dp, ranks[i], out->t[i].ip, sizeof(out->t[i].ip),
+        out->t[i].rank = tp[i];
+        if (!lookup_rank(rs, addr, dp, tp[i], pp[i], out->t[i].ip, sizeof(out->t[i].ip),
                          &out->t[i].port, out)) {
             out->res = RES_RETRY;
             return;

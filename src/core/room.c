@@ -310,10 +310,54 @@ typedef struct chunk_put {
     kvf_peer_t *peer;         /* the connection it was queued on */
     uint32_t    link;
     uint32_t    nruns, run, buf;
+    uint32_t    page, tok;    /* sliced: position inside the current run */
     uint32_t    extra;        /* aux then state segments, on the last chunk */
     int         last;
     kvf_run_t   runs[];
 } chunk_put_t;
+
+/*
+ * The next KV segment: a whole run of pages per buffer, or, when the link
+ * carries a slice of the heads, the slice of one token (a run of heads is
+ * contiguous inside a token on both sides, tokens are not).
+ */
+static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *lk,
+                   kvf_wire_seg_t *seg, const void **src)
+{
+    const kvf_slice_t *sl = &lk->slice;
+    while (c->buf < l->num_kv && c->run >= c->nruns) {
+        c->buf++;
+        c->run = c->page = c->tok = 0;
+    }
+    if (c->buf >= l->num_kv)
+        return 0;
+    const kvf_run_t *run = &c->runs[c->run];
+    const uint8_t *base = l->kv[c->buf].base;
+    uint32_t dbuf = c->buf + sl->dst_buf0;
+    if (!sl->sliced) {
+        size_t ib = l->kv[c->buf].item_bytes;
+        *seg = (kvf_wire_seg_t){KVF_BUF_KV, dbuf, (uint64_t)run->dst * ib,
+                                (uint32_t)(run->count * ib)};
+        *src = base + (size_t)run->src * ib;
+        c->run++;
+        return 1;
+    }
+    uint64_t ps = l->page_size, bph = l->bytes_per_head;
+    uint64_t stok = ((uint64_t)run->src + c->page) * ps + c->tok;
+    uint64_t dtok = ((uint64_t)run->dst + c->page) * ps + c->tok;
+    *seg = (kvf_wire_seg_t){KVF_BUF_KV, dbuf,
+                            (dtok * lk->peer->layout.heads_per_rank + sl->dst_head) * bph,
+                            (uint32_t)(sl->nheads * bph)};
+    *src = base + (stok * l->heads_per_rank + sl->src_head) * bph;
+    if (++c->tok == ps) {
+        c->tok = 0;
+        if (++c->page == run->count) {
+            c->page = 0;
+            c->run++;
+        }
+    }
+    return 1;
+}
 
 static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
 {
@@ -325,22 +369,16 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
 
     if (room_state(r) == KVF_POLL_FAILED)
         return r->failure ? r->failure->status : KVF_ERR_ABORTED;
-    while (c->buf < l->num_kv && c->run >= c->nruns) {
-        c->buf++;
-        c->run = 0;
-    }
-    if (c->buf < l->num_kv) {
-        const kvf_run_t *run = &c->runs[c->run++];
-        size_t ib = l->kv[c->buf].item_bytes;
-        *seg = (kvf_wire_seg_t){KVF_BUF_KV, c->buf, (uint64_t)run->dst * ib,
-                                (uint32_t)(run->count * ib)};
-        *src = (const uint8_t *)l->kv[c->buf].base + (size_t)run->src * ib;
-    } else if (c->last && c->extra < l->num_aux) {
+    if (next_kv(c, l, lk, seg, src)) {
+        /* produced */
+    } else if (c->last && lk->aux_slot != KVF_NO_SLOT && c->extra < l->num_aux) {
         uint32_t i = c->extra++;
         size_t ib = l->aux[i].item_bytes;
         *seg = (kvf_wire_seg_t){KVF_BUF_AUX, i, (uint64_t)lk->aux_slot * ib, (uint32_t)ib};
         *src = (const uint8_t *)l->aux[i].base + (size_t)r->aux_slot * ib;
     } else if (c->last && lk->n_state > 0 && c->extra < l->num_aux + l->num_state) {
+        if (c->extra < l->num_aux)
+            c->extra = l->num_aux;
         uint32_t i = c->extra++ - l->num_aux;
         size_t ib = l->state[i].item_bytes;
         *seg = (kvf_wire_seg_t){KVF_BUF_STATE, i, (uint64_t)lk->state_slots[i] * ib,
@@ -355,6 +393,14 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     if (lk->hash)
         XXH3_64bits_update(lk->hash, *src, seg->len);
     return 1;
+}
+
+static int all_done(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].done)
+            return 0;
+    return r->nlinks == r->expected_links;
 }
 
 static void send_done(kvf_room_t *r, kvf_link_t *lk)
@@ -485,7 +531,21 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
                        (unsigned long long)r->id);
         goto out;
     }
-    if (r->initialized && dst->n_pages != r->num_pages) {
+    kvf_par_t mine, theirs;
+    char err[KVF_REASON_MAX - 128];
+    kvf__par_fill(&mine, r->eng->params.tp_rank, r->eng->params.tp_size,
+                  r->eng->params.pp_rank, r->eng->params.pp_size, &r->eng->layout);
+    kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
+    kvf_status_t st = kvf__plan_slice(&mine, &theirs, &dst->slice, err, sizeof(err));
+    dst->idle = dst->n_pages == 0;
+    if (st == KVF_ERR_NOT_FOUND ? !dst->idle : st != KVF_OK) {
+        kvf__room_fail(r, st == KVF_ERR_NOT_FOUND ? KVF_ERR_BAD_INDICES : st,
+                       "%s asked for room %llu's KV from prefill rank %d, which %s", name,
+                       (unsigned long long)r->id, r->eng->params.tp_rank,
+                       st == KVF_ERR_NOT_FOUND ? "holds none of its heads" : err);
+        goto out;
+    }
+    if (r->initialized && !dst->idle && dst->n_pages != r->num_pages) {
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s declared %u pages for room %llu, "
                        "but the prefill side declared %u (kvf_sender_init num_pages)",
                        name, dst->n_pages, (unsigned long long)r->id, r->num_pages);
@@ -496,7 +556,7 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     memset(dst, 0, sizeof(*dst));
     lk->peer = p;
     p->refs++;
-    if (want_checksum(r->eng, p) && (lk->hash = XXH3_createState()) != NULL)
+    if (!lk->idle && want_checksum(r->eng, p) && (lk->hash = XXH3_createState()) != NULL)
         XXH3_64bits_reset(lk->hash);
     if (r->nlinks == r->expected_links)
         kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
@@ -585,7 +645,7 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
         r->initialized = 1;
         for (uint32_t i = 0; i < r->nlinks; i++) {
             char name[128];
-            if (r->links[i].n_pages != num_pages) {
+            if (!r->links[i].idle && r->links[i].n_pages != num_pages) {
                 kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s declared %u pages for room "
                                "%llu, but the prefill side declared %u",
                                kvf__peer_name(r->links[i].peer, name, sizeof(name)),
@@ -683,15 +743,21 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
     if (why == NULL) {
         st = KVF_OK;
         memcpy(r->src_pages + r->pages_sent, pages, n * sizeof(uint32_t));
-        for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++)
-            if (!r->links[i].broken)   /* a resumed link gets it all again */
+        for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++) {
+            kvf_link_t *lk = &r->links[i];
+            if (lk->idle)            /* nothing to send: done with the last chunk */
+                lk->done = is_last;
+            else if (!lk->broken)    /* a resumed link gets it all again */
                 st = queue_chunk(r, i, pages, r->pages_sent, n, is_last);
+        }
         if (st != KVF_OK) {
             kvf__room_fail(r, st, "cannot queue chunk: %s", kvf_status_str(st));
         } else {
             r->pages_sent += (uint32_t)n;
             r->last_sent = is_last;
             kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
+            if (all_done(r))
+                kvf__room_set_state(r, KVF_POLL_SUCCESS);
         }
     } else {
         kvf_error("room %llu: send of %zu pages (pages %u..%zu of %u%s) refused: %s",
@@ -911,34 +977,78 @@ void kvf__room_try_request(kvf_room_t *r)
             return;
         }
     }
-    uint64_t expected = (uint64_t)r->n_pages * eng->kv_item_bytes_sum +
-                        eng->aux_item_bytes_sum +
-                        (r->n_state_dst ? eng->state_item_bytes_sum : 0);
+    /* Which links carry data, which one also carries aux and state (the
+     * last pipeline stage's lowest TP rank), and how many bytes each owes. */
+    kvf_par_t mine, theirs;
+    kvf__par_fill(&mine, eng->params.tp_rank, eng->params.tp_size, eng->params.pp_rank,
+                  eng->params.pp_size, &eng->layout);
+    int designated = -1;
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_link_t *lk = &r->links[i];
+        kvf_peer_t *p = lk->peer;
+        char err[256];
+        kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
+        kvf_status_t st = kvf__plan_slice(&theirs, &mine, &lk->slice, err, sizeof(err));
+        lk->idle = st == KVF_ERR_NOT_FOUND;
+        if (lk->idle)
+            continue;
+        if (st != KVF_OK) {
+            kvf__room_fail(r, st, "%s", err);
+            return;
+        }
+        kvf_peer_t *d = designated < 0 ? NULL : r->links[designated].peer;
+        if (d == NULL || p->pp_rank > d->pp_rank ||
+            (p->pp_rank == d->pp_rank && p->tp_rank < d->tp_rank))
+            designated = (int)i;
+    }
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        kvf_peer_t *p = lk->peer;
+        int aux = (int)i == designated;
         if (lk->req_sent)
             continue;
         kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
         m.u.room_req.room = r->id;
         m.u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
-        m.u.room_req.expected_receivers = 1;
-        m.u.room_req.aux_slot = r->aux_slot;
-        m.u.room_req.pages = (kvf_wire_arr32_t){r->n_pages, r->pages, NULL};
-        m.u.room_req.state_slots = (kvf_wire_arr32_t){r->n_state_dst, r->state_dst, NULL};
+        m.u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
         m.u.room_req.attempt = lk->resume_instance ? r->retries : 0;
+        uint64_t per_page = 0;
+        if (lk->idle) {
+            /* Tell it the room exists; it owes nothing. */
+            m.u.room_req.expected_receivers = 1;
+        } else {
+            int src[KVF_MAX_SOURCES], n = 0;
+            for (int d = 0; d < eng->params.tp_size; d++) {
+                int k = kvf__sources(eng->layout.attn, eng->layout.total_heads, p->tp_size,
+                                     eng->params.tp_size, d, src);
+                for (int j = 0; j < k; j++)
+                    n += src[j] == p->tp_rank;
+            }
+            m.u.room_req.expected_receivers = (uint32_t)n;
+            m.u.room_req.pages = (kvf_wire_arr32_t){r->n_pages, r->pages, NULL};
+            if (aux)
+                m.u.room_req.state_slots =
+                    (kvf_wire_arr32_t){r->n_state_dst, r->state_dst, NULL};
+            for (uint32_t b = 0; b < p->layout.num_kv; b++)
+                per_page += lk->slice.sliced
+                    ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
+                          eng->layout.bytes_per_head
+                    : p->layout.kv[b].item_bytes;
+        }
         /* A resumed link starts over: the prefill rank resends everything. */
-        lk->expected = expected;
+        lk->expected = r->n_pages * per_page +
+            (aux ? eng->aux_item_bytes_sum +
+                   (r->n_state_dst ? eng->state_item_bytes_sum : 0) : 0);
         lk->bytes = 0;
-        lk->done = 0;
-        if (lk->hash == NULL && want_checksum(eng, lk->peer))
+        lk->done = lk->idle;
+        if (lk->hash == NULL && !lk->idle && want_checksum(eng, p))
             lk->hash = XXH3_createState();
         if (lk->hash)
             XXH3_64bits_reset(lk->hash);
-        kvf_status_t st = kvf__peer_send(lk->peer, &m);
+        kvf_status_t st = kvf__peer_send(p, &m);
         if (st != KVF_OK) {
             kvf__room_fail(r, st, "cannot send the room's destination to %s: %s",
-                           kvf__peer_name(lk->peer, name, sizeof(name)),
-                           kvf_status_str(st));
+                           kvf__peer_name(p, name, sizeof(name)), kvf_status_str(st));
             return;
         }
         lk->req_sent = 1;
@@ -1076,10 +1186,8 @@ static void on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
     ack.u.done_ack.status = KVF_OK;
     ack.u.done_ack.bytes = lk->bytes;
     kvf__peer_send(p, &ack);
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (!r->links[i].done)
-            return;
-    kvf__room_set_state(r, KVF_POLL_SUCCESS);
+    if (all_done(r))
+        kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
 static void on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
@@ -1096,10 +1204,7 @@ static void on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *
         return;
     }
     lk->done = 1;
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (!r->links[i].done)
-            return;
-    if (r->nlinks == r->expected_links)
+    if (all_done(r))
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
@@ -1196,9 +1301,8 @@ static void on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     kvf_link_t lk = {0};
     const char *bad = NULL;
 
-    if (m->pages.count == 0)
-        bad = "no pages";
-    else if (pl->num_aux > 0 && m->aux_slot >= min_items(pl->aux, pl->num_aux))
+    if (pl->num_aux > 0 && m->aux_slot != KVF_NO_SLOT &&
+        m->aux_slot >= min_items(pl->aux, pl->num_aux))
         bad = "aux slot outside its registered aux buffers";
     else if (m->state_slots.count != 0 && m->state_slots.count != pl->num_state)
         bad = "state slot count differs from its state buffers";
@@ -1214,7 +1318,7 @@ static void on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     lk.n_pages = m->pages.count;
     lk.aux_slot = m->aux_slot;
     lk.n_state = m->state_slots.count;
-    lk.pages = malloc(lk.n_pages * sizeof(uint32_t));
+    lk.pages = malloc((lk.n_pages ? lk.n_pages : 1) * sizeof(uint32_t));
     lk.state_slots = lk.n_state ? malloc(lk.n_state * sizeof(uint32_t)) : NULL;
     if (lk.pages == NULL || (lk.n_state && lk.state_slots == NULL)) {
         free(lk.pages);

@@ -384,6 +384,7 @@ static void kvf_wire_wr_hello(kvf_wire_wr_t *w, const kvf_msg_hello_t *h)
     kvf_wire_wr_u8(w, l->attn);
     kvf_wire_wr_u8(w, l->mem_kind);
     kvf_wire_wr_u32(w, l->num_layers);
+    kvf_wire_wr_u32(w, l->first_layer);
     kvf_wire_wr_u32(w, l->heads_per_rank);
     kvf_wire_wr_u32(w, l->total_heads);
     kvf_wire_wr_u32(w, l->bytes_per_head);
@@ -694,6 +695,7 @@ static void kvf_wire_rd_hello(kvf_wire_rd_t *rd, kvf_msg_hello_t *h)
     l->attn        = kvf_wire_rd_u8(rd, "attn");
     l->mem_kind    = kvf_wire_rd_u8(rd, "mem_kind");
     l->num_layers  = kvf_wire_rd_u32(rd, "num_layers");
+    l->first_layer = kvf_wire_rd_u32(rd, "first_layer");
     l->heads_per_rank = kvf_wire_rd_u32(rd, "heads_per_rank");
     l->total_heads    = kvf_wire_rd_u32(rd, "total_heads");
     l->bytes_per_head = kvf_wire_rd_u32(rd, "bytes_per_head");

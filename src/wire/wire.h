@@ -85,6 +85,7 @@ typedef struct kvf_wire_layout {
     uint8_t          attn;            /* kvf_attn_kind_t */
     uint8_t          mem_kind;        /* kvf_mem_kind_t */
     uint32_t         num_layers;
+    uint32_t         first_layer;     /* global index of the first layer (PP) */
     uint32_t         heads_per_rank;
     uint32_t         total_heads;
     uint32_t         bytes_per_head;

@@ -51,6 +51,7 @@ static bool fz_hello_eq(const kvf_msg_hello_t *a, const kvf_msg_hello_t *b)
            x->page_size == y->page_size && fz_str_eq(x->kv_dtype, y->kv_dtype) &&
            x->attn == y->attn && x->mem_kind == y->mem_kind &&
            x->num_layers == y->num_layers &&
+           x->first_layer == y->first_layer &&
            x->heads_per_rank == y->heads_per_rank &&
            x->total_heads == y->total_heads &&
            x->bytes_per_head == y->bytes_per_head &&

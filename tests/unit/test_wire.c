@@ -64,6 +64,7 @@ static kvf_msg_t sample_hello(void)
     h->layout.attn = 1;
     h->layout.mem_kind = 1;
     h->layout.num_layers = 61;
+    h->layout.first_layer = 7;
     h->layout.heads_per_rank = 4;
     h->layout.total_heads = 32;
     h->layout.bytes_per_head = 256;
@@ -242,6 +243,7 @@ static void test_roundtrip_hello(void)
     CHECK_EQ_INT(h->layout.attn, 1);
     CHECK_EQ_INT(h->layout.mem_kind, 1);
     CHECK_EQ_INT(h->layout.num_layers, 61);
+    CHECK_EQ_INT(h->layout.first_layer, 7);
     CHECK_EQ_INT(h->layout.heads_per_rank, 4);
     CHECK_EQ_INT(h->layout.total_heads, 32);
     CHECK_EQ_INT(h->layout.bytes_per_head, 256);
