@@ -224,8 +224,6 @@ typedef struct kvf_layout {
     const char         *kv_dtype;    /**< e.g. "bfloat16"; required */
     kvf_attn_kind_t     attn;        /**< default KVF_ATTN_MHA */
     uint32_t            num_layers;  /**< model layers on this rank; required */
-    uint32_t            first_layer; /**< global index of its first layer: a
-                                          pipeline stage's offset; default 0 */
     uint32_t            heads_per_rank;  /**< MHA: KV heads on this rank */
     uint32_t            total_heads;     /**< MHA: KV heads of the model */
     uint32_t            bytes_per_head;  /**< MHA: bytes per head per token */
@@ -236,6 +234,9 @@ typedef struct kvf_layout {
     const kvf_buffer_t *aux;
     uint32_t            num_state;   /**< optional state buffers (bytes per slot) */
     const kvf_buffer_t *state;
+    /* Fields added later go here, at the end, so that `size` tells them apart. */
+    uint32_t            first_layer; /**< global index of this rank's first layer
+                                          (a pipeline stage's offset); default 0 */
 } kvf_layout_t;
 
 /** Zero a layout and set its `size`. */

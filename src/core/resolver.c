@@ -212,6 +212,8 @@ static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
         kvf__resolver_enqueue(eng, r);
         return;
     }
+    free(r->last_err);       /* a registry hiccup that resolved is no cause */
+    r->last_err = NULL;
     r->links = calloc((size_t)res->ntargets, sizeof(kvf_link_t));
     if (r->links == NULL) {
         kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for the room's links");

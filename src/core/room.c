@@ -1433,9 +1433,10 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         /* A reset stream may be transient: the decode side reconnects and
          * resumes; the prefill side waits for that, briefly. */
         if (st != KVF_ERR_CONN_RESET || r->retries >= MAX_RETRIES) {
-            if (r->retries > 0)
-                kvf__room_fail(r, st, "%s (gave up after %u reconnects)", reason,
-                               r->retries);
+            /* The first break is the root cause; say how reconnecting ended. */
+            if (r->retries > 0 && r->last_err != NULL)
+                kvf__room_fail(r, st, "%s; gave up after %u reconnects, the last: %s",
+                               r->last_err, r->retries, reason);
             else
                 kvf__room_fail(r, st, "%s", reason);
             continue;
@@ -1443,8 +1444,8 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         for (uint32_t i = 0; i < r->nlinks; i++)
             if (r->links[i].peer == p)
                 r->links[i].broken = 1;
-        free(r->last_err);
-        r->last_err = strdup(reason);
+        if (r->last_err == NULL)
+            r->last_err = strdup(reason);
         if (r->side == KVF_ROLE_DECODE) {
             r->retries++;
             r->retry_at_ms = now + (RETRY_BASE_MS << (r->retries - 1));

@@ -1,0 +1,290 @@
+"""Finding libkvferry and declaring its C API for ctypes.
+
+This is the only module that knows the C header: the struct layouts
+mirror ``include/kvferry/kvferry.h`` field for field, and every function
+gets its ``argtypes``/``restype`` here so that a wrong Python value is a
+``ctypes.ArgumentError`` instead of a corrupted call.  The struct sizes are
+checked against the library at load time (``kvf_engine_params_init`` and
+``kvf_layout_init`` report ``sizeof``), so a header that grew without this
+file following is an ImportError, not memory corruption.
+
+Search order for the shared library (first hit wins):
+
+1. ``$KVFERRY_LIBRARY`` — an explicit path (must exist);
+2. ``libkvferry.so`` next to this file (what ``pip install`` bundles);
+3. ``<repo>/build/libkvferry.so`` — the development tree's build.
+"""
+import ctypes
+import os
+from ctypes import (POINTER, Structure, c_char, c_char_p, c_int, c_size_t,
+                    c_uint, c_uint32, c_uint64, c_void_p)
+
+LIBRARY_ENV = "KVFERRY_LIBRARY"
+LIBRARY_NAME = "libkvferry.so"
+
+# Sizes fixed by the header.
+REASON_MAX = 512
+ADDR_MAX = 64
+
+# Status codes used by the binding itself (the full table is in status.h;
+# names and texts come from kvf_status_name / kvf_status_str).
+KVF_OK = 0
+KVF_ERR_INVALID_PARAM = -1
+KVF_ERR_NO_MEMORY = -2
+KVF_ERR_STATE = -3
+KVF_ERR_OUT_OF_RANGE = -4
+KVF_ERR_ROOM_IN_USE = -5
+KVF_ERR_IO = -6
+KVF_ERR_NOT_FOUND = -7
+KVF_ERR_UNSUPPORTED = -8
+KVF_ERR_AGAIN = -9
+
+ROLE_PREFILL = 0
+ROLE_DECODE = 1
+ATTN_MHA = 0
+ATTN_MLA = 1
+MEM_HOST = 0
+
+
+class EngineParams(Structure):
+    """``kvf_engine_params_t``."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("role", c_int),
+        ("tp_rank", c_int),
+        ("tp_size", c_int),
+        ("pp_rank", c_int),
+        ("pp_size", c_int),
+        ("dp_rank", c_int),
+        ("dp_size", c_int),
+        ("host", c_char_p),
+        ("port", c_int),
+        ("bootstrap_addr", c_char_p),
+        ("host_bootstrap", c_int),
+        ("transport", c_char_p),
+        ("checksum", c_int),
+        ("bootstrap_timeout_ms", c_uint),
+        ("waiting_timeout_ms", c_uint),
+        ("transfer_timeout_ms", c_uint),
+        ("heartbeat_interval_ms", c_uint),
+        ("heartbeat_timeout_ms", c_uint),
+        ("faults", c_char_p),
+    ]
+
+
+class Buffer(Structure):
+    """``kvf_buffer_t``."""
+    _fields_ = [
+        ("base", c_void_p),
+        ("length", c_size_t),
+        ("item_bytes", c_size_t),
+    ]
+
+
+class Layout(Structure):
+    """``kvf_layout_t``."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("page_size", c_uint32),
+        ("kv_dtype", c_char_p),
+        ("attn", c_int),
+        ("num_layers", c_uint32),
+        ("heads_per_rank", c_uint32),
+        ("total_heads", c_uint32),
+        ("bytes_per_head", c_uint32),
+        ("mem_kind", c_int),
+        ("num_kv", c_uint32),
+        ("kv", POINTER(Buffer)),
+        ("num_aux", c_uint32),
+        ("aux", POINTER(Buffer)),
+        ("num_state", c_uint32),
+        ("state", POINTER(Buffer)),
+        ("first_layer", c_uint32),
+    ]
+
+
+class Failure(Structure):
+    """``kvf_failure_t``."""
+    _fields_ = [
+        ("status", c_int),
+        ("origin_side", c_int),
+        ("origin_rank", c_int),
+        ("origin_addr", c_char * ADDR_MAX),
+        ("from_another_rank", c_int),
+        ("reason", c_char * REASON_MAX),
+    ]
+
+
+class EngineStats(Structure):
+    """``kvf_engine_stats_t``."""
+    _fields_ = [
+        ("rooms_by_state", c_uint64 * 5),
+        ("rooms_succeeded", c_uint64),
+        ("rooms_failed", c_uint64),
+        ("failures_room", c_uint64),
+        ("failures_peer", c_uint64),
+        ("failures_other", c_uint64),
+        ("bytes_sent", c_uint64),
+        ("bytes_received", c_uint64),
+        ("peers_connected", c_uint64),
+    ]
+
+
+_u32p = POINTER(c_uint32)
+
+# name: (restype, argtypes)
+_PROTOTYPES = {
+    "kvf_version": (c_char_p, []),
+    "kvf_status_name": (c_char_p, [c_int]),
+    "kvf_status_str": (c_char_p, [c_int]),
+    "kvf_role_name": (c_char_p, [c_int]),
+    "kvf_poll_name": (c_char_p, [c_int]),
+    "kvf_engine_params_init": (None, [POINTER(EngineParams)]),
+    "kvf_engine_create": (c_int, [POINTER(EngineParams), POINTER(c_void_p)]),
+    "kvf_engine_destroy": (None, [c_void_p]),
+    "kvf_engine_address": (c_int, [c_void_p, c_char_p, c_size_t]),
+    "kvf_engine_bootstrap_addr": (c_int, [c_void_p, c_char_p, c_size_t]),
+    "kvf_engine_transport": (c_char_p, [c_void_p]),
+    "kvf_engine_instance_id": (c_uint64, [c_void_p]),
+    "kvf_layout_init": (None, [POINTER(Layout)]),
+    "kvf_engine_register_layout": (c_int, [c_void_p, POINTER(Layout)]),
+    "kvf_sender_create": (c_int, [c_void_p, c_char_p, c_uint64, POINTER(c_void_p)]),
+    "kvf_sender_init": (c_int, [c_void_p, c_uint32, c_uint32]),
+    "kvf_sender_set_state": (c_int, [c_void_p, _u32p, c_size_t]),
+    "kvf_sender_send": (c_int, [c_void_p, _u32p, c_size_t, c_int]),
+    "kvf_sender_poll": (c_int, [c_void_p]),
+    "kvf_sender_failure": (c_int, [c_void_p, POINTER(Failure)]),
+    "kvf_sender_abort": (None, [c_void_p]),
+    "kvf_sender_destroy": (None, [c_void_p]),
+    "kvf_sender_room": (c_uint64, [c_void_p]),
+    "kvf_receiver_create": (c_int, [c_void_p, c_char_p, c_uint64, c_int,
+                                    POINTER(c_void_p)]),
+    "kvf_receiver_init": (c_int, [c_void_p, _u32p, c_size_t, c_uint32, _u32p,
+                                  c_size_t]),
+    "kvf_receiver_poll": (c_int, [c_void_p]),
+    "kvf_receiver_failure": (c_int, [c_void_p, POINTER(Failure)]),
+    "kvf_receiver_abort": (None, [c_void_p]),
+    "kvf_receiver_pages_released": (c_int, [c_void_p]),
+    "kvf_receiver_destroy": (None, [c_void_p]),
+    "kvf_receiver_room": (c_uint64, [c_void_p]),
+    "kvf_engine_stats": (None, [c_void_p, POINTER(EngineStats)]),
+    "kvf_bootstrap_create": (c_int, [c_char_p, c_int, POINTER(c_void_p)]),
+    "kvf_bootstrap_port": (c_int, [c_void_p]),
+    "kvf_bootstrap_destroy": (None, [c_void_p]),
+    "kvf_log_set_level": (None, [c_int]),
+}
+
+
+def _candidates():
+    """Yield (path, where) pairs in search order."""
+    env = os.environ.get(LIBRARY_ENV)
+    if env:
+        yield env, "$" + LIBRARY_ENV
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, LIBRARY_NAME), "the kvferry package directory"
+    repo = os.path.dirname(os.path.dirname(here))
+    yield os.path.join(repo, "build", LIBRARY_NAME), "the repository's build/ directory"
+
+
+def _load():
+    tried = []
+    for path, where in _candidates():
+        if not os.path.exists(path):
+            tried.append("%s (%s): no such file" % (path, where))
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            raise ImportError(
+                "kvferry: found %s (%s) but cannot load it: %s. Install the "
+                "libraries it links against (libmicrohttpd, libcurl, libjansson, "
+                "libxxhash: `make deps` in the kvferry repository) or point %s "
+                "at a working build." % (path, where, e, LIBRARY_ENV)) from e
+        return lib, path
+    raise ImportError(
+        "kvferry: cannot find the C library %s. Looked in:\n  %s\nBuild it "
+        "with `make build` in the kvferry repository (it produces "
+        "build/libkvferry.so) and set %s=/path/to/libkvferry.so, or reinstall "
+        "the package after building so that pip bundles it."
+        % (LIBRARY_NAME, "\n  ".join(tried), LIBRARY_ENV))
+
+
+def _declare(lib, path):
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        try:
+            fn = getattr(lib, name)
+        except AttributeError:
+            raise ImportError("kvferry: %s does not export %s: it is older than "
+                              "this binding; rebuild it (`make build`)"
+                              % (path, name)) from None
+        fn.restype = restype
+        fn.argtypes = argtypes
+    global _params_size, _layout_size
+    _params_size = _lib_sizeof(lib.kvf_engine_params_init, EngineParams)
+    _layout_size = _lib_sizeof(lib.kvf_layout_init, Layout)
+    if _params_size < ctypes.sizeof(EngineParams) or _layout_size < ctypes.sizeof(Layout):
+        raise ImportError(
+            "kvferry: %s is older than this binding: its kvf_engine_params_t is "
+            "%d bytes (binding: %d), kvf_layout_t %d bytes (binding: %d); use "
+            "the binding and the library of the same kvferry version"
+            % (path, _params_size, ctypes.sizeof(EngineParams), _layout_size,
+               ctypes.sizeof(Layout)))
+    # Sizes alone miss a field inserted mid-struct; the documented defaults
+    # of kvf_engine_params_init() catch a shifted params layout.
+    p = new_params()
+    if (p.tp_size, p.pp_size, p.dp_size) != (1, 1, 1) or not p.host or \
+            not p.transport or not p.heartbeat_timeout_ms:
+        raise ImportError(
+            "kvferry: %s does not lay out kvf_engine_params_t as this binding "
+            "does (its defaults read back wrong); use the binding and the "
+            "library of the same kvferry version" % path)
+
+
+def _lib_sizeof(init, struct):
+    """Run a C ``*_init`` on a roomy scratch buffer and read the ``size`` it
+    sets (the library's ``sizeof``); a library newer than the binding may
+    have appended fields."""
+    scratch = ctypes.create_string_buffer(4096)
+    init(ctypes.cast(scratch, POINTER(struct)))
+    return c_size_t.from_buffer(scratch).value
+
+
+def _new(init, struct, size):
+    """A ``struct`` initialised by the C ``init`` in a buffer of the library's
+    size: fields the binding does not know keep the library's defaults."""
+    raw = ctypes.create_string_buffer(max(size, ctypes.sizeof(struct)))
+    obj = struct.from_buffer(raw)
+    init(ctypes.byref(obj))
+    obj._raw = raw          # keep the whole buffer alive with the view
+    return obj
+
+
+def new_params():
+    """``kvf_engine_params_t`` with every default set by the library."""
+    return _new(lib.kvf_engine_params_init, EngineParams, _params_size)
+
+
+def new_layout():
+    """``kvf_layout_t`` zeroed and sized by the library."""
+    return _new(lib.kvf_layout_init, Layout, _layout_size)
+
+
+_params_size = _layout_size = 0
+lib, path = _load()
+_declare(lib, path)
+
+
+def status_name(st):
+    """``kvf_status_name``: e.g. ``"KVF_ERR_TIMED_OUT"``."""
+    return (lib.kvf_status_name(st) or b"KVF_ERR_UNKNOWN(%d)" % st).decode()
+
+
+def status_str(st):
+    """``kvf_status_str``: a one-line description of a status."""
+    return (lib.kvf_status_str(st) or b"unknown status %d" % st).decode()
+
+
+def role_name(role):
+    """``kvf_role_name``: ``"prefill"`` or ``"decode"``."""
+    return (lib.kvf_role_name(role) or b"?").decode()

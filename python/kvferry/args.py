@@ -1,0 +1,108 @@
+"""``KVPoll`` and ``KVArgs``: the vocabulary shared with SGLang.
+
+``KVArgs`` mirrors SGLang's ``sglang.srt.disaggregation.base.conn.KVArgs``
+(``kv_data_ptrs``, ``kv_data_lens``, ``kv_item_lens``, ``aux_*``,
+``state_*``, ``engine_rank``, ``kv_head_num``, ``total_kv_head_num``,
+``page_size``, ``pp_rank``, ``system_dp_rank``) and adds what SGLang takes
+from ``ServerArgs`` (ports, bootstrap address, dtype, TP size) and what
+kvferry knows beyond it (attention kind, timeouts, checksums).
+"""
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+__all__ = ["KVPoll", "KVArgs"]
+
+
+class KVPoll(enum.IntEnum):
+    """A room's poll state; the values are SGLang's ``KVPoll`` and kvferry's
+    ``kvf_poll_t``.  Ordered: ``min()`` over TP ranks gives the state every
+    rank agrees on (Failed wins)."""
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+@dataclass
+class KVArgs:
+    """What one rank registers (its layout) and how its engine runs.
+
+    Buffers (``kv_data_ptrs``, ``aux_data_ptrs``, ``state_data_ptrs``)
+    may be integer addresses, objects with ``data_ptr()`` (torch tensors)
+    or writable objects with the buffer protocol (bytearray, mmap, numpy
+    arrays).  The matching ``*_data_lens`` entry is required for integer
+    addresses and defaults to the object's size otherwise; ``*_item_lens``
+    are bytes per page (KV) or per slot (aux, state).  The manager keeps a
+    reference to every buffer object until it is closed.
+
+    Layout fields (prefill and decode must agree; a mismatch fails every
+    room with a message saying which setting differs):
+
+    * ``page_size`` — tokens per page (required).
+    * ``kv_dtype`` — dtype name, e.g. ``"bfloat16"``.
+    * ``attention`` — ``"mha"`` (MHA/GQA: a slice of KV heads per rank) or
+      ``"mla"`` (every rank holds the full latent vector).
+    * ``num_layers`` — model layers on this rank; default: one KV buffer per
+      layer for MLA, two (K and V) for MHA.
+    * ``first_layer`` — global index of this rank's first layer (a pipeline
+      stage's offset; SGLang's ``prefill_start_layer``), default 0.
+    * ``kv_head_num`` (per rank), ``total_kv_head_num`` (model),
+      ``bytes_per_head`` (per head per token) — MHA only;
+      ``total_kv_head_num`` defaults to ``kv_head_num * tp_size``,
+      ``bytes_per_head`` to ``kv_item_lens[0] // (page_size * kv_head_num)``.
+
+    Engine fields: ``engine_rank`` (the tp rank; SGLang's name), ``tp_size``,
+    ``pp_rank``/``pp_size``, ``system_dp_rank``/``dp_size``, ``host`` and
+    ``port`` of the control endpoint (port 0: any free port),
+    ``bootstrap_addr`` ("host:port" of the prefill server's registry;
+    prefill only), ``host_bootstrap`` (prefill: run the registry
+    in-process on ``bootstrap_addr``, whose port may be 0), ``transport``,
+    ``checksum``, the deadlines in milliseconds and ``faults`` (a fault
+    injection spec for testing failure handling, as ``KVF_FAULTS``).  ``None`` keeps the
+    library default, which honours the ``KVF_*`` environment variables
+    (``KVF_HEARTBEAT_TIMEOUT_MS`` and so on; see docs/GUIDE.md).
+    """
+    kv_data_ptrs: List[Any] = field(default_factory=list)
+    kv_data_lens: Optional[List[int]] = None
+    kv_item_lens: List[int] = field(default_factory=list)
+    aux_data_ptrs: List[Any] = field(default_factory=list)
+    aux_data_lens: Optional[List[int]] = None
+    aux_item_lens: List[int] = field(default_factory=list)
+    state_data_ptrs: List[Any] = field(default_factory=list)
+    state_data_lens: Optional[List[int]] = None
+    state_item_lens: List[int] = field(default_factory=list)
+
+    page_size: int = 0
+    kv_dtype: str = "bfloat16"
+    attention: str = "mha"
+    num_layers: Optional[int] = None
+    first_layer: int = 0
+    kv_head_num: int = 1
+    total_kv_head_num: Optional[int] = None
+    bytes_per_head: Optional[int] = None
+
+    engine_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    system_dp_rank: int = 0
+    dp_size: int = 1
+    host: Optional[str] = None
+    port: int = 0
+    bootstrap_addr: Optional[str] = None
+    host_bootstrap: bool = False
+    transport: Optional[str] = None
+    checksum: Optional[bool] = None
+    bootstrap_timeout_ms: Optional[int] = None
+    waiting_timeout_ms: Optional[int] = None
+    transfer_timeout_ms: Optional[int] = None
+    heartbeat_interval_ms: Optional[int] = None
+    heartbeat_timeout_ms: Optional[int] = None
+    faults: Optional[str] = None
+
+    def replace(self, **changes):
+        """A copy with some fields changed (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,282 @@
+"""``KVSender`` (prefill side of a room) and ``KVReceiver`` (decode side).
+
+Both follow SGLang's ``BaseKVSender``/``BaseKVReceiver``: created per
+request, ``init`` once, ``poll()`` every scheduler step (one atomic load
+in C), and on ``KVPoll.Failed`` ``failure_exception()`` raises the room's
+``KVTransferError``.  Every call is non-blocking.  A handle is released by
+``close()`` (also on garbage collection or when its manager closes);
+closing a live room aborts it on every rank.
+"""
+import ctypes
+import weakref
+
+from . import _lib
+from ._convert import as_c_u32, check_range, to_u32_array, to_uint
+from ._lib import lib
+from .args import KVPoll
+from .errors import KVFerryStateError, KVTransferError, check
+from .manager import KVManager
+
+__all__ = ["KVSender", "KVReceiver"]
+
+_POLL = tuple(KVPoll)
+
+
+def _destroy_room(destroy, ptr, engine, key):
+    destroy(ptr)
+    engine.untrack(key)
+
+
+class _Room:
+    """What senders and receivers share: the handle, poll, failure, close."""
+
+    _kind = None        # "sender" / "receiver"
+    _role = None        # required manager role
+
+    def _open(self, mgr, bootstrap_room, create):
+        if not isinstance(mgr, KVManager):
+            raise TypeError("mgr must be a kvferry.KVManager, got %s"
+                            % type(mgr).__name__)
+        if mgr.role != self._role:
+            raise ValueError("a %s needs a %s KVManager, got a %s one"
+                             % (type(self).__name__, _lib.role_name(self._role), mgr.mode))
+        self.bootstrap_room = to_uint("bootstrap_room", bootstrap_room, 64)
+        self.mgr = mgr
+        self._engine = mgr._engine
+        self._failure = None
+        ptr = ctypes.c_void_p()
+        check(create(self._engine.live(), ptr), "%s for room %d"
+              % ("kvf_%s_create" % self._kind, self.bootstrap_room))
+        self._ptr = ptr.value
+        destroy = getattr(lib, "kvf_%s_destroy" % self._kind)
+        key = self._engine.key()
+        self._fin = weakref.finalize(self, _destroy_room, destroy, ptr.value,
+                                     self._engine, key)
+        self._engine.track(key, self._fin)
+        self._poll_fn = getattr(lib, "kvf_%s_poll" % self._kind)
+
+    def _live(self):
+        if not self._fin.alive:
+            raise KVFerryStateError("%s of room %d is closed%s"
+                                    % (type(self).__name__, self.bootstrap_room,
+                                       " (its KVManager was closed)"
+                                       if self._engine.ptr is None else ""))
+        return self._ptr
+
+    def _aux(self, aux_index):
+        if aux_index is None:
+            if self.mgr.num_aux_slots:
+                raise ValueError("aux_index is required: this manager registered "
+                                 "aux buffers")
+            return 0
+        aux = to_uint("aux_index", aux_index, 32)
+        if self.mgr.num_aux_slots:
+            check_range("aux_index", [aux], self.mgr.num_aux_slots, "aux slots")
+        return aux
+
+    def poll(self):
+        """The room's ``KVPoll`` state.  Cheap: call it every step.  A closed
+        handle polls ``Failed``."""
+        if not self._fin.alive:
+            return KVPoll.Failed
+        return _POLL[self._poll_fn(self._ptr)]
+
+    def abort(self):
+        """Fail the room here and on all its peers (no-op once final)."""
+        getattr(lib, "kvf_%s_abort" % self._kind)(self._live())
+
+    def failure_exception(self):
+        """Raise the room's ``KVTransferError`` (call after ``poll()`` returned
+        ``KVPoll.Failed``).
+
+        The first call consumes the room's failure record and raises it;
+        later calls raise a ``KVTransferError`` that says the record was
+        already consumed and repeats what it said (``already_consumed``
+        is True).  Raises ``KVFerryStateError`` when the room has not failed.
+        """
+        if self._failure is not None:
+            f = self._failure
+            raise KVTransferError(
+                self.bootstrap_room,
+                "the failure record of room %d was already consumed by an earlier "
+                "failure_exception() call; it said: %s"
+                % (self.bootstrap_room, f.failure_reason),
+                f.is_from_another_rank, f.origin_side, f.origin_rank, f.origin_addr,
+                f.code, already_consumed=True)
+        rec = _lib.Failure()
+        st = getattr(lib, "kvf_%s_failure" % self._kind)(self._live(), ctypes.byref(rec))
+        if st == _lib.KVF_OK:
+            self._failure = KVTransferError._from_record(self.bootstrap_room, rec)
+            raise self._failure
+        if st == _lib.KVF_ERR_NOT_FOUND:
+            raise KVTransferError(self.bootstrap_room,
+                                  "the failure record of room %d was already consumed"
+                                  % self.bootstrap_room, code=st, already_consumed=True)
+        if st == _lib.KVF_ERR_AGAIN:
+            raise KVFerryStateError(
+                "room %d has not failed (poll() is %s): call failure_exception() "
+                "only after poll() returned KVPoll.Failed"
+                % (self.bootstrap_room, self.poll().name), st)
+        check(st, "kvf_%s_failure" % self._kind)
+
+    def close(self):
+        """Release the handle (aborting the room if it is still live).
+        Idempotent; also done on garbage collection and by the manager's
+        ``close()``."""
+        self._fin()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return "<kvferry.%s room %d %s>" % (type(self).__name__, self.bootstrap_room,
+                                            self.poll().name)
+
+
+class KVSender(_Room):
+    """The prefill side of one room (SGLang's ``BaseKVSender``).
+
+    ``KVSender(mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks=None,
+    pp_rank=None)``: ``mgr`` is a prefill ``KVManager``; ``bootstrap_addr``
+    is informational (the engine's registry is used); ``dest_tp_ranks`` and
+    ``pp_rank`` are accepted for SGLang compatibility and ignored (kvferry
+    learns its destinations from the decode ranks).  Bootstrapping until
+    every decode rank this rank feeds has sent its destination, then
+    WaitingForInput: call ``init`` then ``send`` per chunk.
+    """
+
+    _kind = "sender"
+    _role = _lib.ROLE_PREFILL
+
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks=None,
+                 pp_rank=None):
+        addr = None
+        if bootstrap_addr is not None:
+            if not isinstance(bootstrap_addr, str):
+                raise TypeError("bootstrap_addr must be a str 'host:port', got %s"
+                                % type(bootstrap_addr).__name__)
+            addr = bootstrap_addr.encode()
+        self.bootstrap_addr = bootstrap_addr
+        self.num_kv_indices = None
+        self.curr_idx = 0
+        self._open(mgr, bootstrap_room,
+                   lambda eng, p: lib.kvf_sender_create(
+                       eng, addr, self.bootstrap_room, ctypes.byref(p)))
+
+    def init(self, num_kv_indices, aux_index=None):
+        """Declare the room: ``num_kv_indices`` KV pages in total and the
+        source ``aux_index`` slot (may be None only when no aux buffers are
+        registered).  Once."""
+        n = to_uint("num_kv_indices", num_kv_indices, 32)
+        if n == 0:
+            raise ValueError("num_kv_indices must be positive")
+        aux = self._aux(aux_index)
+        check(lib.kvf_sender_init(self._live(), n, aux),
+              "KVSender.init(room %d)" % self.bootstrap_room,
+              "init is allowed once per room")
+        self.num_kv_indices = n
+
+    def send(self, kv_indices, state_indices=None, *, is_last=None):
+        """Send one prefill chunk: the next ``len(kv_indices)`` pages of the
+        room, by source page index.  Non-blocking; the pages must stay
+        unchanged until the room is final.
+
+        ``is_last`` (keyword): whether this is the last chunk; by default
+        (None) it is when the pages sent reach ``num_kv_indices``, as in
+        SGLang.  ``state_indices``: source state slots (one per registered
+        state buffer), given with or before the last chunk.
+        Raises ValueError/TypeError for bad indices, KVFerryStateError when
+        the room is not WaitingForInput/Transferring, is not initialised,
+        or already sent its last chunk.
+        """
+        ptr = self._live()
+        if self.num_kv_indices is None:
+            raise KVFerryStateError("KVSender.send(room %d): call init() first"
+                                    % self.bootstrap_room)
+        pages = to_u32_array("kv_indices", kv_indices, allow_empty=True)
+        check_range("kv_indices", pages, self.mgr.num_pages, "KV pages")
+        if self.curr_idx + len(pages) > self.num_kv_indices:
+            raise ValueError("kv_indices: %d pages sent plus %d more exceeds the "
+                             "%d declared in init()"
+                             % (self.curr_idx, len(pages), self.num_kv_indices))
+        if is_last is None:
+            is_last = self.curr_idx + len(pages) == self.num_kv_indices
+        elif not isinstance(is_last, bool):
+            raise TypeError("is_last must be a bool, got %s" % type(is_last).__name__)
+        if state_indices is not None:
+            slots = to_u32_array("state_indices", state_indices, allow_empty=True)
+            check_range("state_indices", slots, self.mgr.num_state_slots or 1,
+                        "state slots")
+            check(lib.kvf_sender_set_state(ptr, as_c_u32(slots), len(slots)),
+                  "KVSender.send(room %d): state_indices" % self.bootstrap_room,
+                  "give one slot per registered state buffer, before the last chunk")
+        check(lib.kvf_sender_send(ptr, as_c_u32(pages), len(pages), int(is_last)),
+              "KVSender.send(room %d)" % self.bootstrap_room,
+              "send is allowed after init(), once poll() reached WaitingForInput, "
+              "until the last chunk")
+        self.curr_idx += len(pages)
+
+
+class KVReceiver(_Room):
+    """The decode side of one room (SGLang's ``BaseKVReceiver``).
+
+    ``KVReceiver(mgr, bootstrap_addr, bootstrap_room, prefill_dp_rank=None)``:
+    ``mgr`` is a decode ``KVManager``; ``bootstrap_addr`` the prefill
+    server's registry ``"host:port"``; ``prefill_dp_rank`` the prefill DP
+    group (None: the registry's choice, ``room % dp_size``).  The registry
+    lookup and connection run on the engine's threads.
+    """
+
+    _kind = "receiver"
+    _role = _lib.ROLE_DECODE
+
+    def __init__(self, mgr, bootstrap_addr, bootstrap_room, prefill_dp_rank=None):
+        if not isinstance(bootstrap_addr, str):
+            raise TypeError("bootstrap_addr must be a str 'host:port', got %s"
+                            % type(bootstrap_addr).__name__)
+        host, sep, port = bootstrap_addr.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError("bootstrap_addr must be 'host:port', got %r"
+                             % bootstrap_addr)
+        dp = -1 if prefill_dp_rank is None else to_uint("prefill_dp_rank",
+                                                        prefill_dp_rank, 31)
+        self.bootstrap_addr = bootstrap_addr
+        self._open(mgr, bootstrap_room,
+                   lambda eng, p: lib.kvf_receiver_create(
+                       eng, bootstrap_addr.encode(), self.bootstrap_room, dp,
+                       ctypes.byref(p)))
+
+    def pages_released(self):
+        """True once the room is final and no write into its destination
+        pages can still land: only then give the pages to another request
+        (``kvf_receiver_pages_released``).  A closed receiver's pages are
+        released (destroy waits for in-flight writes)."""
+        if not self._fin.alive:
+            return True
+        return bool(lib.kvf_receiver_pages_released(self._ptr))
+
+    def init(self, kv_indices, aux_index=None, state_indices=None):
+        """Declare the destination: decode page indices (one per prefill page,
+        in order, no duplicates), the ``aux_index`` slot (None only without
+        aux buffers) and optional ``state_indices`` (one per state buffer).
+        Once."""
+        ptr = self._live()
+        pages = to_u32_array("kv_indices", kv_indices)
+        check_range("kv_indices", pages, self.mgr.num_pages, "KV pages")
+        if len(set(pages)) != len(pages):
+            seen = set()
+            pos = next(i for i, v in enumerate(pages) if v in seen or seen.add(v))
+            raise ValueError("kv_indices[%d] = %d appears twice: decode pages must "
+                             "be distinct" % (pos, pages[pos]))
+        aux = self._aux(aux_index)
+        slots = to_u32_array("state_indices", [] if state_indices is None
+                             else state_indices, allow_empty=True)
+        if self.mgr.num_state_slots:
+            check_range("state_indices", slots, self.mgr.num_state_slots, "state slots")
+        check(lib.kvf_receiver_init(ptr, as_c_u32(pages), len(pages), aux,
+                                    as_c_u32(slots), len(slots)),
+              "KVReceiver.init(room %d)" % self.bootstrap_room,
+              "init is allowed once per room, with one state slot per state buffer")
