@@ -8,8 +8,10 @@
  * then runs the rooms in index order with a window of --concurrency rooms
  * in flight, polling them in a loop as a scheduler step would.
  *
- * Protocol with the orchestrator: stdin carries commands (one per line;
- * "go" for now), stdout carries events, one JSON object per line:
+ * Protocol with the orchestrator: stdin carries commands, one per line:
+ * "go" (run --requests rooms), "batch FIRST COUNT" (run the rooms of those
+ * request indices: the fresh batch after a fault), "resume" (end a
+ * --hold), "exit".  stdout carries events, one JSON object per line:
  *   {"event":"ready", side, rank, addr, pid, ...}
  *   {"event":"phase", side, rank, room, index, phase}   bootstrap, waiting,
  *        mid (prefill sent a non-last chunk), last (prefill sent the last
@@ -17,7 +19,7 @@
  *   {"event":"room", side, rank, room, index, state, verified, bytes,
  *        start, end, failure?}                          a room became final
  *   {"event":"result", side, rank, rooms[], failures[], bytes, start, end,
- *        stats}                                         the last line
+ *        stats}                                         after each batch
  *   {"event":"error", side, rank, message}              a fatal setup error
  * Per-room events let the orchestrator account for rooms of a rank that is
  * later killed, and are what a fault injector keys its timing on.  Logs go
@@ -40,6 +42,7 @@
 #include "opts.h"
 #include "pattern.h"
 #include "pool.h"
+#include "rank.h"
 #include "tool.h"
 
 typedef enum kvt_stage {
@@ -64,30 +67,6 @@ typedef struct kvt_room {
     double          start;
 } kvt_room_t;
 
-typedef struct kvt_rank {
-    kvt_opts_t      o;
-    int             prefill;
-    const char     *side;
-    kvt_geom_t      g;
-    kvf_engine_t   *eng;
-    char            addr[KVF_ADDR_MAX];
-    uint8_t        *kv;            /* num_buffers * buf_len bytes */
-    size_t          kv_len;
-    size_t          buf_len;       /* one buffer: pool_pages * page_bytes */
-    uint8_t        *aux;
-    uint32_t        aux_slots;
-    kvt_pool_t      pages;
-    kvt_pool_t      slots;
-    uint32_t        room_pages;
-    uint32_t        chunk_pages;
-    kvt_room_t     *win;           /* concurrency slots */
-    uint32_t       *page_store;
-    json_t         *rooms;
-    json_t         *failures;
-    uint64_t        bytes;
-    double          first_start;
-    double          last_end;
-} kvt_rank_t;
 
 /* ------------------------------------------------------------------------ */
 /* Events                                                                   */
@@ -95,7 +74,7 @@ typedef struct kvt_rank {
 
 /* Write one event line and steal `ev`.  stdout is a pipe to the
  * orchestrator: flush per line so it sees progress as it happens. */
-static void kvt_emit(kvt_rank_t *r, const char *event, json_t *ev)
+void kvt_emit(kvt_rank_t *r, const char *event, json_t *ev)
 {
     if (!ev) {
         fprintf(stderr, "kvferry _rank %s[%u]: cannot build the '%s' event "
@@ -115,17 +94,32 @@ static void kvt_emit(kvt_rank_t *r, const char *event, json_t *ev)
     json_decref(ev);
 }
 
+static int kvt_next_command(char *cmd, size_t len);
+
+/* --hold PHASE (set by the demo's fault injector): stop the room loop
+ * right after the first PHASE event until the orchestrator says "resume",
+ * so that it can kill or stop a process while the room is exactly there.
+ * The engine's own threads run on. */
+static void kvt_hold(kvt_rank_t *r, const char *phase)
+{
+    if (!r->o.hold || strcmp(r->o.hold, phase) != 0)
+        return;
+    r->o.hold = NULL;   /* once */
+    char cmd[128];
+    while (kvt_next_command(cmd, sizeof(cmd)) == 0 && strcmp(cmd, "resume") != 0)
+        fprintf(stderr, "kvferry _rank %s[%u]: ignoring command '%s' while "
+                "holding at phase %s\n", r->side, r->o.rank, cmd, phase);
+}
+
 static void kvt_emit_phase(kvt_rank_t *r, const kvt_room_t *rm,
                            const char *phase)
 {
     kvt_emit(r, "phase", json_pack("{s:I, s:i, s:s}", "room", (json_int_t)rm->id,
                                    "index", (int)rm->index, "phase", phase));
+    kvt_hold(r, phase);
 }
 
-static void kvt_fatal(kvt_rank_t *r, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
-
-static void kvt_fatal(kvt_rank_t *r, const char *fmt, ...)
+void kvt_fatal(kvt_rank_t *r, const char *fmt, ...)
 {
     char msg[512];
     va_list ap;
@@ -190,12 +184,12 @@ static json_t *kvt_engine_failure(kvt_rank_t *r, kvt_room_t *rm)
 /* Pages                                                                    */
 /* ------------------------------------------------------------------------ */
 
-static uint8_t *kvt_page(kvt_rank_t *r, uint32_t buffer, uint32_t page)
+uint8_t *kvt_page(kvt_rank_t *r, uint32_t buffer, uint32_t page)
 {
     return r->kv + (size_t)buffer * r->buf_len + (size_t)page * r->g.page_bytes;
 }
 
-static uint8_t *kvt_aux(kvt_rank_t *r, uint32_t slot)
+uint8_t *kvt_aux(kvt_rank_t *r, uint32_t slot)
 {
     return r->aux + (size_t)slot * KVT_AUX_SLOT_BYTES;
 }
@@ -444,12 +438,13 @@ static int kvt_progress(kvt_rank_t *r, kvt_room_t *rm)
     return changed;
 }
 
-static void kvt_run(kvt_rank_t *r)
+/* Run rooms [first, first + count) to their final state. */
+static void kvt_run(kvt_rank_t *r, uint32_t first, uint32_t count)
 {
-    uint32_t next = 0, done = 0, inflight = 0, conc = r->o.concurrency;
-    while (done < r->o.requests) {
+    uint32_t next = first, done = 0, inflight = 0, conc = r->o.concurrency;
+    while (done < count) {
         int changed = 0;
-        for (uint32_t i = 0; i < conc && next < r->o.requests; i++) {
+        for (uint32_t i = 0; i < conc && next < first + count; i++) {
             if (r->win[i].stage != KVT_FREE)
                 continue;
             /* Every rank starts rooms in index order, so the windows of
@@ -484,7 +479,9 @@ static void kvt_run(kvt_rank_t *r)
 static int kvt_setup_memory(kvt_rank_t *r)
 {
     uint32_t conc = r->o.concurrency;
-    uint64_t pool = 2ull * conc * r->room_pages;
+    /* The bench needs no spare pages where it needs no scattering. */
+    int spare = !(r->o.bench && (r->prefill || r->o.contiguous));
+    uint64_t pool = (spare ? 2ull : 1ull) * conc * r->room_pages;
     uint64_t total = pool * r->g.page_bytes * r->g.num_buffers;
     if (pool > UINT32_MAX) {
         kvt_fatal(r, "a pool of %" PRIu64 " pages is too large: lower "
@@ -529,13 +526,16 @@ static int kvt_setup_engine(kvt_rank_t *r)
     p.role = r->prefill ? KVF_ROLE_PREFILL : KVF_ROLE_DECODE;
     p.tp_rank = (int)r->o.rank;
     p.tp_size = (int)r->g.tp_size;
-    p.host = "127.0.0.1";
+    /* p.host: KVF_HOST, else 127.0.0.1 (kvf_engine_params_init); the
+     * network-namespace test runs ranks on two hosts' addresses. */
     p.port = 0;
     p.bootstrap_addr = r->prefill ? r->o.registry : NULL;
     if (r->o.transport)
         p.transport = r->o.transport;
     if (r->o.checksum)
         p.checksum = 1;
+    if (r->o.faults)
+        p.faults = r->o.faults;   /* the demo's --fault reset|corrupt */
     kvf_status_t st = kvf_engine_create(&p, &r->eng);
     if (st != KVF_OK) {
         kvt_fatal(r, "kvf_engine_create failed: %s (%s); see the engine's "
@@ -584,8 +584,7 @@ static int kvt_setup_engine(kvt_rank_t *r)
 /* The next command from the orchestrator, one per stdin line: "go" runs
  * the batch of rooms, "exit" or EOF ends the process.  Ranks that are done
  * keep their engines up until then, so no rank tears down connections
- * that a slower rank still uses.  (Room batches after a fault, or a hold
- * at a phase, are further commands here.) */
+ * that a slower rank still uses. */
 static int kvt_next_command(char *cmd, size_t len)
 {
     while (fgets(cmd, (int)len, stdin)) {
@@ -601,8 +600,9 @@ static void kvt_emit_result(kvt_rank_t *r)
     kvf_engine_stats_t s;
     kvf_engine_stats(r->eng, &s);
     kvt_emit(r, "result", json_pack(
-        "{s:s, s:O, s:O, s:I, s:f, s:f, s:{s:I, s:I, s:I, s:I}}",
-        "addr", r->addr, "rooms", r->rooms, "failures", r->failures,
+        "{s:s, s:s, s:O, s:O, s:I, s:f, s:f, s:{s:I, s:I, s:I, s:I}}",
+        "addr", r->addr, "transport", kvf_engine_transport(r->eng),
+        "rooms", r->rooms, "failures", r->failures,
         "bytes", (json_int_t)r->bytes, "start", r->first_start, "end", r->last_end,
         "stats", "bytes_sent", (json_int_t)s.bytes_sent,
         "bytes_received", (json_int_t)s.bytes_received,
@@ -636,13 +636,16 @@ int kvt_rank_main(int argc, char **argv)
 {
     kvt_rank_t r;
     memset(&r, 0, sizeof(r));
-    kvt_opts_defaults(&r.o);
+    kvt_opts_defaults(&r.o, KVT_OPTS_RANK);
     if (kvt_opts_parse(&r.o, KVT_OPTS_RANK, argc, argv, 2) != 0 ||
         kvt_opts_resolve(&r.o, KVT_OPTS_RANK) != 0)
         return 2;
     /* The engine's sockets must not kill us; a closed stdout is handled by
      * the orchestrator's death signal instead. */
     signal(SIGPIPE, SIG_IGN);
+    /* Unbuffered: the bench reads later commands with read(2), which must
+     * not find them already swallowed into stdio's buffer by fgets. */
+    setvbuf(stdin, NULL, _IONBF, 0);
     r.prefill = strcmp(r.o.role, "prefill") == 0;
     r.side = r.prefill ? "prefill" : "decode";
     uint32_t page_size = r.prefill ? r.o.page_size : r.o.decode_page_size;
@@ -655,7 +658,8 @@ int kvt_rank_main(int argc, char **argv)
     r.failures = json_array();
 
     int rc = 1;
-    if (kvt_setup_memory(&r) || kvt_setup_engine(&r))
+    if (kvt_setup_memory(&r) || kvt_setup_engine(&r) ||
+        (r.o.bench && kvt_bench_rank_prepare(&r)))
         goto out;
     kvt_emit(&r, "ready", json_pack(
         "{s:s, s:s, s:i, s:i, s:i, s:I, s:I, s:I}", "addr", r.addr,
@@ -670,9 +674,21 @@ int kvt_rank_main(int argc, char **argv)
         if (strcmp(cmd, "exit") == 0)
             break;
         if (strcmp(cmd, "go") == 0 && !ran) {
-            kvt_run(&r);
-            kvt_emit_result(&r);
+            if (r.o.bench) {
+                kvt_bench_rank_run(&r);
+            } else {
+                kvt_run(&r, 0, r.o.requests);
+                kvt_emit_result(&r);
+            }
             ran = 1;
+            continue;
+        }
+        /* A fresh batch, after a fault: "batch FIRST COUNT" (request
+         * indices, so room ids never repeat those of the first batch). */
+        uint32_t first, count;
+        if (!r.o.bench && sscanf(cmd, "batch %u %u", &first, &count) == 2) {
+            kvt_run(&r, first, count);
+            kvt_emit_result(&r);
             continue;
         }
         fprintf(stderr, "kvferry _rank %s[%u]: ignoring command '%s'\n",

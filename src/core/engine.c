@@ -16,6 +16,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "core/engine_int.h"
+#include "transport/shm/shm.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -98,9 +99,9 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
         return KVF_ERR_INVALID_PARAM;
     }
     if (p->transport != NULL && strcmp(p->transport, "auto") != 0 &&
-        strcmp(p->transport, "tcp") != 0) {
-        kvf_error("transport '%s' is not built into this kvferry (available: auto, tcp)",
-                  p->transport);
+        strcmp(p->transport, "tcp") != 0 && strcmp(p->transport, "shm") != 0) {
+        kvf_error("transport '%s' is not built into this kvferry (available: auto, tcp, "
+                  "shm)", p->transport);
         return KVF_ERR_UNSUPPORTED;
     }
     if (p->heartbeat_interval_ms == 0 || p->heartbeat_timeout_ms <= p->heartbeat_interval_ms) {
@@ -177,6 +178,10 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
         goto err;
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
+    /* shm where the peer shares this host, unless tcp was asked for. */
+    eng->allow_shm = strcmp(eng->transport, "tcp") != 0;
+    if (eng->allow_shm && params->role == KVF_ROLE_PREFILL)
+        kvf_shm_allow_readers();
     eng->params.faults = NULL;
     if (params->faults != NULL) {
         char err[256];
@@ -321,8 +326,15 @@ kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *eng, char *buf, size_
 
 const char *kvf_engine_transport(const kvf_engine_t *eng)
 {
-    (void)eng;
-    return "tcp";      /* the only transport built in */
+    /* Read without the lock: a racy read of a bit mask only ever set. */
+    unsigned used = __atomic_load_n(&eng->used_xports, __ATOMIC_RELAXED);
+    if (used == (KVF_XPORT_TCP | KVF_XPORT_SHM))
+        return "tcp+shm";
+    if (used == KVF_XPORT_SHM)
+        return "shm";
+    if (used == 0 && strcmp(eng->transport, "shm") == 0)
+        return "shm";
+    return "tcp";
 }
 
 uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)

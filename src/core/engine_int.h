@@ -24,6 +24,8 @@
 #define KVF_CORE_ENGINE_INT_H
 
 #include <pthread.h>
+#include <sys/types.h>
+#include <sys/uio.h>
 #include <stdatomic.h>
 #include <stdint.h>
 
@@ -53,9 +55,12 @@ typedef struct kvf_layout_int {
     kvf_buffer_t   *kv, *aux, *state;   /* base NULL for a peer's layout */
 } kvf_layout_int_t;
 
+/* How payload moves to/from a peer, chosen at the handshake. */
+typedef enum { KVF_XPORT_TCP = 1, KVF_XPORT_SHM = 2 } kvf_xport_t;
+
 typedef enum {
     KVF_PEER_CONNECTING,   /* outbound connect in progress */
-    KVF_PEER_HANDSHAKE,    /* waiting for the remote HELLO */
+    KVF_PEER_HANDSHAKE,    /* waiting for the remote HELLO (decode: and XPORT) */
     KVF_PEER_READY,
     KVF_PEER_DEAD
 } kvf_peer_state_t;
@@ -75,6 +80,12 @@ struct kvf_peer {
     int               checksum;      /* remote computes checksums */
     kvf_layout_int_t  layout;
     char             *incompatible;  /* set: every room on this pair fails */
+    int               hello_done;    /* decode: HELLO seen, XPORT awaited */
+    kvf_xport_t       xport;         /* payload path */
+    pid_t             shm_pid;       /* shm: the prefill process to read from */
+    struct iovec     *ref_iov;       /* DATA_REF scratch: local then remote */
+    kvf_rx_target_t  *ref_tgt;       /* DATA_REF scratch: checked targets */
+    uint32_t          ref_cap;
     /* Current inbound DATA frame (decode side). */
     kvf_room_t       *rx_room;
     struct kvf_link  *rx_link;
@@ -161,6 +172,8 @@ struct kvf_engine {
     char               *host;
     char               *bootstrap_addr;   /* owned copy, or NULL */
     char               *transport;
+    int                 allow_shm;        /* transport "auto" or "shm" */
+    unsigned            used_xports;      /* kvf_xport_t bits seen with peers */
     int                 port;
     char                addr[KVF_ADDR_MAX];
     uint64_t            instance_id;
@@ -244,6 +257,8 @@ void kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
 void kvf__room_on_data(kvf_peer_t *peer, const kvf_msg_data_t *d,
                        kvf_rx_target_t *targets);
 void kvf__room_on_data_end(kvf_peer_t *peer, uint64_t placed);
+/* A DATA_REF frame (shm): check, then pull the bytes from the peer. */
+void kvf__room_on_data_ref(kvf_peer_t *peer, const kvf_msg_data_t *d);
 /* The peer went away: fail every live room linked to it; @return how many. */
 int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer,
                             kvf_status_t st, const char *reason);

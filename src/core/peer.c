@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "core/engine_int.h"
+#include "transport/shm/shm.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -74,6 +75,8 @@ void kvf__peer_put(kvf_peer_t *p)
         p->conn->ops->destroy(p->conn);
     kvf__layout_free(&p->layout);
     free(p->incompatible);
+    free(p->ref_iov);
+    free(p->ref_tgt);
     free(p);
 }
 
@@ -85,6 +88,96 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
     if (st == KVF_OK)
         kvf__engine_wake(p->eng);
     return st;
+}
+
+/* Prefill: what a decode engine may pull payload with besides TCP. */
+static void send_offers(kvf_peer_t *p)
+{
+    kvf_engine_t *eng = p->eng;
+    kvf_buf_t blob;
+    kvf_msg_t m = {.type = KVF_MSG_XPORT};
+
+    kvf_buf_init(&blob);
+    if (eng->allow_shm && kvf_shm_pack(eng->layout.kv[0].base, &blob) == KVF_OK) {
+        m.u.xport.x[0] = (kvf_wire_xport_t){{"shm", 3}, blob.data, (uint32_t)blob.len};
+        m.u.xport.count = 1;
+    }
+    kvf_status_t st = kvf__peer_send(p, &m);
+    kvf_buf_free(&blob);
+    if (st != KVF_OK)
+        kvf__peer_fail(p, st, "cannot send XPORT: %s", kvf_status_str(st));
+}
+
+static void use_xport(kvf_peer_t *p, kvf_xport_t x)
+{
+    p->xport = x;
+    __atomic_fetch_or(&p->eng->used_xports, (unsigned)x, __ATOMIC_RELAXED);
+}
+
+/*
+ * Decode: pick how payload comes from this prefill engine and tell it,
+ * before any ROOM_REQ.  shm when offered, allowed here, on this host and
+ * readable; otherwise TCP, saying why once when shm was wanted.
+ */
+static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
+{
+    kvf_engine_t *eng = p->eng;
+    char why[256] = "the prefill engine does not offer it";
+    kvf_msg_t m = {.type = KVF_MSG_XPORT};
+    kvf_xport_t chosen = KVF_XPORT_TCP;
+
+    for (uint32_t i = 0; i < x->count && eng->allow_shm; i++) {
+        if (x->x[i].name.len != 3 || memcmp(x->x[i].name.ptr, "shm", 3) != 0)
+            continue;
+        if (kvf_shm_accept(x->x[i].blob, x->x[i].blob_len, &p->shm_pid, why,
+                           sizeof(why)) == KVF_OK)
+            chosen = KVF_XPORT_SHM;
+    }
+    if (chosen == KVF_XPORT_SHM) {
+        m.u.xport.count = 1;
+        m.u.xport.x[0].name = (kvf_wire_str_t){"shm", 3};
+        kvf_info("prefill rank %d at %s: payload over shm (process %d)", p->tp_rank,
+                 p->addr, (int)p->shm_pid);
+    } else if (eng->allow_shm) {
+        static int said;   /* once per process: the reason rarely differs */
+        if (!said++ || strcmp(eng->transport, "shm") == 0)
+            kvf_warn("prefill rank %d at %s: not using shm (%s); falling back to tcp",
+                     p->tp_rank, p->addr, why);
+    }
+    kvf_status_t st = kvf__peer_send(p, &m);
+    if (st != KVF_OK) {
+        kvf__peer_fail(p, st, "cannot send XPORT: %s", kvf_status_str(st));
+        return;
+    }
+    use_xport(p, chosen);
+    p->state = KVF_PEER_READY;
+    kvf__rooms_peer_ready(eng, p);
+}
+
+static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
+{
+    if (p->role == KVF_ROLE_PREFILL) {
+        if (p->state != KVF_PEER_HANDSHAKE || !p->hello_done) {
+            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "XPORT out of order");
+            return;
+        }
+        choose_xport(p, x);
+        return;
+    }
+    if (p->state != KVF_PEER_READY || x->count > 1) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "XPORT out of order or with several choices");
+        return;
+    }
+    if (x->count == 1 && x->x[0].name.len == 3 && memcmp(x->x[0].name.ptr, "shm", 3) == 0 &&
+        p->eng->allow_shm) {
+        use_xport(p, KVF_XPORT_SHM);
+        kvf_info("decode rank %d at %s pulls payload over shm", p->tp_rank, p->addr);
+    } else if (x->count == 0) {
+        use_xport(p, KVF_XPORT_TCP);
+    } else {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "decode engine chose a transport that was not "
+                       "offered");
+    }
 }
 
 static void send_hello(kvf_peer_t *p)
@@ -142,8 +235,12 @@ static void send_hello(kvf_peer_t *p)
     h->layout.state_items = (kvf_wire_arr64_t){ns, si, NULL};
     kvf_status_t st = kvf__peer_send(p, &m);
     free(v);
-    if (st != KVF_OK)
+    if (st != KVF_OK) {
         kvf__peer_fail(p, st, "cannot send HELLO: %s", kvf_status_str(st));
+        return;
+    }
+    if (eng->params.role == KVF_ROLE_PREFILL)
+        send_offers(p);
 }
 
 /* With KVF_FAULTS set, every connection goes through the fault transport. */
@@ -359,9 +456,14 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
         kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
                   p->addr, err);
     }
-    p->state = KVF_PEER_READY;
     kvf_info("%s rank %d at %s connected (instance %016llx)", kvf_role_name(p->role),
              p->tp_rank, p->addr, (unsigned long long)p->instance_id);
+    if (p->role == KVF_ROLE_PREFILL) {
+        p->hello_done = 1;          /* ready once its XPORT offer is answered */
+        return;
+    }
+    p->xport = KVF_XPORT_TCP;       /* until the decode engine chooses */
+    p->state = KVF_PEER_READY;
     kvf__rooms_peer_ready(eng, p);
 }
 
@@ -372,6 +474,10 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
         on_hello(p, &msg->u.hello);
         return;
     }
+    if (msg->type == KVF_MSG_XPORT) {
+        on_xport(p, &msg->u.xport);
+        return;
+    }
     if (p->state != KVF_PEER_READY) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "%s before HELLO",
                        kvf_wire_type_name((uint8_t)msg->type));
@@ -379,6 +485,14 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
     }
     if (msg->type == KVF_MSG_HEARTBEAT)
         return;
+    if (msg->type == KVF_MSG_DATA_REF) {
+        if (p->role != KVF_ROLE_PREFILL || p->xport != KVF_XPORT_SHM) {
+            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA_REF without an agreed shm transport");
+            return;
+        }
+        kvf__room_on_data_ref(p, &msg->u.data);
+        return;
+    }
     kvf__room_on_msg(p, msg);
 }
 

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "core/engine_int.h"
+#include "transport/shm/shm.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -463,6 +464,7 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     c->put.complete = chunk_complete;
     c->put.room = r->id;
     c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
+    c->put.by_ref = lk->peer->xport == KVF_XPORT_SHM;
     c->room = r;
     c->peer = lk->peer;
     c->link = li;
@@ -1099,28 +1101,34 @@ static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
     return NULL;
 }
 
-void kvf__room_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+/*
+ * Where each segment of an inbound DATA or DATA_REF frame goes, checked
+ * against what the room declared before a byte is placed.  @return the
+ * link the frame belongs to, or NULL: place nothing (the room is not live
+ * here, the peer was not asked, or a segment is out of bounds, which fails
+ * the room).
+ */
+static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
+                                 kvf_rx_target_t *t, kvf_room_t **room_p)
 {
-    kvf_engine_t *eng = p->eng;
-    kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, d->room);
+    kvf_room_t *r = kvf_map_get(&p->eng->rooms_by_id, d->room);
     char err[256], name[128];
 
-    p->rx_room = NULL;
-    p->rx_link = NULL;
     if (r == NULL || room_final(r)) {
         kvf_debug("discarding %llu bytes for room %llu (not live here)",
                   (unsigned long long)d->payload_len, (unsigned long long)d->room);
-        return;
+        return NULL;
     }
     kvf_link_t *lk = link_of(r, p);
     if (lk == NULL || !lk->req_sent) {
         kvf_warn("%s sent data for room %llu, which did not ask it for any: discarded",
                  kvf__peer_name(p, name, sizeof(name)), (unsigned long long)d->room);
-        return;
+        return NULL;
     }
     for (uint32_t i = 0; i < d->nseg; i++) {
         kvf_wire_seg_t s;
         kvf_wire_seg_at(d, i, &s);
+        t[i].len = s.len;
         t[i].dst = seg_target(r, &s, err, sizeof(err));
         if (t[i].dst == NULL) {
             for (uint32_t j = 0; j < i; j++)
@@ -1129,13 +1137,69 @@ void kvf__room_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *
                            "destination: %s; nothing of it was placed",
                            kvf__peer_name(p, name, sizeof(name)),
                            (unsigned long long)r->id, err);
-            return;
+            return NULL;
         }
     }
+    kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
+    *room_p = r;
+    return lk;
+}
+
+void kvf__room_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+{
+    kvf_room_t *r = NULL;
+    kvf_link_t *lk = frame_targets(p, d, t, &r);
+
+    p->rx_room = NULL;
+    p->rx_link = NULL;
+    if (lk == NULL)
+        return;
     r->refs++;
     p->rx_room = r;
     p->rx_link = lk;
-    kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
+}
+
+/* shm: the same checks, then read the bytes from the prefill process. */
+void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
+{
+    kvf_engine_t *eng = p->eng;
+    kvf_room_t *r = NULL;
+    char err[256], name[128];
+
+    if (p->ref_cap < d->nseg) {
+        struct iovec *v = realloc(p->ref_iov, 2 * (size_t)d->nseg * sizeof(*v));
+        kvf_rx_target_t *tg = realloc(p->ref_tgt, (size_t)d->nseg * sizeof(*tg));
+        if (v != NULL)
+            p->ref_iov = v;
+        if (tg != NULL)
+            p->ref_tgt = tg;
+        if (v == NULL || tg == NULL) {
+            kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a DATA_REF frame");
+            return;
+        }
+        p->ref_cap = d->nseg;
+    }
+    kvf_rx_target_t *t = p->ref_tgt;
+    kvf_link_t *lk = frame_targets(p, d, t, &r);
+    if (lk != NULL) {
+        struct iovec *local = p->ref_iov, *remote = p->ref_iov + d->nseg;
+        for (uint32_t i = 0; i < d->nseg; i++) {
+            local[i] = (struct iovec){t[i].dst, t[i].len};
+            remote[i] = (struct iovec){(void *)(uintptr_t)kvf_wire_arr64_at(&d->src_addrs, i),
+                                       t[i].len};
+        }
+        kvf_status_t st = kvf_shm_read(p->shm_pid, local, remote, d->nseg, err, sizeof(err));
+        if (st != KVF_OK) {
+            kvf__room_fail(r, st, "shm transfer from %s failed: %s",
+                           kvf__peer_name(p, name, sizeof(name)), err);
+        } else {
+            for (uint32_t i = 0; lk->hash != NULL && i < d->nseg; i++)
+                XXH3_64bits_update(lk->hash, t[i].dst, t[i].len);
+            lk->bytes += d->payload_len;
+            eng->stats.bytes_received += d->payload_len;
+            r->t_state_ms = kvf_now_ms();
+        }
+    }
 }
 
 void kvf__room_on_data_end(kvf_peer_t *p, uint64_t placed)

@@ -42,6 +42,7 @@ struct kvf_put {
     void (*complete)(kvf_put_t *put, kvf_status_t status);
     uint64_t   room;
     uint32_t   src_rank;
+    int        by_ref;     /* send source addresses, not bytes: the peer pulls */
     kvf_put_t *qnext;      /* transport-owned queue link */
 };
 

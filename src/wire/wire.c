@@ -33,11 +33,13 @@ static const char *const kvf_wire_type_names[] = {
     [KVF_MSG_FAIL]      = "FAIL",
     [KVF_MSG_ABORT]     = "ABORT",
     [KVF_MSG_HEARTBEAT] = "HEARTBEAT",
+    [KVF_MSG_XPORT]     = "XPORT",
+    [KVF_MSG_DATA_REF]  = "DATA_REF",
 };
 
 static bool kvf_wire_type_valid(unsigned type)
 {
-    return type >= KVF_MSG_HELLO && type <= KVF_MSG_HEARTBEAT;
+    return type >= KVF_MSG_HELLO && type <= KVF_MSG_DATA_REF;
 }
 
 const char *kvf_wire_type_name(uint8_t type)
@@ -258,6 +260,30 @@ static bool kvf_wire_check(const kvf_msg_t *m, char *err, size_t errlen)
                                   KVF_WIRE_MAX_BUFS, "state slot");
     case KVF_MSG_DATA:
         return kvf_wire_check_data(&m->u.data, err, errlen);
+    case KVF_MSG_DATA_REF:
+        if (m->u.data.src_addrs.count != m->u.data.nseg) {
+            kvf_wire_errf(err, errlen, "DATA_REF: %u source addresses for %u segments",
+                          m->u.data.src_addrs.count, m->u.data.nseg);
+            return false;
+        }
+        return kvf_wire_check_data(&m->u.data, err, errlen);
+    case KVF_MSG_XPORT:
+        if (m->u.xport.count > KVF_WIRE_MAX_XPORTS) {
+            kvf_wire_errf(err, errlen, "XPORT: %u transports, at most %u",
+                          m->u.xport.count, KVF_WIRE_MAX_XPORTS);
+            return false;
+        }
+        for (uint32_t i = 0; i < m->u.xport.count; i++) {
+            const kvf_wire_xport_t *x = &m->u.xport.x[i];
+            if (!kvf_wire_check_str(&x->name, what, "name", err, errlen))
+                return false;
+            if (x->blob_len > KVF_WIRE_MAX_BLOB || (x->blob_len && x->blob == NULL)) {
+                kvf_wire_errf(err, errlen, "XPORT: blob of %u bytes (limit %u)",
+                              x->blob_len, KVF_WIRE_MAX_BLOB);
+                return false;
+            }
+        }
+        return true;
     case KVF_MSG_DONE:
         if (m->u.done.has_checksum > 1) {
             kvf_wire_errf(err, errlen, "DONE: has_checksum is %u, not 0 or 1",
@@ -339,6 +365,13 @@ static void kvf_wire_wr_str(kvf_wire_wr_t *w, const kvf_wire_str_t *s)
     if (w->p && s->len)
         memcpy(w->p + w->n, s->ptr, s->len);
     w->n += s->len;
+}
+
+static void kvf_wire_wr_bytes(kvf_wire_wr_t *w, const uint8_t *p, uint32_t n)
+{
+    if (w->p != NULL && n > 0)
+        memcpy(w->p + w->n, p, n);
+    w->n += n;
 }
 
 static void kvf_wire_wr_arr32(kvf_wire_wr_t *w, const kvf_wire_arr32_t *a)
@@ -433,6 +466,19 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         break;
     case KVF_MSG_DATA:
         kvf_wire_wr_data(w, &m->u.data);
+        break;
+    case KVF_MSG_DATA_REF:
+        kvf_wire_wr_data(w, &m->u.data);
+        kvf_wire_wr_arr64(w, &m->u.data.src_addrs);
+        break;
+    case KVF_MSG_XPORT:
+        kvf_wire_wr_u32(w, m->u.xport.count);
+        for (uint32_t i = 0; i < m->u.xport.count; i++) {
+            const kvf_wire_xport_t *x = &m->u.xport.x[i];
+            kvf_wire_wr_str(w, &x->name);
+            kvf_wire_wr_u32(w, x->blob_len);
+            kvf_wire_wr_bytes(w, x->blob, x->blob_len);
+        }
         break;
     case KVF_MSG_DONE:
         kvf_wire_wr_u64(w, m->u.done.room);
@@ -725,7 +771,8 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         r->attempt            = kvf_wire_rd_u32(rd, "attempt");
         break;
     }
-    case KVF_MSG_DATA: {
+    case KVF_MSG_DATA:
+    case KVF_MSG_DATA_REF: {
         kvf_msg_data_t *d = &m->u.data;
         d->room        = kvf_wire_rd_u64(rd, "room");
         d->src_rank    = kvf_wire_rd_u32(rd, "src_rank");
@@ -733,6 +780,25 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         d->raw_segs    = kvf_wire_rd_items(rd, KVF_WIRE_SEG_LEN,
                                            KVF_WIRE_MAX_SEGS, "segment",
                                            &d->nseg);
+        if (m->type == KVF_MSG_DATA_REF)
+            d->src_addrs.raw = kvf_wire_rd_items(rd, 8, KVF_WIRE_MAX_SEGS,
+                                                 "source address",
+                                                 &d->src_addrs.count);
+        break;
+    }
+    case KVF_MSG_XPORT: {
+        kvf_msg_xport_t *x = &m->u.xport;
+        x->count = kvf_wire_rd_u32(rd, "count");
+        if (x->count > KVF_WIRE_MAX_XPORTS) {
+            kvf_wire_rd_fail(rd, "%u transports, at most %u", x->count,
+                             KVF_WIRE_MAX_XPORTS);
+            break;
+        }
+        for (uint32_t i = 0; i < x->count && !rd->bad; i++) {
+            kvf_wire_rd_str(rd, &x->x[i].name, "name");
+            x->x[i].blob = kvf_wire_rd_items(rd, 1, KVF_WIRE_MAX_BLOB, "blob",
+                                             &x->x[i].blob_len);
+        }
         break;
     }
     case KVF_MSG_DONE:

@@ -37,16 +37,20 @@
 #define KVF_WIRE_MAX_STR    1024       /* strings: addresses, dtype, reasons */
 #define KVF_WIRE_MAX_BUFS   4096       /* kv/aux/state buffers in a layout */
 #define KVF_WIRE_SEG_LEN    17         /* encoded size of one DATA segment */
+#define KVF_WIRE_MAX_XPORTS 8          /* transports in one XPORT message */
+#define KVF_WIRE_MAX_BLOB   (1u << 20) /* bytes of one transport's blob */
 
 typedef enum kvf_msg_type {
     KVF_MSG_HELLO     = 1,
     KVF_MSG_ROOM_REQ  = 2,
-    KVF_MSG_DATA      = 3,
+    KVF_MSG_DATA      = 3,    /* also the body of DATA_REF, see below */
     KVF_MSG_DONE      = 4,
     KVF_MSG_DONE_ACK  = 5,
     KVF_MSG_FAIL      = 6,
     KVF_MSG_ABORT     = 7,
-    KVF_MSG_HEARTBEAT = 8
+    KVF_MSG_HEARTBEAT = 8,
+    KVF_MSG_XPORT     = 9,    /* transport offers (prefill) / choice (decode) */
+    KVF_MSG_DATA_REF  = 10    /* DATA without payload: source addresses to pull */
 } kvf_msg_type_t;
 
 /* Which registered buffer family a DATA segment targets. */
@@ -130,7 +134,11 @@ typedef struct kvf_wire_seg {
     uint32_t len;      /* bytes, > 0 */
 } kvf_wire_seg_t;
 
-/* Prefill -> decode: segments, then payload_len payload bytes. */
+/*
+ * Prefill -> decode: segments, then payload_len payload bytes (DATA), or
+ * segments and the address each one's bytes are to be read from, with no
+ * payload (DATA_REF: the receiver pulls them itself, see XPORT).
+ */
 typedef struct kvf_msg_data {
     uint64_t              room;
     uint32_t              src_rank;
@@ -138,9 +146,28 @@ typedef struct kvf_msg_data {
     uint32_t              nseg;          /* 1..KVF_WIRE_MAX_SEGS */
     const kvf_wire_seg_t *segs;          /* encode: input array */
     const uint8_t        *raw_segs;      /* decode: nseg * KVF_WIRE_SEG_LEN bytes */
+    kvf_wire_arr64_t      src_addrs;     /* DATA_REF: nseg source addresses */
 } kvf_msg_data_t;
 
 void kvf_wire_seg_at(const kvf_msg_data_t *d, uint32_t i, kvf_wire_seg_t *seg_p);
+
+/*
+ * Transports beside the control stream.  A prefill engine sends one XPORT
+ * after its HELLO, listing what a decode engine may use to pull payload
+ * from it (name and an opaque blob: process id, memory keys, ...); the
+ * decode engine answers with one XPORT naming its choice (no blob), or
+ * none (count 0: payload stays in DATA frames), before any ROOM_REQ.
+ */
+typedef struct kvf_wire_xport {
+    kvf_wire_str_t name;
+    const uint8_t *blob;
+    uint32_t       blob_len;   /* <= KVF_WIRE_MAX_BLOB */
+} kvf_wire_xport_t;
+
+typedef struct kvf_msg_xport {
+    uint32_t         count;    /* 0..KVF_WIRE_MAX_XPORTS */
+    kvf_wire_xport_t x[KVF_WIRE_MAX_XPORTS];
+} kvf_msg_xport_t;
 
 /* Prefill -> decode: this rank's part of the room is complete. */
 typedef struct kvf_msg_done {
@@ -183,6 +210,7 @@ typedef struct kvf_msg {
         kvf_msg_done_ack_t  done_ack;
         kvf_msg_fail_t      fail;      /* FAIL and ABORT */
         kvf_msg_heartbeat_t heartbeat;
+        kvf_msg_xport_t     xport;
     } u;
 } kvf_msg_t;
 

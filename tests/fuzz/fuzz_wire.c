@@ -119,6 +119,25 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
     case KVF_MSG_HEARTBEAT:
         return a->u.heartbeat.seq == b->u.heartbeat.seq &&
                a->u.heartbeat.time_ns == b->u.heartbeat.time_ns;
+    case KVF_MSG_DATA_REF:
+        if (!fz_data_eq(&a->u.data, &b->u.data) ||
+            a->u.data.src_addrs.count != b->u.data.src_addrs.count)
+            return false;
+        for (uint32_t i = 0; i < a->u.data.src_addrs.count; i++)
+            if (kvf_wire_arr64_at(&a->u.data.src_addrs, i) !=
+                kvf_wire_arr64_at(&b->u.data.src_addrs, i))
+                return false;
+        return true;
+    case KVF_MSG_XPORT:
+        if (a->u.xport.count != b->u.xport.count)
+            return false;
+        for (uint32_t i = 0; i < a->u.xport.count; i++) {
+            const kvf_wire_xport_t *x = &a->u.xport.x[i], *y = &b->u.xport.x[i];
+            if (!fz_str_eq(x->name, y->name) || x->blob_len != y->blob_len ||
+                (x->blob_len && memcmp(x->blob, y->blob, x->blob_len) != 0))
+                return false;
+        }
+        return true;
     }
     return false;
 }

@@ -30,6 +30,7 @@ typedef struct side {
 } side_t;
 
 /* Engine settings of the next side_init (tests change them). */
+static const char *transport = "tcp";   /* every case runs over tcp, then shm */
 static const char *next_faults;
 static int next_checksum;
 static unsigned next_transfer_ms = 5000, next_hb_interval_ms = 500, next_hb_timeout_ms = 2500;
@@ -47,6 +48,7 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs,
     p.heartbeat_interval_ms = next_hb_interval_ms;
     p.heartbeat_timeout_ms = next_hb_timeout_ms;
     p.faults = next_faults;
+    p.transport = transport;
     p.checksum = next_checksum;
     CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
 
@@ -171,6 +173,8 @@ static void test_one_room(void)
     kvf_engine_stats_t st;
     kvf_engine_stats(dec.eng, &st);
     CHECK_EQ_INT(st.rooms_succeeded, 1);
+    CHECK(strcmp(kvf_engine_transport(dec.eng), transport) == 0);
+    CHECK(strcmp(kvf_engine_transport(pre.eng), transport) == 0);
     CHECK(st.bytes_received == 6ull * PAGE_B * NKV + AUX_B + 8);
     side_fini(&dec);
     side_fini(&pre);
@@ -399,9 +403,33 @@ static void test_status_strings(void)
           KVF_POLL_TRANSFERRING < KVF_POLL_SUCCESS);
 }
 
+/* The same cases again with payload pulled over shm. */
+static void test_one_room_shm(void) { transport = "shm"; test_one_room(); }
+static void test_page_size_mismatch_shm(void) { transport = "shm"; test_page_size_mismatch(); }
+static void test_reset_resumes_shm(void) { transport = "shm"; test_reset_resumes(); }
+static void test_repeated_resets_give_up_shm(void)
+{
+    transport = "shm";
+    test_repeated_resets_give_up();
+}
+static void test_corrupt_fails_with_checksum_shm(void)
+{
+    transport = "shm";
+    test_corrupt_fails_with_checksum();
+}
+static void test_dropped_ack_times_out_shm(void)
+{
+    transport = "shm";
+    test_dropped_ack_times_out();
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
-              KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer))
+              KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
+              KVF_CASE(test_one_room_shm), KVF_CASE(test_page_size_mismatch_shm),
+              KVF_CASE(test_reset_resumes_shm), KVF_CASE(test_repeated_resets_give_up_shm),
+              KVF_CASE(test_corrupt_fails_with_checksum_shm),
+              KVF_CASE(test_dropped_ack_times_out_shm))

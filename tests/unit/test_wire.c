@@ -423,7 +423,9 @@ static void test_type_names(void)
     CHECK(strcmp(kvf_wire_type_name(KVF_MSG_ABORT), "ABORT") == 0);
     CHECK(strcmp(kvf_wire_type_name(KVF_MSG_HEARTBEAT), "HEARTBEAT") == 0);
     CHECK(strcmp(kvf_wire_type_name(0), "UNKNOWN") == 0);
-    CHECK(strcmp(kvf_wire_type_name(9), "UNKNOWN") == 0);
+    CHECK(strcmp(kvf_wire_type_name(KVF_MSG_XPORT), "XPORT") == 0);
+    CHECK(strcmp(kvf_wire_type_name(KVF_MSG_DATA_REF), "DATA_REF") == 0);
+    CHECK(strcmp(kvf_wire_type_name(11), "UNKNOWN") == 0);
     CHECK(strcmp(kvf_wire_type_name(255), "UNKNOWN") == 0);
 }
 
@@ -446,9 +448,9 @@ static void test_header_errors(void)
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "unknown message type 0");
     CHECK_EQ_INT(hdr.length, 777);   /* untouched on error */
-    h[4] = 9;
+    h[4] = 11;
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "unknown message type 9");
+    CHECK_STR_CONTAINS(err, "unknown message type 11");
 
     h[4] = KVF_MSG_DATA; h[5] = 1;
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
@@ -812,7 +814,7 @@ static void test_encode_refuses(void)
     } while (0)
 
     CHECK_EQ_INT(kvf_wire_encode(&b, NULL), KVF_ERR_INVALID_PARAM);
-    m = sample_heartbeat(); m.type = (kvf_msg_type_t)9; REFUSE(m);
+    m = sample_heartbeat(); m.type = (kvf_msg_type_t)11; REFUSE(m);
     m = sample_heartbeat(); m.type = (kvf_msg_type_t)0; REFUSE(m);
 
     m = sample_fail(KVF_MSG_FAIL);
@@ -922,7 +924,58 @@ static void test_output_untouched_on_error(void)
     kvf_buf_free(&b);
 }
 
+/* XPORT and DATA_REF: the transport offer and a pull-mode DATA frame. */
+static void test_roundtrip_xport_data_ref(void)
+{
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    kvf_msg_t m, d;
+    kvf_wire_hdr_t hdr;
+    char err[256];
+    static const uint8_t blob[] = {1, 2, 3, 4, 5};
+
+    memset(&m, 0, sizeof(m));
+    m.type = KVF_MSG_XPORT;
+    m.u.xport.count = 2;
+    m.u.xport.x[0] = (kvf_wire_xport_t){{"shm", 3}, blob, sizeof(blob)};
+    m.u.xport.x[1] = (kvf_wire_xport_t){{"ucx", 3}, NULL, 0};
+    CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
+    CHECK_EQ_INT(kvf_wire_parse_header(b.data, &hdr, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(kvf_wire_decode(&hdr, b.data + KVF_WIRE_HDR_LEN, &d, err, sizeof(err)),
+                 KVF_OK);
+    CHECK_EQ_INT(d.u.xport.count, 2);
+    CHECK(d.u.xport.x[0].name.len == 3 && memcmp(d.u.xport.x[0].name.ptr, "shm", 3) == 0);
+    CHECK(d.u.xport.x[0].blob_len == 5 && memcmp(d.u.xport.x[0].blob, blob, 5) == 0);
+    CHECK_EQ_INT(d.u.xport.x[1].blob_len, 0);
+    m.u.xport.count = KVF_WIRE_MAX_XPORTS + 1;
+    b.len = 0;
+    CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_ERR_INVALID_PARAM);
+
+    kvf_wire_seg_t rsegs[2] = {{KVF_BUF_KV, 3, 4096, 100}, {KVF_BUF_AUX, 0, 64, 8}};
+    uint64_t addrs[2] = {0x7f0000001000ull, 0x7f0000002000ull};
+    memset(&m, 0, sizeof(m));
+    m.type = KVF_MSG_DATA_REF;
+    m.u.data.room = 5;
+    m.u.data.payload_len = 108;
+    m.u.data.nseg = 2;
+    m.u.data.segs = rsegs;
+    m.u.data.src_addrs = (kvf_wire_arr64_t){2, addrs, NULL};
+    b.len = 0;
+    CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
+    CHECK_EQ_INT(kvf_wire_parse_header(b.data, &hdr, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(hdr.type, KVF_MSG_DATA_REF);
+    CHECK_EQ_INT(kvf_wire_decode(&hdr, b.data + KVF_WIRE_HDR_LEN, &d, err, sizeof(err)),
+                 KVF_OK);
+    CHECK_EQ_INT(d.u.data.nseg, 2);
+    CHECK(kvf_wire_arr64_at(&d.u.data.src_addrs, 1) == addrs[1]);
+    m.u.data.src_addrs.count = 1;
+    b.len = 0;
+    CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_ERR_INVALID_PARAM);
+    kvf_buf_free(&b);
+}
+
 KVF_TEST_MAIN(
+    KVF_CASE(test_roundtrip_xport_data_ref),
     KVF_CASE(test_roundtrip_hello),
     KVF_CASE(test_roundtrip_room_req),
     KVF_CASE(test_roundtrip_data),

@@ -42,6 +42,8 @@ typedef struct fault {
     uint64_t     bytes;
     uint64_t     ms;
     int          fired;
+    uint8_t     *scratch;   /* corrupt: the altered copy, kept for the engine's life
+                               because a by-reference peer reads it later */
 } fault_t;
 
 #define MAX_FAULTS 16
@@ -65,7 +67,6 @@ typedef struct fault_put {
     kvf_put_t     put;
     kvf_put_t    *inner;
     fault_conn_t *fc;
-    uint8_t      *scratch;  /* the corrupted copy of one segment */
 } fault_put_t;
 
 kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *err,
@@ -129,6 +130,10 @@ bad:
 
 void kvf_faults_free(kvf_faults_t *fs)
 {
+    if (fs == NULL)
+        return;
+    for (int i = 0; i < fs->n; i++)
+        free(fs->f[i].scratch);
     free(fs);
 }
 
@@ -145,11 +150,11 @@ static void corrupt(fault_put_t *fp, fault_t *f, uint64_t before, kvf_wire_seg_t
                     const void **src)
 {
     uint64_t at = f->bytes > before ? f->bytes - before : 0;
-    if (fp->scratch != NULL || (fp->scratch = malloc(seg->len)) == NULL)
+    if ((f->scratch = malloc(seg->len)) == NULL)
         return;
-    memcpy(fp->scratch, *src, seg->len);
-    fp->scratch[at] ^= 0x5a;
-    *src = fp->scratch;
+    memcpy(f->scratch, *src, seg->len);
+    f->scratch[at] ^= 0x5a;
+    *src = f->scratch;
     f->fired = 1;
     kvf_warn("injected fault: corrupted payload byte %llu (room %llu, buffer %u, "
              "offset %llu)", (unsigned long long)f->bytes,
@@ -215,7 +220,6 @@ static void fput_complete(kvf_put_t *put, kvf_status_t st)
 {
     fault_put_t *fp = (fault_put_t *)put;
     fp->inner->complete(fp->inner, st);
-    free(fp->scratch);
     free(fp);
 }
 
@@ -231,6 +235,7 @@ static void fault_put(kvf_conn_t *c, kvf_put_t *inner)
     fp->put.complete = fput_complete;
     fp->put.room = inner->room;
     fp->put.src_rank = inner->src_rank;
+    fp->put.by_ref = inner->by_ref;
     fp->inner = inner;
     fp->fc = fc;
     for (int i = 0; i < fc->faults->n; i++) {

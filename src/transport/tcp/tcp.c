@@ -61,6 +61,7 @@ struct kvf_tcp_conn {
     struct iovec             iov[TCP_FRAME_SEGS + 1];
     int                      iov_n, iov_i;
     kvf_wire_seg_t           segs[TCP_FRAME_SEGS];
+    uint64_t                 addrs[TCP_FRAME_SEGS];  /* DATA_REF sources */
 
     /* receive */
     kvf_buf_t                rx;            /* bytes rx.data[rx_off..rx.len) unread */
@@ -352,6 +353,7 @@ static int build_frame(kvf_tcp_conn_t *c)
         }
         c->iov[n + 1].iov_base = (void *)src;
         c->iov[n + 1].iov_len = c->segs[n].len;
+        c->addrs[n] = (uint64_t)(uintptr_t)src;
         payload += c->segs[n].len;
         n++;
     }
@@ -360,12 +362,14 @@ static int build_frame(kvf_tcp_conn_t *c)
         p->complete(p, KVF_OK);
         return 0;
     }
-    kvf_msg_t m = {.type = KVF_MSG_DATA};
+    kvf_msg_t m = {.type = p->by_ref ? KVF_MSG_DATA_REF : KVF_MSG_DATA};
     m.u.data.room = p->room;
     m.u.data.src_rank = p->src_rank;
     m.u.data.payload_len = payload;
     m.u.data.nseg = n;
     m.u.data.segs = c->segs;
+    if (p->by_ref)
+        m.u.data.src_addrs = (kvf_wire_arr64_t){n, c->addrs, NULL};
     c->frame.len = 0;
     kvf_status_t st = kvf_wire_encode(&c->frame, &m);
     if (st != KVF_OK) {
@@ -375,7 +379,8 @@ static int build_frame(kvf_tcp_conn_t *c)
     }
     c->iov[0].iov_base = c->frame.data;
     c->iov[0].iov_len = c->frame.len;
-    c->iov_n = (int)n + 1;
+    /* By reference, only the header goes: the receiver reads the rest. */
+    c->iov_n = p->by_ref ? 1 : (int)n + 1;
     c->iov_i = 0;
     c->frame_active = 1;
     return 1;
