@@ -401,6 +401,9 @@ typedef struct kvf_engine_stats {
     uint64_t bytes_sent;          /**< payload bytes written to peers */
     uint64_t bytes_received;      /**< payload bytes placed by peers */
     uint64_t peers_connected;
+    uint64_t peers_tcp;           /**< connected peers whose payload uses tcp */
+    uint64_t peers_shm;           /**< ... shm */
+    uint64_t peers_ucx;           /**< ... ucx */
 } kvf_engine_stats_t;
 
 /** Snapshot the engine's counters. */

@@ -127,6 +127,9 @@ class EngineStats(Structure):
         ("bytes_sent", c_uint64),
         ("bytes_received", c_uint64),
         ("peers_connected", c_uint64),
+        ("peers_tcp", c_uint64),
+        ("peers_shm", c_uint64),
+        ("peers_ucx", c_uint64),
     ]
 
 

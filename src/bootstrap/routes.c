@@ -740,6 +740,13 @@ static void route_metrics(kvf_registry_state_t *st, reply_t *r)
                     "Peers with a live control connection.");
         fprintf(f, "kvferry_peers_connected %llu\n",
                 (unsigned long long)es.peers_connected);
+        metric_head(f, "kvferry_peers", "gauge",
+                    "Connected peers by the transport their payload uses.");
+        fprintf(f, "kvferry_peers{transport=\"tcp\"} %llu\n"
+                "kvferry_peers{transport=\"shm\"} %llu\n"
+                "kvferry_peers{transport=\"ucx\"} %llu\n",
+                (unsigned long long)es.peers_tcp, (unsigned long long)es.peers_shm,
+                (unsigned long long)es.peers_ucx);
     }
     if (fclose(f) != 0 || text == NULL) {
         free(text);

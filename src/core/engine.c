@@ -390,9 +390,15 @@ void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
     memset(stats_p->rooms_by_state, 0, sizeof(stats_p->rooms_by_state));
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
         stats_p->rooms_by_state[atomic_load_explicit(&r->state, memory_order_relaxed)]++;
-    stats_p->peers_connected = 0;
-    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
-        stats_p->peers_connected += p->state == KVF_PEER_READY;
+    stats_p->peers_connected = stats_p->peers_tcp = stats_p->peers_shm =
+        stats_p->peers_ucx = 0;
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
+        if (p->state != KVF_PEER_READY)
+            continue;
+        stats_p->peers_connected++;
+        stats_p->peers_tcp += p->xport == KVF_XPORT_TCP;
+        stats_p->peers_shm += p->xport == KVF_XPORT_SHM;
+    }
     pthread_mutex_unlock(&eng->lock);
 }
 

@@ -43,7 +43,7 @@ static kvf_bs_reg_t mkreg(int tp_size, int tp_rank, int port)
         .attn_dp_size = 1, .attn_dp_rank = 0,
         .pp_size = 1, .pp_rank = 0,
         .system_dp_size = 1, .system_dp_rank = 0,
-        .rank_ip = "10.0.0.1", .rank_port = port,
+        .rank_ip = "127.0.0.1", .rank_port = port,
         .page_size = 64, .kv_cache_dtype = "bfloat16",
         .load_balance_method = "round_robin",
     };
@@ -275,11 +275,11 @@ static void test_register_until_ready(void)
 
     CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 1, 0, TMO, ip, sizeof(ip),
                                   &port, err, sizeof(err)), KVF_OK);
-    CHECK(strcmp(ip, "10.0.0.1") == 0);
+    CHECK(strcmp(ip, "127.0.0.1") == 0);
     CHECK_EQ_INT(port, 17001);
     RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=0&prefill_cp_rank=0&"
               "target_tp_rank=1&target_pp_rank=0", NULL, 200,
-              "{\"rank_ip\":\"10.0.0.1\",\"rank_port\":17001}");
+              "{\"rank_ip\":\"127.0.0.1\",\"rank_port\":17001}");
     port = 5;
     CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 2, 0, TMO, ip, sizeof(ip),
                                   &port, err, sizeof(err)), KVF_ERR_NOT_FOUND);
@@ -353,7 +353,7 @@ static void test_bad_bodies(void)
     const char *fmt = "{\"attn_tp_size\":%s,\"attn_tp_rank\":%s,"
         "\"attn_cp_size\":1,\"attn_cp_rank\":0,\"attn_dp_size\":1,"
         "\"attn_dp_rank\":0,\"pp_size\":1,\"pp_rank\":0,\"system_dp_size\":1,"
-        "\"system_dp_rank\":7,\"rank_ip\":\"10.0.0.1\",\"rank_port\":%s,"
+        "\"system_dp_rank\":7,\"rank_ip\":\"127.0.0.1\",\"rank_port\":%s,"
         "\"page_size\":1,\"kv_cache_dtype\":\"auto\"}";
     snprintf(base, sizeof(base), fmt, "2", "2", "5000");
     RAW_CHECK(&s, "PUT", "/route", base, 400,
@@ -370,7 +370,7 @@ static void test_bad_bodies(void)
     RAW_CHECK(&s, "PUT", "/route", base, 400,
               "\"attn_tp_size\" must be an integer");
     snprintf(base, sizeof(base), fmt, "1", "0", "5000");
-    char *ws = strstr(base, "10.0.0.1");
+    char *ws = strstr(base, "127.0.0.1");
     memcpy(ws, "10.0 0.1", 8);
     RAW_CHECK(&s, "PUT", "/route", base, 400, "\"rank_ip\" must be a string");
     snprintf(base, sizeof(base), fmt, "100000", "0", "5000");
@@ -436,14 +436,14 @@ static void test_conflict_and_reregister(void)
               "target_tp_rank=-1&target_pp_rank=-1", NULL, 503, "1 of 2");
 
     /* A restarted rank 0 replaces its entry and does not count twice. */
-    r0.rank_ip = "10.0.0.9";
+    r0.rank_ip = "127.0.0.9";
     r0.rank_port = 18000;
     put_reg(&s, &r0, KVF_OK);
     RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
               "target_tp_rank=-1&target_pp_rank=-1", NULL, 503, "1 of 2");
     CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 0, 0, TMO, ip, sizeof(ip),
                                   &port, err, sizeof(err)), KVF_OK);
-    CHECK(strcmp(ip, "10.0.0.9") == 0);
+    CHECK(strcmp(ip, "127.0.0.9") == 0);
     CHECK_EQ_INT(port, 18000);
     RAW_CHECK(&s, "GET", "/metrics", NULL, 200,
               "kvferry_registry_ranks_registered 1\n");
