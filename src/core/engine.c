@@ -435,6 +435,7 @@ static void *progress_main(void *arg)
         pthread_mutex_unlock(&eng->lock);
         int n = epoll_wait(eng->epfd, evs, 64, timeout);
         pthread_mutex_lock(&eng->lock);
+        eng->now_ms = kvf_now_ms();
         if (n < 0 && errno != EINTR) {
             kvf_error("epoll_wait: %m");
             break;

@@ -146,6 +146,7 @@ struct kvf_room {
     char            *bootstrap_addr;
     int              dp_rank;
     uint32_t        *sorted_pages;  /* declared pages, ascending */
+    uint64_t         ok_first, ok_last; /* last page range found declared */
     uint32_t        *pages;         /* declared pages, in order */
     uint32_t         n_pages;
     uint32_t        *state_dst;
@@ -183,6 +184,7 @@ struct kvf_engine {
     kvf_ev_kind_t       ev_listener, ev_wake;
     pthread_t           progress_thread;
     int                 stopping;
+    uint64_t            now_ms;           /* progress thread's clock, per wake-up */
 
     int                 registered;       /* layout registered */
     kvf_layout_int_t    layout;

@@ -262,6 +262,8 @@ static kvf_status_t room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
     r->attached = 1;
     r->t_state_ms = kvf_now_ms();
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
+    r->ok_first = 1;          /* empty: no page range checked yet */
+    r->ok_last = 0;
     r->next = eng->rooms;
     if (eng->rooms)
         eng->rooms->prev = r;
@@ -390,7 +392,7 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     }
     lk->bytes += seg->len;
     eng->stats.bytes_sent += seg->len;
-    r->t_state_ms = kvf_now_ms();
+    r->t_state_ms = eng->now_ms;     /* per segment: the progress thread's clock */
     if (lk->hash)
         XXH3_64bits_update(lk->hash, *src, seg->len);
     return 1;
@@ -1070,9 +1072,15 @@ static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
         b = &l->kv[s->buf];
         uint64_t first = s->offset / b->item_bytes;
         uint64_t last = (s->offset + s->len - 1) / b->item_bytes;
-        if (s->offset <= UINT64_MAX - s->len &&
-            kvf__pages_contain(r->sorted_pages, r->n_pages, first, last))
+        /* Head slices hit the same page many times in a row: remember it. */
+        if (first >= r->ok_first && last <= r->ok_last)
             return (uint8_t *)b->base + s->offset;
+        if (s->offset <= UINT64_MAX - s->len &&
+            kvf__pages_contain(r->sorted_pages, r->n_pages, first, last)) {
+            r->ok_first = first;
+            r->ok_last = last;
+            return (uint8_t *)b->base + s->offset;
+        }
         snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are outside the "
                  "pages the room declared", (unsigned long long)s->offset,
                  (unsigned long long)(s->offset + s->len), s->buf);

@@ -28,7 +28,7 @@
 #define TCP_FRAME_SEGS    1023              /* + 1 header iovec = IOV_MAX */
 #define TCP_FRAME_BYTES   (4u << 20)        /* payload per DATA frame */
 #define TCP_RX_BUF        (256u << 10)
-#define TCP_DIRECT_MIN    (16u << 10)       /* recv() straight into memory */
+#define TCP_RX_IOV        1024              /* targets per readv() */
 #define TCP_PASS_BYTES    (32u << 20)       /* fairness: bytes per event */
 #define TCP_SOCKBUF       (4 << 20)
 
@@ -587,6 +587,47 @@ static void discard_rest(kvf_tcp_conn_t *c)
         c->tgt[i].dst = NULL;
 }
 
+/* readv the current frame's payload into its next targets (stops at a
+ * discarded one, which goes through the buffer).  Same result as recv(). */
+static ssize_t read_into_targets(kvf_tcp_conn_t *c)
+{
+    struct iovec iov[TCP_RX_IOV];
+    uint64_t want = 0;
+    int k = 0;
+
+    for (uint32_t i = c->tgt_i; i < c->tgt_n && k < TCP_RX_IOV && want < c->payload_left;
+         i++) {
+        const kvf_rx_target_t *t = &c->tgt[i];
+        size_t off = i == c->tgt_i ? c->tgt_off : 0;
+        if (t->dst == NULL)
+            break;
+        iov[k].iov_base = t->dst + off;
+        iov[k].iov_len = t->len - off;
+        want += iov[k++].iov_len;
+    }
+    ssize_t n = readv(c->fd, iov, k);
+    if (n <= 0)
+        return n;
+    c->last_rx_ms = kvf_now_ms();
+    c->placed += (size_t)n;
+    c->payload_left -= (size_t)n;
+    for (size_t left = (size_t)n; left > 0;) {
+        const kvf_rx_target_t *t = &c->tgt[c->tgt_i];
+        size_t piece = t->len - c->tgt_off;
+        if (piece > left)
+            piece = left;
+        if (c->h->on_placed)
+            c->h->on_placed(c->arg, t->dst + c->tgt_off, piece);
+        c->tgt_off += (uint32_t)piece;
+        left -= piece;
+        if (c->tgt_off == t->len) {
+            c->tgt_i++;
+            c->tgt_off = 0;
+        }
+    }
+    return n;
+}
+
 static void handle_readable(kvf_tcp_conn_t *c)
 {
     size_t budget = TCP_PASS_BYTES;
@@ -602,23 +643,12 @@ static void handle_readable(kvf_tcp_conn_t *c)
 
         ssize_t n;
         kvf_rx_target_t *t = c->rx_state == RX_PAYLOAD ? &c->tgt[c->tgt_i] : NULL;
-        if (t != NULL && t->dst != NULL && c->rx_off == c->rx.len &&
-            t->len - c->tgt_off >= TCP_DIRECT_MIN) {
-            /* Large piece, buffer empty: read straight into place. */
-            n = recv(c->fd, t->dst + c->tgt_off, t->len - c->tgt_off, 0);
+        if (t != NULL && t->dst != NULL && c->rx_off == c->rx.len) {
+            /* Payload with the buffer empty: scatter it straight into place,
+             * as many targets per readv as the kernel takes. */
+            n = read_into_targets(c);
             if (n > 0) {
-                c->last_rx_ms = kvf_now_ms();
                 budget -= (size_t)n < budget ? (size_t)n : budget;
-                uint8_t *at = t->dst + c->tgt_off;
-                if (c->h->on_placed)
-                    c->h->on_placed(c->arg, at, (size_t)n);
-                c->placed += (size_t)n;
-                c->tgt_off += (uint32_t)n;
-                c->payload_left -= (size_t)n;
-                if (c->tgt_off == t->len) {
-                    c->tgt_i++;
-                    c->tgt_off = 0;
-                }
                 continue;
             }
         } else {

@@ -10,8 +10,9 @@
  *
  * Reading: headers and bodies accumulate in a receive buffer; a DATA
  * frame's payload is scattered into the targets the engine resolved for
- * its segments, with recv() straight into destination memory for large
- * pieces and memcpy() from the buffer for small ones.
+ * its segments with readv() straight into destination memory (up to 1024
+ * targets per call); only bytes that arrived together with a header are
+ * copied out of the buffer.
  *
  * Threads: everything here runs on the engine's progress thread, under the
  * engine lock; callbacks are made the same way and may queue messages on

@@ -1,0 +1,701 @@
+/*
+ * The ucx transport (see ucx.h): one UCP context and worker per engine,
+ * one endpoint per peer, payload by ucp_get_nbx from the peer's registered
+ * memory into ours.
+ *
+ * The one idea: a read is a batch that is always finished before
+ * kvf_ucx_read returns.  All gets are issued first (UCX pipelines them over
+ * its lanes), then the worker is progressed until every request has called
+ * back.  When the batch cannot finish (the peer died, or did not answer
+ * within the timeout) the endpoint is force-closed, which makes UCX
+ * complete every outstanding request with an error; only after those
+ * callbacks does the read return.  So when kvf_ucx_read returns, whatever
+ * the outcome, no get of that batch can still write into local memory, and
+ * the engine may hand the room's pages back.
+ *
+ * Blob layout (all little-endian, every length explicit):
+ *
+ *   u32 version (1)
+ *   u32 addr_len   | addr_len bytes: the UCP worker address
+ *   u32 nregions   | per region: u64 base, u64 length, u32 rkey_len,
+ *                    rkey_len bytes: the packed remote key
+ */
+#include "transport/ucx/ucx.h"
+
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <ucp/api/ucp.h>
+
+#include "util/log.h"
+#include "util/time.h"
+#include "wire/wire.h"
+
+#define BLOB_VERSION     1u
+#define REGION_HDR       20u     /* u64 base, u64 len, u32 rkey_len */
+#define KVF_UCX_CLOSE_MS 2000u   /* bound on waiting for UCX to close an ep */
+#define CHECK_CLOCK      64      /* progress calls between clock reads */
+
+typedef struct region {          /* one of our registered regions */
+    uint64_t   base, len;
+    ucp_mem_h  memh;
+    void      *rkey_buf;         /* packed remote key (ucp_rkey_buffer_release) */
+    size_t     rkey_len;
+} region_t;
+
+typedef struct rregion {         /* one region of the peer */
+    uint64_t   base, len;
+    ucp_rkey_h rkey;
+} rregion_t;
+
+struct kvf_ucx {
+    ucp_context_h ctx;
+    ucp_worker_h  worker;
+    int           efd;           /* ucp_worker_get_efd, or -1 */
+    ucp_address_t *addr;
+    size_t        addr_len;
+    uint64_t      mem_types;     /* UCS_BIT(ucs_memory_type_t) this UCX carries */
+    region_t     *regs;          /* sorted by base */
+    size_t        nregs, capregs;
+    kvf_ucx_ep_t *eps;           /* open endpoints, and zombies (below) */
+};
+
+struct kvf_ucx_ep {
+    kvf_ucx_t    *u;
+    ucp_ep_h      ep;            /* NULL once closed */
+    rregion_t    *regs;          /* sorted by base */
+    size_t        nregs;
+    /* Set by the error callback, or by a timed-out read. */
+    ucs_status_t  failed;
+    int           timed_out;     /* failed because a read timed out */
+    char          why[160];
+    /* The current batch: requests UCX returned, how many called back. */
+    void        **reqs;
+    size_t        capreqs, nreqs, ndone;
+    ucs_status_t  req_err;
+    /* A zombie: disconnected, but UCX may still call back into it (its close
+     * did not finish in time); freed by kvf_ucx_destroy after the worker. */
+    int           zombie;
+    void         *close_req;
+    kvf_ucx_ep_t *next, **pprev;
+};
+
+int kvf_ucx_available(void)
+{
+    return 1;
+}
+
+/* ---------------------------------------------------------------- context */
+
+kvf_status_t kvf_ucx_create(kvf_ucx_t **u_p, char *err, size_t errlen)
+{
+    kvf_ucx_t *u = calloc(1, sizeof(*u));
+    ucp_config_t *config = NULL;
+    ucs_status_t st;
+    if (u == NULL) {
+        snprintf(err, errlen, "out of memory creating the UCX transport");
+        return KVF_ERR_NO_MEMORY;
+    }
+    u->efd = -1;
+
+    st = ucp_config_read(NULL, NULL, &config);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "UCX configuration rejected: %s (check the UCX_* "
+                 "environment variables, e.g. UCX_TLS)", ucs_status_string(st));
+        goto fail;
+    }
+    ucp_params_t params = {
+        .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
+                      UCP_PARAM_FIELD_NAME,
+        .features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP,
+        .mt_workers_shared = 0,
+        .name = "kvferry",
+    };
+    st = ucp_init(&params, config, &u->ctx);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "UCX could not start: %s (is a UCX transport usable "
+                 "here? see `ucx_info -d` and UCX_TLS)", ucs_status_string(st));
+        goto fail;
+    }
+
+    ucp_context_attr_t cattr = {.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES};
+    if (ucp_context_query(u->ctx, &cattr) == UCS_OK)
+        u->mem_types = cattr.memory_types;
+    u->mem_types |= UCS_BIT(UCS_MEMORY_TYPE_HOST);
+
+    /* The engine serialises every call under its lock. */
+    ucp_worker_params_t wparams = {
+        .field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+        .thread_mode = UCS_THREAD_MODE_SERIALIZED,
+    };
+    st = ucp_worker_create(u->ctx, &wparams, &u->worker);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "UCX worker creation failed: %s", ucs_status_string(st));
+        goto fail;
+    }
+    if (ucp_worker_get_efd(u->worker, &u->efd) != UCS_OK) {
+        kvf_debug("ucx: no worker fd: progress is polled");
+        u->efd = -1;
+    }
+    st = ucp_worker_get_address(u->worker, &u->addr, &u->addr_len);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "UCX worker address unavailable: %s", ucs_status_string(st));
+        goto fail;
+    }
+    kvf_debug("ucx: worker up, address %zu bytes", u->addr_len);
+    *u_p = u;
+    return KVF_OK;
+
+fail:
+    kvf_error("%s", err);
+    kvf_ucx_destroy(u);
+    return KVF_ERR_UNSUPPORTED;
+}
+
+static void ep_release(kvf_ucx_ep_t *ep);
+static void ep_close(kvf_ucx_ep_t *ep);
+
+int kvf_ucx_fd(const kvf_ucx_t *u)
+{
+    return u->efd;
+}
+
+#define PROGRESS_BUDGET 1024   /* progress calls before yielding to the loop */
+
+int kvf_ucx_progress(kvf_ucx_t *u)
+{
+    for (int budget = PROGRESS_BUDGET; budget > 0;) {
+        while (budget > 0 && ucp_worker_progress(u->worker) != 0)
+            budget--;
+        if (u->efd < 0)
+            return 0;
+        /* BUSY: events arrived after the last progress; serve them first. */
+        ucs_status_t st = ucp_worker_arm(u->worker);
+        if (st == UCS_OK)
+            return 0;
+        if (st != UCS_ERR_BUSY) {
+            kvf_warn("ucx: cannot arm the worker fd: %s", ucs_status_string(st));
+            return 1;
+        }
+        budget--;
+    }
+    return 1;
+}
+
+void kvf_ucx_destroy(kvf_ucx_t *u)
+{
+    if (u == NULL)
+        return;
+    for (kvf_ucx_ep_t *ep = u->eps; ep != NULL; ep = ep->next) {
+        if (!ep->zombie) {
+            kvf_warn("ucx: an endpoint was still open at destroy; closing it");
+            ep_close(ep);
+        }
+    }
+    if (u->addr != NULL)
+        ucp_worker_release_address(u->worker, u->addr);
+    if (u->worker != NULL)
+        ucp_worker_destroy(u->worker);
+    /* No callback can run any more: free the zombies. */
+    while (u->eps != NULL) {
+        kvf_ucx_ep_t *ep = u->eps;
+        u->eps = ep->next;
+        ep_release(ep);
+    }
+    for (size_t i = 0; i < u->nregs; i++) {
+        ucp_rkey_buffer_release(u->regs[i].rkey_buf);
+        ucp_mem_unmap(u->ctx, u->regs[i].memh);
+    }
+    free(u->regs);
+    if (u->ctx != NULL)
+        ucp_cleanup(u->ctx);
+    free(u);
+}
+
+/* ----------------------------------------------------------- registration */
+
+kvf_status_t kvf_ucx_register(kvf_ucx_t *u, void *base, size_t len, kvf_mem_kind_t kind,
+                              char *err, size_t errlen)
+{
+    ucs_memory_type_t mt;
+    if (base == NULL || len == 0) {
+        snprintf(err, errlen, "UCX registration of an empty region (%p, %zu bytes)", base,
+                 len);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    switch (kind) {
+    case KVF_MEM_HOST: mt = UCS_MEMORY_TYPE_HOST; break;
+    case KVF_MEM_CUDA: mt = UCS_MEMORY_TYPE_CUDA; break;
+    default:
+        snprintf(err, errlen, "unknown memory kind %d", (int)kind);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (!(u->mem_types & UCS_BIT(mt))) {
+        snprintf(err, errlen, "this UCX build cannot carry %s memory (install UCX "
+                 "with its CUDA module, e.g. ucx-cuda, and check `ucx_info -d`), or "
+                 "use host memory", ucs_memory_type_names[mt]);
+        kvf_error("%s", err);
+        return KVF_ERR_UNSUPPORTED;
+    }
+    if (u->nregs == u->capregs) {
+        size_t cap = u->capregs ? 2 * u->capregs : 16;
+        region_t *r = realloc(u->regs, cap * sizeof(*r));
+        if (r == NULL) {
+            snprintf(err, errlen, "out of memory registering a UCX region");
+            return KVF_ERR_NO_MEMORY;
+        }
+        u->regs = r;
+        u->capregs = cap;
+    }
+
+    region_t r = {.base = (uint64_t)(uintptr_t)base, .len = len};
+    ucp_mem_map_params_t mp = {
+        .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+        .address = base,
+        .length = len,
+        .memory_type = mt,
+    };
+    ucs_status_t st = ucp_mem_map(u->ctx, &mp, &r.memh);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "UCX cannot register %zu bytes at %p: %s (locked-memory "
+                 "limit? see `ulimit -l`)", len, base, ucs_status_string(st));
+        kvf_error("%s", err);
+        return KVF_ERR_IO;
+    }
+    st = ucp_rkey_pack(u->ctx, r.memh, &r.rkey_buf, &r.rkey_len);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "UCX cannot pack the remote key of %p: %s", base,
+                 ucs_status_string(st));
+        kvf_error("%s", err);
+        ucp_mem_unmap(u->ctx, r.memh);
+        return KVF_ERR_IO;
+    }
+    /* Keep the array sorted by base (few regions: insertion is fine). */
+    size_t i = u->nregs;
+    while (i > 0 && u->regs[i - 1].base > r.base) {
+        u->regs[i] = u->regs[i - 1];
+        i--;
+    }
+    u->regs[i] = r;
+    u->nregs++;
+    return KVF_OK;
+}
+
+kvf_status_t kvf_ucx_pack(kvf_ucx_t *u, kvf_buf_t *out)
+{
+    size_t total = 4 + 4 + u->addr_len + 4;
+    for (size_t i = 0; i < u->nregs; i++)
+        total += REGION_HDR + u->regs[i].rkey_len;
+    if (total > KVF_WIRE_MAX_BLOB) {
+        kvf_error("ucx: the XPORT blob would be %zu bytes (%zu regions), over the %u-byte "
+                  "limit; register fewer, larger buffers", total, u->nregs,
+                  KVF_WIRE_MAX_BLOB);
+        return KVF_ERR_UNSUPPORTED;
+    }
+    kvf_status_t s = kvf_buf_reserve(out, total);
+    if (s != KVF_OK)
+        return s;
+    uint8_t *p = out->data + out->len;
+    kvf_put_u32(p, BLOB_VERSION);
+    kvf_put_u32(p + 4, (uint32_t)u->addr_len);
+    memcpy(p + 8, u->addr, u->addr_len);
+    p += 8 + u->addr_len;
+    kvf_put_u32(p, (uint32_t)u->nregs);
+    p += 4;
+    for (size_t i = 0; i < u->nregs; i++) {
+        const region_t *r = &u->regs[i];
+        kvf_put_u64(p, r->base);
+        kvf_put_u64(p + 8, r->len);
+        kvf_put_u32(p + 16, (uint32_t)r->rkey_len);
+        memcpy(p + REGION_HDR, r->rkey_buf, r->rkey_len);
+        p += REGION_HDR + r->rkey_len;
+    }
+    out->len += total;
+    return KVF_OK;
+}
+
+/* -------------------------------------------------------------- endpoints */
+
+static void ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t status)
+{
+    kvf_ucx_ep_t *ep = arg;
+    if (ep->failed != UCS_OK)
+        return;
+    ep->failed = status;
+    snprintf(ep->why, sizeof(ep->why), "UCX endpoint failed: %s", ucs_status_string(status));
+    if (!ep->zombie)
+        kvf_warn("ucx: %s (the peer died or the network to it is cut)", ep->why);
+}
+
+static void ep_release(kvf_ucx_ep_t *ep)
+{
+    free(ep->regs);
+    free(ep->reqs);
+    free(ep);
+}
+
+/* Destroy the remote keys and close the UCX endpoint, waiting a bounded
+ * time.  Leaves ep->close_req set when UCX did not finish in time. */
+static void ep_close(kvf_ucx_ep_t *ep)
+{
+    for (size_t i = 0; i < ep->nregs; i++)
+        if (ep->regs[i].rkey != NULL) {
+            ucp_rkey_destroy(ep->regs[i].rkey);
+            ep->regs[i].rkey = NULL;
+        }
+    if (ep->ep == NULL)
+        return;
+    /* A healthy endpoint closes gracefully (UCX tells the peer); a failed
+     * one can only be discarded. */
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
+        .flags = ep->failed != UCS_OK ? UCP_EP_CLOSE_FLAG_FORCE : 0,
+    };
+    void *req = ucp_ep_close_nbx(ep->ep, &prm);
+    ep->ep = NULL;
+    if (req == NULL || UCS_PTR_IS_ERR(req))
+        return;
+    uint64_t deadline = kvf_now_ms() + KVF_UCX_CLOSE_MS;
+    for (unsigned k = 0; ucp_request_check_status(req) == UCS_INPROGRESS; k++) {
+        if (ucp_worker_progress(ep->u->worker) == 0 && k % CHECK_CLOCK == 0) {
+            if (kvf_now_ms() >= deadline) {
+                kvf_warn("ucx: closing an endpoint took over %u ms; abandoning it",
+                         KVF_UCX_CLOSE_MS);
+                ep->close_req = req;
+                return;
+            }
+            sched_yield();
+        }
+    }
+    ucp_request_free(req);
+}
+
+static int rregion_cmp(const void *a, const void *b)
+{
+    const rregion_t *x = a, *y = b;
+    return x->base < y->base ? -1 : x->base > y->base;
+}
+
+kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
+                             kvf_ucx_ep_t **ep_p, char *err, size_t errlen)
+{
+    kvf_status_t s = KVF_ERR_PROTOCOL;
+    kvf_ucx_ep_t *ep = NULL;
+    void *addr = NULL, *tmp = NULL;
+    size_t off = 0;
+
+    /* Parse everything before touching UCX. */
+    if (len < 12 || len > KVF_WIRE_MAX_BLOB) {
+        snprintf(err, errlen, "malformed ucx offer: %zu bytes", len);
+        goto out;
+    }
+    if (kvf_get_u32(blob) != BLOB_VERSION) {
+        snprintf(err, errlen, "ucx offer of version %u, this build reads version %u: "
+                 "run the same kvferry build on both sides", kvf_get_u32(blob), BLOB_VERSION);
+        goto out;
+    }
+    size_t addr_len = kvf_get_u32(blob + 4);
+    off = 8;
+    if (addr_len == 0 || addr_len > len - off || len - off - addr_len < 4) {
+        snprintf(err, errlen, "malformed ucx offer: worker address of %zu bytes in a "
+                 "%zu-byte blob", addr_len, len);
+        goto out;
+    }
+    const uint8_t *addr_p = blob + off;
+    off += addr_len;
+    size_t nregs = kvf_get_u32(blob + off);
+    off += 4;
+    if (nregs > (len - off) / REGION_HDR) {
+        snprintf(err, errlen, "malformed ucx offer: %zu regions in %zu bytes", nregs,
+                 len - off);
+        goto out;
+    }
+    size_t first = off;   /* start of the regions: walked again below */
+    for (size_t i = 0; i < nregs; i++) {
+        if (len - off < REGION_HDR)
+            goto truncated;
+        uint64_t base = kvf_get_u64(blob + off), rlen = kvf_get_u64(blob + off + 8);
+        size_t klen = kvf_get_u32(blob + off + 16);
+        off += REGION_HDR;
+        if (rlen == 0 || base + rlen < base || klen == 0 || klen > len - off) {
+            if (klen > len - off)
+                goto truncated;
+            snprintf(err, errlen, "malformed ucx offer: region %zu (base 0x%llx, %llu "
+                     "bytes, key %zu bytes)", i, (unsigned long long)base,
+                     (unsigned long long)rlen, klen);
+            goto out;
+        }
+        off += klen;
+    }
+    if (off != len) {
+        snprintf(err, errlen, "malformed ucx offer: %zu trailing bytes", len - off);
+        goto out;
+    }
+
+    s = KVF_ERR_NO_MEMORY;
+    ep = calloc(1, sizeof(*ep));
+    addr = malloc(addr_len);
+    tmp = malloc(len);   /* aligned copies of the keys */
+    if (ep == NULL || addr == NULL || tmp == NULL ||
+        (nregs && (ep->regs = calloc(nregs, sizeof(*ep->regs))) == NULL)) {
+        snprintf(err, errlen, "out of memory connecting a UCX endpoint");
+        goto out;
+    }
+    memcpy(addr, addr_p, addr_len);
+    ep->u = u;
+    ep->failed = UCS_OK;
+
+    ucp_ep_params_t epp = {
+        .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                      UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        .address = addr,
+        .err_mode = UCP_ERR_HANDLING_MODE_PEER,
+        .err_handler = {.cb = ep_err_cb, .arg = ep},
+    };
+    ucs_status_t st = ucp_ep_create(u->worker, &epp, &ep->ep);
+    if (st != UCS_OK) {
+        ep->ep = NULL;
+        snprintf(err, errlen, "UCX cannot reach the peer's worker: %s (do both sides "
+                 "share a UCX transport? compare UCX_TLS and `ucx_info -d`)",
+                 ucs_status_string(st));
+        s = KVF_ERR_UNREACHABLE;
+        goto out;
+    }
+    /* Linked before anything can fail, so that the cleanup below is ep_close. */
+    ep->next = u->eps;
+    if (u->eps)
+        u->eps->pprev = &ep->next;
+    ep->pprev = &u->eps;
+    u->eps = ep;
+
+    off = first;
+    for (size_t i = 0; i < nregs; i++) {
+        rregion_t *r = &ep->regs[i];
+        r->base = kvf_get_u64(blob + off);
+        r->len = kvf_get_u64(blob + off + 8);
+        size_t klen = kvf_get_u32(blob + off + 16);
+        memcpy(tmp, blob + off + REGION_HDR, klen);
+        off += REGION_HDR + klen;
+        st = ucp_ep_rkey_unpack(ep->ep, tmp, &r->rkey);
+        ep->nregs = i + 1;
+        if (st != UCS_OK) {
+            r->rkey = NULL;
+            snprintf(err, errlen, "UCX cannot use the peer's remote key for region %zu: "
+                     "%s (the peer's memory is not reachable with our UCX transports)",
+                     i, ucs_status_string(st));
+            s = st == UCS_ERR_NO_MEMORY ? KVF_ERR_NO_MEMORY : KVF_ERR_UNREACHABLE;
+            goto out;
+        }
+    }
+    qsort(ep->regs, ep->nregs, sizeof(*ep->regs), rregion_cmp);
+    kvf_debug("ucx: connected, %zu remote regions", ep->nregs);
+    *ep_p = ep;
+    ep = NULL;
+    s = KVF_OK;
+    goto done;
+
+truncated:
+    snprintf(err, errlen, "malformed ucx offer: truncated region list (%zu bytes)", len);
+out:
+    kvf_error("%s", err);
+done:
+    if (ep != NULL) {
+        if (ep->ep != NULL)
+            kvf_ucx_disconnect(ep);
+        else
+            ep_release(ep);
+    }
+    free(addr);
+    free(tmp);
+    return s;
+}
+
+void kvf_ucx_disconnect(kvf_ucx_ep_t *ep)
+{
+    if (ep == NULL)
+        return;
+    ep_close(ep);
+    if (ep->close_req != NULL || ep->nreqs != ep->ndone) {
+        /* UCX may still call back into ep: keep it until the worker goes. */
+        ep->zombie = 1;
+        return;
+    }
+    if (ep->pprev != NULL) {
+        *ep->pprev = ep->next;
+        if (ep->next)
+            ep->next->pprev = ep->pprev;
+    }
+    ep_release(ep);
+}
+
+/* ------------------------------------------------------------------ reads */
+
+/* The region of regs[0..n) (sorted by base) containing [addr, addr+len). */
+static size_t find_region(const void *regs, size_t stride, size_t n, uint64_t addr,
+                          uint64_t len)
+{
+    /* Each array element starts with u64 base, u64 len. */
+#define BASE(i) (*(const uint64_t *)((const char *)regs + (i) * stride))
+#define LEN(i)  (*(const uint64_t *)((const char *)regs + (i) * stride + 8))
+    size_t lo = 0, hi = n;   /* first index with base > addr */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (BASE(mid) <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    /* Usually the nearest region below; overlapping ones are searched on. */
+    for (size_t i = lo; i-- > 0;)
+        if (addr - BASE(i) <= LEN(i) && len <= LEN(i) - (addr - BASE(i)))
+            return i;
+    return SIZE_MAX;
+#undef BASE
+#undef LEN
+}
+
+static void get_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvf_ucx_ep_t *ep = user_data;
+    ep->ndone++;
+    if (status != UCS_OK && ep->req_err == UCS_OK)
+        ep->req_err = status;
+}
+
+/* Progress until every request of the batch called back, or `deadline`
+ * (ms) passes.  @return 1 when all called back. */
+static int wait_batch(kvf_ucx_ep_t *ep, uint64_t deadline)
+{
+    for (unsigned k = 1; ep->ndone < ep->nreqs; k++) {
+        unsigned got = ucp_worker_progress(ep->u->worker);
+        if (got == 0 && k % CHECK_CLOCK == 0) {
+            if (kvf_now_ms() >= deadline)
+                return 0;
+            if (k % (CHECK_CLOCK * 64) == 0)
+                sched_yield();   /* a stalled peer: do not starve others */
+        }
+    }
+    return 1;
+}
+
+/* Stop the batch: the endpoint is force-closed, which completes every
+ * outstanding request (with an error); then wait for those callbacks. */
+static void abort_batch(kvf_ucx_ep_t *ep)
+{
+    for (size_t i = 0; i < ep->nreqs; i++)
+        if (ucp_request_check_status(ep->reqs[i]) == UCS_INPROGRESS)
+            ucp_request_cancel(ep->u->worker, ep->reqs[i]);
+    ep_close(ep);
+    if (!wait_batch(ep, kvf_now_ms() + KVF_UCX_CLOSE_MS))
+        kvf_error("ucx: %zu reads still outstanding after force-closing the endpoint",
+                  ep->nreqs - ep->ndone);
+}
+
+kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *remote,
+                          size_t n, unsigned timeout_ms, char *err, size_t errlen)
+{
+    kvf_ucx_t *u = ep->u;
+    uint64_t deadline = kvf_now_ms() + timeout_ms;
+
+    if (ep->failed != UCS_OK || ep->ep == NULL) {
+        snprintf(err, errlen, "%s", ep->why[0] ? ep->why : "UCX endpoint closed");
+        return ep->timed_out ? KVF_ERR_PEER_TIMEOUT : KVF_ERR_CONN_RESET;
+    }
+    /* Check every piece before issuing any. */
+    for (size_t i = 0; i < n; i++) {
+        uint64_t ra = (uint64_t)(uintptr_t)remote[i].iov_base, len = remote[i].iov_len;
+        uint64_t la = (uint64_t)(uintptr_t)local[i].iov_base;
+        if (local[i].iov_len != len) {
+            snprintf(err, errlen, "UCX read piece %zu: local %zu bytes, remote %llu", i,
+                     local[i].iov_len, (unsigned long long)len);
+            return KVF_ERR_INVALID_PARAM;
+        }
+        if (len == 0)
+            continue;
+        if (find_region(ep->regs, sizeof(rregion_t), ep->nregs, ra, len) == SIZE_MAX) {
+            snprintf(err, errlen, "the peer asked for a read of %llu bytes at 0x%llx, "
+                     "outside every region it registered", (unsigned long long)len,
+                     (unsigned long long)ra);
+            kvf_error("ucx: %s", err);
+            return KVF_ERR_PROTOCOL;
+        }
+        if (find_region(u->regs, sizeof(region_t), u->nregs, la, len) == SIZE_MAX) {
+            snprintf(err, errlen, "UCX read destination %p (+%llu) is not registered "
+                     "memory", local[i].iov_base, (unsigned long long)len);
+            kvf_error("ucx: %s", err);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    if (n > ep->capreqs) {
+        void **r = realloc(ep->reqs, n * sizeof(*r));
+        if (r == NULL) {
+            snprintf(err, errlen, "out of memory for %zu UCX reads", n);
+            return KVF_ERR_NO_MEMORY;
+        }
+        ep->reqs = r;
+        ep->capreqs = n;
+    }
+
+    /* Issue the whole batch, then progress. */
+    ep->nreqs = ep->ndone = 0;
+    ep->req_err = UCS_OK;
+    ucs_status_t issue_err = UCS_OK;
+    for (size_t i = 0; i < n && issue_err == UCS_OK; i++) {
+        size_t len = remote[i].iov_len;
+        if (len == 0)
+            continue;
+        uint64_t ra = (uint64_t)(uintptr_t)remote[i].iov_base;
+        uint64_t la = (uint64_t)(uintptr_t)local[i].iov_base;
+        size_t r = find_region(ep->regs, sizeof(rregion_t), ep->nregs, ra, len);
+        size_t l = find_region(u->regs, sizeof(region_t), u->nregs, la, len);
+        ucp_request_param_t prm = {
+            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                            UCP_OP_ATTR_FIELD_MEMH,
+            .cb.send = get_cb,
+            .user_data = ep,
+            .memh = u->regs[l].memh,
+        };
+        void *req = ucp_get_nbx(ep->ep, local[i].iov_base, len, ra, ep->regs[r].rkey, &prm);
+        if (UCS_PTR_IS_ERR(req))
+            issue_err = UCS_PTR_STATUS(req);
+        else if (req != NULL)
+            ep->reqs[ep->nreqs++] = req;
+    }
+
+    int done = wait_batch(ep, deadline);
+    kvf_status_t s = KVF_OK;
+    if (!done) {
+        if (ep->failed == UCS_OK) {
+            ep->failed = UCS_ERR_TIMED_OUT;
+            ep->timed_out = 1;
+            snprintf(ep->why, sizeof(ep->why), "the peer did not serve a UCX read of "
+                     "%zu pieces within %u ms (stopped or overloaded)", n, timeout_ms);
+            kvf_warn("ucx: %s", ep->why);
+        }
+        abort_batch(ep);
+    } else if (issue_err != UCS_OK || ep->req_err != UCS_OK || ep->failed != UCS_OK) {
+        if (ep->failed == UCS_OK) {
+            /* A failed request without an endpoint error: treat the peer as
+             * gone all the same (its memory is not readable any more). */
+            ep->failed = issue_err != UCS_OK ? issue_err : ep->req_err;
+            snprintf(ep->why, sizeof(ep->why), "UCX read failed: %s",
+                     ucs_status_string(ep->failed));
+            kvf_warn("ucx: %s", ep->why);
+        }
+        abort_batch(ep);
+    }
+    if (ep->failed != UCS_OK) {
+        snprintf(err, errlen, "%s", ep->why);
+        s = ep->timed_out ? KVF_ERR_PEER_TIMEOUT : KVF_ERR_CONN_RESET;
+    }
+    if (ep->ndone == ep->nreqs) {
+        for (size_t i = 0; i < ep->nreqs; i++)
+            ucp_request_free(ep->reqs[i]);
+        ep->nreqs = ep->ndone = 0;
+    }
+    return s;
+}

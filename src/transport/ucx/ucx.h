@@ -1,0 +1,149 @@
+/*
+ * The ucx transport: cluster payload (RDMA, InfiniBand/RoCE, and whatever
+ * else UCX drives: tcp, shared memory, CUDA memory) by one-sided reads.
+ *
+ * Same model as shm: the receiver pulls.  A prefill engine registers its
+ * buffers with UCX and advertises, in its XPORT message, its worker address
+ * and for every registered region (base, length, remote key).  A decode
+ * engine that picks ucx connects to that worker and, for each DATA_REF
+ * segment it has already checked against the pages its room declared,
+ * reads the bytes with ucp_get_nbx from the prefill's memory straight into
+ * its own.  Every byte that lands was asked for by the receiver, into memory
+ * the receiver chose: whatever the sender claims, nothing lands elsewhere.
+ *
+ * Threads: the engine calls every function of one kvf_ucx_t (and of its
+ * endpoints) from one thread at a time, under its own lock; the worker is
+ * created UCS_THREAD_MODE_SERIALIZED for exactly that.  Reads are
+ * synchronous: kvf_ucx_read progresses the worker itself until its batch
+ * is done, failed or timed out.
+ *
+ * The side that is read from must progress too.  Only RDMA (and cma)
+ * serve a get without the target's CPU; UCX emulates gets on tcp and
+ * answers connection setup ("wireup") with messages that the target's
+ * worker handles only when progressed.  So an engine with a kvf_ucx_t
+ * watches kvf_ucx_fd() in its event loop and calls kvf_ucx_progress()
+ * when it is readable (and whenever kvf_ucx_progress asked for it).
+ *
+ * Build: compiled only when CMake's KVF_UCX is on, which defines
+ * KVF_HAVE_UCX=1.  Include this header unconditionally and test the macro:
+ *
+ *     #ifdef KVF_HAVE_UCX
+ *         if (kvf_ucx_available()) ...
+ *     #endif
+ *
+ * UCX reads its own settings from the environment (UCX_TLS,
+ * UCX_NET_DEVICES, ...): see docs/TRANSPORTS.md.
+ */
+#ifndef KVF_TRANSPORT_UCX_H
+#define KVF_TRANSPORT_UCX_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "kvferry/kvferry.h"
+#include "kvferry/status.h"
+#include "util/buf.h"
+
+#ifdef KVF_HAVE_UCX
+
+/* Per engine: a UCP context and one worker. */
+typedef struct kvf_ucx kvf_ucx_t;
+/* Per peer: an endpoint to the peer's worker and its unpacked remote keys. */
+typedef struct kvf_ucx_ep kvf_ucx_ep_t;
+
+/* 1: this build has the ucx transport. */
+int          kvf_ucx_available(void);
+
+/*
+ * Create the UCP context (UCP_FEATURE_RMA) and worker.  UCX takes its
+ * configuration from the environment at this point (UCX_TLS, ...).
+ * @return KVF_OK, or KVF_ERR_UNSUPPORTED (UCX could not start: no usable
+ * transport, bad UCX_* setting) / KVF_ERR_NO_MEMORY with why in err.
+ */
+kvf_status_t kvf_ucx_create(kvf_ucx_t **u_p, char *err, size_t errlen);
+
+/* Destroy the worker and context and unmap every region.  Disconnect every
+ * endpoint first (one still open is force-closed, with a warning). */
+void         kvf_ucx_destroy(kvf_ucx_t *u);
+
+/*
+ * A file descriptor that becomes readable when the worker has work
+ * (epoll it with EPOLLIN), or -1 when UCX offers none here: then call
+ * kvf_ucx_progress on every turn of the event loop.  Owned by u.
+ */
+int          kvf_ucx_fd(const kvf_ucx_t *u);
+
+/*
+ * Serve what arrived (peers' reads, connection setup, errors) without
+ * blocking, then re-arm the fd.  @return 0 when the worker is idle and the
+ * fd armed, 1 when work remains: call again without waiting for the fd.
+ */
+int          kvf_ucx_progress(kvf_ucx_t *u);
+
+/*
+ * Register [base, base+len) as memory of `kind` (KVF_MEM_HOST, or
+ * KVF_MEM_CUDA where this UCX build carries CUDA memory), as a source
+ * peers may read (prefill) or a destination of our reads (decode).  The
+ * memory must stay valid until kvf_ucx_destroy.  Register before
+ * kvf_ucx_pack: a blob lists the regions registered when it was packed.
+ * @return KVF_OK, KVF_ERR_INVALID_PARAM (NULL/empty), KVF_ERR_UNSUPPORTED
+ * (memory kind not supported by this UCX) or KVF_ERR_IO (ucp_mem_map
+ * failed) with why in err.
+ */
+kvf_status_t kvf_ucx_register(kvf_ucx_t *u, void *base, size_t len, kvf_mem_kind_t kind,
+                              char *err, size_t errlen);
+
+/*
+ * Append the XPORT blob (worker address, then every registered region
+ * with its packed remote key; explicit little-endian, self-delimiting, at
+ * most KVF_WIRE_MAX_BLOB bytes) to *out.
+ * @return KVF_OK, KVF_ERR_NO_MEMORY, or KVF_ERR_UNSUPPORTED when it would
+ * exceed KVF_WIRE_MAX_BLOB (logged: too many regions).
+ */
+kvf_status_t kvf_ucx_pack(kvf_ucx_t *u, kvf_buf_t *out);
+
+/*
+ * Parse a peer's blob (untrusted: every length is checked) and create an
+ * endpoint to its worker with peer-failure error handling, unpacking one
+ * remote key per region.  Does not wait for the connection: a peer that
+ * cannot be reached shows up as an error of the first read.
+ * @return KVF_OK and *ep_p, KVF_ERR_PROTOCOL (malformed blob),
+ * KVF_ERR_UNREACHABLE (no UCX transport reaches that worker, or a remote
+ * key cannot be unpacked with our transports) or KVF_ERR_NO_MEMORY, with
+ * why in err.
+ */
+kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
+                             kvf_ucx_ep_t **ep_p, char *err, size_t errlen);
+
+/* Close the endpoint (force-close when it failed) and free it.  Waits at
+ * most a bounded time (KVF_UCX_CLOSE_MS) for UCX to finish the close. */
+void         kvf_ucx_disconnect(kvf_ucx_ep_t *ep);
+
+/*
+ * Read remote[i] (addresses in the peer's process) into local[i], n pieces
+ * of pairwise equal lengths, all of it or an error.  Every remote piece
+ * must lie inside one region the peer registered, every local piece inside
+ * one region registered on our kvf_ucx_t.  All gets are issued before the
+ * worker is progressed; on KVF_OK every byte is in local memory.
+ *
+ * On KVF_ERR_CONN_RESET and KVF_ERR_PEER_TIMEOUT the endpoint is dead (a
+ * timed-out batch is stopped by force-closing it, the only way UCX stops
+ * an outstanding get): no byte of the batch can land afterwards, every
+ * later read fails the same way, and the caller disconnects it.
+ *
+ * @return KVF_OK;
+ *   KVF_ERR_PROTOCOL      a remote piece outside every region of the peer
+ *                         (nothing was issued);
+ *   KVF_ERR_INVALID_PARAM a local piece outside our registered memory, or
+ *                         lengths that differ (nothing was issued);
+ *   KVF_ERR_CONN_RESET    the endpoint failed (peer died, network cut),
+ *                         with UCX's status text;
+ *   KVF_ERR_PEER_TIMEOUT  not complete within timeout_ms.
+ */
+kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *remote,
+                          size_t n, unsigned timeout_ms, char *err, size_t errlen);
+
+#endif /* KVF_HAVE_UCX */
+
+#endif /* KVF_TRANSPORT_UCX_H */
