@@ -96,13 +96,18 @@ void kvt_emit(kvt_rank_t *r, const char *event, json_t *ev)
 
 static int kvt_next_command(char *cmd, size_t len);
 
-/* --hold PHASE (set by the demo's fault injector): stop the room loop
- * right after the first PHASE event until the orchestrator says "resume",
- * so that it can kill or stop a process while the room is exactly there.
- * The engine's own threads run on. */
-static void kvt_hold(kvt_rank_t *r, const char *phase)
+/* --hold PHASE[:INDEX] (set by the demo's fault injector): stop the room
+ * loop right after the first PHASE event (of request INDEX, if given)
+ * until the orchestrator says "resume", so that it can kill or stop a
+ * process while the room is exactly there.  The engine's threads run on. */
+static void kvt_hold(kvt_rank_t *r, const kvt_room_t *rm, const char *phase)
 {
-    if (!r->o.hold || strcmp(r->o.hold, phase) != 0)
+    if (!r->o.hold)
+        return;
+    size_t n = strcspn(r->o.hold, ":");
+    const char *index = r->o.hold[n] == ':' ? r->o.hold + n + 1 : NULL;
+    if (strlen(phase) != n || strncmp(r->o.hold, phase, n) != 0 ||
+        (index && strtoul(index, NULL, 10) != rm->index))
         return;
     r->o.hold = NULL;   /* once */
     char cmd[128];
@@ -116,7 +121,7 @@ static void kvt_emit_phase(kvt_rank_t *r, const kvt_room_t *rm,
 {
     kvt_emit(r, "phase", json_pack("{s:I, s:i, s:s}", "room", (json_int_t)rm->id,
                                    "index", (int)rm->index, "phase", phase));
-    kvt_hold(r, phase);
+    kvt_hold(r, rm, phase);
 }
 
 void kvt_fatal(kvt_rank_t *r, const char *fmt, ...)
@@ -490,19 +495,18 @@ static int kvt_setup_memory(kvt_rank_t *r)
     }
     r->buf_len = pool * r->g.page_bytes;
     r->kv_len = total;
-    r->kv = mmap(NULL, total, PROT_READ | PROT_WRITE,
-                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    /* MAP_POPULATE: a real KV pool is allocated before serving, and
-     * first-touch page faults would otherwise be measured as transfer time.
-     * (MADV_HUGEPAGE made start-up slower here: direct compaction.) */
-    if (r->kv == MAP_FAILED) {
-        r->kv = NULL;
-        kvt_fatal(r, "cannot map %.2f GiB of KV buffers (%u buffers x %"
-                  PRIu64 " pages x %zu B): %s; lower --concurrency or --tokens",
-                  (double)total / (1 << 30), r->g.num_buffers, pool,
-                  r->g.page_bytes, strerror(errno));
+    /* kvf_mem_alloc: memory a same-host decode engine can map (shm reads
+     * become one memcpy).  It is populated up front, as a real KV pool is
+     * before serving: first-touch faults would otherwise be measured as
+     * transfer time. */
+    void *kv = NULL;
+    if (kvf_mem_alloc(total, &kv) != KVF_OK) {
+        kvt_fatal(r, "cannot allocate %.2f GiB of KV buffers (%u buffers x %"
+                  PRIu64 " pages x %zu B); lower --concurrency or --tokens",
+                  (double)total / (1 << 30), r->g.num_buffers, pool, r->g.page_bytes);
         return -1;
     }
+    r->kv = kv;
     r->aux_slots = 2 * conc;
     r->aux = calloc(r->aux_slots, KVT_AUX_SLOT_BYTES);
     r->win = calloc(conc, sizeof(*r->win));
@@ -621,8 +625,7 @@ static void kvt_cleanup(kvt_rank_t *r)
         }
     if (r->eng)
         kvf_engine_destroy(r->eng);
-    if (r->kv)
-        munmap(r->kv, r->kv_len);
+    kvf_mem_free(r->kv);
     kvt_pool_fini(&r->pages);
     kvt_pool_fini(&r->slots);
     free(r->aux);

@@ -161,9 +161,10 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
     if (eng == NULL)
         return KVF_ERR_NO_MEMORY;
     eng->params = *params;
-    eng->epfd = eng->wakefd = eng->listenfd = -1;
+    eng->epfd = eng->wakefd = eng->listenfd = eng->shmfd = -1;
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
+    eng->ev_shm = KVF_EV_SHM;
     pthread_mutex_init(&eng->lock, NULL);
     pthread_cond_init(&eng->resolver_cond, NULL);
     kvf_map_init(&eng->rooms_by_id);
@@ -215,6 +216,14 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
         kvf_error("epoll_ctl: %m");
         goto err;
     }
+    if (eng->allow_shm && params->role == KVF_ROLE_PREFILL &&
+        kvf_shm_listen(eng->instance_id, &eng->shmfd) == KVF_OK) {
+        struct epoll_event sev = {.events = EPOLLIN, .data.ptr = &eng->ev_shm};
+        if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->shmfd, &sev) != 0) {
+            close(eng->shmfd);
+            eng->shmfd = -1;
+        }
+    }
     if (params->host_bootstrap && (st = start_bootstrap(eng)) != KVF_OK)
         goto err;
     eng->params.bootstrap_addr = eng->bootstrap_addr;
@@ -240,6 +249,7 @@ err:
     if (eng->epfd >= 0) close(eng->epfd);
     if (eng->wakefd >= 0) close(eng->wakefd);
     if (eng->listenfd >= 0) close(eng->listenfd);
+    if (eng->shmfd >= 0) close(eng->shmfd);
     kvf_faults_free(eng->faults);
     free(eng->host);
     free(eng->transport);
@@ -293,6 +303,8 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     close(eng->epfd);
     close(eng->wakefd);
     close(eng->listenfd);
+    if (eng->shmfd >= 0)
+        close(eng->shmfd);
     kvf__layout_free(&eng->layout);
     kvf_faults_free(eng->faults);
     free(eng->register_error);
@@ -415,6 +427,27 @@ static void accept_all(kvf_engine_t *eng)
     }
 }
 
+/* Hand the memfds behind our registered buffers to decode engines. */
+static void serve_shm(kvf_engine_t *eng)
+{
+    const kvf_layout_int_t *l = &eng->layout;
+    size_t n = l->num_kv + l->num_aux + l->num_state, k = 0;
+    void **bases = calloc(n + 1, sizeof(void *));
+    size_t *lens = calloc(n + 1, sizeof(size_t));
+    if (bases != NULL && lens != NULL) {
+        const kvf_buffer_t *all[3] = {l->kv, l->aux, l->state};
+        uint32_t cnt[3] = {l->num_kv, l->num_aux, l->num_state};
+        for (int f = 0; f < 3; f++)
+            for (uint32_t i = 0; i < cnt[f]; i++, k++) {
+                bases[k] = all[f][i].base;
+                lens[k] = all[f][i].length;
+            }
+    }
+    kvf_shm_serve(eng->shmfd, bases, lens, bases && lens ? k : 0);
+    free(bases);
+    free(lens);
+}
+
 static void flush_peers(kvf_engine_t *eng)
 {
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
@@ -444,6 +477,8 @@ static void *progress_main(void *arg)
             kvf_ev_kind_t *kind = evs[i].data.ptr;
             if (*kind == KVF_EV_LISTENER) {
                 accept_all(eng);
+            } else if (*kind == KVF_EV_SHM) {
+                serve_shm(eng);
             } else if (*kind == KVF_EV_WAKE) {
                 uint64_t v;
                 if (read(eng->wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)

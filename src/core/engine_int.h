@@ -41,7 +41,7 @@ typedef struct kvf_peer kvf_peer_t;
 typedef struct kvf_room kvf_room_t;
 
 /* What epoll's data.ptr points at. */
-typedef enum { KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER } kvf_ev_kind_t;
+typedef enum { KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_SHM } kvf_ev_kind_t;
 
 /* An engine's (or a peer's) layout, owned copies. */
 typedef struct kvf_layout_int {
@@ -82,7 +82,7 @@ struct kvf_peer {
     char             *incompatible;  /* set: every room on this pair fails */
     int               hello_done;    /* decode: HELLO seen, XPORT awaited */
     kvf_xport_t       xport;         /* payload path */
-    pid_t             shm_pid;       /* shm: the prefill process to read from */
+    struct kvf_shm_peer *shm;        /* shm: how to read the prefill's memory */
     struct iovec     *ref_iov;       /* DATA_REF scratch: local then remote */
     kvf_rx_target_t  *ref_tgt;       /* DATA_REF scratch: checked targets */
     uint32_t          ref_cap;
@@ -181,7 +181,8 @@ struct kvf_engine {
 
     pthread_mutex_t     lock;
     int                 epfd, wakefd, listenfd;
-    kvf_ev_kind_t       ev_listener, ev_wake;
+    int                 shmfd;            /* prefill: hands out memfds, or -1 */
+    kvf_ev_kind_t       ev_listener, ev_wake, ev_shm;
     pthread_t           progress_thread;
     int                 stopping;
     uint64_t            now_ms;           /* progress thread's clock, per wake-up */

@@ -76,6 +76,7 @@ void kvf__peer_put(kvf_peer_t *p)
     kvf__layout_free(&p->layout);
     free(p->incompatible);
     free(p->ref_iov);
+    kvf_shm_peer_free(p->shm);
     free(p->ref_tgt);
     free(p);
 }
@@ -98,7 +99,8 @@ static void send_offers(kvf_peer_t *p)
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
 
     kvf_buf_init(&blob);
-    if (eng->allow_shm && kvf_shm_pack(eng->layout.kv[0].base, &blob) == KVF_OK) {
+    if (eng->allow_shm &&
+        kvf_shm_pack(eng->layout.kv[0].base, eng->instance_id, &blob) == KVF_OK) {
         m.u.xport.x[0] = (kvf_wire_xport_t){{"shm", 3}, blob.data, (uint32_t)blob.len};
         m.u.xport.count = 1;
     }
@@ -129,15 +131,16 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
     for (uint32_t i = 0; i < x->count && eng->allow_shm; i++) {
         if (x->x[i].name.len != 3 || memcmp(x->x[i].name.ptr, "shm", 3) != 0)
             continue;
-        if (kvf_shm_accept(x->x[i].blob, x->x[i].blob_len, &p->shm_pid, why,
-                           sizeof(why)) == KVF_OK)
+        if (p->shm == NULL && kvf_shm_accept(x->x[i].blob, x->x[i].blob_len, &p->shm, why,
+                                             sizeof(why)) == KVF_OK)
             chosen = KVF_XPORT_SHM;
     }
     if (chosen == KVF_XPORT_SHM) {
         m.u.xport.count = 1;
         m.u.xport.x[0].name = (kvf_wire_str_t){"shm", 3};
-        kvf_info("prefill rank %d at %s: payload over shm (process %d)", p->tp_rank,
-                 p->addr, (int)p->shm_pid);
+        kvf_info("prefill rank %d at %s: payload over shm (process %d, %zu regions "
+                 "mapped)", p->tp_rank, p->addr, (int)kvf_shm_peer_pid(p->shm),
+                 kvf_shm_peer_mapped(p->shm));
     } else if (eng->allow_shm) {
         static int said;   /* once per process: the reason rarely differs */
         if (!said++ || strcmp(eng->transport, "shm") == 0)

@@ -1196,7 +1196,7 @@ void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
             remote[i] = (struct iovec){(void *)(uintptr_t)kvf_wire_arr64_at(&d->src_addrs, i),
                                        t[i].len};
         }
-        kvf_status_t st = kvf_shm_read(p->shm_pid, local, remote, d->nseg, err, sizeof(err));
+        kvf_status_t st = kvf_shm_read(p->shm, local, remote, d->nseg, err, sizeof(err));
         if (st != KVF_OK) {
             kvf__room_fail(r, st, "shm transfer from %s failed: %s",
                            kvf__peer_name(p, name, sizeof(name)), err);

@@ -31,6 +31,7 @@ typedef struct side {
 
 /* Engine settings of the next side_init (tests change them). */
 static const char *transport = "tcp";   /* every case runs over tcp, then shm */
+static int mem_alloc;                    /* KV buffers from kvf_mem_alloc */
 static const char *next_faults;
 static int next_checksum;
 static unsigned next_transfer_ms = 5000, next_hb_interval_ms = 500, next_hb_timeout_ms = 2500;
@@ -55,7 +56,10 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs,
     kvf_buffer_t kv[NKV], aux, st;
     size_t page_b = (size_t)page_size * HEADS * HEAD_B;
     for (int i = 0; i < NKV; i++) {
-        s->kv[i] = calloc(PAGES, page_b);
+        if (mem_alloc)
+            CHECK_EQ_INT(kvf_mem_alloc(PAGES * page_b, (void **)&s->kv[i]), KVF_OK);
+        else
+            s->kv[i] = calloc(PAGES, page_b);
         kv[i] = (kvf_buffer_t){s->kv[i], PAGES * page_b, page_b};
     }
     s->aux = calloc(SLOTS, AUX_B);
@@ -81,8 +85,12 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs,
 static void side_fini(side_t *s)
 {
     kvf_engine_destroy(s->eng);
-    for (int i = 0; i < NKV; i++)
-        free(s->kv[i]);
+    for (int i = 0; i < NKV; i++) {
+        if (mem_alloc)
+            kvf_mem_free(s->kv[i]);
+        else
+            free(s->kv[i]);
+    }
     free(s->aux);
     free(s->state);
 }
@@ -405,6 +413,15 @@ static void test_status_strings(void)
 
 /* The same cases again with payload pulled over shm. */
 static void test_one_room_shm(void) { transport = "shm"; test_one_room(); }
+/* Prefill memory from kvf_mem_alloc: the decode side maps it (memcpy). */
+static void test_one_room_shm_mapped(void)
+{
+    transport = "shm";
+    mem_alloc = 1;
+    test_one_room();
+    test_reset_resumes();
+    mem_alloc = 0;
+}
 static void test_page_size_mismatch_shm(void) { transport = "shm"; test_page_size_mismatch(); }
 static void test_reset_resumes_shm(void) { transport = "shm"; test_reset_resumes(); }
 static void test_repeated_resets_give_up_shm(void)
@@ -429,7 +446,8 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
-              KVF_CASE(test_one_room_shm), KVF_CASE(test_page_size_mismatch_shm),
+              KVF_CASE(test_one_room_shm), KVF_CASE(test_one_room_shm_mapped),
+              KVF_CASE(test_page_size_mismatch_shm),
               KVF_CASE(test_reset_resumes_shm), KVF_CASE(test_repeated_resets_give_up_shm),
               KVF_CASE(test_corrupt_fails_with_checksum_shm),
               KVF_CASE(test_dropped_ack_times_out_shm))

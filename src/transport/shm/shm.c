@@ -1,17 +1,98 @@
 #include "transport/shm/shm.h"
 
 #include <errno.h>
-#include <limits.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include "kvferry/kvferry.h"
 #include "util/log.h"
 
-#define BOOT_ID_LEN 36
-#define BLOB_LEN    (4 + BOOT_ID_LEN + 8)
-#define READ_IOV    1024     /* iovecs per process_vm_readv (UIO_MAXIOV) */
+#define BOOT_ID_LEN  36
+#define NAME_LEN     48
+#define BLOB_LEN     (4 + BOOT_ID_LEN + 8 + NAME_LEN)
+#define READ_IOV     1024     /* iovecs per process_vm_readv (UIO_MAXIOV) */
+#define MAX_REGIONS  250      /* memfds per answer (SCM_MAX_FD is 253) */
+
+/* ------------------------------------------------------------------------ */
+/* kvf_mem_alloc: memory a peer on this host can map                        */
+/* ------------------------------------------------------------------------ */
+
+typedef struct region {
+    void  *base;
+    size_t len;
+    int    fd;
+} region_t;
+
+/* Every kvf_mem_alloc'd region of this process; few and long-lived. */
+static pthread_mutex_t regions_lock = PTHREAD_MUTEX_INITIALIZER;
+static region_t       *regions;
+static size_t          nregions;
+
+kvf_status_t kvf_mem_alloc(size_t len, void **ptr_p)
+{
+    if (len == 0 || ptr_p == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    int fd = memfd_create("kvferry-kv", MFD_CLOEXEC);
+    if (fd < 0) {
+        kvf_error("memfd_create: %m");
+        return KVF_ERR_NO_MEMORY;
+    }
+    if (ftruncate(fd, (off_t)len) != 0) {
+        kvf_error("ftruncate of a %zu-byte memfd: %m", len);
+        close(fd);
+        return KVF_ERR_NO_MEMORY;
+    }
+    /* Populated now: KV pools are allocated before serving, and a first
+     * touch in the middle of a transfer would stall it. */
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (p == MAP_FAILED) {
+        kvf_error("mmap of %zu bytes: %m", len);
+        close(fd);
+        return KVF_ERR_NO_MEMORY;
+    }
+    pthread_mutex_lock(&regions_lock);
+    region_t *r = realloc(regions, (nregions + 1) * sizeof(*r));
+    if (r != NULL) {
+        regions = r;
+        regions[nregions++] = (region_t){p, len, fd};
+    }
+    pthread_mutex_unlock(&regions_lock);
+    if (r == NULL) {
+        munmap(p, len);
+        close(fd);
+        return KVF_ERR_NO_MEMORY;
+    }
+    *ptr_p = p;
+    return KVF_OK;
+}
+
+void kvf_mem_free(void *ptr)
+{
+    if (ptr == NULL)
+        return;
+    pthread_mutex_lock(&regions_lock);
+    for (size_t i = 0; i < nregions; i++) {
+        if (regions[i].base != ptr)
+            continue;
+        munmap(regions[i].base, regions[i].len);
+        close(regions[i].fd);
+        regions[i] = regions[--nregions];
+        break;
+    }
+    pthread_mutex_unlock(&regions_lock);
+}
+
+/* ------------------------------------------------------------------------ */
+/* Offer, listen, serve (prefill)                                           */
+/* ------------------------------------------------------------------------ */
 
 static int boot_id(char id[BOOT_ID_LEN])
 {
@@ -23,6 +104,23 @@ static int boot_id(char id[BOOT_ID_LEN])
     return n == BOOT_ID_LEN ? 0 : -1;
 }
 
+/* Abstract-namespace name: no file to clean up, gone with the process. */
+static socklen_t socket_name(struct sockaddr_un *sa, const char *name)
+{
+    memset(sa, 0, sizeof(*sa));
+    sa->sun_family = AF_UNIX;
+    size_t n = strnlen(name, NAME_LEN);
+    memcpy(sa->sun_path + 1, name, n);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
+
+static void make_name(char name[NAME_LEN], uint64_t instance)
+{
+    memset(name, 0, NAME_LEN);
+    snprintf(name, NAME_LEN, "kvferry-shm-%d-%016llx", (int)getpid(),
+             (unsigned long long)instance);
+}
+
 void kvf_shm_allow_readers(void)
 {
 #ifdef PR_SET_PTRACER
@@ -32,7 +130,77 @@ void kvf_shm_allow_readers(void)
 #endif
 }
 
-kvf_status_t kvf_shm_pack(const void *probe, kvf_buf_t *out)
+kvf_status_t kvf_shm_listen(uint64_t instance, int *fd_p)
+{
+    char name[NAME_LEN];
+    struct sockaddr_un sa;
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        kvf_error("unix socket: %m");
+        return KVF_ERR_IO;
+    }
+    make_name(name, instance);
+    socklen_t len = socket_name(&sa, name);
+    if (bind(fd, (struct sockaddr *)&sa, len) != 0 || listen(fd, 64) != 0) {
+        kvf_warn("shm: cannot listen on unix socket @%s: %m", name);
+        close(fd);
+        return KVF_ERR_IO;
+    }
+    *fd_p = fd;
+    return KVF_OK;
+}
+
+/* Send the memfd regions overlapping the buffers, as (base, len) + fds. */
+static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
+{
+    uint64_t desc[2 * MAX_REGIONS + 1];
+    int fds[MAX_REGIONS];
+    size_t k = 0;
+
+    pthread_mutex_lock(&regions_lock);
+    for (size_t r = 0; r < nregions && k < MAX_REGIONS; r++) {
+        uintptr_t rb = (uintptr_t)regions[r].base, re = rb + regions[r].len;
+        for (size_t i = 0; i < n; i++) {
+            uintptr_t b = (uintptr_t)bases[i];
+            if (b < re && b + lens[i] > rb) {
+                desc[1 + 2 * k] = rb;
+                desc[2 + 2 * k] = regions[r].len;
+                fds[k++] = regions[r].fd;
+                break;
+            }
+        }
+    }
+    desc[0] = k;
+    char cbuf[CMSG_SPACE(sizeof(fds))];
+    struct iovec iov = {desc, (1 + 2 * k) * sizeof(uint64_t)};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1};
+    if (k > 0) {
+        mh.msg_control = cbuf;
+        mh.msg_controllen = CMSG_SPACE(k * sizeof(int));
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(k * sizeof(int));
+        memcpy(CMSG_DATA(cm), fds, k * sizeof(int));
+    }
+    /* A few hundred bytes into an empty socket buffer: never blocks. */
+    if (sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
+        kvf_debug("shm: answering a decode engine: %m");
+    pthread_mutex_unlock(&regions_lock);
+}
+
+void kvf_shm_serve(int listen_fd, void *const *bases, const size_t *lens, size_t n)
+{
+    for (;;) {
+        int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0)
+            return;
+        answer(fd, bases, lens, n);
+        close(fd);
+    }
+}
+
+kvf_status_t kvf_shm_pack(const void *probe, uint64_t instance, kvf_buf_t *out)
 {
     uint8_t blob[BLOB_LEN];
     char id[BOOT_ID_LEN];
@@ -41,13 +209,72 @@ kvf_status_t kvf_shm_pack(const void *probe, kvf_buf_t *out)
     kvf_put_u32(blob, (uint32_t)getpid());
     memcpy(blob + 4, id, BOOT_ID_LEN);
     kvf_put_u64(blob + 4 + BOOT_ID_LEN, (uint64_t)(uintptr_t)probe);
+    make_name((char *)blob + 4 + BOOT_ID_LEN + 8, instance);
     return kvf_buf_append(out, blob, sizeof(blob));
 }
 
-kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, pid_t *pid_p, char *err,
-                            size_t errlen)
+/* ------------------------------------------------------------------------ */
+/* Accept and read (decode)                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct mapping {
+    uint64_t base;     /* in the peer process */
+    size_t   len;
+    uint8_t *map;      /* here, read-only */
+} mapping_t;
+
+struct kvf_shm_peer {
+    pid_t     pid;
+    size_t    nmaps;
+    mapping_t maps[MAX_REGIONS];
+};
+
+/* Fetch and map the peer's memfd regions; no regions is not an error. */
+static void fetch_maps(kvf_shm_peer_t *sp, const char *name)
 {
-    char id[BOOT_ID_LEN];
+    struct sockaddr_un sa;
+    socklen_t salen = socket_name(&sa, name);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct timeval tv = {1, 0};
+    uint64_t desc[2 * MAX_REGIONS + 1];
+    char cbuf[CMSG_SPACE(MAX_REGIONS * sizeof(int))];
+
+    if (fd < 0)
+        return;
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    if (connect(fd, (struct sockaddr *)&sa, salen) != 0) {
+        close(fd);
+        return;
+    }
+    struct iovec iov = {desc, sizeof(desc)};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                        .msg_controllen = sizeof(cbuf)};
+    ssize_t got = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
+    close(fd);
+    struct cmsghdr *cm = got > 0 ? CMSG_FIRSTHDR(&mh) : NULL;
+    int fds[MAX_REGIONS];
+    size_t nfd = 0;
+    if (cm != NULL && cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+        nfd = (cm->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        memcpy(fds, CMSG_DATA(cm), nfd * sizeof(int));
+    }
+    size_t k = got >= 8 ? (size_t)desc[0] : 0;
+    if (k != nfd || (size_t)got != (1 + 2 * k) * sizeof(uint64_t))
+        k = 0;   /* malformed: use none of it */
+    for (size_t i = 0; i < nfd; i++) {
+        void *m = i < k ? mmap(NULL, desc[2 + 2 * i], PROT_READ, MAP_SHARED | MAP_POPULATE,
+                               fds[i], 0)
+                        : MAP_FAILED;
+        close(fds[i]);
+        if (m != MAP_FAILED)
+            sp->maps[sp->nmaps++] = (mapping_t){desc[1 + 2 * i], desc[2 + 2 * i], m};
+    }
+}
+
+kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **peer_p,
+                            char *err, size_t errlen)
+{
+    char id[BOOT_ID_LEN], name[NAME_LEN + 1];
     if (len != BLOB_LEN) {
         snprintf(err, errlen, "malformed shm offer (%zu bytes)", len);
         return KVF_ERR_UNSUPPORTED;
@@ -68,27 +295,83 @@ kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, pid_t *pid_p, char 
                  : errno == ESRCH ? " (another PID namespace?)" : "");
         return KVF_ERR_UNSUPPORTED;
     }
-    *pid_p = pid;
+    kvf_shm_peer_t *sp = calloc(1, sizeof(*sp));
+    if (sp == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return KVF_ERR_UNSUPPORTED;
+    }
+    sp->pid = pid;
+    memcpy(name, blob + 4 + BOOT_ID_LEN + 8, NAME_LEN);
+    name[NAME_LEN] = '\0';
+    fetch_maps(sp, name);
+    *peer_p = sp;
     return KVF_OK;
 }
 
-kvf_status_t kvf_shm_read(pid_t pid, struct iovec *local, struct iovec *remote, size_t n,
-                          char *err, size_t errlen)
+void kvf_shm_peer_free(kvf_shm_peer_t *sp)
 {
-    for (size_t i = 0; i < n;) {
-        size_t k = n - i < READ_IOV ? n - i : READ_IOV;
-        size_t want = 0;
-        for (size_t j = 0; j < k; j++)
-            want += local[i + j].iov_len;
-        ssize_t got = process_vm_readv(pid, local + i, (unsigned long)k, remote + i,
-                                       (unsigned long)k, 0);
-        if (got < 0 || (size_t)got != want) {
-            /* Partial reads stop at an unmapped page: nothing to resume. */
-            snprintf(err, errlen, "reading %zu bytes from process %d failed: %s", want,
-                     (int)pid, got < 0 ? strerror(errno) : "short read");
-            return KVF_ERR_CONN_RESET;
+    if (sp == NULL)
+        return;
+    for (size_t i = 0; i < sp->nmaps; i++)
+        munmap(sp->maps[i].map, sp->maps[i].len);
+    free(sp);
+}
+
+pid_t kvf_shm_peer_pid(const kvf_shm_peer_t *sp)
+{
+    return sp->pid;
+}
+
+size_t kvf_shm_peer_mapped(const kvf_shm_peer_t *sp)
+{
+    return sp->nmaps;
+}
+
+/* The local view of [addr, +len) in the peer, or NULL. */
+static const uint8_t *mapped(const kvf_shm_peer_t *sp, uint64_t addr, size_t len)
+{
+    for (size_t i = 0; i < sp->nmaps; i++) {
+        const mapping_t *m = &sp->maps[i];
+        if (addr >= m->base && addr - m->base <= m->len && len <= m->len - (addr - m->base))
+            return m->map + (addr - m->base);
+    }
+    return NULL;
+}
+
+static kvf_status_t cma_read(pid_t pid, struct iovec *local, struct iovec *remote, size_t n,
+                             char *err, size_t errlen)
+{
+    size_t want = 0;
+    for (size_t j = 0; j < n; j++)
+        want += local[j].iov_len;
+    ssize_t got = process_vm_readv(pid, local, (unsigned long)n, remote, (unsigned long)n, 0);
+    if (got < 0 || (size_t)got != want) {
+        /* Partial reads stop at an unmapped page: nothing to resume. */
+        snprintf(err, errlen, "reading %zu bytes from process %d failed: %s", want,
+                 (int)pid, got < 0 ? strerror(errno) : "short read");
+        return KVF_ERR_CONN_RESET;
+    }
+    return KVF_OK;
+}
+
+kvf_status_t kvf_shm_read(kvf_shm_peer_t *sp, struct iovec *local, struct iovec *remote,
+                          size_t n, char *err, size_t errlen)
+{
+    size_t start = 0;   /* first piece of the pending process_vm_readv batch */
+    for (size_t i = 0; i <= n; i++) {
+        const uint8_t *src = i < n ? mapped(sp, (uint64_t)(uintptr_t)remote[i].iov_base,
+                                            remote[i].iov_len) : NULL;
+        if (i < n && src == NULL && i - start < READ_IOV)
+            continue;
+        if (i > start) {
+            kvf_status_t st = cma_read(sp->pid, local + start, remote + start, i - start,
+                                       err, errlen);
+            if (st != KVF_OK)
+                return st;
         }
-        i += k;
+        if (src != NULL)
+            memcpy(local[i].iov_base, src, local[i].iov_len);
+        start = src != NULL ? i + 1 : i;
     }
     return KVF_OK;
 }

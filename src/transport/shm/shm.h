@@ -1,15 +1,22 @@
 /*
- * The shm transport: same-host payload by cross-memory attach.
+ * The shm transport: same-host payload, pulled by the receiver.
  *
- * The receiver pulls: for each DATA_REF segment it has already checked
- * against the pages its room declared, it reads the bytes straight from
- * the sender's registered memory into its own (process_vm_readv: one copy,
- * no socket, no shared mapping to set up).  Because the receiver does the
- * writing, the guarantee "nothing lands outside what the room declared" is
- * enforced exactly as for TCP, whatever the sender claims.
+ * The receiver reads each DATA_REF segment, already checked against the
+ * pages its room declared, straight from the sender's memory into its own.
+ * Because the receiver does the writing, "nothing lands outside what the
+ * room declared" holds exactly as for TCP, whatever the sender claims.
  *
- * A prefill engine offers shm in its XPORT message (its pid, the host's
- * boot id, and one address to probe); a decode engine on the same host
+ * Two ways to read, fastest first:
+ *   - Shared mappings.  Memory allocated with kvf_mem_alloc() is a memfd;
+ *     a prefill engine hands the memfds of its registered buffers to a
+ *     decode engine over a unix socket (SCM_RIGHTS), which maps them
+ *     read-only: a read is then one memcpy.
+ *   - Cross-memory attach.  Any other memory is read with
+ *     process_vm_readv(): one copy too, but the kernel pins pages as it
+ *     goes, which costs about half of memcpy's bandwidth.
+ *
+ * A prefill engine offers shm in its XPORT message (pid, boot id, a probe
+ * address, the unix socket's name); a decode engine on the same host
  * probes one read and, if the kernel allows it, answers "shm".  Reading
  * another process's memory needs ptrace permission: same user and, under
  * Yama's ptrace_scope 1, the target's consent, which a prefill engine that
@@ -26,27 +33,46 @@
 #include "kvferry/status.h"
 #include "util/buf.h"
 
+typedef struct kvf_shm_peer kvf_shm_peer_t;
+
 /* Prefill: allow same-user processes to read our memory (Yama). */
 void         kvf_shm_allow_readers(void);
 
-/* Prefill: the offer blob (pid, boot id, probe address). */
-kvf_status_t kvf_shm_pack(const void *probe, kvf_buf_t *out);
+/*
+ * Prefill: a non-blocking unix socket, in the abstract namespace, on which
+ * decode engines fetch the memfds of the buffers [bases[i], +lens[i]).
+ * @return KVF_OK with the socket in *fd_p, or KVF_ERR_IO.
+ */
+kvf_status_t kvf_shm_listen(uint64_t instance, int *fd_p);
+
+/* Prefill: answer every pending connection on the listening socket with
+ * the memfd regions that overlap the n registered buffers.  Never blocks. */
+void         kvf_shm_serve(int listen_fd, void *const *bases, const size_t *lens,
+                           size_t n);
+
+/* Prefill: the offer blob (pid, boot id, probe address, socket name). */
+kvf_status_t kvf_shm_pack(const void *probe, uint64_t instance, kvf_buf_t *out);
 
 /*
- * Decode: can we pull from the engine that made this offer?  Checks the
- * host (boot id) and reads 1 byte at its probe address.
- * @return KVF_OK and its pid, or KVF_ERR_UNSUPPORTED with why in err.
+ * Decode: can we read from the engine that made this offer?  Checks the
+ * host (boot id), reads 1 byte at its probe address, and maps what memfds
+ * it hands over (waiting at most 1 s for them).
+ * @return KVF_OK and a peer handle, or KVF_ERR_UNSUPPORTED with why in err.
  */
-kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, pid_t *pid_p,
+kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **peer_p,
                             char *err, size_t errlen);
+void         kvf_shm_peer_free(kvf_shm_peer_t *peer);
+pid_t        kvf_shm_peer_pid(const kvf_shm_peer_t *peer);
+/* How many of the peer's regions are mapped (for logs and tests). */
+size_t       kvf_shm_peer_mapped(const kvf_shm_peer_t *peer);
 
 /*
- * Read remote[i] (in process pid) into local[i], n pieces of equal
- * lengths pairwise, all of it or an error.  @return KVF_OK or
- * KVF_ERR_CONN_RESET (the process is gone, or the memory is no longer
- * mapped) with why in err.
+ * Read remote[i] (addresses in the peer process) into local[i], n pieces
+ * of pairwise equal lengths: all of it, or an error.  @return KVF_OK or
+ * KVF_ERR_CONN_RESET (the process is gone, or the memory is not mapped
+ * there any more) with why in err.
  */
-kvf_status_t kvf_shm_read(pid_t pid, struct iovec *local, struct iovec *remote,
+kvf_status_t kvf_shm_read(kvf_shm_peer_t *peer, struct iovec *local, struct iovec *remote,
                           size_t n, char *err, size_t errlen);
 
 #endif /* KVF_TRANSPORT_SHM_H */

@@ -459,9 +459,15 @@ kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
     ucs_status_t st = ucp_ep_create(u->worker, &epp, &ep->ep);
     if (st != UCS_OK) {
         ep->ep = NULL;
-        snprintf(err, errlen, "UCX cannot reach the peer's worker: %s (do both sides "
-                 "share a UCX transport? compare UCX_TLS and `ucx_info -d`)",
-                 ucs_status_string(st));
+        /* PEER error handling is not optional: without it UCX can leave a
+         * get to a dead or stopped peer outstanding even after a forced
+         * close, and its bytes could land after the room's pages were
+         * handed back.  UCX 1.13's shared-memory transports (posix, sysv)
+         * cannot report peer failure, so UCX refuses them here. */
+        snprintf(err, errlen, "UCX cannot reach the peer with peer-failure detection "
+                 "(%s): UCX_TLS needs a transport both sides have that reports dead "
+                 "peers (tcp, rc, dc; not posix/sysv in UCX 1.13); on one host use "
+                 "--transport shm", ucs_status_string(st));
         s = KVF_ERR_UNREACHABLE;
         goto out;
     }

@@ -1,0 +1,523 @@
+/*
+ * The ucx transport between two real processes: a forked "prefill" peer
+ * registers a patterned buffer and hands its XPORT blob over a socketpair;
+ * the test process (the "decode" side) connects and pulls scattered pieces
+ * into its own registered buffer, then kills or stops the peer and checks
+ * that a read fails, within its timeout, instead of hanging.
+ *
+ * Every case runs once per UCX transport set (UCX_TLS=tcp, sm,tcp and
+ * posix,cma; KVF_TEST_UCX_TLS overrides), each in its own forked runner,
+ * because UCX reads UCX_TLS when a context is created and a forked runner
+ * is also the cleanest way to make sure no peer outlives its case.  UCX
+ * 1.13 cannot detect a dead peer over shared memory, so with posix,cma the
+ * connect is refused (checked, then the case is skipped) and with sm,tcp
+ * UCX moves the payload over tcp.
+ *
+ * KVF_UCX_BENCH=1 adds a bandwidth figure for 4 MiB reads (no timing is
+ * asserted): compare with `ucx_perftest -t ucp_get -s 4194304`.
+ */
+#include <errno.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "transport/ucx/ucx.h"
+#include "unit/kvf_test.h"
+
+#ifndef KVF_HAVE_UCX
+
+static void test_skip(void)
+{
+    printf("SKIP test_ucx: built without UCX (configure with -DKVF_UCX=ON and "
+           "libucx-dev installed)\n");
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_skip))
+
+#else /* KVF_HAVE_UCX */
+
+#include "util/time.h"
+
+#define MIB        (1024u * 1024u)
+#define PEER_LEN   (24u * MIB)     /* the peer's registered, patterned buffer */
+#define LOCAL_LEN  (48u * MIB)     /* our registered destination */
+#define RUN_MS     90000           /* bound on one runner */
+
+/* The UCX_TLS values every case runs under; KVF_TEST_UCX_TLS="a;b" overrides
+ * (e.g. "rc,tcp" on an InfiniBand host). */
+static const char *tls_default[] = {"tcp", "sm,tcp", "posix,cma"};
+static const char *tls_sets[8];
+static size_t ntls;
+
+static void tls_init(void)
+{
+    static char buf[256];
+    const char *env = getenv("KVF_TEST_UCX_TLS");
+    if (ntls > 0)
+        return;
+    if (env == NULL || *env == '\0') {
+        for (; ntls < sizeof(tls_default) / sizeof(tls_default[0]); ntls++)
+            tls_sets[ntls] = tls_default[ntls];
+        return;
+    }
+    snprintf(buf, sizeof(buf), "%s", env);
+    for (char *save = NULL, *t = strtok_r(buf, ";", &save); t && ntls < 8;
+         t = strtok_r(NULL, ";", &save))
+        tls_sets[ntls++] = t;
+}
+
+static inline uint8_t pattern(uint64_t i)
+{
+    return (uint8_t)((i * 2654435761u) >> 13) ^ (uint8_t)(i >> 20);
+}
+
+/* ------------------------------------------------------------ the peer */
+
+typedef struct peer {
+    pid_t    pid;
+    int      sock;
+    uint8_t *blob;
+    size_t   blob_len;
+    uint64_t base, len;
+} peer_t;
+
+static int write_all(int fd, const void *p, size_t n)
+{
+    for (const char *c = p; n > 0;) {
+        ssize_t w = write(fd, c, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return -1;
+        c += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static int read_all(int fd, void *p, size_t n)
+{
+    for (char *c = p; n > 0;) {
+        ssize_t r = read(fd, c, n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            return -1;
+        c += r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
+/* The peer process: register, send the blob, serve until the socket closes. */
+static void peer_main(int sock, size_t len)
+{
+    char err[256];
+    kvf_ucx_t *u;
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    uint8_t *buf = aligned_alloc(4096, len);
+    for (size_t i = 0; i < len; i++)
+        buf[i] = pattern(i);
+    if (kvf_ucx_create(&u, err, sizeof(err)) != KVF_OK ||
+        kvf_ucx_register(u, buf, len, KVF_MEM_HOST, err, sizeof(err)) != KVF_OK) {
+        fprintf(stderr, "peer: %s\n", err);
+        _exit(2);
+    }
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    if (kvf_ucx_pack(u, &b) != KVF_OK)
+        _exit(3);
+    uint64_t hdr[3] = {b.len, (uint64_t)(uintptr_t)buf, len};
+    if (write_all(sock, hdr, sizeof(hdr)) || write_all(sock, b.data, b.len))
+        _exit(4);
+    kvf_buf_free(&b);
+    /* Serve (tcp emulates gets with messages this worker must answer). */
+    for (;;) {
+        struct pollfd pf[2] = {{.fd = sock, .events = POLLIN},
+                               {.fd = kvf_ucx_fd(u), .events = POLLIN}};
+        int more = kvf_ucx_progress(u);
+        int busy = more || pf[1].fd < 0 || getenv("KVF_TEST_PEER_BUSY") != NULL;
+        if (poll(pf, pf[1].fd >= 0 ? 2 : 1, busy ? 0 : 100) < 0 &&
+            errno != EINTR)
+            break;
+        if (pf[0].revents) {
+            char c;
+            if (read(sock, &c, 1) <= 0)
+                break;
+        }
+    }
+    kvf_ucx_destroy(u);
+    free(buf);
+    close(sock);
+    exit(0);   /* not _exit: sanitizer builds check for leaks at exit */
+}
+
+static int peer_start(peer_t *p, size_t len)
+{
+    int sv[2];
+    memset(p, 0, sizeof(*p));
+    if (socketpair(AF_UNIX, SOCK_STREAM, 0, sv) != 0)
+        return -1;
+    fflush(NULL);
+    p->pid = fork();
+    if (p->pid < 0)
+        return -1;
+    if (p->pid == 0) {
+        close(sv[0]);
+        peer_main(sv[1], len);
+    }
+    close(sv[1]);
+    p->sock = sv[0];
+    uint64_t hdr[3];
+    if (read_all(p->sock, hdr, sizeof(hdr)) != 0 || hdr[0] > (1u << 20))
+        return -1;
+    p->blob_len = hdr[0];
+    p->base = hdr[1];
+    p->len = hdr[2];
+    p->blob = malloc(p->blob_len);
+    return read_all(p->sock, p->blob, p->blob_len);
+}
+
+/* Stop the peer (it may be stopped or dead already) and reap it. */
+static void peer_stop(peer_t *p)
+{
+    if (p->pid > 0) {
+        kill(p->pid, SIGCONT);
+        close(p->sock);   /* a live peer exits on EOF */
+        p->sock = -1;
+        for (int i = 0; i < 200 && waitpid(p->pid, NULL, WNOHANG) == 0; i++)
+            usleep(10000);
+        if (kill(p->pid, SIGKILL) == 0)
+            waitpid(p->pid, NULL, 0);
+        p->pid = 0;
+    }
+    if (p->sock >= 0)
+        close(p->sock);
+    free(p->blob);
+    p->blob = NULL;
+}
+
+/* ------------------------------------------------------- the decode side */
+
+typedef struct side {
+    peer_t        peer;
+    kvf_ucx_t    *u;
+    kvf_ucx_ep_t *ep;
+    uint8_t      *local;
+    char          err[512];
+} side_t;
+
+static int side_init(side_t *s, size_t peer_len, size_t local_len)
+{
+    memset(s, 0, sizeof(*s));
+    s->peer.sock = -1;
+    /* Fork the peer before UCX starts in this process. */
+    CHECK(peer_start(&s->peer, peer_len) == 0);
+    s->local = aligned_alloc(4096, local_len);
+    memset(s->local, 0, local_len);
+    CHECK_EQ_INT(kvf_ucx_create(&s->u, s->err, sizeof(s->err)), KVF_OK);
+    if (s->u == NULL || s->peer.blob == NULL)
+        return -1;
+    CHECK_EQ_INT(kvf_ucx_register(s->u, s->local, local_len, KVF_MEM_HOST, s->err,
+                                  sizeof(s->err)), KVF_OK);
+    kvf_status_t st = kvf_ucx_connect(s->u, s->peer.blob, s->peer.blob_len, &s->ep,
+                                      s->err, sizeof(s->err));
+    if (st == KVF_ERR_UNREACHABLE && strstr(getenv("UCX_TLS"), "tcp") == NULL) {
+        /* Shared memory alone: UCX 1.13 cannot detect a dead peer over it,
+         * and kvferry refuses endpoints that cannot (see ucx.c). */
+        CHECK_STR_CONTAINS(s->err, "peer-failure detection");
+        printf("  SKIP UCX_TLS=%s: refused as expected: %s\n", getenv("UCX_TLS"), s->err);
+        return 1;
+    }
+    CHECK_EQ_INT(st, KVF_OK);
+    return s->ep != NULL ? 0 : -1;
+}
+
+static void side_fini(side_t *s)
+{
+    if (s->ep != NULL)
+        kvf_ucx_disconnect(s->ep);
+    if (s->u != NULL)
+        kvf_ucx_destroy(s->u);
+    peer_stop(&s->peer);
+    free(s->local);
+}
+
+static struct iovec rptr(const side_t *s, uint64_t off, size_t len)
+{
+    return (struct iovec){(void *)(uintptr_t)(s->peer.base + off), len};
+}
+
+/* Read one small piece and verify it: the endpoint works. */
+static kvf_status_t probe(side_t *s, unsigned timeout_ms)
+{
+    struct iovec l = {s->local, 4096}, r = rptr(s, 12345, 4096);
+    kvf_status_t st = kvf_ucx_read(s->ep, &l, &r, 1, timeout_ms, s->err, sizeof(s->err));
+    if (st == KVF_OK)
+        for (size_t i = 0; i < 4096; i++)
+            if (s->local[i] != pattern(12345 + i)) {
+                fprintf(stderr, "  probe: byte %zu differs\n", i);
+                return KVF_ERR_INCOMPLETE;
+            }
+    return st;
+}
+
+static uint64_t rnd(uint64_t *x)
+{
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    return *x;
+}
+
+/* Scattered pieces of 1 KiB .. 8 MiB, verified byte by byte; gaps stay 0. */
+static void case_scatter(void)
+{
+    side_t s;
+    if (side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
+        goto out;
+    static const size_t sizes[] = {1024, 1000, 4096, 65536, 300000, MIB, 8 * MIB, 17};
+    enum { NPIECE = 96 };
+    struct iovec l[NPIECE], r[NPIECE];
+    uint64_t x = 88172645463325252ull, loff = 0;
+    size_t n = 0;
+    while (n < NPIECE) {
+        size_t len = sizes[rnd(&x) % (sizeof(sizes) / sizeof(sizes[0]))];
+        uint64_t gap = 64 + rnd(&x) % 4096;
+        if (loff + gap + len > LOCAL_LEN)
+            break;
+        loff += gap;
+        l[n] = (struct iovec){s.local + loff, len};
+        r[n] = rptr(&s, rnd(&x) % (PEER_LEN - len + 1), len);
+        loff += len;
+        n++;
+    }
+    CHECK(n > 20);
+    uint64_t t0 = kvf_now_ms();
+    CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, n, 20000, s.err, sizeof(s.err)), KVF_OK);
+    printf("  %zu pieces, %llu bytes in %llu ms\n", n, (unsigned long long)loff,
+           (unsigned long long)(kvf_now_ms() - t0));
+    /* Every byte: inside pieces the pattern, outside untouched. */
+    size_t bad = 0, p = 0;
+    for (uint64_t i = 0; i < LOCAL_LEN; i++) {
+        uint8_t want = 0;
+        while (p < n && (uint8_t *)l[p].iov_base + l[p].iov_len <= s.local + i)
+            p++;
+        if (p < n && (uint8_t *)l[p].iov_base <= s.local + i) {
+            uint64_t roff = (uint64_t)(uintptr_t)r[p].iov_base - s.peer.base;
+            want = pattern(roff + (uint64_t)(s.local + i - (uint8_t *)l[p].iov_base));
+        }
+        if (s.local[i] != want && bad++ < 5)
+            fprintf(stderr, "  byte %llu: 0x%02x, want 0x%02x\n", (unsigned long long)i,
+                    s.local[i], want);
+    }
+    CHECK_EQ_INT(bad, 0);
+out:
+    side_fini(&s);
+}
+
+/* Addresses the peer did not register are refused before anything moves;
+ * so are unregistered destinations and malformed blobs. */
+static void case_refuse(void)
+{
+    side_t s;
+    if (side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
+        goto out;
+    CHECK_EQ_INT(probe(&s, 10000), KVF_OK);
+
+    struct iovec l[2] = {{s.local, 4096}, {s.local + 8192, 200}};
+    struct iovec r[2] = {rptr(&s, 0, 4096), rptr(&s, PEER_LEN - 100, 200)};
+    memset(s.local, 0, 16384);
+    CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(s.err, "outside every region");
+    CHECK(s.local[0] == 0);   /* nothing was issued, not even the valid piece */
+    r[1] = (struct iovec){(void *)(uintptr_t)4096, 16};
+    l[1].iov_len = 16;
+    CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
+    r[1] = (struct iovec){(void *)(uintptr_t)(UINT64_MAX - 8), 16};
+    CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
+
+    uint8_t stack[64];
+    struct iovec ls = {stack, sizeof(stack)}, rs = rptr(&s, 0, sizeof(stack));
+    CHECK_EQ_INT(kvf_ucx_read(s.ep, &ls, &rs, 1, 5000, s.err, sizeof(s.err)),
+                 KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(probe(&s, 10000), KVF_OK);   /* the endpoint still works */
+
+    /* Every truncation of a real blob, and one byte too many, is refused
+     * (quietly: each refusal logs an error). */
+    kvf_ucx_ep_t *bad = NULL;
+    kvf_log_set_level((kvf_log_level_t)-1);
+    for (size_t len = 0; len < s.peer.blob_len; len++)
+        CHECK_EQ_INT(kvf_ucx_connect(s.u, s.peer.blob, len, &bad, s.err, sizeof(s.err)),
+                     KVF_ERR_PROTOCOL);
+    uint8_t *longer = malloc(s.peer.blob_len + 1);
+    memcpy(longer, s.peer.blob, s.peer.blob_len);
+    longer[s.peer.blob_len] = 0;
+    CHECK_EQ_INT(kvf_ucx_connect(s.u, longer, s.peer.blob_len + 1, &bad, s.err,
+                                 sizeof(s.err)), KVF_ERR_PROTOCOL);
+    /* A region count that cannot fit. */
+    memcpy(longer, s.peer.blob, s.peer.blob_len);
+    size_t addr_len = kvf_get_u32(longer + 4);
+    kvf_put_u32(longer + 8 + addr_len, 0xffffffffu);
+    CHECK_EQ_INT(kvf_ucx_connect(s.u, longer, s.peer.blob_len, &bad, s.err, sizeof(s.err)),
+                 KVF_ERR_PROTOCOL);
+    free(longer);
+    kvf_log_set_level(KVF_LOG_WARN);
+    CHECK(bad == NULL);
+out:
+    side_fini(&s);
+}
+
+/* A killed peer: the read fails within its timeout, and so do later ones. */
+static void case_killed(void)
+{
+    side_t s;
+    if (side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
+        goto out;
+    CHECK_EQ_INT(probe(&s, 10000), KVF_OK);
+    kill(s.peer.pid, SIGKILL);
+    waitpid(s.peer.pid, NULL, 0);
+    s.peer.pid = 0;
+
+    struct iovec l = {s.local, 8 * MIB}, r = rptr(&s, 0, 8 * MIB);
+    uint64_t t0 = kvf_now_ms();
+    kvf_status_t st = kvf_ucx_read(s.ep, &l, &r, 1, 3000, s.err, sizeof(s.err));
+    uint64_t dt = kvf_now_ms() - t0;
+    printf("  after SIGKILL: %s in %llu ms: %s\n", kvf_status_name(st),
+           (unsigned long long)dt, s.err);
+    CHECK(st == KVF_ERR_CONN_RESET || st == KVF_ERR_PEER_TIMEOUT);
+    CHECK(dt < 3000 + 2500);   /* the timeout, plus the bound on closing */
+    t0 = kvf_now_ms();
+    CHECK(kvf_ucx_read(s.ep, &l, &r, 1, 3000, s.err, sizeof(s.err)) != KVF_OK);
+    CHECK(kvf_now_ms() - t0 < 100);   /* a dead endpoint fails at once */
+out:
+    side_fini(&s);
+}
+
+/* A stopped peer: a read that needs it times out (tcp emulates gets with
+ * messages the peer must answer).  A truly one-sided get (RDMA, cma) is
+ * served by a stopped process all the same: then it succeeds with the
+ * right bytes, and noticing the stopped peer is the heartbeats' job. */
+static void case_stopped(void)
+{
+    side_t s;
+    if (side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
+        goto out;
+    CHECK_EQ_INT(probe(&s, 10000), KVF_OK);
+    kill(s.peer.pid, SIGSTOP);
+
+    memset(s.local, 0, 4096);
+    uint64_t t0 = kvf_now_ms();
+    kvf_status_t st = probe(&s, 1000);
+    uint64_t dt = kvf_now_ms() - t0;
+    printf("  after SIGSTOP: %s in %llu ms%s%s\n", kvf_status_name(st),
+           (unsigned long long)dt, st ? ": " : "", st ? s.err : "");
+    if (strcmp(getenv("UCX_TLS"), "tcp") == 0)   /* gets are emulated on tcp */
+        CHECK_EQ_INT(st, KVF_ERR_PEER_TIMEOUT);
+    else
+        CHECK(st == KVF_OK || st == KVF_ERR_PEER_TIMEOUT);
+    if (st == KVF_ERR_PEER_TIMEOUT) {
+        CHECK(dt >= 1000 && dt < 1000 + 2500);
+        CHECK_STR_CONTAINS(s.err, "within 1000 ms");
+        CHECK_EQ_INT(probe(&s, 1000), KVF_ERR_PEER_TIMEOUT);   /* the ep is dead */
+    }
+    kill(s.peer.pid, SIGCONT);
+    kill(s.peer.pid, SIGKILL);
+out:
+    side_fini(&s);
+}
+
+/* Bandwidth of 4 MiB reads (KVF_UCX_BENCH=1): printed, never asserted. */
+static void case_bench(void)
+{
+    if (getenv("KVF_UCX_BENCH") == NULL) {
+        printf("  (set KVF_UCX_BENCH=1 for the 4 MiB read bandwidth)\n");
+        return;
+    }
+    enum { PIECE = 4 * MIB, BATCH = 16 };
+    side_t s;
+    if (side_init(&s, BATCH * PIECE, BATCH * PIECE) != 0)
+        goto out;
+    struct iovec l[BATCH], r[BATCH];
+    for (int i = 0; i < BATCH; i++) {
+        l[i] = (struct iovec){s.local + (size_t)i * PIECE, PIECE};
+        r[i] = rptr(&s, (uint64_t)i * PIECE, PIECE);
+    }
+    for (int one = 1; one >= 0; one--) {   /* one piece per read, then batches */
+        size_t per = one ? 1 : BATCH;
+        CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, per, 20000, s.err, sizeof(s.err)), KVF_OK);
+        uint64_t bytes = 0, t0 = kvf_now_ns();
+        while (kvf_now_ns() - t0 < 2000000000ull) {
+            if (kvf_ucx_read(s.ep, l, r, per, 20000, s.err, sizeof(s.err)) != KVF_OK) {
+                CHECK(0);
+                break;
+            }
+            bytes += per * PIECE;
+        }
+        double sec = (double)(kvf_now_ns() - t0) / 1e9;
+        printf("  bench UCX_TLS=%s: %zu x 4 MiB per read: %.1f MB/s\n",
+               getenv("UCX_TLS"), per, (double)bytes / sec / 1e6);
+    }
+out:
+    side_fini(&s);
+}
+
+/* Run fn in a forked runner with UCX_TLS=tls; its failures become ours. */
+static void run_per_tls(void (*fn)(void), const char *name)
+{
+    tls_init();
+    for (size_t t = 0; t < ntls; t++) {
+        printf("  -- %s, UCX_TLS=%s\n", name, tls_sets[t]);
+        fflush(stdout);
+        pid_t pid = fork();
+        if (pid == 0) {
+            setenv("UCX_TLS", tls_sets[t], 1);
+            alarm(RUN_MS / 1000);   /* the runner's own watchdog */
+            kvf_test_failures_ = 0;
+            fn();
+            fflush(stdout);
+            exit(kvf_test_failures_ ? 1 : 0);   /* leak check in sanitizer builds */
+        }
+        CHECK(pid > 0);
+        int status = 0;
+        uint64_t deadline = kvf_now_ms() + RUN_MS + 5000;
+        pid_t w;
+        while ((w = waitpid(pid, &status, WNOHANG)) == 0 && kvf_now_ms() < deadline)
+            usleep(10000);
+        if (w == 0) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &status, 0);
+        }
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+            fprintf(stderr, "  %s under UCX_TLS=%s failed (%s %d)\n", name, tls_sets[t],
+                    WIFEXITED(status) ? "exit" : "signal",
+                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+}
+
+#define PER_TLS(fn) \
+    static void test_##fn(void) { run_per_tls(case_##fn, #fn); }
+PER_TLS(scatter)
+PER_TLS(refuse)
+PER_TLS(killed)
+PER_TLS(stopped)
+PER_TLS(bench)
+
+static void test_available(void)
+{
+    CHECK_EQ_INT(kvf_ucx_available(), 1);
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_available), KVF_CASE(test_scatter), KVF_CASE(test_refuse),
+              KVF_CASE(test_killed), KVF_CASE(test_stopped), KVF_CASE(test_bench))
+
+#endif /* KVF_HAVE_UCX */
