@@ -134,7 +134,13 @@ typedef struct kvf_engine_params {
      * kvf_engine_bootstrap_addr()).  Default 0.
      */
     int         host_bootstrap;
-    const char *transport;     /**< "auto" or "tcp"; default "auto" (KVF_TRANSPORT) */
+    /**
+     * "auto" (shm with peers on this host, else ucx when built and both
+     * sides have it, else tcp), "tcp", "shm" or "ucx" (a preference: tcp
+     * when it cannot be used, said once in the log).  Default "auto"
+     * (KVF_TRANSPORT).
+     */
+    const char *transport;
     int         checksum;      /**< 1: XXH3 end-to-end checksums; default 0 (KVF_CHECKSUM) */
     /** Deadlines, in milliseconds: no progress for that long fails the room. */
     unsigned    bootstrap_timeout_ms;   /**< default 30000 (KVF_BOOTSTRAP_TIMEOUT_MS) */
@@ -184,8 +190,9 @@ KVF_API kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *engine,
                                                char *buf, size_t len);
 
 /**
- * The transport this engine moves payload with ("tcp"), resolved from the
- * `transport` parameter ("auto" picks the best one built in).  Static string.
+ * The transports this engine's peers have used for payload: "tcp", "shm",
+ * "ucx", or a combination such as "tcp+shm"; before any peer, the
+ * `transport` parameter.  Valid while the engine lives.
  */
 KVF_API const char *kvf_engine_transport(const kvf_engine_t *engine);
 

@@ -17,6 +17,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/engine_int.h"
 #include "transport/shm/shm.h"
+#include "transport/ucx/ucx.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -98,10 +99,18 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
         kvf_error("a prefill engine needs bootstrap_addr (the registry host:port)");
         return KVF_ERR_INVALID_PARAM;
     }
+#ifdef KVF_HAVE_UCX
+    static const char *const names = "auto, tcp, shm, ucx";
+    int ucx_ok = 1;
+#else
+    static const char *const names = "auto, tcp, shm; ucx needs a build with UCX";
+    int ucx_ok = 0;
+#endif
     if (p->transport != NULL && strcmp(p->transport, "auto") != 0 &&
-        strcmp(p->transport, "tcp") != 0 && strcmp(p->transport, "shm") != 0) {
-        kvf_error("transport '%s' is not built into this kvferry (available: auto, tcp, "
-                  "shm)", p->transport);
+        strcmp(p->transport, "tcp") != 0 && strcmp(p->transport, "shm") != 0 &&
+        (!ucx_ok || strcmp(p->transport, "ucx") != 0)) {
+        kvf_error("transport '%s' is not built into this kvferry (available: %s)",
+                  p->transport, names);
         return KVF_ERR_UNSUPPORTED;
     }
     if (p->heartbeat_interval_ms == 0 || p->heartbeat_timeout_ms <= p->heartbeat_interval_ms) {
@@ -165,6 +174,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
     eng->ev_shm = KVF_EV_SHM;
+    eng->ev_ucx = KVF_EV_UCX;
     pthread_mutex_init(&eng->lock, NULL);
     pthread_cond_init(&eng->resolver_cond, NULL);
     kvf_map_init(&eng->rooms_by_id);
@@ -180,7 +190,10 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
     /* shm where the peer shares this host, unless tcp was asked for. */
-    eng->allow_shm = strcmp(eng->transport, "tcp") != 0;
+    eng->allow_shm = strcmp(eng->transport, "tcp") != 0 && strcmp(eng->transport, "ucx") != 0;
+#ifdef KVF_HAVE_UCX
+    eng->allow_ucx = strcmp(eng->transport, "auto") == 0 || strcmp(eng->transport, "ucx") == 0;
+#endif
     if (eng->allow_shm && params->role == KVF_ROLE_PREFILL)
         kvf_shm_allow_readers();
     eng->params.faults = NULL;
@@ -300,6 +313,10 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     }
     kvf_map_free(&eng->stash);
     kvf_map_free(&eng->rooms_by_id);
+#ifdef KVF_HAVE_UCX
+    if (eng->ucx)
+        kvf_ucx_destroy(eng->ucx);   /* after the peers' endpoints */
+#endif
     close(eng->epfd);
     close(eng->wakefd);
     close(eng->listenfd);
@@ -339,14 +356,13 @@ kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *eng, char *buf, size_
 const char *kvf_engine_transport(const kvf_engine_t *eng)
 {
     /* Read without the lock: a racy read of a bit mask only ever set. */
-    unsigned used = __atomic_load_n(&eng->used_xports, __ATOMIC_RELAXED);
-    if (used == (KVF_XPORT_TCP | KVF_XPORT_SHM))
-        return "tcp+shm";
-    if (used == KVF_XPORT_SHM)
-        return "shm";
-    if (used == 0 && strcmp(eng->transport, "shm") == 0)
-        return "shm";
-    return "tcp";
+    static const char *const names[8] = {
+        "tcp", "tcp", "shm", "tcp+shm", "ucx", "tcp+ucx", "shm+ucx", "tcp+shm+ucx"
+    };
+    unsigned used = __atomic_load_n(&eng->used_xports, __ATOMIC_RELAXED) & 7u;
+    if (used == 0 && strcmp(eng->transport, "auto") != 0)
+        return eng->transport;      /* no peer yet: the preference */
+    return names[used];
 }
 
 uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)
@@ -358,6 +374,60 @@ void kvf_layout_init(kvf_layout_t *layout)
 {
     memset(layout, 0, sizeof(*layout));
     layout->size = sizeof(*layout);
+}
+
+/*
+ * UCX needs the buffers registered with it before it can offer them, so
+ * it starts with the layout.  If it cannot, peers use the other
+ * transports: say why once.
+ */
+static void start_ucx(kvf_engine_t *eng)
+{
+#ifdef KVF_HAVE_UCX
+    char err[256];
+    const kvf_layout_int_t *l = &eng->layout;
+    const kvf_buffer_t *all[3] = {l->kv, l->aux, l->state};
+    uint32_t cnt[3] = {l->num_kv, l->num_aux, l->num_state};
+
+    if (!eng->allow_ucx)
+        return;
+    if (kvf_ucx_create(&eng->ucx, err, sizeof(err)) != KVF_OK)
+        goto off;
+    for (int f = 0; f < 3; f++)
+        for (uint32_t i = 0; i < cnt[f]; i++)
+            if (kvf_ucx_register(eng->ucx, all[f][i].base, all[f][i].length, l->mem_kind,
+                                 err, sizeof(err)) != KVF_OK)
+                goto off;
+    int fd = kvf_ucx_fd(eng->ucx);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_ucx};
+    if (fd >= 0 && epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        snprintf(err, sizeof(err), "epoll_ctl: %s", strerror(errno));
+        goto off;
+    }
+    return;
+off:
+    if (strcmp(eng->transport, "ucx") == 0)
+        kvf_warn("ucx transport unavailable (%s): peers use tcp", err);
+    else
+        kvf_info("ucx transport unavailable (%s): peers use tcp or shm", err);
+    if (eng->ucx)
+        kvf_ucx_destroy(eng->ucx);
+    eng->ucx = NULL;
+    eng->allow_ucx = 0;
+#else
+    (void)eng;
+#endif
+}
+
+/* UCX serves peers' reads and connection setup only when progressed. */
+static void progress_ucx(kvf_engine_t *eng)
+{
+#ifdef KVF_HAVE_UCX
+    for (int i = 0; eng->ucx != NULL && i < 64 && kvf_ucx_progress(eng->ucx); i++)
+        ;
+#else
+    (void)eng;
+#endif
 }
 
 kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *layout)
@@ -387,6 +457,7 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
     for (uint32_t i = 0; i < l.num_state; i++)
         eng->state_item_bytes_sum += l.state[i].item_bytes;
     eng->registered = 1;
+    start_ucx(eng);
     if (eng->params.role == KVF_ROLE_PREFILL) {
         eng->want_register = 1;
         pthread_cond_broadcast(&eng->resolver_cond);
@@ -410,6 +481,7 @@ void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
         stats_p->peers_connected++;
         stats_p->peers_tcp += p->xport == KVF_XPORT_TCP;
         stats_p->peers_shm += p->xport == KVF_XPORT_SHM;
+        stats_p->peers_ucx += p->xport == KVF_XPORT_UCX;
     }
     pthread_mutex_unlock(&eng->lock);
 }
@@ -479,6 +551,8 @@ static void *progress_main(void *arg)
                 accept_all(eng);
             } else if (*kind == KVF_EV_SHM) {
                 serve_shm(eng);
+            } else if (*kind == KVF_EV_UCX) {
+                progress_ucx(eng);
             } else if (*kind == KVF_EV_WAKE) {
                 uint64_t v;
                 if (read(eng->wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
@@ -489,6 +563,10 @@ static void *progress_main(void *arg)
         }
         /* Application threads queue work and wake us; send it. */
         flush_peers(eng);
+#ifdef KVF_HAVE_UCX
+        if (eng->ucx != NULL && kvf_ucx_fd(eng->ucx) < 0)
+            progress_ucx(eng);
+#endif
         now = kvf_now_ms();
         if (now >= next_tick) {
             kvf__peers_tick(eng, now);

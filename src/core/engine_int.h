@@ -41,7 +41,9 @@ typedef struct kvf_peer kvf_peer_t;
 typedef struct kvf_room kvf_room_t;
 
 /* What epoll's data.ptr points at. */
-typedef enum { KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_SHM } kvf_ev_kind_t;
+typedef enum {
+    KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_SHM, KVF_EV_UCX
+} kvf_ev_kind_t;
 
 /* An engine's (or a peer's) layout, owned copies. */
 typedef struct kvf_layout_int {
@@ -56,7 +58,7 @@ typedef struct kvf_layout_int {
 } kvf_layout_int_t;
 
 /* How payload moves to/from a peer, chosen at the handshake. */
-typedef enum { KVF_XPORT_TCP = 1, KVF_XPORT_SHM = 2 } kvf_xport_t;
+typedef enum { KVF_XPORT_TCP = 1, KVF_XPORT_SHM = 2, KVF_XPORT_UCX = 4 } kvf_xport_t;
 
 typedef enum {
     KVF_PEER_CONNECTING,   /* outbound connect in progress */
@@ -83,6 +85,7 @@ struct kvf_peer {
     int               hello_done;    /* decode: HELLO seen, XPORT awaited */
     kvf_xport_t       xport;         /* payload path */
     struct kvf_shm_peer *shm;        /* shm: how to read the prefill's memory */
+    struct kvf_ucx_ep *ucx_ep;       /* ucx: endpoint to the prefill's worker */
     struct iovec     *ref_iov;       /* DATA_REF scratch: local then remote */
     kvf_rx_target_t  *ref_tgt;       /* DATA_REF scratch: checked targets */
     uint32_t          ref_cap;
@@ -174,6 +177,8 @@ struct kvf_engine {
     char               *bootstrap_addr;   /* owned copy, or NULL */
     char               *transport;
     int                 allow_shm;        /* transport "auto" or "shm" */
+    int                 allow_ucx;        /* built with UCX, transport "auto" or "ucx" */
+    struct kvf_ucx     *ucx;              /* after layout registration, or NULL */
     unsigned            used_xports;      /* kvf_xport_t bits seen with peers */
     int                 port;
     char                addr[KVF_ADDR_MAX];
@@ -182,7 +187,7 @@ struct kvf_engine {
     pthread_mutex_t     lock;
     int                 epfd, wakefd, listenfd;
     int                 shmfd;            /* prefill: hands out memfds, or -1 */
-    kvf_ev_kind_t       ev_listener, ev_wake, ev_shm;
+    kvf_ev_kind_t       ev_listener, ev_wake, ev_shm, ev_ucx;
     pthread_t           progress_thread;
     int                 stopping;
     uint64_t            now_ms;           /* progress thread's clock, per wake-up */

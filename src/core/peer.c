@@ -20,6 +20,7 @@
 
 #include "core/engine_int.h"
 #include "transport/shm/shm.h"
+#include "transport/ucx/ucx.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -77,6 +78,10 @@ void kvf__peer_put(kvf_peer_t *p)
     free(p->incompatible);
     free(p->ref_iov);
     kvf_shm_peer_free(p->shm);
+#ifdef KVF_HAVE_UCX
+    if (p->ucx_ep)
+        kvf_ucx_disconnect(p->ucx_ep);
+#endif
     free(p->ref_tgt);
     free(p);
 }
@@ -95,17 +100,22 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
 static void send_offers(kvf_peer_t *p)
 {
     kvf_engine_t *eng = p->eng;
-    kvf_buf_t blob;
+    kvf_buf_t shm, ucx;
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
+    kvf_msg_xport_t *x = &m.u.xport;
 
-    kvf_buf_init(&blob);
+    kvf_buf_init(&shm);
+    kvf_buf_init(&ucx);
     if (eng->allow_shm &&
-        kvf_shm_pack(eng->layout.kv[0].base, eng->instance_id, &blob) == KVF_OK) {
-        m.u.xport.x[0] = (kvf_wire_xport_t){{"shm", 3}, blob.data, (uint32_t)blob.len};
-        m.u.xport.count = 1;
-    }
+        kvf_shm_pack(eng->layout.kv[0].base, eng->instance_id, &shm) == KVF_OK)
+        x->x[x->count++] = (kvf_wire_xport_t){{"shm", 3}, shm.data, (uint32_t)shm.len};
+#ifdef KVF_HAVE_UCX
+    if (eng->ucx != NULL && kvf_ucx_pack(eng->ucx, &ucx) == KVF_OK)
+        x->x[x->count++] = (kvf_wire_xport_t){{"ucx", 3}, ucx.data, (uint32_t)ucx.len};
+#endif
     kvf_status_t st = kvf__peer_send(p, &m);
-    kvf_buf_free(&blob);
+    kvf_buf_free(&shm);
+    kvf_buf_free(&ucx);
     if (st != KVF_OK)
         kvf__peer_fail(p, st, "cannot send XPORT: %s", kvf_status_str(st));
 }
@@ -116,36 +126,83 @@ static void use_xport(kvf_peer_t *p, kvf_xport_t x)
     __atomic_fetch_or(&p->eng->used_xports, (unsigned)x, __ATOMIC_RELAXED);
 }
 
+static const kvf_wire_xport_t *find_offer(const kvf_msg_xport_t *x, const char *name)
+{
+    for (uint32_t i = 0; i < x->count; i++)
+        if (x->x[i].name.len == strlen(name) &&
+            memcmp(x->x[i].name.ptr, name, x->x[i].name.len) == 0)
+            return &x->x[i];
+    return NULL;
+}
+
+/* Try one offered transport; on failure say why in `why`. */
+static kvf_xport_t try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, kvf_xport_t which,
+                             char *why, size_t len)
+{
+    kvf_engine_t *eng = p->eng;
+    const kvf_wire_xport_t *o = find_offer(x, which == KVF_XPORT_SHM ? "shm" : "ucx");
+    if (o == NULL) {
+        snprintf(why, len, "the prefill engine does not offer %s",
+                 which == KVF_XPORT_SHM ? "shm" : "ucx");
+        return 0;
+    }
+    if (which == KVF_XPORT_SHM)
+        return eng->allow_shm && kvf_shm_accept(o->blob, o->blob_len, &p->shm, why,
+                                                len) == KVF_OK ? KVF_XPORT_SHM : 0;
+#ifdef KVF_HAVE_UCX
+    if (eng->ucx == NULL) {
+        snprintf(why, len, "ucx is not available on this engine");
+        return 0;
+    }
+    return kvf_ucx_connect(eng->ucx, o->blob, o->blob_len, &p->ucx_ep, why,
+                           len) == KVF_OK ? KVF_XPORT_UCX : 0;
+#else
+    snprintf(why, len, "this build has no ucx");
+    return 0;
+#endif
+}
+
 /*
  * Decode: pick how payload comes from this prefill engine and tell it,
- * before any ROOM_REQ.  shm when offered, allowed here, on this host and
- * readable; otherwise TCP, saying why once when shm was wanted.
+ * before any ROOM_REQ: in the order of the preference ("auto": shm, then
+ * ucx), the first offered transport that works; otherwise TCP, saying why
+ * once when another transport was asked for or expected.
  */
 static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
 {
     kvf_engine_t *eng = p->eng;
-    char why[256] = "the prefill engine does not offer it";
+    char why[256] = "", tried[512] = "";
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
-    kvf_xport_t chosen = KVF_XPORT_TCP;
+    kvf_xport_t chosen = 0;
+    kvf_xport_t order[2] = {KVF_XPORT_SHM, KVF_XPORT_UCX};
 
-    for (uint32_t i = 0; i < x->count && eng->allow_shm; i++) {
-        if (x->x[i].name.len != 3 || memcmp(x->x[i].name.ptr, "shm", 3) != 0)
-            continue;
-        if (p->shm == NULL && kvf_shm_accept(x->x[i].blob, x->x[i].blob_len, &p->shm, why,
-                                             sizeof(why)) == KVF_OK)
-            chosen = KVF_XPORT_SHM;
+    if (strcmp(eng->transport, "ucx") == 0) {
+        order[0] = KVF_XPORT_UCX;
+        order[1] = 0;
+    } else if (strcmp(eng->transport, "shm") == 0) {
+        order[1] = 0;
+    } else if (strcmp(eng->transport, "tcp") == 0) {
+        order[0] = order[1] = 0;
     }
-    if (chosen == KVF_XPORT_SHM) {
+    for (int i = 0; i < 2 && chosen == 0 && order[i] != 0; i++) {
+        chosen = try_offer(p, x, order[i], why, sizeof(why));
+        if (chosen == 0)
+            snprintf(tried + strlen(tried), sizeof(tried) - strlen(tried), "%s%s: %s",
+                     tried[0] ? "; " : "", order[i] == KVF_XPORT_SHM ? "shm" : "ucx", why);
+    }
+    if (chosen != 0) {
+        const char *name = chosen == KVF_XPORT_SHM ? "shm" : "ucx";
         m.u.xport.count = 1;
-        m.u.xport.x[0].name = (kvf_wire_str_t){"shm", 3};
-        kvf_info("prefill rank %d at %s: payload over shm (process %d, %zu regions "
-                 "mapped)", p->tp_rank, p->addr, (int)kvf_shm_peer_pid(p->shm),
-                 kvf_shm_peer_mapped(p->shm));
-    } else if (eng->allow_shm) {
-        static int said;   /* once per process: the reason rarely differs */
-        if (!said++ || strcmp(eng->transport, "shm") == 0)
-            kvf_warn("prefill rank %d at %s: not using shm (%s); falling back to tcp",
-                     p->tp_rank, p->addr, why);
+        m.u.xport.x[0].name = (kvf_wire_str_t){name, 3};
+        kvf_info("prefill rank %d at %s: payload over %s", p->tp_rank, p->addr, name);
+    } else if (tried[0] != '\0') {
+        static int said;   /* once per process unless asked for explicitly */
+        if (!said++ || strcmp(eng->transport, "auto") != 0)
+            kvf_warn("prefill rank %d at %s: payload over tcp (%s)", p->tp_rank, p->addr,
+                     tried);
+        chosen = KVF_XPORT_TCP;
+    } else {
+        chosen = KVF_XPORT_TCP;
     }
     kvf_status_t st = kvf__peer_send(p, &m);
     if (st != KVF_OK) {
@@ -159,6 +216,7 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
 
 static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
 {
+    kvf_engine_t *eng = p->eng;
     if (p->role == KVF_ROLE_PREFILL) {
         if (p->state != KVF_PEER_HANDSHAKE || !p->hello_done) {
             kvf__peer_fail(p, KVF_ERR_PROTOCOL, "XPORT out of order");
@@ -171,16 +229,19 @@ static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "XPORT out of order or with several choices");
         return;
     }
-    if (x->count == 1 && x->x[0].name.len == 3 && memcmp(x->x[0].name.ptr, "shm", 3) == 0 &&
-        p->eng->allow_shm) {
-        use_xport(p, KVF_XPORT_SHM);
-        kvf_info("decode rank %d at %s pulls payload over shm", p->tp_rank, p->addr);
-    } else if (x->count == 0) {
+    if (x->count == 0) {
         use_xport(p, KVF_XPORT_TCP);
+    } else if (find_offer(x, "shm") && eng->allow_shm) {
+        use_xport(p, KVF_XPORT_SHM);
+    } else if (find_offer(x, "ucx") && eng->ucx != NULL) {
+        use_xport(p, KVF_XPORT_UCX);
     } else {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "decode engine chose a transport that was not "
                        "offered");
+        return;
     }
+    kvf_info("decode rank %d at %s: payload over %s", p->tp_rank, p->addr,
+             p->xport == KVF_XPORT_SHM ? "shm" : p->xport == KVF_XPORT_UCX ? "ucx" : "tcp");
 }
 
 static void send_hello(kvf_peer_t *p)
@@ -489,8 +550,10 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
     if (msg->type == KVF_MSG_HEARTBEAT)
         return;
     if (msg->type == KVF_MSG_DATA_REF) {
-        if (p->role != KVF_ROLE_PREFILL || p->xport != KVF_XPORT_SHM) {
-            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA_REF without an agreed shm transport");
+        if (p->role != KVF_ROLE_PREFILL ||
+            (p->xport != KVF_XPORT_SHM && p->xport != KVF_XPORT_UCX)) {
+            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA_REF without an agreed shm or ucx "
+                           "transport");
             return;
         }
         kvf__room_on_data_ref(p, &msg->u.data);

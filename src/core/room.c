@@ -23,6 +23,7 @@
 
 #include "core/engine_int.h"
 #include "transport/shm/shm.h"
+#include "transport/ucx/ucx.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -466,7 +467,7 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     c->put.complete = chunk_complete;
     c->put.room = r->id;
     c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
-    c->put.by_ref = lk->peer->xport == KVF_XPORT_SHM;
+    c->put.by_ref = lk->peer->xport == KVF_XPORT_SHM || lk->peer->xport == KVF_XPORT_UCX;
     c->room = r;
     c->peer = lk->peer;
     c->link = li;
@@ -1196,10 +1197,21 @@ void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
             remote[i] = (struct iovec){(void *)(uintptr_t)kvf_wire_arr64_at(&d->src_addrs, i),
                                        t[i].len};
         }
-        kvf_status_t st = kvf_shm_read(p->shm, local, remote, d->nseg, err, sizeof(err));
+        kvf_status_t st;
+#ifdef KVF_HAVE_UCX
+        if (p->xport == KVF_XPORT_UCX)
+            st = kvf_ucx_read(p->ucx_ep, local, remote, d->nseg,
+                              eng->params.heartbeat_timeout_ms, err, sizeof(err));
+        else
+#endif
+            st = kvf_shm_read(p->shm, local, remote, d->nseg, err, sizeof(err));
         if (st != KVF_OK) {
-            kvf__room_fail(r, st, "shm transfer from %s failed: %s",
+            kvf__room_fail(r, st, "%s transfer from %s failed: %s",
+                           p->xport == KVF_XPORT_UCX ? "ucx" : "shm",
                            kvf__peer_name(p, name, sizeof(name)), err);
+            /* A failed UCX endpoint stays failed: so does the peer. */
+            if (p->xport == KVF_XPORT_UCX)
+                kvf__peer_fail(p, st, "ucx endpoint failed: %s", err);
         } else {
             for (uint32_t i = 0; lk->hash != NULL && i < d->nseg; i++)
                 XXH3_64bits_update(lk->hash, t[i].dst, t[i].len);

@@ -440,6 +440,31 @@ static void test_dropped_ack_times_out_shm(void)
     test_dropped_ack_times_out();
 }
 
+/* And over UCX (its tcp transport here; RDMA on a cluster). */
+static void test_over_ucx(void)
+{
+#ifdef KVF_HAVE_UCX
+    setenv("UCX_TLS", "tcp", 1);
+    transport = "ucx";
+    test_one_room();
+    test_page_size_mismatch();
+    test_reset_resumes();
+    test_dropped_ack_times_out();
+    /* The corrupt fault points the read at an altered copy, which is not
+     * registered memory: UCX refuses it, and the room fails (never
+     * succeeds) without reaching the checksum. */
+    kvf_poll_t ps, ds;
+    kvf_failure_t pf, df;
+    int ok;
+    faulty_room("corrupt@12345", NULL, 1, &ps, &ds, &pf, &df, &ok);
+    CHECK_EQ_INT(ds, KVF_POLL_FAILED);
+    CHECK_EQ_INT(ps, KVF_POLL_FAILED);
+    CHECK_STR_CONTAINS(df.reason, "outside every region it registered");
+#else
+    printf("SKIP test_over_ucx: built without UCX\n");
+#endif
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
@@ -450,4 +475,4 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_page_size_mismatch_shm),
               KVF_CASE(test_reset_resumes_shm), KVF_CASE(test_repeated_resets_give_up_shm),
               KVF_CASE(test_corrupt_fails_with_checksum_shm),
-              KVF_CASE(test_dropped_ack_times_out_shm))
+              KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx))

@@ -394,7 +394,7 @@ static void case_killed(void)
     printf("  after SIGKILL: %s in %llu ms: %s\n", kvf_status_name(st),
            (unsigned long long)dt, s.err);
     CHECK(st == KVF_ERR_CONN_RESET || st == KVF_ERR_PEER_TIMEOUT);
-    CHECK(dt < 3000 + 2500);   /* the timeout, plus the bound on closing */
+    CHECK(dt < 3000 + 1500);   /* the timeout, plus the bound on closing */
     t0 = kvf_now_ms();
     CHECK(kvf_ucx_read(s.ep, &l, &r, 1, 3000, s.err, sizeof(s.err)) != KVF_OK);
     CHECK(kvf_now_ms() - t0 < 100);   /* a dead endpoint fails at once */
@@ -425,7 +425,7 @@ static void case_stopped(void)
     else
         CHECK(st == KVF_OK || st == KVF_ERR_PEER_TIMEOUT);
     if (st == KVF_ERR_PEER_TIMEOUT) {
-        CHECK(dt >= 1000 && dt < 1000 + 2500);
+        CHECK(dt >= 1000 && dt < 1000 + 1500);
         CHECK_STR_CONTAINS(s.err, "within 1000 ms");
         CHECK_EQ_INT(probe(&s, 1000), KVF_ERR_PEER_TIMEOUT);   /* the ep is dead */
     }

@@ -35,7 +35,6 @@
 
 #define BLOB_VERSION     1u
 #define REGION_HDR       20u     /* u64 base, u64 len, u32 rkey_len */
-#define KVF_UCX_CLOSE_MS 2000u   /* bound on waiting for UCX to close an ep */
 #define CHECK_CLOCK      64      /* progress calls between clock reads */
 
 typedef struct region {          /* one of our registered regions */
@@ -360,15 +359,17 @@ static void ep_close(kvf_ucx_ep_t *ep)
     if (req == NULL || UCS_PTR_IS_ERR(req))
         return;
     uint64_t deadline = kvf_now_ms() + KVF_UCX_CLOSE_MS;
-    for (unsigned k = 0; ucp_request_check_status(req) == UCS_INPROGRESS; k++) {
-        if (ucp_worker_progress(ep->u->worker) == 0 && k % CHECK_CLOCK == 0) {
+    for (unsigned k = 1; ucp_request_check_status(req) == UCS_INPROGRESS; k++) {
+        unsigned got = ucp_worker_progress(ep->u->worker);
+        if (k % CHECK_CLOCK == 0) {
             if (kvf_now_ms() >= deadline) {
                 kvf_warn("ucx: closing an endpoint took over %u ms; abandoning it",
                          KVF_UCX_CLOSE_MS);
                 ep->close_req = req;
                 return;
             }
-            sched_yield();
+            if (got == 0)
+                sched_yield();
         }
     }
     ucp_request_free(req);
@@ -578,10 +579,10 @@ static int wait_batch(kvf_ucx_ep_t *ep, uint64_t deadline)
 {
     for (unsigned k = 1; ep->ndone < ep->nreqs; k++) {
         unsigned got = ucp_worker_progress(ep->u->worker);
-        if (got == 0 && k % CHECK_CLOCK == 0) {
+        if (k % CHECK_CLOCK == 0) {
             if (kvf_now_ms() >= deadline)
                 return 0;
-            if (k % (CHECK_CLOCK * 64) == 0)
+            if (got == 0 && k % (CHECK_CLOCK * 64) == 0)
                 sched_yield();   /* a stalled peer: do not starve others */
         }
     }

@@ -47,6 +47,10 @@
 
 #ifdef KVF_HAVE_UCX
 
+/* Bound on waiting for UCX to close an endpoint (disconnect, and stopping
+ * a failed or timed-out read). */
+#define KVF_UCX_CLOSE_MS 1000u
+
 /* Per engine: a UCP context and one worker. */
 typedef struct kvf_ucx kvf_ucx_t;
 /* Per peer: an endpoint to the peer's worker and its unpacked remote keys. */
@@ -127,10 +131,12 @@ void         kvf_ucx_disconnect(kvf_ucx_ep_t *ep);
  * one region registered on our kvf_ucx_t.  All gets are issued before the
  * worker is progressed; on KVF_OK every byte is in local memory.
  *
- * On KVF_ERR_CONN_RESET and KVF_ERR_PEER_TIMEOUT the endpoint is dead (a
- * timed-out batch is stopped by force-closing it, the only way UCX stops
- * an outstanding get): no byte of the batch can land afterwards, every
- * later read fails the same way, and the caller disconnects it.
+ * Blocks at most timeout_ms, plus KVF_UCX_CLOSE_MS when it has to stop a
+ * batch.  On KVF_ERR_CONN_RESET and KVF_ERR_PEER_TIMEOUT the endpoint is
+ * dead (a timed-out batch is stopped by force-closing it, the only way UCX
+ * stops an outstanding get): no byte of the batch can land afterwards,
+ * every later read fails the same way at once, and the caller disconnects
+ * it.
  *
  * @return KVF_OK;
  *   KVF_ERR_PROTOCOL      a remote piece outside every region of the peer
