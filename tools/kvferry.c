@@ -2,6 +2,8 @@
  * The kvferry command: a front door of subcommands.
  *
  *   demo       a whole local prefill/decode deployment, verified (demo.c)
+ *   bench      the same deployment, measured (bench.c; bench_rank.c in the
+ *              ranks; bench_micro.c: --memcpy, --rooms-in-flight)
  *   bootstrap  a standalone bootstrap registry (here)
  *   version    the library version
  *   help       usage
@@ -31,11 +33,14 @@ static void kvt_usage(FILE *out)
         "Commands:\n"
         "  demo        run a local prefill/decode deployment in separate\n"
         "              processes and verify every byte of every room\n"
+        "  bench       measure throughput, room latency, CPU and memory of a\n"
+        "              local prefill/decode pair\n"
         "  bootstrap   run a bootstrap registry (SGLang-compatible routes)\n"
         "  version     print the version\n"
         "  help [CMD]  print this text, or the options of CMD\n"
         "\n"
-        "Run 'kvferry help demo' or 'kvferry help bootstrap' for options.\n");
+        "Run 'kvferry help demo', 'kvferry help bench' or 'kvferry help\n"
+        "bootstrap' for options.\n");
 }
 
 static void kvt_bootstrap_usage(FILE *out)
@@ -123,6 +128,8 @@ int main(int argc, char **argv)
     const char *cmd = argc > 1 ? argv[1] : "help";
     if (strcmp(cmd, "demo") == 0)
         return kvt_demo_main(argc, argv);
+    if (strcmp(cmd, "bench") == 0)
+        return kvt_bench_main(argc, argv);
     if (strcmp(cmd, "bootstrap") == 0)
         return kvt_bootstrap_main(argc, argv);
     if (strcmp(cmd, "_rank") == 0)
@@ -137,6 +144,10 @@ int main(int argc, char **argv)
         if (topic && strcmp(topic, "demo") == 0) {
             char *a[] = { argv[0], "demo", "--help", NULL };
             return kvt_demo_main(3, a);
+        }
+        if (topic && strcmp(topic, "bench") == 0) {
+            char *a[] = { argv[0], "bench", "--help", NULL };
+            return kvt_bench_main(3, a);
         }
         if (topic && strcmp(topic, "bootstrap") == 0) {
             kvt_bootstrap_usage(stdout);

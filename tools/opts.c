@@ -1,10 +1,12 @@
 /*
  * The option table of `kvferry demo` / `kvferry _rank` (see opts.h).
  *
- * Each row: name, kind, struct offset, where it is accepted (demo, rank or
- * both), whether the orchestrator forwards it to ranks, its minimum, and
- * its usage line.  Values are checked here (range, numbers); combinations
- * (chunk vs page size, TP vs heads) in kvt_opts_resolve().
+ * Each row: name, kind, struct offset, where it is accepted (demo, bench,
+ * rank), whether the orchestrator forwards it to ranks, its minimum, and
+ * its usage line.  The usage shows each default from the command's own
+ * defaults struct, so demo and bench can differ without two tables.
+ * Values are checked here (range, numbers); combinations (chunk vs page
+ * size, TP vs heads) in kvt_opts_resolve().
  */
 #include "opts.h"
 
@@ -26,7 +28,8 @@ typedef enum kvt_opt_kind {
 enum {
     KVT_IN_DEMO = 1,   /* accepted by `kvferry demo` */
     KVT_IN_RANK = 2,   /* accepted by `kvferry _rank` */
-    KVT_FORWARD = 4    /* the orchestrator passes it on to every rank */
+    KVT_FORWARD = 4,   /* the orchestrator passes it on to every rank */
+    KVT_IN_BENCH = 8   /* accepted by `kvferry bench` */
 };
 
 typedef struct kvt_opt {
@@ -40,52 +43,66 @@ typedef struct kvt_opt {
 } kvt_opt_t;
 
 #define OFF(f) offsetof(kvt_opts_t, f)
-#define BOTH (KVT_IN_DEMO | KVT_IN_RANK | KVT_FORWARD)
+#define ALL (KVT_IN_DEMO | KVT_IN_BENCH | KVT_IN_RANK | KVT_FORWARD)
 
 static const kvt_opt_t kvt_opt_table[] = {
-    { "model", KVT_STR, OFF(model), BOTH, 0, "NAME",
-      "model KV layout (default llama3-8b; see below)" },
-    { "requests", KVT_U32, OFF(requests), BOTH, 1, "N",
-      "rooms (requests) to transfer (default 32)" },
-    { "tokens", KVT_U32, OFF(tokens), BOTH, 1, "N",
-      "tokens per room (default 1024)" },
-    { "chunk", KVT_U32, OFF(chunk), BOTH, 1, "N",
+    { "model", KVT_STR, OFF(model), ALL, 0, "NAME",
+      "model KV layout (see below)" },
+    { "requests", KVT_U32, OFF(requests), ALL, 1, "N",
+      "rooms (requests) to transfer" },
+    { "duration", KVT_U32, OFF(duration), KVT_IN_BENCH | KVT_IN_RANK | KVT_FORWARD,
+      0, "SECONDS", "run rooms until this much time has passed, instead of --requests" },
+    { "tokens", KVT_U32, OFF(tokens), ALL, 1, "N",
+      "tokens per room" },
+    { "chunk", KVT_U32, OFF(chunk), ALL, 1, "N",
       "tokens per send, a multiple of --page-size (default: all in one send)" },
-    { "page-size", KVT_U32, OFF(page_size), BOTH, 1, "N",
-      "tokens per page on prefill (default 16)" },
-    { "decode-page-size", KVT_U32, OFF(decode_page_size), BOTH, 1, "N",
+    { "page-size", KVT_U32, OFF(page_size), ALL, 1, "N",
+      "tokens per page on prefill" },
+    { "decode-page-size", KVT_U32, OFF(decode_page_size), ALL, 1, "N",
       "tokens per page on decode (default --page-size)" },
-    { "kv-dtype", KVT_STR, OFF(kv_dtype), BOTH, 0, "DTYPE",
-      "KV dtype on prefill (default bfloat16)" },
-    { "decode-kv-dtype", KVT_STR, OFF(decode_kv_dtype), BOTH, 0, "DTYPE",
+    { "kv-dtype", KVT_STR, OFF(kv_dtype), ALL, 0, "DTYPE",
+      "KV dtype on prefill" },
+    { "decode-kv-dtype", KVT_STR, OFF(decode_kv_dtype), ALL, 0, "DTYPE",
       "KV dtype on decode (default --kv-dtype)" },
-    { "prefill-tp", KVT_U32, OFF(prefill_tp), BOTH, 1, "N",
-      "prefill TP size: prefill rank processes (default 1)" },
-    { "decode-tp", KVT_U32, OFF(decode_tp), BOTH, 1, "N",
-      "decode TP size: decode rank processes (default 1)" },
-    { "concurrency", KVT_U32, OFF(concurrency), BOTH, 1, "N",
-      "rooms in flight per rank (default 4)" },
-    { "seed", KVT_U64, OFF(seed), BOTH, 0, "N",
-      "seed of room ids, data and page scattering (default 1)" },
-    { "checksum", KVT_FLAG, OFF(checksum), BOTH, 0, NULL,
+    { "prefill-tp", KVT_U32, OFF(prefill_tp), ALL, 1, "N",
+      "prefill TP size: prefill rank processes" },
+    { "decode-tp", KVT_U32, OFF(decode_tp), ALL, 1, "N",
+      "decode TP size: decode rank processes" },
+    { "concurrency", KVT_U32, OFF(concurrency), ALL, 1, "N",
+      "rooms in flight per rank" },
+    { "seed", KVT_U64, OFF(seed), ALL, 0, "N",
+      "seed of room ids, data and page scattering" },
+    { "checksum", KVT_FLAG, OFF(checksum), ALL, 0, NULL,
       "enable end-to-end XXH3 checksums in the engine" },
-    { "transport", KVT_STR, OFF(transport), BOTH, 0, "NAME",
+    { "transport", KVT_STR, OFF(transport), ALL, 0, "NAME",
       "engine transport: auto or tcp (default: engine default, KVF_TRANSPORT)" },
-    { "contiguous", KVT_FLAG, OFF(contiguous), BOTH, 0, NULL,
-      "give decode contiguous pages instead of randomly scattered ones" },
-    { "timeout", KVT_U32, OFF(timeout), KVT_IN_DEMO, 1, "SECONDS",
-      "kill every process after this; rooms not final are unresolved (default 120)" },
-    { "json", KVT_FLAG, OFF(json), KVT_IN_DEMO, 0, NULL,
+    { "contiguous", KVT_FLAG, OFF(contiguous), KVT_IN_DEMO | KVT_IN_RANK | KVT_FORWARD,
+      0, NULL, "give decode contiguous pages instead of randomly scattered ones" },
+    { "pattern", KVT_STR, OFF(pattern), KVT_IN_BENCH, 0, "contiguous|scattered",
+      "decode pages: consecutive, or drawn at random from a pool twice the size" },
+    { "verify", KVT_FLAG, OFF(verify), KVT_IN_BENCH | KVT_IN_RANK | KVT_FORWARD,
+      0, NULL, "check every byte on decode (CPU time of the check is left out)" },
+    { "timeout", KVT_U32, OFF(timeout), KVT_IN_DEMO | KVT_IN_BENCH, 1, "SECONDS",
+      "kill every process after this; rooms not final are unresolved" },
+    { "json", KVT_FLAG, OFF(json), KVT_IN_DEMO | KVT_IN_BENCH, 0, NULL,
       "print exactly one JSON object on stdout (logs go to stderr)" },
+    { "fault", KVT_STR, OFF(fault), KVT_IN_DEMO, 0, "KIND@WHEN",
+      "inject a fault when the first room reaches WHEN (see Faults below)" },
+    { "after-fault-requests", KVT_U32, OFF(after_fault_requests), KVT_IN_DEMO,
+      0, "N", "fresh rooms the survivors serve after a --fault, all must succeed" },
     /* identity of a rank process: set by the orchestrator only */
     { "role", KVT_STR, OFF(role), KVT_IN_RANK, 0, "prefill|decode", NULL },
     { "rank", KVT_U32, OFF(rank), KVT_IN_RANK, 0, "N", NULL },
     { "registry", KVT_STR, OFF(registry), KVT_IN_RANK, 0, "HOST:PORT", NULL },
+    { "bench", KVT_FLAG, OFF(bench), KVT_IN_RANK | KVT_FORWARD, 0, NULL, NULL },
+    /* set by the demo's fault injector for one rank (fault.h) */
+    { "hold", KVT_STR, OFF(hold), KVT_IN_RANK, 0, "PHASE", NULL },
+    { "faults", KVT_STR, OFF(faults), KVT_IN_RANK, 0, "SPEC", NULL },
 };
 
 #define KVT_NOPTS (sizeof(kvt_opt_table) / sizeof(kvt_opt_table[0]))
 
-void kvt_opts_defaults(kvt_opts_t *o)
+void kvt_opts_defaults(kvt_opts_t *o, kvt_opts_mode_t mode)
 {
     memset(o, 0, sizeof(*o));
     o->model = "llama3-8b";
@@ -98,6 +115,28 @@ void kvt_opts_defaults(kvt_opts_t *o)
     o->concurrency = 4;
     o->seed = 1;
     o->timeout = 120;
+    o->after_fault_requests = 8;
+    if (mode == KVT_OPTS_BENCH) {
+        /* The issue's headline case: 8,192-token rooms of 64-token pages.
+         * Two rooms of 1 GiB in flight keep the link busy while one
+         * finishes, without mapping more memory than a small host has. */
+        o->requests = 16;
+        o->tokens = 8192;
+        o->page_size = 64;
+        o->concurrency = 2;
+        o->pattern = "contiguous";
+    }
+}
+
+static const char *kvt_mode_cmd(kvt_opts_mode_t mode)
+{
+    return mode == KVT_OPTS_DEMO ? "demo" : mode == KVT_OPTS_BENCH ? "bench" : "_rank";
+}
+
+static unsigned kvt_mode_flag(kvt_opts_mode_t mode)
+{
+    return mode == KVT_OPTS_DEMO ? KVT_IN_DEMO
+         : mode == KVT_OPTS_BENCH ? KVT_IN_BENCH : KVT_IN_RANK;
 }
 
 static const kvt_opt_t *kvt_opt_find(const char *name, size_t len,
@@ -144,8 +183,8 @@ static int kvt_opt_set(kvt_opts_t *o, const kvt_opt_t *d, const char *val,
 int kvt_opts_parse(kvt_opts_t *o, kvt_opts_mode_t mode, int argc,
                    char **argv, int first)
 {
-    const char *cmd = mode == KVT_OPTS_DEMO ? "demo" : "_rank";
-    unsigned where = mode == KVT_OPTS_DEMO ? KVT_IN_DEMO : KVT_IN_RANK;
+    const char *cmd = kvt_mode_cmd(mode);
+    unsigned where = kvt_mode_flag(mode);
     for (int i = first; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0)
@@ -189,8 +228,19 @@ int kvt_opts_parse(kvt_opts_t *o, kvt_opts_mode_t mode, int argc,
 
 int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode)
 {
-    const char *cmd = mode == KVT_OPTS_DEMO ? "demo" : "_rank";
+    const char *cmd = kvt_mode_cmd(mode);
     char err[256];
+    if (o->pattern) {
+        if (strcmp(o->pattern, "contiguous") == 0) {
+            o->contiguous = 1;
+        } else if (strcmp(o->pattern, "scattered") == 0) {
+            o->contiguous = 0;
+        } else {
+            fprintf(stderr, "kvferry %s: --pattern %s: expected contiguous or "
+                    "scattered\n", cmd, o->pattern);
+            return -1;
+        }
+    }
     const kvt_model_t *m = kvt_model_find(o->model);
     if (!m) {
         fprintf(stderr, "kvferry %s: unknown model '%s'\n", cmd, o->model);
@@ -236,16 +286,25 @@ int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode)
     return 0;
 }
 
-void kvt_opts_usage(FILE *out)
+void kvt_opts_usage(FILE *out, kvt_opts_mode_t mode, const kvt_opts_t *defaults)
 {
+    unsigned where = kvt_mode_flag(mode);
     for (size_t i = 0; i < KVT_NOPTS; i++) {
         const kvt_opt_t *d = &kvt_opt_table[i];
-        if (!(d->flags & KVT_IN_DEMO))
+        const char *p = (const char *)defaults + d->off;
+        if (!(d->flags & where))
             continue;
-        char lhs[48];
+        char lhs[48], def[64] = "";
         snprintf(lhs, sizeof(lhs), "--%s%s%s", d->name, d->arg ? " " : "",
                  d->arg ? d->arg : "");
-        fprintf(out, "  %-26s %s\n", lhs, d->help);
+        /* A zero or NULL default is described by the help text itself. */
+        if (d->kind == KVT_STR && *(const char *const *)p)
+            snprintf(def, sizeof(def), " (default %s)", *(const char *const *)p);
+        else if (d->kind == KVT_U32 && *(const uint32_t *)p)
+            snprintf(def, sizeof(def), " (default %" PRIu32 ")", *(const uint32_t *)p);
+        else if (d->kind == KVT_U64 && *(const uint64_t *)p)
+            snprintf(def, sizeof(def), " (default %" PRIu64 ")", *(const uint64_t *)p);
+        fprintf(out, "  %-26s %s%s\n", lhs, d->help, def);
     }
 }
 

@@ -1,5 +1,5 @@
 /*
- * Options of `kvferry demo` and of its `_rank` processes.
+ * Options of `kvferry demo`, `kvferry bench` and of their `_rank` processes.
  *
  * One table describes every option once: the parser, the usage text and the
  * argv the orchestrator hands to each rank process are all generated from
@@ -32,6 +32,16 @@ typedef struct kvt_opts {
     const char *transport;         /**< NULL: the engine's default */
     int         contiguous;        /**< decode pages contiguous, not scattered */
     int         json;
+    /* bench */
+    const char *pattern;           /**< "contiguous" or "scattered"; sets contiguous */
+    uint32_t    duration;          /**< seconds; 0: run --requests rooms */
+    int         verify;            /**< decode checks every byte, off the figures */
+    int         bench;             /**< _rank: run the bench loop (bench_rank.c) */
+    /* demo: faults (fault.h) */
+    const char *fault;             /**< "KIND@WHEN", or NULL */
+    uint32_t    after_fault_requests;  /**< fresh rooms after the fault */
+    const char *hold;              /**< _rank: pause after this phase until "resume" */
+    const char *faults;            /**< _rank: the engine's `faults` spec */
     /* _rank only */
     const char *role;              /**< "prefill" or "decode" */
     uint32_t    rank;
@@ -40,10 +50,12 @@ typedef struct kvt_opts {
 
 typedef enum kvt_opts_mode {
     KVT_OPTS_DEMO,   /**< `kvferry demo`: public options */
+    KVT_OPTS_BENCH,  /**< `kvferry bench`: public options */
     KVT_OPTS_RANK    /**< `kvferry _rank`: forwarded options + rank identity */
 } kvt_opts_mode_t;
 
-void kvt_opts_defaults(kvt_opts_t *o);
+/** The defaults of a command (bench has its own sizes). */
+void kvt_opts_defaults(kvt_opts_t *o, kvt_opts_mode_t mode);
 
 /**
  * Parse argv[first..argc).  An unknown option or a bad value prints a
@@ -55,8 +67,8 @@ int kvt_opts_parse(kvt_opts_t *o, kvt_opts_mode_t mode, int argc,
 /** Fill derived defaults and check consistency; -1 with a message printed. */
 int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode);
 
-/** Print the option list of `kvferry demo`. */
-void kvt_opts_usage(FILE *out);
+/** Print the option list of a command, with the defaults in `defaults`. */
+void kvt_opts_usage(FILE *out, kvt_opts_mode_t mode, const kvt_opts_t *defaults);
 
 /**
  * The forwarded options of `o` as a malloc'd argv fragment (every value

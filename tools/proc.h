@@ -33,6 +33,7 @@ typedef struct kvt_child {
     int              reaped;     /**< waitpid() returned it */
     int              wstatus;    /**< its status, once reaped */
     int              stopped;    /**< we sent it SIGSTOP (faults) */
+    int              faulted;    /**< killed on purpose by the fault injector */
     /* Protocol state, maintained by the orchestrator. */
     int              ready;      /**< sent its "ready" event */
     int              finished;   /**< sent its "result" event */

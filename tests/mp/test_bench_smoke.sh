@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# kvferry bench, briefly: tiny model, a few rooms in separate processes,
+# --json.  Checks the report's shape (every figure present and a number)
+# and that no room failed; no timing assertion (benchmarks are not tests).
+set -euo pipefail
+KVFERRY=${KVFERRY:-build/kvferry}
+
+check() {   # json, expected rooms
+    python3 -c '
+import json, numbers, sys
+d = json.loads(sys.argv[1])
+want = int(sys.argv[2])
+for k in ("gbps", "rooms_per_s", "p50_ms", "p99_ms", "cpu_s_per_gb", "peak_rss_mb",
+          "rooms", "failed", "bytes", "seconds"):
+    assert isinstance(d.get(k), numbers.Number) and not isinstance(d[k], bool), (k, d.get(k))
+for side in ("prefill", "decode"):
+    for k in ("cpu_s", "cpu_s_per_gb", "peak_rss_mb", "kv_pool_mb"):
+        assert isinstance(d[side][k], numbers.Number), (side, k, d[side])
+assert d["failed"] == 0 and d["ok"] is True, d
+assert (d["rooms"] == want) if want else d["rooms"] > 0, d["rooms"]
+assert d["gbps"] > 0 and d["rooms_per_s"] > 0 and d["peak_rss_mb"] > 0, d
+assert 0 <= d["p50_ms"] <= d["p99_ms"], d
+assert len(d["ranks"]) == 2 and d["config"]["model"] == "tiny", d
+print("ok: %d rooms, %.3f GB/s, p99 %.3f ms" % (d["rooms"], d["gbps"], d["p99_ms"]))
+' "$1" "$2"
+}
+
+# A fixed count, scattered pages, chunked sends, decode verifying every byte.
+out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 256 --page-size 16 \
+      --chunk 64 --pattern scattered --requests 20 --concurrency 4 --verify --timeout 60)
+check "$out" 20
+
+# --duration: both sides agree on the rooms they ran.
+out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 16 --page-size 16 \
+      --concurrency 8 --duration 1 --timeout 60)
+check "$out" 0

@@ -1,0 +1,353 @@
+/*
+ * Hidden micro-benchmarks of `kvferry bench` (used by bench/baselines.sh):
+ *
+ *   --memcpy [--mib N] [--repeats N]
+ *       single-threaded memcpy bandwidth of large buffers: the memory
+ *       limit any transfer on this host runs against.
+ *   --rooms-in-flight N [--transport NAME]
+ *       N rooms at once between a prefill and a decode engine in this one
+ *       process: the memory each room costs beyond its page indices (RSS
+ *       delta / N, per side) and the time of one poll pass over all of
+ *       them (what a scheduler spends per step), then the rooms complete.
+ *
+ * The one idea of the second: per-room cost only shows at scale, and one
+ * process holding both sides makes the RSS of each phase attributable: the
+ * receivers first (decode), then the senders (prefill), measured after
+ * each side's rooms reached WAITING_FOR_INPUT, i.e. after every per-room
+ * structure on both engines exists.  Both print one JSON object on stdout.
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+#include "kvferry/kvferry.h"
+#include "models.h"
+#include "tool.h"
+
+static double kvt_now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int kvt_cmp_d(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static long kvt_vm_rss_kb(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kb = 0;
+    while (f && fgets(line, sizeof(line), f))
+        if (sscanf(line, "VmRSS: %ld kB", &kb) == 1)
+            break;
+    if (f)
+        fclose(f);
+    return kb;
+}
+
+static int kvt_arg_u32(int argc, char **argv, const char *name, uint32_t *v)
+{
+    size_t len = strlen(name);
+    for (int i = 2; i < argc; i++) {
+        const char *val = NULL;
+        if (strcmp(argv[i], name) == 0 && i + 1 < argc)
+            val = argv[i + 1];
+        else if (strncmp(argv[i], name, len) == 0 && argv[i][len] == '=')
+            val = argv[i] + len + 1;
+        if (!val)
+            continue;
+        char *end;
+        unsigned long x = strtoul(val, &end, 10);
+        if (*end || x == 0 || x > 10000000) {
+            fprintf(stderr, "kvferry bench: %s %s: expected a positive integer\n",
+                    name, val);
+            return -1;
+        }
+        *v = (uint32_t)x;
+    }
+    return 0;
+}
+
+static const char *kvt_arg_str(int argc, char **argv, const char *name)
+{
+    size_t len = strlen(name);
+    for (int i = 2; i < argc; i++) {
+        if (strcmp(argv[i], name) == 0 && i + 1 < argc)
+            return argv[i + 1];
+        if (strncmp(argv[i], name, len) == 0 && argv[i][len] == '=')
+            return argv[i] + len + 1;
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------ */
+/* memcpy                                                                   */
+/* ------------------------------------------------------------------------ */
+
+static int kvt_bench_memcpy(uint32_t mib, uint32_t repeats)
+{
+    size_t len = (size_t)mib << 20;
+    uint8_t *src = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    uint8_t *dst = mmap(NULL, len, PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    double *gbps = calloc(repeats, sizeof(double));
+    if (src == MAP_FAILED || dst == MAP_FAILED || !gbps) {
+        fprintf(stderr, "kvferry bench --memcpy: cannot map 2 x %u MiB: %s; "
+                "use a smaller --mib\n", mib, strerror(errno));
+        return 1;
+    }
+    memset(src, 0x5a, len);
+    memset(dst, 0, len);
+    memcpy(dst, src, len);   /* warm: TLB, page tables, caches */
+    unsigned sink = 0;
+    for (uint32_t i = 0; i < repeats; i++) {
+        double t = kvt_now_s();
+        memcpy(dst, src, len);
+        t = kvt_now_s() - t;
+        sink += dst[(i * 4099u) % len];
+        gbps[i] = (double)len / t / 1e9;
+    }
+    qsort(gbps, repeats, sizeof(double), kvt_cmp_d);
+    printf("{\"memcpy_gbps\":%.4f,\"min_gbps\":%.4f,\"max_gbps\":%.4f,"
+           "\"mib\":%u,\"repeats\":%u,\"sink\":%u}\n", gbps[repeats / 2],
+           gbps[0], gbps[repeats - 1], mib, repeats, sink & 1);
+    free(gbps);
+    munmap(src, len);
+    munmap(dst, len);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Rooms in flight                                                          */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvt_side {
+    kvf_engine_t *eng;
+    uint8_t      *kv;
+    uint8_t      *aux;
+    size_t        kv_len;
+} kvt_side_t;
+
+static int kvt_side_make(kvt_side_t *s, kvf_role_t role, const kvt_geom_t *g,
+                         uint32_t pages, const char *transport,
+                         const char *registry)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = role;
+    p.host = "127.0.0.1";
+    if (transport)
+        p.transport = transport;
+    if (role == KVF_ROLE_PREFILL) {
+        p.bootstrap_addr = registry;
+        p.host_bootstrap = 1;
+    }
+    kvf_status_t st = kvf_engine_create(&p, &s->eng);
+    if (st != KVF_OK) {
+        fprintf(stderr, "kvferry bench: kvf_engine_create (%s): %s; see the "
+                "engine's log above\n", kvf_role_name(role), kvf_status_str(st));
+        return -1;
+    }
+    size_t buf = (size_t)pages * g->page_bytes;
+    s->kv_len = buf * g->num_buffers;
+    s->kv = calloc(1, s->kv_len);
+    s->aux = calloc(pages, KVT_AUX_SLOT_BYTES);
+    kvf_buffer_t *kv = calloc(g->num_buffers, sizeof(*kv));
+    if (!s->kv || !s->aux || !kv) {
+        free(kv);
+        fprintf(stderr, "kvferry bench: out of memory for %u pages\n", pages);
+        return -1;
+    }
+    for (uint32_t b = 0; b < g->num_buffers; b++)
+        kv[b] = (kvf_buffer_t){ s->kv + b * buf, buf, g->page_bytes };
+    kvf_buffer_t aux = { s->aux, (size_t)pages * KVT_AUX_SLOT_BYTES, KVT_AUX_SLOT_BYTES };
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = g->page_size;
+    l.kv_dtype = g->dtype->name;
+    l.attn = g->model->attn;
+    l.num_layers = g->model->num_layers;
+    l.heads_per_rank = g->heads_per_rank;
+    l.total_heads = g->total_heads;
+    l.bytes_per_head = g->bytes_per_head;
+    l.num_kv = g->num_buffers;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;
+    st = kvf_engine_register_layout(s->eng, &l);
+    free(kv);
+    if (st != KVF_OK) {
+        fprintf(stderr, "kvferry bench: kvf_engine_register_layout (%s): %s\n",
+                kvf_role_name(role), kvf_status_str(st));
+        return -1;
+    }
+    return 0;
+}
+
+/* Wait until every room of one side is at least `want` (or final).
+ * @return the number that FAILED, or -1 on timeout. */
+static long kvt_wait_all(kvf_sender_t **snd, kvf_receiver_t **rcv, uint32_t n,
+                         kvf_poll_t want, double timeout_s)
+{
+    double until = kvt_now_s() + timeout_s;
+    for (;;) {
+        long failed = 0;
+        uint32_t ready = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            kvf_poll_t s = snd ? kvf_sender_poll(snd[i]) : kvf_receiver_poll(rcv[i]);
+            failed += s == KVF_POLL_FAILED;
+            ready += s == KVF_POLL_FAILED || s >= want;
+        }
+        if (ready == n)
+            return failed;
+        if (kvt_now_s() > until)
+            return -1;
+        struct timespec ts = { 0, 1000000 };
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Median time of one poll pass over all rooms of one side, in ms. */
+static double kvt_poll_pass_ms(kvf_sender_t **snd, kvf_receiver_t **rcv,
+                               uint32_t n, double *max_p)
+{
+    enum { REPS = 51 };
+    double t[REPS];
+    volatile unsigned sink = 0;
+    for (int r = 0; r < REPS; r++) {
+        double a = kvt_now_s();
+        unsigned acc = 0;
+        for (uint32_t i = 0; i < n; i++)
+            acc += snd ? (unsigned)kvf_sender_poll(snd[i])
+                       : (unsigned)kvf_receiver_poll(rcv[i]);
+        t[r] = (kvt_now_s() - a) * 1e3;
+        sink += acc;
+    }
+    qsort(t, REPS, sizeof(double), kvt_cmp_d);
+    *max_p = t[REPS - 1];
+    return t[REPS / 2];
+}
+
+static int kvt_bench_rooms(uint32_t n, const char *transport)
+{
+    kvt_geom_t g;
+    kvt_geom_init(&g, kvt_model_find("tiny"), kvt_dtype_find("bfloat16"), 1, 0, 16);
+    kvt_side_t pre = { 0 }, dec = { 0 };
+    kvf_sender_t **snd = calloc(n + 1, sizeof(*snd));
+    kvf_receiver_t **rcv = calloc(n + 1, sizeof(*rcv));
+    uint32_t *idx = malloc((n + 1) * sizeof(uint32_t));
+    char reg[KVF_ADDR_MAX];
+    int rc = 1;
+    if (!snd || !rcv || !idx)
+        goto out;
+    for (uint32_t i = 0; i <= n; i++)
+        idx[i] = i;
+    if (kvt_side_make(&pre, KVF_ROLE_PREFILL, &g, n + 1, transport, "127.0.0.1:0") ||
+        kvf_engine_bootstrap_addr(pre.eng, reg, sizeof(reg)) != KVF_OK ||
+        kvt_side_make(&dec, KVF_ROLE_DECODE, &g, n + 1, transport, NULL))
+        goto out;
+
+    /* One room end to end first: registry lookup, connection, handshake. */
+    uint64_t warm = 1ull << 40;
+    if (kvf_receiver_create(dec.eng, reg, warm, -1, &rcv[n]) != KVF_OK ||
+        kvf_receiver_init(rcv[n], &idx[n], 1, n, NULL, 0) != KVF_OK ||
+        kvf_sender_create(pre.eng, reg, warm, &snd[n]) != KVF_OK ||
+        kvt_wait_all(&snd[n], NULL, 1, KVF_POLL_WAITING_FOR_INPUT, 30) != 0 ||
+        kvf_sender_init(snd[n], 1, n) != KVF_OK ||
+        kvf_sender_send(snd[n], &idx[n], 1, 1) != KVF_OK ||
+        kvt_wait_all(NULL, &rcv[n], 1, KVF_POLL_SUCCESS, 30) != 0 ||
+        kvt_wait_all(&snd[n], NULL, 1, KVF_POLL_SUCCESS, 30) != 0) {
+        fprintf(stderr, "kvferry bench --rooms-in-flight: the warm-up room did "
+                "not succeed; run 'kvferry demo --model tiny' to see why\n");
+        goto out;
+    }
+    kvf_sender_destroy(snd[n]);
+    kvf_receiver_destroy(rcv[n]);
+
+    long rss0 = kvt_vm_rss_kb();
+    for (uint32_t i = 0; i < n; i++)
+        if (kvf_receiver_create(dec.eng, reg, i + 1, -1, &rcv[i]) != KVF_OK ||
+            kvf_receiver_init(rcv[i], &idx[i], 1, i, NULL, 0) != KVF_OK) {
+            fprintf(stderr, "kvferry bench: receiver %u refused\n", i);
+            goto out;
+        }
+    long f1 = kvt_wait_all(NULL, rcv, n, KVF_POLL_WAITING_FOR_INPUT, 60);
+    long rss1 = kvt_vm_rss_kb();
+    for (uint32_t i = 0; i < n; i++)
+        if (kvf_sender_create(pre.eng, reg, i + 1, &snd[i]) != KVF_OK) {
+            fprintf(stderr, "kvferry bench: sender %u refused\n", i);
+            goto out;
+        }
+    long f2 = kvt_wait_all(snd, NULL, n, KVF_POLL_WAITING_FOR_INPUT, 60);
+    long rss2 = kvt_vm_rss_kb();
+    double dmax, pmax;
+    double dpass = kvt_poll_pass_ms(NULL, rcv, n, &dmax);
+    double ppass = kvt_poll_pass_ms(snd, NULL, n, &pmax);
+
+    double t = kvt_now_s();
+    for (uint32_t i = 0; i < n; i++)
+        if (kvf_sender_init(snd[i], 1, i) != KVF_OK ||
+            kvf_sender_send(snd[i], &idx[i], 1, 1) != KVF_OK) {
+            fprintf(stderr, "kvferry bench: send of room %u refused\n", i);
+            goto out;
+        }
+    long f3 = kvt_wait_all(NULL, rcv, n, KVF_POLL_SUCCESS, 60);
+    double complete = kvt_now_s() - t;
+    long f4 = kvt_wait_all(snd, NULL, n, KVF_POLL_SUCCESS, 60);
+    long failed = (f1 < 0 || f2 < 0 || f3 < 0 || f4 < 0) ? (long)n : f3 + f4;
+
+    /* Page indices: one uint32 per page, held by the caller and the engine. */
+    double idx_bytes = 4.0;
+    double dec_b = (double)(rss1 - rss0) * 1024.0 / n - idx_bytes;
+    double pre_b = (double)(rss2 - rss1) * 1024.0 / n - idx_bytes;
+    printf("{\"rooms\":%u,\"transport\":\"%s\",\"decode_bytes_per_room\":%.1f,"
+           "\"prefill_bytes_per_room\":%.1f,\"per_room_bytes\":%.1f,"
+           "\"poll_pass_ms_decode\":%.4f,\"poll_pass_ms_prefill\":%.4f,"
+           "\"poll_pass_ms\":%.4f,\"poll_pass_max_ms\":%.4f,"
+           "\"complete_s\":%.4f,\"rooms_per_s\":%.1f,\"failed\":%ld,"
+           "\"rss_kb\":[%ld,%ld,%ld]}\n", n, kvf_engine_transport(dec.eng),
+           dec_b, pre_b, dec_b > pre_b ? dec_b : pre_b, dpass, ppass,
+           dpass > ppass ? dpass : ppass, dmax > pmax ? dmax : pmax,
+           complete, n / complete, failed, rss0, rss1, rss2);
+    rc = failed ? 1 : 0;
+out:
+    for (uint32_t i = 0; i < n; i++) {
+        if (snd && snd[i])
+            kvf_sender_destroy(snd[i]);
+        if (rcv && rcv[i])
+            kvf_receiver_destroy(rcv[i]);
+    }
+    if (dec.eng)
+        kvf_engine_destroy(dec.eng);
+    if (pre.eng)
+        kvf_engine_destroy(pre.eng);
+    free(pre.kv); free(pre.aux); free(dec.kv); free(dec.aux);
+    free(snd); free(rcv); free(idx);
+    return rc;
+}
+
+int kvt_bench_micro_main(int argc, char **argv)
+{
+    uint32_t mib = 256, repeats = 9, rooms = 0;
+    if (kvt_arg_u32(argc, argv, "--mib", &mib) ||
+        kvt_arg_u32(argc, argv, "--repeats", &repeats) ||
+        kvt_arg_u32(argc, argv, "--rooms-in-flight", &rooms))
+        return 2;
+    for (int i = 2; i < argc; i++)
+        if (strcmp(argv[i], "--memcpy") == 0)
+            return kvt_bench_memcpy(mib, repeats);
+    if (!rooms) {
+        fprintf(stderr, "kvferry bench: --rooms-in-flight N needs a count\n");
+        return 2;
+    }
+    return kvt_bench_rooms(rooms, kvt_arg_str(argc, argv, "--transport"));
+}
