@@ -1,0 +1,505 @@
+/*
+ * Receiver: the decode side of a room.
+ *
+ * A receiver resolves its prefill ranks (resolver.c), sends each its
+ * destination once every handshake is done (which ranks send what comes
+ * from parallel.c), checks every inbound segment against the pages and
+ * slots it declared before a byte is placed, and reaches SUCCESS when
+ * every prefill rank has reported DONE with the byte count (and checksum)
+ * it expects.  With shm and ucx it pulls the bytes itself (DATA_REF).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/room.h"
+#include "transport/shm/shm.h"
+#include "transport/ucx/ucx.h"
+#include "util/log.h"
+#include "util/time.h"
+
+kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
+                                 uint64_t room, int prefill_dp_rank,
+                                 kvf_receiver_t **receiver_p)
+{
+    kvf_room_t *r;
+    if (eng == NULL || receiver_p == NULL || bootstrap_addr == NULL ||
+        strchr(bootstrap_addr, ':') == NULL || prefill_dp_rank < -1) {
+        kvf_error("receiver: need an engine, a bootstrap address host:port and a "
+                  "prefill DP rank >= -1");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    pthread_mutex_lock(&eng->lock);
+    kvf_status_t st = kvf__room_create(eng, KVF_ROLE_DECODE, room, &r);
+    if (st == KVF_OK) {
+        r->dp_rank = prefill_dp_rank;
+        r->bootstrap_addr = strdup(bootstrap_addr);
+        if (r->bootstrap_addr == NULL)
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory");
+        else
+            kvf__resolver_enqueue(eng, r);
+        *receiver_p = (kvf_receiver_t *)r;
+    }
+    pthread_mutex_unlock(&eng->lock);
+    return st;
+}
+
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t n,
+                               uint32_t aux_slot, const uint32_t *state_slots,
+                               size_t n_state)
+{
+    kvf_room_t *r = &rv->room;
+    kvf_engine_t *eng = r->eng;
+    const kvf_layout_int_t *l = &eng->layout;
+    uint64_t items = min_items(l->kv, l->num_kv);
+    unsigned long long id = r->id;
+
+    if (n == 0 || pages == NULL || n > UINT32_MAX) {
+        kvf_error("room %llu: kvf_receiver_init needs at least one page", id);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (pages[i] >= items) {
+            kvf_error("room %llu: page %u (index %zu) outside the registered KV buffers "
+                      "(%llu pages)", id, pages[i], i, (unsigned long long)items);
+            return KVF_ERR_OUT_OF_RANGE;
+        }
+    }
+    if (l->num_aux > 0 && aux_slot >= min_items(l->aux, l->num_aux)) {
+        kvf_error("room %llu: aux slot %u outside the registered aux buffers", id, aux_slot);
+        return KVF_ERR_OUT_OF_RANGE;
+    }
+    if (n_state != 0 && (n_state != l->num_state || state_slots == NULL)) {
+        kvf_error("room %llu: %zu state slots given, %u state buffers registered", id,
+                  n_state, l->num_state);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    for (size_t i = 0; i < n_state; i++) {
+        if (state_slots[i] >= l->state[i].length / l->state[i].item_bytes) {
+            kvf_error("room %llu: state slot %u outside state buffer %zu", id,
+                      state_slots[i], i);
+            return KVF_ERR_OUT_OF_RANGE;
+        }
+    }
+    uint32_t *sorted = malloc(n * sizeof(uint32_t));
+    uint32_t *copy = malloc(n * sizeof(uint32_t));
+    uint32_t *st_copy = n_state ? malloc(n_state * sizeof(uint32_t)) : NULL;
+    if (sorted == NULL || copy == NULL || (n_state && st_copy == NULL)) {
+        free(sorted);
+        free(copy);
+        free(st_copy);
+        return KVF_ERR_NO_MEMORY;
+    }
+    memcpy(copy, pages, n * sizeof(uint32_t));
+    memcpy(sorted, pages, n * sizeof(uint32_t));
+    qsort(sorted, n, sizeof(uint32_t), cmp_u32);
+    for (size_t i = 1; i < n; i++) {
+        if (sorted[i] == sorted[i - 1]) {
+            kvf_error("room %llu: page %u appears twice in the destination", id, sorted[i]);
+            free(sorted);
+            free(copy);
+            free(st_copy);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    if (n_state)
+        memcpy(st_copy, state_slots, n_state * sizeof(uint32_t));
+
+    kvf_status_t st = KVF_OK;
+    pthread_mutex_lock(&eng->lock);
+    if (r->initialized) {
+        kvf_error("room %llu: kvf_receiver_init called twice", id);
+        st = KVF_ERR_STATE;
+    } else {
+        r->pages = copy;
+        r->sorted_pages = sorted;
+        r->n_pages = (uint32_t)n;
+        r->aux_slot = aux_slot;
+        r->state_dst = st_copy;
+        r->n_state_dst = (uint32_t)n_state;
+        r->initialized = 1;
+        copy = sorted = st_copy = NULL;
+        kvf__room_try_request(r);
+    }
+    pthread_mutex_unlock(&eng->lock);
+    free(copy);
+    free(sorted);
+    free(st_copy);
+    if (st == KVF_OK)
+        kvf__engine_wake(eng);
+    return st;
+}
+
+int kvf_receiver_pages_released(const kvf_receiver_t *rv)
+{
+    /* Placement happens under the engine lock and checks that the room is
+     * live first (kvf__room_on_data, rx_valid); the final state is stored
+     * under the same lock, so once it is visible no write is in progress
+     * or can start. */
+    return room_final(&rv->room);
+}
+
+kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *rv) { return room_state(&rv->room); }
+
+kvf_status_t kvf_receiver_failure(kvf_receiver_t *rv, kvf_failure_t *f)
+{
+    return kvf__room_consume_failure(&rv->room, f);
+}
+
+void kvf_receiver_abort(kvf_receiver_t *rv) { kvf__room_abort(&rv->room); }
+
+void kvf_receiver_destroy(kvf_receiver_t *rv)
+{
+    if (rv != NULL)
+        kvf__room_destroy(&rv->room);
+}
+
+uint64_t kvf_receiver_room(const kvf_receiver_t *rv) { return rv->room.id; }
+
+void kvf__room_try_request(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    char name[128];
+
+    if (!r->initialized || r->nlinks == 0 || room_final(r))
+        return;
+    /* Wait for every handshake before judging, so that a refusal reaches
+     * every prefill rank of the room. */
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_peer_t *p = r->links[i].peer;
+        if (r->links[i].broken)
+            return;
+        if (p->state == KVF_PEER_DEAD) {
+            char why[160];
+            snprintf(why, sizeof(why), "cannot reach %s",
+                     kvf__peer_name(p, name, sizeof(name)));
+            if (r->links[i].resume_instance != 0 && r->retries < MAX_RETRIES) {
+                r->links[i].broken = 1;
+                r->retries++;
+                r->retry_at_ms = kvf_now_ms() + (RETRY_BASE_MS << (r->retries - 1));
+                return;
+            }
+            if (r->retries > 0)
+                kvf__room_fail(r, KVF_ERR_UNREACHABLE, "%s after %u reconnects; the "
+                               "connection was lost first: %s", why, r->retries,
+                               r->last_err ? r->last_err : "unknown");
+            else
+                kvf__room_fail(r, KVF_ERR_UNREACHABLE, "%s", why);
+            return;
+        }
+        if (p->state != KVF_PEER_READY)
+            return;
+        if (r->links[i].resume_instance != 0 &&
+            r->links[i].resume_instance != p->instance_id) {
+            kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s restarted (instance %016llx, "
+                           "was %016llx) while room %llu was in flight: its KV for the "
+                           "room is gone", kvf__peer_name(p, name, sizeof(name)),
+                           (unsigned long long)p->instance_id,
+                           (unsigned long long)r->links[i].resume_instance,
+                           (unsigned long long)r->id);
+            return;
+        }
+    }
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        if (r->links[i].peer->incompatible) {
+            kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", r->links[i].peer->incompatible);
+            return;
+        }
+    }
+    /* Which links carry data, which one also carries aux and state (the
+     * last pipeline stage's lowest TP rank), and how many bytes each owes. */
+    kvf_par_t mine, theirs;
+    kvf__par_fill(&mine, eng->params.tp_rank, eng->params.tp_size, eng->params.pp_rank,
+                  eng->params.pp_size, &eng->layout);
+    int designated = -1;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        kvf_peer_t *p = lk->peer;
+        char err[256];
+        kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
+        kvf_status_t st = kvf__plan_slice(&theirs, &mine, &lk->slice, err, sizeof(err));
+        lk->idle = st == KVF_ERR_NOT_FOUND;
+        if (lk->idle)
+            continue;
+        if (st != KVF_OK) {
+            kvf__room_fail(r, st, "%s", err);
+            return;
+        }
+        kvf_peer_t *d = designated < 0 ? NULL : r->links[designated].peer;
+        if (d == NULL || p->pp_rank > d->pp_rank ||
+            (p->pp_rank == d->pp_rank && p->tp_rank < d->tp_rank))
+            designated = (int)i;
+    }
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        kvf_peer_t *p = lk->peer;
+        int aux = (int)i == designated;
+        if (lk->req_sent)
+            continue;
+        kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
+        m.u.room_req.room = r->id;
+        m.u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
+        m.u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
+        m.u.room_req.attempt = lk->resume_instance ? r->retries : 0;
+        uint64_t per_page = 0;
+        if (lk->idle) {
+            /* Tell it the room exists; it owes nothing. */
+            m.u.room_req.expected_receivers = 1;
+        } else {
+            int src[KVF_MAX_SOURCES], n = 0;
+            for (int d = 0; d < eng->params.tp_size; d++) {
+                int k = kvf__sources(eng->layout.attn, eng->layout.total_heads, p->tp_size,
+                                     eng->params.tp_size, d, src);
+                for (int j = 0; j < k; j++)
+                    n += src[j] == p->tp_rank;
+            }
+            m.u.room_req.expected_receivers = (uint32_t)n;
+            m.u.room_req.pages = (kvf_wire_arr32_t){r->n_pages, r->pages, NULL};
+            if (aux)
+                m.u.room_req.state_slots =
+                    (kvf_wire_arr32_t){r->n_state_dst, r->state_dst, NULL};
+            for (uint32_t b = 0; b < p->layout.num_kv; b++)
+                per_page += lk->slice.sliced
+                    ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
+                          eng->layout.bytes_per_head
+                    : p->layout.kv[b].item_bytes;
+        }
+        /* A resumed link starts over: the prefill rank resends everything. */
+        lk->expected = r->n_pages * per_page +
+            (aux ? eng->aux_item_bytes_sum +
+                   (r->n_state_dst ? eng->state_item_bytes_sum : 0) : 0);
+        lk->bytes = 0;
+        lk->done = lk->idle;
+        if (lk->hash == NULL && !lk->idle && want_checksum(eng, p))
+            lk->hash = XXH3_createState();
+        if (lk->hash)
+            XXH3_64bits_reset(lk->hash);
+        kvf_status_t st = kvf__peer_send(p, &m);
+        if (st != KVF_OK) {
+            kvf__room_fail(r, st, "cannot send the room's destination to %s: %s",
+                           kvf__peer_name(p, name, sizeof(name)), kvf_status_str(st));
+            return;
+        }
+        lk->req_sent = 1;
+    }
+    kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
+}
+
+/* Resolve one inbound segment to its place in this room's memory. */
+static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
+                           size_t errlen)
+{
+    const kvf_layout_int_t *l = &r->eng->layout;
+    const kvf_buffer_t *b;
+    uint64_t lo, hi;
+
+    if (s->kind == KVF_BUF_KV && s->buf < l->num_kv) {
+        b = &l->kv[s->buf];
+        uint64_t first = s->offset / b->item_bytes;
+        uint64_t last = (s->offset + s->len - 1) / b->item_bytes;
+        /* Head slices hit the same page many times in a row: remember it. */
+        if (first >= r->ok_first && last <= r->ok_last)
+            return (uint8_t *)b->base + s->offset;
+        if (s->offset <= UINT64_MAX - s->len &&
+            kvf__pages_contain(r->sorted_pages, r->n_pages, first, last)) {
+            r->ok_first = first;
+            r->ok_last = last;
+            return (uint8_t *)b->base + s->offset;
+        }
+        snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are outside the "
+                 "pages the room declared", (unsigned long long)s->offset,
+                 (unsigned long long)(s->offset + s->len), s->buf);
+        return NULL;
+    }
+    if (s->kind == KVF_BUF_AUX && s->buf < l->num_aux) {
+        b = &l->aux[s->buf];
+        lo = (uint64_t)r->aux_slot * b->item_bytes;
+    } else if (s->kind == KVF_BUF_STATE && s->buf < r->n_state_dst) {
+        b = &l->state[s->buf];
+        lo = (uint64_t)r->state_dst[s->buf] * b->item_bytes;
+    } else {
+        snprintf(err, errlen, "segment names %s buffer %u, which this room does not have",
+                 s->kind == KVF_BUF_KV ? "KV" : s->kind == KVF_BUF_AUX ? "aux" : "state",
+                 s->buf);
+        return NULL;
+    }
+    hi = lo + b->item_bytes;
+    if (s->offset >= lo && s->offset <= hi && s->len <= hi - s->offset)
+        return (uint8_t *)b->base + s->offset;
+    snprintf(err, errlen, "bytes [%llu, %llu) of %s buffer %u are outside the room's "
+             "slot [%llu, %llu)", (unsigned long long)s->offset,
+             (unsigned long long)(s->offset + s->len),
+             s->kind == KVF_BUF_AUX ? "aux" : "state", s->buf, (unsigned long long)lo,
+             (unsigned long long)hi);
+    return NULL;
+}
+
+/*
+ * Where each segment of an inbound DATA or DATA_REF frame goes, checked
+ * against what the room declared before a byte is placed.  @return the
+ * link the frame belongs to, or NULL: place nothing (the room is not live
+ * here, the peer was not asked, or a segment is out of bounds, which fails
+ * the room).
+ */
+static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
+                                 kvf_rx_target_t *t, kvf_room_t **room_p)
+{
+    kvf_room_t *r = kvf_map_get(&p->eng->rooms_by_id, d->room);
+    char err[256], name[128];
+
+    if (r == NULL || room_final(r)) {
+        kvf_debug("discarding %llu bytes for room %llu (not live here)",
+                  (unsigned long long)d->payload_len, (unsigned long long)d->room);
+        return NULL;
+    }
+    kvf_link_t *lk = link_of(r, p);
+    if (lk == NULL || !lk->req_sent) {
+        kvf_warn("%s sent data for room %llu, which did not ask it for any: discarded",
+                 kvf__peer_name(p, name, sizeof(name)), (unsigned long long)d->room);
+        return NULL;
+    }
+    for (uint32_t i = 0; i < d->nseg; i++) {
+        kvf_wire_seg_t s;
+        kvf_wire_seg_at(d, i, &s);
+        t[i].len = s.len;
+        t[i].dst = seg_target(r, &s, err, sizeof(err));
+        if (t[i].dst == NULL) {
+            for (uint32_t j = 0; j < i; j++)
+                t[j].dst = NULL;
+            kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s wrote outside room %llu's "
+                           "destination: %s; nothing of it was placed",
+                           kvf__peer_name(p, name, sizeof(name)),
+                           (unsigned long long)r->id, err);
+            return NULL;
+        }
+    }
+    kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
+    *room_p = r;
+    return lk;
+}
+
+void kvf__room_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+{
+    kvf_room_t *r = NULL;
+    kvf_link_t *lk = frame_targets(p, d, t, &r);
+
+    p->rx_room = NULL;
+    p->rx_link = NULL;
+    if (lk == NULL)
+        return;
+    r->refs++;
+    p->rx_room = r;
+    p->rx_link = lk;
+}
+
+/* shm: the same checks, then read the bytes from the prefill process. */
+void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
+{
+    kvf_engine_t *eng = p->eng;
+    kvf_room_t *r = NULL;
+    char err[256], name[128];
+
+    if (p->ref_cap < d->nseg) {
+        struct iovec *v = realloc(p->ref_iov, 2 * (size_t)d->nseg * sizeof(*v));
+        kvf_rx_target_t *tg = realloc(p->ref_tgt, (size_t)d->nseg * sizeof(*tg));
+        if (v != NULL)
+            p->ref_iov = v;
+        if (tg != NULL)
+            p->ref_tgt = tg;
+        if (v == NULL || tg == NULL) {
+            kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a DATA_REF frame");
+            return;
+        }
+        p->ref_cap = d->nseg;
+    }
+    kvf_rx_target_t *t = p->ref_tgt;
+    kvf_link_t *lk = frame_targets(p, d, t, &r);
+    if (lk != NULL) {
+        struct iovec *local = p->ref_iov, *remote = p->ref_iov + d->nseg;
+        for (uint32_t i = 0; i < d->nseg; i++) {
+            local[i] = (struct iovec){t[i].dst, t[i].len};
+            remote[i] = (struct iovec){(void *)(uintptr_t)kvf_wire_arr64_at(&d->src_addrs, i),
+                                       t[i].len};
+        }
+        kvf_status_t st;
+#ifdef KVF_HAVE_UCX
+        if (p->xport == KVF_XPORT_UCX)
+            st = kvf_ucx_read(p->ucx_ep, local, remote, d->nseg,
+                              eng->params.heartbeat_timeout_ms, err, sizeof(err));
+        else
+#endif
+            st = kvf_shm_read(p->shm, local, remote, d->nseg, err, sizeof(err));
+        if (st != KVF_OK) {
+            kvf__room_fail(r, st, "%s transfer from %s failed: %s",
+                           p->xport == KVF_XPORT_UCX ? "ucx" : "shm",
+                           kvf__peer_name(p, name, sizeof(name)), err);
+            /* A failed UCX endpoint stays failed: so does the peer. */
+            if (p->xport == KVF_XPORT_UCX)
+                kvf__peer_fail(p, st, "ucx endpoint failed: %s", err);
+        } else {
+            for (uint32_t i = 0; lk->hash != NULL && i < d->nseg; i++)
+                XXH3_64bits_update(lk->hash, t[i].dst, t[i].len);
+            lk->bytes += d->payload_len;
+            eng->stats.bytes_received += d->payload_len;
+            r->t_state_ms = kvf_now_ms();
+        }
+    }
+}
+
+void kvf__room_on_data_end(kvf_peer_t *p, uint64_t placed)
+{
+    kvf_room_t *r = p->rx_room;
+    if (r == NULL)
+        return;
+    p->rx_link->bytes += placed;
+    p->eng->stats.bytes_received += placed;
+    r->t_state_ms = kvf_now_ms();
+    p->rx_room = NULL;
+    p->rx_link = NULL;
+    kvf__room_put(r);
+}
+
+void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
+{
+    kvf_link_t *lk = link_of(r, p);
+    char name[128];
+    kvf__peer_name(p, name, sizeof(name));
+
+    if (lk == NULL || lk->done) {
+        kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent %s DONE for room %llu", name,
+                       lk ? "a second" : "an unexpected", (unsigned long long)r->id);
+        return;
+    }
+    if (m->bytes != lk->expected || lk->bytes != lk->expected) {
+        kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s: it reported "
+                       "%llu bytes, %llu were placed, room %llu expects %llu", name,
+                       (unsigned long long)m->bytes, (unsigned long long)lk->bytes,
+                       (unsigned long long)r->id, (unsigned long long)lk->expected);
+        return;
+    }
+    if (lk->hash != NULL) {
+        uint64_t got = XXH3_64bits_digest(lk->hash);
+        if (!m->has_checksum || got != m->checksum) {
+            kvf__room_fail(r, KVF_ERR_CHECKSUM, "checksum mismatch on the %llu bytes "
+                           "from %s: sender %s%016llx, receiver %016llx",
+                           (unsigned long long)lk->bytes, name,
+                           m->has_checksum ? "" : "sent none, ",
+                           (unsigned long long)m->checksum, (unsigned long long)got);
+            return;
+        }
+    }
+    lk->done = 1;
+    kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
+    ack.u.done_ack.room = r->id;
+    ack.u.done_ack.status = KVF_OK;
+    ack.u.done_ack.bytes = lk->bytes;
+    kvf__peer_send(p, &ack);
+    if (all_done(r))
+        kvf__room_set_state(r, KVF_POLL_SUCCESS);
+}

@@ -1,0 +1,85 @@
+/*
+ * Rooms, internal: what room.c (lifecycle, failures, deadlines, message
+ * dispatch), sender.c (prefill side) and receiver.c (decode side) share.
+ * Everything here runs under the engine lock unless it says otherwise.
+ */
+#ifndef KVF_CORE_ROOM_H
+#define KVF_CORE_ROOM_H
+
+#include "core/engine_int.h"
+
+#define MAX_RUN_BYTES (1ull << 30)   /* one segment per run at most this big */
+#define MAX_LINKS     1024
+#define MAX_RETRIES   3              /* reconnects per room */
+#define RETRY_BASE_MS 100            /* first reconnect delay; doubles */
+
+struct kvf_sender   { kvf_room_t room; };
+struct kvf_receiver { kvf_room_t room; };
+
+/* Lock-free: the state is atomic (acquire pairs with kvf__room_set_state). */
+static inline kvf_poll_t room_state(const kvf_room_t *r)
+{
+    return (kvf_poll_t)atomic_load_explicit(&r->state, memory_order_acquire);
+}
+
+static inline int room_final(const kvf_room_t *r)
+{
+    kvf_poll_t s = room_state(r);
+    return s == KVF_POLL_FAILED || s == KVF_POLL_SUCCESS;
+}
+
+static inline kvf_link_t *link_of(kvf_room_t *r, const kvf_peer_t *p)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].peer == p)
+            return &r->links[i];
+    return NULL;
+}
+
+/* The number of items (pages, slots) every one of n buffers has. */
+static inline uint64_t min_items(const kvf_buffer_t *b, uint32_t n)
+{
+    uint64_t m = UINT64_MAX;
+    for (uint32_t i = 0; i < n; i++)
+        if (b[i].length / b[i].item_bytes < m)
+            m = b[i].length / b[i].item_bytes;
+    return n ? m : 0;
+}
+
+static inline int all_done(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].done)
+            return 0;
+    return r->nlinks == r->expected_links;
+}
+
+static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
+{
+    return eng->params.checksum || p->checksum;
+}
+
+/* room.c */
+kvf_status_t   kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
+                                kvf_room_t **room_p);
+void           kvf__room_destroy(kvf_room_t *r);
+void           kvf__room_abort(kvf_room_t *r);
+kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
+/* Tell `to` the room failed (its record), if the connection is up. */
+void           kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
+/* Record `f` (owned) as the root cause and tell every peer but `from`. */
+void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
+                                     int abort);
+kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
+
+/* sender.c */
+void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
+void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m);
+/* A ROOM_REQ (lk) or a failure (f) for a room whose sender does not exist yet. */
+void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_t expected,
+                           kvf_failure_t *f);
+
+/* receiver.c */
+void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m);
+
+#endif /* KVF_CORE_ROOM_H */

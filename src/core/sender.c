@@ -1,0 +1,665 @@
+/*
+ * Sender: the prefill side of a room.
+ *
+ * A sender collects one destination (ROOM_REQ) per decode rank it feeds,
+ * then turns each send() chunk into one put per destination, produced
+ * lazily segment by segment (whole page runs, or per-token head slices
+ * when the TP sizes differ); after the last chunk's put completes it sends
+ * DONE with the byte count, and reaches SUCCESS when every destination has
+ * acknowledged.  A destination that arrives before its sender is stashed.
+ * A decode rank that reconnects resumes its destination: everything queued
+ * so far is sent again (writes are idempotent).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/room.h"
+#include "util/log.h"
+#include "util/time.h"
+
+/* One send() chunk toward one destination, produced lazily (transport.h). */
+typedef struct chunk_put {
+    kvf_put_t   put;
+    kvf_room_t *room;
+    kvf_peer_t *peer;         /* the connection it was queued on */
+    uint32_t    link;
+    uint32_t    nruns, run, buf;
+    uint32_t    page, tok;    /* sliced: position inside the current run */
+    uint32_t    extra;        /* aux then state segments, on the last chunk */
+    int         last;
+    kvf_run_t   runs[];
+} chunk_put_t;
+
+/*
+ * The next KV segment: a whole run of pages per buffer, or, when the link
+ * carries a slice of the heads, the slice of one token (a run of heads is
+ * contiguous inside a token on both sides, tokens are not).
+ */
+static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *lk,
+                   kvf_wire_seg_t *seg, const void **src)
+{
+    const kvf_slice_t *sl = &lk->slice;
+    while (c->buf < l->num_kv && c->run >= c->nruns) {
+        c->buf++;
+        c->run = c->page = c->tok = 0;
+    }
+    if (c->buf >= l->num_kv)
+        return 0;
+    const kvf_run_t *run = &c->runs[c->run];
+    const uint8_t *base = l->kv[c->buf].base;
+    uint32_t dbuf = c->buf + sl->dst_buf0;
+    if (!sl->sliced) {
+        size_t ib = l->kv[c->buf].item_bytes;
+        *seg = (kvf_wire_seg_t){KVF_BUF_KV, dbuf, (uint64_t)run->dst * ib,
+                                (uint32_t)(run->count * ib)};
+        *src = base + (size_t)run->src * ib;
+        c->run++;
+        return 1;
+    }
+    uint64_t ps = l->page_size, bph = l->bytes_per_head;
+    uint64_t stok = ((uint64_t)run->src + c->page) * ps + c->tok;
+    uint64_t dtok = ((uint64_t)run->dst + c->page) * ps + c->tok;
+    *seg = (kvf_wire_seg_t){KVF_BUF_KV, dbuf,
+                            (dtok * lk->peer->layout.heads_per_rank + sl->dst_head) * bph,
+                            (uint32_t)(sl->nheads * bph)};
+    *src = base + (stok * l->heads_per_rank + sl->src_head) * bph;
+    if (++c->tok == ps) {
+        c->tok = 0;
+        if (++c->page == run->count) {
+            c->page = 0;
+            c->run++;
+        }
+    }
+    return 1;
+}
+
+static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
+{
+    chunk_put_t *c = (chunk_put_t *)put;
+    kvf_room_t *r = c->room;
+    kvf_engine_t *eng = r->eng;
+    const kvf_layout_int_t *l = &eng->layout;
+    kvf_link_t *lk = &r->links[c->link];
+
+    if (room_state(r) == KVF_POLL_FAILED)
+        return r->failure ? r->failure->status : KVF_ERR_ABORTED;
+    if (next_kv(c, l, lk, seg, src)) {
+        /* produced */
+    } else if (c->last && lk->aux_slot != KVF_NO_SLOT && c->extra < l->num_aux) {
+        uint32_t i = c->extra++;
+        size_t ib = l->aux[i].item_bytes;
+        *seg = (kvf_wire_seg_t){KVF_BUF_AUX, i, (uint64_t)lk->aux_slot * ib, (uint32_t)ib};
+        *src = (const uint8_t *)l->aux[i].base + (size_t)r->aux_slot * ib;
+    } else if (c->last && lk->n_state > 0 && c->extra < l->num_aux + l->num_state) {
+        if (c->extra < l->num_aux)
+            c->extra = l->num_aux;
+        uint32_t i = c->extra++ - l->num_aux;
+        size_t ib = l->state[i].item_bytes;
+        *seg = (kvf_wire_seg_t){KVF_BUF_STATE, i, (uint64_t)lk->state_slots[i] * ib,
+                                (uint32_t)ib};
+        *src = (const uint8_t *)l->state[i].base + (size_t)r->state_src[i] * ib;
+    } else {
+        return 0;
+    }
+    lk->bytes += seg->len;
+    eng->stats.bytes_sent += seg->len;
+    r->t_state_ms = eng->now_ms;     /* per segment: the progress thread's clock */
+    if (lk->hash)
+        XXH3_64bits_update(lk->hash, *src, seg->len);
+    return 1;
+}
+
+static void send_done(kvf_room_t *r, kvf_link_t *lk)
+{
+    kvf_msg_t m = {.type = KVF_MSG_DONE};
+    m.u.done.room = r->id;
+    m.u.done.src_rank = (uint32_t)r->eng->params.tp_rank;
+    m.u.done.bytes = lk->bytes;
+    if (lk->hash) {
+        m.u.done.has_checksum = 1;
+        m.u.done.checksum = XXH3_64bits_digest(lk->hash);
+    }
+    kvf__peer_send(lk->peer, &m);
+}
+
+/*
+ * Puts on one connection complete in order, so when the last chunk's put
+ * completes, everything before it is in the stream too: DONE may follow.
+ * A put from a connection the link has since left (a resumed link) is
+ * stale: its outcome no longer matters.
+ */
+static void chunk_complete(kvf_put_t *put, kvf_status_t st)
+{
+    chunk_put_t *c = (chunk_put_t *)put;
+    kvf_room_t *r = c->room;
+    kvf_link_t *lk = &r->links[c->link];
+    char name[128];
+
+    if (c->peer != lk->peer || room_final(r)) {
+        /* stale, or nothing left to do */
+    } else if (st != KVF_OK) {
+        if (!lk->broken)   /* broken: the room waits for a reconnect */
+            kvf__room_fail(r, st, "transfer to %s failed: %s",
+                           kvf__peer_name(lk->peer, name, sizeof(name)),
+                           kvf_status_str(st));
+    } else if (c->last) {
+        send_done(r, lk);
+    }
+    kvf__peer_put(c->peer);
+    kvf__room_put(r);
+    free(c);
+}
+
+/* Queue src[i] -> the link's destination page dst_off + i, i < n. */
+static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *pages,
+                                uint32_t dst_off, size_t n, int last)
+{
+    kvf_link_t *lk = &r->links[li];
+    chunk_put_t *c = malloc(sizeof(*c) + n * sizeof(kvf_run_t));
+    if (c == NULL)
+        return KVF_ERR_NO_MEMORY;
+    uint64_t max_ib = 1;
+    for (uint32_t i = 0; i < r->eng->layout.num_kv; i++)
+        if (r->eng->layout.kv[i].item_bytes > max_ib)
+            max_ib = r->eng->layout.kv[i].item_bytes;
+    memset(c, 0, sizeof(*c));
+    c->nruns = (uint32_t)kvf__plan_runs(pages, lk->pages + dst_off, n,
+                                        (uint32_t)(MAX_RUN_BYTES / max_ib), c->runs);
+    c->put.next = chunk_next;
+    c->put.complete = chunk_complete;
+    c->put.room = r->id;
+    c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
+    c->put.by_ref = lk->peer->xport == KVF_XPORT_SHM || lk->peer->xport == KVF_XPORT_UCX;
+    c->room = r;
+    c->peer = lk->peer;
+    c->link = li;
+    c->last = last;
+    r->refs++;
+    lk->peer->refs++;
+    if (last)
+        lk->last_queued = 1;
+    if (lk->peer->conn == NULL)
+        chunk_complete(&c->put, KVF_ERR_CONN_RESET);
+    else
+        lk->peer->conn->ops->put(lk->peer->conn, &c->put);
+    return KVF_OK;
+}
+
+/* A decode rank's destination for a live sender. */
+static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
+                            uint32_t expected)
+{
+    char name[128];
+    kvf__peer_name(p, name, sizeof(name));
+
+    if (room_final(r)) {
+        if (room_state(r) == KVF_POLL_FAILED) {
+            kvf__room_send_fail(r, p, 0);
+        } else {
+            kvf_failure_t f = {.status = KVF_ERR_ROOM_CONFLICT, .origin_side = r->side,
+                               .origin_rank = r->eng->params.tp_rank};
+            snprintf(f.origin_addr, sizeof(f.origin_addr), "%s", r->eng->addr);
+            snprintf(f.reason, sizeof(f.reason), "room %llu already completed on "
+                     "prefill rank %d; a room id must not be reused while its sender "
+                     "is alive", (unsigned long long)r->id, r->eng->params.tp_rank);
+            kvf_failure_t *keep = r->failure;
+            r->failure = &f;
+            kvf__room_send_fail(r, p, 0);
+            r->failure = keep;
+        }
+        goto out;
+    }
+    if (expected == 0 || expected > MAX_LINKS) {
+        kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s announced %u receivers for room %llu",
+                       name, expected, (unsigned long long)r->id);
+        goto out;
+    }
+    if (r->links == NULL) {
+        r->links = calloc(expected, sizeof(kvf_link_t));
+        if (r->links == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for room destinations");
+            goto out;
+        }
+        r->expected_links = expected;
+    } else if (expected != r->expected_links) {
+        kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s announced %u receivers for room %llu, "
+                       "another decode rank announced %u", name, expected,
+                       (unsigned long long)r->id, r->expected_links);
+        goto out;
+    }
+    if (link_of(r, p) != NULL || r->nlinks == r->expected_links) {
+        kvf__room_fail(r, KVF_ERR_ROOM_CONFLICT, "%s sent a second destination for "
+                       "room %llu while the room is live (room id reused?)", name,
+                       (unsigned long long)r->id);
+        goto out;
+    }
+    kvf_par_t mine, theirs;
+    char err[KVF_REASON_MAX - 128];
+    kvf__par_fill(&mine, r->eng->params.tp_rank, r->eng->params.tp_size,
+                  r->eng->params.pp_rank, r->eng->params.pp_size, &r->eng->layout);
+    kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
+    kvf_status_t st = kvf__plan_slice(&mine, &theirs, &dst->slice, err, sizeof(err));
+    dst->idle = dst->n_pages == 0;
+    if (st == KVF_ERR_NOT_FOUND ? !dst->idle : st != KVF_OK) {
+        kvf__room_fail(r, st == KVF_ERR_NOT_FOUND ? KVF_ERR_BAD_INDICES : st,
+                       "%s asked for room %llu's KV from prefill rank %d, which %s", name,
+                       (unsigned long long)r->id, r->eng->params.tp_rank,
+                       st == KVF_ERR_NOT_FOUND ? "holds none of its heads" : err);
+        goto out;
+    }
+    if (r->initialized && !dst->idle && dst->n_pages != r->num_pages) {
+        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s declared %u pages for room %llu, "
+                       "but the prefill side declared %u (kvf_sender_init num_pages)",
+                       name, dst->n_pages, (unsigned long long)r->id, r->num_pages);
+        goto out;
+    }
+    kvf_link_t *lk = &r->links[r->nlinks++];
+    *lk = *dst;
+    memset(dst, 0, sizeof(*dst));
+    lk->peer = p;
+    p->refs++;
+    if (!lk->idle && want_checksum(r->eng, p) && (lk->hash = XXH3_createState()) != NULL)
+        XXH3_64bits_reset(lk->hash);
+    if (r->nlinks == r->expected_links)
+        kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
+    return;
+out:
+    free(dst->pages);
+    free(dst->state_slots);
+    memset(dst, 0, sizeof(*dst));
+}
+
+static void stash_apply(kvf_room_t *r)
+{
+    kvf_stash_t *s = kvf_map_del(&r->eng->stash, r->id);
+    while (s != NULL) {
+        kvf_stash_t *n = s->next;
+        char name[128];
+        if (s->failure != NULL) {
+            if (!room_final(r)) {
+                kvf__room_fail_record(r, s->failure, s->peer, s->failure->status == KVF_ERR_ABORTED);
+                s->failure = NULL;
+            }
+        } else if (s->peer->state == KVF_PEER_DEAD) {
+            kvf__room_fail(r, KVF_ERR_CONN_RESET, "%s disconnected before the sender "
+                           "for room %llu was created",
+                           kvf__peer_name(s->peer, name, sizeof(name)),
+                           (unsigned long long)r->id);
+        } else {
+            add_destination(r, s->peer, &s->link, s->expected);
+        }
+        free(s->link.pages);
+        free(s->link.state_slots);
+        free(s->failure);
+        kvf__peer_put(s->peer);
+        free(s);
+        s = n;
+    }
+}
+
+kvf_status_t kvf_sender_create(kvf_engine_t *eng, const char *bootstrap_addr,
+                               uint64_t room, kvf_sender_t **sender_p)
+{
+    kvf_room_t *r;
+    if (eng == NULL || sender_p == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    pthread_mutex_lock(&eng->lock);
+    kvf_status_t st = kvf__room_create(eng, KVF_ROLE_PREFILL, room, &r);
+    if (st == KVF_OK) {
+        if (bootstrap_addr && eng->bootstrap_addr &&
+            strcmp(bootstrap_addr, eng->bootstrap_addr) != 0)
+            kvf_debug("room %llu: bootstrap address %s differs from the engine's %s",
+                      (unsigned long long)room, bootstrap_addr, eng->bootstrap_addr);
+        stash_apply(r);
+        *sender_p = (kvf_sender_t *)r;
+    }
+    pthread_mutex_unlock(&eng->lock);
+    return st;
+}
+
+kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_slot)
+{
+    kvf_room_t *r = &s->room;
+    kvf_engine_t *eng = r->eng;
+    const kvf_layout_int_t *l = &eng->layout;
+    kvf_status_t st = KVF_OK;
+
+    pthread_mutex_lock(&eng->lock);
+    if (r->initialized) {
+        kvf_error("room %llu: kvf_sender_init called twice", (unsigned long long)r->id);
+        st = KVF_ERR_STATE;
+    } else if (num_pages == 0) {
+        kvf_error("room %llu: num_pages must be positive", (unsigned long long)r->id);
+        st = KVF_ERR_INVALID_PARAM;
+    } else if (l->num_aux > 0 && aux_slot >= min_items(l->aux, l->num_aux)) {
+        kvf_error("room %llu: aux slot %u outside the registered aux buffers (%llu slots)",
+                  (unsigned long long)r->id, aux_slot,
+                  (unsigned long long)min_items(l->aux, l->num_aux));
+        st = KVF_ERR_OUT_OF_RANGE;
+    } else {
+        r->src_pages = malloc(num_pages * sizeof(uint32_t));
+        if (r->src_pages == NULL) {
+            pthread_mutex_unlock(&eng->lock);
+            return KVF_ERR_NO_MEMORY;
+        }
+        r->num_pages = num_pages;
+        r->aux_slot = aux_slot;
+        r->initialized = 1;
+        for (uint32_t i = 0; i < r->nlinks; i++) {
+            char name[128];
+            if (!r->links[i].idle && r->links[i].n_pages != num_pages) {
+                kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s declared %u pages for room "
+                               "%llu, but the prefill side declared %u",
+                               kvf__peer_name(r->links[i].peer, name, sizeof(name)),
+                               r->links[i].n_pages, (unsigned long long)r->id, num_pages);
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&eng->lock);
+    return st;
+}
+
+kvf_status_t kvf_sender_set_state(kvf_sender_t *s, const uint32_t *slots, size_t n)
+{
+    kvf_room_t *r = &s->room;
+    const kvf_layout_int_t *l = &r->eng->layout;
+    kvf_status_t st = KVF_OK;
+
+    if (n != l->num_state || (n > 0 && slots == NULL)) {
+        kvf_error("room %llu: %zu state slots given, %u state buffers registered",
+                  (unsigned long long)r->id, n, l->num_state);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (slots[i] >= l->state[i].length / l->state[i].item_bytes) {
+            kvf_error("room %llu: state slot %u outside state buffer %zu",
+                      (unsigned long long)r->id, slots[i], i);
+            return KVF_ERR_OUT_OF_RANGE;
+        }
+    }
+    pthread_mutex_lock(&r->eng->lock);
+    if (r->last_sent || r->state_src != NULL) {
+        st = KVF_ERR_STATE;
+    } else if (n > 0) {
+        r->state_src = malloc(n * sizeof(uint32_t));
+        if (r->state_src == NULL)
+            st = KVF_ERR_NO_MEMORY;
+        else {
+            memcpy(r->state_src, slots, n * sizeof(uint32_t));
+            r->n_state_src = (uint32_t)n;
+        }
+    }
+    pthread_mutex_unlock(&r->eng->lock);
+    return st;
+}
+
+kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
+                             int is_last)
+{
+    kvf_room_t *r = &s->room;
+    kvf_engine_t *eng = r->eng;
+    const char *why = NULL;
+    kvf_status_t st = KVF_ERR_STATE;
+    uint64_t items = min_items(eng->layout.kv, eng->layout.num_kv);
+
+    if (n > 0 && pages == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    for (size_t i = 0; i < n; i++) {
+        if (pages[i] >= items) {
+            kvf_error("room %llu: page %u (chunk index %zu) outside the registered KV "
+                      "buffers (%llu pages); nothing sent", (unsigned long long)r->id,
+                      pages[i], i, (unsigned long long)items);
+            return KVF_ERR_OUT_OF_RANGE;
+        }
+    }
+    pthread_mutex_lock(&eng->lock);
+    kvf_poll_t state = room_state(r);
+    if (!r->initialized)
+        why = "kvf_sender_init was not called";
+    else if (r->last_sent)
+        why = "the last chunk was already sent";
+    else if (state == KVF_POLL_FAILED)
+        why = "the room failed";
+    else if (state < KVF_POLL_WAITING_FOR_INPUT)
+        why = "the room is still Bootstrapping (poll until WaitingForInput)";
+    else if (n > r->num_pages - r->pages_sent) {
+        why = "more pages than kvf_sender_init declared";
+        st = KVF_ERR_OUT_OF_RANGE;
+    } else if (is_last && r->pages_sent + n != r->num_pages) {
+        why = "the last chunk leaves declared pages unsent";
+        st = KVF_ERR_INVALID_PARAM;
+    } else if (n == 0 && !is_last) {
+        why = "an empty chunk that is not the last";
+        st = KVF_ERR_INVALID_PARAM;
+    } else {
+        for (uint32_t i = 0; i < r->nlinks && r->links[i].n_state > 0 && is_last; i++) {
+            if (r->n_state_src == 0) {
+                why = "the decode side declared state slots: call kvf_sender_set_state "
+                      "before the last chunk";
+                st = KVF_ERR_STATE;
+                break;
+            }
+        }
+    }
+    if (why == NULL) {
+        st = KVF_OK;
+        memcpy(r->src_pages + r->pages_sent, pages, n * sizeof(uint32_t));
+        for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++) {
+            kvf_link_t *lk = &r->links[i];
+            if (lk->idle)            /* nothing to send: done with the last chunk */
+                lk->done = is_last;
+            else if (!lk->broken)    /* a resumed link gets it all again */
+                st = queue_chunk(r, i, pages, r->pages_sent, n, is_last);
+        }
+        if (st != KVF_OK) {
+            kvf__room_fail(r, st, "cannot queue chunk: %s", kvf_status_str(st));
+        } else {
+            r->pages_sent += (uint32_t)n;
+            r->last_sent = is_last;
+            kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
+            if (all_done(r))
+                kvf__room_set_state(r, KVF_POLL_SUCCESS);
+        }
+    } else {
+        kvf_error("room %llu: send of %zu pages (pages %u..%zu of %u%s) refused: %s",
+                  (unsigned long long)r->id, n, r->pages_sent, r->pages_sent + n,
+                  r->num_pages, is_last ? ", last" : "", why);
+    }
+    pthread_mutex_unlock(&eng->lock);
+    if (st == KVF_OK)
+        kvf__engine_wake(eng);
+    return st;
+}
+
+kvf_poll_t kvf_sender_poll(const kvf_sender_t *s) { return room_state(&s->room); }
+
+kvf_status_t kvf_sender_failure(kvf_sender_t *s, kvf_failure_t *f)
+{
+    return kvf__room_consume_failure(&s->room, f);
+}
+
+void kvf_sender_abort(kvf_sender_t *s) { kvf__room_abort(&s->room); }
+
+void kvf_sender_destroy(kvf_sender_t *s)
+{
+    if (s != NULL)
+        kvf__room_destroy(&s->room);
+}
+
+uint64_t kvf_sender_room(const kvf_sender_t *s) { return s->room.id; }
+
+void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+{
+    kvf_link_t *lk = link_of(r, p);
+    char name[128];
+
+    if (lk == NULL || !lk->last_queued || lk->done)
+        return;
+    if (m->status != KVF_OK) {
+        kvf__room_fail(r, (kvf_status_t)m->status, "%s refused room %llu's data: %s",
+                       kvf__peer_name(p, name, sizeof(name)), (unsigned long long)r->id,
+                       kvf_status_str((kvf_status_t)m->status));
+        return;
+    }
+    lk->done = 1;
+    if (all_done(r))
+        kvf__room_set_state(r, KVF_POLL_SUCCESS);
+}
+
+/* Prefill: a ROOM_REQ or a FAIL for a room that has no sender yet. */
+void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_t expected,
+                      kvf_failure_t *f)
+{
+    kvf_engine_t *eng = p->eng;
+    kvf_stash_t *s = calloc(1, sizeof(*s));
+    if (s == NULL) {
+        free(f);
+        return;
+    }
+    s->peer = p;
+    p->refs++;
+    s->t_ms = kvf_now_ms();
+    if (lk) {
+        s->link = *lk;
+        memset(lk, 0, sizeof(*lk));
+    }
+    s->expected = expected;
+    s->failure = f;
+    s->next = kvf_map_get(&eng->stash, room);
+    if (kvf_map_put(&eng->stash, room, s) != KVF_OK) {
+        kvf__peer_put(p);
+        free(s->link.pages);
+        free(s->link.state_slots);
+        free(f);
+        free(s);
+    }
+}
+
+/*
+ * A decode rank that lost its connection asks again (attempt > 0): move its
+ * link to the new connection and resend everything queued so far (writes
+ * are idempotent).  @return 0 if the room has no such link (a first
+ * request, then).
+ */
+static int resume(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
+{
+    char name[128];
+    uint32_t li;
+
+    for (li = 0; li < r->nlinks; li++)
+        if (r->links[li].rank == req->rank)
+            break;
+    if (li == r->nlinks)
+        return 0;
+    kvf_link_t *lk = &r->links[li];
+    kvf__peer_name(p, name, sizeof(name));
+    if (room_final(r)) {
+        kvf__room_send_fail(r, p, 0);
+        return 1;
+    }
+    if (lk->peer->instance_id != p->instance_id) {
+        kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s restarted while room %llu was in "
+                       "flight (instance %016llx, was %016llx)", name,
+                       (unsigned long long)r->id, (unsigned long long)p->instance_id,
+                       (unsigned long long)lk->peer->instance_id);
+        return 1;
+    }
+    if (req->n_pages != lk->n_pages ||
+        memcmp(req->pages, lk->pages, lk->n_pages * sizeof(uint32_t)) != 0) {
+        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s resumed room %llu with a different "
+                       "destination", name, (unsigned long long)r->id);
+        return 1;
+    }
+    kvf_info("%s resumed room %llu (attempt %u): resending %u pages", name,
+             (unsigned long long)r->id, r->retries, r->pages_sent);
+    kvf__peer_put(lk->peer);
+    lk->peer = p;
+    p->refs++;
+    lk->broken = 0;
+    lk->bytes = 0;
+    lk->done = 0;
+    lk->last_queued = 0;
+    if (lk->hash)
+        XXH3_64bits_reset(lk->hash);
+    r->t_state_ms = kvf_now_ms();
+    if (r->pages_sent > 0 || r->last_sent) {
+        kvf_status_t st = queue_chunk(r, li, r->src_pages, 0, r->pages_sent, r->last_sent);
+        if (st != KVF_OK)
+            kvf__room_fail(r, st, "cannot queue the resend: %s", kvf_status_str(st));
+    }
+    return 1;
+}
+
+void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
+{
+    kvf_engine_t *eng = p->eng;
+    kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
+    const kvf_layout_int_t *pl = &p->layout;
+    uint64_t items = min_items(pl->kv, pl->num_kv);
+    kvf_link_t lk = {0};
+    const char *bad = NULL;
+
+    if (pl->num_aux > 0 && m->aux_slot != KVF_NO_SLOT &&
+        m->aux_slot >= min_items(pl->aux, pl->num_aux))
+        bad = "aux slot outside its registered aux buffers";
+    else if (m->state_slots.count != 0 && m->state_slots.count != pl->num_state)
+        bad = "state slot count differs from its state buffers";
+    for (uint32_t i = 0; bad == NULL && i < m->pages.count; i++)
+        if (kvf_wire_arr32_at(&m->pages, i) >= items)
+            bad = "a page outside its registered KV buffers";
+    for (uint32_t i = 0; bad == NULL && i < m->state_slots.count; i++)
+        if (kvf_wire_arr32_at(&m->state_slots, i) >=
+            pl->state[i].length / pl->state[i].item_bytes)
+            bad = "a state slot outside its state buffers";
+
+    lk.rank = m->dst_rank;
+    lk.n_pages = m->pages.count;
+    lk.aux_slot = m->aux_slot;
+    lk.n_state = m->state_slots.count;
+    lk.pages = malloc((lk.n_pages ? lk.n_pages : 1) * sizeof(uint32_t));
+    lk.state_slots = lk.n_state ? malloc(lk.n_state * sizeof(uint32_t)) : NULL;
+    if (lk.pages == NULL || (lk.n_state && lk.state_slots == NULL)) {
+        free(lk.pages);
+        free(lk.state_slots);
+        kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a room destination");
+        return;
+    }
+    for (uint32_t i = 0; i < lk.n_pages; i++)
+        lk.pages[i] = kvf_wire_arr32_at(&m->pages, i);
+    for (uint32_t i = 0; i < lk.n_state; i++)
+        lk.state_slots[i] = kvf_wire_arr32_at(&m->state_slots, i);
+
+    char name[128];
+    kvf__peer_name(p, name, sizeof(name));
+    if (r == NULL) {
+        kvf_failure_t *f = NULL;
+        if (bad != NULL || p->incompatible != NULL) {
+            kvf_failure_t tmp = {.status = bad ? KVF_ERR_BAD_INDICES : KVF_ERR_INCOMPATIBLE,
+                                 .origin_side = KVF_ROLE_PREFILL,
+                                 .origin_rank = eng->params.tp_rank};
+            snprintf(tmp.origin_addr, sizeof(tmp.origin_addr), "%s", eng->addr);
+            if (bad)
+                snprintf(tmp.reason, sizeof(tmp.reason), "%s sent a destination for "
+                         "room %llu with %s", name, (unsigned long long)m->room, bad);
+            else
+                snprintf(tmp.reason, sizeof(tmp.reason), "%s", p->incompatible);
+            f = malloc(sizeof(*f));
+            if (f)
+                *f = tmp;
+        }
+        kvf__sender_stash_add(p, m->room, &lk, m->expected_receivers, f);
+    } else if (m->attempt > 0 && resume(r, p, &lk)) {
+        /* resumed on a new connection */
+    } else if (bad != NULL) {
+        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s sent a destination for room %llu "
+                       "with %s", name, (unsigned long long)m->room, bad);
+    } else if (p->incompatible != NULL) {
+        kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
+    } else {
+        add_destination(r, p, &lk, m->expected_receivers);
+    }
+    free(lk.pages);
+    free(lk.state_slots);
+}
