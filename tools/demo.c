@@ -127,7 +127,7 @@ static void kvt_demo_usage(FILE *out)
         "room reaches WHEN (bootstrap, mid: after a non-last chunk, last: after\n"
         "the last chunk):\n"
         "  kill-prefill, kill-decode   SIGKILL the rank; restarted for the fresh batch\n"
-        "  stop-prefill, stop-decode   SIGSTOP it; SIGCONT when the others are done (4 s at most)\n"
+        "  stop-prefill, stop-decode   SIGSTOP it; SIGCONT when its peers resolved (4 s at most)\n"
         "  reset, corrupt              prefill[0]'s engine resets its connection or\n"
         "                              flips a payload byte at that point of its bytes\n"
         "                              (KVF_FAULTS syntax; use --checksum with corrupt)\n"

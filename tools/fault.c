@@ -151,17 +151,6 @@ static int kvt_is_rank(const kvt_child_t *c)
     return c->role != KVT_CHILD_REGISTRY;
 }
 
-/* Has every rank but `except` reported its batch, or gone? */
-static int kvt_others_finished(kvt_orch_t *orch, const kvt_child_t *except)
-{
-    for (size_t i = 0; i < orch->kids.n; i++) {
-        const kvt_child_t *c = &orch->kids.v[i];
-        if (c != except && kvt_is_rank(c) && !c->finished && c->out_fd >= 0)
-            return 0;
-    }
-    return 1;
-}
-
 /* ------------------------------------------------------------------------ */
 /* Life cycle                                                               */
 /* ------------------------------------------------------------------------ */
@@ -340,15 +329,17 @@ static void kvt_injector_resume(kvt_injector_t *inj, uint64_t now)
     kvt_child_t *v = inj->victim;
     if (!v || !v->stopped || inj->resumed)
         return;
-    int others = kvt_others_finished(inj->orch, v);
-    if (!others && now - inj->injected_ms < KVT_FAULT_STOP_HOLD_MS)
+    /* The stop has been seen once every peer has resolved the rooms it
+     * hit; rooms started since are the resumed rank's business. */
+    int seen = kvt_report_hit_final_except(inj->rep, v);
+    if (!seen && now - inj->injected_ms < KVT_FAULT_STOP_HOLD_MS)
         return;
     kvt_child_signal(v, SIGCONT);
     v->stopped = 0;
     inj->resumed = 1;
     kvt_injector_log(inj, "SIGCONT %s (%s)", v->name,
-                     others ? "every other rank has finished its rooms"
-                            : "hold time over");
+                     seen ? "every other rank has resolved the rooms it hit"
+                          : "hold time over");
 }
 
 /* Start what the fault took down.  @return 0, or -1 (error recorded). */

@@ -9,7 +9,8 @@
  * and fire inside the library when its byte count reaches the WHEN point.
  *
  * Then it brings the deployment back: a stopped rank gets SIGCONT once
- * the others have resolved their rooms (or after KVT_FAULT_STOP_HOLD_MS),
+ * the others have resolved the rooms it hit (or after
+ * KVT_FAULT_STOP_HOLD_MS),
  * a killed rank's unreported rooms are recorded as failed by the kill, and
  * once every room of the first batch is final, a killed process is
  * restarted (the registry on the same port) and every rank serves
@@ -36,9 +37,9 @@
 #include "proc.h"
 #include "report.h"
 
-/* A stopped rank gets SIGCONT when every other rank has finished its
- * rooms, or this long after the stop: well past the engine's default
- * heartbeat timeout (2.5 s), so every room on a live peer has failed. */
+/* A stopped rank gets SIGCONT when every other rank has resolved the
+ * rooms the stop hit, or this long after the stop: well past the engine's
+ * default heartbeat timeout (2.5 s), by which its peers must have seen it. */
 #define KVT_FAULT_STOP_HOLD_MS 4000
 
 /* How long recovery may take before the run gives up on it: a restarted

@@ -166,6 +166,16 @@ void kvt_report_touch(kvt_report_t *r, uint32_t index)
         r->touched[index] = KVT_HIT;
 }
 
+int kvt_report_hit_final_except(const kvt_report_t *r, const kvt_child_t *c)
+{
+    uint32_t skip = kvt_col(r, c);
+    for (uint32_t i = 0; i < r->nfirst; i++)
+        for (uint32_t k = 0; r->touched[i] == KVT_HIT && k < r->nranks; k++)
+            if (k != skip && kvt_slot_at(r, i, k)->state < 0)
+                return 0;
+    return 1;
+}
+
 uint32_t kvt_report_touched(const kvt_report_t *r, int how)
 {
     uint32_t n = 0;

@@ -84,6 +84,9 @@ void kvt_report_touch_pending(kvt_report_t *r, int later);
 /** Mark room `index` as KVT_HIT (ignored outside the first batch). */
 void kvt_report_touch(kvt_report_t *r, uint32_t index);
 
+/** 1 if every rank but c has reported every KVT_HIT room final. */
+int kvt_report_hit_final_except(const kvt_report_t *r, const kvt_child_t *c);
+
 /** How many first-batch rooms are marked `how`. */
 uint32_t kvt_report_touched(const kvt_report_t *r, int how);
 

@@ -21,7 +21,8 @@
 #include "util/log.h"
 #include "util/time.h"
 
-#define TICK_MS 50
+#define TICK_MS  50
+#define STALL_MS 1000   /* epoll_wait this late: the process itself was stopped */
 
 static unsigned env_ms(const char *name, unsigned def)
 {
@@ -179,13 +180,16 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
     pthread_cond_init(&eng->resolver_cond, NULL);
     kvf_map_init(&eng->rooms_by_id);
     kvf_map_init(&eng->stash);
+    kvf_map_init(&eng->tombs);
 
     st = KVF_ERR_NO_MEMORY;
+    eng->tomb_ring = calloc(KVF_TOMBS, sizeof(uint64_t));
     eng->host = strdup(params->host);
     eng->transport = strdup(params->transport ? params->transport : "auto");
     if (params->bootstrap_addr)
         eng->bootstrap_addr = strdup(params->bootstrap_addr);
-    if (!eng->host || !eng->transport || (params->bootstrap_addr && !eng->bootstrap_addr))
+    if (!eng->host || !eng->transport || !eng->tomb_ring ||
+        (params->bootstrap_addr && !eng->bootstrap_addr))
         goto err;
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
@@ -264,6 +268,7 @@ err:
     if (eng->listenfd >= 0) close(eng->listenfd);
     if (eng->shmfd >= 0) close(eng->shmfd);
     kvf_faults_free(eng->faults);
+    free(eng->tomb_ring);
     free(eng->host);
     free(eng->transport);
     free(eng->bootstrap_addr);
@@ -312,6 +317,10 @@ void kvf_engine_destroy(kvf_engine_t *eng)
         }
     }
     kvf_map_free(&eng->stash);
+    for (size_t i = 0; i < eng->tombs.cap; i++)
+        free(eng->tombs.slots[i].val);
+    kvf_map_free(&eng->tombs);
+    free(eng->tomb_ring);
     kvf_map_free(&eng->rooms_by_id);
 #ifdef KVF_HAVE_UCX
     if (eng->ucx)
@@ -527,6 +536,24 @@ static void flush_peers(kvf_engine_t *eng)
             p->conn->ops->flush(p->conn);
 }
 
+/*
+ * This process did not run for `gap` ms (SIGSTOP, a debugger, a starved
+ * machine): the silence we would now see from every peer, and the lack of
+ * progress of every room, is ours, not theirs.  Give peers a fresh
+ * heartbeat window and rooms their time back; if a peer gave up on us
+ * meanwhile, its FAILs or its closed connection tell us so.
+ */
+static void own_stall(kvf_engine_t *eng, uint64_t gap)
+{
+    kvf_warn("this %s engine (rank %d) did not run for %.1f s (stopped or starved): not "
+             "blaming its peers or rooms for that time", kvf_role_name(eng->params.role),
+             eng->params.tp_rank, (double)gap / 1000.0);
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
+        p->grace_until_ms = eng->now_ms + eng->params.heartbeat_timeout_ms;
+    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
+        r->t_state_ms += gap;
+}
+
 static void *progress_main(void *arg)
 {
     kvf_engine_t *eng = arg;
@@ -541,6 +568,9 @@ static void *progress_main(void *arg)
         int n = epoll_wait(eng->epfd, evs, 64, timeout);
         pthread_mutex_lock(&eng->lock);
         eng->now_ms = kvf_now_ms();
+        /* A wait far longer than asked for: the process was not running. */
+        if (eng->now_ms - now > (uint64_t)timeout + STALL_MS)
+            own_stall(eng, eng->now_ms - now - (uint64_t)timeout);
         if (n < 0 && errno != EINTR) {
             kvf_error("epoll_wait: %m");
             break;

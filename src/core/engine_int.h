@@ -93,6 +93,7 @@ struct kvf_peer {
     kvf_room_t       *rx_room;
     struct kvf_link  *rx_link;
     uint64_t          last_hb_ms;
+    uint64_t          grace_until_ms; /* no liveness verdict before (own stall) */
     uint64_t          hb_seq;
     kvf_peer_t       *next;          /* engine->peers */
 };
@@ -102,6 +103,7 @@ struct kvf_peer {
  * pages from its ROOM_REQ).  On a receiver: a prefill rank that feeds it.
  */
 #define KVF_NO_SLOT UINT32_MAX   /* ROOM_REQ aux_slot: another prefill rank sends aux */
+#define KVF_TOMBS   4096         /* failure records kept for destroyed senders */
 
 typedef struct kvf_link {
     kvf_peer_t    *peer;
@@ -117,6 +119,7 @@ typedef struct kvf_link {
     uint64_t       expected;      /* receiver: bytes this peer must place */
     int            req_sent;      /* receiver: ROOM_REQ sent */
     int            done;          /* sender: acked; receiver: DONE checked */
+    int            confirming;    /* receiver, pull: DONE checked, awaiting confirmation */
     int            last_queued;   /* sender: the last chunk's put is queued */
     int            broken;        /* its connection broke; a reconnect may resume it */
     uint64_t       resume_instance; /* receiver: the peer instance to resume with */
@@ -201,6 +204,9 @@ struct kvf_engine {
     kvf_map_t           rooms_by_id;      /* attached rooms */
     kvf_room_t         *rooms;            /* list of the same */
     kvf_map_t           stash;            /* prefill: room id -> kvf_stash_t* */
+    kvf_map_t           tombs;            /* prefill: room id -> kvf_failure_t* */
+    uint64_t           *tomb_ring;        /* their ids, oldest at tomb_head */
+    size_t              tomb_head, ntombs;
     kvf_peer_t         *peers;
     uint64_t            peer_generation;  /* bumped when a peer dies */
 
@@ -238,7 +244,8 @@ void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp
                    const kvf_layout_int_t *l);
 
 /* peer.c */
-kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port);
+/* The connection to the prefill rank `tp_rank` at host:port (cached). */
+kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank);
 void         kvf__peer_put(kvf_peer_t *peer);
 void         kvf__peer_accept(kvf_engine_t *eng, int fd);
 void         kvf__peer_handle(kvf_peer_t *peer, uint32_t events);

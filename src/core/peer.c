@@ -44,10 +44,10 @@ static const kvf_conn_handler_t handler = {
 
 const char *kvf__peer_name(const kvf_peer_t *p, char *buf, size_t len)
 {
-    if (p->state == KVF_PEER_CONNECTING ||
-        (p->state == KVF_PEER_HANDSHAKE && p->instance_id == 0))
-        snprintf(buf, len, "%s peer at %s",
-                 p->outbound ? "prefill" : "decode", p->addr);
+    if (p->outbound && p->instance_id == 0)      /* rank from the registry */
+        snprintf(buf, len, "prefill rank %d (%s)", p->tp_rank, p->addr);
+    else if (p->instance_id == 0)
+        snprintf(buf, len, "decode peer at %s", p->addr);
     else
         snprintf(buf, len, "%s rank %d (%s)", kvf_role_name(p->role), p->tp_rank,
                  p->addr);
@@ -321,7 +321,7 @@ static kvf_status_t wrap_faults(kvf_peer_t *p)
     return st;
 }
 
-kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port)
+kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank)
 {
     char addr[KVF_ADDR_MAX];
     snprintf(addr, sizeof(addr), "%s:%d", host, port);
@@ -333,6 +333,8 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port)
     if (p == NULL)
         return NULL;
     p->outbound = 1;
+    p->role = KVF_ROLE_PREFILL;
+    p->tp_rank = tp_rank;
     p->state = KVF_PEER_CONNECTING;
     snprintf(p->addr, sizeof(p->addr), "%s", addr);
     kvf_conn_env_t env = {eng->epfd, p};
@@ -381,18 +383,25 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     vsnprintf(why, sizeof(why), fmt, ap);
     va_end(ap);
     kvf__peer_name(p, name, sizeof(name));
-    p->state = KVF_PEER_DEAD;
     p->eng->peer_generation++;
     snprintf(reason, sizeof(reason), "%s: %s", name, why);
-    /* Rooms first, then the stream: completions of its puts must not be
-     * taken for the root cause. */
+    /*
+     * Rooms first, then the stream: completions of its puts must not be
+     * taken for the root cause.  While the peer still counts as connected,
+     * the rooms' FAILs are queued to it too: a peer that was only stopped
+     * finds them in its socket when it runs again, and fails its side at
+     * once with our reason instead of waiting for a reconnect or deadline.
+     */
     int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason);
+    p->state = KVF_PEER_DEAD;
     if (rooms > 0)
         kvf_warn("%s (%d live rooms affected)", reason, rooms);
     else
         kvf_info("%s", reason);
-    if (p->conn)
+    if (p->conn) {
+        p->conn->ops->flush(p->conn);      /* best effort, never blocks */
         p->conn->ops->shutdown(p->conn);
+    }
 }
 
 void kvf__peer_handle(kvf_peer_t *p, uint32_t events)
@@ -603,7 +612,7 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
         if (ops->tick)
             ops->tick(p->conn, now);
         uint64_t last_rx = ops->last_rx(p->conn);
-        if (now - last_rx >= pr->heartbeat_timeout_ms) {
+        if (now - last_rx >= pr->heartbeat_timeout_ms && now >= p->grace_until_ms) {
             kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT,
                            "sent nothing for %.1f s (heartbeat timeout %.1f s): the "
                            "process is stopped, hung or cut off from the network",

@@ -471,7 +471,7 @@ void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m
     char name[128];
     kvf__peer_name(p, name, sizeof(name));
 
-    if (lk == NULL || lk->done) {
+    if (lk == NULL || lk->done || lk->confirming) {
         kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent %s DONE for room %llu", name,
                        lk ? "a second" : "an unexpected", (unsigned long long)r->id);
         return;
@@ -494,12 +494,40 @@ void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m
             return;
         }
     }
-    lk->done = 1;
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = r->id;
     ack.u.done_ack.status = KVF_OK;
     ack.u.done_ack.bytes = lk->bytes;
     kvf__peer_send(p, &ack);
+    /*
+     * Pulled bytes were read from the sender's memory, which is the
+     * sender's only while its room is live: if it failed meanwhile (this
+     * process was stopped, say) and the pages went to another request,
+     * what we read may be anything.  Only the sender can say, so a pull
+     * link waits for its confirmation (DONE_ACK back) before SUCCESS.
+     */
+    if (p->xport == KVF_XPORT_SHM || p->xport == KVF_XPORT_UCX) {
+        lk->confirming = 1;
+        return;
+    }
+    lk->done = 1;
+    if (all_done(r))
+        kvf__room_set_state(r, KVF_POLL_SUCCESS);
+}
+
+void kvf__receiver_on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+{
+    kvf_link_t *lk = link_of(r, p);
+    char name[128];
+
+    if (lk == NULL || !lk->confirming || m->status != KVF_OK) {
+        kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent an unexpected confirmation for room "
+                       "%llu", kvf__peer_name(p, name, sizeof(name)),
+                       (unsigned long long)r->id);
+        return;
+    }
+    lk->confirming = 0;
+    lk->done = 1;
     if (all_done(r))
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }

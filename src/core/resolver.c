@@ -220,7 +220,7 @@ static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
         return;
     }
     for (int i = 0; i < res->ntargets; i++) {
-        kvf_peer_t *p = kvf__peer_get(eng, res->t[i].ip, res->t[i].port);
+        kvf_peer_t *p = kvf__peer_get(eng, res->t[i].ip, res->t[i].port, res->t[i].rank);
         if (p == NULL) {
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for a peer");
             return;

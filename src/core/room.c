@@ -84,15 +84,21 @@ void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
 
 void kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
 {
-    const kvf_failure_t *f = r->failure;
+    kvf__send_fail(to, r->id, r->failure, abort);
+}
+
+void kvf__send_fail(kvf_peer_t *to, uint64_t room, const kvf_failure_t *f, int abort)
+{
     kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
-    m.u.fail.room = r->id;
+    m.u.fail.room = room;
     m.u.fail.status = f->status;
     m.u.fail.origin_side = (uint8_t)f->origin_side;
     m.u.fail.origin_rank = (uint32_t)f->origin_rank;
     m.u.fail.origin_addr = (kvf_wire_str_t){f->origin_addr, (uint32_t)strlen(f->origin_addr)};
     m.u.fail.reason = (kvf_wire_str_t){f->reason, (uint32_t)strlen(f->reason)};
-    if (to->state == KVF_PEER_READY)
+    /* Our HELLO is out once the connection is up: a FAIL may follow it even
+     * before the peer's HELLO arrived (it may be stopped, and read it later). */
+    if (to->state == KVF_PEER_READY || to->state == KVF_PEER_HANDSHAKE)
         kvf__peer_send(to, &m);
 }
 
@@ -238,6 +244,8 @@ void kvf__room_destroy(kvf_room_t *r)
                        "on %s rank %d before it finished", (unsigned long long)r->id,
                        kvf_role_name(r->side), eng->params.tp_rank);
     kvf_map_del(&eng->rooms_by_id, r->id);
+    if (r->side == KVF_ROLE_PREFILL && room_state(r) == KVF_POLL_FAILED)
+        kvf__sender_bury(r);
     if (r->prev)
         r->prev->next = r->next;
     else
@@ -282,13 +290,21 @@ void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
         if (kvf_map_get(&eng->rooms_by_id, id) && !room_final(kvf_map_get(&eng->rooms_by_id, id)))
             kvf__receiver_on_done(p, kvf_map_get(&eng->rooms_by_id, id), &msg->u.done);
         return;
-    case KVF_MSG_DONE_ACK:
-        if (!prefill)
-            break;
-        id = msg->u.done_ack.room;
-        if (kvf_map_get(&eng->rooms_by_id, id) && !room_final(kvf_map_get(&eng->rooms_by_id, id)))
-            kvf__sender_on_done_ack(p, kvf_map_get(&eng->rooms_by_id, id), &msg->u.done_ack);
+    case KVF_MSG_DONE_ACK: {
+        kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, msg->u.done_ack.room);
+        if (!prefill) {
+            if (r != NULL && !room_final(r))
+                kvf__receiver_on_confirm(p, r, &msg->u.done_ack);
+        } else if (r == NULL) {
+            /* Its sender is gone: a decode rank that pulled must not trust it. */
+            kvf__sender_answer_gone(p, msg->u.done_ack.room);
+        } else if (room_state(r) == KVF_POLL_FAILED) {
+            kvf__room_send_fail(r, p, 0);
+        } else if (!room_final(r)) {
+            kvf__sender_on_done_ack(p, r, &msg->u.done_ack);
+        }
         return;
+    }
     case KVF_MSG_FAIL:
     case KVF_MSG_ABORT: {
         kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, msg->u.fail.room);
@@ -363,6 +379,14 @@ void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
             kvf__room_try_request(r);
 }
 
+static int awaiting_confirmation(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].confirming)
+            return 1;
+    return 0;
+}
+
 static void deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
 {
     kvf_engine_t *eng = r->eng;
@@ -384,6 +408,9 @@ static void deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
                      : "waiting for the prefill rank's handshake");
         else if (s == KVF_POLL_WAITING_FOR_INPUT)
             snprintf(buf, len, "no data from the prefill side yet");
+        else if (awaiting_confirmation(r))
+            snprintf(buf, len, "every byte was read, but the prefill side did not "
+                     "confirm its room was still live while it was read");
         else
             snprintf(buf, len, "no bytes placed since");
     }
@@ -406,7 +433,7 @@ static void reconnect(kvf_room_t *r)
             return;
         }
         *colon = '\0';
-        kvf_peer_t *p = kvf__peer_get(eng, host, atoi(colon + 1));
+        kvf_peer_t *p = kvf__peer_get(eng, host, atoi(colon + 1), lk->peer->tp_rank);
         if (p == NULL) {
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to reconnect");
             return;

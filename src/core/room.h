@@ -67,12 +67,18 @@ void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
 /* Tell `to` the room failed (its record), if the connection is up. */
 void           kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
+void           kvf__send_fail(kvf_peer_t *to, uint64_t room, const kvf_failure_t *f,
+                              int abort);
 /* Record `f` (owned) as the root cause and tell every peer but `from`. */
 void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
                                      int abort);
 kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 
 /* sender.c */
+/* Keep a destroyed failed sender's record, to answer late requests. */
+void kvf__sender_bury(kvf_room_t *r);
+/* A decode rank names a room whose sender is gone: tell it so. */
+void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room);
 void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
 void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m);
 /* A ROOM_REQ (lk) or a failure (f) for a room whose sender does not exist yet. */
@@ -81,5 +87,8 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_
 
 /* receiver.c */
 void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m);
+/* A prefill rank confirms its room was live when our DONE_ACK arrived
+ * (pull transports: the bytes we read were still its room's). */
+void kvf__receiver_on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m);
 
 #endif /* KVF_CORE_ROOM_H */

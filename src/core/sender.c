@@ -504,8 +504,61 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ac
         return;
     }
     lk->done = 1;
+    if (p->xport == KVF_XPORT_SHM || p->xport == KVF_XPORT_UCX) {
+        /* The room is live: what the decode rank read was still ours. */
+        kvf_msg_t c = {.type = KVF_MSG_DONE_ACK};
+        c.u.done_ack.room = r->id;
+        c.u.done_ack.status = KVF_OK;
+        c.u.done_ack.bytes = m->bytes;
+        kvf__peer_send(p, &c);
+    }
     if (all_done(r))
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
+}
+
+/*
+ * Tombstones: the failure records of destroyed failed senders, the last
+ * KVF_TOMBS of them, so that a decode rank that comes back late (it was
+ * stopped, its connection broke) learns at once why its room is gone
+ * instead of waiting for a deadline.
+ */
+void kvf__sender_bury(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    kvf_failure_t *f = malloc(sizeof(*f));
+    if (f == NULL || r->failure == NULL) {
+        free(f);
+        return;
+    }
+    *f = *r->failure;
+    if (eng->ntombs == KVF_TOMBS) {       /* forget the oldest */
+        free(kvf_map_del(&eng->tombs, eng->tomb_ring[eng->tomb_head]));
+        eng->tomb_head = (eng->tomb_head + 1) % KVF_TOMBS;
+        eng->ntombs--;
+    }
+    free(kvf_map_del(&eng->tombs, r->id));   /* an id reused and failed again */
+    if (kvf_map_put(&eng->tombs, r->id, f) != KVF_OK) {
+        free(f);
+        return;
+    }
+    eng->tomb_ring[(eng->tomb_head + eng->ntombs) % KVF_TOMBS] = r->id;
+    eng->ntombs++;
+}
+
+void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room)
+{
+    kvf_engine_t *eng = p->eng;
+    const kvf_failure_t *f = kvf_map_get(&eng->tombs, room);
+    kvf_failure_t gone = {.status = KVF_ERR_ABORTED, .origin_side = KVF_ROLE_PREFILL,
+                          .origin_rank = eng->params.tp_rank};
+    if (f == NULL) {
+        snprintf(gone.origin_addr, sizeof(gone.origin_addr), "%s", eng->addr);
+        snprintf(gone.reason, sizeof(gone.reason), "room %llu is not live on prefill rank "
+                 "%d any more: its sender was destroyed before the transfer was "
+                 "confirmed", (unsigned long long)room, eng->params.tp_rank);
+        f = &gone;
+    }
+    kvf__send_fail(p, room, f, f->status == KVF_ERR_ABORTED);
 }
 
 /* Prefill: a ROOM_REQ or a FAIL for a room that has no sender yet. */
@@ -633,7 +686,10 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
 
     char name[128];
     kvf__peer_name(p, name, sizeof(name));
-    if (r == NULL) {
+    if (r == NULL && (m->attempt > 0 || kvf_map_get(&eng->tombs, m->room) != NULL)) {
+        /* Resuming or asking about a room whose sender is gone. */
+        kvf__sender_answer_gone(p, m->room);
+    } else if (r == NULL) {
         kvf_failure_t *f = NULL;
         if (bad != NULL || p->incompatible != NULL) {
             kvf_failure_t tmp = {.status = bad ? KVF_ERR_BAD_INDICES : KVF_ERR_INCOMPATIBLE,

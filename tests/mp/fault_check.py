@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Judge one `kvferry demo --json --fault KIND@WHEN` run (fault_lib.sh).
+
+Usage: fault_check.py SPEC EXIT_STATUS AFTER_ROOMS JSON_FILE
+
+The demo already judges itself (exit status, "ok", "problems"); this checks
+the failure model's promises again from the raw JSON, so that a demo bug
+cannot hide an engine bug:
+  - the fault fired, and every room of the first batch is final;
+  - every failure record has a status, a reason and an origin;
+  - a surviving rank that saw the fault itself names the faulty side;
+  - rooms resolved within 5 s of a kill or stop;
+  - no room reported SUCCESS with data that did not verify;
+  - corrupt: the corruption was caught (a checksum failure);
+  - every room of the fresh batch after the fault succeeded and verified.
+"""
+import json
+import sys
+
+MAX_RESOLVE_S = 5.0
+
+
+def fail(spec, msg, d=None):
+    print("FAIL %s%s: %s" % (spec, " over " + d["transport"] if d else "", msg))
+    if d is not None:
+        print("  problems: %s" % json.dumps(d.get("problems"), indent=None)[:2000])
+        print("  fault_detail: %s" % json.dumps(d.get("fault_detail"))[:2000])
+    sys.exit(1)
+
+
+def check_records(spec, records, victim_side, d):
+    for f in records:
+        where = "room %s on %s[%s]" % (f.get("index"), f.get("side"), f.get("rank"))
+        if not f.get("reason"):
+            fail(spec, "%s failed without a reason: %s" % (where, f), d)
+        if not f.get("status"):
+            fail(spec, "%s failed without a status: %s" % (where, f), d)
+        if f.get("origin_side") not in ("prefill", "decode") or not f.get("origin_addr"):
+            fail(spec, "%s failed without an origin (side, addr): %s" % (where, f), d)
+        # A rank of the other side that saw the fault first-hand must say
+        # which side failed it (its peer), not only that something did.
+        if (victim_side and f["side"] != victim_side and not f.get("from_another_rank")
+                and f.get("status") != "KILLED_BY_FAULT"
+                and victim_side not in f["reason"]):
+            fail(spec, "%s: the reason does not name the %s peer: %r"
+                 % (where, victim_side, f["reason"]), d)
+
+
+def main():
+    spec, rc, after_rooms, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    try:
+        with open(path) as fh:
+            d = json.load(fh)
+    except (OSError, ValueError) as e:
+        fail(spec, "no JSON summary from the demo (%s); see its log above" % e)
+    kind = spec.split("@")[0]
+    victim_side = kind.split("-")[1] if kind.startswith(("kill-", "stop-")) else None
+
+    if d.get("fault") != spec or not (d.get("fault_detail") or {}).get("injected"):
+        fail(spec, "the fault was not injected", d)
+    if d["unresolved"] != 0:
+        fail(spec, "%d room(s) unresolved: %s" % (d["unresolved"], d["unresolved_rooms"]), d)
+    after = d["after_fault"]
+    check_records(spec, d["failures"], victim_side, d)
+    check_records(spec, after["failures"], None, d)
+    if d["succeeded"] + d["failed"] != d["rooms"]:
+        fail(spec, "rooms do not add up: %s" % d, d)
+    res = d["max_resolve_seconds"]
+    if res is None or res > MAX_RESOLVE_S:
+        fail(spec, "max_resolve_seconds = %s, above %.1f s" % (res, MAX_RESOLVE_S), d)
+    if not d["verified"] or not after["verified"]:
+        fail(spec, "a room reported SUCCESS with data that did not verify", d)
+    if kind == "corrupt":
+        if not d["checksum"]:
+            fail(spec, "corrupt must run with --checksum", d)
+        if not any("checksum" in f["reason"] for f in d["failures"]):
+            fail(spec, "the corrupted byte was not caught: no checksum failure "
+                 "(failures: %s)" % [f["reason"] for f in d["failures"]], d)
+    if after["rooms"] != after_rooms or after["succeeded"] != after_rooms:
+        fail(spec, "after the fault %d of %d fresh rooms succeeded (want %d): %s"
+             % (after["succeeded"], after["rooms"], after_rooms,
+                [f["reason"] for f in after["failures"]][:4]), d)
+    if rc != 0 or d["ok"] is not True:
+        fail(spec, "the demo failed (exit %d, ok=%s)" % (rc, d["ok"]), d)
+    print("ok: %-24s %-4s %d/%d first-batch rooms succeeded, %d failed with "
+          "reasons, resolved within %.2f s, %d/%d fresh rooms succeeded"
+          % (spec, d["transport"], d["succeeded"], d["rooms"], d["failed"], res,
+             after["succeeded"], after["rooms"]))
+
+
+if __name__ == "__main__":
+    main()

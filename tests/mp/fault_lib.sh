@@ -1,0 +1,49 @@
+# Shared by tests/mp/test_fault_*.sh (sourced, not a test itself): run
+# `kvferry demo --fault KIND@WHEN` on the tiny model and judge its JSON
+# with fault_check.py.
+#
+# Process faults (kill, stop, registry-down) run 4 rooms, all in flight at
+# once: every room is touched, and each resolves within the engines'
+# heartbeat timeout or the demo's 3 s room deadlines.  Engine faults
+# (reset, corrupt) run 8 rooms, 2 in flight, so that rooms after the fault
+# must still succeed.  Every run ends with 4 fresh rooms that must succeed.
+# Each KIND@WHEN runs over every transport in FAULT_TRANSPORTS (tcp: the
+# payload on the socket; shm: the decode side pulls it from the prefill
+# process's memory).
+
+KVFERRY=${KVFERRY:-build/kvferry}
+FAULT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+FAULT_TMP=$(mktemp -d)
+trap 'rm -rf "$FAULT_TMP"' EXIT
+FAULT_AFTER=4
+FAULT_TRANSPORTS=${FAULT_TRANSPORTS:-tcp shm}
+
+# fault_run SPEC [demo options...]
+fault_run() {
+    local spec=$1 rc=0
+    shift
+    local kind=${spec%@*} rooms=(--requests 4 --concurrency 4)
+    case $kind in
+        reset|corrupt) rooms=(--requests 8 --concurrency 2 --checksum) ;;
+    esac
+    timeout 120 "$KVFERRY" demo --json --model tiny --tokens 2048 --chunk 256 \
+        "${rooms[@]}" --after-fault-requests "$FAULT_AFTER" --timeout 90 \
+        --fault "$spec" "$@" >"$FAULT_TMP/out.json" 2>"$FAULT_TMP/err.log" || rc=$?
+    if ! python3 "$FAULT_DIR/fault_check.py" "$spec" "$rc" "$FAULT_AFTER" \
+            "$FAULT_TMP/out.json"; then
+        echo "--- last lines of the demo's log (exit $rc):"
+        tail -n 40 "$FAULT_TMP/err.log"
+        return 1
+    fi
+}
+
+# fault_matrix KIND: every WHEN for one KIND, over every transport.
+fault_matrix() {
+    local failed=0
+    for transport in $FAULT_TRANSPORTS; do
+        for when in bootstrap mid last; do
+            fault_run "$1@$when" --transport "$transport" || failed=1
+        done
+    done
+    return $failed
+}
