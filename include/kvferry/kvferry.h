@@ -390,9 +390,10 @@ KVF_API void kvf_receiver_abort(kvf_receiver_t *receiver);
 /**
  * May the room's destination pages be given to another request?  1 once
  * the room is final and no write into its pages can still land; 0 before.
- * With the tcp transport bytes are placed only by the engine, which drops
- * them once the room is final, so this is 1 as soon as the room is final;
- * one-sided transports wait for the prefill ranks' confirmation or a drain
+ * Every built-in transport places bytes only from the engine's own thread
+ * after checking that the room is live (tcp receives, shm and ucx pull), so
+ * this is 1 as soon as the room is final; a transport where the sender
+ * writes remotely would wait for the senders' confirmation or a drain
  * deadline.  An atomic load: cheap.
  */
 KVF_API int kvf_receiver_pages_released(const kvf_receiver_t *receiver);
