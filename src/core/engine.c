@@ -160,6 +160,25 @@ static kvf_status_t start_bootstrap(kvf_engine_t *eng)
 
 static void *progress_main(void *arg);
 
+/* What create made and destroy unmakes last: descriptors, strings, locks. */
+static void engine_free(kvf_engine_t *eng)
+{
+    int fds[] = {eng->epfd, eng->wakefd, eng->listenfd, eng->shmfd};
+    for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    kvf__layout_free(&eng->layout);
+    kvf_faults_free(eng->faults);
+    free(eng->tomb_ring);
+    free(eng->register_error);
+    free(eng->host);
+    free(eng->transport);
+    free(eng->bootstrap_addr);
+    pthread_mutex_destroy(&eng->lock);
+    pthread_cond_destroy(&eng->resolver_cond);
+    free(eng);
+}
+
 kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
                                kvf_engine_t **engine_p)
 {
@@ -263,18 +282,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
 err:
     if (eng->bootstrap)
         kvf_bootstrap_destroy(eng->bootstrap);
-    if (eng->epfd >= 0) close(eng->epfd);
-    if (eng->wakefd >= 0) close(eng->wakefd);
-    if (eng->listenfd >= 0) close(eng->listenfd);
-    if (eng->shmfd >= 0) close(eng->shmfd);
-    kvf_faults_free(eng->faults);
-    free(eng->tomb_ring);
-    free(eng->host);
-    free(eng->transport);
-    free(eng->bootstrap_addr);
-    pthread_mutex_destroy(&eng->lock);
-    pthread_cond_destroy(&eng->resolver_cond);
-    free(eng);
+    engine_free(eng);
     return st;
 }
 
@@ -305,41 +313,18 @@ void kvf_engine_destroy(kvf_engine_t *eng)
         p->next = NULL;
         kvf__peer_put(p);
     }
-    for (size_t i = 0; i < eng->stash.cap; i++) {
-        kvf_stash_t *s = eng->stash.slots[i].val;
-        while (s != NULL) {
-            kvf_stash_t *n = s->next;
-            free(s->link.pages);
-            free(s->link.state_slots);
-            free(s->failure);
-            free(s);
-            s = n;
-        }
-    }
+    for (size_t i = 0; i < eng->stash.cap; i++)
+        kvf__stash_free(eng->stash.slots[i].val);
     kvf_map_free(&eng->stash);
     for (size_t i = 0; i < eng->tombs.cap; i++)
         free(eng->tombs.slots[i].val);
     kvf_map_free(&eng->tombs);
-    free(eng->tomb_ring);
     kvf_map_free(&eng->rooms_by_id);
 #ifdef KVF_HAVE_UCX
     if (eng->ucx)
         kvf_ucx_destroy(eng->ucx);   /* after the peers' endpoints */
 #endif
-    close(eng->epfd);
-    close(eng->wakefd);
-    close(eng->listenfd);
-    if (eng->shmfd >= 0)
-        close(eng->shmfd);
-    kvf__layout_free(&eng->layout);
-    kvf_faults_free(eng->faults);
-    free(eng->register_error);
-    free(eng->host);
-    free(eng->transport);
-    free(eng->bootstrap_addr);
-    pthread_mutex_destroy(&eng->lock);
-    pthread_cond_destroy(&eng->resolver_cond);
-    free(eng);
+    engine_free(eng);
 }
 
 kvf_status_t kvf_engine_address(const kvf_engine_t *eng, char *buf, size_t len)

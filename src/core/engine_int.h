@@ -280,6 +280,9 @@ int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer,
 /* A peer finished its handshake: send the requests waiting for it. */
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *peer);
 
+/* sender.c: free a chain of stashed destinations */
+void kvf__stash_free(kvf_stash_t *s);
+
 /* resolver.c */
 kvf_status_t kvf__resolver_start(kvf_engine_t *eng);
 void         kvf__resolver_stop(kvf_engine_t *eng);

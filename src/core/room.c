@@ -492,16 +492,7 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
             continue;
         uint64_t room = eng->stash.slots[i].key;
         kvf_debug("dropping stale destinations for room %llu", (unsigned long long)room);
-        kvf_map_del(&eng->stash, room);
-        while (s != NULL) {
-            kvf_stash_t *n = s->next;
-            free(s->link.pages);
-            free(s->link.state_slots);
-            free(s->failure);
-            kvf__peer_put(s->peer);
-            free(s);
-            s = n;
-        }
+        kvf__stash_free(kvf_map_del(&eng->stash, room));
         i--;  /* backward shift may have moved an entry into slot i */
     }
 }

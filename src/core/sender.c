@@ -289,6 +289,16 @@ static void stash_apply(kvf_room_t *r)
         } else {
             add_destination(r, s->peer, &s->link, s->expected);
         }
+        s->next = NULL;
+        kvf__stash_free(s);
+        s = n;
+    }
+}
+
+void kvf__stash_free(kvf_stash_t *s)
+{
+    while (s != NULL) {
+        kvf_stash_t *n = s->next;
         free(s->link.pages);
         free(s->link.state_slots);
         free(s->failure);
@@ -580,14 +590,11 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_
     }
     s->expected = expected;
     s->failure = f;
-    s->next = kvf_map_get(&eng->stash, room);
-    if (kvf_map_put(&eng->stash, room, s) != KVF_OK) {
-        kvf__peer_put(p);
-        free(s->link.pages);
-        free(s->link.state_slots);
-        free(f);
-        free(s);
-    }
+    kvf_stash_t *older = kvf_map_get(&eng->stash, room);
+    if (kvf_map_put(&eng->stash, room, s) != KVF_OK)
+        kvf__stash_free(s);
+    else
+        s->next = older;
 }
 
 /*
