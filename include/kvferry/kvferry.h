@@ -465,6 +465,14 @@ typedef enum kvf_log_level {
 /** Set the log level (default from KVF_LOG: error|warn|info|debug; else warn). */
 KVF_API void kvf_log_set_level(kvf_log_level_t level);
 
+/**
+ * The last error the library reported on the calling thread, whatever the
+ * log level: a refused call says here which argument or state and what to
+ * do.  "" when there is none.  Thread-local; valid until the thread's next
+ * call into the library.
+ */
+KVF_API const char *kvf_last_error(void);
+
 #ifdef __cplusplus
 }
 #endif

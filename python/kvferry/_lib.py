@@ -175,6 +175,7 @@ _PROTOTYPES = {
     "kvf_bootstrap_port": (c_int, [c_void_p]),
     "kvf_bootstrap_destroy": (None, [c_void_p]),
     "kvf_log_set_level": (None, [c_int]),
+    "kvf_last_error": (c_char_p, []),
 }
 
 

@@ -68,12 +68,18 @@ _BY_CODE = {
 def check(code, what, hint=None):
     """Raise the exception for a non-zero C status of call ``what``.
 
-    The message reads ``"<what>: <kvf_status_str> (<KVF_ERR_NAME>)[. hint]"``;
-    the library logs the detail of a refusal on stderr (see ``KVF_LOG``).
+    The message reads ``"<what>: <kvf_status_str> (<KVF_ERR_NAME>): <the
+    library's own reason, kvf_last_error()>[. hint]"``.
     """
     if code == _lib.KVF_OK:
         return
     msg = "%s: %s (%s)" % (what, _lib.status_str(code), _lib.status_name(code))
+    # Refusals of these kinds always say why (kvf_last_error); AGAIN and
+    # NOT_FOUND are answers, not refusals, and say nothing new.
+    if code not in (_lib.KVF_ERR_AGAIN, _lib.KVF_ERR_NOT_FOUND):
+        detail = (_lib.lib.kvf_last_error() or b"").decode(errors="replace")
+        if detail:
+            msg += ": " + detail
     if hint:
         msg += ". " + hint
     raise _BY_CODE.get(code, KVFerryRuntimeError)(msg, code)

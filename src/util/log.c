@@ -19,6 +19,22 @@ static int log_level_from_env(void)
 
 int kvf__log_level = KVF_LOG_WARN;
 
+/* What a refused call said, for callers that do not read stderr (Python). */
+static _Thread_local char last_error[512];
+
+const char *kvf_last_error(void)
+{
+    return last_error;
+}
+
+void kvf__set_last_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof(last_error), fmt, ap);
+    va_end(ap);
+}
+
 __attribute__((constructor)) static void log_init(void)
 {
     kvf__log_level = log_level_from_env();

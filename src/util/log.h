@@ -15,13 +15,20 @@ extern int kvf__log_level;
 void kvf__log(kvf_log_level_t level, const char *file, int line,
               const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
+void kvf__set_last_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 #define KVF_LOG_(lvl, ...)                                                     \
     do {                                                                       \
         if ((int)(lvl) <= kvf__log_level)                                      \
             kvf__log((lvl), __FILE__, __LINE__, __VA_ARGS__);                  \
     } while (0)
 
-#define kvf_error(...) KVF_LOG_(KVF_LOG_ERROR, __VA_ARGS__)
+/* Errors are also kept as the thread's kvf_last_error(). */
+#define kvf_error(...)                                                         \
+    do {                                                                       \
+        kvf__set_last_error(__VA_ARGS__);                                      \
+        KVF_LOG_(KVF_LOG_ERROR, __VA_ARGS__);                                  \
+    } while (0)
 #define kvf_warn(...)  KVF_LOG_(KVF_LOG_WARN, __VA_ARGS__)
 #define kvf_info(...)  KVF_LOG_(KVF_LOG_INFO, __VA_ARGS__)
 #define kvf_debug(...) KVF_LOG_(KVF_LOG_DEBUG, __VA_ARGS__)
