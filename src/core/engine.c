@@ -514,6 +514,20 @@ static void serve_shm(kvf_engine_t *eng)
     free(lens);
 }
 
+/* Let connections that stopped with messages left go on.  @return 1 if
+ * some still have more. */
+static int drain_peers(kvf_engine_t *eng)
+{
+    int more = 0;
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
+        if (p->conn == NULL || p->state == KVF_PEER_DEAD || !p->conn->ops->pending(p->conn))
+            continue;
+        p->conn->ops->handle(p->conn, EPOLLIN);
+        more |= p->state != KVF_PEER_DEAD && p->conn->ops->pending(p->conn);
+    }
+    return more;
+}
+
 static void flush_peers(kvf_engine_t *eng)
 {
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
@@ -544,11 +558,12 @@ static void *progress_main(void *arg)
     kvf_engine_t *eng = arg;
     struct epoll_event evs[64];
     uint64_t next_tick = kvf_now_ms() + TICK_MS;
+    int more = 0;      /* connections have buffered messages left */
 
     pthread_mutex_lock(&eng->lock);
     while (!eng->stopping) {
         uint64_t now = kvf_now_ms();
-        int timeout = next_tick > now ? (int)(next_tick - now) : 0;
+        int timeout = more || next_tick <= now ? 0 : (int)(next_tick - now);
         pthread_mutex_unlock(&eng->lock);
         int n = epoll_wait(eng->epfd, evs, 64, timeout);
         pthread_mutex_lock(&eng->lock);
@@ -576,6 +591,7 @@ static void *progress_main(void *arg)
                 kvf__peer_handle((kvf_peer_t *)kind, evs[i].events);
             }
         }
+        more = drain_peers(eng);
         /* Application threads queue work and wake us; send it. */
         flush_peers(eng);
 #ifdef KVF_HAVE_UCX

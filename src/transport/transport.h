@@ -124,6 +124,9 @@ struct kvf_transport_ops {
     uint64_t     (*last_tx)(const kvf_conn_t *c);
     /* 1 when nothing is queued or half-written. */
     int          (*idle)(const kvf_conn_t *c);
+    /* 1 when received messages wait in the connection's buffer: a handle
+     * stops after a bounded amount of work, and epoll will not say so. */
+    int          (*pending)(const kvf_conn_t *c);
 };
 
 /* The backends built in. */

@@ -323,6 +323,12 @@ static int fault_idle(const kvf_conn_t *c)
     return fc->inner->ops->idle(fc->inner);
 }
 
+static int fault_pending(const kvf_conn_t *c)
+{
+    const fault_conn_t *fc = (const fault_conn_t *)c;
+    return fc->inner->ops->pending(fc->inner);
+}
+
 static const kvf_transport_ops_t fault_ops = {
     .name = "fault",
     .handle = fault_handle,
@@ -335,6 +341,7 @@ static const kvf_transport_ops_t fault_ops = {
     .last_rx = fault_last_rx,
     .last_tx = fault_last_tx,
     .idle = fault_idle,
+    .pending = fault_pending,
 };
 
 kvf_status_t kvf_fault_wrap(kvf_faults_t *faults, kvf_conn_t *inner, kvf_conn_t **conn_p)

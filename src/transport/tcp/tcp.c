@@ -30,6 +30,8 @@
 #define TCP_RX_BUF        (256u << 10)
 #define TCP_RX_IOV        1024              /* targets per readv() */
 #define TCP_PASS_BYTES    (32u << 20)       /* fairness: bytes per event */
+#define TCP_PASS_MSGS     64                /* fairness: messages per event (a
+                                               DATA_REF can mean a 4 MiB pull) */
 #define TCP_SOCKBUF       (4 << 20)
 
 enum { RX_HDR, RX_BODY, RX_PAYLOAD };
@@ -44,6 +46,7 @@ struct kvf_tcp_conn {
     void                    *arg;
     int                      connecting;
     int                      closing;       /* in on_close: queue nothing */
+    int                      backlog;       /* parsing stopped with frames left */
     int                      dead;
     uint64_t                 last_rx_ms;
     uint64_t                 last_tx_ms;
@@ -243,6 +246,12 @@ static uint64_t tcp_last_rx(const kvf_conn_t *c)
 static uint64_t tcp_last_tx(const kvf_conn_t *c)
 {
     return ((const kvf_tcp_conn_t *)c)->last_tx_ms;
+}
+
+static int tcp_pending(const kvf_conn_t *c)
+{
+    const kvf_tcp_conn_t *t = (const kvf_tcp_conn_t *)c;
+    return !t->dead && t->backlog;
 }
 
 /* Complete every queued put with `st` (the stream is gone). */
@@ -499,11 +508,13 @@ static void payload_done(kvf_tcp_conn_t *c)
     c->h->on_data_end(c->arg, c->placed);
 }
 
-/* Parse whatever complete frames the receive buffer holds. */
+/* Parse the complete frames the receive buffer holds, up to a bound. */
 static void parse_buffered(kvf_tcp_conn_t *c)
 {
     char err[256];
+    int msgs = 0;
 
+    c->backlog = 0;
     while (!c->dead) {
         size_t have = c->rx.len - c->rx_off;
         const uint8_t *p = c->rx.data + c->rx_off;
@@ -555,6 +566,10 @@ static void parse_buffered(kvf_tcp_conn_t *c)
         if (m.type != KVF_MSG_DATA) {
             c->rx_state = RX_HDR;
             c->h->on_msg(c->arg, &m);
+            if (++msgs == TCP_PASS_MSGS) {
+                c->backlog = 1;     /* the engine calls back: see pending() */
+                return;
+            }
             continue;
         }
         if (c->tgt_cap < m.u.data.nseg) {
@@ -742,4 +757,5 @@ const kvf_transport_ops_t kvf_tcp_ops = {
     .last_rx = tcp_last_rx,
     .last_tx = tcp_last_tx,
     .idle = tcp_idle,
+    .pending = tcp_pending,
 };
