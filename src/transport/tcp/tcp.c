@@ -410,6 +410,20 @@ static void iov_advance(kvf_tcp_conn_t *c, size_t n)
     }
 }
 
+static void handle_readable(kvf_tcp_conn_t *c);
+
+/*
+ * The peer closed or reset the connection under a write.  What it sent
+ * before closing may still wait in our socket (a peer that gave up on us
+ * sends its FAILs first): read it, so that its reasons are known before
+ * the connection's failure, which would only say "broken pipe".
+ */
+static void write_failed(kvf_tcp_conn_t *c, int err)
+{
+    handle_readable(c);
+    conn_fail(c, KVF_ERR_CONN_RESET, "write failed: %s", strerror(err));
+}
+
 static void tcp_flush(kvf_conn_t *base)
 {
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
@@ -435,8 +449,7 @@ static void tcp_flush(kvf_conn_t *base)
                 if (errno == EINTR)
                     continue;
                 if (errno != EAGAIN)
-                    conn_fail(c, KVF_ERR_CONN_RESET, "write failed: %s",
-                              strerror(errno));
+                    write_failed(c, errno);
                 break;
             }
             c->last_tx_ms = kvf_now_ms();
@@ -460,8 +473,7 @@ static void tcp_flush(kvf_conn_t *base)
                 if (errno == EINTR)
                     continue;
                 if (errno != EAGAIN)
-                    conn_fail(c, KVF_ERR_CONN_RESET, "write failed: %s",
-                              strerror(errno));
+                    write_failed(c, errno);
                 break;
             }
             c->last_tx_ms = kvf_now_ms();
