@@ -2,8 +2,9 @@
  * `kvferry demo`: a whole prefill/decode deployment on this host, one
  * process per part, and a verdict on every room.
  *
- * The orchestrator (orch.c) starts a registry and --prefill-tp prefill and
- * --decode-tp decode rank processes (`kvferry _rank`, see rank.c), releases
+ * The orchestrator (orch.c) starts a registry and the prefill and decode
+ * rank processes (`kvferry _rank`, see rank.c; --dp x --prefill-pp x
+ * --prefill-tp and --decode-pp x --decode-tp of them), releases
  * them together and relays their event lines here, where the report
  * (report.c) merges them into one verdict per room.  With --fault KIND@WHEN
  * the injector (fault.c) sees every event after the report, acts on the
@@ -108,13 +109,15 @@ static void kvt_demo_usage(FILE *out)
         "Usage: kvferry demo [options]\n"
         "\n"
         "Run a whole prefill/decode deployment on this host, one process per\n"
-        "part: a bootstrap registry, --prefill-tp prefill ranks and\n"
-        "--decode-tp decode ranks, each with KV buffers of a real model's\n"
-        "layout.  --requests rooms of --tokens tokens go from prefill pages\n"
-        "into randomly scattered decode pages; decode verifies every byte and\n"
-        "the aux tag.  Exit status 0 only when every room succeeded and\n"
-        "verified (under --fault: see Faults below), 1 otherwise, 2 for bad\n"
-        "options.\n"
+        "part: a bootstrap registry, --dp x --prefill-pp x --prefill-tp prefill\n"
+        "ranks and --decode-pp x --decode-tp decode ranks, each with KV buffers\n"
+        "of a real model's layout (a pipeline stage holds its share of the\n"
+        "layers; a prefill DP group serves the rooms with id %% --dp equal to\n"
+        "its DP rank).  --requests rooms of --tokens tokens go from prefill\n"
+        "pages into randomly scattered decode pages; decode verifies every byte\n"
+        "of its heads and layers, and the aux tag from the last prefill stage.\n"
+        "Exit status 0 only when every room succeeded and verified (under\n"
+        "--fault: see Faults below), 1 otherwise, 2 for bad options.\n"
         "\n"
         "Options:\n");
     kvt_opts_t def;

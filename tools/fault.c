@@ -82,6 +82,14 @@ int kvt_fault_parse(const char *spec, kvt_fault_t *f, char *err, size_t len)
 int kvt_fault_check(const kvt_fault_t *f, const kvt_opts_t *o, char *err,
                     size_t len)
 {
+    /* The injector targets rank 0 of a side and times engine faults on
+     * its bytes of the whole model: one DP group, one stage. */
+    if (o->prefill_pp != 1 || o->decode_pp != 1 || o->dp != 1) {
+        snprintf(err, len, "--fault %s runs with one pipeline stage and one "
+                 "DP group: drop --prefill-pp, --decode-pp and --dp (or set "
+                 "them to 1)", f->spec);
+        return -1;
+    }
     if (f->when == KVT_WHEN_MID && o->chunk >= o->tokens) {
         snprintf(err, len, "--fault %s needs rooms sent in two or more "
                  "chunks (a 'mid' to stop at), but each room of --tokens %u "

@@ -85,12 +85,12 @@ void kvt_geom_init(kvt_geom_t *g, const kvt_model_t *model,
     g->page_size = page_size;
     g->bytes_per_head = model->head_dim * dtype->bytes;
     if (model->attn == KVF_ATTN_MLA) {
-        g->num_buffers = model->num_layers;
+        g->buffers_per_layer = 1;
         g->total_heads = 1;
         g->heads_per_rank = 1;
         g->head_first = 0;
     } else {
-        g->num_buffers = 2 * model->num_layers;
+        g->buffers_per_layer = 2;
         g->total_heads = model->kv_heads;
         if (tp_size <= model->kv_heads) {
             g->heads_per_rank = model->kv_heads / tp_size;
@@ -100,6 +100,25 @@ void kvt_geom_init(kvt_geom_t *g, const kvt_model_t *model,
             g->head_first = (uint32_t)((uint64_t)tp_rank * model->kv_heads / tp_size);
         }
     }
+    g->num_layers = model->num_layers;
+    g->num_buffers = g->buffers_per_layer * model->num_layers;
     g->token_bytes = (size_t)g->heads_per_rank * g->bytes_per_head;
     g->page_bytes = (size_t)page_size * g->token_bytes;
+}
+
+void kvt_stage_layers(uint32_t num_layers, uint32_t pp_size, uint32_t pp_rank,
+                      uint32_t *first_p, uint32_t *count_p)
+{
+    uint64_t first = (uint64_t)pp_rank * num_layers / pp_size;
+    uint64_t end = (uint64_t)(pp_rank + 1) * num_layers / pp_size;
+    *first_p = (uint32_t)first;
+    *count_p = (uint32_t)(end - first);
+}
+
+void kvt_geom_set_stage(kvt_geom_t *g, uint32_t pp_size, uint32_t pp_rank)
+{
+    kvt_stage_layers(g->model->num_layers, pp_size, pp_rank, &g->first_layer,
+                     &g->num_layers);
+    g->num_buffers = g->buffers_per_layer * g->num_layers;
+    g->buf0 = g->buffers_per_layer * g->first_layer;
 }

@@ -10,8 +10,9 @@
  *   offset = ((page * page_size + slot) * heads_per_rank + h_local)
  *            * bytes_per_head + byte
  *
- * Data is defined over global heads (see pattern.h), so a decode rank can
- * verify the heads it holds whatever the prefill TP size was.
+ * Data is defined over global heads and global layers' buffers (see
+ * pattern.h), so a decode rank can verify the heads and layers it holds
+ * whatever the prefill TP and PP sizes were.
  */
 #ifndef KVT_MODELS_H
 #define KVT_MODELS_H
@@ -43,7 +44,11 @@ typedef struct kvt_geom {
     uint32_t tp_size;
     uint32_t tp_rank;
     uint32_t page_size;       /**< tokens per page */
-    uint32_t num_buffers;     /**< KV buffers: 2 per layer (MHA) or 1 (MLA) */
+    uint32_t num_buffers;     /**< KV buffers this rank holds: 2 per layer (MHA) or 1 (MLA) */
+    uint32_t buffers_per_layer;
+    uint32_t first_layer;     /**< GLOBAL index of this rank's first layer (PP stage) */
+    uint32_t num_layers;      /**< layers this rank holds */
+    uint32_t buf0;            /**< GLOBAL buffer index of local buffer 0 */
     uint32_t total_heads;     /**< logical heads: kv_heads (MHA) or 1 (MLA) */
     uint32_t heads_per_rank;
     uint32_t head_first;      /**< GLOBAL index of this rank's first head */
@@ -73,6 +78,21 @@ int kvt_tp_check(const kvt_model_t *model, uint32_t tp_size,
 void kvt_geom_init(kvt_geom_t *g, const kvt_model_t *model,
                    const kvt_dtype_t *dtype, uint32_t tp_size,
                    uint32_t tp_rank, uint32_t page_size);
+
+/**
+ * The layers pipeline stage `pp_rank` of `pp_size` holds of a model's
+ * `num_layers`: first = s*L/S, count = (s+1)*L/S - first (integer
+ * division, so later stages get the extra layer: 61 layers in 2 stages
+ * are 0..29 and 30..60).  pp_size must be at most num_layers.
+ */
+void kvt_stage_layers(uint32_t num_layers, uint32_t pp_size, uint32_t pp_rank,
+                      uint32_t *first_p, uint32_t *count_p);
+
+/**
+ * Restrict `g` (from kvt_geom_init, all layers) to one pipeline stage's
+ * layers: num_buffers, first_layer, num_layers and buf0 change.
+ */
+void kvt_geom_set_stage(kvt_geom_t *g, uint32_t pp_size, uint32_t pp_rank);
 
 /** Pages a room of `tokens` tokens needs (the last may be partly used). */
 static inline uint32_t kvt_pages_for(uint32_t tokens, uint32_t page_size)

@@ -44,6 +44,7 @@ typedef struct kvt_opt {
 
 #define OFF(f) offsetof(kvt_opts_t, f)
 #define ALL (KVT_IN_DEMO | KVT_IN_BENCH | KVT_IN_RANK | KVT_FORWARD)
+#define DEMO_RANK (KVT_IN_DEMO | KVT_IN_RANK | KVT_FORWARD)
 
 static const kvt_opt_t kvt_opt_table[] = {
     { "model", KVT_STR, OFF(model), ALL, 0, "NAME",
@@ -68,6 +69,12 @@ static const kvt_opt_t kvt_opt_table[] = {
       "prefill TP size: prefill rank processes" },
     { "decode-tp", KVT_U32, OFF(decode_tp), ALL, 1, "N",
       "decode TP size: decode rank processes" },
+    { "prefill-pp", KVT_U32, OFF(prefill_pp), DEMO_RANK, 1, "N",
+      "prefill pipeline stages; each holds its share of the layers" },
+    { "decode-pp", KVT_U32, OFF(decode_pp), DEMO_RANK, 1, "N",
+      "decode pipeline stages: --prefill-pp or 1 (others: every room fails)" },
+    { "dp", KVT_U32, OFF(dp), DEMO_RANK, 1, "N",
+      "prefill DP groups, of pp x tp ranks each; room r goes to group r % N" },
     { "concurrency", KVT_U32, OFF(concurrency), ALL, 1, "N",
       "rooms in flight per rank" },
     { "seed", KVT_U64, OFF(seed), ALL, 0, "N",
@@ -112,6 +119,9 @@ void kvt_opts_defaults(kvt_opts_t *o, kvt_opts_mode_t mode)
     o->kv_dtype = "bfloat16";
     o->prefill_tp = 1;
     o->decode_tp = 1;
+    o->prefill_pp = 1;
+    o->decode_pp = 1;
+    o->dp = 1;
     o->concurrency = 4;
     o->seed = 1;
     o->timeout = 120;
@@ -226,6 +236,29 @@ int kvt_opts_parse(kvt_opts_t *o, kvt_opts_mode_t mode, int argc,
     return 0;
 }
 
+/* Every stage needs a layer.  A decode PP that is neither --prefill-pp
+ * nor 1 is run anyway (the engine must refuse it, room by room), with a
+ * note saying so. */
+static int kvt_opts_check_pp(const kvt_opts_t *o, const kvt_model_t *m,
+                             const char *cmd)
+{
+    uint32_t pp = o->prefill_pp > o->decode_pp ? o->prefill_pp : o->decode_pp;
+    if (pp > m->num_layers) {
+        fprintf(stderr, "kvferry %s: --%s %u is more pipeline stages than the "
+                "%u layers of %s: use at most %u\n", cmd,
+                o->prefill_pp > o->decode_pp ? "prefill-pp" : "decode-pp", pp,
+                m->num_layers, m->name, m->num_layers);
+        return -1;
+    }
+    if (strcmp(cmd, "demo") == 0 && o->decode_pp != 1 &&
+        o->decode_pp != o->prefill_pp)
+        fprintf(stderr, "kvferry demo: note: --decode-pp %u is neither "
+                "--prefill-pp %u nor 1, which kvferry does not support: every "
+                "room is expected to fail with the engine's reason\n",
+                o->decode_pp, o->prefill_pp);
+    return 0;
+}
+
 int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode)
 {
     const char *cmd = kvt_mode_cmd(mode);
@@ -270,20 +303,36 @@ int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode)
         fprintf(stderr, "kvferry %s: %s\n", cmd, err);
         return -1;
     }
+    if (kvt_opts_check_pp(o, m, cmd) != 0)
+        return -1;
     if (mode == KVT_OPTS_RANK) {
         if (!o->role || (strcmp(o->role, "prefill") && strcmp(o->role, "decode"))) {
             fprintf(stderr, "kvferry _rank: --role prefill|decode is required "
                     "(this command is started by 'kvferry demo', not by hand)\n");
             return -1;
         }
-        uint32_t tp = strcmp(o->role, "prefill") == 0 ? o->prefill_tp : o->decode_tp;
-        if (o->rank >= tp || !o->registry) {
-            fprintf(stderr, "kvferry _rank: needs --rank below the %s TP "
-                    "size %u and --registry HOST:PORT\n", o->role, tp);
+        uint32_t n = kvt_opts_nranks(o, strcmp(o->role, "prefill") == 0);
+        if (o->rank >= n || !o->registry) {
+            fprintf(stderr, "kvferry _rank: needs --rank below the %u %s "
+                    "rank processes and --registry HOST:PORT\n", n, o->role);
             return -1;
         }
     }
     return 0;
+}
+
+uint32_t kvt_opts_nranks(const kvt_opts_t *o, int prefill)
+{
+    return prefill ? o->dp * o->prefill_pp * o->prefill_tp
+                   : o->decode_pp * o->decode_tp;
+}
+
+kvt_coord_t kvt_opts_coord(const kvt_opts_t *o, int prefill, uint32_t index)
+{
+    uint32_t tp = prefill ? o->prefill_tp : o->decode_tp;
+    uint32_t pp = prefill ? o->prefill_pp : o->decode_pp;
+    kvt_coord_t c = { index / (tp * pp), index / tp % pp, index % tp };
+    return c;
 }
 
 void kvt_opts_usage(FILE *out, kvt_opts_mode_t mode, const kvt_opts_t *defaults)

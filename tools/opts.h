@@ -25,6 +25,9 @@ typedef struct kvt_opts {
     const char *decode_kv_dtype;   /**< NULL: same as kv_dtype */
     uint32_t    prefill_tp;
     uint32_t    decode_tp;
+    uint32_t    prefill_pp;        /**< pipeline stages on prefill */
+    uint32_t    decode_pp;         /**< on decode: prefill_pp or 1 (others are refused) */
+    uint32_t    dp;                /**< prefill DP groups; room r goes to r % dp */
     uint32_t    concurrency;
     uint64_t    seed;
     uint32_t    timeout;           /**< seconds */
@@ -44,7 +47,7 @@ typedef struct kvt_opts {
     const char *faults;            /**< _rank: the engine's `faults` spec */
     /* _rank only */
     const char *role;              /**< "prefill" or "decode" */
-    uint32_t    rank;
+    uint32_t    rank;              /**< process index within its side (kvt_opts_coord) */
     const char *registry;          /**< "host:port" */
 } kvt_opts_t;
 
@@ -69,6 +72,24 @@ int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode);
 
 /** Print the option list of a command, with the defaults in `defaults`. */
 void kvt_opts_usage(FILE *out, kvt_opts_mode_t mode, const kvt_opts_t *defaults);
+
+/** A rank process's parallel coordinates. */
+typedef struct kvt_coord {
+    uint32_t dp, pp, tp;
+} kvt_coord_t;
+
+/**
+ * Rank processes of a side: dp x prefill_pp x prefill_tp on prefill,
+ * decode_pp x decode_tp on decode (one decode DP group).
+ */
+uint32_t kvt_opts_nranks(const kvt_opts_t *o, int prefill);
+
+/**
+ * The coordinates of process `index` of a side:
+ * index = (dp * pp_size + pp) * tp_size + tp, so TP ranks of one stage are
+ * neighbours and index 0 is dp 0, pp 0, tp 0.
+ */
+kvt_coord_t kvt_opts_coord(const kvt_opts_t *o, int prefill, uint32_t index);
 
 /**
  * The forwarded options of `o` as a malloc'd argv fragment (every value

@@ -430,7 +430,8 @@ int kvt_orch_init(kvt_orch_t *d, const char *cmd, const kvt_opts_t *opts,
     }
     d->exe[len] = '\0';
     /* Twice the processes: room for restarting each one once (faults). */
-    if (kvt_children_init(&d->kids, 2 * (1 + opts->prefill_tp + opts->decode_tp)) != 0) {
+    if (kvt_children_init(&d->kids, 2 * (1 + kvt_opts_nranks(opts, 1) +
+                                         kvt_opts_nranks(opts, 0))) != 0) {
         fprintf(stderr, "kvferry %s: out of memory\n", cmd);
         return -1;
     }
@@ -444,10 +445,10 @@ void kvt_orch_run(kvt_orch_t *d, const kvt_opts_t *o, char **fwd)
     if (kvt_start_registry(d, "0") != 0)
         return;
     int ok = 1;
-    for (uint32_t r = 0; ok && r < o->prefill_tp + o->decode_tp; r++) {
-        kvt_child_role_t role = r < o->prefill_tp ? KVT_CHILD_PREFILL
-                                                  : KVT_CHILD_DECODE;
-        uint32_t rank = r < o->prefill_tp ? r : r - o->prefill_tp;
+    uint32_t np = kvt_opts_nranks(o, 1), nd = kvt_opts_nranks(o, 0);
+    for (uint32_t r = 0; ok && r < np + nd; r++) {
+        kvt_child_role_t role = r < np ? KVT_CHILD_PREFILL : KVT_CHILD_DECODE;
+        uint32_t rank = r < np ? r : r - np;
         char *const *extra = d->rank_args ? d->rank_args(d->ctx, role, rank) : NULL;
         ok = kvt_orch_start_rank(d, role, rank, extra) != NULL;
     }

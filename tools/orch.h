@@ -1,7 +1,9 @@
 /*
  * The orchestrator shared by `kvferry demo` and `kvferry bench`: one
- * registry process and --prefill-tp + --decode-tp rank processes
- * (`kvferry _rank`) on this host, driven through their stdin/stdout.
+ * registry process and the rank processes (`kvferry _rank`) on this host,
+ * driven through their stdin/stdout: --dp x --prefill-pp x --prefill-tp
+ * prefill ranks and --decode-pp x --decode-tp decode ranks, each named by
+ * its index within its side (kvt_opts_coord() gives its dp/pp/tp).
  *
  * The orchestrator owns the process table, the signals (SIGINT/SIGTERM end
  * the run, SIGCHLD wakes the loop) and the start sequence: registry ->

@@ -2,8 +2,10 @@
  * Deterministic KV data for the demo, and the aux record (room tag).
  *
  * The one idea: every byte is a function of LOGICAL coordinates only —
- * (room, buffer, token, GLOBAL head, byte) — never of where it sits in a
- * rank's memory.  Prefill fills its pages from those coordinates; decode
+ * (room, GLOBAL buffer, token, GLOBAL head, byte) — never of where it sits
+ * in a rank's memory.  The global buffer is the model's: a pipeline stage's
+ * local buffer b is global buffer g->buf0 + b, so stage-to-stage and
+ * stage-to-all-layers transfers verify alike.  Prefill fills its pages from those coordinates; decode
  * recomputes them for the pages and heads it holds and compares.  So the
  * check is independent of page indices, page scattering and TP slicing: a
  * decode rank of any TP size verifies exactly the heads it owns.
@@ -45,7 +47,7 @@ uint64_t kvt_room_id(uint64_t seed, uint32_t index);
 
 /** Where verification found the first wrong byte. */
 typedef struct kvt_mismatch {
-    uint32_t buffer;
+    uint32_t buffer;    /**< GLOBAL buffer */
     uint32_t token;     /**< logical token of the room */
     uint32_t head;      /**< GLOBAL head */
     uint32_t byte;      /**< byte within the head */
@@ -56,6 +58,7 @@ typedef struct kvt_mismatch {
 /**
  * Fill `ntokens` token slots of one page of one KV buffer, starting at slot
  * 0 whose logical token is `first_token`, for the heads rank `g` holds.
+ * `buffer` is the GLOBAL buffer index (g->buf0 + the rank's local index).
  * `page` points at the page's first byte.
  */
 void kvt_pattern_fill(uint8_t *page, const kvt_geom_t *g, uint64_t room,

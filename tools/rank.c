@@ -8,18 +8,27 @@
  * then runs the rooms in index order with a window of --concurrency rooms
  * in flight, polling them in a loop as a scheduler step would.
  *
+ * Parallel layout: --rank is the process's index within its side, and
+ * kvt_opts_coord() gives its dp/pp/tp.  A pipeline stage holds its share
+ * of the layers (kvt_stage_layers) and registers them at its first_layer;
+ * pattern data is keyed by the GLOBAL buffer index, so decode verifies
+ * stage-to-stage and all-stages-into-one alike.  A prefill rank runs only
+ * the rooms of its DP group (room % --dp); decode ranks run every room.
+ * Only the last prefill stage writes the aux record.
+ *
  * Protocol with the orchestrator: stdin carries commands, one per line:
  * "go" (run --requests rooms), "batch FIRST COUNT" (run the rooms of those
  * request indices: the fresh batch after a fault), "resume" (end a
  * --hold), "exit".  stdout carries events, one JSON object per line:
- *   {"event":"ready", side, rank, addr, pid, ...}
+ *   {"event":"ready", side, rank, addr, at, pid, ...}   at: {dp_rank,
+ *        pp_rank, tp_rank, first_layer, num_layers}
  *   {"event":"phase", side, rank, room, index, phase}   bootstrap, waiting,
  *        mid (prefill sent a non-last chunk), last (prefill sent the last
  *        chunk), transferring (decode saw TRANSFERRING)
  *   {"event":"room", side, rank, room, index, state, verified, bytes,
  *        start, end, failure?}                          a room became final
- *   {"event":"result", side, rank, rooms[], failures[], bytes, start, end,
- *        stats}                                         after each batch
+ *   {"event":"result", side, rank, at, rooms[], failures[], bytes, start,
+ *        end, stats}                                    after each batch
  *   {"event":"error", side, rank, message}              a fatal setup error
  * Per-room events let the orchestrator account for rooms of a rank that is
  * later killed, and are what a fault injector keys its timing on.  Logs go
@@ -212,8 +221,9 @@ static json_t *kvt_verify_room(kvt_rank_t *r, kvt_room_t *rm)
     for (uint32_t b = 0; b < g->num_buffers; b++) {
         for (uint32_t i = 0; i < r->room_pages; i++) {
             kvt_mismatch_t mm;
-            if (kvt_pattern_verify(kvt_page(r, b, rm->pages[i]), g, rm->id, b,
-                                   i * g->page_size, g->page_size, &mm) == 0)
+            if (kvt_pattern_verify(kvt_page(r, b, rm->pages[i]), g, rm->id,
+                                   g->buf0 + b, i * g->page_size, g->page_size,
+                                   &mm) == 0)
                 continue;
             return kvt_local_failure(
                 r, rm, "VERIFY_FAILED",
@@ -221,11 +231,16 @@ static json_t *kvt_verify_room(kvt_rank_t *r, kvt_room_t *rm)
                 "room page %u = decode page %u, token %u, head %u, byte %u: "
                 "expected 0x%02x, found 0x%02x (the engine reported data "
                 "that is not in place)", mm.buffer,
-                g->model->attn == KVF_ATTN_MLA ? mm.buffer : mm.buffer / 2,
-                g->model->attn == KVF_ATTN_MLA ? "KV" : (mm.buffer % 2 ? "V" : "K"),
+                mm.buffer / g->buffers_per_layer,
+                g->buffers_per_layer == 1 ? "KV" : (mm.buffer % 2 ? "V" : "K"),
                 i, rm->pages[i], mm.token, mm.head, mm.byte, mm.expected, mm.got);
         }
     }
+    /* The aux record is the last prefill stage's: decode PP 1 gets it on
+     * every rank, stage-to-stage only the last decode stage (the others
+     * pair with prefill stages that never produce an output token). */
+    if (r->o.decode_pp != 1 && r->at.pp + 1 != r->o.decode_pp)
+        return NULL;
     char why[256];
     if (kvt_aux_check(kvt_aux(r, rm->aux_slot), rm->id, why, sizeof(why)))
         return kvt_local_failure(r, rm, "VERIFY_FAILED",
@@ -378,9 +393,11 @@ static void kvt_send_chunk(kvt_rank_t *r, kvt_room_t *rm)
     int last = rm->sent + n == r->room_pages;
     for (uint32_t b = 0; b < r->g.num_buffers; b++)
         for (uint32_t i = rm->sent; i < rm->sent + n; i++)
-            kvt_pattern_fill(kvt_page(r, b, rm->pages[i]), &r->g, rm->id, b,
-                             i * r->g.page_size, r->g.page_size);
-    if (last)
+            kvt_pattern_fill(kvt_page(r, b, rm->pages[i]), &r->g, rm->id,
+                             r->g.buf0 + b, i * r->g.page_size, r->g.page_size);
+    /* Only the last stage has the first output token: the engine must take
+     * aux from there, and decode's aux check fails if it does not. */
+    if (last && r->at.pp + 1 == r->o.prefill_pp)
         kvt_aux_fill(kvt_aux(r, rm->aux_slot), rm->id);
     kvf_status_t st = kvf_sender_send(rm->snd, rm->pages + rm->sent, n, last);
     if (st != KVF_OK) {
@@ -443,19 +460,43 @@ static int kvt_progress(kvt_rank_t *r, kvt_room_t *rm)
     return changed;
 }
 
-/* Run rooms [first, first + count) to their final state. */
+/* Is request `index` this rank's?  Decode ranks take every room; a
+ * prefill rank only those of its DP group, room % --dp.  Decode receivers
+ * pass prefill_dp_rank -1, and the engine picks the same group: the
+ * registry has no /register_dp_rank entry for the room, so room % dp_size
+ * (docs/GUIDE.md). */
+static int kvt_owns(const kvt_rank_t *r, uint32_t index)
+{
+    return !r->prefill || r->o.dp == 1 ||
+           kvt_room_id(r->o.seed, index) % r->o.dp == r->at.dp;
+}
+
+/* The first request at or after `index`, below `end`, this rank owns. */
+static uint32_t kvt_next_owned(const kvt_rank_t *r, uint32_t index, uint32_t end)
+{
+    while (index < end && !kvt_owns(r, index))
+        index++;
+    return index;
+}
+
+/* Run this rank's rooms of [first, first + count) to their final state. */
 static void kvt_run(kvt_rank_t *r, uint32_t first, uint32_t count)
 {
-    uint32_t next = first, done = 0, inflight = 0, conc = r->o.concurrency;
-    while (done < count) {
+    uint32_t end = first + count, total = 0;
+    for (uint32_t i = first; i < end; i++)
+        total += kvt_owns(r, i);
+    uint32_t next = kvt_next_owned(r, first, end), done = 0, inflight = 0;
+    uint32_t conc = r->o.concurrency;
+    while (done < total) {
         int changed = 0;
-        for (uint32_t i = 0; i < conc && next < first + count; i++) {
+        for (uint32_t i = 0; i < conc && next < end; i++) {
             if (r->win[i].stage != KVT_FREE)
                 continue;
-            /* Every rank starts rooms in index order, so the windows of
-             * all ranks always overlap and no room waits on a peer that
-             * has not admitted it. */
-            kvt_start(r, &r->win[i], next++);
+            /* Every rank starts its rooms in index order, so the windows
+             * of all ranks always overlap and no room waits on a peer
+             * that has not admitted it. */
+            kvt_start(r, &r->win[i], next);
+            next = kvt_next_owned(r, next + 1, end);
             inflight++;
             changed = 1;
         }
@@ -478,110 +519,21 @@ static void kvt_run(kvt_rank_t *r, uint32_t first, uint32_t count)
 }
 
 /* ------------------------------------------------------------------------ */
-/* Setup                                                                    */
+/* Setup (memory and engine: rank_setup.c)                                  */
 /* ------------------------------------------------------------------------ */
 
-static int kvt_setup_memory(kvt_rank_t *r)
+/* The window of rooms in flight, each with room for its page list. */
+static int kvt_setup_window(kvt_rank_t *r)
 {
     uint32_t conc = r->o.concurrency;
-    /* The bench needs no spare pages where it needs no scattering. */
-    int spare = !(r->o.bench && (r->prefill || r->o.contiguous));
-    uint64_t pool = (spare ? 2ull : 1ull) * conc * r->room_pages;
-    uint64_t total = pool * r->g.page_bytes * r->g.num_buffers;
-    if (pool > UINT32_MAX) {
-        kvt_fatal(r, "a pool of %" PRIu64 " pages is too large: lower "
-                  "--concurrency or --tokens", pool);
-        return -1;
-    }
-    r->buf_len = pool * r->g.page_bytes;
-    r->kv_len = total;
-    /* kvf_mem_alloc: memory a same-host decode engine can map (shm reads
-     * become one memcpy).  It is populated up front, as a real KV pool is
-     * before serving: first-touch faults would otherwise be measured as
-     * transfer time. */
-    void *kv = NULL;
-    if (kvf_mem_alloc(total, &kv) != KVF_OK) {
-        kvt_fatal(r, "cannot allocate %.2f GiB of KV buffers (%u buffers x %"
-                  PRIu64 " pages x %zu B); lower --concurrency or --tokens",
-                  (double)total / (1 << 30), r->g.num_buffers, pool, r->g.page_bytes);
-        return -1;
-    }
-    r->kv = kv;
-    r->aux_slots = 2 * conc;
-    r->aux = calloc(r->aux_slots, KVT_AUX_SLOT_BYTES);
     r->win = calloc(conc, sizeof(*r->win));
     r->page_store = malloc((size_t)conc * r->room_pages * sizeof(uint32_t));
-    if (!r->aux || !r->win || !r->page_store ||
-        kvt_pool_init(&r->pages, (uint32_t)pool, !r->prefill && !r->o.contiguous,
-                      kvt_mix64(r->o.seed ^ (0xD0ull << 32 | r->o.rank))) ||
-        kvt_pool_init(&r->slots, r->aux_slots, 0, 0)) {
+    if (!r->win || !r->page_store) {
         kvt_fatal(r, "out of memory");
         return -1;
     }
     for (uint32_t i = 0; i < conc; i++)
         r->win[i].pages = r->page_store + (size_t)i * r->room_pages;
-    return 0;
-}
-
-static int kvt_setup_engine(kvt_rank_t *r)
-{
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = r->prefill ? KVF_ROLE_PREFILL : KVF_ROLE_DECODE;
-    p.tp_rank = (int)r->o.rank;
-    p.tp_size = (int)r->g.tp_size;
-    /* p.host: KVF_HOST, else 127.0.0.1 (kvf_engine_params_init); the
-     * network-namespace test runs ranks on two hosts' addresses. */
-    p.port = 0;
-    p.bootstrap_addr = r->prefill ? r->o.registry : NULL;
-    if (r->o.transport)
-        p.transport = r->o.transport;
-    if (r->o.checksum)
-        p.checksum = 1;
-    if (r->o.faults)
-        p.faults = r->o.faults;   /* the demo's --fault reset|corrupt */
-    kvf_status_t st = kvf_engine_create(&p, &r->eng);
-    if (st != KVF_OK) {
-        kvt_fatal(r, "kvf_engine_create failed: %s (%s); see the engine's "
-                  "log line above", kvf_status_str(st), kvf_status_name(st));
-        return -1;
-    }
-    if (kvf_engine_address(r->eng, r->addr, sizeof(r->addr)) != KVF_OK)
-        snprintf(r->addr, sizeof(r->addr), "?");
-
-    kvf_buffer_t *kv = calloc(r->g.num_buffers, sizeof(*kv));
-    if (!kv) {
-        kvt_fatal(r, "out of memory");
-        return -1;
-    }
-    for (uint32_t b = 0; b < r->g.num_buffers; b++) {
-        kv[b].base = r->kv + (size_t)b * r->buf_len;
-        kv[b].length = r->buf_len;
-        kv[b].item_bytes = r->g.page_bytes;
-    }
-    kvf_buffer_t aux = { r->aux, (size_t)r->aux_slots * KVT_AUX_SLOT_BYTES,
-                         KVT_AUX_SLOT_BYTES };
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = r->g.page_size;
-    l.kv_dtype = r->g.dtype->name;
-    l.attn = r->g.model->attn;
-    l.num_layers = r->g.model->num_layers;
-    l.heads_per_rank = r->g.heads_per_rank;
-    l.total_heads = r->g.total_heads;
-    l.bytes_per_head = r->g.bytes_per_head;
-    l.num_kv = r->g.num_buffers;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    st = kvf_engine_register_layout(r->eng, &l);
-    free(kv);   /* the engine copies the arrays */
-    if (st != KVF_OK) {
-        kvt_fatal(r, "kvf_engine_register_layout failed: %s (%s); see the "
-                  "engine's log line above", kvf_status_str(st),
-                  kvf_status_name(st));
-        return -1;
-    }
     return 0;
 }
 
@@ -604,8 +556,9 @@ static void kvt_emit_result(kvt_rank_t *r)
     kvf_engine_stats_t s;
     kvf_engine_stats(r->eng, &s);
     kvt_emit(r, "result", json_pack(
-        "{s:s, s:s, s:O, s:O, s:I, s:f, s:f, s:{s:I, s:I, s:I, s:I}}",
+        "{s:s, s:s, s:o, s:O, s:O, s:I, s:f, s:f, s:{s:I, s:I, s:I, s:I}}",
         "addr", r->addr, "transport", kvf_engine_transport(r->eng),
+        "at", kvt_rank_coord_json(r),
         "rooms", r->rooms, "failures", r->failures,
         "bytes", (json_int_t)r->bytes, "start", r->first_start, "end", r->last_end,
         "stats", "bytes_sent", (json_int_t)s.bytes_sent,
@@ -651,22 +604,25 @@ int kvt_rank_main(int argc, char **argv)
     setvbuf(stdin, NULL, _IONBF, 0);
     r.prefill = strcmp(r.o.role, "prefill") == 0;
     r.side = r.prefill ? "prefill" : "decode";
+    r.at = kvt_opts_coord(&r.o, r.prefill, r.o.rank);
     uint32_t page_size = r.prefill ? r.o.page_size : r.o.decode_page_size;
     kvt_geom_init(&r.g, kvt_model_find(r.o.model),
                   kvt_dtype_find(r.prefill ? r.o.kv_dtype : r.o.decode_kv_dtype),
-                  r.prefill ? r.o.prefill_tp : r.o.decode_tp, r.o.rank, page_size);
+                  r.prefill ? r.o.prefill_tp : r.o.decode_tp, r.at.tp, page_size);
+    kvt_geom_set_stage(&r.g, r.prefill ? r.o.prefill_pp : r.o.decode_pp, r.at.pp);
     r.room_pages = kvt_pages_for(r.o.tokens, page_size);
     r.chunk_pages = kvt_pages_for(r.o.chunk, page_size);
     r.rooms = json_array();
     r.failures = json_array();
 
     int rc = 1;
-    if (kvt_setup_memory(&r) || kvt_setup_engine(&r) ||
+    if (kvt_rank_setup_memory(&r) || kvt_setup_window(&r) ||
+        kvt_rank_setup_engine(&r) ||
         (r.o.bench && kvt_bench_rank_prepare(&r)))
         goto out;
     kvt_emit(&r, "ready", json_pack(
-        "{s:s, s:s, s:i, s:i, s:i, s:I, s:I, s:I}", "addr", r.addr,
-        "transport", kvf_engine_transport(r.eng),
+        "{s:s, s:s, s:o, s:i, s:i, s:i, s:I, s:I, s:I}", "addr", r.addr,
+        "transport", kvf_engine_transport(r.eng), "at", kvt_rank_coord_json(&r),
         "pid", (int)getpid(), "buffers", (int)r.g.num_buffers,
         "heads", (int)r.g.heads_per_rank, "page_bytes", (json_int_t)r.g.page_bytes,
         "pool_pages", (json_int_t)(r.buf_len / r.g.page_bytes),

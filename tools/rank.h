@@ -20,6 +20,7 @@ typedef struct kvt_room kvt_room_t;
 
 typedef struct kvt_rank {
     kvt_opts_t      o;
+    kvt_coord_t     at;            /* dp/pp/tp of this process (o.rank is its index) */
     int             prefill;
     const char     *side;
     kvt_geom_t      g;
@@ -55,6 +56,18 @@ uint8_t *kvt_page(kvt_rank_t *r, uint32_t buffer, uint32_t page);
 
 /** First byte of aux slot `slot`. */
 uint8_t *kvt_aux(kvt_rank_t *r, uint32_t slot);
+
+/**
+ * Setup (rank_setup.c).  Memory: the KV buffers, aux slots and page pools
+ * (not the room window, which is rank.c's).  Engine: create it with this
+ * rank's dp/pp/tp and register its layout (its stage's layers at
+ * first_layer).  @return 0, or -1 after kvt_fatal().
+ */
+int kvt_rank_setup_memory(kvt_rank_t *r);
+int kvt_rank_setup_engine(kvt_rank_t *r);
+
+/** {dp_rank, pp_rank, tp_rank, first_layer, num_layers} of this rank. */
+json_t *kvt_rank_coord_json(const kvt_rank_t *r);
 
 /**
  * Bench mode (bench_rank.c).  Prepare runs before "ready": it fills the

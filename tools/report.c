@@ -26,7 +26,8 @@ int kvt_report_init(kvt_report_t *r, const kvt_opts_t *o)
     r->o = o;
     r->nfirst = o->requests;
     r->nrooms = o->requests + (o->fault ? o->after_fault_requests : 0);
-    r->nranks = o->prefill_tp + o->decode_tp;
+    r->nprefill = kvt_opts_nranks(o, 1);
+    r->nranks = r->nprefill + kvt_opts_nranks(o, 0);
     r->ids = malloc((size_t)r->nrooms * sizeof(*r->ids));
     r->slots = calloc((size_t)r->nrooms * r->nranks, sizeof(*r->slots));
     r->touched = calloc(r->nrooms, 1);
@@ -62,7 +63,25 @@ static kvt_slot_t *kvt_slot_at(const kvt_report_t *r, uint32_t index,
 
 static uint32_t kvt_col(const kvt_report_t *r, const kvt_child_t *c)
 {
-    return c->role == KVT_CHILD_PREFILL ? c->rank : r->o->prefill_tp + c->rank;
+    return c->role == KVT_CHILD_PREFILL ? c->rank : r->nprefill + c->rank;
+}
+
+/* Does rank column k take part in room `index`?  Every decode rank does;
+ * a prefill rank only in the rooms of its DP group (room % --dp). */
+static int kvt_involved(const kvt_report_t *r, uint32_t index, uint32_t k)
+{
+    if (k >= r->nprefill || r->o->dp == 1)
+        return 1;
+    return r->ids[index] % r->o->dp == kvt_opts_coord(r->o, 1, k).dp;
+}
+
+/* "prefill" or "decode", and the rank's index within its side. */
+static const char *kvt_col_side(const kvt_report_t *r, uint32_t k,
+                                unsigned *rank_p)
+{
+    int pre = k < r->nprefill;
+    *rank_p = pre ? k : k - r->nprefill;
+    return pre ? "prefill" : "decode";
 }
 
 /* The slot of room `index` on child c, or NULL (with a warning) when the
@@ -125,7 +144,7 @@ int kvt_report_room_final(const kvt_report_t *r, uint32_t index)
     if (index >= r->nrooms)
         return 0;
     for (uint32_t k = 0; k < r->nranks; k++)
-        if (kvt_slot_at(r, index, k)->state < 0)
+        if (kvt_involved(r, index, k) && kvt_slot_at(r, index, k)->state < 0)
             return 0;
     return 1;
 }
@@ -171,7 +190,8 @@ int kvt_report_hit_final_except(const kvt_report_t *r, const kvt_child_t *c)
     uint32_t skip = kvt_col(r, c);
     for (uint32_t i = 0; i < r->nfirst; i++)
         for (uint32_t k = 0; r->touched[i] == KVT_HIT && k < r->nranks; k++)
-            if (k != skip && kvt_slot_at(r, i, k)->state < 0)
+            if (k != skip && kvt_involved(r, i, k) &&
+                kvt_slot_at(r, i, k)->state < 0)
                 return 0;
     return 1;
 }
@@ -213,11 +233,17 @@ void kvt_report_result(kvt_report_t *r, const kvt_child_t *c, json_t *ev)
     size_t i;
     json_array_foreach(rooms, i, room)
         kvt_report_room(r, c, room);
-    json_array_append_new(r->ranks, json_pack(
-        "{s:s, s:O?, s:O?, s:O?, s:O?, s:O?, s:i}", "name", c->name,
+    json_t *at = json_object_get(ev, "at");
+    json_t *info = json_pack(
+        "{s:s, s:s, s:O?, s:O?, s:O?, s:O?, s:O?, s:i}", "name", c->name,
+        "side", c->role == KVT_CHILD_PREFILL ? "prefill" : "decode",
         "addr", json_object_get(ev, "addr"), "bytes", json_object_get(ev, "bytes"),
         "start", json_object_get(ev, "start"), "end", json_object_get(ev, "end"),
-        "stats", json_object_get(ev, "stats"), "rooms", (int)json_array_size(rooms)));
+        "stats", json_object_get(ev, "stats"), "rooms", (int)json_array_size(rooms));
+    /* dp_rank, pp_rank, tp_rank, first_layer, num_layers */
+    if (info && json_is_object(at))
+        json_object_update(info, at);
+    json_array_append_new(r->ranks, info);
 }
 
 /* "decode[1] at waiting" for each rank that has not reported room i. */
@@ -226,17 +252,16 @@ static json_t *kvt_pending(kvt_report_t *r, uint32_t i)
     json_t *a = json_array();
     for (uint32_t k = 0; k < r->nranks; k++) {
         const kvt_slot_t *s = &r->slots[(size_t)i * r->nranks + k];
-        if (s->state >= 0)
+        if (s->state >= 0 || !kvt_involved(r, i, k))
             continue;
-        int pre = k < r->o->prefill_tp;
-        unsigned rank = pre ? k : k - r->o->prefill_tp;
+        unsigned rank;
+        const char *side = kvt_col_side(r, k, &rank);
         if (s->phase == 0)
             json_array_append_new(a, json_sprintf(
-                "%s[%u] not started", pre ? "prefill" : "decode", rank));
+                "%s[%u] not started", side, rank));
         else
             json_array_append_new(a, json_sprintf(
-                "%s[%u] last phase: %s", pre ? "prefill" : "decode", rank,
-                kvt_phase_names[s->phase]));
+                "%s[%u] last phase: %s", side, rank, kvt_phase_names[s->phase]));
     }
     return a;
 }
@@ -296,9 +321,9 @@ static void kvt_check_slot(const kvt_report_t *r, uint32_t i, uint32_t k,
                            const kvt_slot_t *s, kvt_tally_t *t,
                            kvt_problems_t *p)
 {
-    int pre = k < r->o->prefill_tp;
-    const char *side = pre ? "prefill" : "decode";
-    unsigned rank = pre ? k : k - r->o->prefill_tp;
+    unsigned rank;
+    const char *side = kvt_col_side(r, k, &rank);
+    int pre = k < r->nprefill;
     if (!pre && s->state == KVF_POLL_SUCCESS && s->verified != 1) {
         t->verified = 0;
         kvt_problem(p, &p->verify, "room %u (id %llu): %s[%u] reported "
@@ -330,7 +355,9 @@ static void kvt_tally(const kvt_report_t *r, uint32_t first, uint32_t n,
         const char *why = NULL;
         for (uint32_t k = 0; k < r->nranks; k++) {
             const kvt_slot_t *s = kvt_slot_at(r, i, k);
-            int decode = k >= r->o->prefill_tp;
+            int decode = k >= r->nprefill;
+            if (!kvt_involved(r, i, k))
+                continue;
             if (s->failure) {
                 json_array_append(t->failures, s->failure);
                 if (!why)
@@ -475,8 +502,12 @@ json_t *kvt_report_summary(kvt_report_t *r, const kvt_children_t *kids,
         "seconds", secs, "gbps", secs > 0 ? (double)first.bytes / secs / 1e9 : 0.0,
         "failures", first.failures, "unresolved_rooms", first.unres,
         "processes", procs, "ranks", r->ranks);
-    if (out)
+    if (out) {
+        json_object_set_new(out, "prefill_pp", json_integer(o->prefill_pp));
+        json_object_set_new(out, "decode_pp", json_integer(o->decode_pp));
+        json_object_set_new(out, "dp", json_integer(o->dp));
         kvt_fault_summary(r, info, &first, &after, p.a, out);
+    }
     /* Without a fault every room must succeed; with one, every room must
      * be final and every rule above hold (any breach is a problem line). */
     *ok_p = info->fault
@@ -587,10 +618,16 @@ void kvt_report_print(FILE *out, json_t *s)
     double gb = (double)kvt_int(s, "bytes") / 1e9;
     double secs = json_real_value(json_object_get(s, "seconds"));
     fprintf(out, "kvferry demo: %s, %s (decode %s), page_size %lld (decode "
-            "%lld), TP %lld -> %lld\n", kvt_str(s, "model"),
+            "%lld), TP %lld -> %lld", kvt_str(s, "model"),
             kvt_str(s, "kv_dtype"), kvt_str(s, "decode_kv_dtype"),
             kvt_int(s, "page_size"), kvt_int(s, "decode_page_size"),
             kvt_int(s, "prefill_tp"), kvt_int(s, "decode_tp"));
+    if (kvt_int(s, "prefill_pp") > 1 || kvt_int(s, "decode_pp") > 1)
+        fprintf(out, ", PP %lld -> %lld", kvt_int(s, "prefill_pp"),
+                kvt_int(s, "decode_pp"));
+    if (kvt_int(s, "dp") > 1)
+        fprintf(out, ", prefill DP %lld", kvt_int(s, "dp"));
+    fprintf(out, "\n");
     fprintf(out, "  requests   %lld rooms x %lld tokens, %lld tokens per send, "
             "%lld in flight per rank, %s decode pages, transport %s%s\n",
             rooms, kvt_int(s, "tokens"), kvt_int(s, "chunk"),

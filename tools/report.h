@@ -10,6 +10,8 @@
  *   succeeded   every rank reached SUCCESS and every decode rank verified it,
  *   failed      every rank is final and one FAILED or did not verify,
  *   unresolved  some rank never reported it final (killed, hung, timeout).
+ * "Every rank" is every rank that takes part in the room: every decode
+ * rank, and the prefill ranks of the room's DP group (room % --dp).
  *
  * Under --fault the table also holds the fresh batch that follows the
  * fault (indices from --requests on), judged apart from the first batch,
@@ -46,7 +48,8 @@ typedef struct kvt_report {
     const kvt_opts_t *o;
     uint32_t          nrooms;    /* first batch + fresh batch after a fault */
     uint32_t          nfirst;    /* --requests: the first batch */
-    uint32_t          nranks;    /* prefill_tp + decode_tp */
+    uint32_t          nprefill;  /* prefill rank processes (dp x pp x tp) */
+    uint32_t          nranks;    /* prefill and decode rank processes */
     uint8_t          *touched;   /* per room: KVT_UNTOUCHED, KVT_HIT, KVT_LATER */
     uint64_t         *ids;       /* room id per index */
     kvt_slot_t       *slots;     /* [room][prefill ranks, decode ranks] */

@@ -239,7 +239,11 @@ void kvf__room_try_request(kvf_room_t *r)
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_link_t *lk = &r->links[i];
         kvf_peer_t *p = lk->peer;
-        int aux = (int)i == designated;
+        /* Aux holds the first output token, which only the last pipeline
+         * stage has: a decode stage paired with an earlier one gets none. */
+        int state = (int)i == designated;
+        int aux = state && (eng->params.pp_size == 1 ||
+                            eng->params.pp_rank == eng->params.pp_size - 1);
         if (lk->req_sent)
             continue;
         kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
@@ -261,7 +265,7 @@ void kvf__room_try_request(kvf_room_t *r)
             }
             m.u.room_req.expected_receivers = (uint32_t)n;
             m.u.room_req.pages = (kvf_wire_arr32_t){r->n_pages, r->pages, NULL};
-            if (aux)
+            if (state)
                 m.u.room_req.state_slots =
                     (kvf_wire_arr32_t){r->n_state_dst, r->state_dst, NULL};
             for (uint32_t b = 0; b < p->layout.num_kv; b++)
@@ -271,9 +275,8 @@ void kvf__room_try_request(kvf_room_t *r)
                     : p->layout.kv[b].item_bytes;
         }
         /* A resumed link starts over: the prefill rank resends everything. */
-        lk->expected = r->n_pages * per_page +
-            (aux ? eng->aux_item_bytes_sum +
-                   (r->n_state_dst ? eng->state_item_bytes_sum : 0) : 0);
+        lk->expected = r->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
+            (state && r->n_state_dst ? eng->state_item_bytes_sum : 0);
         lk->bytes = 0;
         lk->done = lk->idle;
         if (lk->hash == NULL && !lk->idle && want_checksum(eng, p))
