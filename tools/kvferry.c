@@ -135,7 +135,7 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "_rank") == 0)
         return kvt_rank_main(argc, argv);
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
-        printf("kvferry %s\n", kvf_version());
+        printf("kvferry %s\ntransports: %s\n", kvf_version(), kvf_transports());
         return 0;
     }
     if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0 ||

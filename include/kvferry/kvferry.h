@@ -47,6 +47,9 @@ extern "C" {
 /** @return the library version as "MAJOR.MINOR.PATCH" (static string). */
 KVF_API const char *kvf_version(void);
 
+/** @return the transports this build has, e.g. "tcp shm ucx" (static). */
+KVF_API const char *kvf_transports(void);
+
 /** @return the symbolic name of a status, e.g. "KVF_ERR_TIMED_OUT" (static). */
 KVF_API const char *kvf_status_name(kvf_status_t status);
 

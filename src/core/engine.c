@@ -347,6 +347,15 @@ kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *eng, char *buf, size_
     return KVF_OK;
 }
 
+const char *kvf_transports(void)
+{
+#ifdef KVF_HAVE_UCX
+    return "tcp shm ucx";
+#else
+    return "tcp shm";
+#endif
+}
+
 const char *kvf_engine_transport(const kvf_engine_t *eng)
 {
     /* Read without the lock: a racy read of a bit mask only ever set. */
@@ -375,27 +384,26 @@ void kvf_layout_init(kvf_layout_t *layout)
  * it starts with the layout.  If it cannot, peers use the other
  * transports: say why once.
  */
-static void start_ucx(kvf_engine_t *eng)
+static void start_ucx(kvf_engine_t *eng, char *err, size_t errlen)
 {
 #ifdef KVF_HAVE_UCX
-    char err[256];
     const kvf_layout_int_t *l = &eng->layout;
     const kvf_buffer_t *all[3] = {l->kv, l->aux, l->state};
     uint32_t cnt[3] = {l->num_kv, l->num_aux, l->num_state};
 
     if (!eng->allow_ucx)
         return;
-    if (kvf_ucx_create(&eng->ucx, err, sizeof(err)) != KVF_OK)
+    if (kvf_ucx_create(&eng->ucx, err, errlen) != KVF_OK)
         goto off;
     for (int f = 0; f < 3; f++)
         for (uint32_t i = 0; i < cnt[f]; i++)
             if (kvf_ucx_register(eng->ucx, all[f][i].base, all[f][i].length, l->mem_kind,
-                                 err, sizeof(err)) != KVF_OK)
+                                 err, errlen) != KVF_OK)
                 goto off;
     int fd = kvf_ucx_fd(eng->ucx);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_ucx};
     if (fd >= 0 && epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
-        snprintf(err, sizeof(err), "epoll_ctl: %s", strerror(errno));
+        snprintf(err, errlen, "epoll_ctl: %s", strerror(errno));
         goto off;
     }
     return;
@@ -410,6 +418,7 @@ off:
     eng->allow_ucx = 0;
 #else
     (void)eng;
+    snprintf(err, errlen, "this build has no UCX");
 #endif
 }
 
@@ -451,7 +460,19 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
     for (uint32_t i = 0; i < l.num_state; i++)
         eng->state_item_bytes_sum += l.state[i].item_bytes;
     eng->registered = 1;
-    start_ucx(eng);
+    start_ucx(eng, err, sizeof(err));
+    if (l.mem_kind == KVF_MEM_CUDA && eng->ucx == NULL) {
+        /* Device memory has no other way to move: refuse now, not per room. */
+        eng->registered = 0;
+        kvf__layout_free(&eng->layout);
+        memset(&eng->layout, 0, sizeof(eng->layout));
+        eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = eng->state_item_bytes_sum = 0;
+        pthread_mutex_unlock(&eng->lock);
+        kvf_error("device memory needs the ucx transport, which is not usable: %s", err);
+        return KVF_ERR_UNSUPPORTED;
+    }
+    if (l.mem_kind == KVF_MEM_CUDA)
+        eng->allow_shm = 0;
     if (eng->params.role == KVF_ROLE_PREFILL) {
         eng->want_register = 1;
         pthread_cond_broadcast(&eng->resolver_cond);

@@ -162,6 +162,20 @@ static kvf_xport_t try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, kvf_xport_
 #endif
 }
 
+/* Device memory moves only over ucx: any other choice makes the pair fail
+ * its rooms with this reason. */
+static void check_device_memory(kvf_peer_t *p)
+{
+    const kvf_layout_int_t *mine = &p->eng->layout;
+    if (p->xport == KVF_XPORT_UCX || p->incompatible != NULL ||
+        (mine->mem_kind != KVF_MEM_CUDA && p->layout.mem_kind != KVF_MEM_CUDA))
+        return;
+    p->incompatible = strdup("KV cache in device memory moves only over the ucx "
+                             "transport, and this prefill/decode pair could not use it: "
+                             "build both with UCX and allow --transport ucx (see the log "
+                             "for why ucx was not chosen).");
+}
+
 /*
  * Decode: pick how payload comes from this prefill engine and tell it,
  * before any ROOM_REQ: in the order of the preference ("auto": shm, then
@@ -210,6 +224,7 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         return;
     }
     use_xport(p, chosen);
+    check_device_memory(p);
     p->state = KVF_PEER_READY;
     kvf__rooms_peer_ready(eng, p);
 }
@@ -242,6 +257,7 @@ static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
     }
     kvf_info("decode rank %d at %s: payload over %s", p->tp_rank, p->addr,
              p->xport == KVF_XPORT_SHM ? "shm" : p->xport == KVF_XPORT_UCX ? "ucx" : "tcp");
+    check_device_memory(p);
 }
 
 static void send_hello(kvf_peer_t *p)

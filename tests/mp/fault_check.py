@@ -11,7 +11,8 @@ cannot hide an engine bug:
   - a surviving rank that saw the fault itself names the faulty side;
   - rooms resolved within 5 s of a kill or stop;
   - no room reported SUCCESS with data that did not verify;
-  - corrupt: the corruption was caught (a checksum failure);
+  - corrupt: the corruption was caught (a checksum failure; over ucx, the
+    refused read of the altered copy);
   - every room of the fresh batch after the fault succeeded and verified.
 """
 import json
@@ -73,7 +74,11 @@ def main():
     if kind == "corrupt":
         if not d["checksum"]:
             fail(spec, "corrupt must run with --checksum", d)
-        if not any("checksum" in f["reason"] for f in d["failures"]):
+        # Over ucx the altered copy is not registered memory: the read of it
+        # is refused before any checksum (docs/FAILURES.md).
+        caught = ("outside every region it registered", "checksum") \
+            if d["transport"] == "ucx" else ("checksum",)
+        if not any(c in f["reason"] for f in d["failures"] for c in caught):
             fail(spec, "the corrupted byte was not caught: no checksum failure "
                  "(failures: %s)" % [f["reason"] for f in d["failures"]], d)
     if after["rooms"] != after_rooms or after["succeeded"] != after_rooms:

@@ -16,6 +16,12 @@ FAULT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 FAULT_TMP=$(mktemp -d)
 trap 'rm -rf "$FAULT_TMP"' EXIT
 FAULT_AFTER=4
+# ucx too when built (over UCX's tcp: its shared memory refuses the peer
+# failure handling kvferry needs).
+if "$KVFERRY" version | grep -q '^transports:.*ucx'; then
+    FAULT_TRANSPORTS=${FAULT_TRANSPORTS:-tcp shm ucx}
+    export UCX_TLS=${UCX_TLS:-tcp}
+fi
 FAULT_TRANSPORTS=${FAULT_TRANSPORTS:-tcp shm}
 
 # fault_run SPEC [demo options...]

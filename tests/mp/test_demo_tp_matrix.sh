@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prefill and decode at different TP sizes, for every model layout, over
-# tcp and shm: each decode rank must hold exactly its heads (MHA/GQA, GQA
+# every transport built in: each decode rank must hold exactly its heads (MHA/GQA, GQA
 # replication) or the whole latent (MLA), every byte verified by the demo
 # against the logical KV.
 set -euo pipefail
@@ -21,7 +21,12 @@ print("ok: %s: 3 rooms verified over %s" % (what, d["transport"]))
 ' "$out" "$1" "TP $2 -> $3" "$4"
 }
 
-for t in tcp shm; do
+transports="tcp shm"
+if "$KVFERRY" version | grep -q '^transports:.*ucx'; then
+    transports="tcp shm ucx"
+    export UCX_TLS=${UCX_TLS:-tcp}
+fi
+for t in $transports; do
     for pair in "1 1" "2 1" "4 1" "1 2" "1 4" "4 2" "2 4"; do
         set -- $pair
         run llama3-8b "$1" "$2" "$t"

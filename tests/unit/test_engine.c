@@ -410,6 +410,34 @@ static void test_stall_is_a_dead_peer(void)
     CHECK_EQ_INT(ps, KVF_POLL_FAILED);
 }
 
+/* Device memory: only ucx can carry it; a build or a UCX without CUDA
+ * support refuses it at registration, with the reason, not per room. */
+static void test_device_memory_refused(void)
+{
+    kvf_engine_params_t p;
+    kvf_engine_t *eng;
+    static uint8_t buf[4096];
+    kvf_buffer_t kv = {buf, sizeof(buf), 1024};
+    kvf_layout_t l;
+
+    kvf_engine_params_init(&p);
+    p.role = KVF_ROLE_DECODE;
+    CHECK_EQ_INT(kvf_engine_create(&p, &eng), KVF_OK);
+    kvf_layout_init(&l);
+    l.page_size = 4;
+    l.kv_dtype = "bfloat16";
+    l.attn = KVF_ATTN_MLA;
+    l.num_layers = 1;
+    l.num_kv = 1;
+    l.kv = &kv;
+    l.mem_kind = KVF_MEM_CUDA;
+    CHECK_EQ_INT(kvf_engine_register_layout(eng, &l), KVF_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(kvf_last_error(), "ucx");
+    l.mem_kind = KVF_MEM_HOST;        /* and the engine is still usable */
+    CHECK_EQ_INT(kvf_engine_register_layout(eng, &l), KVF_OK);
+    kvf_engine_destroy(eng);
+}
+
 static void test_status_strings(void)
 {
     CHECK(strcmp(kvf_status_name(KVF_ERR_TIMED_OUT), "KVF_ERR_TIMED_OUT") == 0);
@@ -484,4 +512,5 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_page_size_mismatch_shm),
               KVF_CASE(test_reset_resumes_shm), KVF_CASE(test_repeated_resets_give_up_shm),
               KVF_CASE(test_corrupt_fails_with_checksum_shm),
-              KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx))
+              KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx),
+              KVF_CASE(test_device_memory_refused))
