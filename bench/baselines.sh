@@ -1,23 +1,31 @@
 #!/usr/bin/env bash
-# kvferry against the physical limits of this host, measured in one run.
+# kvferry against the physical limits of this host, measured in one run:
+# every performance target of issues 4, 5 and 6 as a ratio of a baseline
+# measured in the same run, medians of REPEATS rounds.
 #
-# Baselines: iperf3 single-stream TCP loopback (throughput and CPU per GB),
-# single-threaded memcpy of 256 MiB buffers (`kvferry bench --memcpy`), and
-# UCX `ucx_perftest ucp_put_bw` over tcp and shared memory when ucx_perftest
-# is installed (Debian package ucx-utils; skipped with a note otherwise).
-# Then the kvferry cases of the performance issue, each repeated REPEATS
-# times; every figure is the median, and each kvferry figure is printed as
-# a ratio of its baseline next to its target.
+# One round runs every case once, baselines and kvferry interleaved, so a
+# disturbance of this (shared, noisy) host lands on both sides of a ratio:
+#   baselines  memcpy 1 GiB single-threaded (`kvferry bench --memcpy`);
+#              iperf3 one TCP stream over loopback (GB/s and CPU s/GB);
+#              ucx_perftest ucp_get and ucp_put_bw, UCX_TLS=tcp, -e, 16 MiB
+#   issue 6    TCP llama3-8b contiguous page 64 / scattered page 1; small
+#              rooms (tiny, 64 in flight); 10,000 rooms in flight
+#   issue 4    qwen2.5-7b prefill TP 1 -> decode TP 2 vs TP 1 -> 1 (tcp, shm)
+#   issue 5    shm contiguous vs memcpy; ucx (UCX_TLS=tcp) vs ucp_get
+# then (PROFILE=1, the default when perf works) a short perf profile of the
+# rank processes of a TCP and a shm contiguous run.
 #
-# Usage: make build && bash bench/baselines.sh      (a few minutes; 127.0.0.1 only)
-#   REPEATS=5 KVFERRY=build/kvferry OUT=/tmp/bench.json bash bench/baselines.sh
-# Installs nothing: `make deps` (or `make bench`) installs iperf3 and python3.
+# Usage: make build && bash bench/baselines.sh     (about 5 minutes, 127.0.0.1 only)
+#   REPEATS=5 PROFILE=0 KVFERRY=build/kvferry OUT=/tmp/bench.json bash bench/baselines.sh
+# Installs nothing: `make deps` installs iperf3, python3 and ucx-utils.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 KVFERRY=${KVFERRY:-build/kvferry}
 REPEATS=${REPEATS:-3}
 IPERF_SECONDS=${IPERF_SECONDS:-5}
+UCX_MSG=${UCX_MSG:-16777216}   # kvferry's get size: one 16 MiB layer-buffer run per DATA_REF
+PROFILE=${PROFILE:-1}
 OUT=${OUT:-}
 TMP=$(mktemp -d /tmp/kvferry-bench.XXXXXX)
 PIDS=()
@@ -31,160 +39,275 @@ need() {
     command -v "$1" >/dev/null || { echo "baselines.sh: $1 not found; $2" >&2; exit 1; }
 }
 [ -x "$KVFERRY" ] || { echo "baselines.sh: $KVFERRY not found; run 'make build' first" >&2; exit 1; }
-need python3 "run 'make deps' (installs python3 and iperf3)"
-need iperf3 "run 'make deps' (installs python3 and iperf3)"
+need python3 "run 'make deps' (installs python3, iperf3 and ucx-utils)"
+need iperf3 "run 'make deps' (installs python3, iperf3 and ucx-utils)"
 
-# A TCP port nobody listens on right now (the kernel picks it).
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 note() { echo "== $*" >&2; }
 
-# --- machine ---------------------------------------------------------------
-python3 - "$TMP/machine.json" <<'EOF'
+python3 - "$TMP/machine.json" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
+    "$(git status --porcelain -- src include 2>/dev/null | wc -l)" <<'PY'
 import json, os, platform, sys
 model = "unknown"
 for line in open("/proc/cpuinfo"):
     if line.startswith("model name"):
         model = line.split(":", 1)[1].strip(); break
-json.dump({"nproc": os.cpu_count(), "cpu": model, "kernel": platform.release()},
+mem = int(open("/proc/meminfo").readline().split()[1]) // 1048576
+json.dump({"nproc": os.cpu_count(), "cpu": model, "kernel": platform.release(),
+           "mem_gib": mem, "commit": sys.argv[2], "engine_dirty_files": int(sys.argv[3])},
           open(sys.argv[1], "w"))
-EOF
+PY
 
-# --- baselines -------------------------------------------------------------
-note "memcpy (256 MiB, median of 9)"
-"$KVFERRY" bench --memcpy --mib 256 --repeats 9 > "$TMP/memcpy.json"
+UCX=0
+if command -v ucx_perftest >/dev/null; then UCX=1; else
+    note "ucx_perftest not found (Debian package ucx-utils): UCX cases skipped"
+fi
 
-for i in $(seq "$REPEATS"); do
-    note "iperf3 single stream, ${IPERF_SECONDS}s ($i/$REPEATS)"
-    port=$(free_port)
+iperf() {   # round
+    local port; port=$(free_port)
     iperf3 -s -1 -B 127.0.0.1 -p "$port" >/dev/null 2>&1 &
     PIDS+=($!)
     sleep 0.5   # until it listens (a probe connection would be its one test)
-    iperf3 -c 127.0.0.1 -p "$port" -t "$IPERF_SECONDS" -J > "$TMP/iperf3.$i.json"
+    iperf3 -c 127.0.0.1 -p "$port" -t "$IPERF_SECONDS" -J > "$TMP/iperf3.$1.json"
     wait "${PIDS[-1]}" 2>/dev/null || true
-done
-
-UCX=0
-if command -v ucx_perftest >/dev/null; then
-    UCX=1
-    for tls in tcp posix,self; do
-        for i in $(seq "$REPEATS"); do
-            note "ucx_perftest ucp_put_bw 4 MiB, UCX_TLS=$tls ($i/$REPEATS)"
-            port=$(free_port)
-            UCX_TLS=$tls timeout 60 ucx_perftest -p "$port" >/dev/null 2>&1 &
-            PIDS+=($!)
-            sleep 0.5
-            UCX_TLS=$tls timeout 60 ucx_perftest 127.0.0.1 -p "$port" -t ucp_put_bw \
-                -s 4194304 -n 500 > "$TMP/ucx.${tls%%,*}.$i.txt" 2>&1 || true
-            wait "${PIDS[-1]}" 2>/dev/null || true
-        done
-    done
-else
-    note "ucx_perftest not found (Debian package ucx-utils): UCX baselines skipped"
-fi
-
-# --- kvferry ---------------------------------------------------------------
-run_case() {   # name, then kvferry bench options
-    local name=$1; shift
-    for i in $(seq "$REPEATS"); do
-        note "kvferry bench $name ($i/$REPEATS): $*"
-        "$KVFERRY" bench --json "$@" > "$TMP/kvf.$name.$i.json"
-    done
 }
-# The issue's targets are TCP figures: name the transport, since "auto"
-# may pick shm between two processes of one host.
-run_case contiguous --transport tcp --model llama3-8b --pattern contiguous --page-size 64 \
-    --tokens 8192 --concurrency 2 --requests 12
-run_case scattered --transport tcp --model llama3-8b --pattern scattered --page-size 1 \
-    --tokens 8192 --concurrency 2 --requests 6
-run_case small --transport tcp --model tiny --tokens 16 --page-size 16 --concurrency 64 \
-    --requests 30000
+perftest() {   # test, round.  -e: endpoints with peer error handling, as kvferry's
+    local port; port=$(free_port)
+    UCX_TLS=tcp timeout 60 ucx_perftest -p "$port" -e >/dev/null 2>&1 &
+    PIDS+=($!)
+    sleep 0.5
+    UCX_TLS=tcp timeout 60 ucx_perftest 127.0.0.1 -p "$port" -e -t "$1" -s "$UCX_MSG" \
+        -n 100 -w 5 > "$TMP/ucx.$1.$2.txt" 2>&1 || true
+    wait "${PIDS[-1]}" 2>/dev/null || true
+}
+kvf() {   # name, round, kvferry bench options
+    local name=$1 i=$2; shift 2
+    note "kvferry bench $name ($i/$REPEATS): $*"
+    "$KVFERRY" bench --json "$@" > "$TMP/kvf.$name.$i.json" 2> "$TMP/kvf.$name.$i.err" ||
+        note "  $name: exit status $? (rooms failed; see the report)"
+}
+
+LLAMA=(--model llama3-8b --page-size 64 --tokens 8192)
+QWEN=(--model qwen2.5-7b --page-size 64 --tokens 8192 --concurrency 2 --requests 16)
 for i in $(seq "$REPEATS"); do
+    note "round $i/$REPEATS: memcpy 1 GiB (median of 5), iperf3 ${IPERF_SECONDS}s"
+    "$KVFERRY" bench --memcpy --mib 1024 --repeats 5 > "$TMP/memcpy.$i.json"
+    iperf "$i"
+    # issue 6: TCP
+    kvf contiguous "$i" --transport tcp "${LLAMA[@]}" --pattern contiguous --concurrency 2 --requests 12
+    kvf scattered "$i" --transport tcp "${LLAMA[@]}" --pattern scattered --page-size 1 \
+        --concurrency 2 --requests 6
+    kvf small "$i" --transport tcp --model tiny --tokens 16 --page-size 16 --concurrency 64 \
+        --requests 30000
     note "kvferry bench --rooms-in-flight 10000 ($i/$REPEATS)"
     "$KVFERRY" bench --rooms-in-flight 10000 --transport tcp > "$TMP/kvf.inflight.$i.json"
+    # issue 4: TP-sliced vs equal TP, same model and bytes
+    for t in tcp shm; do
+        kvf "tp11_$t" "$i" --transport "$t" "${QWEN[@]}" --prefill-tp 1 --decode-tp 1
+        kvf "tp12_$t" "$i" --transport "$t" "${QWEN[@]}" --prefill-tp 1 --decode-tp 2
+    done
+    # issue 5: shm vs memcpy; ucx vs ucx_perftest (UCX_TLS=tcp: see docs/BENCHMARKS.md)
+    kvf shm "$i" --transport shm "${LLAMA[@]}" --pattern contiguous --concurrency 4 --requests 16
+    if [ "$UCX" = 1 ]; then
+        note "ucx_perftest ucp_get / ucp_put_bw, UCX_TLS=tcp -e -s $UCX_MSG ($i/$REPEATS)"
+        perftest ucp_get "$i"
+        perftest ucp_put_bw "$i"
+        # One room in flight: with two, the decode engine's pass over 2 GiB of
+        # DATA_REF pulls outlasts the 2.5 s heartbeat (docs/BENCHMARKS.md).
+        UCX_TLS=tcp kvf ucx "$i" --transport ucx "${LLAMA[@]}" --pattern contiguous \
+            --concurrency 1 --requests 4
+    fi
 done
 
+# --- profile ---------------------------------------------------------------
+profile() {   # name, seconds to wait (pool population, first rooms), kvferry bench options
+    local name=$1 warm=$2; shift 2
+    "$KVFERRY" bench --json "$@" > /dev/null 2>&1 &
+    local b=$! pre="" dec=""
+    PIDS+=($b)
+    for _ in $(seq 100); do
+        pre=$(pgrep -P "$b" -f -- "--role prefill" || true)
+        dec=$(pgrep -P "$b" -f -- "--role decode" || true)
+        [ -n "$pre" ] && [ -n "$dec" ] && break
+        sleep 0.1
+    done
+    sleep "$warm"   # past registration and the pools' first touch
+    note "perf record -g, 3 s, on $name prefill ($pre) and decode ($dec)"
+    perf record -q -g -p "$pre" -o "$TMP/perf.$name.prefill" -- sleep 3 >/dev/null 2>&1 &
+    perf record -q -g -p "$dec" -o "$TMP/perf.$name.decode" -- sleep 3 >/dev/null 2>&1
+    wait $! 2>/dev/null || true
+    wait "$b" 2>/dev/null || true
+    for side in prefill decode; do
+        echo "--- $name, $side: perf report --no-children --sort dso,sym (top 8)"
+        perf report -q -i "$TMP/perf.$name.$side" --no-children --sort dso,sym -g none \
+            --percent-limit 1 2>/dev/null | sed '/^$/d' | head -8
+    done > "$TMP/profile.$name.txt"
+}
+if [ "$PROFILE" = 1 ] && command -v perf >/dev/null &&
+   perf record -q -o /dev/null -- true >/dev/null 2>&1; then
+    profile tcp 2 --transport tcp "${LLAMA[@]}" --pattern contiguous --concurrency 2 --requests 16
+    profile shm 4 --transport shm "${LLAMA[@]}" --pattern contiguous --concurrency 2 --requests 64
+elif [ "$PROFILE" = 1 ]; then
+    note "perf missing or not permitted (kernel.perf_event_paranoid): profile skipped"
+fi
+
 # --- report ----------------------------------------------------------------
-python3 - "$TMP" "$REPEATS" "$UCX" "$OUT" <<'EOF'
-import glob, json, re, statistics, sys
-tmp, reps, ucx, out = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4]
+python3 - "$TMP" "$REPEATS" "$UCX" "$OUT" "$UCX_MSG" <<'PY'
+import glob, json, os, statistics, sys
+tmp, reps, ucx, out, ucx_msg = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], int(sys.argv[5])
 med = statistics.median
 load = lambda p: json.load(open(p))
 machine = load(f"{tmp}/machine.json")
-memcpy = load(f"{tmp}/memcpy.json")["memcpy_gbps"]
+R = range(1, reps + 1)
+fig = {}      # name -> list per round (None when missing)
+problems = []
 
-ip_gbps, ip_cpu = [], []
-for p in sorted(glob.glob(f"{tmp}/iperf3.*.json")):
-    e = load(p)["end"]
-    r = e["sum_received"]
-    gb = r["bytes"] / 1e9
-    u = e["cpu_utilization_percent"]
-    # client (host) and server (remote) CPU, percent of one CPU over the run
-    cpu_s = (u["host_total"] + u["remote_total"]) / 100.0 * r["seconds"]
-    ip_gbps.append(r["bytes"] / r["seconds"] / 1e9)
-    ip_cpu.append(cpu_s / gb)
+def put(name, vals):
+    fig[name] = vals
 
-def ucx_gbps(tl):
+put("memcpy", [load(f"{tmp}/memcpy.{i}.json")["memcpy_gbps"] for i in R])
+ipg, ipc = [], []
+for i in R:
+    e = load(f"{tmp}/iperf3.{i}.json")["end"]
+    r = e["sum_received"]; u = e["cpu_utilization_percent"]
+    # client (host) + server (remote) CPU, percent of one CPU over the run
+    ipg.append(r["bytes"] / r["seconds"] / 1e9)
+    ipc.append((u["host_total"] + u["remote_total"]) / 100.0 * r["seconds"] / (r["bytes"] / 1e9))
+put("iperf3", ipg); put("iperf3_cpu", ipc)
+
+def perftest(t):
     v = []
-    for p in glob.glob(f"{tmp}/ucx.{tl}.*.txt"):
-        for line in open(p):
-            if line.startswith("Final:"):
-                # overall bandwidth column, MB/s with MB = 2^20
-                v.append(float(line.split()[6]) * 1048576 / 1e9)
+    for i in R:
+        x = None
+        p = f"{tmp}/ucx.{t}.{i}.txt"
+        for line in open(p) if os.path.exists(p) else []:
+            if line.startswith("Final:"):   # overall bandwidth, MB/s with MB = 2^20
+                x = float(line.split()[6]) * 1048576 / 1e9
+        if x is None: problems.append(f"ucx_perftest {t} round {i}: no result")
+        v.append(x)
+    return v
+if ucx:
+    put("ucp_get", perftest("ucp_get")); put("ucp_put_bw", perftest("ucp_put_bw"))
+
+runs = {}
+def kvf(name, transport=None):
+    v = []
+    for i in R:
+        p = f"{tmp}/kvf.{name}.{i}.json"
+        try: d = load(p)
+        except Exception: d = None
+        if d is None:
+            problems.append(f"{name} round {i}: no result"); v.append(None); continue
+        if d.get("failed", 1) or not d.get("ok", True):
+            problems.append(f"{name} round {i}: {d.get('failed')} of {d.get('rooms')} rooms failed"
+                            + (f" ({d['failures'][0]['reason'][:90]})" if d.get("failures") else ""))
+        got = d.get("config", {}).get("transport")
+        if transport and got != transport:
+            problems.append(f"{name} round {i}: transport {got}, not {transport}")
+        v.append(d)
+    runs[name] = v
+    return v
+def col(name, f, transport=None):
+    return [f(d) if d else None for d in kvf(name, transport)]
+
+put("contiguous", col("contiguous", lambda d: d["gbps"], "tcp"))
+put("contiguous_cpu", [d["cpu_s_per_gb"] if d else None for d in runs["contiguous"]])
+put("scattered", col("scattered", lambda d: d["gbps"], "tcp"))
+put("small_rps", col("small", lambda d: d["rooms_per_s"], "tcp"))
+put("small_p99", [d["p99_ms"] if d else None for d in runs["small"]])
+infl = [load(f"{tmp}/kvf.inflight.{i}.json") for i in R]
+put("inflight_bytes", [d["per_room_bytes"] for d in infl])
+put("inflight_poll", [d["poll_pass_ms"] for d in infl])
+for t in ("tcp", "shm"):
+    put(f"tp11_{t}", col(f"tp11_{t}", lambda d: d["gbps"], t))
+    put(f"tp12_{t}", col(f"tp12_{t}", lambda d: d["gbps"], t))
+put("shm", col("shm", lambda d: d["gbps"], "shm"))
+if ucx:
+    put("ucx", col("ucx", lambda d: d["gbps"], "ucx"))
+
+def m(name):
+    v = [x for x in fig.get(name, []) if x is not None]
     return med(v) if v else None
-ucx_tcp = ucx_gbps("tcp") if ucx else None
-ucx_shm = ucx_gbps("posix") if ucx else None
+def spread(name):
+    v = [x for x in fig.get(name, []) if x is not None]
+    return f"{min(v):.4g}-{max(v):.4g}" if v else "-"
+def paired(a, b):   # per-round ratios: the spread of the ratio itself
+    v = [x / y for x, y in zip(fig.get(a, []), fig.get(b, [])) if x is not None and y]
+    return f"{min(v):.2f}-{max(v):.2f}" if v else "-"
 
-def case(name, key):
-    v = [load(p) for p in sorted(glob.glob(f"{tmp}/kvf.{name}.*.json"))]
-    bad = [d for d in v if d.get("failed", 1) != 0]
-    if bad:
-        print(f"baselines.sh: {name}: {bad[0].get('failed')} rooms failed", file=sys.stderr)
-    return med([d[key] for d in v]), v
+rows = []   # issue, target, kvferry, baseline, ratio, goal, met, spread
+def ratio_row(issue, what, a, b, goal, lo=None, hi=None):
+    x, y = m(a), m(b)
+    if x is None or y is None:
+        rows.append((issue, what, x, y, None, goal, None, "-")); return
+    r = x / y
+    ok = (lo is None or r >= lo) and (hi is None or r <= hi)
+    rows.append((issue, what, x, y, r, goal, ok, paired(a, b)))
+def abs_row(issue, what, a, limit, goal, below):
+    x = m(a)
+    ok = None if x is None else (x < limit if below == "<" else x <= limit if below == "<=" else x >= limit)
+    rows.append((issue, what, x, limit, None if x is None else x / limit, goal, ok, spread(a)))
 
-c_gbps, cont = case("contiguous", "gbps")
-c_cpu = med([d["cpu_s_per_gb"] for d in cont])
-c_cpu_p = med([d["prefill"]["cpu_s_per_gb"] for d in cont])
-c_cpu_d = med([d["decode"]["cpu_s_per_gb"] for d in cont])
-c_p99 = med([d["p99_ms"] for d in cont])
-s_gbps, scat = case("scattered", "gbps")
-s_cpu = med([d["cpu_s_per_gb"] for d in scat])
-sm_rps, small = case("small", "rooms_per_s")
-sm_p50 = med([d["p50_ms"] for d in small])
-sm_p99 = med([d["p99_ms"] for d in small])
-infl = [load(p) for p in sorted(glob.glob(f"{tmp}/kvf.inflight.*.json"))]
-per_room = med([d["per_room_bytes"] for d in infl])
-poll_ms = med([d["poll_pass_ms"] for d in infl])
-ipg, ipc = med(ip_gbps), med(ip_cpu)
+ratio_row(6, "TCP llama3-8b contiguous p64: GB/s / iperf3", "contiguous", "iperf3", ">= 0.9x", lo=0.9)
+ratio_row(6, "TCP scattered p1: GB/s / contiguous", "scattered", "contiguous", ">= 0.5x", lo=0.5)
+abs_row(6, "small rooms (tiny, 64 in flight): rooms/s", "small_rps", 10000, ">= 10000", ">=")
+abs_row(6, "small rooms: p99 ms", "small_p99", 5.0, "< 5 ms", "<")
+abs_row(6, "10k in flight: bytes per room (worse side)", "inflight_bytes", 2048, "<= 2048 B", "<=")
+abs_row(6, "10k in flight: one poll pass, ms", "inflight_poll", 1.0, "< 1 ms", "<")
+ratio_row(6, "CPU s/GB both sides (contiguous) / iperf3", "contiguous_cpu", "iperf3_cpu", "<= 1.2x", hi=1.2)
+ratio_row(4, "qwen2.5-7b TP 1->2 / TP 1->1, tcp", "tp12_tcp", "tp11_tcp", ">= 0.5x", lo=0.5)
+ratio_row(4, "qwen2.5-7b TP 1->2 / TP 1->1, shm", "tp12_shm", "tp11_shm", ">= 0.5x", lo=0.5)
+ratio_row(5, "shm contiguous (4 in flight) / memcpy", "shm", "memcpy", ">= 0.8x", lo=0.8)
+if ucx:
+    ratio_row(5, "ucx (UCX_TLS=tcp) / ucx_perftest ucp_get", "ucx", "ucp_get", ">= 0.9x", lo=0.9)
+    ratio_row(5, "ucx (UCX_TLS=tcp) / ucx_perftest ucp_put_bw", "ucx", "ucp_put_bw", "(issue's name)")
 
-rows = [
- ("TCP contiguous p64 8192 tok: GB/s vs iperf3", c_gbps, ipg, c_gbps / ipg, ">= 0.9x", c_gbps / ipg >= 0.9),
- ("TCP scattered p1: GB/s vs contiguous", s_gbps, c_gbps, s_gbps / c_gbps, ">= 0.5x", s_gbps / c_gbps >= 0.5),
- ("small rooms (tiny, 4 KiB, 64 in flight): rooms/s", sm_rps, 10000, sm_rps / 10000, ">= 10000", sm_rps >= 10000),
- ("small rooms: p99 ms", sm_p99, 5.0, sm_p99 / 5.0, "< 5 ms", sm_p99 < 5.0),
- ("10k rooms in flight: bytes per room per side", per_room, 2048, per_room / 2048, "<= 2048 B", per_room <= 2048),
- ("10k rooms in flight: one poll pass, ms", poll_ms, 1.0, poll_ms / 1.0, "< 1 ms", poll_ms < 1.0),
- ("CPU s/GB both sides (contiguous) vs iperf3", c_cpu, ipc, c_cpu / ipc, "<= 1.2x", c_cpu / ipc <= 1.2),
-]
 print()
-print(f"machine: {machine['nproc']} CPUs, {machine['cpu']}, Linux {machine['kernel']}; "
-      f"medians of {reps} runs")
-print(f"baselines: iperf3 {ipg:.3f} GB/s at {ipc:.3f} CPU s/GB; memcpy {memcpy:.2f} GB/s; "
-      + (f"UCX put_bw tcp {ucx_tcp:.3f} GB/s, shm {ucx_shm:.2f} GB/s" if ucx_tcp else "UCX: skipped"))
+print(f"machine: {machine['nproc']} CPUs, {machine['cpu']}, {machine['mem_gib']} GiB, "
+      f"Linux {machine['kernel']}; commit {machine['commit'][:12]}"
+      + (f" (+{machine['engine_dirty_files']} changed files in src/ include/)" if machine['engine_dirty_files'] else "")
+      + f"; medians of {reps} rounds")
+b = [f"memcpy {m('memcpy'):.2f} GB/s ({spread('memcpy')})",
+     f"iperf3 {m('iperf3'):.3f} GB/s ({spread('iperf3')}) at {m('iperf3_cpu'):.3f} CPU s/GB"]
+if ucx:
+    b.append(f"ucp_get {m('ucp_get') or 0:.3f} GB/s ({spread('ucp_get')}), "
+             f"ucp_put_bw {m('ucp_put_bw') or 0:.3f} GB/s ({spread('ucp_put_bw')}), "
+             f"UCX_TLS=tcp -e, {ucx_msg >> 20} MiB")
+print("baselines: " + "; ".join(b))
 print()
-print(f"{'target':52} {'kvferry':>10} {'baseline':>10} {'ratio':>7}  {'goal':10} verdict")
-for name, v, base, ratio, goal, ok in rows:
-    print(f"{name:52} {v:10.4g} {base:10.4g} {ratio:7.3f}  {goal:10} {'met' if ok else 'MISSED'}")
+fmt = lambda v: "-" if v is None else f"{v:.4g}"
+print(f"{'#':2} {'target':46} {'kvferry':>9} {'baseline':>9} {'ratio':>6}  {'goal':14} {'verdict':7} spread")
+for issue, what, x, y, r, goal, ok, sp in rows:
+    verdict = "n/a" if ok is None else "met" if ok else "MISSED"
+    if goal.startswith("("): verdict = "info"
+    print(f"{issue:<2} {what:46} {fmt(x):>9} {fmt(y):>9} {fmt(r):>6}  {goal:14} {verdict:7} {sp}")
+print("(spread: per-round ratio min-max for ratios, figure min-max otherwise)")
 print()
-print(f"also: contiguous {c_gbps / memcpy:.3f}x memcpy"
-      + (f", {c_gbps / ucx_tcp:.2f}x UCX tcp put_bw" if ucx_tcp else "")
-      + f"; CPU s/GB prefill {c_cpu_p:.3f}, decode {c_cpu_d:.3f}; contiguous room p99 {c_p99:.1f} ms;"
-      f" scattered CPU {s_cpu:.3f} s/GB; small rooms p50 {sm_p50:.3f} ms")
+def sd(name, side, k="cpu_s_per_gb"):
+    v = [d[side][k] for d in runs.get(name, []) if d]
+    return med(v) if v else 0
+def key(name, k):
+    v = [d[k] for d in runs.get(name, []) if d]
+    return med(v) if v else 0
+print("also (medians):")
+for name in ["contiguous", "scattered", "small", "tp11_tcp", "tp12_tcp", "tp11_shm", "tp12_shm", "shm"] + (["ucx"] if ucx else []):
+    if not runs.get(name): continue
+    print(f"  {name:10} {key(name, 'gbps'):7.3f} GB/s ({spread(name) if name in fig else '-'}), "
+          f"{key(name, 'rooms_per_s'):9.1f} rooms/s, p50 {key(name, 'p50_ms'):8.2f} ms, p99 {key(name, 'p99_ms'):8.2f} ms, "
+          f"CPU s/GB {key(name, 'cpu_s_per_gb'):.3f} (prefill {sd(name, 'prefill'):.3f}, decode {sd(name, 'decode'):.3f}), "
+          f"peak RSS {key(name, 'peak_rss_mb'):.0f} MB")
+print(f"  shm / memcpy per round: {paired('shm', 'memcpy')}; contiguous / memcpy {m('contiguous') / m('memcpy'):.3f}")
+print(f"  10k in flight, per side: " + ", ".join(f"{k} {med([d.get(k, 0) for d in infl]):.4g}"
+      for k in sorted(infl[0]) if isinstance(infl[0][k], (int, float))))
+for p in sorted(glob.glob(f"{tmp}/profile.*.txt")):
+    print(); print(open(p).read().rstrip())
+if problems:
+    print(); print("problems:"); [print("  " + p) for p in problems]
 if out:
-    json.dump({"machine": machine, "memcpy_gbps": memcpy, "iperf3_gbps": ip_gbps,
-               "iperf3_cpu_s_per_gb": ip_cpu, "ucx_tcp_gbps": ucx_tcp, "ucx_shm_gbps": ucx_shm,
-               "contiguous": cont, "scattered": scat, "small": small, "inflight": infl,
-               "targets": [dict(zip(("target", "kvferry", "baseline", "ratio", "goal", "met"), r))
+    json.dump({"machine": machine, "figures": fig, "runs": runs, "inflight": infl,
+               "problems": problems,
+               "targets": [dict(zip(("issue", "target", "kvferry", "baseline", "ratio", "goal", "met", "spread"), r))
                            for r in rows]}, open(out, "w"), indent=1)
-EOF
+PY

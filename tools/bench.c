@@ -11,7 +11,14 @@
  * process, the engine's included), its peak RSS and one timestamp per
  * room.  From those:
  *
- *   gbps          payload bytes / (last rank's end - first rank's start), 1e9 B/s
+ *   bytes         payload placed in decode memory: the sum over decode
+ *                 ranks of what each received (its heads of every room).
+ *                 With unequal TP this is the transfer's total payload, the
+ *                 same as the prefill ranks' sum; where data is replicated
+ *                 (MLA, GQA heads shared by ranks) it counts every copy that
+ *                 was delivered, and a prefill rank that sends nothing (MLA
+ *                 with prefill TP > decode TP) counts nothing.
+ *   gbps          bytes / (last rank's end - first rank's start), 1e9 B/s
  *   rooms_per_s   rooms that succeeded on every rank / the same window
  *   p50/p99_ms    per room: latest decode SUCCESS - latest prefill send of
  *                 the last chunk (nearest-rank percentiles)
@@ -174,7 +181,7 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
     kvt_orch_t *o = &b->orch;
     uint32_t rooms = UINT32_MAX;
     int64_t t0 = INT64_MAX, t1 = 0;
-    double bytes = 0;
+    double bytes = 0, prefill_bytes = 0;
     int missing = 0;
     for (size_t i = 0; i < o->kids.n; i++) {
         json_t *r = b->results[i];
@@ -190,8 +197,11 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
         rooms = n < rooms ? n : rooms;
         t0 = a < t0 ? a : t0;
         t1 = z > t1 ? z : t1;
-        if (o->kids.v[i].role == KVT_CHILD_PREFILL)
-            bytes += (double)json_integer_value(json_object_get(r, "bytes"));
+        double rb = (double)json_integer_value(json_object_get(r, "bytes"));
+        if (o->kids.v[i].role == KVT_CHILD_DECODE)
+            bytes += rb;
+        else if (o->kids.v[i].role == KVT_CHILD_PREFILL)
+            prefill_bytes += rb;
     }
     if (missing || rooms == UINT32_MAX)
         rooms = 0;
@@ -266,6 +276,7 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
         "decode_tp", (int)p->decode_tp, "checksum", p->checksum,
         "verify", p->verify,
         "transport", o->transport[0] ? o->transport : "unknown"));
+    json_object_set_new(out, "prefill_bytes", json_integer((json_int_t)prefill_bytes));
     if (o->error[0])
         json_object_set_new(out, "error", json_string(o->error));
     free(lat);
@@ -334,8 +345,10 @@ static void kvt_bench_usage(FILE *out)
     fprintf(out, "\n");
     kvt_models_print(out);
     fprintf(out,
-        "\nUnequal --prefill-tp and --decode-tp are passed to the engine, which\n"
-        "refuses them today: every room then fails with its reason.\n"
+        "\nUnequal --prefill-tp and --decode-tp move each decode rank's heads\n"
+        "from the prefill ranks that hold them (TP-sliced).  Payload bytes are\n"
+        "what the decode ranks received, summed over them: the whole transfer,\n"
+        "so GB/s and CPU s/GB compare across TP pairs of the same model.\n"
         "bench/baselines.sh runs the issue's cases against iperf3, memcpy and\n"
         "UCX on the same host; docs/BENCHMARKS.md has the figures.\n");
 }

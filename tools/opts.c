@@ -82,7 +82,7 @@ static const kvt_opt_t kvt_opt_table[] = {
     { "checksum", KVT_FLAG, OFF(checksum), ALL, 0, NULL,
       "enable end-to-end XXH3 checksums in the engine" },
     { "transport", KVT_STR, OFF(transport), ALL, 0, "NAME",
-      "engine transport: auto or tcp (default: engine default, KVF_TRANSPORT)" },
+      "engine transport: auto, tcp, shm or ucx (default: engine default, KVF_TRANSPORT)" },
     { "contiguous", KVT_FLAG, OFF(contiguous), KVT_IN_DEMO | KVT_IN_RANK | KVT_FORWARD,
       0, NULL, "give decode contiguous pages instead of randomly scattered ones" },
     { "pattern", KVT_STR, OFF(pattern), KVT_IN_BENCH, 0, "contiguous|scattered",

@@ -8,7 +8,9 @@
 
 #include "core/engine_int.h"
 
-#define MAX_RUN_BYTES (1ull << 30)   /* one segment per run at most this big */
+/* A run of pages becomes segments of at most this much: what one DATA
+ * frame carries, and what one pull (shm, ucx) reads without yielding. */
+#define MAX_RUN_BYTES (4ull << 20)
 #define MAX_LINKS     1024
 #define MAX_RETRIES   3              /* reconnects per room */
 #define RETRY_BASE_MS 100            /* first reconnect delay; doubles */

@@ -30,8 +30,9 @@
 #define TCP_RX_BUF        (256u << 10)
 #define TCP_RX_IOV        1024              /* targets per readv() */
 #define TCP_PASS_BYTES    (32u << 20)       /* fairness: bytes per event */
-#define TCP_PASS_MSGS     64                /* fairness: messages per event (a
-                                               DATA_REF can mean a 4 MiB pull) */
+#define TCP_PASS_MSGS     64                /* fairness: messages per event */
+#define TCP_PASS_REFS     (32u << 20)       /* fairness: bytes pulled for the
+                                               DATA_REFs of one event */
 #define TCP_SOCKBUF       (4 << 20)
 
 enum { RX_HDR, RX_BODY, RX_PAYLOAD };
@@ -525,6 +526,7 @@ static void parse_buffered(kvf_tcp_conn_t *c)
 {
     char err[256];
     int msgs = 0;
+    uint64_t pulled = 0;
 
     c->backlog = 0;
     while (!c->dead) {
@@ -578,7 +580,11 @@ static void parse_buffered(kvf_tcp_conn_t *c)
         if (m.type != KVF_MSG_DATA) {
             c->rx_state = RX_HDR;
             c->h->on_msg(c->arg, &m);
-            if (++msgs == TCP_PASS_MSGS) {
+            /* A DATA_REF's payload is read by the engine while we wait:
+             * count it, so one event never holds the engine for long. */
+            if (m.type == KVF_MSG_DATA_REF)
+                pulled += m.u.data.payload_len;
+            if (++msgs == TCP_PASS_MSGS || pulled >= TCP_PASS_REFS) {
                 c->backlog = 1;     /* the engine calls back: see pending() */
                 return;
             }
