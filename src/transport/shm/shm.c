@@ -12,6 +12,10 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "kvferry/kvferry.h"
 #include "util/log.h"
 
@@ -327,6 +331,41 @@ size_t kvf_shm_peer_mapped(const kvf_shm_peer_t *sp)
     return sp->nmaps;
 }
 
+#define STREAM_MIN (64u << 10)   /* copies this large bypass the caches */
+
+/*
+ * Copy KV into its destination pages.  Large pieces use non-temporal
+ * stores: the bytes are not read again soon by this CPU, and streaming
+ * them skips the read-for-ownership of every destination line, which
+ * roughly doubles the speed of a copy that misses the caches anyway (libc
+ * only streams copies larger than most of the last-level cache, and ours
+ * come in pieces of at most a few MiB).
+ */
+static void copy_kv(uint8_t *dst, const uint8_t *src, size_t n)
+{
+#if defined(__SSE2__)
+    if (n >= STREAM_MIN) {
+        size_t head = (16 - ((uintptr_t)dst & 15)) & 15;
+        memcpy(dst, src, head);
+        dst += head;
+        src += head;
+        n -= head;
+        for (; n >= 64; n -= 64, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+        _mm_sfence();   /* streamed stores are visible before we go on */
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
 /* The local view of [addr, +len) in the peer, or NULL. */
 static const uint8_t *mapped(const kvf_shm_peer_t *sp, uint64_t addr, size_t len)
 {
@@ -370,7 +409,7 @@ kvf_status_t kvf_shm_read(kvf_shm_peer_t *sp, struct iovec *local, struct iovec 
                 return st;
         }
         if (src != NULL)
-            memcpy(local[i].iov_base, src, local[i].iov_len);
+            copy_kv(local[i].iov_base, src, local[i].iov_len);
         start = src != NULL ? i + 1 : i;
     }
     return KVF_OK;
