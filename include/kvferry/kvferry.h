@@ -47,7 +47,8 @@ extern "C" {
 /** @return the library version as "MAJOR.MINOR.PATCH" (static string). */
 KVF_API const char *kvf_version(void);
 
-/** @return the transports this build has, e.g. "tcp shm ucx" (static). */
+/** @return the transports this build has, e.g. "tcp shm ucx(1.13.1)" with
+ *  the UCX library's version (static). */
 KVF_API const char *kvf_transports(void);
 
 /** @return the symbolic name of a status, e.g. "KVF_ERR_TIMED_OUT" (static). */

@@ -215,7 +215,13 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
     /* shm where the peer shares this host, unless tcp was asked for. */
     eng->allow_shm = strcmp(eng->transport, "tcp") != 0 && strcmp(eng->transport, "ucx") != 0;
 #ifdef KVF_HAVE_UCX
-    eng->allow_ucx = strcmp(eng->transport, "auto") == 0 || strcmp(eng->transport, "ucx") == 0;
+    /* "auto" picks ucx only with a UCX that survives a peer's death. */
+    eng->allow_ucx = strcmp(eng->transport, "ucx") == 0 ||
+        (strcmp(eng->transport, "auto") == 0 && kvf_ucx_survives_peer_death());
+    if (strcmp(eng->transport, "ucx") == 0 && !kvf_ucx_survives_peer_death())
+        kvf_warn("UCX %s can abort this process when a peer dies while UCX is still "
+                 "setting up its connection (fixed in UCX 1.14, openucx/ucx#8175); "
+                 "prefer UCX >= 1.14 for --transport ucx", kvf_ucx_version());
 #endif
     if (eng->allow_shm && params->role == KVF_ROLE_PREFILL)
         kvf_shm_allow_readers();
@@ -347,10 +353,22 @@ kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *eng, char *buf, size_
     return KVF_OK;
 }
 
+#ifdef KVF_HAVE_UCX
+static char transport_names[64];
+
+static void name_transports(void)
+{
+    snprintf(transport_names, sizeof(transport_names), "tcp shm ucx(%s)",
+             kvf_ucx_version());
+}
+#endif
+
 const char *kvf_transports(void)
 {
 #ifdef KVF_HAVE_UCX
-    return "tcp shm ucx";
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, name_transports);
+    return transport_names;
 #else
     return "tcp shm";
 #endif

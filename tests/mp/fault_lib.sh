@@ -43,10 +43,21 @@ fault_run() {
     fi
 }
 
+# UCX before 1.14 can abort the surviving process when its peer dies while
+# UCX still sets up the connection (openucx/ucx#8175): no kill over it.
+ucx_survives_kill() {
+    "$KVFERRY" version | grep -q 'ucx(1\.\(1[0-3]\|[0-9]\)\.' && return 1
+    return 0
+}
+
 # fault_matrix KIND: every WHEN for one KIND, over every transport.
 fault_matrix() {
     local failed=0
     for transport in $FAULT_TRANSPORTS; do
+        if [ "$transport" = ucx ] && [ "${1%%-*}" = kill ] && ! ucx_survives_kill; then
+            echo "SKIP: $1 over ucx: this UCX can abort the surviving process when its peer dies during connection setup (openucx/ucx#8175, fixed in UCX 1.14)"
+            continue
+        fi
         for when in bootstrap mid last; do
             fault_run "$1@$when" --transport "$transport" || failed=1
         done

@@ -86,6 +86,18 @@ int kvf_ucx_available(void)
     return 1;
 }
 
+const char *kvf_ucx_version(void)
+{
+    return ucp_get_version_string();
+}
+
+int kvf_ucx_survives_peer_death(void)
+{
+    unsigned major, minor, release;
+    ucp_get_version(&major, &minor, &release);
+    return major > 1 || (major == 1 && minor >= 14);
+}
+
 /* ---------------------------------------------------------------- context */
 
 kvf_status_t kvf_ucx_create(kvf_ucx_t **u_p, char *err, size_t errlen)

@@ -59,6 +59,17 @@ typedef struct kvf_ucx_ep kvf_ucx_ep_t;
 /* 1: this build has the ucx transport. */
 int          kvf_ucx_available(void);
 
+/* The UCX library's version, e.g. "1.13.1" (static). */
+const char  *kvf_ucx_version(void);
+
+/*
+ * 0 with UCX before 1.14: a peer that dies while UCX is still setting up
+ * its connection can trip an assertion inside UCX's tcp transport
+ * (ucp_request.c, fixed upstream by openucx/ucx#8175) and abort this
+ * process.  The engine then uses ucx only when asked for explicitly.
+ */
+int          kvf_ucx_survives_peer_death(void);
+
 /*
  * Create the UCP context (UCP_FEATURE_RMA) and worker.  UCX takes its
  * configuration from the environment at this point (UCX_TLS, ...).
