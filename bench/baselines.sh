@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."
 KVFERRY=${KVFERRY:-build/kvferry}
 REPEATS=${REPEATS:-3}
 IPERF_SECONDS=${IPERF_SECONDS:-5}
-UCX_MSG=${UCX_MSG:-16777216}   # kvferry's get size: one 16 MiB layer-buffer run per DATA_REF
+UCX_MSG=${UCX_MSG:-4194304}    # kvferry's get size: segments are at most 4 MiB
 PROFILE=${PROFILE:-1}
 OUT=${OUT:-}
 TMP=$(mktemp -d /tmp/kvferry-bench.XXXXXX)
