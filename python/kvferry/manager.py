@@ -23,6 +23,21 @@ from .errors import KVFerryStateError, check
 __all__ = ["KVManager", "BootstrapServer"]
 
 
+class _Closing:
+    """``close()`` runs the object's finalizer (``self._fin``); a context
+    manager closes on exit."""
+
+    def close(self):
+        """Release what the object holds (blocks until done).  Idempotent."""
+        self._fin()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class _Engine:
     """Owns one ``kvf_engine_t *``: its room finalizers and buffer keepalives."""
 
@@ -124,7 +139,7 @@ def _int(name, v):
     return to_uint(name, v, 31)
 
 
-class KVManager:
+class KVManager(_Closing):
     """One kvferry engine: a rank's registered KV memory and its connections.
 
     ``KVManager(args, mode)`` creates the engine (binds its control port,
@@ -286,19 +301,13 @@ class KVManager:
         Blocks until the engine's threads stopped.  Idempotent."""
         self._fin()
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __repr__(self):
         state = "closed" if self.closed else self.address
         return "<kvferry.KVManager %s rank %d %s>" % (self.mode, self.args.engine_rank,
                                                       state)
 
 
-class BootstrapServer:
+class BootstrapServer(_Closing):
     """A bootstrap registry (SGLang's HTTP routes) served from its own thread.
 
     ``BootstrapServer(host="127.0.0.1", port=0)``; ``.port`` is the port it
@@ -319,12 +328,6 @@ class BootstrapServer:
     def close(self):
         """Stop the registry (blocks until its thread stopped).  Idempotent."""
         self._fin()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         return "<kvferry.BootstrapServer %s%s>" % (self.addr,

@@ -15,7 +15,7 @@ from ._convert import as_c_u32, check_range, to_u32_array, to_uint
 from ._lib import lib
 from .args import KVPoll
 from .errors import KVFerryStateError, KVTransferError, check
-from .manager import KVManager
+from .manager import KVManager, _Closing
 
 __all__ = ["KVSender", "KVReceiver"]
 
@@ -27,7 +27,7 @@ def _destroy_room(destroy, ptr, engine, key):
     engine.untrack(key)
 
 
-class _Room:
+class _Room(_Closing):
     """What senders and receivers share: the handle, poll, failure, close."""
 
     _kind = None        # "sender" / "receiver"
@@ -124,12 +124,6 @@ class _Room:
         Idempotent; also done on garbage collection and by the manager's
         ``close()``."""
         self._fin()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __repr__(self):
         return "<kvferry.%s room %d %s>" % (type(self).__name__, self.bootstrap_room,
