@@ -22,6 +22,8 @@
  */
 #include "transport/ucx/ucx.h"
 
+#include <errno.h>
+#include <poll.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +38,8 @@
 #define BLOB_VERSION     1u
 #define REGION_HDR       20u     /* u64 base, u64 len, u32 rkey_len */
 #define CHECK_CLOCK      64      /* progress calls between clock reads */
+#define IDLE_SPINS       16      /* empty progress calls before sleeping */
+#define IDLE_SLEEP_MS    10      /* longest sleep on the worker fd */
 
 typedef struct region {          /* one of our registered regions */
     uint64_t   base, len;
@@ -587,16 +591,36 @@ static void get_cb(void *request, ucs_status_t status, void *user_data)
 
 /* Progress until every request of the batch called back, or `deadline`
  * (ms) passes.  @return 1 when all called back. */
+/*
+ * Progress until the batch is done or the deadline passes.  While progress
+ * finds work, spin; after a few empty passes, arm the worker and sleep on
+ * its fd until the network has something (over tcp every progress call is
+ * a syscall, and spinning cost more CPU than the copy itself).
+ */
 static int wait_batch(kvf_ucx_ep_t *ep, uint64_t deadline)
 {
-    for (unsigned k = 1; ep->ndone < ep->nreqs; k++) {
-        unsigned got = ucp_worker_progress(ep->u->worker);
-        if (k % CHECK_CLOCK == 0) {
-            if (kvf_now_ms() >= deadline)
-                return 0;
-            if (got == 0 && k % (CHECK_CLOCK * 64) == 0)
-                sched_yield();   /* a stalled peer: do not starve others */
+    unsigned idle = 0;
+    while (ep->ndone < ep->nreqs) {
+        if (ucp_worker_progress(ep->u->worker) != 0) {
+            idle = 0;
+            continue;
         }
+        if (++idle < IDLE_SPINS)
+            continue;
+        idle = 0;
+        uint64_t now = kvf_now_ms();
+        if (now >= deadline)
+            return 0;
+        int fd = kvf_ucx_fd(ep->u);
+        if (fd < 0 || ucp_worker_arm(ep->u->worker) != UCS_OK) {
+            sched_yield();   /* events pending, or no fd: spin politely */
+            continue;
+        }
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        uint64_t left = deadline - now;
+        if (poll(&pfd, 1, left < IDLE_SLEEP_MS ? (int)left : IDLE_SLEEP_MS) < 0 &&
+            errno != EINTR)
+            sched_yield();
     }
     return 1;
 }
