@@ -186,6 +186,21 @@ static int kvt_bench_verify(kvt_bench_rank_t *b, kvt_bslot_t *s, char *why,
     return bad ? -1 : 0;
 }
 
+/* Destroy the slot's room, return its pages, count it done. */
+static void kvt_bench_release(kvt_bench_rank_t *b, kvt_bslot_t *s)
+{
+    if (s->snd)
+        kvf_sender_destroy(s->snd);
+    if (s->rcv)
+        kvf_receiver_destroy(s->rcv);
+    s->snd = NULL;
+    s->rcv = NULL;
+    if (!b->r->prefill && s->pages)
+        kvt_pool_give(&b->r->pages, s->pages, b->r->room_pages);
+    s->stage = KVT_B_FREE;
+    b->done++;
+}
+
 /* The room is final here: account for it and free its slot. */
 static void kvt_bench_finish(kvt_bench_rank_t *b, kvt_bslot_t *s,
                              kvf_poll_t state, uint64_t t)
@@ -213,16 +228,7 @@ static void kvt_bench_finish(kvt_bench_rank_t *b, kvt_bslot_t *s,
         if (r->prefill)   /* its last-send time must not count */
             kvt_bench_note_time(b, s->index, 0);
     }
-    if (s->snd)
-        kvf_sender_destroy(s->snd);
-    if (s->rcv)
-        kvf_receiver_destroy(s->rcv);
-    s->snd = NULL;
-    s->rcv = NULL;
-    if (!r->prefill)
-        kvt_pool_give(&r->pages, s->pages, r->room_pages);
-    s->stage = KVT_B_FREE;
-    b->done++;
+    kvt_bench_release(b, s);
 }
 
 /* A call was refused: fail the room here; the abort tells its peers. */
@@ -238,16 +244,7 @@ static void kvt_bench_refused(kvt_bench_rank_t *b, kvt_bslot_t *s,
     kvt_bench_failure(b, s, kvf_status_name(st), why);
     if (b->r->prefill)
         kvt_bench_note_time(b, s->index, 0);
-    if (s->snd)
-        kvf_sender_destroy(s->snd);
-    if (s->rcv)
-        kvf_receiver_destroy(s->rcv);
-    s->snd = NULL;
-    s->rcv = NULL;
-    if (!b->r->prefill && s->pages)
-        kvt_pool_give(&b->r->pages, s->pages, b->r->room_pages);
-    s->stage = KVT_B_FREE;
-    b->done++;
+    kvt_bench_release(b, s);
 }
 
 static void kvt_bench_start(kvt_bench_rank_t *b, kvt_bslot_t *s)
