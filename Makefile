@@ -51,18 +51,20 @@ fuzz: deps
 	cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzz_wire fuzz_registry
 
 test-release: build
-	cd $(BUILD) && ctest $(CTEST_ARGS)
+	CTEST_ARGS="$(CTEST_ARGS)" bash tests/suite.sh release=$(BUILD)
 
 # The sanitizer build runs the whole suite too (leaks included).
 test-asan: asan
-	cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
-	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 ctest $(CTEST_ARGS)
+	CTEST_ARGS="$(CTEST_ARGS)" bash tests/suite.sh asan=$(ASAN_BUILD)
 
 # libFuzzer on the wire decoder and the registry handlers, bounded in time.
 test-fuzz: fuzz
-	cd $(FUZZ_BUILD) && ctest $(CTEST_ARGS) -R '^fuzz\.'
+	CTEST_ARGS="$(CTEST_ARGS)" bash tests/suite.sh fuzz=$(FUZZ_BUILD)
 
-test: test-release test-asan test-fuzz
+# Every build first, then every suite, ending with one line of totals.
+test: build asan fuzz
+	CTEST_ARGS="$(CTEST_ARGS)" bash tests/suite.sh release=$(BUILD) \
+	  asan=$(ASAN_BUILD) fuzz=$(FUZZ_BUILD)
 
 demo: build
 	$(BUILD)/kvferry demo --model llama3-8b --requests 32 --tokens 1024

@@ -31,6 +31,7 @@ static const struct {
     { "stop-decode",   KVT_FAULT_STOP_DECODE },
     { "reset",         KVT_FAULT_RESET },
     { "corrupt",       KVT_FAULT_CORRUPT },
+    { "badaddr",       KVT_FAULT_BADADDR },
     { "registry-down", KVT_FAULT_REGISTRY_DOWN },
 };
 
@@ -58,14 +59,15 @@ int kvt_fault_parse(const char *spec, kvt_fault_t *f, char *err, size_t len)
     if (f->kind == KVT_FAULT_NONE || when < 0) {
         snprintf(err, len, "--fault %s: expected KIND@WHEN with KIND one of "
                  "kill-prefill, kill-decode, stop-prefill, stop-decode, reset, "
-                 "corrupt, registry-down and WHEN one of bootstrap, mid, last "
+                 "corrupt, badaddr, registry-down and WHEN one of bootstrap, mid, last "
                  "(e.g. --fault kill-decode@mid)", spec);
         return -1;
     }
     f->when = (kvt_fault_when_t)when;
     f->phase = kvt_when_names[when];
     snprintf(f->spec, sizeof(f->spec), "%s", spec);
-    f->engine = f->kind == KVT_FAULT_RESET || f->kind == KVT_FAULT_CORRUPT;
+    f->engine = f->kind == KVT_FAULT_RESET || f->kind == KVT_FAULT_CORRUPT ||
+                f->kind == KVT_FAULT_BADADDR;
     f->target = f->kind == KVT_FAULT_KILL_DECODE || f->kind == KVT_FAULT_STOP_DECODE
                     ? KVT_CHILD_DECODE
                 : f->kind == KVT_FAULT_REGISTRY_DOWN ? KVT_CHILD_REGISTRY
@@ -117,7 +119,8 @@ void kvt_fault_engine_spec(const kvt_fault_t *f, const kvt_opts_t *o,
                    : f->when == KVT_WHEN_MID       ? room / 2
                    : room > g.page_bytes           ? room - g.page_bytes : 0;
     snprintf(buf, len, "%s@%" PRIu64,
-             f->kind == KVT_FAULT_RESET ? "reset" : "corrupt", bytes);
+             f->kind == KVT_FAULT_RESET     ? "reset"
+             : f->kind == KVT_FAULT_CORRUPT ? "corrupt" : "badaddr", bytes);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -252,6 +255,7 @@ static void kvt_injector_fire(kvt_injector_t *inj, kvt_child_t *trigger,
         break;
     case KVT_FAULT_RESET:
     case KVT_FAULT_CORRUPT:
+    case KVT_FAULT_BADADDR:
         inj->window_open = 1;
         kvt_injector_log(inj, "room %d reached %s on %s; the engine fault "
                          "'%s' fires inside it at that byte count", room,

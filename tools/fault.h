@@ -4,7 +4,7 @@
  * It lives beside the orchestrator (orch.c) and sees every rank event the
  * demo sees.  When the first room reaches WHEN on the trigger rank it acts
  * on the process table: SIGKILL or SIGSTOP a rank, kill the registry, or,
- * for engine-level faults (reset, corrupt), nothing at all: those were
+ * for engine-level faults (reset, corrupt, badaddr), nothing at all: those were
  * armed at start-up in prefill rank 0's engine (its `faults` parameter)
  * and fire inside the library when its byte count reaches the WHEN point.
  *
@@ -55,6 +55,7 @@ typedef enum kvt_fault_kind {
     KVT_FAULT_STOP_DECODE,
     KVT_FAULT_RESET,
     KVT_FAULT_CORRUPT,
+    KVT_FAULT_BADADDR,
     KVT_FAULT_REGISTRY_DOWN
 } kvt_fault_kind_t;
 

@@ -73,7 +73,7 @@ int kvt_rank_setup_engine(kvt_rank_t *r)
     if (r->o.checksum)
         p.checksum = 1;
     if (r->o.faults)
-        p.faults = r->o.faults;   /* the demo's --fault reset|corrupt */
+        p.faults = r->o.faults;   /* the demo's --fault reset|corrupt|badaddr */
     kvf_status_t st = kvf_engine_create(&p, &r->eng);
     if (st != KVF_OK) {
         kvt_fatal(r, "kvf_engine_create failed: %s (%s); see the engine's "

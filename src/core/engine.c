@@ -168,6 +168,8 @@ static void engine_free(kvf_engine_t *eng)
         if (fds[i] >= 0)
             close(fds[i]);
     kvf__layout_free(&eng->layout);
+    free(eng->reg_bases);
+    free(eng->reg_lens);
     kvf_faults_free(eng->faults);
     free(eng->tomb_ring);
     free(eng->register_error);
@@ -405,19 +407,14 @@ void kvf_layout_init(kvf_layout_t *layout)
 static void start_ucx(kvf_engine_t *eng, char *err, size_t errlen)
 {
 #ifdef KVF_HAVE_UCX
-    const kvf_layout_int_t *l = &eng->layout;
-    const kvf_buffer_t *all[3] = {l->kv, l->aux, l->state};
-    uint32_t cnt[3] = {l->num_kv, l->num_aux, l->num_state};
-
     if (!eng->allow_ucx)
         return;
     if (kvf_ucx_create(&eng->ucx, err, errlen) != KVF_OK)
         goto off;
-    for (int f = 0; f < 3; f++)
-        for (uint32_t i = 0; i < cnt[f]; i++)
-            if (kvf_ucx_register(eng->ucx, all[f][i].base, all[f][i].length, l->mem_kind,
-                                 err, errlen) != KVF_OK)
-                goto off;
+    for (size_t i = 0; i < eng->nregs; i++)
+        if (kvf_ucx_register(eng->ucx, eng->reg_bases[i], eng->reg_lens[i],
+                             eng->layout.mem_kind, err, errlen) != KVF_OK)
+            goto off;
     int fd = kvf_ucx_fd(eng->ucx);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_ucx};
     if (fd >= 0 && epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
@@ -463,14 +460,35 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         kvf_error("layout rejected: %s", err);
         return st;
     }
+    size_t nregs = (size_t)l.num_kv + l.num_aux + l.num_state, k = 0;
+    void **bases = malloc(nregs * sizeof(void *));
+    size_t *lens = malloc(nregs * sizeof(size_t));
+    if (bases == NULL || lens == NULL) {
+        free(bases);
+        free(lens);
+        kvf__layout_free(&l);
+        return KVF_ERR_NO_MEMORY;
+    }
+    const kvf_buffer_t *all[3] = {l.kv, l.aux, l.state};
+    uint32_t cnt[3] = {l.num_kv, l.num_aux, l.num_state};
+    for (int f = 0; f < 3; f++)
+        for (uint32_t i = 0; i < cnt[f]; i++, k++) {
+            bases[k] = all[f][i].base;
+            lens[k] = all[f][i].length;
+        }
     pthread_mutex_lock(&eng->lock);
     if (eng->registered) {
         pthread_mutex_unlock(&eng->lock);
         kvf__layout_free(&l);
+        free(bases);
+        free(lens);
         kvf_error("layout already registered on this engine");
         return KVF_ERR_STATE;
     }
     eng->layout = l;
+    eng->reg_bases = bases;
+    eng->reg_lens = lens;
+    eng->nregs = nregs;
     for (uint32_t i = 0; i < l.num_kv; i++)
         eng->kv_item_bytes_sum += l.kv[i].item_bytes;
     for (uint32_t i = 0; i < l.num_aux; i++)
@@ -485,6 +503,11 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         kvf__layout_free(&eng->layout);
         memset(&eng->layout, 0, sizeof(eng->layout));
         eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = eng->state_item_bytes_sum = 0;
+        free(eng->reg_bases);
+        free(eng->reg_lens);
+        eng->reg_bases = NULL;
+        eng->reg_lens = NULL;
+        eng->nregs = 0;
         pthread_mutex_unlock(&eng->lock);
         kvf_error("device memory needs the ucx transport, which is not usable: %s", err);
         return KVF_ERR_UNSUPPORTED;
@@ -535,22 +558,7 @@ static void accept_all(kvf_engine_t *eng)
 /* Hand the memfds behind our registered buffers to decode engines. */
 static void serve_shm(kvf_engine_t *eng)
 {
-    const kvf_layout_int_t *l = &eng->layout;
-    size_t n = l->num_kv + l->num_aux + l->num_state, k = 0;
-    void **bases = calloc(n + 1, sizeof(void *));
-    size_t *lens = calloc(n + 1, sizeof(size_t));
-    if (bases != NULL && lens != NULL) {
-        const kvf_buffer_t *all[3] = {l->kv, l->aux, l->state};
-        uint32_t cnt[3] = {l->num_kv, l->num_aux, l->num_state};
-        for (int f = 0; f < 3; f++)
-            for (uint32_t i = 0; i < cnt[f]; i++, k++) {
-                bases[k] = all[f][i].base;
-                lens[k] = all[f][i].length;
-            }
-    }
-    kvf_shm_serve(eng->shmfd, bases, lens, bases && lens ? k : 0);
-    free(bases);
-    free(lens);
+    kvf_shm_serve(eng->shmfd, eng->reg_bases, eng->reg_lens, eng->nregs);
 }
 
 /* Let connections that stopped with messages left go on.  @return 1 if

@@ -200,6 +200,9 @@ struct kvf_engine {
     uint64_t            kv_item_bytes_sum;
     uint64_t            aux_item_bytes_sum;
     uint64_t            state_item_bytes_sum;
+    void              **reg_bases;        /* every registered buffer: kv, aux, */
+    size_t             *reg_lens;         /* state (what peers may read) */
+    size_t              nregs;
 
     kvf_map_t           rooms_by_id;      /* attached rooms */
     kvf_room_t         *rooms;            /* list of the same */

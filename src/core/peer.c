@@ -107,7 +107,8 @@ static void send_offers(kvf_peer_t *p)
     kvf_buf_init(&shm);
     kvf_buf_init(&ucx);
     if (eng->allow_shm &&
-        kvf_shm_pack(eng->layout.kv[0].base, eng->instance_id, &shm) == KVF_OK)
+        kvf_shm_pack(eng->reg_bases, eng->reg_lens, eng->nregs, eng->instance_id,
+                     &shm) == KVF_OK)
         x->x[x->count++] = (kvf_wire_xport_t){{"shm", 3}, shm.data, (uint32_t)shm.len};
 #ifdef KVF_HAVE_UCX
     if (eng->ucx != NULL && kvf_ucx_pack(eng->ucx, &ucx) == KVF_OK)
@@ -323,20 +324,6 @@ static void send_hello(kvf_peer_t *p)
         send_offers(p);
 }
 
-/* With KVF_FAULTS set, every connection goes through the fault transport. */
-static kvf_status_t wrap_faults(kvf_peer_t *p)
-{
-    if (p->eng->faults == NULL)
-        return KVF_OK;
-    kvf_conn_t *inner = p->conn;
-    kvf_status_t st = kvf_fault_wrap(p->eng->faults, inner, &p->conn);
-    if (st != KVF_OK) {
-        inner->ops->destroy(inner);
-        p->conn = NULL;
-    }
-    return st;
-}
-
 kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank)
 {
     char addr[KVF_ADDR_MAX];
@@ -354,9 +341,11 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     p->state = KVF_PEER_CONNECTING;
     snprintf(p->addr, sizeof(p->addr), "%s", addr);
     kvf_conn_env_t env = {eng->epfd, p};
-    kvf_status_t st = kvf_tcp_ops.connect(host, port, &env, &handler, p, &p->conn);
-    if (st == KVF_OK)
-        st = wrap_faults(p);
+    /* With KVF_FAULTS set, every connection goes through the fault transport. */
+    kvf_status_t st = eng->faults
+        ? kvf_fault_connect(eng->faults, &kvf_tcp_ops, host, port, &env, &handler, p,
+                            &p->conn)
+        : kvf_tcp_ops.connect(host, port, &env, &handler, p, &p->conn);
     if (st != KVF_OK) {
         /* Dead from the start: rooms that link it fail right away. */
         p->state = KVF_PEER_DEAD;
@@ -376,12 +365,11 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd)
     p->state = KVF_PEER_HANDSHAKE;
     snprintf(p->addr, sizeof(p->addr), "(connecting)");
     kvf_conn_env_t env = {eng->epfd, p};
-    if (kvf_tcp_ops.accept(fd, &env, &handler, p, &p->conn) != KVF_OK) {
+    kvf_status_t st = eng->faults
+        ? kvf_fault_accept(eng->faults, &kvf_tcp_ops, fd, &env, &handler, p, &p->conn)
+        : kvf_tcp_ops.accept(fd, &env, &handler, p, &p->conn);
+    if (st != KVF_OK) {
         close(fd);
-        p->state = KVF_PEER_DEAD;
-        return;
-    }
-    if (wrap_faults(p) != KVF_OK) {
         p->state = KVF_PEER_DEAD;
         return;
     }

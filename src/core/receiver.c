@@ -438,9 +438,21 @@ void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
         else
 #endif
             st = kvf_shm_read(p->shm, local, remote, d->nseg, err, sizeof(err));
-        if (st != KVF_OK) {
-            kvf__room_fail(r, st, "%s transfer from %s failed: %s",
-                           p->xport == KVF_XPORT_UCX ? "ucx" : "shm",
+        const char *via = p->xport == KVF_XPORT_UCX ? "ucx" : "shm";
+        if (st == KVF_ERR_PROTOCOL) {
+            /*
+             * A source outside what the peer registered: nothing was read
+             * and the endpoint is fine, so this is one bad request, not a
+             * dead peer.  The room fails; the peer's other rooms, whose
+             * segments are checked the same way, go on
+             * (docs/FAILURES.md, "bad source address").
+             */
+            kvf__room_fail(r, KVF_ERR_BAD_INDICES, "refused a %s read for room %llu "
+                           "from %s: %s; nothing of the frame was read", via,
+                           (unsigned long long)r->id,
+                           kvf__peer_name(p, name, sizeof(name)), err);
+        } else if (st != KVF_OK) {
+            kvf__room_fail(r, st, "%s transfer from %s failed: %s", via,
                            kvf__peer_name(p, name, sizeof(name)), err);
             /* A failed UCX endpoint stays failed: so does the peer. */
             if (p->xport == KVF_XPORT_UCX)

@@ -141,7 +141,15 @@ typedef struct kvf_faults kvf_faults_t;
 kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p,
                               char *err, size_t errlen);
 void         kvf_faults_free(kvf_faults_t *faults);
-kvf_status_t kvf_fault_wrap(kvf_faults_t *faults, kvf_conn_t *inner,
-                            kvf_conn_t **conn_p);
+/* Connect / accept like inner->connect / inner->accept, through the
+ * faults: the fault layer sees the connection's events before `h`. */
+kvf_status_t kvf_fault_connect(kvf_faults_t *faults, const kvf_transport_ops_t *inner,
+                               const char *host, int port, const kvf_conn_env_t *env,
+                               const kvf_conn_handler_t *h, void *arg,
+                               kvf_conn_t **conn_p);
+kvf_status_t kvf_fault_accept(kvf_faults_t *faults, const kvf_transport_ops_t *inner,
+                              int fd, const kvf_conn_env_t *env,
+                              const kvf_conn_handler_t *h, void *arg,
+                              kvf_conn_t **conn_p);
 
 #endif /* KVF_TRANSPORT_TRANSPORT_H */

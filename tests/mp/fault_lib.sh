@@ -30,7 +30,7 @@ fault_run() {
     shift
     local kind=${spec%@*} rooms=(--requests 4 --concurrency 4)
     case $kind in
-        reset|corrupt) rooms=(--requests 8 --concurrency 2 --checksum) ;;
+        reset|corrupt|badaddr) rooms=(--requests 8 --concurrency 2 --checksum) ;;
     esac
     timeout 120 "$KVFERRY" demo --json --model tiny --tokens 2048 --chunk 256 \
         "${rooms[@]}" --after-fault-requests "$FAULT_AFTER" --timeout 90 \

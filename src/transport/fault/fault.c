@@ -4,21 +4,35 @@
  * (libfabric's prov/hook idea).
  *
  * Spec (KVF_FAULTS or the engine parameter `faults`): comma-separated
- * faults, each KIND[@BYTES][:MS].  BYTES counts the payload bytes this
- * engine has handed to its connections, all of them together; the fault
- * fires once when the count reaches BYTES (default 0: at the first
- * payload).  MS is a duration (default 1000).
+ * faults, each KIND[@BYTES][:MS].  BYTES counts payload bytes per room:
+ * the fault fires once, inside the first room whose own payload reaches
+ * BYTES (default 0: at the first payload), so that which room it hits
+ * does not depend on how concurrent rooms interleave.  MS is a duration
+ * (default 1000).
  *
  *   reset      close the connection with an RST
  *   truncate   close it with a FIN in the middle of a DATA frame
- *   corrupt    flip one payload byte on the wire (memory is untouched)
+ *   corrupt    one payload byte of one room is wrong when it lands: the
+ *              byte is flipped in the sender's registered memory for as
+ *              long as the receiver can read it (pushed: until the put is
+ *              in the stream; pulled: until the receiver next speaks of
+ *              the room, or the connection closes), then put back
+ *   badaddr    pulled payload only: one segment names a source address
+ *              outside every region this engine registered (a buggy or
+ *              lying sender); the receiver must refuse that room alone
  *   stall      send nothing for MS
  *   delay      hold every put for MS before its first byte
  *   drop-ack   drop every DONE_ACK this engine would send (BYTES ignored)
  *
  * Payload is counted as segments are produced (put->next), which is when
  * the bytes are committed to the stream; a fault fires in the segment
- * that crosses its BYTES.
+ * that crosses its BYTES.  The sender's checksum is taken as the segment
+ * is produced, before the fault alters it, so a receiver with checksums
+ * on catches a corrupt byte whichever transport carried it.
+ *
+ * The fault layer sits between the real connection and the engine: it
+ * makes the inner connection with its own handler, so that it sees what
+ * the peer says (to put a corrupted byte back) before the engine does.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,43 +44,68 @@
 #include "util/time.h"
 
 typedef enum {
-    F_RESET, F_TRUNCATE, F_CORRUPT, F_STALL, F_DELAY, F_DROP_ACK, F_KINDS
+    F_RESET, F_TRUNCATE, F_CORRUPT, F_BADADDR, F_STALL, F_DELAY, F_DROP_ACK, F_KINDS
 } fault_kind_t;
 
 static const char *const kind_names[F_KINDS] = {
-    "reset", "truncate", "corrupt", "stall", "delay", "drop-ack"
+    "reset", "truncate", "corrupt", "badaddr", "stall", "delay", "drop-ack"
 };
 
+typedef struct fault_conn fault_conn_t;
+
 typedef struct fault {
-    fault_kind_t kind;
-    uint64_t     bytes;
-    uint64_t     ms;
-    int          fired;
-    uint8_t     *scratch;   /* corrupt: the altered copy, kept for the engine's life
-                               because a by-reference peer reads it later */
+    fault_kind_t  kind;
+    uint64_t      bytes;
+    uint64_t      ms;
+    int           fired;
+    /* corrupt: the flipped byte, until it is put back */
+    uint8_t      *at;
+    uint8_t       orig;
+    uint64_t      room;
+    fault_conn_t *fc;       /* the connection whose reader may still read it */
 } fault_t;
 
 #define MAX_FAULTS 16
+#define ROOM_SLOTS 256      /* rooms whose payload is counted at once */
+
+typedef struct room_count {
+    uint64_t room;
+    uint64_t bytes;
+} room_count_t;
 
 struct kvf_faults {
-    fault_t  f[MAX_FAULTS];
-    int      n;
-    uint64_t sent;          /* payload bytes produced, all connections */
+    fault_t      f[MAX_FAULTS];
+    int          n;
+    uint64_t     sent;       /* payload bytes produced, all connections */
+    /* Per-room counts, by room id modulo ROOM_SLOTS: a room that takes the
+     * slot of another starts from zero (only with hundreds in flight). */
+    room_count_t rooms[ROOM_SLOTS];
 };
 
-typedef struct fault_conn {
-    kvf_conn_t    base;
-    kvf_conn_t   *inner;     /* keeps calling the engine's handler itself */
-    kvf_faults_t *faults;
-    int           reset_pending;
-    int           cut;       /* a reset or truncate is on its way */
-} fault_conn_t;
+static uint64_t *room_bytes(kvf_faults_t *fs, uint64_t room)
+{
+    room_count_t *rc = &fs->rooms[room % ROOM_SLOTS];
+    if (rc->room != room)
+        *rc = (room_count_t){room, 0};
+    return &rc->bytes;
+}
+
+struct fault_conn {
+    kvf_conn_t                base;
+    kvf_conn_t               *inner;
+    kvf_faults_t             *faults;
+    const kvf_conn_handler_t *h;         /* the engine's handler, and its arg */
+    void                     *arg;
+    int                       reset_pending;
+    int                       cut;       /* a reset or truncate is on its way */
+};
 
 /* A put seen through the fault layer: counts and may corrupt its bytes. */
 typedef struct fault_put {
     kvf_put_t     put;
     kvf_put_t    *inner;
     fault_conn_t *fc;
+    fault_t      *corrupted;   /* pushed: put back when the put completes */
 } fault_put_t;
 
 kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *err,
@@ -91,7 +130,7 @@ kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *e
                 break;
         if (k == F_KINDS) {
             snprintf(err, errlen, "unknown fault '%.*s' (known: reset, truncate, corrupt, "
-                     "stall, delay, drop-ack)", (int)klen, tok);
+                     "badaddr, stall, delay, drop-ack)", (int)klen, tok);
             goto bad;
         }
         f.kind = (fault_kind_t)k;
@@ -130,10 +169,6 @@ bad:
 
 void kvf_faults_free(kvf_faults_t *fs)
 {
-    if (fs == NULL)
-        return;
-    for (int i = 0; i < fs->n; i++)
-        free(fs->f[i].scratch);
     free(fs);
 }
 
@@ -145,21 +180,53 @@ static int has(kvf_faults_t *fs, fault_kind_t kind)
     return 0;
 }
 
-/* Corrupt one byte of the segment that crosses f->bytes, in a copy. */
+/* Put a corrupted byte back: its reader is done with it. */
+static void restore(fault_t *f)
+{
+    if (f->at == NULL)
+        return;
+    *f->at = f->orig;
+    f->at = NULL;
+    f->fc = NULL;
+}
+
+/* Put back every byte whose reader is this connection (it is closing). */
+static void restore_conn(fault_conn_t *fc)
+{
+    for (int i = 0; i < fc->faults->n; i++)
+        if (fc->faults->f[i].fc == fc)
+            restore(&fc->faults->f[i]);
+}
+
+/* Flip one byte of the segment that crosses f->bytes, in place. */
 static void corrupt(fault_put_t *fp, fault_t *f, uint64_t before, kvf_wire_seg_t *seg,
                     const void **src)
 {
     uint64_t at = f->bytes > before ? f->bytes - before : 0;
-    if ((f->scratch = malloc(seg->len)) == NULL)
-        return;
-    memcpy(f->scratch, *src, seg->len);
-    f->scratch[at] ^= 0x5a;
-    *src = f->scratch;
+    /* Registered memory is the application's, writable by contract: the
+     * byte goes back before anything but this segment's reader sees it. */
+    f->at = (uint8_t *)(uintptr_t)*src + at;
+    f->orig = *f->at;
+    *f->at ^= 0x5a;
+    f->room = fp->put.room;
+    f->fc = fp->fc;
     f->fired = 1;
+    if (!fp->put.by_ref)
+        fp->corrupted = f;
     kvf_warn("injected fault: corrupted payload byte %llu (room %llu, buffer %u, "
              "offset %llu)", (unsigned long long)f->bytes,
              (unsigned long long)fp->put.room, seg->buf,
              (unsigned long long)(seg->offset + at));
+}
+
+/* Name a source no region contains: the faults record itself. */
+static void badaddr(fault_put_t *fp, fault_t *f, kvf_wire_seg_t *seg, const void **src)
+{
+    *src = f;
+    f->fired = 1;
+    kvf_warn("injected fault: room %llu names a source outside every registered region "
+             "(%u bytes for buffer %u, offset %llu)", (unsigned long long)fp->put.room,
+             seg->len, seg->buf, (unsigned long long)seg->offset);
 }
 
 /*
@@ -177,23 +244,30 @@ static int fput_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     int rc = fp->inner->next(fp->inner, seg, src);
     if (rc != 1)
         return rc;
-    uint64_t before = fs->sent;
+    uint64_t *count = room_bytes(fs, put->room);
+    uint64_t before = *count;
     /* One reset or truncate per connection: each one is a break of its own. */
     int cut = fc->cut;
     fs->sent += seg->len;
+    *count += seg->len;
     for (int i = 0; i < fs->n; i++) {
         fault_t *f = &fs->f[i];
-        if (f->fired || fs->sent <= f->bytes ||
+        if (f->fired || *count <= f->bytes ||
             (cut && (f->kind == F_RESET || f->kind == F_TRUNCATE)))
             continue;
         switch (f->kind) {
         case F_CORRUPT:
             corrupt(fp, f, before, seg, src);
             break;
+        case F_BADADDR:
+            if (put->by_ref)     /* pushed bytes name no source */
+                badaddr(fp, f, seg, src);
+            break;
         case F_STALL:
             f->fired = 1;
-            kvf_warn("injected fault: stalling sends for %llu ms after %llu payload bytes",
-                     (unsigned long long)f->ms, (unsigned long long)before);
+            kvf_warn("injected fault: stalling sends for %llu ms after %llu payload bytes "
+                     "of room %llu", (unsigned long long)f->ms, (unsigned long long)before,
+                     (unsigned long long)put->room);
             kvf_tcp_conn_pause(fc->inner, kvf_now_ms() + f->ms);
             break;
         case F_RESET:
@@ -204,8 +278,8 @@ static int fput_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
         case F_TRUNCATE:
             f->fired = cut = fc->cut = 1;
             snprintf(why, sizeof(why), "injected fault (KVF_FAULTS): connection closed in "
-                     "the middle of a frame after %llu payload bytes",
-                     (unsigned long long)before);
+                     "the middle of a frame after %llu payload bytes of room %llu",
+                     (unsigned long long)before, (unsigned long long)put->room);
             kvf_warn("%s", why);
             kvf_tcp_conn_truncate(fc->inner, why);
             break;
@@ -219,6 +293,8 @@ static int fput_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
 static void fput_complete(kvf_put_t *put, kvf_status_t st)
 {
     fault_put_t *fp = (fault_put_t *)put;
+    if (fp->corrupted != NULL && fp->corrupted->fc == fp->fc)
+        restore(fp->corrupted);   /* every byte of the put is in the stream */
     fp->inner->complete(fp->inner, st);
     free(fp);
 }
@@ -255,7 +331,7 @@ static void fire(fault_conn_t *fc)
         return;
     fc->reset_pending = 0;
     snprintf(why, sizeof(why), "injected fault (KVF_FAULTS): connection reset after "
-             "%llu payload bytes", (unsigned long long)fc->faults->sent);
+             "%llu payload bytes on this engine", (unsigned long long)fc->faults->sent);
     kvf_warn("%s", why);
     kvf_tcp_conn_abort(fc->inner, 1, why);
 }
@@ -296,12 +372,15 @@ static void fault_shutdown(kvf_conn_t *c)
 {
     fault_conn_t *fc = (fault_conn_t *)c;
     fc->inner->ops->shutdown(fc->inner);
+    restore_conn(fc);
 }
 
 static void fault_destroy(kvf_conn_t *c)
 {
     fault_conn_t *fc = (fault_conn_t *)c;
-    fc->inner->ops->destroy(fc->inner);
+    if (fc->inner != NULL)
+        fc->inner->ops->destroy(fc->inner);
+    restore_conn(fc);
     free(fc);
 }
 
@@ -344,18 +423,131 @@ static const kvf_transport_ops_t fault_ops = {
     .pending = fault_pending,
 };
 
-kvf_status_t kvf_fault_wrap(kvf_faults_t *faults, kvf_conn_t *inner, kvf_conn_t **conn_p)
+/* ------------------------------------------------------------------------ */
+/* What the peer says, seen before the engine                               */
+/* ------------------------------------------------------------------------ */
+
+/* The room a message from the peer speaks of, or 0 for none. */
+static int msg_room(const kvf_msg_t *m, uint64_t *room)
 {
-    if (inner->ops != &kvf_tcp_ops) {
+    switch (m->type) {
+    case KVF_MSG_ROOM_REQ: *room = m->u.room_req.room; return 1;
+    case KVF_MSG_DONE_ACK: *room = m->u.done_ack.room; return 1;
+    case KVF_MSG_FAIL:
+    case KVF_MSG_ABORT:    *room = m->u.fail.room; return 1;
+    default:               return 0;
+    }
+}
+
+static void fh_on_connected(void *arg)
+{
+    fault_conn_t *fc = arg;
+    fc->h->on_connected(fc->arg);
+}
+
+/*
+ * A pulled corrupt byte goes back once its reader speaks of the room
+ * again: it acknowledges, fails or re-requests the room only after it has
+ * read (or given up on) every frame sent before.
+ */
+static void fh_on_msg(void *arg, const kvf_msg_t *msg)
+{
+    fault_conn_t *fc = arg;
+    uint64_t room;
+    if (msg_room(msg, &room))
+        for (int i = 0; i < fc->faults->n; i++)
+            if (fc->faults->f[i].fc == fc && fc->faults->f[i].room == room)
+                restore(&fc->faults->f[i]);
+    fc->h->on_msg(fc->arg, msg);
+}
+
+static void fh_on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+{
+    fault_conn_t *fc = arg;
+    fc->h->on_data(fc->arg, d, t);
+}
+
+static int fh_rx_valid(void *arg)
+{
+    fault_conn_t *fc = arg;
+    return fc->h->rx_valid(fc->arg);
+}
+
+static void fh_on_placed(void *arg, const uint8_t *p, size_t n)
+{
+    fault_conn_t *fc = arg;
+    if (fc->h->on_placed)
+        fc->h->on_placed(fc->arg, p, n);
+}
+
+static void fh_on_data_end(void *arg, uint64_t placed)
+{
+    fault_conn_t *fc = arg;
+    fc->h->on_data_end(fc->arg, placed);
+}
+
+static void fh_on_close(void *arg, kvf_status_t st, const char *reason)
+{
+    fault_conn_t *fc = arg;
+    restore_conn(fc);
+    fc->h->on_close(fc->arg, st, reason);
+}
+
+static const kvf_conn_handler_t fault_handler = {
+    .on_connected = fh_on_connected,
+    .on_msg = fh_on_msg,
+    .on_data = fh_on_data,
+    .rx_valid = fh_rx_valid,
+    .on_placed = fh_on_placed,
+    .on_data_end = fh_on_data_end,
+    .on_close = fh_on_close,
+};
+
+static fault_conn_t *fault_conn_new(kvf_faults_t *faults, const kvf_transport_ops_t *inner,
+                                    const kvf_conn_handler_t *h, void *arg)
+{
+    if (inner != &kvf_tcp_ops) {
         kvf_error("the fault transport wraps tcp connections only");
-        return KVF_ERR_UNSUPPORTED;
+        return NULL;
     }
     fault_conn_t *fc = calloc(1, sizeof(*fc));
     if (fc == NULL)
-        return KVF_ERR_NO_MEMORY;
+        return NULL;
     fc->base.ops = &fault_ops;
-    fc->inner = inner;
     fc->faults = faults;
+    fc->h = h;
+    fc->arg = arg;
+    return fc;
+}
+
+kvf_status_t kvf_fault_connect(kvf_faults_t *faults, const kvf_transport_ops_t *inner,
+                               const char *host, int port, const kvf_conn_env_t *env,
+                               const kvf_conn_handler_t *h, void *arg, kvf_conn_t **conn_p)
+{
+    fault_conn_t *fc = fault_conn_new(faults, inner, h, arg);
+    if (fc == NULL)
+        return KVF_ERR_UNSUPPORTED;
+    kvf_status_t st = inner->connect(host, port, env, &fault_handler, fc, &fc->inner);
+    if (st != KVF_OK) {
+        free(fc);
+        return st;
+    }
+    *conn_p = &fc->base;
+    return KVF_OK;
+}
+
+kvf_status_t kvf_fault_accept(kvf_faults_t *faults, const kvf_transport_ops_t *inner, int fd,
+                              const kvf_conn_env_t *env, const kvf_conn_handler_t *h,
+                              void *arg, kvf_conn_t **conn_p)
+{
+    fault_conn_t *fc = fault_conn_new(faults, inner, h, arg);
+    if (fc == NULL)
+        return KVF_ERR_UNSUPPORTED;
+    kvf_status_t st = inner->accept(fd, env, &fault_handler, fc, &fc->inner);
+    if (st != KVF_OK) {
+        free(fc);
+        return st;
+    }
     *conn_p = &fc->base;
     return KVF_OK;
 }

@@ -18,12 +18,14 @@
 
 #include "kvferry/kvferry.h"
 #include "util/log.h"
+#include "util/region.h"
 
 #define BOOT_ID_LEN  36
 #define NAME_LEN     48
 #define BLOB_LEN     (4 + BOOT_ID_LEN + 8 + NAME_LEN)
 #define READ_IOV     1024     /* iovecs per process_vm_readv (UIO_MAXIOV) */
 #define MAX_REGIONS  250      /* memfds per answer (SCM_MAX_FD is 253) */
+#define MAX_OFFER_REGIONS 65536 /* registered buffers named in an offer */
 
 /* ------------------------------------------------------------------------ */
 /* kvf_mem_alloc: memory a peer on this host can map                        */
@@ -204,17 +206,29 @@ void kvf_shm_serve(int listen_fd, void *const *bases, const size_t *lens, size_t
     }
 }
 
-kvf_status_t kvf_shm_pack(const void *probe, uint64_t instance, kvf_buf_t *out)
+kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
+                          uint64_t instance, kvf_buf_t *out)
 {
     uint8_t blob[BLOB_LEN];
     char id[BOOT_ID_LEN];
-    if (boot_id(id) != 0)
+    if (n == 0 || n > MAX_OFFER_REGIONS || boot_id(id) != 0)
         return KVF_ERR_UNSUPPORTED;
     kvf_put_u32(blob, (uint32_t)getpid());
     memcpy(blob + 4, id, BOOT_ID_LEN);
-    kvf_put_u64(blob + 4 + BOOT_ID_LEN, (uint64_t)(uintptr_t)probe);
+    kvf_put_u64(blob + 4 + BOOT_ID_LEN, (uint64_t)(uintptr_t)bases[0]);
     make_name((char *)blob + 4 + BOOT_ID_LEN + 8, instance);
-    return kvf_buf_append(out, blob, sizeof(blob));
+    kvf_status_t st = kvf_buf_reserve(out, sizeof(blob) + 4 + n * 16);
+    if (st != KVF_OK)
+        return st;
+    kvf_buf_append(out, blob, sizeof(blob));
+    uint8_t *p = out->data + out->len;
+    kvf_put_u32(p, (uint32_t)n);
+    for (size_t i = 0; i < n; i++) {
+        kvf_put_u64(p + 4 + 16 * i, (uint64_t)(uintptr_t)bases[i]);
+        kvf_put_u64(p + 12 + 16 * i, (uint64_t)lens[i]);
+    }
+    out->len += 4 + n * 16;
+    return KVF_OK;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -227,11 +241,23 @@ typedef struct mapping {
     uint8_t *map;      /* here, read-only */
 } mapping_t;
 
+typedef struct span {
+    uint64_t base, len;   /* first: kvf_region_find's element layout */
+} span_t;
+
 struct kvf_shm_peer {
     pid_t     pid;
+    span_t   *regs;       /* what the peer registered, sorted by base */
+    size_t    nregs;
     size_t    nmaps;
     mapping_t maps[MAX_REGIONS];
 };
+
+static int span_cmp(const void *a, const void *b)
+{
+    const span_t *x = a, *y = b;
+    return x->base < y->base ? -1 : x->base > y->base;
+}
 
 /* Fetch and map the peer's memfd regions; no regions is not an error. */
 static void fetch_maps(kvf_shm_peer_t *sp, const char *name)
@@ -279,8 +305,9 @@ kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **pe
                             char *err, size_t errlen)
 {
     char id[BOOT_ID_LEN], name[NAME_LEN + 1];
-    if (len != BLOB_LEN) {
-        snprintf(err, errlen, "malformed shm offer (%zu bytes)", len);
+    size_t nregs = len >= BLOB_LEN + 4 ? kvf_get_u32(blob + BLOB_LEN) : 0;
+    if (nregs == 0 || nregs > MAX_OFFER_REGIONS || len != BLOB_LEN + 4 + 16 * nregs) {
+        snprintf(err, errlen, "malformed shm offer (%zu bytes, %zu regions)", len, nregs);
         return KVF_ERR_UNSUPPORTED;
     }
     if (boot_id(id) != 0 || memcmp(id, blob + 4, BOOT_ID_LEN) != 0) {
@@ -305,6 +332,17 @@ kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **pe
         return KVF_ERR_UNSUPPORTED;
     }
     sp->pid = pid;
+    sp->nregs = nregs;
+    if ((sp->regs = malloc(nregs * sizeof(*sp->regs))) == NULL) {
+        free(sp);
+        snprintf(err, errlen, "out of memory");
+        return KVF_ERR_UNSUPPORTED;
+    }
+    for (size_t i = 0; i < nregs; i++) {
+        const uint8_t *q = blob + BLOB_LEN + 4 + 16 * i;
+        sp->regs[i] = (span_t){kvf_get_u64(q), kvf_get_u64(q + 8)};
+    }
+    qsort(sp->regs, nregs, sizeof(*sp->regs), span_cmp);
     memcpy(name, blob + 4 + BOOT_ID_LEN + 8, NAME_LEN);
     name[NAME_LEN] = '\0';
     fetch_maps(sp, name);
@@ -318,6 +356,7 @@ void kvf_shm_peer_free(kvf_shm_peer_t *sp)
         return;
     for (size_t i = 0; i < sp->nmaps; i++)
         munmap(sp->maps[i].map, sp->maps[i].len);
+    free(sp->regs);
     free(sp);
 }
 
@@ -397,6 +436,20 @@ kvf_status_t kvf_shm_read(kvf_shm_peer_t *sp, struct iovec *local, struct iovec 
                           size_t n, char *err, size_t errlen)
 {
     size_t start = 0;   /* first piece of the pending process_vm_readv batch */
+
+    /* Every source inside what the peer registered, before a byte is read:
+     * the peer names the addresses, and we read nothing else of it. */
+    for (size_t i = 0; i < n; i++) {
+        uint64_t a = (uint64_t)(uintptr_t)remote[i].iov_base;
+        if (remote[i].iov_len != local[i].iov_len ||
+            kvf_region_find(sp->regs, sizeof(*sp->regs), sp->nregs, a,
+                            remote[i].iov_len) == SIZE_MAX) {
+            snprintf(err, errlen, "the peer asked for a read of %zu bytes at 0x%llx, "
+                     "outside every region it registered", remote[i].iov_len,
+                     (unsigned long long)a);
+            return KVF_ERR_PROTOCOL;
+        }
+    }
     for (size_t i = 0; i <= n; i++) {
         const uint8_t *src = i < n ? mapped(sp, (uint64_t)(uintptr_t)remote[i].iov_base,
                                             remote[i].iov_len) : NULL;

@@ -50,8 +50,12 @@ kvf_status_t kvf_shm_listen(uint64_t instance, int *fd_p);
 void         kvf_shm_serve(int listen_fd, void *const *bases, const size_t *lens,
                            size_t n);
 
-/* Prefill: the offer blob (pid, boot id, probe address, socket name). */
-kvf_status_t kvf_shm_pack(const void *probe, uint64_t instance, kvf_buf_t *out);
+/* Prefill: the offer blob (pid, boot id, a probe address, the socket name,
+ * and the n registered buffers [bases[i], +lens[i]), the only memory a
+ * decode engine will read).  @return KVF_OK, KVF_ERR_NO_MEMORY, or
+ * KVF_ERR_UNSUPPORTED (no boot id, no buffers). */
+kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
+                          uint64_t instance, kvf_buf_t *out);
 
 /*
  * Decode: can we read from the engine that made this offer?  Checks the
@@ -68,9 +72,12 @@ size_t       kvf_shm_peer_mapped(const kvf_shm_peer_t *peer);
 
 /*
  * Read remote[i] (addresses in the peer process) into local[i], n pieces
- * of pairwise equal lengths: all of it, or an error.  @return KVF_OK or
- * KVF_ERR_CONN_RESET (the process is gone, or the memory is not mapped
- * there any more) with why in err.
+ * of pairwise equal lengths: all of it, or an error.  Every remote piece
+ * is checked against the regions of the offer before anything is read.
+ * @return KVF_OK; KVF_ERR_PROTOCOL (a remote piece outside every region
+ * the peer registered, or lengths that differ: nothing was read; the
+ * endpoint stays usable); KVF_ERR_CONN_RESET (the process is gone, or the
+ * memory is not mapped there any more), with why in err.
  */
 kvf_status_t kvf_shm_read(kvf_shm_peer_t *peer, struct iovec *local, struct iovec *remote,
                           size_t n, char *err, size_t errlen);

@@ -32,6 +32,7 @@
 #include <ucp/api/ucp.h>
 
 #include "util/log.h"
+#include "util/region.h"
 #include "util/time.h"
 #include "wire/wire.h"
 
@@ -557,30 +558,6 @@ void kvf_ucx_disconnect(kvf_ucx_ep_t *ep)
 
 /* ------------------------------------------------------------------ reads */
 
-/* The region of regs[0..n) (sorted by base) containing [addr, addr+len). */
-static size_t find_region(const void *regs, size_t stride, size_t n, uint64_t addr,
-                          uint64_t len)
-{
-    /* Each array element starts with u64 base, u64 len. */
-#define BASE(i) (*(const uint64_t *)((const char *)regs + (i) * stride))
-#define LEN(i)  (*(const uint64_t *)((const char *)regs + (i) * stride + 8))
-    size_t lo = 0, hi = n;   /* first index with base > addr */
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        if (BASE(mid) <= addr)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    /* Usually the nearest region below; overlapping ones are searched on. */
-    for (size_t i = lo; i-- > 0;)
-        if (addr - BASE(i) <= LEN(i) && len <= LEN(i) - (addr - BASE(i)))
-            return i;
-    return SIZE_MAX;
-#undef BASE
-#undef LEN
-}
-
 static void get_cb(void *request, ucs_status_t status, void *user_data)
 {
     kvf_ucx_ep_t *ep = user_data;
@@ -659,14 +636,14 @@ kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *r
         }
         if (len == 0)
             continue;
-        if (find_region(ep->regs, sizeof(rregion_t), ep->nregs, ra, len) == SIZE_MAX) {
+        if (kvf_region_find(ep->regs, sizeof(rregion_t), ep->nregs, ra, len) == SIZE_MAX) {
             snprintf(err, errlen, "the peer asked for a read of %llu bytes at 0x%llx, "
                      "outside every region it registered", (unsigned long long)len,
                      (unsigned long long)ra);
             kvf_error("ucx: %s", err);
             return KVF_ERR_PROTOCOL;
         }
-        if (find_region(u->regs, sizeof(region_t), u->nregs, la, len) == SIZE_MAX) {
+        if (kvf_region_find(u->regs, sizeof(region_t), u->nregs, la, len) == SIZE_MAX) {
             snprintf(err, errlen, "UCX read destination %p (+%llu) is not registered "
                      "memory", local[i].iov_base, (unsigned long long)len);
             kvf_error("ucx: %s", err);
@@ -693,8 +670,8 @@ kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *r
             continue;
         uint64_t ra = (uint64_t)(uintptr_t)remote[i].iov_base;
         uint64_t la = (uint64_t)(uintptr_t)local[i].iov_base;
-        size_t r = find_region(ep->regs, sizeof(rregion_t), ep->nregs, ra, len);
-        size_t l = find_region(u->regs, sizeof(region_t), u->nregs, la, len);
+        size_t r = kvf_region_find(ep->regs, sizeof(rregion_t), ep->nregs, ra, len);
+        size_t l = kvf_region_find(u->regs, sizeof(region_t), u->nregs, la, len);
         ucp_request_param_t prm = {
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                             UCP_OP_ATTR_FIELD_MEMH,
