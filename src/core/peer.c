@@ -615,6 +615,7 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
         const kvf_transport_ops_t *ops = p->conn->ops;
         if (ops->tick)
             ops->tick(p->conn, now);
+        kvf_shm_peer_progress(p->shm);
         uint64_t last_rx = ops->last_rx(p->conn);
         if (now - last_rx >= pr->heartbeat_timeout_ms && now >= p->grace_until_ms) {
             kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT,

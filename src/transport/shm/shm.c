@@ -18,6 +18,7 @@
 
 #include "kvferry/kvferry.h"
 #include "util/log.h"
+#include "util/time.h"
 #include "util/region.h"
 
 #define BOOT_ID_LEN  36
@@ -249,6 +250,8 @@ struct kvf_shm_peer {
     pid_t     pid;
     span_t   *regs;       /* what the peer registered, sorted by base */
     size_t    nregs;
+    int       fetch_fd;   /* waiting for the memfds, or -1 */
+    uint64_t  fetch_deadline_ms;
     size_t    nmaps;
     mapping_t maps[MAX_REGIONS];
 };
@@ -259,28 +262,55 @@ static int span_cmp(const void *a, const void *b)
     return x->base < y->base ? -1 : x->base > y->base;
 }
 
-/* Fetch and map the peer's memfd regions; no regions is not an error. */
-static void fetch_maps(kvf_shm_peer_t *sp, const char *name)
+/*
+ * Fetching the peer's memfds never waits: the connect is non-blocking (a
+ * unix socket whose backlog is full answers EAGAIN at once, and then we do
+ * without mappings), and the answer is picked up by kvf_shm_peer_progress
+ * when it is there, within FETCH_MS.  Until then, and without it, reads go
+ * through process_vm_readv: the same bytes, one copy too.
+ */
+#define FETCH_MS 1000
+
+static void fetch_start(kvf_shm_peer_t *sp, const char *name)
 {
     struct sockaddr_un sa;
     socklen_t salen = socket_name(&sa, name);
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct timeval tv = {1, 0};
-    uint64_t desc[2 * MAX_REGIONS + 1];
-    char cbuf[CMSG_SPACE(MAX_REGIONS * sizeof(int))];
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 
+    sp->fetch_fd = -1;
     if (fd < 0)
         return;
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
     if (connect(fd, (struct sockaddr *)&sa, salen) != 0) {
+        kvf_debug("shm: no mappings from pid %d (connect @%s: %m): reading with "
+                  "process_vm_readv", (int)sp->pid, name);
         close(fd);
         return;
     }
+    sp->fetch_fd = fd;
+    sp->fetch_deadline_ms = kvf_now_ms() + FETCH_MS;
+}
+
+/* Map the peer's memfd regions once its answer is there; no regions is not
+ * an error. */
+static void fetch_poll(kvf_shm_peer_t *sp)
+{
+    uint64_t desc[2 * MAX_REGIONS + 1];
+    char cbuf[CMSG_SPACE(MAX_REGIONS * sizeof(int))];
+
+    if (sp->fetch_fd < 0)
+        return;
     struct iovec iov = {desc, sizeof(desc)};
     struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
                         .msg_controllen = sizeof(cbuf)};
-    ssize_t got = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
-    close(fd);
+    ssize_t got = recvmsg(sp->fetch_fd, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (got < 0 && (errno == EAGAIN || errno == EINTR)) {
+        if (kvf_now_ms() < sp->fetch_deadline_ms)
+            return;
+        kvf_debug("shm: pid %d did not hand over its memfds within %d ms: reading "
+                  "with process_vm_readv", (int)sp->pid, FETCH_MS);
+    }
+    close(sp->fetch_fd);
+    sp->fetch_fd = -1;
     struct cmsghdr *cm = got > 0 ? CMSG_FIRSTHDR(&mh) : NULL;
     int fds[MAX_REGIONS];
     size_t nfd = 0;
@@ -299,6 +329,13 @@ static void fetch_maps(kvf_shm_peer_t *sp, const char *name)
         if (m != MAP_FAILED)
             sp->maps[sp->nmaps++] = (mapping_t){desc[1 + 2 * i], desc[2 + 2 * i], m};
     }
+    kvf_debug("shm: mapped %zu memfd regions of pid %d", sp->nmaps, (int)sp->pid);
+}
+
+void kvf_shm_peer_progress(kvf_shm_peer_t *sp)
+{
+    if (sp != NULL)
+        fetch_poll(sp);
 }
 
 kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **peer_p,
@@ -345,7 +382,7 @@ kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **pe
     qsort(sp->regs, nregs, sizeof(*sp->regs), span_cmp);
     memcpy(name, blob + 4 + BOOT_ID_LEN + 8, NAME_LEN);
     name[NAME_LEN] = '\0';
-    fetch_maps(sp, name);
+    fetch_start(sp, name);
     *peer_p = sp;
     return KVF_OK;
 }
@@ -356,6 +393,8 @@ void kvf_shm_peer_free(kvf_shm_peer_t *sp)
         return;
     for (size_t i = 0; i < sp->nmaps; i++)
         munmap(sp->maps[i].map, sp->maps[i].len);
+    if (sp->fetch_fd >= 0)
+        close(sp->fetch_fd);
     free(sp->regs);
     free(sp);
 }
@@ -436,6 +475,8 @@ kvf_status_t kvf_shm_read(kvf_shm_peer_t *sp, struct iovec *local, struct iovec 
                           size_t n, char *err, size_t errlen)
 {
     size_t start = 0;   /* first piece of the pending process_vm_readv batch */
+
+    fetch_poll(sp);
 
     /* Every source inside what the peer registered, before a byte is read:
      * the peer names the addresses, and we read nothing else of it. */

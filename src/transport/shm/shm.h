@@ -59,13 +59,17 @@ kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
 
 /*
  * Decode: can we read from the engine that made this offer?  Checks the
- * host (boot id), reads 1 byte at its probe address, and maps what memfds
- * it hands over (waiting at most 1 s for them).
+ * host (boot id) and reads 1 byte at its probe address; never blocks.  It
+ * also asks for the memfds of the buffers, and maps them when they arrive
+ * (kvf_shm_peer_progress); reads go through process_vm_readv until then.
  * @return KVF_OK and a peer handle, or KVF_ERR_UNSUPPORTED with why in err.
  */
 kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **peer_p,
                             char *err, size_t errlen);
 void         kvf_shm_peer_free(kvf_shm_peer_t *peer);
+/* Pick up the memfds if they have arrived (or give up on them after 1 s).
+ * Never blocks; call it periodically.  NULL is a no-op. */
+void         kvf_shm_peer_progress(kvf_shm_peer_t *peer);
 pid_t        kvf_shm_peer_pid(const kvf_shm_peer_t *peer);
 /* How many of the peer's regions are mapped (for logs and tests). */
 size_t       kvf_shm_peer_mapped(const kvf_shm_peer_t *peer);

@@ -38,7 +38,6 @@
 
 #define BLOB_VERSION     1u
 #define REGION_HDR       20u     /* u64 base, u64 len, u32 rkey_len */
-#define CHECK_CLOCK      64      /* progress calls between clock reads */
 #define IDLE_SPINS       16      /* empty progress calls before sleeping */
 #define IDLE_SLEEP_MS    10      /* longest sleep on the worker fd */
 
@@ -173,6 +172,7 @@ fail:
 
 static void ep_release(kvf_ucx_ep_t *ep);
 static void ep_close(kvf_ucx_ep_t *ep);
+static void reap_zombies(kvf_ucx_t *u);
 
 int kvf_ucx_fd(const kvf_ucx_t *u)
 {
@@ -186,6 +186,7 @@ int kvf_ucx_progress(kvf_ucx_t *u)
     for (int budget = PROGRESS_BUDGET; budget > 0;) {
         while (budget > 0 && ucp_worker_progress(u->worker) != 0)
             budget--;
+        reap_zombies(u);
         if (u->efd < 0)
             return 0;
         /* BUSY: events arrived after the last progress; serve them first. */
@@ -210,6 +211,16 @@ void kvf_ucx_destroy(kvf_ucx_t *u)
             kvf_warn("ucx: an endpoint was still open at destroy; closing it");
             ep_close(ep);
         }
+    }
+    /* Closes still under way are released: the worker completes them as it
+     * goes (UCX insists that no request be left unreleased). */
+    for (kvf_ucx_ep_t *ep = u->eps; ep != NULL; ep = ep->next) {
+        if (ep->close_req != NULL)
+            ucp_request_free(ep->close_req);
+        ep->close_req = NULL;
+        for (size_t i = 0; i < ep->nreqs; i++)
+            ucp_request_free(ep->reqs[i]);
+        ep->nreqs = ep->ndone = 0;
     }
     if (u->addr != NULL)
         ucp_worker_release_address(u->worker, u->addr);
@@ -354,8 +365,12 @@ static void ep_release(kvf_ucx_ep_t *ep)
     free(ep);
 }
 
-/* Destroy the remote keys and close the UCX endpoint, waiting a bounded
- * time.  Leaves ep->close_req set when UCX did not finish in time. */
+/*
+ * Destroy the remote keys and start closing the UCX endpoint; never waits.
+ * A close UCX does not finish at once (a graceful one waits for the peer,
+ * which may be stopped) leaves ep->close_req set: kvf_ucx_progress frees
+ * the request, and the endpoint, when UCX completes it.
+ */
 static void ep_close(kvf_ucx_ep_t *ep)
 {
     for (size_t i = 0; i < ep->nregs; i++)
@@ -373,23 +388,41 @@ static void ep_close(kvf_ucx_ep_t *ep)
     };
     void *req = ucp_ep_close_nbx(ep->ep, &prm);
     ep->ep = NULL;
-    if (req == NULL || UCS_PTR_IS_ERR(req))
-        return;
-    uint64_t deadline = kvf_now_ms() + KVF_UCX_CLOSE_MS;
-    for (unsigned k = 1; ucp_request_check_status(req) == UCS_INPROGRESS; k++) {
-        unsigned got = ucp_worker_progress(ep->u->worker);
-        if (k % CHECK_CLOCK == 0) {
-            if (kvf_now_ms() >= deadline) {
-                kvf_warn("ucx: closing an endpoint took over %u ms; abandoning it",
-                         KVF_UCX_CLOSE_MS);
-                ep->close_req = req;
-                return;
-            }
-            if (got == 0)
-                sched_yield();
+    if (req != NULL && !UCS_PTR_IS_ERR(req))
+        ep->close_req = req;
+}
+
+static void ep_unlink(kvf_ucx_ep_t *ep)
+{
+    if (ep->pprev != NULL) {
+        *ep->pprev = ep->next;
+        if (ep->next)
+            ep->next->pprev = ep->pprev;
+    }
+    ep->pprev = NULL;
+    ep->next = NULL;
+}
+
+/* Free disconnected endpoints that UCX is done with.  A zombie lingers for
+ * as long as its close or a read of it is outstanding: UCX may still call
+ * back into it. */
+static void reap_zombies(kvf_ucx_t *u)
+{
+    for (kvf_ucx_ep_t *ep = u->eps, *next; ep != NULL; ep = next) {
+        next = ep->next;
+        if (!ep->zombie)
+            continue;
+        if (ep->close_req != NULL && ucp_request_check_status(ep->close_req) != UCS_INPROGRESS) {
+            ucp_request_free(ep->close_req);
+            ep->close_req = NULL;
+        }
+        if (ep->close_req == NULL && ep->nreqs == ep->ndone) {
+            for (size_t i = 0; i < ep->nreqs; i++)
+                ucp_request_free(ep->reqs[i]);
+            ep_unlink(ep);
+            ep_release(ep);
         }
     }
-    ucp_request_free(req);
 }
 
 static int rregion_cmp(const void *a, const void *b)
@@ -543,17 +576,8 @@ void kvf_ucx_disconnect(kvf_ucx_ep_t *ep)
     if (ep == NULL)
         return;
     ep_close(ep);
-    if (ep->close_req != NULL || ep->nreqs != ep->ndone) {
-        /* UCX may still call back into ep: keep it until the worker goes. */
-        ep->zombie = 1;
-        return;
-    }
-    if (ep->pprev != NULL) {
-        *ep->pprev = ep->next;
-        if (ep->next)
-            ep->next->pprev = ep->pprev;
-    }
-    ep_release(ep);
+    ep->zombie = 1;     /* freed by reap_zombies, now or once UCX is done */
+    reap_zombies(ep->u);
 }
 
 /* ------------------------------------------------------------------ reads */

@@ -47,8 +47,8 @@
 
 #ifdef KVF_HAVE_UCX
 
-/* Bound on waiting for UCX to close an endpoint (disconnect, and stopping
- * a failed or timed-out read). */
+/* Bound on waiting for UCX to complete the reads of a batch it was told
+ * to stop (a failed or timed-out read force-closes its endpoint). */
 #define KVF_UCX_CLOSE_MS 1000u
 
 /* Per engine: a UCP context and one worker. */
@@ -131,8 +131,9 @@ kvf_status_t kvf_ucx_pack(kvf_ucx_t *u, kvf_buf_t *out);
 kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
                              kvf_ucx_ep_t **ep_p, char *err, size_t errlen);
 
-/* Close the endpoint (force-close when it failed) and free it.  Waits at
- * most a bounded time (KVF_UCX_CLOSE_MS) for UCX to finish the close. */
+/* Close the endpoint (force-close when it failed); never waits.  The
+ * handle is invalid afterwards; its memory is freed once UCX has finished
+ * the close (by kvf_ucx_progress, or at the latest kvf_ucx_destroy). */
 void         kvf_ucx_disconnect(kvf_ucx_ep_t *ep);
 
 /*
