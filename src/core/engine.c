@@ -16,8 +16,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "core/engine_int.h"
-#include "transport/shm/shm.h"
-#include "transport/ucx/ucx.h"
+#include "transport/mover.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -100,18 +99,11 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
         kvf_error("a prefill engine needs bootstrap_addr (the registry host:port)");
         return KVF_ERR_INVALID_PARAM;
     }
-#ifdef KVF_HAVE_UCX
-    static const char *const names = "auto, tcp, shm, ucx";
-    int ucx_ok = 1;
-#else
-    static const char *const names = "auto, tcp, shm; ucx needs a build with UCX";
-    int ucx_ok = 0;
-#endif
     if (p->transport != NULL && strcmp(p->transport, "auto") != 0 &&
-        strcmp(p->transport, "tcp") != 0 && strcmp(p->transport, "shm") != 0 &&
-        (!ucx_ok || strcmp(p->transport, "ucx") != 0)) {
-        kvf_error("transport '%s' is not built into this kvferry (available: %s)",
-                  p->transport, names);
+        strcmp(p->transport, kvf_stream_name()) != 0 &&
+        kvf_mover_find(p->transport, strlen(p->transport)) == NULL) {
+        kvf_error("transport '%s' is not built into this kvferry (available: auto, %s)",
+                  p->transport, kvf_transports());
         return KVF_ERR_UNSUPPORTED;
     }
     if (p->heartbeat_interval_ms == 0 || p->heartbeat_timeout_ms <= p->heartbeat_interval_ms) {
@@ -163,7 +155,10 @@ static void *progress_main(void *arg);
 /* What create made and destroy unmakes last: descriptors, strings, locks. */
 static void engine_free(kvf_engine_t *eng)
 {
-    int fds[] = {eng->epfd, eng->wakefd, eng->listenfd, eng->shmfd};
+    for (int i = 0; i < KVF_MAX_MOVERS; i++)
+        if (eng->movers[i] != NULL)
+            eng->movers[i]->ops->destroy(eng->movers[i]);   /* after the peers' endpoints */
+    int fds[] = {eng->epfd, eng->wakefd, eng->listenfd};
     for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++)
         if (fds[i] >= 0)
             close(fds[i]);
@@ -192,11 +187,11 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
     if (eng == NULL)
         return KVF_ERR_NO_MEMORY;
     eng->params = *params;
-    eng->epfd = eng->wakefd = eng->listenfd = eng->shmfd = -1;
+    eng->epfd = eng->wakefd = eng->listenfd = -1;
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
-    eng->ev_shm = KVF_EV_SHM;
-    eng->ev_ucx = KVF_EV_UCX;
+    for (int i = 0; i < KVF_MAX_MOVERS; i++)
+        eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
     pthread_mutex_init(&eng->lock, NULL);
     pthread_cond_init(&eng->resolver_cond, NULL);
     kvf_map_init(&eng->rooms_by_id);
@@ -214,19 +209,6 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
         goto err;
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
-    /* shm where the peer shares this host, unless tcp was asked for. */
-    eng->allow_shm = strcmp(eng->transport, "tcp") != 0 && strcmp(eng->transport, "ucx") != 0;
-#ifdef KVF_HAVE_UCX
-    /* "auto" picks ucx only with a UCX that survives a peer's death. */
-    eng->allow_ucx = strcmp(eng->transport, "ucx") == 0 ||
-        (strcmp(eng->transport, "auto") == 0 && kvf_ucx_survives_peer_death());
-    if (strcmp(eng->transport, "ucx") == 0 && !kvf_ucx_survives_peer_death())
-        kvf_warn("UCX %s can abort this process when a peer dies while UCX is still "
-                 "setting up its connection (fixed in UCX 1.14, openucx/ucx#8175); "
-                 "prefer UCX >= 1.14 for --transport ucx", kvf_ucx_version());
-#endif
-    if (eng->allow_shm && params->role == KVF_ROLE_PREFILL)
-        kvf_shm_allow_readers();
     eng->params.faults = NULL;
     if (params->faults != NULL) {
         char err[256];
@@ -241,7 +223,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
         sizeof(eng->instance_id))
         eng->instance_id = kvf_now_ns() ^ ((uint64_t)getpid() << 32);
 
-    st = kvf_tcp_listen(eng->host, params->port, &eng->listenfd, &eng->port);
+    st = kvf_control_listen(eng->host, params->port, &eng->listenfd, &eng->port);
     if (st != KVF_OK)
         goto err;
     snprintf(eng->addr, sizeof(eng->addr), "%s:%d", eng->host, eng->port);
@@ -259,14 +241,6 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
         epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->wakefd, &wev) != 0) {
         kvf_error("epoll_ctl: %m");
         goto err;
-    }
-    if (eng->allow_shm && params->role == KVF_ROLE_PREFILL &&
-        kvf_shm_listen(eng->instance_id, &eng->shmfd) == KVF_OK) {
-        struct epoll_event sev = {.events = EPOLLIN, .data.ptr = &eng->ev_shm};
-        if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->shmfd, &sev) != 0) {
-            close(eng->shmfd);
-            eng->shmfd = -1;
-        }
     }
     if (params->host_bootstrap && (st = start_bootstrap(eng)) != KVF_OK)
         goto err;
@@ -328,10 +302,6 @@ void kvf_engine_destroy(kvf_engine_t *eng)
         free(eng->tombs.slots[i].val);
     kvf_map_free(&eng->tombs);
     kvf_map_free(&eng->rooms_by_id);
-#ifdef KVF_HAVE_UCX
-    if (eng->ucx)
-        kvf_ucx_destroy(eng->ucx);   /* after the peers' endpoints */
-#endif
     engine_free(eng);
 }
 
@@ -355,37 +325,13 @@ kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *eng, char *buf, size_
     return KVF_OK;
 }
 
-#ifdef KVF_HAVE_UCX
-static char transport_names[64];
-
-static void name_transports(void)
-{
-    snprintf(transport_names, sizeof(transport_names), "tcp shm ucx(%s)",
-             kvf_ucx_version());
-}
-#endif
-
-const char *kvf_transports(void)
-{
-#ifdef KVF_HAVE_UCX
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, name_transports);
-    return transport_names;
-#else
-    return "tcp shm";
-#endif
-}
-
 const char *kvf_engine_transport(const kvf_engine_t *eng)
 {
-    /* Read without the lock: a racy read of a bit mask only ever set. */
-    static const char *const names[8] = {
-        "tcp", "tcp", "shm", "tcp+shm", "ucx", "tcp+ucx", "shm+ucx", "tcp+shm+ucx"
-    };
-    unsigned used = __atomic_load_n(&eng->used_xports, __ATOMIC_RELAXED) & 7u;
+    /* Relaxed: a bit mask only ever set, read for display. */
+    unsigned used = __atomic_load_n(&eng->used_paths, __ATOMIC_RELAXED);
     if (used == 0 && strcmp(eng->transport, "auto") != 0)
         return eng->transport;      /* no peer yet: the preference */
-    return names[used];
+    return kvf_movers_mask_name(used);
 }
 
 uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)
@@ -399,53 +345,67 @@ void kvf_layout_init(kvf_layout_t *layout)
     layout->size = sizeof(*layout);
 }
 
-/*
- * UCX needs the buffers registered with it before it can offer them, so
- * it starts with the layout.  If it cannot, peers use the other
- * transports: say why once.
- */
-static void start_ucx(kvf_engine_t *eng, char *err, size_t errlen)
+int kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops)
 {
-#ifdef KVF_HAVE_UCX
-    if (!eng->allow_ucx)
-        return;
-    if (kvf_ucx_create(&eng->ucx, err, errlen) != KVF_OK)
-        goto off;
-    for (size_t i = 0; i < eng->nregs; i++)
-        if (kvf_ucx_register(eng->ucx, eng->reg_bases[i], eng->reg_lens[i],
-                             eng->layout.mem_kind, err, errlen) != KVF_OK)
-            goto off;
-    int fd = kvf_ucx_fd(eng->ucx);
-    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_ucx};
-    if (fd >= 0 && epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
-        snprintf(err, errlen, "epoll_ctl: %s", strerror(errno));
-        goto off;
-    }
-    return;
-off:
-    if (strcmp(eng->transport, "ucx") == 0)
-        kvf_warn("ucx transport unavailable (%s): peers use tcp", err);
-    else
-        kvf_info("ucx transport unavailable (%s): peers use tcp or shm", err);
-    if (eng->ucx)
-        kvf_ucx_destroy(eng->ucx);
-    eng->ucx = NULL;
-    eng->allow_ucx = 0;
-#else
-    (void)eng;
-    snprintf(err, errlen, "this build has no UCX");
-#endif
+    if (strcmp(eng->transport, "auto") == 0)
+        return ops->auto_ok == NULL || ops->auto_ok();
+    return strcmp(eng->transport, ops->name) == 0;
 }
 
-/* UCX serves peers' reads and connection setup only when progressed. */
-static void progress_ucx(kvf_engine_t *eng)
+/*
+ * Movers need the registered buffers (to register them with the backend,
+ * or to name them in offers), so they start with the layout.  One that
+ * cannot start leaves its peers to the others: say why once.
+ */
+static void start_movers(kvf_engine_t *eng)
 {
-#ifdef KVF_HAVE_UCX
-    for (int i = 0; eng->ucx != NULL && i < 64 && kvf_ucx_progress(eng->ucx); i++)
+    kvf_mover_params_t mp = {
+        .role = eng->params.role,
+        .instance_id = eng->instance_id,
+        .bases = eng->reg_bases,
+        .lens = eng->reg_lens,
+        .n = eng->nregs,
+        .mem_kind = eng->layout.mem_kind,
+        .by_name = strcmp(eng->transport, "auto") != 0,
+    };
+    for (int i = 0; kvf_movers[i] != NULL; i++) {
+        const kvf_mover_ops_t *ops = kvf_movers[i];
+        char err[256] = "";
+        if (!kvf__engine_allows(eng, ops))
+            continue;
+        if (ops->create(&mp, &eng->movers[i], err, sizeof(err)) != KVF_OK) {
+            eng->movers[i] = NULL;
+            if (mp.by_name)
+                kvf_warn("%s transport unavailable (%s): peers use %s", ops->name, err,
+                         kvf_stream_name());
+            else
+                kvf_info("%s transport unavailable (%s)", ops->name, err);
+            continue;
+        }
+        int fd = ops->fd(eng->movers[i]);
+        struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->mover_ev[i]};
+        if (fd >= 0 && epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+            kvf_warn("%s transport unavailable (epoll_ctl: %m)", ops->name);
+            ops->destroy(eng->movers[i]);
+            eng->movers[i] = NULL;
+        }
+    }
+}
+
+/* Serve what a mover has pending, a bounded number of rounds. */
+static void progress_mover(kvf_engine_t *eng, int i)
+{
+    kvf_mover_t *m = eng->movers[i];
+    for (int k = 0; m != NULL && k < 64 && m->ops->progress(m); k++)
         ;
-#else
-    (void)eng;
-#endif
+}
+
+static int have_device_mover(const kvf_engine_t *eng)
+{
+    for (int i = 0; i < KVF_MAX_MOVERS; i++)
+        if (eng->movers[i] != NULL && eng->movers[i]->ops->device_memory)
+            return 1;
+    return 0;
 }
 
 kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *layout)
@@ -496,8 +456,8 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
     for (uint32_t i = 0; i < l.num_state; i++)
         eng->state_item_bytes_sum += l.state[i].item_bytes;
     eng->registered = 1;
-    start_ucx(eng, err, sizeof(err));
-    if (l.mem_kind == KVF_MEM_CUDA && eng->ucx == NULL) {
+    start_movers(eng);
+    if (l.mem_kind == KVF_MEM_CUDA && !have_device_mover(eng)) {
         /* Device memory has no other way to move: refuse now, not per room. */
         eng->registered = 0;
         kvf__layout_free(&eng->layout);
@@ -509,11 +469,9 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         eng->reg_lens = NULL;
         eng->nregs = 0;
         pthread_mutex_unlock(&eng->lock);
-        kvf_error("device memory needs the ucx transport, which is not usable: %s", err);
+        kvf_error("%s", kvf_movers_device_hint());
         return KVF_ERR_UNSUPPORTED;
     }
-    if (l.mem_kind == KVF_MEM_CUDA)
-        eng->allow_shm = 0;
     if (eng->params.role == KVF_ROLE_PREFILL) {
         eng->want_register = 1;
         pthread_cond_broadcast(&eng->resolver_cond);
@@ -529,15 +487,13 @@ void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
     memset(stats_p->rooms_by_state, 0, sizeof(stats_p->rooms_by_state));
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
         stats_p->rooms_by_state[atomic_load_explicit(&r->state, memory_order_relaxed)]++;
-    stats_p->peers_connected = stats_p->peers_tcp = stats_p->peers_shm =
-        stats_p->peers_ucx = 0;
+    stats_p->peers_connected = 0;
+    kvf_movers_clear_peers(stats_p);
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
         if (p->state != KVF_PEER_READY)
             continue;
         stats_p->peers_connected++;
-        stats_p->peers_tcp += p->xport == KVF_XPORT_TCP;
-        stats_p->peers_shm += p->xport == KVF_XPORT_SHM;
-        stats_p->peers_ucx += p->xport == KVF_XPORT_UCX;
+        kvf_movers_count_peer(stats_p, p->mover);
     }
     pthread_mutex_unlock(&eng->lock);
 }
@@ -553,12 +509,6 @@ static void accept_all(kvf_engine_t *eng)
         }
         kvf__peer_accept(eng, fd);
     }
-}
-
-/* Hand the memfds behind our registered buffers to decode engines. */
-static void serve_shm(kvf_engine_t *eng)
-{
-    kvf_shm_serve(eng->shmfd, eng->reg_bases, eng->reg_lens, eng->nregs);
 }
 
 /* Let connections that stopped with messages left go on.  @return 1 if
@@ -626,10 +576,8 @@ static void *progress_main(void *arg)
             kvf_ev_kind_t *kind = evs[i].data.ptr;
             if (*kind == KVF_EV_LISTENER) {
                 accept_all(eng);
-            } else if (*kind == KVF_EV_SHM) {
-                serve_shm(eng);
-            } else if (*kind == KVF_EV_UCX) {
-                progress_ucx(eng);
+            } else if (*kind == KVF_EV_MOVER) {
+                progress_mover(eng, ((kvf_mover_ev_t *)kind)->index);
             } else if (*kind == KVF_EV_WAKE) {
                 uint64_t v;
                 if (read(eng->wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
@@ -641,10 +589,9 @@ static void *progress_main(void *arg)
         more = drain_peers(eng);
         /* Application threads queue work and wake us; send it. */
         flush_peers(eng);
-#ifdef KVF_HAVE_UCX
-        if (eng->ucx != NULL && kvf_ucx_fd(eng->ucx) < 0)
-            progress_ucx(eng);
-#endif
+        for (int i = 0; i < KVF_MAX_MOVERS; i++)   /* movers without an fd */
+            if (eng->movers[i] != NULL && eng->movers[i]->ops->fd(eng->movers[i]) < 0)
+                progress_mover(eng, i);
         now = kvf_now_ms();
         if (now >= next_tick) {
             kvf__peers_tick(eng, now);

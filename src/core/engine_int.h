@@ -34,7 +34,8 @@
 #include "kvferry/kvferry.h"
 #include "core/parallel.h"
 #include "core/planner.h"
-#include "transport/tcp/tcp.h"
+#include "transport/mover.h"
+#include "transport/transport.h"
 #include "util/map.h"
 
 typedef struct kvf_peer kvf_peer_t;
@@ -42,8 +43,14 @@ typedef struct kvf_room kvf_room_t;
 
 /* What epoll's data.ptr points at. */
 typedef enum {
-    KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_SHM, KVF_EV_UCX
+    KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_MOVER
 } kvf_ev_kind_t;
+
+/* epoll data for a mover's fd: which one. */
+typedef struct kvf_mover_ev {
+    kvf_ev_kind_t kind;      /* KVF_EV_MOVER; first member */
+    int           index;     /* in kvf_movers[] */
+} kvf_mover_ev_t;
 
 /* An engine's (or a peer's) layout, owned copies. */
 typedef struct kvf_layout_int {
@@ -56,9 +63,6 @@ typedef struct kvf_layout_int {
     uint32_t        num_kv, num_aux, num_state;
     kvf_buffer_t   *kv, *aux, *state;   /* base NULL for a peer's layout */
 } kvf_layout_int_t;
-
-/* How payload moves to/from a peer, chosen at the handshake. */
-typedef enum { KVF_XPORT_TCP = 1, KVF_XPORT_SHM = 2, KVF_XPORT_UCX = 4 } kvf_xport_t;
 
 typedef enum {
     KVF_PEER_CONNECTING,   /* outbound connect in progress */
@@ -83,9 +87,10 @@ struct kvf_peer {
     kvf_layout_int_t  layout;
     char             *incompatible;  /* set: every room on this pair fails */
     int               hello_done;    /* decode: HELLO seen, XPORT awaited */
-    kvf_xport_t       xport;         /* payload path */
-    struct kvf_shm_peer *shm;        /* shm: how to read the prefill's memory */
-    struct kvf_ucx_ep *ucx_ep;       /* ucx: endpoint to the prefill's worker */
+    /* Payload path, chosen at the handshake: a mover, or NULL for the
+     * control stream itself.  Decode: mep reads the prefill's memory. */
+    const kvf_mover_ops_t *mover;
+    kvf_mover_ep_t   *mep;
     struct iovec     *ref_iov;       /* DATA_REF scratch: local then remote */
     kvf_rx_target_t  *ref_tgt;       /* DATA_REF scratch: checked targets */
     uint32_t          ref_cap;
@@ -179,18 +184,18 @@ struct kvf_engine {
     char               *host;
     char               *bootstrap_addr;   /* owned copy, or NULL */
     char               *transport;
-    int                 allow_shm;        /* transport "auto" or "shm" */
-    int                 allow_ucx;        /* built with UCX, transport "auto" or "ucx" */
-    struct kvf_ucx     *ucx;              /* after layout registration, or NULL */
-    unsigned            used_xports;      /* kvf_xport_t bits seen with peers */
+    /* The movers this engine has (kvf_movers[i] -> movers[i]), created at
+     * layout registration; NULL where not allowed or not usable. */
+    kvf_mover_t        *movers[KVF_MAX_MOVERS];
+    kvf_mover_ev_t      mover_ev[KVF_MAX_MOVERS];
+    unsigned            used_paths;       /* kvf_movers_mask_name() bits seen */
     int                 port;
     char                addr[KVF_ADDR_MAX];
     uint64_t            instance_id;
 
     pthread_mutex_t     lock;
     int                 epfd, wakefd, listenfd;
-    int                 shmfd;            /* prefill: hands out memfds, or -1 */
-    kvf_ev_kind_t       ev_listener, ev_wake, ev_shm, ev_ucx;
+    kvf_ev_kind_t       ev_listener, ev_wake;
     pthread_t           progress_thread;
     int                 stopping;
     uint64_t            now_ms;           /* progress thread's clock, per wake-up */
@@ -225,8 +230,17 @@ struct kvf_engine {
     kvf_engine_stats_t  stats;
 };
 
+/* The receiver pulls this peer's payload (DATA_REF) instead of receiving
+ * it in the stream. */
+static inline int kvf__peer_pulls(const kvf_peer_t *p)
+{
+    return p->mover != NULL;
+}
+
 /* engine.c */
 void kvf__engine_wake(kvf_engine_t *eng);
+/* May this engine use `ops` (its `transport` setting)? */
+int  kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops);
 
 /* layout.c */
 kvf_status_t kvf__layout_copy(kvf_layout_int_t *dst, const kvf_layout_t *src,

@@ -83,14 +83,6 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *src,
         snprintf(err, errlen, "unknown memory kind %d", (int)src->mem_kind);
         return KVF_ERR_INVALID_PARAM;
     }
-#ifndef KVF_HAVE_UCX
-    if (src->mem_kind == KVF_MEM_CUDA) {
-        snprintf(err, errlen, "device memory moves only over the ucx transport, and "
-                 "this build has none: install UCX (libucx-dev) and rebuild, or "
-                 "register host memory");
-        return KVF_ERR_UNSUPPORTED;
-    }
-#endif
     if (src->num_kv > 4096 || src->num_aux > 4096 || src->num_state > 4096) {
         snprintf(err, errlen, "at most 4096 buffers of each kind");
         return KVF_ERR_INVALID_PARAM;

@@ -19,8 +19,6 @@
 #include <unistd.h>
 
 #include "core/engine_int.h"
-#include "transport/shm/shm.h"
-#include "transport/ucx/ucx.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -77,11 +75,8 @@ void kvf__peer_put(kvf_peer_t *p)
     kvf__layout_free(&p->layout);
     free(p->incompatible);
     free(p->ref_iov);
-    kvf_shm_peer_free(p->shm);
-#ifdef KVF_HAVE_UCX
-    if (p->ucx_ep)
-        kvf_ucx_disconnect(p->ucx_ep);
-#endif
+    if (p->mep != NULL)
+        p->mep->ops->disconnect(p->mep);
     free(p->ref_tgt);
     free(p);
 }
@@ -96,35 +91,44 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
     return st;
 }
 
-/* Prefill: what a decode engine may pull payload with besides TCP. */
+/* Prefill: what a decode engine may pull payload with, besides the stream:
+ * every mover this engine has, each with its blob. */
 static void send_offers(kvf_peer_t *p)
 {
     kvf_engine_t *eng = p->eng;
-    kvf_buf_t shm, ucx;
+    kvf_buf_t blobs[KVF_MAX_MOVERS];
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
     kvf_msg_xport_t *x = &m.u.xport;
 
-    kvf_buf_init(&shm);
-    kvf_buf_init(&ucx);
-    if (eng->allow_shm &&
-        kvf_shm_pack(eng->reg_bases, eng->reg_lens, eng->nregs, eng->instance_id,
-                     &shm) == KVF_OK)
-        x->x[x->count++] = (kvf_wire_xport_t){{"shm", 3}, shm.data, (uint32_t)shm.len};
-#ifdef KVF_HAVE_UCX
-    if (eng->ucx != NULL && kvf_ucx_pack(eng->ucx, &ucx) == KVF_OK)
-        x->x[x->count++] = (kvf_wire_xport_t){{"ucx", 3}, ucx.data, (uint32_t)ucx.len};
-#endif
+    for (int i = 0; i < KVF_MAX_MOVERS; i++) {
+        kvf_mover_t *mv = eng->movers[i];
+        kvf_buf_init(&blobs[i]);
+        if (mv == NULL || x->count == KVF_WIRE_MAX_XPORTS ||
+            mv->ops->pack(mv, &blobs[i]) != KVF_OK)
+            continue;
+        x->x[x->count++] = (kvf_wire_xport_t){
+            {mv->ops->name, (uint32_t)strlen(mv->ops->name)}, blobs[i].data,
+            (uint32_t)blobs[i].len};
+    }
     kvf_status_t st = kvf__peer_send(p, &m);
-    kvf_buf_free(&shm);
-    kvf_buf_free(&ucx);
+    for (int i = 0; i < KVF_MAX_MOVERS; i++)
+        kvf_buf_free(&blobs[i]);
     if (st != KVF_OK)
         kvf__peer_fail(p, st, "cannot send XPORT: %s", kvf_status_str(st));
 }
 
-static void use_xport(kvf_peer_t *p, kvf_xport_t x)
+/* The payload path of this peer from now on (NULL: the control stream). */
+static void use_mover(kvf_peer_t *p, const kvf_mover_ops_t *ops)
 {
-    p->xport = x;
-    __atomic_fetch_or(&p->eng->used_xports, (unsigned)x, __ATOMIC_RELAXED);
+    p->mover = ops;
+    /* Relaxed: a display-only mask that is only ever or-ed into. */
+    __atomic_fetch_or(&p->eng->used_paths, ops ? 2u << kvf_mover_index(ops) : 1u,
+                      __ATOMIC_RELAXED);
+}
+
+static const char *path_name(const kvf_mover_ops_t *ops)
+{
+    return ops ? ops->name : kvf_stream_name();
 }
 
 static const kvf_wire_xport_t *find_offer(const kvf_msg_xport_t *x, const char *name)
@@ -136,95 +140,77 @@ static const kvf_wire_xport_t *find_offer(const kvf_msg_xport_t *x, const char *
     return NULL;
 }
 
-/* Try one offered transport; on failure say why in `why`. */
-static kvf_xport_t try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, kvf_xport_t which,
-                             char *why, size_t len)
+/* Decode: try the offer of kvf_movers[i]; on failure say why in `why`. */
+static int try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, int i, char *why,
+                     size_t len)
 {
-    kvf_engine_t *eng = p->eng;
-    const kvf_wire_xport_t *o = find_offer(x, which == KVF_XPORT_SHM ? "shm" : "ucx");
+    const kvf_mover_ops_t *ops = kvf_movers[i];
+    kvf_mover_t *mv = p->eng->movers[i];
+    const kvf_wire_xport_t *o = find_offer(x, ops->name);
     if (o == NULL) {
-        snprintf(why, len, "the prefill engine does not offer %s",
-                 which == KVF_XPORT_SHM ? "shm" : "ucx");
+        snprintf(why, len, "the prefill engine does not offer it");
         return 0;
     }
-    if (which == KVF_XPORT_SHM)
-        return eng->allow_shm && kvf_shm_accept(o->blob, o->blob_len, &p->shm, why,
-                                                len) == KVF_OK ? KVF_XPORT_SHM : 0;
-#ifdef KVF_HAVE_UCX
-    if (eng->ucx == NULL) {
-        snprintf(why, len, "ucx is not available on this engine");
+    if (mv == NULL) {
+        snprintf(why, len, "not available on this engine (see its log)");
         return 0;
     }
-    return kvf_ucx_connect(eng->ucx, o->blob, o->blob_len, &p->ucx_ep, why,
-                           len) == KVF_OK ? KVF_XPORT_UCX : 0;
-#else
-    snprintf(why, len, "this build has no ucx");
-    return 0;
-#endif
+    return ops->connect(mv, o->blob, o->blob_len, &p->mep, why, len) == KVF_OK;
 }
 
-/* Device memory moves only over ucx: any other choice makes the pair fail
- * its rooms with this reason. */
+/* Device memory moves only over a mover that carries it: any other choice
+ * makes the pair fail its rooms with this reason. */
 static void check_device_memory(kvf_peer_t *p)
 {
     const kvf_layout_int_t *mine = &p->eng->layout;
-    if (p->xport == KVF_XPORT_UCX || p->incompatible != NULL ||
+    if ((p->mover != NULL && p->mover->device_memory) || p->incompatible != NULL ||
         (mine->mem_kind != KVF_MEM_CUDA && p->layout.mem_kind != KVF_MEM_CUDA))
         return;
-    p->incompatible = strdup("KV cache in device memory moves only over the ucx "
-                             "transport, and this prefill/decode pair could not use it: "
-                             "build both with UCX and allow --transport ucx (see the log "
-                             "for why ucx was not chosen).");
+    char why[KVF_REASON_MAX];
+    snprintf(why, sizeof(why), "KV cache in device memory cannot move over %s between "
+             "this prefill/decode pair: %s (see the log for why no other transport was "
+             "chosen).", path_name(p->mover), kvf_movers_device_hint());
+    p->incompatible = strdup(why);
 }
 
 /*
  * Decode: pick how payload comes from this prefill engine and tell it,
- * before any ROOM_REQ: in the order of the preference ("auto": shm, then
- * ucx), the first offered transport that works; otherwise TCP, saying why
- * once when another transport was asked for or expected.
+ * before any ROOM_REQ: the first mover in table order that this engine
+ * allows and whose offer works here; otherwise the control stream, saying
+ * why once when a mover was asked for or expected.
  */
 static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
 {
     kvf_engine_t *eng = p->eng;
     char why[256] = "", tried[512] = "";
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
-    kvf_xport_t chosen = 0;
-    kvf_xport_t order[2] = {KVF_XPORT_SHM, KVF_XPORT_UCX};
+    const kvf_mover_ops_t *chosen = NULL;
 
-    if (strcmp(eng->transport, "ucx") == 0) {
-        order[0] = KVF_XPORT_UCX;
-        order[1] = 0;
-    } else if (strcmp(eng->transport, "shm") == 0) {
-        order[1] = 0;
-    } else if (strcmp(eng->transport, "tcp") == 0) {
-        order[0] = order[1] = 0;
-    }
-    for (int i = 0; i < 2 && chosen == 0 && order[i] != 0; i++) {
-        chosen = try_offer(p, x, order[i], why, sizeof(why));
-        if (chosen == 0)
+    for (int i = 0; kvf_movers[i] != NULL && chosen == NULL; i++) {
+        if (!kvf__engine_allows(eng, kvf_movers[i]))
+            continue;
+        if (try_offer(p, x, i, why, sizeof(why)))
+            chosen = kvf_movers[i];
+        else
             snprintf(tried + strlen(tried), sizeof(tried) - strlen(tried), "%s%s: %s",
-                     tried[0] ? "; " : "", order[i] == KVF_XPORT_SHM ? "shm" : "ucx", why);
+                     tried[0] ? "; " : "", kvf_movers[i]->name, why);
     }
-    if (chosen != 0) {
-        const char *name = chosen == KVF_XPORT_SHM ? "shm" : "ucx";
+    if (chosen != NULL) {
         m.u.xport.count = 1;
-        m.u.xport.x[0].name = (kvf_wire_str_t){name, 3};
-        kvf_info("prefill rank %d at %s: payload over %s", p->tp_rank, p->addr, name);
+        m.u.xport.x[0].name = (kvf_wire_str_t){chosen->name, (uint32_t)strlen(chosen->name)};
+        kvf_info("prefill rank %d at %s: payload over %s", p->tp_rank, p->addr, chosen->name);
     } else if (tried[0] != '\0') {
         static int said;   /* once per process unless asked for explicitly */
         if (!said++ || strcmp(eng->transport, "auto") != 0)
-            kvf_warn("prefill rank %d at %s: payload over tcp (%s)", p->tp_rank, p->addr,
-                     tried);
-        chosen = KVF_XPORT_TCP;
-    } else {
-        chosen = KVF_XPORT_TCP;
+            kvf_warn("prefill rank %d at %s: payload over %s (%s)", p->tp_rank, p->addr,
+                     kvf_stream_name(), tried);
     }
     kvf_status_t st = kvf__peer_send(p, &m);
     if (st != KVF_OK) {
         kvf__peer_fail(p, st, "cannot send XPORT: %s", kvf_status_str(st));
         return;
     }
-    use_xport(p, chosen);
+    use_mover(p, chosen);
     check_device_memory(p);
     p->state = KVF_PEER_READY;
     kvf__rooms_peer_ready(eng, p);
@@ -245,19 +231,18 @@ static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "XPORT out of order or with several choices");
         return;
     }
-    if (x->count == 0) {
-        use_xport(p, KVF_XPORT_TCP);
-    } else if (find_offer(x, "shm") && eng->allow_shm) {
-        use_xport(p, KVF_XPORT_SHM);
-    } else if (find_offer(x, "ucx") && eng->ucx != NULL) {
-        use_xport(p, KVF_XPORT_UCX);
-    } else {
-        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "decode engine chose a transport that was not "
-                       "offered");
-        return;
+    const kvf_mover_ops_t *ops = NULL;
+    if (x->count == 1) {
+        ops = kvf_mover_find(x->x[0].name.ptr, x->x[0].name.len);
+        int i = ops ? kvf_mover_index(ops) : -1;
+        if (i < 0 || eng->movers[i] == NULL) {
+            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "decode engine chose a transport that "
+                           "was not offered");
+            return;
+        }
     }
-    kvf_info("decode rank %d at %s: payload over %s", p->tp_rank, p->addr,
-             p->xport == KVF_XPORT_SHM ? "shm" : p->xport == KVF_XPORT_UCX ? "ucx" : "tcp");
+    use_mover(p, ops);
+    kvf_info("decode rank %d at %s: payload over %s", p->tp_rank, p->addr, path_name(ops));
     check_device_memory(p);
 }
 
@@ -343,9 +328,9 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     kvf_conn_env_t env = {eng->epfd, p};
     /* With KVF_FAULTS set, every connection goes through the fault transport. */
     kvf_status_t st = eng->faults
-        ? kvf_fault_connect(eng->faults, &kvf_tcp_ops, host, port, &env, &handler, p,
+        ? kvf_fault_connect(eng->faults, kvf_control_ops, host, port, &env, &handler, p,
                             &p->conn)
-        : kvf_tcp_ops.connect(host, port, &env, &handler, p, &p->conn);
+        : kvf_control_ops->connect(host, port, &env, &handler, p, &p->conn);
     if (st != KVF_OK) {
         /* Dead from the start: rooms that link it fail right away. */
         p->state = KVF_PEER_DEAD;
@@ -366,8 +351,8 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd)
     snprintf(p->addr, sizeof(p->addr), "(connecting)");
     kvf_conn_env_t env = {eng->epfd, p};
     kvf_status_t st = eng->faults
-        ? kvf_fault_accept(eng->faults, &kvf_tcp_ops, fd, &env, &handler, p, &p->conn)
-        : kvf_tcp_ops.accept(fd, &env, &handler, p, &p->conn);
+        ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &handler, p, &p->conn)
+        : kvf_control_ops->accept(fd, &env, &handler, p, &p->conn);
     if (st != KVF_OK) {
         close(fd);
         p->state = KVF_PEER_DEAD;
@@ -539,7 +524,7 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
         p->hello_done = 1;          /* ready once its XPORT offer is answered */
         return;
     }
-    p->xport = KVF_XPORT_TCP;       /* until the decode engine chooses */
+    p->mover = NULL;                /* the stream, until the decode engine chooses */
     p->state = KVF_PEER_READY;
     kvf__rooms_peer_ready(eng, p);
 }
@@ -564,9 +549,9 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
         return;
     if (msg->type == KVF_MSG_DATA_REF) {
         if (p->role != KVF_ROLE_PREFILL ||
-            (p->xport != KVF_XPORT_SHM && p->xport != KVF_XPORT_UCX)) {
-            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA_REF without an agreed shm or ucx "
-                           "transport");
+            !kvf__peer_pulls(p)) {
+            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA_REF without an agreed transport "
+                           "that pulls");
             return;
         }
         kvf__room_on_data_ref(p, &msg->u.data);
@@ -615,7 +600,8 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
         const kvf_transport_ops_t *ops = p->conn->ops;
         if (ops->tick)
             ops->tick(p->conn, now);
-        kvf_shm_peer_progress(p->shm);
+        if (p->mep != NULL && p->mep->ops->tick != NULL)
+            p->mep->ops->tick(p->mep);
         uint64_t last_rx = ops->last_rx(p->conn);
         if (now - last_rx >= pr->heartbeat_timeout_ms && now >= p->grace_until_ms) {
             kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT,

@@ -13,8 +13,6 @@
 #include <string.h>
 
 #include "core/room.h"
-#include "transport/shm/shm.h"
-#include "transport/ucx/ucx.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -430,15 +428,9 @@ void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
             remote[i] = (struct iovec){(void *)(uintptr_t)kvf_wire_arr64_at(&d->src_addrs, i),
                                        t[i].len};
         }
-        kvf_status_t st;
-#ifdef KVF_HAVE_UCX
-        if (p->xport == KVF_XPORT_UCX)
-            st = kvf_ucx_read(p->ucx_ep, local, remote, d->nseg,
-                              eng->params.heartbeat_timeout_ms, err, sizeof(err));
-        else
-#endif
-            st = kvf_shm_read(p->shm, local, remote, d->nseg, err, sizeof(err));
-        const char *via = p->xport == KVF_XPORT_UCX ? "ucx" : "shm";
+        const char *via = p->mover->name;
+        kvf_status_t st = p->mover->read(p->mep, local, remote, d->nseg,
+                                         eng->params.heartbeat_timeout_ms, err, sizeof(err));
         if (st == KVF_ERR_PROTOCOL) {
             /*
              * A source outside what the peer registered: nothing was read
@@ -454,9 +446,9 @@ void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
         } else if (st != KVF_OK) {
             kvf__room_fail(r, st, "%s transfer from %s failed: %s", via,
                            kvf__peer_name(p, name, sizeof(name)), err);
-            /* A failed UCX endpoint stays failed: so does the peer. */
-            if (p->xport == KVF_XPORT_UCX)
-                kvf__peer_fail(p, st, "ucx endpoint failed: %s", err);
+            /* An endpoint that can read nothing any more takes its peer along. */
+            if (p->mover->ep_failed(p->mep))
+                kvf__peer_fail(p, st, "%s endpoint failed: %s", via, err);
         } else {
             for (uint32_t i = 0; lk->hash != NULL && i < d->nseg; i++)
                 XXH3_64bits_update(lk->hash, t[i].dst, t[i].len);
@@ -521,7 +513,7 @@ void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m
      * what we read may be anything.  Only the sender can say, so a pull
      * link waits for its confirmation (DONE_ACK back) before SUCCESS.
      */
-    if (p->xport == KVF_XPORT_SHM || p->xport == KVF_XPORT_UCX) {
+    if (kvf__peer_pulls(p)) {
         lk->confirming = 1;
         return;
     }

@@ -170,7 +170,7 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     c->put.complete = chunk_complete;
     c->put.room = r->id;
     c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
-    c->put.by_ref = lk->peer->xport == KVF_XPORT_SHM || lk->peer->xport == KVF_XPORT_UCX;
+    c->put.by_ref = kvf__peer_pulls(lk->peer);
     c->room = r;
     c->peer = lk->peer;
     c->link = li;
@@ -514,7 +514,7 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ac
         return;
     }
     lk->done = 1;
-    if (p->xport == KVF_XPORT_SHM || p->xport == KVF_XPORT_UCX) {
+    if (kvf__peer_pulls(p)) {
         /* The room is live: what the decode rank read was still ours. */
         kvf_msg_t c = {.type = KVF_MSG_DONE_ACK};
         c.u.done_ack.room = r->id;

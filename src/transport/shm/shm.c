@@ -247,6 +247,7 @@ typedef struct span {
 } span_t;
 
 struct kvf_shm_peer {
+    kvf_mover_ep_t base;  /* first: the mover endpoint */
     pid_t     pid;
     span_t   *regs;       /* what the peer registered, sorted by base */
     size_t    nregs;
@@ -368,6 +369,7 @@ kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **pe
         snprintf(err, errlen, "out of memory");
         return KVF_ERR_UNSUPPORTED;
     }
+    sp->base.ops = &kvf_shm_mover;
     sp->pid = pid;
     sp->nregs = nregs;
     if ((sp->regs = malloc(nregs * sizeof(*sp->regs))) == NULL) {
@@ -508,3 +510,130 @@ kvf_status_t kvf_shm_read(kvf_shm_peer_t *sp, struct iovec *local, struct iovec 
     }
     return KVF_OK;
 }
+
+/* ------------------------------------------------------------------------ */
+/* The mover (mover.h)                                                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct kvf_shm {
+    kvf_mover_t base;
+    kvf_role_t  role;
+    uint64_t    instance;
+    int         listen_fd;     /* prefill: hands out memfds, or -1 */
+    void      **bases;         /* the registered buffers, for offers */
+    size_t     *lens;
+    size_t      n;
+} kvf_shm_t;
+
+static void shm_destroy(kvf_mover_t *m)
+{
+    kvf_shm_t *s = (kvf_shm_t *)m;
+    if (s == NULL)
+        return;
+    if (s->listen_fd >= 0)
+        close(s->listen_fd);
+    free(s->bases);
+    free(s->lens);
+    free(s);
+}
+
+static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, char *err,
+                               size_t errlen)
+{
+    if (p->mem_kind != KVF_MEM_HOST) {
+        snprintf(err, errlen, "shm moves host memory only");
+        return KVF_ERR_UNSUPPORTED;
+    }
+    kvf_shm_t *s = calloc(1, sizeof(*s));
+    if (s == NULL || (s->bases = malloc(p->n * sizeof(void *))) == NULL ||
+        (s->lens = malloc(p->n * sizeof(size_t))) == NULL) {
+        shm_destroy(s ? &s->base : NULL);
+        snprintf(err, errlen, "out of memory");
+        return KVF_ERR_NO_MEMORY;
+    }
+    s->base.ops = &kvf_shm_mover;
+    s->role = p->role;
+    s->instance = p->instance_id;
+    s->listen_fd = -1;
+    s->n = p->n;
+    memcpy(s->bases, p->bases, p->n * sizeof(void *));
+    memcpy(s->lens, p->lens, p->n * sizeof(size_t));
+    if (p->role == KVF_ROLE_PREFILL) {
+        kvf_shm_allow_readers();
+        /* Without the socket, readers use process_vm_readv: still shm. */
+        if (kvf_shm_listen(p->instance_id, &s->listen_fd) != KVF_OK)
+            s->listen_fd = -1;
+    }
+    *m_p = &s->base;
+    return KVF_OK;
+}
+
+static int shm_fd(const kvf_mover_t *m)
+{
+    return ((const kvf_shm_t *)m)->listen_fd;
+}
+
+static int shm_progress(kvf_mover_t *m)
+{
+    kvf_shm_t *s = (kvf_shm_t *)m;
+    if (s->listen_fd >= 0)
+        kvf_shm_serve(s->listen_fd, s->bases, s->lens, s->n);
+    return 0;
+}
+
+static kvf_status_t shm_pack_offer(kvf_mover_t *m, kvf_buf_t *out)
+{
+    kvf_shm_t *s = (kvf_shm_t *)m;
+    return kvf_shm_pack(s->bases, s->lens, s->n, s->instance, out);
+}
+
+static kvf_status_t shm_connect(kvf_mover_t *m, const uint8_t *blob, size_t len,
+                                kvf_mover_ep_t **ep_p, char *why, size_t whylen)
+{
+    kvf_shm_peer_t *sp;
+    (void)m;
+    kvf_status_t st = kvf_shm_accept(blob, len, &sp, why, whylen);
+    if (st == KVF_OK)
+        *ep_p = &sp->base;
+    return st;
+}
+
+static void shm_disconnect(kvf_mover_ep_t *ep)
+{
+    kvf_shm_peer_free((kvf_shm_peer_t *)ep);
+}
+
+static void shm_tick(kvf_mover_ep_t *ep)
+{
+    kvf_shm_peer_progress((kvf_shm_peer_t *)ep);
+}
+
+static kvf_status_t shm_read_ep(kvf_mover_ep_t *ep, struct iovec *local,
+                                struct iovec *remote, size_t n, unsigned timeout_ms,
+                                char *err, size_t errlen)
+{
+    (void)timeout_ms;   /* a copy by this thread: nothing to wait for */
+    return kvf_shm_read((kvf_shm_peer_t *)ep, local, remote, n, err, errlen);
+}
+
+/* A failed read is the memory of one read gone, not the endpoint. */
+static int shm_ep_failed(const kvf_mover_ep_t *ep)
+{
+    (void)ep;
+    return 0;
+}
+
+const kvf_mover_ops_t kvf_shm_mover = {
+    .name = "shm",
+    .device_memory = 0,
+    .create = shm_create,
+    .destroy = shm_destroy,
+    .fd = shm_fd,
+    .progress = shm_progress,
+    .pack = shm_pack_offer,
+    .connect = shm_connect,
+    .disconnect = shm_disconnect,
+    .tick = shm_tick,
+    .read = shm_read_ep,
+    .ep_failed = shm_ep_failed,
+};

@@ -31,7 +31,11 @@
 #include <sys/uio.h>
 
 #include "kvferry/status.h"
+#include "transport/mover.h"
 #include "util/buf.h"
+
+/* The shm mover (mover.h), over the functions below. */
+extern const kvf_mover_ops_t kvf_shm_mover;
 
 typedef struct kvf_shm_peer kvf_shm_peer_t;
 

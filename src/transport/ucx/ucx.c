@@ -54,6 +54,7 @@ typedef struct rregion {         /* one region of the peer */
 } rregion_t;
 
 struct kvf_ucx {
+    kvf_mover_t   base;          /* first: the mover */
     ucp_context_h ctx;
     ucp_worker_h  worker;
     int           efd;           /* ucp_worker_get_efd, or -1 */
@@ -66,6 +67,7 @@ struct kvf_ucx {
 };
 
 struct kvf_ucx_ep {
+    kvf_mover_ep_t base;         /* first: the mover endpoint */
     kvf_ucx_t    *u;
     ucp_ep_h      ep;            /* NULL once closed */
     rregion_t    *regs;          /* sorted by base */
@@ -114,6 +116,7 @@ kvf_status_t kvf_ucx_create(kvf_ucx_t **u_p, char *err, size_t errlen)
         return KVF_ERR_NO_MEMORY;
     }
     u->efd = -1;
+    u->base.ops = &kvf_ucx_mover;
 
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) {
@@ -212,8 +215,23 @@ void kvf_ucx_destroy(kvf_ucx_t *u)
             ep_close(ep);
         }
     }
-    /* Closes still under way are released: the worker completes them as it
-     * goes (UCX insists that no request be left unreleased). */
+    /*
+     * Let closes under way finish, for a bounded time: this is teardown,
+     * where waiting is expected, and a peer whose worker still talks to a
+     * half-closed endpoint of ours can trip UCX 1.13's wireup assertion
+     * (ucp_request.c:684) once our worker is gone.  What is still under
+     * way then is released: UCX insists that no request be left
+     * unreleased.
+     */
+    uint64_t deadline = kvf_now_ms() + KVF_UCX_CLOSE_MS;
+    for (int busy = 1; busy && kvf_now_ms() < deadline;) {
+        busy = 0;
+        for (kvf_ucx_ep_t *ep = u->eps; ep != NULL && !busy; ep = ep->next)
+            busy = ep->close_req != NULL &&
+                   ucp_request_check_status(ep->close_req) == UCS_INPROGRESS;
+        if (busy && ucp_worker_progress(u->worker) == 0)
+            sched_yield();
+    }
     for (kvf_ucx_ep_t *ep = u->eps; ep != NULL; ep = ep->next) {
         if (ep->close_req != NULL)
             ucp_request_free(ep->close_req);
@@ -497,6 +515,7 @@ kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
         goto out;
     }
     memcpy(addr, addr_p, addr_len);
+    ep->base.ops = &kvf_ucx_mover;
     ep->u = u;
     ep->failed = UCS_OK;
 
@@ -743,3 +762,90 @@ kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *r
     }
     return s;
 }
+
+/* ------------------------------------------------------------------ mover */
+
+static kvf_status_t mv_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, char *err,
+                              size_t errlen)
+{
+    kvf_ucx_t *u;
+    if (p->by_name && !kvf_ucx_survives_peer_death())
+        kvf_warn("UCX %s can abort this process when a peer dies while UCX is still "
+                 "setting up its connection (fixed in UCX 1.14, openucx/ucx#8175); "
+                 "prefer UCX >= 1.14 for --transport ucx", kvf_ucx_version());
+    kvf_status_t st = kvf_ucx_create(&u, err, errlen);
+    if (st != KVF_OK)
+        return st;
+    for (size_t i = 0; i < p->n; i++) {
+        st = kvf_ucx_register(u, p->bases[i], p->lens[i], p->mem_kind, err, errlen);
+        if (st != KVF_OK) {
+            kvf_ucx_destroy(u);
+            return st;
+        }
+    }
+    *m_p = &u->base;
+    return KVF_OK;
+}
+
+static void mv_destroy(kvf_mover_t *m)
+{
+    kvf_ucx_destroy((kvf_ucx_t *)m);
+}
+
+static int mv_fd(const kvf_mover_t *m)
+{
+    return kvf_ucx_fd((const kvf_ucx_t *)m);
+}
+
+static int mv_progress(kvf_mover_t *m)
+{
+    return kvf_ucx_progress((kvf_ucx_t *)m);
+}
+
+static kvf_status_t mv_pack(kvf_mover_t *m, kvf_buf_t *out)
+{
+    return kvf_ucx_pack((kvf_ucx_t *)m, out);
+}
+
+static kvf_status_t mv_connect(kvf_mover_t *m, const uint8_t *blob, size_t len,
+                               kvf_mover_ep_t **ep_p, char *why, size_t whylen)
+{
+    kvf_ucx_ep_t *ep;
+    kvf_status_t st = kvf_ucx_connect((kvf_ucx_t *)m, blob, len, &ep, why, whylen);
+    if (st == KVF_OK)
+        *ep_p = &ep->base;
+    return st;
+}
+
+static void mv_disconnect(kvf_mover_ep_t *ep)
+{
+    kvf_ucx_disconnect((kvf_ucx_ep_t *)ep);
+}
+
+static kvf_status_t mv_read(kvf_mover_ep_t *ep, struct iovec *local, struct iovec *remote,
+                            size_t n, unsigned timeout_ms, char *err, size_t errlen)
+{
+    return kvf_ucx_read((kvf_ucx_ep_t *)ep, local, remote, n, timeout_ms, err, errlen);
+}
+
+/* A failed UCX endpoint stays failed: every later read fails at once. */
+static int mv_ep_failed(const kvf_mover_ep_t *ep)
+{
+    const kvf_ucx_ep_t *e = (const kvf_ucx_ep_t *)ep;
+    return e->failed != UCS_OK || e->ep == NULL;
+}
+
+const kvf_mover_ops_t kvf_ucx_mover = {
+    .name = "ucx",
+    .device_memory = 1,
+    .auto_ok = kvf_ucx_survives_peer_death,
+    .create = mv_create,
+    .destroy = mv_destroy,
+    .fd = mv_fd,
+    .progress = mv_progress,
+    .pack = mv_pack,
+    .connect = mv_connect,
+    .disconnect = mv_disconnect,
+    .read = mv_read,
+    .ep_failed = mv_ep_failed,
+};

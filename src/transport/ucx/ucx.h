@@ -43,12 +43,17 @@
 
 #include "kvferry/kvferry.h"
 #include "kvferry/status.h"
+#include "transport/mover.h"
 #include "util/buf.h"
 
 #ifdef KVF_HAVE_UCX
 
+/* The ucx mover (mover.h), over the functions below. */
+extern const kvf_mover_ops_t kvf_ucx_mover;
+
 /* Bound on waiting for UCX to complete the reads of a batch it was told
- * to stop (a failed or timed-out read force-closes its endpoint). */
+ * to stop (a failed or timed-out read force-closes its endpoint), and for
+ * endpoint closes to finish at kvf_ucx_destroy. */
 #define KVF_UCX_CLOSE_MS 1000u
 
 /* Per engine: a UCP context and one worker. */
@@ -79,7 +84,8 @@ int          kvf_ucx_survives_peer_death(void);
 kvf_status_t kvf_ucx_create(kvf_ucx_t **u_p, char *err, size_t errlen);
 
 /* Destroy the worker and context and unmap every region.  Disconnect every
- * endpoint first (one still open is force-closed, with a warning). */
+ * endpoint first (one still open is force-closed, with a warning).  Waits
+ * at most KVF_UCX_CLOSE_MS for closes under way to finish. */
 void         kvf_ucx_destroy(kvf_ucx_t *u);
 
 /*

@@ -1,0 +1,137 @@
+/*
+ * Movers: the backends that carry payload beside the control connection.
+ *
+ * Every pair of engines has one control connection (kvf_conn_t, tcp.h),
+ * and payload rides in it unless the pair agrees on a mover at the
+ * handshake.  A mover is what UCX calls a transport resource: an engine
+ * creates each mover its configuration allows once its memory is
+ * registered, a prefill engine offers every mover it has (an XPORT entry
+ * per mover, with the mover's blob), and a decode engine accepts the first
+ * offer that works here, in table order (accepting an offer is the
+ * reachability test).  Core never names a backend: it walks kvf_movers[]
+ * and asks the ops.
+ *
+ * The movers built in pull: the decode side reads each DATA_REF segment,
+ * already checked against the pages its room declared, from the sender's
+ * memory into its own.  Whatever the sender names, nothing lands outside
+ * what the receiver chose, and a read names nothing outside what the
+ * sender registered (both are checked before a byte moves).
+ *
+ * Threads: every op runs on the engine's progress thread under the engine
+ * lock, except `disconnect`, which may also run on an application thread
+ * under the lock (a receiver destroyed there drops the last reference to
+ * its peer); no op waits on a peer.
+ *
+ * Adding a mover: a folder under src/transport, an ops table, a CMake
+ * option, and one line in movers.c.
+ */
+#ifndef KVF_TRANSPORT_MOVER_H
+#define KVF_TRANSPORT_MOVER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "kvferry/kvferry.h"
+#include "transport/transport.h"
+#include "util/buf.h"
+
+typedef struct kvf_mover_ops kvf_mover_ops_t;
+
+/* Every backend's engine-wide and per-peer structs start with these. */
+typedef struct kvf_mover {
+    const kvf_mover_ops_t *ops;
+} kvf_mover_t;
+
+typedef struct kvf_mover_ep {
+    const kvf_mover_ops_t *ops;
+} kvf_mover_ep_t;
+
+/* What a mover is created with: the engine and its registered memory. */
+typedef struct kvf_mover_params {
+    kvf_role_t      role;
+    uint64_t        instance_id;
+    void *const    *bases;      /* every registered buffer (kv, aux, state) */
+    const size_t   *lens;
+    size_t          n;
+    kvf_mem_kind_t  mem_kind;
+    int             by_name;    /* asked for by name, not by "auto" */
+} kvf_mover_params_t;
+
+struct kvf_mover_ops {
+    const char *name;           /* in offers, logs, metrics, `transport` */
+    int         device_memory;  /* may carry KVF_MEM_CUDA buffers */
+    /* May "auto" use it?  NULL: yes.  (A mover that can bring its process
+     * down when a peer dies is used only when asked for by name.) */
+    int          (*auto_ok)(void);
+
+    /* Engine-wide, after layout registration.  Never blocks.
+     * @return KVF_OK, or why not in err (the engine goes on without it). */
+    kvf_status_t (*create)(const kvf_mover_params_t *p, kvf_mover_t **m_p, char *err,
+                           size_t errlen);
+    void         (*destroy)(kvf_mover_t *m);
+    /* An fd to epoll for EPOLLIN, or -1: then progress runs every loop pass. */
+    int          (*fd)(const kvf_mover_t *m);
+    /* Serve what is pending without blocking; 1 while more work remains. */
+    int          (*progress)(kvf_mover_t *m);
+
+    /* Prefill: append the offer blob (at most KVF_WIRE_MAX_BLOB bytes). */
+    kvf_status_t (*pack)(kvf_mover_t *m, kvf_buf_t *out);
+    /* Decode: accept a peer's offer (untrusted bytes) and make an endpoint;
+     * never blocks.  @return KVF_OK, or why the offer is unusable in `why`. */
+    kvf_status_t (*connect)(kvf_mover_t *m, const uint8_t *blob, size_t len,
+                            kvf_mover_ep_t **ep_p, char *why, size_t whylen);
+    /* Close and free (now, or once the backend is done with it); never
+     * blocks.  NULL is a no-op. */
+    void         (*disconnect)(kvf_mover_ep_t *ep);
+    /* Periodic work of an endpoint (every engine tick).  May be NULL. */
+    void         (*tick)(kvf_mover_ep_t *ep);
+
+    /*
+     * Read remote[i] (addresses in the peer) into local[i], n pieces of
+     * pairwise equal lengths; when it returns, every byte is in place or
+     * no read of the batch can still land.  Today's movers complete the
+     * batch before returning, within timeout_ms (docs/ARCHITECTURE.md says
+     * what is left to make reads asynchronous).
+     * @return KVF_OK;
+     *   KVF_ERR_PROTOCOL  a remote piece outside every region the peer
+     *                     registered: nothing was read, the endpoint is fine;
+     *   other errors      the read failed (why in err); ep_failed() says
+     *                     whether the endpoint is dead with it.
+     */
+    kvf_status_t (*read)(kvf_mover_ep_t *ep, struct iovec *local, struct iovec *remote,
+                         size_t n, unsigned timeout_ms, char *err, size_t errlen);
+    /* 1 when the endpoint can read nothing any more (every later read would
+     * fail): its peer must be failed. */
+    int          (*ep_failed)(const kvf_mover_ep_t *ep);
+};
+
+/* The movers built in, in the order "auto" prefers them; NULL-terminated.
+ * movers.c is the only file that names them. */
+extern const kvf_mover_ops_t *const kvf_movers[];
+#define KVF_MAX_MOVERS 4
+
+/* The mover called `name` (len bytes), or NULL. */
+const kvf_mover_ops_t *kvf_mover_find(const char *name, size_t len);
+/* Its index in kvf_movers[], or -1. */
+int                    kvf_mover_index(const kvf_mover_ops_t *ops);
+
+/* "tcp", "tcp+shm", ...: the payload paths in `mask` (bit 0: in the
+ * control stream; bit 1+i: kvf_movers[i]).  Static storage. */
+const char *kvf_movers_mask_name(unsigned mask);
+
+/* Zero the stats' per-transport peer counts; count a connected peer whose
+ * payload goes over `ops` (NULL: the control stream). */
+void        kvf_movers_clear_peers(kvf_engine_stats_t *st);
+void        kvf_movers_count_peer(kvf_engine_stats_t *st, const kvf_mover_ops_t *ops);
+
+/* The control connection: its transport ops, its listener, and the name
+ * of payload that rides in it ("tcp"). */
+extern const kvf_transport_ops_t *const kvf_control_ops;
+kvf_status_t kvf_control_listen(const char *host, int port, int *fd_p, int *port_p);
+const char  *kvf_stream_name(void);
+
+/* What to do when device memory is registered and no mover carries it. */
+const char *kvf_movers_device_hint(void);
+
+#endif /* KVF_TRANSPORT_MOVER_H */

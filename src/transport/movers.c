@@ -1,0 +1,141 @@
+/*
+ * The registration table of movers (mover.h): the one place that names
+ * the backends built into this library, and the only one with a backend
+ * #ifdef.  Everything else walks kvf_movers[].
+ */
+#include <assert.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "transport/mover.h"
+#include "transport/shm/shm.h"
+#include "transport/tcp/tcp.h"
+#include "transport/ucx/ucx.h"
+
+const kvf_transport_ops_t *const kvf_control_ops = &kvf_tcp_ops;
+
+kvf_status_t kvf_control_listen(const char *host, int port, int *fd_p, int *port_p)
+{
+    return kvf_tcp_listen(host, port, fd_p, port_p);
+}
+
+const char *kvf_stream_name(void)
+{
+    return kvf_tcp_ops.name;
+}
+
+/* In the order "auto" prefers them: same-host memory first, then ucx. */
+const kvf_mover_ops_t *const kvf_movers[] = {
+    &kvf_shm_mover,
+#ifdef KVF_HAVE_UCX
+    &kvf_ucx_mover,
+#endif
+    NULL
+};
+
+/* Required ops, checked once (a new mover that forgot one fails loudly in
+ * every test run, not in production). */
+static void check_table(void)
+{
+    size_t n = 0;
+    for (const kvf_mover_ops_t *const *m = kvf_movers; *m != NULL; m++, n++) {
+        const kvf_mover_ops_t *o = *m;
+        assert(o->name && o->create && o->destroy && o->fd && o->progress && o->pack &&
+               o->connect && o->disconnect && o->read && o->ep_failed);
+        (void)o;
+    }
+    assert(n <= KVF_MAX_MOVERS);
+    (void)n;
+}
+
+static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+
+const kvf_mover_ops_t *kvf_mover_find(const char *name, size_t len)
+{
+    pthread_once(&table_once, check_table);
+    for (const kvf_mover_ops_t *const *m = kvf_movers; *m != NULL; m++)
+        if (strlen((*m)->name) == len && memcmp((*m)->name, name, len) == 0)
+            return *m;
+    return NULL;
+}
+
+int kvf_mover_index(const kvf_mover_ops_t *ops)
+{
+    for (int i = 0; kvf_movers[i] != NULL; i++)
+        if (kvf_movers[i] == ops)
+            return i;
+    return -1;
+}
+
+/* Every combination of payload paths, named once. */
+static char mask_names[1u << (KVF_MAX_MOVERS + 1)][64];
+static char transports[128];
+
+static void name_all(void)
+{
+    for (unsigned mask = 0; mask < (1u << (KVF_MAX_MOVERS + 1)); mask++) {
+        char *b = mask_names[mask];
+        size_t len = sizeof(mask_names[mask]);
+        b[0] = '\0';
+        if (mask & 1u)
+            snprintf(b, len, "tcp");
+        for (int i = 0; kvf_movers[i] != NULL; i++)
+            if (mask & (2u << i))
+                snprintf(b + strlen(b), len - strlen(b), "%s%s", b[0] ? "+" : "",
+                         kvf_movers[i]->name);
+        if (b[0] == '\0')
+            snprintf(b, len, "tcp");   /* nothing used yet: the control stream */
+    }
+    snprintf(transports, sizeof(transports), "tcp");
+    for (int i = 0; kvf_movers[i] != NULL; i++)
+        snprintf(transports + strlen(transports), sizeof(transports) - strlen(transports),
+                 " %s", kvf_movers[i]->name);
+#ifdef KVF_HAVE_UCX
+    snprintf(transports + strlen(transports), sizeof(transports) - strlen(transports),
+             "(%s)", kvf_ucx_version());   /* ucx is last in the table */
+#endif
+}
+
+static pthread_once_t names_once = PTHREAD_ONCE_INIT;
+
+const char *kvf_movers_mask_name(unsigned mask)
+{
+    pthread_once(&names_once, name_all);
+    return mask_names[mask & ((1u << (KVF_MAX_MOVERS + 1)) - 1)];
+}
+
+const char *kvf_transports(void)
+{
+    pthread_once(&names_once, name_all);
+    return transports;
+}
+
+void kvf_movers_clear_peers(kvf_engine_stats_t *st)
+{
+    st->peers_tcp = st->peers_shm = st->peers_ucx = 0;
+}
+
+void kvf_movers_count_peer(kvf_engine_stats_t *st, const kvf_mover_ops_t *ops)
+{
+    if (ops == NULL)
+        st->peers_tcp++;
+    else if (ops == &kvf_shm_mover)
+        st->peers_shm++;
+#ifdef KVF_HAVE_UCX
+    else if (ops == &kvf_ucx_mover)
+        st->peers_ucx++;
+#endif
+}
+
+const char *kvf_movers_device_hint(void)
+{
+#ifdef KVF_HAVE_UCX
+    return "device memory moves only over the ucx transport, which is not usable here: "
+           "allow --transport ucx (or auto), and use a UCX with its CUDA module "
+           "(`ucx_info -d` lists cuda_copy/cuda_ipc)";
+#else
+    return "device memory moves only over the ucx transport, and this build has none: "
+           "install UCX (libucx-dev) and rebuild, or register host memory";
+#endif
+}
