@@ -110,14 +110,34 @@ typedef struct kvf_engine   kvf_engine_t;
 typedef struct kvf_sender   kvf_sender_t;
 typedef struct kvf_receiver kvf_receiver_t;
 
+/*
+ * Parameter structs (kvf_engine_params_t, kvf_layout_t) grow without
+ * breaking callers, the way UCX's and libuv's do:
+ *   - fields are only added at the end; no field ever moves or changes type;
+ *   - the caller states its struct's size: set `size` with the init
+ *     function (a macro passing sizeof(*p), so it is your header's size);
+ *   - the library reads and writes only `size` bytes: fields past your
+ *     size take their defaults;
+ *   - a field added later reads 0 as "the default", so that a caller built
+ *     against a newer header runs on an older library as long as it leaves
+ *     the newer fields at 0;
+ *   - a size below the struct's first version (KVF_*_SIZE_V0), or one that
+ *     reaches past the fields this library knows with any of those bytes
+ *     nonzero, is refused with KVF_ERR_INVALID_PARAM and a message naming
+ *     the function and the sizes.
+ */
+
+/** The offset just past `field` in `type`: the least `size` that holds it. */
+#define KVF_FIELD_END(type, field) \
+    (offsetof(type, field) + sizeof(((type *)0)->field))
+
 /**
  * Engine parameters.  Initialise with kvf_engine_params_init(), which sets
  * every default (several come from KVF_* environment variables), then
- * override what you need.  `size` lets the struct grow without breaking
- * callers built against an older header.
+ * override what you need.  Grows by the rules above.
  */
 typedef struct kvf_engine_params {
-    size_t      size;          /**< sizeof(kvf_engine_params_t); set by _init */
+    size_t      size;          /**< the caller's sizeof(kvf_engine_params_t); set by _init */
     kvf_role_t  role;          /**< default KVF_ROLE_PREFILL */
     int         tp_rank;       /**< default 0 */
     int         tp_size;       /**< default 1 */
@@ -160,16 +180,42 @@ typedef struct kvf_engine_params {
     const char *faults;
 } kvf_engine_params_t;
 
-/** Fill `params` with the defaults documented above. */
-KVF_API void kvf_engine_params_init(kvf_engine_params_t *params);
+/** kvf_engine_params_t as kvferry 0.1.0 has it: the least `size` accepted. */
+#define KVF_ENGINE_PARAMS_SIZE_V0 KVF_FIELD_END(kvf_engine_params_t, faults)
+
+/**
+ * Fill the first `size` bytes of `params` with the defaults documented
+ * above and set params->size = size.  Writes nothing past `size`; fields
+ * that do not fit in it are left out (the library gives them their
+ * defaults), bytes past the fields this library knows are zeroed.  A size
+ * below KVF_ENGINE_PARAMS_SIZE_V0 is logged (kvf_last_error()), the bytes
+ * zeroed and kvf_engine_create() refuses the struct.  Call it through the
+ * kvf_engine_params_init() macro, which passes your sizeof.
+ *
+ * @param [out] params  the caller's struct, at least `size` bytes
+ * @param [in]  size    sizeof the caller's kvf_engine_params_t
+ */
+KVF_API void kvf_engine_params_init_sized(kvf_engine_params_t *params, size_t size);
+
+/**
+ * Fill `params` with the defaults, for a struct of this header's size.
+ * The function of the same name is still exported, for callers built
+ * against kvferry 0.1.0 and for dlsym()/ctypes: it takes the size to be
+ * KVF_ENGINE_PARAMS_SIZE_V0.
+ */
+KVF_API void (kvf_engine_params_init)(kvf_engine_params_t *params);
+#define kvf_engine_params_init(params) \
+    kvf_engine_params_init_sized((params), sizeof(*(params)))
 
 /**
  * Create an engine: bind its control port and start its progress thread.
  * May block briefly (bind, thread start); never on the network.
  *
- * @param [in]  params    parameters; strings are copied
+ * @param [in]  params    parameters, read up to params->size; strings are
+ *                        copied
  * @param [out] engine_p  the new engine
- * @return KVF_OK, KVF_ERR_INVALID_PARAM (with a log line saying which),
+ * @return KVF_OK, KVF_ERR_INVALID_PARAM (with a log line saying which,
+ *         including a `size` the growth rules above refuse),
  *         KVF_ERR_IO (bind failed), KVF_ERR_NO_MEMORY, KVF_ERR_UNSUPPORTED.
  */
 KVF_API kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
@@ -228,9 +274,11 @@ typedef struct kvf_buffer {
  * What an engine registers.  KV buffers are typically one K and one V
  * buffer per layer (MHA) or one per layer (MLA); prefill and decode must
  * register the same number, in the same order.  Arrays are copied.
+ * Initialise with kvf_layout_init(); grows by the rules of
+ * kvf_engine_params_t.
  */
 typedef struct kvf_layout {
-    size_t              size;        /**< sizeof(kvf_layout_t) */
+    size_t              size;        /**< the caller's sizeof(kvf_layout_t); set by _init */
     uint32_t            page_size;   /**< tokens per page; required */
     const char         *kv_dtype;    /**< e.g. "bfloat16"; required */
     kvf_attn_kind_t     attn;        /**< default KVF_ATTN_MHA */
@@ -245,21 +293,42 @@ typedef struct kvf_layout {
     const kvf_buffer_t *aux;
     uint32_t            num_state;   /**< optional state buffers (bytes per slot) */
     const kvf_buffer_t *state;
-    /* Fields added later go here, at the end, so that `size` tells them apart. */
     uint32_t            first_layer; /**< global index of this rank's first layer
                                           (a pipeline stage's offset); default 0 */
+    /* Fields added later go here, at the end, so that `size` tells them apart. */
 } kvf_layout_t;
 
-/** Zero a layout and set its `size`. */
-KVF_API void kvf_layout_init(kvf_layout_t *layout);
+/** kvf_layout_t as kvferry 0.1.0 has it: the least `size` accepted. */
+#define KVF_LAYOUT_SIZE_V0 KVF_FIELD_END(kvf_layout_t, first_layer)
+
+/**
+ * Zero the first `size` bytes of `layout` and set layout->size = size:
+ * every default of kvf_layout_t is 0.  Writes nothing past `size`; a size
+ * below KVF_LAYOUT_SIZE_V0 is logged and kvf_engine_register_layout()
+ * refuses the struct.  Call it through the kvf_layout_init() macro.
+ *
+ * @param [out] layout  the caller's struct, at least `size` bytes
+ * @param [in]  size    sizeof the caller's kvf_layout_t
+ */
+KVF_API void kvf_layout_init_sized(kvf_layout_t *layout, size_t size);
+
+/**
+ * Zero a layout of this header's size and set its `size`.  Also exported
+ * as a function, for callers built against kvferry 0.1.0 and for
+ * dlsym()/ctypes: that one takes the size to be KVF_LAYOUT_SIZE_V0.
+ */
+KVF_API void (kvf_layout_init)(kvf_layout_t *layout);
+#define kvf_layout_init(layout) kvf_layout_init_sized((layout), sizeof(*(layout)))
 
 /**
  * Register the engine's layout, once.  A prefill engine then registers
  * itself with its bootstrap registry in the background (retrying with
  * backoff).  Rooms can be created only after this call.
  *
- * @return KVF_OK, KVF_ERR_INVALID_PARAM (the log and nothing else says
- *         which field), KVF_ERR_STATE (already registered),
+ * @param [in] layout  read up to layout->size; arrays are copied
+ * @return KVF_OK, KVF_ERR_INVALID_PARAM (the log and kvf_last_error() say
+ *         which field, or which `size` the growth rules refuse),
+ *         KVF_ERR_STATE (already registered),
  *         KVF_ERR_UNSUPPORTED (memory kind not supported by any transport).
  */
 KVF_API kvf_status_t kvf_engine_register_layout(kvf_engine_t *engine,

@@ -3,10 +3,12 @@
 This is the only module that knows the C header: the struct layouts
 mirror ``include/kvferry/kvferry.h`` field for field, and every function
 gets its ``argtypes``/``restype`` here so that a wrong Python value is a
-``ctypes.ArgumentError`` instead of a corrupted call.  The struct sizes are
-checked against the library at load time (``kvf_engine_params_init`` and
-``kvf_layout_init`` report ``sizeof``), so a header that grew without this
-file following is an ImportError, not memory corruption.
+``ctypes.ArgumentError`` instead of a corrupted call.  The parameter structs
+follow the header's growth rules: the binding passes its own struct size to
+``kvf_engine_params_init_sized``/``kvf_layout_init_sized``, and the library
+reads and writes only that many bytes: a library newer than this file
+gives the fields this file lacks their defaults, and one older than it
+refuses a field it lacks only when the binding sets that field.
 
 Search order for the shared library (first hit wins):
 
@@ -142,14 +144,14 @@ _PROTOTYPES = {
     "kvf_status_str": (c_char_p, [c_int]),
     "kvf_role_name": (c_char_p, [c_int]),
     "kvf_poll_name": (c_char_p, [c_int]),
-    "kvf_engine_params_init": (None, [POINTER(EngineParams)]),
+    "kvf_engine_params_init_sized": (None, [POINTER(EngineParams), c_size_t]),
     "kvf_engine_create": (c_int, [POINTER(EngineParams), POINTER(c_void_p)]),
     "kvf_engine_destroy": (None, [c_void_p]),
     "kvf_engine_address": (c_int, [c_void_p, c_char_p, c_size_t]),
     "kvf_engine_bootstrap_addr": (c_int, [c_void_p, c_char_p, c_size_t]),
     "kvf_engine_transport": (c_char_p, [c_void_p]),
     "kvf_engine_instance_id": (c_uint64, [c_void_p]),
-    "kvf_layout_init": (None, [POINTER(Layout)]),
+    "kvf_layout_init_sized": (None, [POINTER(Layout), c_size_t]),
     "kvf_engine_register_layout": (c_int, [c_void_p, POINTER(Layout)]),
     "kvf_sender_create": (c_int, [c_void_p, c_char_p, c_uint64, POINTER(c_void_p)]),
     "kvf_sender_init": (c_int, [c_void_p, c_uint32, c_uint32]),
@@ -224,18 +226,8 @@ def _declare(lib, path):
                               % (path, name)) from None
         fn.restype = restype
         fn.argtypes = argtypes
-    global _params_size, _layout_size
-    _params_size = _lib_sizeof(lib.kvf_engine_params_init, EngineParams)
-    _layout_size = _lib_sizeof(lib.kvf_layout_init, Layout)
-    if _params_size < ctypes.sizeof(EngineParams) or _layout_size < ctypes.sizeof(Layout):
-        raise ImportError(
-            "kvferry: %s is older than this binding: its kvf_engine_params_t is "
-            "%d bytes (binding: %d), kvf_layout_t %d bytes (binding: %d); use "
-            "the binding and the library of the same kvferry version"
-            % (path, _params_size, ctypes.sizeof(EngineParams), _layout_size,
-               ctypes.sizeof(Layout)))
-    # Sizes alone miss a field inserted mid-struct; the documented defaults
-    # of kvf_engine_params_init() catch a shifted params layout.
+    # Sizes say nothing of a field inserted mid-struct; the documented
+    # defaults of kvf_engine_params_init() catch a shifted params layout.
     p = new_params()
     if (p.tp_size, p.pp_size, p.dp_size) != (1, 1, 1) or not p.host or \
             not p.transport or not p.heartbeat_timeout_ms:
@@ -245,36 +237,23 @@ def _declare(lib, path):
             "library of the same kvferry version" % path)
 
 
-def _lib_sizeof(init, struct):
-    """Run a C ``*_init`` on a roomy scratch buffer and read the ``size`` it
-    sets (the library's ``sizeof``); a library newer than the binding may
-    have appended fields."""
-    scratch = ctypes.create_string_buffer(4096)
-    init(ctypes.cast(scratch, POINTER(struct)))
-    return c_size_t.from_buffer(scratch).value
-
-
-def _new(init, struct, size):
-    """A ``struct`` initialised by the C ``init`` in a buffer of the library's
-    size: fields the binding does not know keep the library's defaults."""
-    raw = ctypes.create_string_buffer(max(size, ctypes.sizeof(struct)))
-    obj = struct.from_buffer(raw)
-    init(ctypes.byref(obj))
-    obj._raw = raw          # keep the whole buffer alive with the view
+def _new(init, struct):
+    """A ``struct`` of the binding's size, initialised by the C ``init``."""
+    obj = struct()
+    init(ctypes.byref(obj), ctypes.sizeof(struct))
     return obj
 
 
 def new_params():
     """``kvf_engine_params_t`` with every default set by the library."""
-    return _new(lib.kvf_engine_params_init, EngineParams, _params_size)
+    return _new(lib.kvf_engine_params_init_sized, EngineParams)
 
 
 def new_layout():
     """``kvf_layout_t`` zeroed and sized by the library."""
-    return _new(lib.kvf_layout_init, Layout, _layout_size)
+    return _new(lib.kvf_layout_init_sized, Layout)
 
 
-_params_size = _layout_size = 0
 lib, path = _load()
 _declare(lib, path)
 

@@ -23,39 +23,6 @@
 #define TICK_MS  50
 #define STALL_MS 1000   /* epoll_wait this late: the process itself was stopped */
 
-static unsigned env_ms(const char *name, unsigned def)
-{
-    const char *v = getenv(name);
-    if (v == NULL || *v == '\0')
-        return def;
-    char *end;
-    unsigned long x = strtoul(v, &end, 10);
-    if (*end != '\0' || x == 0 || x > 86400000ul) {
-        kvf_warn("ignoring %s=%s: expected milliseconds (1..86400000)", name, v);
-        return def;
-    }
-    return (unsigned)x;
-}
-
-void kvf_engine_params_init(kvf_engine_params_t *p)
-{
-    const char *v;
-
-    memset(p, 0, sizeof(*p));
-    p->size = sizeof(*p);
-    p->role = KVF_ROLE_PREFILL;
-    p->tp_size = p->pp_size = p->dp_size = 1;
-    p->host = (v = getenv("KVF_HOST")) ? v : "127.0.0.1";
-    p->transport = (v = getenv("KVF_TRANSPORT")) ? v : "auto";
-    p->checksum = (v = getenv("KVF_CHECKSUM")) != NULL && strcmp(v, "0") != 0;
-    p->bootstrap_timeout_ms = env_ms("KVF_BOOTSTRAP_TIMEOUT_MS", 30000);
-    p->waiting_timeout_ms = env_ms("KVF_WAITING_TIMEOUT_MS", 300000);
-    p->transfer_timeout_ms = env_ms("KVF_TRANSFER_TIMEOUT_MS", 30000);
-    p->heartbeat_interval_ms = env_ms("KVF_HEARTBEAT_INTERVAL_MS", 500);
-    p->heartbeat_timeout_ms = env_ms("KVF_HEARTBEAT_TIMEOUT_MS", 2500);
-    p->faults = (v = getenv("KVF_FAULTS")) != NULL && *v != '\0' ? v : NULL;
-}
-
 void kvf__engine_wake(kvf_engine_t *eng)
 {
     uint64_t one = 1;
@@ -73,12 +40,9 @@ static int check_rank(const char *what, int rank, int size)
     return 1;
 }
 
+/* p is the library's full-size copy (kvf__engine_params_import). */
 static kvf_status_t check_params(const kvf_engine_params_t *p)
 {
-    if (p == NULL || p->size < sizeof(kvf_engine_params_t)) {
-        kvf_error("engine params not initialised: call kvf_engine_params_init()");
-        return KVF_ERR_INVALID_PARAM;
-    }
     if (p->role != KVF_ROLE_PREFILL && p->role != KVF_ROLE_DECODE) {
         kvf_error("invalid role %d", (int)p->role);
         return KVF_ERR_INVALID_PARAM;
@@ -176,17 +140,32 @@ static void engine_free(kvf_engine_t *eng)
     free(eng);
 }
 
-kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
+kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
                                kvf_engine_t **engine_p)
 {
-    kvf_status_t st = check_params(params);
-    if (st != KVF_OK)
+    kvf_engine_params_t full;
+    char err[512];
+
+    if (caller_params == NULL) {
+        kvf_error("kvf_engine_create: params is NULL");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    /* From here on only the full-size copy is read: the caller's struct
+     * may be shorter than this library's. */
+    kvf_status_t st = kvf__engine_params_import(&full, caller_params,
+                                                "kvf_engine_create", err, sizeof(err));
+    if (st != KVF_OK) {
+        kvf_error("%s", err);
+        return st;
+    }
+    const kvf_engine_params_t *params = &full;
+    if ((st = check_params(params)) != KVF_OK)
         return st;
 
     kvf_engine_t *eng = calloc(1, sizeof(*eng));
     if (eng == NULL)
         return KVF_ERR_NO_MEMORY;
-    eng->params = *params;
+    eng->params = full;
     eng->epfd = eng->wakefd = eng->listenfd = -1;
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
@@ -211,7 +190,6 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
     eng->params.transport = eng->transport;
     eng->params.faults = NULL;
     if (params->faults != NULL) {
-        char err[256];
         st = kvf_faults_parse(params->faults, &eng->faults, err, sizeof(err));
         if (st != KVF_OK) {
             kvf_error("invalid fault spec '%s': %s", params->faults, err);
@@ -339,12 +317,6 @@ uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)
     return eng->instance_id;
 }
 
-void kvf_layout_init(kvf_layout_t *layout)
-{
-    memset(layout, 0, sizeof(*layout));
-    layout->size = sizeof(*layout);
-}
-
 int kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops)
 {
     if (strcmp(eng->transport, "auto") == 0)
@@ -410,7 +382,7 @@ static int have_device_mover(const kvf_engine_t *eng)
 
 kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *layout)
 {
-    char err[256];
+    char err[448];     /* "layout rejected: " + err fits kvf_last_error() */
     kvf_layout_int_t l;
 
     if (eng == NULL || layout == NULL)

@@ -242,7 +242,18 @@ void kvf__engine_wake(kvf_engine_t *eng);
 /* May this engine use `ops` (its `transport` setting)? */
 int  kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops);
 
-/* layout.c */
+/* params.c: copy a caller's kvf_engine_params_t / kvf_layout_t, of the
+ * caller's `size`, into a full-size struct; fields past that size take
+ * their defaults.  KVF_OK, or KVF_ERR_INVALID_PARAM with a message naming
+ * `fn` and the sizes in err (the growth rules of kvferry.h). */
+kvf_status_t kvf__engine_params_import(kvf_engine_params_t *dst,
+                                       const kvf_engine_params_t *src,
+                                       const char *fn, char *err, size_t errlen);
+kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
+                                const char *fn, char *err, size_t errlen);
+
+/* layout.c: validate the caller's layout (read through kvf__layout_import)
+ * into l, which owns copies of the buffer arrays. */
 kvf_status_t kvf__layout_copy(kvf_layout_int_t *dst, const kvf_layout_t *src,
                               char *err, size_t errlen);
 void         kvf__layout_free(kvf_layout_int_t *l);

@@ -44,16 +44,17 @@ static kvf_status_t copy_bufs(kvf_buffer_t **dst, const kvf_buffer_t *src,
     return KVF_OK;
 }
 
-kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *src,
+kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
                               char *err, size_t errlen)
 {
-    kvf_status_t st;
+    kvf_layout_t full;
+    const kvf_layout_t *src = &full;   /* never the caller's: it may be shorter */
 
     memset(l, 0, sizeof(*l));
-    if (src->size < sizeof(kvf_layout_t)) {
-        snprintf(err, errlen, "layout not initialised: call kvf_layout_init()");
-        return KVF_ERR_INVALID_PARAM;
-    }
+    kvf_status_t st = kvf__layout_import(&full, caller, "kvf_engine_register_layout",
+                                         err, errlen);
+    if (st != KVF_OK)
+        return st;
     if (src->page_size == 0 || src->num_layers == 0 || src->num_kv == 0) {
         snprintf(err, errlen, "page_size, num_layers and num_kv must be positive "
                  "(got %u, %u, %u)", src->page_size, src->num_layers, src->num_kv);

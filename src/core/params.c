@@ -1,0 +1,196 @@
+/*
+ * Parameter structs that grow (kvf_engine_params_t, kvf_layout_t): the
+ * caller's `size` says how much of the struct its header had, and the
+ * library never touches a byte past it.  Init writes `size` bytes; create
+ * and register_layout "import" the caller's struct, copying its bytes over
+ * a full-size struct of defaults, so that fields the caller's header
+ * lacked take their defaults and everything afterwards reads only the
+ * library's own full-size copy.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core/engine_int.h"
+#include "util/log.h"
+
+/*
+ * The end of the last field this library knows: move these when a field
+ * is added.  The assertions catch a new last field that grew the struct,
+ * not one that fits in its trailing padding.
+ */
+#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, faults)
+#define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, first_layer)
+_Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
+               "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
+_Static_assert(sizeof(kvf_layout_t) - LAYOUT_KNOWN < _Alignof(kvf_layout_t),
+               "LAYOUT_KNOWN must name the last field of kvf_layout_t");
+
+/* Larger than any version of these structs will be: a `size` past it is
+ * garbage (an uninitialised struct), not a newer header. */
+#define SIZE_SANE 4096
+
+typedef struct sized_type {
+    const char *name;     /* "kvf_engine_params_t" */
+    const char *init;     /* "kvf_engine_params_init" */
+    size_t      v0;       /* KVF_..._SIZE_V0 */
+    size_t      known;    /* ..._KNOWN */
+} sized_type_t;
+
+static const sized_type_t params_type = {
+    "kvf_engine_params_t", "kvf_engine_params_init", KVF_ENGINE_PARAMS_SIZE_V0,
+    PARAMS_KNOWN};
+static const sized_type_t layout_type = {
+    "kvf_layout_t", "kvf_layout_init", KVF_LAYOUT_SIZE_V0, LAYOUT_KNOWN};
+
+/*
+ * Write the caller's `size` bytes at dst: the defaults in def (a full
+ * struct) that fit, zero past the known fields, then `size` itself.  A
+ * size below v0 gets zeros only: that struct is refused anyway.
+ */
+static void init_sized(void *dst, size_t size, const void *def, const sized_type_t *t)
+{
+    size_t n = size < t->v0 ? 0 : size < t->known ? size : t->known;
+
+    if (size < t->v0)
+        kvf_error("%s_sized: size %zu is below %zu, the size of %s's first version "
+                  "(kvferry 0.1.0): pass sizeof your %s, as the %s() macro does",
+                  t->init, size, t->v0, t->name, t->name, t->init);
+    memcpy(dst, def, n);
+    memset((char *)dst + n, 0, size - n);
+    if (size >= sizeof(size_t))
+        memcpy(dst, &size, sizeof(size_t));
+}
+
+/*
+ * Copy the caller's struct at src into dst (a full struct): only the
+ * caller's bytes, and only those this library knows; dst->size is then
+ * the full size.  A caller's struct that lacks some fields gets the
+ * defaults from `defaults` first (only then: it reads the environment,
+ * and may warn about it, as init already did).
+ */
+static kvf_status_t import_sized(void *dst, size_t dst_size, const void *src,
+                                 void (*defaults)(void *), const sized_type_t *t,
+                                 const char *fn, char *err, size_t errlen)
+{
+    size_t size;
+
+    memcpy(&size, src, sizeof(size));
+    if (size < t->v0) {
+        snprintf(err, errlen,
+                 "%s: %s size %zu is below %zu, the size of its first version "
+                 "(kvferry 0.1.0): initialise the struct with %s()", fn, t->name,
+                 size, t->v0, t->init);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (size > SIZE_SANE) {
+        snprintf(err, errlen,
+                 "%s: %s size %zu is far past any version of it (this kvferry knows "
+                 "%zu bytes): initialise the struct with %s()", fn, t->name, size,
+                 t->known, t->init);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    /* Past what this library knows: a newer header's fields, which are
+     * fine at their default 0 and must not be silently ignored otherwise. */
+    for (size_t i = t->known; i < size; i++) {
+        if (((const unsigned char *)src)[i] != 0) {
+            snprintf(err, errlen,
+                     "%s: %s size %zu reaches past the %zu bytes this kvferry (%s) "
+                     "knows, and byte %zu there is nonzero: the caller was built "
+                     "against a newer kvferry.h and sets a field this library "
+                     "lacks: link that kvferry's library, or leave the newer fields "
+                     "at 0 (%s() zeroes them)",
+                     fn, t->name, size, t->known, kvf_version(), i, t->init);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    memset(dst, 0, dst_size);
+    if (size < t->known)
+        defaults(dst);
+    memcpy(dst, src, size < t->known ? size : t->known);
+    memcpy(dst, &dst_size, sizeof(size_t));
+    return KVF_OK;
+}
+
+static unsigned env_ms(const char *name, unsigned def)
+{
+    const char *v = getenv(name);
+    if (v == NULL || *v == '\0')
+        return def;
+    char *end;
+    unsigned long x = strtoul(v, &end, 10);
+    if (*end != '\0' || x == 0 || x > 86400000ul) {
+        kvf_warn("ignoring %s=%s: expected milliseconds (1..86400000)", name, v);
+        return def;
+    }
+    return (unsigned)x;
+}
+
+static void params_defaults(void *dst)
+{
+    kvf_engine_params_t *p = dst;
+    const char *v;
+
+    memset(p, 0, sizeof(*p));
+    p->size = sizeof(*p);
+    p->role = KVF_ROLE_PREFILL;
+    p->tp_size = p->pp_size = p->dp_size = 1;
+    p->host = (v = getenv("KVF_HOST")) ? v : "127.0.0.1";
+    p->transport = (v = getenv("KVF_TRANSPORT")) ? v : "auto";
+    p->checksum = (v = getenv("KVF_CHECKSUM")) != NULL && strcmp(v, "0") != 0;
+    p->bootstrap_timeout_ms = env_ms("KVF_BOOTSTRAP_TIMEOUT_MS", 30000);
+    p->waiting_timeout_ms = env_ms("KVF_WAITING_TIMEOUT_MS", 300000);
+    p->transfer_timeout_ms = env_ms("KVF_TRANSFER_TIMEOUT_MS", 30000);
+    p->heartbeat_interval_ms = env_ms("KVF_HEARTBEAT_INTERVAL_MS", 500);
+    p->heartbeat_timeout_ms = env_ms("KVF_HEARTBEAT_TIMEOUT_MS", 2500);
+    p->faults = (v = getenv("KVF_FAULTS")) != NULL && *v != '\0' ? v : NULL;
+}
+
+void kvf_engine_params_init_sized(kvf_engine_params_t *p, size_t size)
+{
+    kvf_engine_params_t def;
+
+    params_defaults(&def);
+    init_sized(p, size, &def, &params_type);
+}
+
+/* The header's macro of this name passes sizeof; the parentheses define
+ * the exported function that callers built against 0.1.0 link to. */
+void (kvf_engine_params_init)(kvf_engine_params_t *p)
+{
+    kvf_engine_params_init_sized(p, KVF_ENGINE_PARAMS_SIZE_V0);
+}
+
+kvf_status_t kvf__engine_params_import(kvf_engine_params_t *dst,
+                                       const kvf_engine_params_t *src,
+                                       const char *fn, char *err, size_t errlen)
+{
+    return import_sized(dst, sizeof(*dst), src, params_defaults, &params_type, fn,
+                        err, errlen);
+}
+
+/* Every default of kvf_layout_t is 0. */
+static void layout_defaults(void *dst)
+{
+    memset(dst, 0, sizeof(kvf_layout_t));
+}
+
+void kvf_layout_init_sized(kvf_layout_t *layout, size_t size)
+{
+    kvf_layout_t def;
+
+    layout_defaults(&def);
+    init_sized(layout, size, &def, &layout_type);
+}
+
+void (kvf_layout_init)(kvf_layout_t *layout)
+{
+    kvf_layout_init_sized(layout, KVF_LAYOUT_SIZE_V0);
+}
+
+kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
+                                const char *fn, char *err, size_t errlen)
+{
+    return import_sized(dst, sizeof(*dst), src, layout_defaults, &layout_type, fn,
+                        err, errlen);
+}

@@ -1,0 +1,292 @@
+/*
+ * The growth contract of the parameter structs (kvferry.h): a caller states
+ * its struct's size, and the library neither reads nor writes past it.
+ * Callers are simulated by buffers of exactly the size a header would give
+ * them: the first version's (KVF_*_SIZE_V0), less than that, or more (a
+ * newer header with fields this library lacks).  Engines are real: a
+ * decode engine needs no registry.
+ */
+#include <stdalign.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvferry/kvferry.h"
+#include "unit/kvf_test.h"
+
+#define CANARY 0xAA
+#define EXTRA  32      /* bytes a "newer header" adds */
+#define PAGE   4
+#define HEAD_B 16
+#define PAGES  8
+
+/* A buffer with room for any size tried here, plus canaries after it. */
+typedef struct {
+    alignas(max_align_t) unsigned char b[sizeof(kvf_engine_params_t) +
+                                         sizeof(kvf_layout_t) + 2 * EXTRA];
+} scratch_t;
+
+static char sizebuf[32];
+
+static const char *zu(size_t n)
+{
+    snprintf(sizebuf, sizeof(sizebuf), "%zu", n);
+    return sizebuf;
+}
+
+/* Is every byte of b[from..to) still a canary? */
+static int canaries_intact_at(const unsigned char *b, size_t from, size_t to)
+{
+    for (size_t i = from; i < to; i++)
+        if (b[i] != CANARY)
+            return 0;
+    return 1;
+}
+
+static int canaries_intact(const scratch_t *s, size_t from)
+{
+    return canaries_intact_at(s->b, from, sizeof(s->b));
+}
+
+static size_t stored_size(const scratch_t *s)
+{
+    size_t v;
+    memcpy(&v, s->b, sizeof(v));
+    return v;
+}
+
+/* Decode params in the caller's struct p (of any size >= V0). */
+static void decode_params(kvf_engine_params_t *p)
+{
+    p->role = KVF_ROLE_DECODE;
+    p->transport = "tcp";
+}
+
+static kvf_status_t create_destroy(const kvf_engine_params_t *p)
+{
+    kvf_engine_t *eng = NULL;
+    kvf_status_t st = kvf_engine_create(p, &eng);
+    if (st == KVF_OK) {
+        CHECK(eng != NULL);
+        kvf_engine_destroy(eng);
+    }
+    return st;
+}
+
+/* (d) Init writes exactly `size` bytes, whatever the size. */
+static void test_init_writes_only_size(void)
+{
+    const size_t pv0 = KVF_ENGINE_PARAMS_SIZE_V0, lv0 = KVF_LAYOUT_SIZE_V0;
+    const size_t psizes[] = {0, 4, pv0 - 8, pv0, sizeof(kvf_engine_params_t),
+                             sizeof(kvf_engine_params_t) + EXTRA};
+    const size_t lsizes[] = {0, 4, lv0 - 4, lv0, sizeof(kvf_layout_t),
+                             sizeof(kvf_layout_t) + EXTRA};
+    scratch_t s;
+
+    for (size_t i = 0; i < sizeof(psizes) / sizeof(psizes[0]); i++) {
+        memset(s.b, CANARY, sizeof(s.b));
+        kvf_engine_params_init_sized((kvf_engine_params_t *)s.b, psizes[i]);
+        CHECK(canaries_intact(&s, psizes[i]));
+        if (psizes[i] >= sizeof(size_t))
+            CHECK_EQ_INT(stored_size(&s), psizes[i]);
+        if (psizes[i] >= pv0) {
+            kvf_engine_params_t *p = (kvf_engine_params_t *)s.b;
+            CHECK_EQ_INT(p->tp_size, 1);
+            CHECK(p->host != NULL);
+            CHECK(p->heartbeat_timeout_ms > p->heartbeat_interval_ms);
+        }
+        /* Past the fields the library knows: zeroed, never left as garbage. */
+        for (size_t j = pv0; j < psizes[i]; j++)
+            CHECK_EQ_INT(s.b[j], 0);
+    }
+    for (size_t i = 0; i < sizeof(lsizes) / sizeof(lsizes[0]); i++) {
+        memset(s.b, CANARY, sizeof(s.b));
+        kvf_layout_init_sized((kvf_layout_t *)s.b, lsizes[i]);
+        CHECK(canaries_intact(&s, lsizes[i]));
+        if (lsizes[i] >= sizeof(size_t))
+            CHECK_EQ_INT(stored_size(&s), lsizes[i]);
+        for (size_t j = sizeof(size_t); j < lsizes[i]; j++)
+            CHECK_EQ_INT(s.b[j], 0);
+    }
+
+    /* The exported functions, for callers built against 0.1.0: V0 bytes. */
+    memset(s.b, CANARY, sizeof(s.b));
+    (kvf_engine_params_init)((kvf_engine_params_t *)s.b);
+    CHECK(canaries_intact(&s, pv0));
+    CHECK_EQ_INT(stored_size(&s), pv0);
+    memset(s.b, CANARY, sizeof(s.b));
+    (kvf_layout_init)((kvf_layout_t *)s.b);
+    CHECK(canaries_intact(&s, lv0));
+    CHECK_EQ_INT(stored_size(&s), lv0);
+
+    /* The macros pass this header's sizeof. */
+    kvf_engine_params_t p;
+    kvf_layout_t l;
+    kvf_engine_params_init(&p);
+    kvf_layout_init(&l);
+    CHECK_EQ_INT(p.size, sizeof(p));
+    CHECK_EQ_INT(l.size, sizeof(l));
+}
+
+/*
+ * (b) A caller whose struct is exactly the first version's size.  What
+ * follows it in memory is garbage (canaries) that the library must not
+ * take for fields.
+ */
+static void test_v0_params_create(void)
+{
+    struct v0_then_garbage {
+        kvf_engine_params_t p;
+        unsigned char       after[EXTRA];
+    } *g = malloc(sizeof(*g));
+
+    CHECK_EQ_INT(offsetof(struct v0_then_garbage, after), KVF_ENGINE_PARAMS_SIZE_V0);
+    memset(g, CANARY, sizeof(*g));
+    kvf_engine_params_init_sized(&g->p, KVF_ENGINE_PARAMS_SIZE_V0);
+    decode_params(&g->p);
+    CHECK_EQ_INT(create_destroy(&g->p), KVF_OK);
+
+    memset(g, CANARY, sizeof(*g));
+    (kvf_engine_params_init)(&g->p);     /* what a 0.1.0 binary calls */
+    decode_params(&g->p);
+    CHECK_EQ_INT(create_destroy(&g->p), KVF_OK);
+    free(g);
+}
+
+/* (c) A size below the first version is refused, by name and size. */
+static void test_below_v0_refused(void)
+{
+    const size_t small = KVF_ENGINE_PARAMS_SIZE_V0 - sizeof(const char *);
+    scratch_t s;
+    kvf_engine_params_t *p = (kvf_engine_params_t *)s.b;
+
+    memset(s.b, 0, sizeof(s.b));
+    kvf_engine_params_init_sized(p, small);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_params_init_sized");
+    CHECK_STR_CONTAINS(kvf_last_error(), zu(small));
+    p->size = small;
+    decode_params(p);
+    CHECK_EQ_INT(create_destroy(p), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_create");
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_params_t size");
+    CHECK_STR_CONTAINS(kvf_last_error(), zu(small));
+    CHECK_STR_CONTAINS(kvf_last_error(), zu(KVF_ENGINE_PARAMS_SIZE_V0));
+
+    /* Never initialised: 0, or garbage far past any version. */
+    p->size = 0;
+    CHECK_EQ_INT(create_destroy(p), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_params_init()");
+    p->size = (size_t)1 << 40;
+    CHECK_EQ_INT(create_destroy(p), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "far past");
+    CHECK_EQ_INT(kvf_engine_create(NULL, &(kvf_engine_t *){NULL}), KVF_ERR_INVALID_PARAM);
+}
+
+/* (a) A newer header's larger struct: fine while its extra bytes are 0. */
+static void test_larger_params(void)
+{
+    struct newer {
+        kvf_engine_params_t p;
+        uint32_t            extra[EXTRA / 4];
+    } *n = malloc(sizeof(*n));
+    memset(n, CANARY, sizeof(*n));
+    kvf_engine_params_init_sized(&n->p, sizeof(*n));
+    CHECK_EQ_INT(n->p.size, sizeof(*n));
+    CHECK_EQ_INT(n->extra[EXTRA / 4 - 1], 0);
+    decode_params(&n->p);
+    CHECK_EQ_INT(create_destroy(&n->p), KVF_OK);
+
+    n->extra[1] = 7;      /* a field this library does not have */
+    CHECK_EQ_INT(create_destroy(&n->p), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_create");
+    CHECK_STR_CONTAINS(kvf_last_error(), zu(sizeof(*n)));
+    CHECK_STR_CONTAINS(kvf_last_error(), "nonzero");
+    n->extra[1] = 0;
+    CHECK_EQ_INT(create_destroy(&n->p), KVF_OK);
+    free(n);
+}
+
+/* A real decode engine to register layouts on. */
+static kvf_engine_t *decode_engine(void)
+{
+    kvf_engine_params_t p;
+    kvf_engine_t *eng = NULL;
+    kvf_engine_params_init(&p);
+    decode_params(&p);
+    CHECK_EQ_INT(kvf_engine_create(&p, &eng), KVF_OK);
+    return eng;
+}
+
+/* Fill the V0 fields of a layout of any size >= V0. */
+static void fill_layout(kvf_layout_t *l, kvf_buffer_t *kv)
+{
+    l->page_size = PAGE;
+    l->kv_dtype = "bfloat16";
+    l->num_layers = 1;
+    l->heads_per_rank = l->total_heads = 1;
+    l->bytes_per_head = HEAD_B;
+    l->num_kv = 1;
+    l->kv = kv;
+}
+
+/* (a), (b), (c) for kvf_layout_t, through kvf_engine_register_layout. */
+static void test_layout_sizes(void)
+{
+    void *mem = calloc(PAGES, PAGE * HEAD_B);
+    kvf_buffer_t kv = {mem, PAGES * PAGE * HEAD_B, PAGE * HEAD_B};
+    kvf_engine_t *eng;
+
+    /* Exactly V0 (shorter than sizeof(kvf_layout_t), by its padding), and
+     * garbage after it that the library must not take for fields. */
+    struct v0_then_garbage {
+        kvf_layout_t  l;
+        unsigned char after[EXTRA];
+    } *g = malloc(sizeof(*g));
+    kvf_layout_t *l0 = &g->l;
+    memset(g, CANARY, sizeof(*g));
+    kvf_layout_init_sized(l0, KVF_LAYOUT_SIZE_V0);
+    CHECK(canaries_intact_at((unsigned char *)g, KVF_LAYOUT_SIZE_V0, sizeof(*g)));
+    fill_layout(l0, &kv);
+    if ((eng = decode_engine()) != NULL) {
+        CHECK_EQ_INT(kvf_engine_register_layout(eng, l0), KVF_OK);
+        kvf_engine_destroy(eng);
+    }
+
+    /* Below V0. */
+    l0->size = KVF_LAYOUT_SIZE_V0 - 4;
+    if ((eng = decode_engine()) != NULL) {
+        CHECK_EQ_INT(kvf_engine_register_layout(eng, l0), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_register_layout");
+        CHECK_STR_CONTAINS(kvf_last_error(), "kvf_layout_t size");
+        CHECK_STR_CONTAINS(kvf_last_error(), zu(KVF_LAYOUT_SIZE_V0 - 4));
+        CHECK_STR_CONTAINS(kvf_last_error(), "kvf_layout_init()");
+        kvf_engine_destroy(eng);
+    }
+    free(g);
+
+    /* A newer header's larger layout. */
+    struct newer {
+        kvf_layout_t l;
+        uint64_t     extra[EXTRA / 8];
+    } *n = malloc(sizeof(*n));
+    memset(n, CANARY, sizeof(*n));
+    kvf_layout_init_sized(&n->l, sizeof(*n));
+    fill_layout(&n->l, &kv);
+    n->extra[2] = 1;
+    if ((eng = decode_engine()) != NULL) {
+        CHECK_EQ_INT(kvf_engine_register_layout(eng, &n->l), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(kvf_last_error(), "nonzero");
+        CHECK_STR_CONTAINS(kvf_last_error(), zu(sizeof(*n)));
+        n->extra[2] = 0;
+        CHECK_EQ_INT(kvf_engine_register_layout(eng, &n->l), KVF_OK);
+        kvf_engine_destroy(eng);
+    }
+    free(n);
+    free(mem);
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_init_writes_only_size), KVF_CASE(test_v0_params_create),
+              KVF_CASE(test_below_v0_refused), KVF_CASE(test_larger_params),
+              KVF_CASE(test_layout_sizes))
