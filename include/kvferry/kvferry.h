@@ -178,6 +178,14 @@ typedef struct kvf_engine_params {
      * Default NULL = none (KVF_FAULTS).
      */
     const char *faults;
+    /* ---- added after 0.1.0 (a caller's smaller size gets the default) ---- */
+    /**
+     * A connection that has not finished its handshake (connect, HELLO,
+     * the transport choice) this many milliseconds after it began is
+     * closed, and its rooms fail as for an unreachable peer.  0 means the
+     * default: 5000 (KVF_HANDSHAKE_TIMEOUT_MS).
+     */
+    unsigned    handshake_timeout_ms;
 } kvf_engine_params_t;
 
 /** kvf_engine_params_t as kvferry 0.1.0 has it: the least `size` accepted. */

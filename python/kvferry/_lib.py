@@ -71,6 +71,7 @@ class EngineParams(Structure):
         ("heartbeat_interval_ms", c_uint),
         ("heartbeat_timeout_ms", c_uint),
         ("faults", c_char_p),
+        ("handshake_timeout_ms", c_uint),
     ]
 
 

@@ -166,6 +166,8 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     if (eng == NULL)
         return KVF_ERR_NO_MEMORY;
     eng->params = full;
+    if (eng->params.handshake_timeout_ms == 0)
+        eng->params.handshake_timeout_ms = KVF_HANDSHAKE_TIMEOUT_MS;
     eng->epfd = eng->wakefd = eng->listenfd = -1;
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;

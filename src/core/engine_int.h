@@ -97,6 +97,7 @@ struct kvf_peer {
     /* Current inbound DATA frame (decode side). */
     kvf_room_t       *rx_room;
     struct kvf_link  *rx_link;
+    uint64_t          handshake_until_ms; /* READY by then, or closed */
     uint64_t          last_hb_ms;
     uint64_t          grace_until_ms; /* no liveness verdict before (own stall) */
     uint64_t          hb_seq;
@@ -236,6 +237,8 @@ static inline int kvf__peer_pulls(const kvf_peer_t *p)
 {
     return p->mover != NULL;
 }
+
+#define KVF_HANDSHAKE_TIMEOUT_MS 5000   /* handshake_timeout_ms 0 means this */
 
 /* engine.c */
 void kvf__engine_wake(kvf_engine_t *eng);

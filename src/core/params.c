@@ -19,7 +19,7 @@
  * is added.  The assertions catch a new last field that grew the struct,
  * not one that fits in its trailing padding.
  */
-#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, faults)
+#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, handshake_timeout_ms)
 #define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, first_layer)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
@@ -144,6 +144,7 @@ static void params_defaults(void *dst)
     p->heartbeat_interval_ms = env_ms("KVF_HEARTBEAT_INTERVAL_MS", 500);
     p->heartbeat_timeout_ms = env_ms("KVF_HEARTBEAT_TIMEOUT_MS", 2500);
     p->faults = (v = getenv("KVF_FAULTS")) != NULL && *v != '\0' ? v : NULL;
+    p->handshake_timeout_ms = env_ms("KVF_HANDSHAKE_TIMEOUT_MS", KVF_HANDSHAKE_TIMEOUT_MS);
 }
 
 void kvf_engine_params_init_sized(kvf_engine_params_t *p, size_t size)

@@ -61,6 +61,7 @@ static kvf_peer_t *peer_new(kvf_engine_t *eng)
     p->eng = eng;
     p->refs = 1;                        /* engine->peers */
     p->last_hb_ms = kvf_now_ms();
+    p->handshake_until_ms = p->last_hb_ms + eng->params.handshake_timeout_ms;
     p->next = eng->peers;
     eng->peers = p;
     return p;
@@ -595,6 +596,17 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
     char name[128];
 
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
+        /* A connect that hangs, or a handshake that trickles (bytes keep
+         * coming, so heartbeats would never call it dead), ends here. */
+        if ((p->state == KVF_PEER_CONNECTING || p->state == KVF_PEER_HANDSHAKE) &&
+            now >= p->handshake_until_ms && now >= p->grace_until_ms) {
+            kvf__peer_fail(p, p->state == KVF_PEER_CONNECTING ? KVF_ERR_UNREACHABLE
+                                                              : KVF_ERR_PEER_TIMEOUT,
+                           "%s not finished within %.1f s (handshake timeout)",
+                           p->state == KVF_PEER_CONNECTING ? "connect" : "handshake",
+                           (double)pr->handshake_timeout_ms / 1000.0);
+            continue;
+        }
         if (p->state == KVF_PEER_DEAD || p->state == KVF_PEER_CONNECTING)
             continue;
         const kvf_transport_ops_t *ops = p->conn->ops;

@@ -9,8 +9,16 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
 #include "kvferry/kvferry.h"
 #include "unit/kvf_test.h"
+#include "util/time.h"
+#include "wire/wire.h"
 
 #define LAYERS   2
 #define NKV      (2 * LAYERS)
@@ -397,6 +405,57 @@ static void test_bad_source_fails_the_room_only(void)
     side_fini(&pre);
 }
 
+/*
+ * A connection that trickles its handshake (a byte now and then, so it is
+ * never silent long enough for the heartbeat timeout) is closed at the
+ * handshake deadline, and the engine goes on serving.
+ */
+static void test_trickling_handshake_is_closed(void)
+{
+    side_t pre;
+    char bs[64], addr[64];
+
+    setenv("KVF_HANDSHAKE_TIMEOUT_MS", "500", 1);
+    next_hb_timeout_ms = 10000;       /* far past the handshake deadline */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    next_hb_timeout_ms = 2500;
+    unsetenv("KVF_HANDSHAKE_TIMEOUT_MS");
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
+
+    /* A real frame, sent one byte at a time. */
+    kvf_buf_t frame;
+    kvf_buf_init(&frame);
+    kvf_msg_t m = {.type = KVF_MSG_HEARTBEAT};
+    CHECK_EQ_INT(kvf_wire_encode(&frame, &m), KVF_OK);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    uint64_t t0 = kvf_now_ms();
+    int closed = 0;
+    for (size_t i = 0; !closed && kvf_now_ms() - t0 < 4000; i++) {
+        if (i < frame.len - 1 && send(fd, frame.data + i, 1, MSG_NOSIGNAL) != 1)
+            break;                    /* the engine closed it under us */
+        struct pollfd pfd = {fd, POLLIN, 0};
+        while (!closed && poll(&pfd, 1, 100) > 0) {
+            char junk[4096];          /* its HELLO and offers, then EOF */
+            ssize_t n = recv(fd, junk, sizeof(junk), 0);
+            closed = n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN);
+        }
+    }
+    uint64_t took = kvf_now_ms() - t0;
+    CHECK(closed);
+    if (took >= 3000)
+        fprintf(stderr, "  closed after %llu ms, not at the 500 ms handshake deadline\n",
+                (unsigned long long)took);
+    CHECK(took < 3000);
+    close(fd);
+    kvf_buf_free(&frame);
+    side_fini(&pre);
+}
+
 static void test_reset_resumes(void)
 {
     kvf_poll_t ps, ds;
@@ -573,6 +632,7 @@ static void test_over_ucx(void)
 }
 
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
+              KVF_CASE(test_trickling_handshake_is_closed),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_repeated_resets_give_up),
