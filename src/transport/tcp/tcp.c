@@ -31,8 +31,10 @@
 #define TCP_RX_IOV        1024              /* targets per readv() */
 #define TCP_PASS_BYTES    (32u << 20)       /* fairness: bytes per event */
 #define TCP_PASS_MSGS     64                /* fairness: messages per event */
-#define TCP_PASS_REFS     (32u << 20)       /* fairness: bytes pulled for the
-                                               DATA_REFs of one event */
+#define TCP_PASS_REFS     TCP_FRAME_BYTES   /* bytes pulled for the DATA_REFs of
+                                               one event: one frame's worth, so
+                                               the engine lock is held for one
+                                               bounded copy at a time */
 #define TCP_SOCKBUF       (4 << 20)
 
 enum { RX_HDR, RX_BODY, RX_PAYLOAD };
