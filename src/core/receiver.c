@@ -55,21 +55,20 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
     kvf_room_t *r = &rv->room;
     kvf_engine_t *eng = r->eng;
     const kvf_layout_int_t *l = &eng->layout;
-    uint64_t items = min_items(l->kv, l->num_kv);
     unsigned long long id = r->id;
+    size_t bad;
 
     if (n == 0 || pages == NULL || n > UINT32_MAX) {
         kvf_error("room %llu: kvf_receiver_init needs at least one page", id);
         return KVF_ERR_INVALID_PARAM;
     }
-    for (size_t i = 0; i < n; i++) {
-        if (pages[i] >= items) {
-            kvf_error("room %llu: page %u (index %zu) outside the registered KV buffers "
-                      "(%llu pages)", id, pages[i], i, (unsigned long long)items);
-            return KVF_ERR_OUT_OF_RANGE;
-        }
+    if ((bad = first_bad_page(l, pages, n)) < n) {
+        kvf_error("room %llu: page %u (index %zu) outside the registered KV buffers "
+                  "(%llu pages)", id, pages[bad], bad,
+                  (unsigned long long)min_items(l->kv, l->num_kv));
+        return KVF_ERR_OUT_OF_RANGE;
     }
-    if (l->num_aux > 0 && aux_slot >= min_items(l->aux, l->num_aux)) {
+    if (!aux_slot_ok(l, aux_slot)) {
         kvf_error("room %llu: aux slot %u outside the registered aux buffers", id, aux_slot);
         return KVF_ERR_OUT_OF_RANGE;
     }
@@ -78,12 +77,10 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
                   n_state, l->num_state);
         return KVF_ERR_INVALID_PARAM;
     }
-    for (size_t i = 0; i < n_state; i++) {
-        if (state_slots[i] >= l->state[i].length / l->state[i].item_bytes) {
-            kvf_error("room %llu: state slot %u outside state buffer %zu", id,
-                      state_slots[i], i);
-            return KVF_ERR_OUT_OF_RANGE;
-        }
+    if ((bad = first_bad_state_slot(l, state_slots, n_state)) < n_state) {
+        kvf_error("room %llu: state slot %u outside state buffer %zu", id,
+                  state_slots[bad], bad);
+        return KVF_ERR_OUT_OF_RANGE;
     }
     uint32_t *sorted = malloc(n * sizeof(uint32_t));
     uint32_t *copy = malloc(n * sizeof(uint32_t));

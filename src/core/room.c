@@ -123,18 +123,24 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
     kvf__engine_wake(r->eng);
 }
 
-static kvf_failure_t *local_failure(kvf_room_t *r, kvf_status_t st, const char *fmt,
-                                    va_list ap)
+static void failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                         const char *fmt, va_list ap)
 {
-    kvf_failure_t *f = calloc(1, sizeof(*f));
-    if (f == NULL)
-        return NULL;
+    memset(f, 0, sizeof(*f));
     f->status = st;
-    f->origin_side = r->side;
-    f->origin_rank = r->eng->params.tp_rank;
-    snprintf(f->origin_addr, sizeof(f->origin_addr), "%s", r->eng->addr);
+    f->origin_side = eng->params.role;
+    f->origin_rank = eng->params.tp_rank;
+    snprintf(f->origin_addr, sizeof(f->origin_addr), "%s", eng->addr);
     vsnprintf(f->reason, sizeof(f->reason), fmt, ap);
-    return f;
+}
+
+void kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                      const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    failure_vset(f, eng, st, fmt, ap);
+    va_end(ap);
 }
 
 void kvf__room_fail(kvf_room_t *r, kvf_status_t st, const char *fmt, ...)
@@ -142,11 +148,13 @@ void kvf__room_fail(kvf_room_t *r, kvf_status_t st, const char *fmt, ...)
     va_list ap;
     if (room_final(r))
         return;
+    kvf_failure_t *f = malloc(sizeof(*f));
+    if (f == NULL)
+        return;
     va_start(ap, fmt);
-    kvf_failure_t *f = local_failure(r, st, fmt, ap);
+    failure_vset(f, r->eng, st, fmt, ap);
     va_end(ap);
-    if (f != NULL)
-        kvf__room_fail_record(r, f, NULL, st == KVF_ERR_ABORTED);
+    kvf__room_fail_record(r, f, NULL, st == KVF_ERR_ABORTED);
 }
 
 kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m)

@@ -48,6 +48,38 @@ static inline uint64_t min_items(const kvf_buffer_t *b, uint32_t n)
     return n ? m : 0;
 }
 
+/*
+ * Bounds of what a room names, against a layout (ours, or a peer's from
+ * its HELLO): the one place each kind of index is checked.
+ */
+/* The index of the first of pages[0..n) outside l's KV buffers, or n. */
+static inline size_t first_bad_page(const kvf_layout_int_t *l, const uint32_t *pages,
+                                    size_t n)
+{
+    uint64_t items = min_items(l->kv, l->num_kv);
+    for (size_t i = 0; i < n; i++)
+        if (pages[i] >= items)
+            return i;
+    return n;
+}
+
+/* 1 when `slot` is an aux slot of l (or l has no aux buffers). */
+static inline int aux_slot_ok(const kvf_layout_int_t *l, uint32_t slot)
+{
+    return l->num_aux == 0 || slot < min_items(l->aux, l->num_aux);
+}
+
+/* The index of the first of slots[0..n) outside its state buffer of l, or
+ * n (n must be l->num_state). */
+static inline size_t first_bad_state_slot(const kvf_layout_int_t *l, const uint32_t *slots,
+                                          size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (slots[i] >= l->state[i].length / l->state[i].item_bytes)
+            return i;
+    return n;
+}
+
 static inline int all_done(const kvf_room_t *r)
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
@@ -65,6 +97,10 @@ static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
 kvf_status_t   kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
                                 kvf_room_t **room_p);
 void           kvf__room_destroy(kvf_room_t *r);
+/* Fill *f as a root cause seen on this engine (origin: its role, rank and
+ * address): the one place a local failure record is made. */
+void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                                const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
 /* Tell `to` the room failed (its record), if the connection is up. */

@@ -197,12 +197,11 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
         if (room_state(r) == KVF_POLL_FAILED) {
             kvf__room_send_fail(r, p, 0);
         } else {
-            kvf_failure_t f = {.status = KVF_ERR_ROOM_CONFLICT, .origin_side = r->side,
-                               .origin_rank = r->eng->params.tp_rank};
-            snprintf(f.origin_addr, sizeof(f.origin_addr), "%s", r->eng->addr);
-            snprintf(f.reason, sizeof(f.reason), "room %llu already completed on "
-                     "prefill rank %d; a room id must not be reused while its sender "
-                     "is alive", (unsigned long long)r->id, r->eng->params.tp_rank);
+            kvf_failure_t f;
+            kvf__failure_set(&f, r->eng, KVF_ERR_ROOM_CONFLICT, "room %llu already "
+                             "completed on prefill rank %d; a room id must not be reused "
+                             "while its sender is alive", (unsigned long long)r->id,
+                             r->eng->params.tp_rank);
             kvf_failure_t *keep = r->failure;
             r->failure = &f;
             kvf__room_send_fail(r, p, 0);
@@ -342,7 +341,7 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
     } else if (num_pages == 0) {
         kvf_error("room %llu: num_pages must be positive", (unsigned long long)r->id);
         st = KVF_ERR_INVALID_PARAM;
-    } else if (l->num_aux > 0 && aux_slot >= min_items(l->aux, l->num_aux)) {
+    } else if (!aux_slot_ok(l, aux_slot)) {
         kvf_error("room %llu: aux slot %u outside the registered aux buffers (%llu slots)",
                   (unsigned long long)r->id, aux_slot,
                   (unsigned long long)min_items(l->aux, l->num_aux));
@@ -382,12 +381,11 @@ kvf_status_t kvf_sender_set_state(kvf_sender_t *s, const uint32_t *slots, size_t
                   (unsigned long long)r->id, n, l->num_state);
         return KVF_ERR_INVALID_PARAM;
     }
-    for (size_t i = 0; i < n; i++) {
-        if (slots[i] >= l->state[i].length / l->state[i].item_bytes) {
-            kvf_error("room %llu: state slot %u outside state buffer %zu",
-                      (unsigned long long)r->id, slots[i], i);
-            return KVF_ERR_OUT_OF_RANGE;
-        }
+    size_t bad = first_bad_state_slot(l, slots, n);
+    if (bad < n) {
+        kvf_error("room %llu: state slot %u outside state buffer %zu",
+                  (unsigned long long)r->id, slots[bad], bad);
+        return KVF_ERR_OUT_OF_RANGE;
     }
     pthread_mutex_lock(&r->eng->lock);
     if (r->last_sent || r->state_src != NULL) {
@@ -412,17 +410,16 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
     kvf_engine_t *eng = r->eng;
     const char *why = NULL;
     kvf_status_t st = KVF_ERR_STATE;
-    uint64_t items = min_items(eng->layout.kv, eng->layout.num_kv);
+    size_t bad;
 
     if (n > 0 && pages == NULL)
         return KVF_ERR_INVALID_PARAM;
-    for (size_t i = 0; i < n; i++) {
-        if (pages[i] >= items) {
-            kvf_error("room %llu: page %u (chunk index %zu) outside the registered KV "
-                      "buffers (%llu pages); nothing sent", (unsigned long long)r->id,
-                      pages[i], i, (unsigned long long)items);
-            return KVF_ERR_OUT_OF_RANGE;
-        }
+    if ((bad = first_bad_page(&eng->layout, pages, n)) < n) {
+        kvf_error("room %llu: page %u (chunk index %zu) outside the registered KV "
+                  "buffers (%llu pages); nothing sent", (unsigned long long)r->id,
+                  pages[bad], bad,
+                  (unsigned long long)min_items(eng->layout.kv, eng->layout.num_kv));
+        return KVF_ERR_OUT_OF_RANGE;
     }
     pthread_mutex_lock(&eng->lock);
     kvf_poll_t state = room_state(r);
@@ -559,13 +556,11 @@ void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room)
 {
     kvf_engine_t *eng = p->eng;
     const kvf_failure_t *f = kvf_map_get(&eng->tombs, room);
-    kvf_failure_t gone = {.status = KVF_ERR_ABORTED, .origin_side = KVF_ROLE_PREFILL,
-                          .origin_rank = eng->params.tp_rank};
+    kvf_failure_t gone;
     if (f == NULL) {
-        snprintf(gone.origin_addr, sizeof(gone.origin_addr), "%s", eng->addr);
-        snprintf(gone.reason, sizeof(gone.reason), "room %llu is not live on prefill rank "
-                 "%d any more: its sender was destroyed before the transfer was "
-                 "confirmed", (unsigned long long)room, eng->params.tp_rank);
+        kvf__failure_set(&gone, eng, KVF_ERR_ABORTED, "room %llu is not live on prefill "
+                         "rank %d any more: its sender was destroyed before the transfer "
+                         "was confirmed", (unsigned long long)room, eng->params.tp_rank);
         f = &gone;
     }
     kvf__send_fail(p, room, f, f->status == KVF_ERR_ABORTED);
@@ -657,22 +652,8 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     kvf_engine_t *eng = p->eng;
     kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
     const kvf_layout_int_t *pl = &p->layout;
-    uint64_t items = min_items(pl->kv, pl->num_kv);
     kvf_link_t lk = {0};
     const char *bad = NULL;
-
-    if (pl->num_aux > 0 && m->aux_slot != KVF_NO_SLOT &&
-        m->aux_slot >= min_items(pl->aux, pl->num_aux))
-        bad = "aux slot outside its registered aux buffers";
-    else if (m->state_slots.count != 0 && m->state_slots.count != pl->num_state)
-        bad = "state slot count differs from its state buffers";
-    for (uint32_t i = 0; bad == NULL && i < m->pages.count; i++)
-        if (kvf_wire_arr32_at(&m->pages, i) >= items)
-            bad = "a page outside its registered KV buffers";
-    for (uint32_t i = 0; bad == NULL && i < m->state_slots.count; i++)
-        if (kvf_wire_arr32_at(&m->state_slots, i) >=
-            pl->state[i].length / pl->state[i].item_bytes)
-            bad = "a state slot outside its state buffers";
 
     lk.rank = m->dst_rank;
     lk.n_pages = m->pages.count;
@@ -690,6 +671,15 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
         lk.pages[i] = kvf_wire_arr32_at(&m->pages, i);
     for (uint32_t i = 0; i < lk.n_state; i++)
         lk.state_slots[i] = kvf_wire_arr32_at(&m->state_slots, i);
+    /* Against the decode rank's own layout, as its HELLO described it. */
+    if (m->aux_slot != KVF_NO_SLOT && !aux_slot_ok(pl, m->aux_slot))
+        bad = "aux slot outside its registered aux buffers";
+    else if (lk.n_state != 0 && lk.n_state != pl->num_state)
+        bad = "state slot count differs from its state buffers";
+    else if (first_bad_page(pl, lk.pages, lk.n_pages) < lk.n_pages)
+        bad = "a page outside its registered KV buffers";
+    else if (first_bad_state_slot(pl, lk.state_slots, lk.n_state) < lk.n_state)
+        bad = "a state slot outside its state buffers";
 
     char name[128];
     kvf__peer_name(p, name, sizeof(name));
@@ -698,19 +688,13 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
         kvf__sender_answer_gone(p, m->room);
     } else if (r == NULL) {
         kvf_failure_t *f = NULL;
-        if (bad != NULL || p->incompatible != NULL) {
-            kvf_failure_t tmp = {.status = bad ? KVF_ERR_BAD_INDICES : KVF_ERR_INCOMPATIBLE,
-                                 .origin_side = KVF_ROLE_PREFILL,
-                                 .origin_rank = eng->params.tp_rank};
-            snprintf(tmp.origin_addr, sizeof(tmp.origin_addr), "%s", eng->addr);
+        if ((bad != NULL || p->incompatible != NULL) && (f = malloc(sizeof(*f))) != NULL) {
             if (bad)
-                snprintf(tmp.reason, sizeof(tmp.reason), "%s sent a destination for "
-                         "room %llu with %s", name, (unsigned long long)m->room, bad);
+                kvf__failure_set(f, eng, KVF_ERR_BAD_INDICES, "%s sent a destination for "
+                                 "room %llu with %s", name, (unsigned long long)m->room,
+                                 bad);
             else
-                snprintf(tmp.reason, sizeof(tmp.reason), "%s", p->incompatible);
-            f = malloc(sizeof(*f));
-            if (f)
-                *f = tmp;
+                kvf__failure_set(f, eng, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
         }
         kvf__sender_stash_add(p, m->room, &lk, m->expected_receivers, f);
     } else if (m->attempt > 0 && resume(r, p, &lk)) {
