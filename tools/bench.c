@@ -357,6 +357,7 @@ int kvt_bench_main(int argc, char **argv)
 {
     for (int i = 2; i < argc; i++)
         if (strcmp(argv[i], "--memcpy") == 0 ||
+            strcmp(argv[i], "--call-latency") == 0 ||
             strncmp(argv[i], "--rooms-in-flight", 17) == 0)
             return kvt_bench_micro_main(argc, argv);
 

@@ -10,6 +10,11 @@
  *       delta / N, per side) and the time of one poll pass over all of
  *       them (what a scheduler spends per step), then the rooms complete.
  *
+ *   --call-latency [--rooms N] [--load-mib M] [--transport NAME]
+ *       the latency of every application call (create, init, send, poll,
+ *       destroy, both sides) over N one-page rooms, with the engines idle
+ *       and then while M MiB rooms stream between them (below).
+ *
  * The one idea of the second: per-room cost only shows at scale, and one
  * process holding both sides makes the RSS of each phase attributable: the
  * receivers first (decode), then the senders (prefill), measured after
@@ -17,6 +22,7 @@
  * structure on both engines exists.  Both print one JSON object on stdout.
  */
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,6 +141,7 @@ typedef struct kvt_side {
     uint8_t      *kv;
     uint8_t      *aux;
     size_t        kv_len;
+    uint32_t      npages;
 } kvt_side_t;
 
 static int kvt_side_make(kvt_side_t *s, kvf_role_t role, const kvt_geom_t *g,
@@ -159,6 +166,7 @@ static int kvt_side_make(kvt_side_t *s, kvf_role_t role, const kvt_geom_t *g,
     }
     size_t buf = (size_t)pages * g->page_bytes;
     s->kv_len = buf * g->num_buffers;
+    s->npages = pages;
     s->kv = calloc(1, s->kv_len);
     s->aux = calloc(pages, KVT_AUX_SLOT_BYTES);
     kvf_buffer_t *kv = calloc(g->num_buffers, sizeof(*kv));
@@ -335,16 +343,291 @@ out:
     return rc;
 }
 
+/* ------------------------------------------------------------------------ */
+/* Application call latency under load                                      */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * What a scheduler's step pays per kvferry call, and whether a transfer in
+ * flight makes it pay more: one-page rooms are created, initialised, sent,
+ * polled and destroyed from this (the application) thread, every call
+ * timed, first with the engines idle, then while a load thread keeps
+ * --load-mib rooms streaming between the same two engines.  The engines
+ * are in this process, so both sides' calls are measured.
+ */
+enum { KVT_C_RCREATE, KVT_C_RINIT, KVT_C_SCREATE, KVT_C_SINIT, KVT_C_SEND, KVT_C_POLL,
+       KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_CALLS };
+static const char *const kvt_call_names[KVT_CALLS] = {
+    "receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
+    "poll", "sender_destroy", "receiver_destroy"
+};
+
+typedef struct kvt_samples {
+    double *v;
+    size_t  n, cap;
+} kvt_samples_t;
+
+static int kvt_sample(kvt_samples_t *s, double ms)
+{
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? 2 * s->cap : 4096;
+        double *v = realloc(s->v, cap * sizeof(double));
+        if (v == NULL)
+            return -1;
+        s->v = v;
+        s->cap = cap;
+    }
+    s->v[s->n++] = ms;
+    return 0;
+}
+
+/* {"p50":..,"p99":..,"max":..,"n":..} of one call's samples (sorted here). */
+static void kvt_print_calls(kvt_samples_t *c, double *p99, double *max)
+{
+    printf("{");
+    for (int k = 0; k < KVT_CALLS; k++) {
+        kvt_samples_t *s = &c[k];
+        qsort(s->v, s->n, sizeof(double), kvt_cmp_d);
+        double p50 = s->n ? s->v[(s->n - 1) / 2] : 0;
+        p99[k] = s->n ? s->v[(size_t)((double)(s->n - 1) * 0.99)] : 0;
+        max[k] = s->n ? s->v[s->n - 1] : 0;
+        printf("%s\"%s\":{\"p50_ms\":%.4f,\"p99_ms\":%.4f,\"max_ms\":%.4f,\"n\":%zu}",
+               k ? "," : "", kvt_call_names[k], p50, p99[k], max[k], s->n);
+    }
+    printf("}");
+}
+
+typedef struct kvt_load {
+    kvt_side_t     *pre, *dec;
+    const char     *reg;
+    uint32_t        first, pages;   /* the big rooms' pages: first + k * pages */
+    pthread_mutex_t lock;
+    int             stop, streaming, failed;
+    uint64_t        rooms, bytes;
+} kvt_load_t;
+
+/* Two big rooms in flight at a time, over and over, until told to stop. */
+static void *kvt_load_main(void *arg)
+{
+    kvt_load_t *ld = arg;
+    uint32_t *idx = malloc(2 * (size_t)ld->pages * sizeof(uint32_t));
+    uint64_t id = 1ull << 41;
+    if (idx == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < 2 * ld->pages; i++)
+        idx[i] = ld->first + i;
+    for (;;) {
+        pthread_mutex_lock(&ld->lock);
+        int stop = ld->stop;
+        pthread_mutex_unlock(&ld->lock);
+        if (stop)
+            break;
+        kvf_sender_t *snd[2] = {0};
+        kvf_receiver_t *rcv[2] = {0};
+        int bad = 0;
+        for (int k = 0; k < 2 && !bad; k++, id++)
+            bad = kvf_receiver_create(ld->dec->eng, ld->reg, id, -1, &rcv[k]) != KVF_OK ||
+                  kvf_receiver_init(rcv[k], idx + k * ld->pages, ld->pages, 64 + k, NULL,
+                                    0) != KVF_OK ||
+                  kvf_sender_create(ld->pre->eng, ld->reg, id, &snd[k]) != KVF_OK;
+        bad = bad || kvt_wait_all(snd, NULL, 2, KVF_POLL_WAITING_FOR_INPUT, 60) != 0;
+        for (int k = 0; k < 2 && !bad; k++)
+            bad = kvf_sender_init(snd[k], ld->pages, 64 + k) != KVF_OK ||
+                  kvf_sender_send(snd[k], idx + k * ld->pages, ld->pages, 1) != KVF_OK;
+        if (!bad) {
+            pthread_mutex_lock(&ld->lock);
+            ld->streaming = 1;
+            pthread_mutex_unlock(&ld->lock);
+        }
+        bad = bad || kvt_wait_all(NULL, rcv, 2, KVF_POLL_SUCCESS, 120) != 0 ||
+              kvt_wait_all(snd, NULL, 2, KVF_POLL_SUCCESS, 120) != 0;
+        for (int k = 0; k < 2; k++) {
+            kvf_sender_destroy(snd[k]);
+            kvf_receiver_destroy(rcv[k]);
+        }
+        pthread_mutex_lock(&ld->lock);
+        ld->failed |= bad;
+        ld->rooms += bad ? 0 : 2;
+        ld->bytes += bad ? 0 : 2 * (uint64_t)ld->pages * (ld->pre->kv_len / ld->pre->npages);
+        stop = ld->failed;
+        pthread_mutex_unlock(&ld->lock);
+        if (stop)
+            break;
+    }
+    free(idx);
+    return NULL;
+}
+
+static double kvt_ms_since(double t)
+{
+    return (kvt_now_s() - t) * 1e3;
+}
+
+/* n one-page rooms, one after the other, every call timed into c[]. */
+static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
+                           uint32_t n, uint64_t id0, kvt_samples_t *c)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t page = i % 64, slot = i % 64;
+        uint64_t id = id0 + i;
+        kvf_sender_t *s = NULL;
+        kvf_receiver_t *r = NULL;
+        double t = kvt_now_s();
+        int bad = kvf_receiver_create(dec->eng, reg, id, -1, &r) != KVF_OK;
+        kvt_sample(&c[KVT_C_RCREATE], kvt_ms_since(t));
+        t = kvt_now_s();
+        bad = bad || kvf_receiver_init(r, &page, 1, slot, NULL, 0) != KVF_OK;
+        kvt_sample(&c[KVT_C_RINIT], kvt_ms_since(t));
+        t = kvt_now_s();
+        bad = bad || kvf_sender_create(pre->eng, reg, id, &s) != KVF_OK;
+        kvt_sample(&c[KVT_C_SCREATE], kvt_ms_since(t));
+        int stage = 0;    /* 0: wait for WAITING_FOR_INPUT, 1: for SUCCESS */
+        double until = kvt_now_s() + 30;
+        while (!bad) {
+            t = kvt_now_s();
+            kvf_poll_t ps = kvf_sender_poll(s), ds = kvf_receiver_poll(r);
+            kvt_sample(&c[KVT_C_POLL], kvt_ms_since(t) / 2);
+            if (ps == KVF_POLL_FAILED || ds == KVF_POLL_FAILED || kvt_now_s() > until) {
+                bad = 1;
+            } else if (stage == 0 && ps >= KVF_POLL_WAITING_FOR_INPUT) {
+                t = kvt_now_s();
+                bad = kvf_sender_init(s, 1, slot) != KVF_OK;
+                kvt_sample(&c[KVT_C_SINIT], kvt_ms_since(t));
+                t = kvt_now_s();
+                bad = bad || kvf_sender_send(s, &page, 1, 1) != KVF_OK;
+                kvt_sample(&c[KVT_C_SEND], kvt_ms_since(t));
+                stage = 1;
+            } else if (stage == 1 && ps == KVF_POLL_SUCCESS && ds == KVF_POLL_SUCCESS) {
+                break;
+            } else {
+                struct timespec ts = {0, 20000};   /* a scheduler step's pace */
+                nanosleep(&ts, NULL);
+            }
+        }
+        t = kvt_now_s();
+        kvf_sender_destroy(s);
+        kvt_sample(&c[KVT_C_SDESTROY], kvt_ms_since(t));
+        t = kvt_now_s();
+        kvf_receiver_destroy(r);
+        kvt_sample(&c[KVT_C_RDESTROY], kvt_ms_since(t));
+        if (bad) {
+            fprintf(stderr, "kvferry bench --call-latency: small room %u failed\n", i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int kvt_bench_calls(uint32_t n, uint32_t load_mib, const char *transport)
+{
+    kvt_geom_t g;
+    /* Page size 1: a one-page room is 128 KiB, a 1 GiB room 8192 pages. */
+    kvt_geom_init(&g, kvt_model_find("llama3-8b"), kvt_dtype_find("bfloat16"), 1, 0, 1);
+    size_t page_all = g.page_bytes * g.num_buffers;
+    uint32_t big = (uint32_t)(((uint64_t)load_mib << 20) / page_all);
+    uint32_t pages = 64 + 2 * big;
+    kvt_side_t pre = {0}, dec = {0};
+    kvt_samples_t idle[KVT_CALLS] = {{0}}, load[KVT_CALLS] = {{0}};
+    kvt_load_t ld = {0};
+    pthread_t th;
+    int started = 0, rc = 1;
+    char reg[KVF_ADDR_MAX];
+
+    if (big == 0) {
+        fprintf(stderr, "kvferry bench --call-latency: --load-mib below one page\n");
+        return 2;
+    }
+    if (kvt_side_make(&pre, KVF_ROLE_PREFILL, &g, pages, transport, "127.0.0.1:0") ||
+        kvf_engine_bootstrap_addr(pre.eng, reg, sizeof(reg)) != KVF_OK ||
+        kvt_side_make(&dec, KVF_ROLE_DECODE, &g, pages, transport, NULL))
+        goto out;
+    if (kvt_small_rooms(&pre, &dec, reg, 16, 1, idle) != 0)   /* warm up */
+        goto out;
+    for (int k = 0; k < KVT_CALLS; k++)
+        idle[k].n = 0;
+    if (kvt_small_rooms(&pre, &dec, reg, n, 1000, idle) != 0)
+        goto out;
+
+    ld = (kvt_load_t){.pre = &pre, .dec = &dec, .reg = reg, .first = 64, .pages = big};
+    pthread_mutex_init(&ld.lock, NULL);
+    if (pthread_create(&th, NULL, kvt_load_main, &ld) != 0)
+        goto out;
+    started = 1;
+    for (double until = kvt_now_s() + 60;;) {     /* bytes must be flowing */
+        pthread_mutex_lock(&ld.lock);
+        int go = ld.streaming || ld.failed;
+        pthread_mutex_unlock(&ld.lock);
+        if (go || kvt_now_s() > until)
+            break;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    double t0 = kvt_now_s();
+    int small = kvt_small_rooms(&pre, &dec, reg, n, 1000000, load);
+    double dt = kvt_now_s() - t0;
+    pthread_mutex_lock(&ld.lock);
+    ld.stop = 1;
+    pthread_mutex_unlock(&ld.lock);
+    pthread_join(th, NULL);
+    started = 0;
+    if (small != 0 || ld.failed || !ld.streaming) {
+        fprintf(stderr, "kvferry bench --call-latency: the load rooms %s\n",
+                ld.failed ? "failed" : "did not start");
+        goto out;
+    }
+
+    double ip99[KVT_CALLS], imax[KVT_CALLS], lp99[KVT_CALLS], lmax[KVT_CALLS];
+    printf("{\"rooms\":%u,\"transport\":\"%s\",\"load_mib\":%u,\"idle\":", n,
+           kvf_engine_transport(dec.eng), load_mib);
+    kvt_print_calls(idle, ip99, imax);
+    printf(",\"load\":");
+    kvt_print_calls(load, lp99, lmax);
+    double worst_ratio = 0, worst_max = 0;
+    printf(",\"p99_ratio\":{");
+    for (int k = 0; k < KVT_CALLS; k++) {
+        double x = ip99[k] > 0 ? lp99[k] / ip99[k] : 0;
+        printf("%s\"%s\":%.2f", k ? "," : "", kvt_call_names[k], x);
+        worst_ratio = x > worst_ratio ? x : worst_ratio;
+        worst_max = lmax[k] > worst_max ? lmax[k] : worst_max;
+    }
+    printf("},\"worst_p99_ratio\":%.2f,\"worst_max_ms_under_load\":%.4f,"
+           "\"load_rooms\":%llu,\"load_gbps\":%.3f}\n", worst_ratio, worst_max,
+           (unsigned long long)ld.rooms, dt > 0 ? (double)ld.bytes / dt / 1e9 : 0);
+    rc = 0;
+out:
+    if (started) {
+        pthread_mutex_lock(&ld.lock);
+        ld.stop = 1;
+        pthread_mutex_unlock(&ld.lock);
+        pthread_join(th, NULL);
+    }
+    if (dec.eng)
+        kvf_engine_destroy(dec.eng);
+    if (pre.eng)
+        kvf_engine_destroy(pre.eng);
+    free(pre.kv); free(pre.aux); free(dec.kv); free(dec.aux);
+    for (int k = 0; k < KVT_CALLS; k++) {
+        free(idle[k].v);
+        free(load[k].v);
+    }
+    return rc;
+}
+
 int kvt_bench_micro_main(int argc, char **argv)
 {
-    uint32_t mib = 256, repeats = 9, rooms = 0;
+    uint32_t mib = 256, repeats = 9, rooms = 0, calls = 1000, load_mib = 1024;
     if (kvt_arg_u32(argc, argv, "--mib", &mib) ||
         kvt_arg_u32(argc, argv, "--repeats", &repeats) ||
-        kvt_arg_u32(argc, argv, "--rooms-in-flight", &rooms))
+        kvt_arg_u32(argc, argv, "--rooms-in-flight", &rooms) ||
+        kvt_arg_u32(argc, argv, "--rooms", &calls) ||
+        kvt_arg_u32(argc, argv, "--load-mib", &load_mib))
         return 2;
-    for (int i = 2; i < argc; i++)
+    for (int i = 2; i < argc; i++) {
         if (strcmp(argv[i], "--memcpy") == 0)
             return kvt_bench_memcpy(mib, repeats);
+        if (strcmp(argv[i], "--call-latency") == 0)
+            return kvt_bench_calls(calls, load_mib, kvt_arg_str(argc, argv, "--transport"));
+    }
     if (!rooms) {
         fprintf(stderr, "kvferry bench: --rooms-in-flight N needs a count\n");
         return 2;
