@@ -147,27 +147,12 @@ struct kvf_room {
     uint32_t         nlinks;
     uint32_t         expected_links;
     kvf_link_t      *links;
-    /* sender */
-    uint32_t         num_pages;
-    uint32_t         pages_sent;
-    uint32_t         aux_slot;
-    uint32_t        *state_src;
-    uint32_t         n_state_src;
-    int              last_sent;
-    /* receiver */
-    char            *bootstrap_addr;
-    int              dp_rank;
-    uint32_t        *sorted_pages;  /* declared pages, ascending */
-    uint64_t         ok_first, ok_last; /* last page range found declared */
-    uint32_t        *pages;         /* declared pages, in order */
-    uint32_t         n_pages;
-    uint32_t        *state_dst;
-    uint32_t         n_state_dst;
+    uint32_t         aux_slot;      /* sender: source slot; receiver: destination */
     char            *last_err;      /* last resolver or connection error */
     uint32_t         retries;       /* reconnects used */
     uint64_t         retry_at_ms;   /* decode: next reconnect; prefill: resume deadline */
-    uint32_t        *src_pages;     /* sender: source pages sent so far (for resends) */
-    kvf_room_t      *rq_next;       /* resolver queue */
+    /* The side's own fields follow: struct kvf_sender, struct kvf_receiver
+     * (room.h), each starting with this struct. */
 };
 
 /* A destination that arrived before its sender existed. */

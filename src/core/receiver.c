@@ -16,6 +16,14 @@
 #include "util/log.h"
 #include "util/time.h"
 
+void kvf__receiver_free(kvf_receiver_t *rv)
+{
+    free(rv->bootstrap_addr);
+    free(rv->pages);
+    free(rv->sorted_pages);
+    free(rv->state_dst);
+}
+
 kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
                                  uint64_t room, int prefill_dp_rank,
                                  kvf_receiver_t **receiver_p)
@@ -30,9 +38,10 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
     pthread_mutex_lock(&eng->lock);
     kvf_status_t st = kvf__room_create(eng, KVF_ROLE_DECODE, room, &r);
     if (st == KVF_OK) {
-        r->dp_rank = prefill_dp_rank;
-        r->bootstrap_addr = strdup(bootstrap_addr);
-        if (r->bootstrap_addr == NULL)
+        kvf_receiver_t *rv = receiver_of(r);
+        rv->dp_rank = prefill_dp_rank;
+        rv->bootstrap_addr = strdup(bootstrap_addr);
+        if (rv->bootstrap_addr == NULL)
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory");
         else
             kvf__resolver_enqueue(eng, r);
@@ -112,12 +121,12 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
         kvf_error("room %llu: kvf_receiver_init called twice", id);
         st = KVF_ERR_STATE;
     } else {
-        r->pages = copy;
-        r->sorted_pages = sorted;
-        r->n_pages = (uint32_t)n;
+        rv->pages = copy;
+        rv->sorted_pages = sorted;
+        rv->n_pages = (uint32_t)n;
         r->aux_slot = aux_slot;
-        r->state_dst = st_copy;
-        r->n_state_dst = (uint32_t)n_state;
+        rv->state_dst = st_copy;
+        rv->n_state_dst = (uint32_t)n_state;
         r->initialized = 1;
         copy = sorted = st_copy = NULL;
         kvf__room_try_request(r);
@@ -160,6 +169,7 @@ uint64_t kvf_receiver_room(const kvf_receiver_t *rv) { return rv->room.id; }
 void kvf__room_try_request(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
+    kvf_receiver_t *rv = receiver_of(r);
     char name[128];
 
     if (!r->initialized || r->nlinks == 0 || room_final(r))
@@ -259,10 +269,10 @@ void kvf__room_try_request(kvf_room_t *r)
                     n += src[j] == p->tp_rank;
             }
             m.u.room_req.expected_receivers = (uint32_t)n;
-            m.u.room_req.pages = (kvf_wire_arr32_t){r->n_pages, r->pages, NULL};
+            m.u.room_req.pages = (kvf_wire_arr32_t){rv->n_pages, rv->pages, NULL};
             if (state)
                 m.u.room_req.state_slots =
-                    (kvf_wire_arr32_t){r->n_state_dst, r->state_dst, NULL};
+                    (kvf_wire_arr32_t){rv->n_state_dst, rv->state_dst, NULL};
             for (uint32_t b = 0; b < p->layout.num_kv; b++)
                 per_page += lk->slice.sliced
                     ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
@@ -270,8 +280,8 @@ void kvf__room_try_request(kvf_room_t *r)
                     : p->layout.kv[b].item_bytes;
         }
         /* A resumed link starts over: the prefill rank resends everything. */
-        lk->expected = r->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
-            (state && r->n_state_dst ? eng->state_item_bytes_sum : 0);
+        lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
+            (state && rv->n_state_dst ? eng->state_item_bytes_sum : 0);
         lk->bytes = 0;
         lk->done = lk->idle;
         if (lk->hash == NULL && !lk->idle && want_checksum(eng, p))
@@ -293,6 +303,7 @@ void kvf__room_try_request(kvf_room_t *r)
 static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
                            size_t errlen)
 {
+    kvf_receiver_t *rv = receiver_of(r);
     const kvf_layout_int_t *l = &r->eng->layout;
     const kvf_buffer_t *b;
     uint64_t lo, hi;
@@ -302,12 +313,12 @@ static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
         uint64_t first = s->offset / b->item_bytes;
         uint64_t last = (s->offset + s->len - 1) / b->item_bytes;
         /* Head slices hit the same page many times in a row: remember it. */
-        if (first >= r->ok_first && last <= r->ok_last)
+        if (first >= rv->ok_first && last <= rv->ok_last)
             return (uint8_t *)b->base + s->offset;
         if (s->offset <= UINT64_MAX - s->len &&
-            kvf__pages_contain(r->sorted_pages, r->n_pages, first, last)) {
-            r->ok_first = first;
-            r->ok_last = last;
+            kvf__pages_contain(rv->sorted_pages, rv->n_pages, first, last)) {
+            rv->ok_first = first;
+            rv->ok_last = last;
             return (uint8_t *)b->base + s->offset;
         }
         snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are outside the "
@@ -318,9 +329,9 @@ static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
     if (s->kind == KVF_BUF_AUX && s->buf < l->num_aux) {
         b = &l->aux[s->buf];
         lo = (uint64_t)r->aux_slot * b->item_bytes;
-    } else if (s->kind == KVF_BUF_STATE && s->buf < r->n_state_dst) {
+    } else if (s->kind == KVF_BUF_STATE && s->buf < rv->n_state_dst) {
         b = &l->state[s->buf];
-        lo = (uint64_t)r->state_dst[s->buf] * b->item_bytes;
+        lo = (uint64_t)rv->state_dst[s->buf] * b->item_bytes;
     } else {
         snprintf(err, errlen, "segment names %s buffer %u, which this room does not have",
                  s->kind == KVF_BUF_KV ? "KV" : s->kind == KVF_BUF_AUX ? "aux" : "state",

@@ -17,7 +17,7 @@
 #include <time.h>
 
 #include "bootstrap/bootstrap.h"
-#include "core/engine_int.h"
+#include "core/room.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -310,13 +310,13 @@ static void *resolver_main(void *arg)
         eng->rq_head = eng->rq_tail = NULL;
         while (batch != NULL && !eng->stopping) {
             kvf_room_t *r = batch;
-            batch = r->rq_next;
-            r->rq_next = NULL;
+            batch = receiver_of(r)->rq_next;
+            receiver_of(r)->rq_next = NULL;
             result_t res = {.res = RES_OK};
             if (r->attached && atomic_load(&r->state) == KVF_POLL_BOOTSTRAPPING) {
-                char *addr = strdup(r->bootstrap_addr);
+                char *addr = strdup(receiver_of(r)->bootstrap_addr);
                 uint64_t id = r->id;
-                int dp = r->dp_rank;
+                int dp = receiver_of(r)->dp_rank;
                 pthread_mutex_unlock(&eng->lock);
                 if (addr == NULL) {
                     res.res = RES_FATAL;
@@ -333,7 +333,7 @@ static void *resolver_main(void *arg)
         }
         while (batch != NULL) {
             kvf_room_t *r = batch;
-            batch = r->rq_next;
+            batch = receiver_of(r)->rq_next;
             kvf__room_put(r);
         }
     }
@@ -345,9 +345,9 @@ static void *resolver_main(void *arg)
 void kvf__resolver_enqueue(kvf_engine_t *eng, kvf_room_t *r)
 {
     r->refs++;
-    r->rq_next = NULL;
+    receiver_of(r)->rq_next = NULL;
     if (eng->rq_tail)
-        eng->rq_tail->rq_next = r;
+        receiver_of(eng->rq_tail)->rq_next = r;
     else
         eng->rq_head = r;
     eng->rq_tail = r;
@@ -373,7 +373,7 @@ void kvf__resolver_stop(kvf_engine_t *eng)
     /* Rooms still queued hold a reference each. */
     while (eng->rq_head != NULL) {
         kvf_room_t *r = eng->rq_head;
-        eng->rq_head = r->rq_next;
+        eng->rq_head = receiver_of(r)->rq_next;
         kvf__room_put(r);
     }
     eng->rq_tail = NULL;

@@ -41,12 +41,10 @@ void kvf__room_put(kvf_room_t *r)
         link_free(&r->links[i]);
     free(r->links);
     free(r->failure);
-    free(r->state_src);
-    free(r->src_pages);
-    free(r->bootstrap_addr);
-    free(r->sorted_pages);
-    free(r->pages);
-    free(r->state_dst);
+    if (r->side == KVF_ROLE_PREFILL)
+        kvf__sender_free(sender_of(r));
+    else
+        kvf__receiver_free(receiver_of(r));
     free(r->last_err);
     free(r);
 }
@@ -233,8 +231,10 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
     r->attached = 1;
     r->t_state_ms = kvf_now_ms();
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
-    r->ok_first = 1;          /* empty: no page range checked yet */
-    r->ok_last = 0;
+    if (side == KVF_ROLE_DECODE) {
+        receiver_of(r)->ok_first = 1;    /* empty: no page range checked yet */
+        receiver_of(r)->ok_last = 0;
+    }
     r->next = eng->rooms;
     if (eng->rooms)
         eng->rooms->prev = r;
@@ -408,7 +408,7 @@ static void deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
             snprintf(buf, len, "the scheduler did not call kvf_sender_send");
         else
             snprintf(buf, len, "%u of %u pages queued, no bytes moved since",
-                     r->pages_sent, r->num_pages);
+                     sender_of(r)->pages_sent, sender_of(r)->num_pages);
     } else {
         if (s == KVF_POLL_BOOTSTRAPPING)
             snprintf(buf, len, "%s", r->last_err ? r->last_err

@@ -15,8 +15,40 @@
 #define MAX_RETRIES   3              /* reconnects per room */
 #define RETRY_BASE_MS 100            /* first reconnect delay; doubles */
 
-struct kvf_sender   { kvf_room_t room; };
-struct kvf_receiver { kvf_room_t room; };
+/* The prefill side of a room: what it has been told to send. */
+struct kvf_sender {
+    kvf_room_t  room;            /* first: what both sides share */
+    uint32_t    num_pages;       /* declared by kvf_sender_init */
+    uint32_t    pages_sent;
+    uint32_t   *src_pages;       /* source pages sent so far (for resends) */
+    uint32_t   *state_src;       /* source state slots, or NULL */
+    uint32_t    n_state_src;
+    int         last_sent;
+};
+
+/* The decode side of a room: where its bytes may land. */
+struct kvf_receiver {
+    kvf_room_t  room;            /* first: what both sides share */
+    char       *bootstrap_addr;  /* the registry to resolve its prefill ranks */
+    int         dp_rank;
+    uint32_t   *pages;           /* declared pages, in order */
+    uint32_t   *sorted_pages;    /* the same, ascending */
+    uint32_t    n_pages;
+    uint64_t    ok_first, ok_last; /* last page range found declared */
+    uint32_t   *state_dst;
+    uint32_t    n_state_dst;
+    kvf_room_t *rq_next;         /* resolver queue */
+};
+
+static inline kvf_sender_t *sender_of(kvf_room_t *r)
+{
+    return (kvf_sender_t *)r;    /* r->side == KVF_ROLE_PREFILL */
+}
+
+static inline kvf_receiver_t *receiver_of(kvf_room_t *r)
+{
+    return (kvf_receiver_t *)r;  /* r->side == KVF_ROLE_DECODE */
+}
 
 /* Lock-free: the state is atomic (acquire pairs with kvf__room_set_state). */
 static inline kvf_poll_t room_state(const kvf_room_t *r)
@@ -113,6 +145,8 @@ void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t
 kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 
 /* sender.c */
+/* Free what only a sender holds (its room is being freed). */
+void kvf__sender_free(kvf_sender_t *s);
 /* Keep a destroyed failed sender's record, to answer late requests. */
 void kvf__sender_bury(kvf_room_t *r);
 /* A decode rank names a room whose sender is gone: tell it so. */
@@ -124,6 +158,8 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_
                            kvf_failure_t *f);
 
 /* receiver.c */
+/* Free what only a receiver holds (its room is being freed). */
+void kvf__receiver_free(kvf_receiver_t *rv);
 void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m);
 /* A prefill rank confirms its room was live when our DONE_ACK arrived
  * (pull transports: the bytes we read were still its room's). */

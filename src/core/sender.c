@@ -98,7 +98,7 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
         size_t ib = l->state[i].item_bytes;
         *seg = (kvf_wire_seg_t){KVF_BUF_STATE, i, (uint64_t)lk->state_slots[i] * ib,
                                 (uint32_t)ib};
-        *src = (const uint8_t *)l->state[i].base + (size_t)r->state_src[i] * ib;
+        *src = (const uint8_t *)l->state[i].base + (size_t)sender_of(r)->state_src[i] * ib;
     } else {
         return 0;
     }
@@ -247,10 +247,11 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
                        st == KVF_ERR_NOT_FOUND ? "holds none of its heads" : err);
         goto out;
     }
-    if (r->initialized && !dst->idle && dst->n_pages != r->num_pages) {
+    if (r->initialized && !dst->idle && dst->n_pages != sender_of(r)->num_pages) {
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s declared %u pages for room %llu, "
                        "but the prefill side declared %u (kvf_sender_init num_pages)",
-                       name, dst->n_pages, (unsigned long long)r->id, r->num_pages);
+                       name, dst->n_pages, (unsigned long long)r->id,
+                       sender_of(r)->num_pages);
         goto out;
     }
     kvf_link_t *lk = &r->links[r->nlinks++];
@@ -292,6 +293,12 @@ static void stash_apply(kvf_room_t *r)
         kvf__stash_free(s);
         s = n;
     }
+}
+
+void kvf__sender_free(kvf_sender_t *s)
+{
+    free(s->src_pages);
+    free(s->state_src);
 }
 
 void kvf__stash_free(kvf_stash_t *s)
@@ -347,12 +354,12 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
                   (unsigned long long)min_items(l->aux, l->num_aux));
         st = KVF_ERR_OUT_OF_RANGE;
     } else {
-        r->src_pages = malloc(num_pages * sizeof(uint32_t));
-        if (r->src_pages == NULL) {
+        s->src_pages = malloc(num_pages * sizeof(uint32_t));
+        if (s->src_pages == NULL) {
             pthread_mutex_unlock(&eng->lock);
             return KVF_ERR_NO_MEMORY;
         }
-        r->num_pages = num_pages;
+        s->num_pages = num_pages;
         r->aux_slot = aux_slot;
         r->initialized = 1;
         for (uint32_t i = 0; i < r->nlinks; i++) {
@@ -388,15 +395,15 @@ kvf_status_t kvf_sender_set_state(kvf_sender_t *s, const uint32_t *slots, size_t
         return KVF_ERR_OUT_OF_RANGE;
     }
     pthread_mutex_lock(&r->eng->lock);
-    if (r->last_sent || r->state_src != NULL) {
+    if (s->last_sent || s->state_src != NULL) {
         st = KVF_ERR_STATE;
     } else if (n > 0) {
-        r->state_src = malloc(n * sizeof(uint32_t));
-        if (r->state_src == NULL)
+        s->state_src = malloc(n * sizeof(uint32_t));
+        if (s->state_src == NULL)
             st = KVF_ERR_NO_MEMORY;
         else {
-            memcpy(r->state_src, slots, n * sizeof(uint32_t));
-            r->n_state_src = (uint32_t)n;
+            memcpy(s->state_src, slots, n * sizeof(uint32_t));
+            s->n_state_src = (uint32_t)n;
         }
     }
     pthread_mutex_unlock(&r->eng->lock);
@@ -425,16 +432,16 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
     kvf_poll_t state = room_state(r);
     if (!r->initialized)
         why = "kvf_sender_init was not called";
-    else if (r->last_sent)
+    else if (s->last_sent)
         why = "the last chunk was already sent";
     else if (state == KVF_POLL_FAILED)
         why = "the room failed";
     else if (state < KVF_POLL_WAITING_FOR_INPUT)
         why = "the room is still Bootstrapping (poll until WaitingForInput)";
-    else if (n > r->num_pages - r->pages_sent) {
+    else if (n > s->num_pages - s->pages_sent) {
         why = "more pages than kvf_sender_init declared";
         st = KVF_ERR_OUT_OF_RANGE;
-    } else if (is_last && r->pages_sent + n != r->num_pages) {
+    } else if (is_last && s->pages_sent + n != s->num_pages) {
         why = "the last chunk leaves declared pages unsent";
         st = KVF_ERR_INVALID_PARAM;
     } else if (n == 0 && !is_last) {
@@ -442,7 +449,7 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
         st = KVF_ERR_INVALID_PARAM;
     } else {
         for (uint32_t i = 0; i < r->nlinks && r->links[i].n_state > 0 && is_last; i++) {
-            if (r->n_state_src == 0) {
+            if (s->n_state_src == 0) {
                 why = "the decode side declared state slots: call kvf_sender_set_state "
                       "before the last chunk";
                 st = KVF_ERR_STATE;
@@ -452,27 +459,27 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
     }
     if (why == NULL) {
         st = KVF_OK;
-        memcpy(r->src_pages + r->pages_sent, pages, n * sizeof(uint32_t));
+        memcpy(s->src_pages + s->pages_sent, pages, n * sizeof(uint32_t));
         for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++) {
             kvf_link_t *lk = &r->links[i];
             if (lk->idle)            /* nothing to send: done with the last chunk */
                 lk->done = is_last;
             else if (!lk->broken)    /* a resumed link gets it all again */
-                st = queue_chunk(r, i, pages, r->pages_sent, n, is_last);
+                st = queue_chunk(r, i, pages, s->pages_sent, n, is_last);
         }
         if (st != KVF_OK) {
             kvf__room_fail(r, st, "cannot queue chunk: %s", kvf_status_str(st));
         } else {
-            r->pages_sent += (uint32_t)n;
-            r->last_sent = is_last;
+            s->pages_sent += (uint32_t)n;
+            s->last_sent = is_last;
             kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
             if (all_done(r))
                 kvf__room_set_state(r, KVF_POLL_SUCCESS);
         }
     } else {
         kvf_error("room %llu: send of %zu pages (pages %u..%zu of %u%s) refused: %s",
-                  (unsigned long long)r->id, n, r->pages_sent, r->pages_sent + n,
-                  r->num_pages, is_last ? ", last" : "", why);
+                  (unsigned long long)r->id, n, s->pages_sent, s->pages_sent + n,
+                  s->num_pages, is_last ? ", last" : "", why);
     }
     pthread_mutex_unlock(&eng->lock);
     if (st == KVF_OK)
@@ -627,8 +634,9 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
                        "destination", name, (unsigned long long)r->id);
         return 1;
     }
+    kvf_sender_t *snd = sender_of(r);
     kvf_info("%s resumed room %llu (attempt %u): resending %u pages", name,
-             (unsigned long long)r->id, r->retries, r->pages_sent);
+             (unsigned long long)r->id, r->retries, snd->pages_sent);
     kvf__peer_put(lk->peer);
     lk->peer = p;
     p->refs++;
@@ -639,8 +647,9 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
     if (lk->hash)
         XXH3_64bits_reset(lk->hash);
     r->t_state_ms = kvf_now_ms();
-    if (r->pages_sent > 0 || r->last_sent) {
-        kvf_status_t st = queue_chunk(r, li, r->src_pages, 0, r->pages_sent, r->last_sent);
+    if (snd->pages_sent > 0 || snd->last_sent) {
+        kvf_status_t st = queue_chunk(r, li, snd->src_pages, 0, snd->pages_sent,
+                                      snd->last_sent);
         if (st != KVF_OK)
             kvf__room_fail(r, st, "cannot queue the resend: %s", kvf_status_str(st));
     }
