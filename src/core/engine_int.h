@@ -282,14 +282,14 @@ void kvf__room_fail(kvf_room_t *room, kvf_status_t st, const char *fmt, ...)
 /* Fail a room with a record received from `from`. */
 void kvf__room_fail_remote(kvf_room_t *room, kvf_peer_t *from, int abort,
                            const kvf_msg_fail_t *m);
-void kvf__room_try_request(kvf_room_t *room);
+void kvf__receiver_try_request(kvf_room_t *room);
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now);
 void kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
-void kvf__room_on_data(kvf_peer_t *peer, const kvf_msg_data_t *d,
+void kvf__receiver_on_data(kvf_peer_t *peer, const kvf_msg_data_t *d,
                        kvf_rx_target_t *targets);
-void kvf__room_on_data_end(kvf_peer_t *peer, uint64_t placed);
+void kvf__receiver_on_data_end(kvf_peer_t *peer, uint64_t placed);
 /* A DATA_REF frame (shm): check, then pull the bytes from the peer. */
-void kvf__room_on_data_ref(kvf_peer_t *peer, const kvf_msg_data_t *d);
+void kvf__receiver_on_data_ref(kvf_peer_t *peer, const kvf_msg_data_t *d);
 /* The peer went away: fail every live room linked to it; @return how many. */
 int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer,
                             kvf_status_t st, const char *reason);

@@ -555,7 +555,7 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
                            "that pulls");
             return;
         }
-        kvf__room_on_data_ref(p, &msg->u.data);
+        kvf__receiver_on_data_ref(p, &msg->u.data);
         return;
     }
     kvf__room_on_msg(p, msg);
@@ -568,7 +568,7 @@ static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA from a peer that may not send it");
         return;
     }
-    kvf__room_on_data(p, d, t);
+    kvf__receiver_on_data(p, d, t);
 }
 
 static int rx_valid(void *arg)
@@ -587,7 +587,7 @@ static void on_placed(void *arg, const uint8_t *ptr, size_t n)
 
 static void on_data_end(void *arg, uint64_t placed)
 {
-    kvf__room_on_data_end((kvf_peer_t *)arg, placed);
+    kvf__receiver_on_data_end((kvf_peer_t *)arg, placed);
 }
 
 void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)

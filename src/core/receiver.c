@@ -129,7 +129,7 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
         rv->n_state_dst = (uint32_t)n_state;
         r->initialized = 1;
         copy = sorted = st_copy = NULL;
-        kvf__room_try_request(r);
+        kvf__receiver_try_request(r);
     }
     pthread_mutex_unlock(&eng->lock);
     free(copy);
@@ -143,7 +143,7 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
 int kvf_receiver_pages_released(const kvf_receiver_t *rv)
 {
     /* Placement happens under the engine lock and checks that the room is
-     * live first (kvf__room_on_data, rx_valid); the final state is stored
+     * live first (kvf__receiver_on_data, rx_valid); the final state is stored
      * under the same lock, so once it is visible no write is in progress
      * or can start. */
     return room_final(&rv->room);
@@ -166,7 +166,7 @@ void kvf_receiver_destroy(kvf_receiver_t *rv)
 
 uint64_t kvf_receiver_room(const kvf_receiver_t *rv) { return rv->room.id; }
 
-void kvf__room_try_request(kvf_room_t *r)
+void kvf__receiver_try_request(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
     kvf_receiver_t *rv = receiver_of(r);
@@ -393,7 +393,7 @@ static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
     return lk;
 }
 
-void kvf__room_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+void kvf__receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
 {
     kvf_room_t *r = NULL;
     kvf_link_t *lk = frame_targets(p, d, t, &r);
@@ -408,7 +408,7 @@ void kvf__room_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *
 }
 
 /* shm: the same checks, then read the bytes from the prefill process. */
-void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
+void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
 {
     kvf_engine_t *eng = p->eng;
     kvf_room_t *r = NULL;
@@ -467,7 +467,7 @@ void kvf__room_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
     }
 }
 
-void kvf__room_on_data_end(kvf_peer_t *p, uint64_t placed)
+void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
 {
     kvf_room_t *r = p->rx_room;
     if (r == NULL)

@@ -231,7 +231,7 @@ static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
         r->nlinks++;
     }
     r->expected_links = r->nlinks;
-    kvf__room_try_request(r);
+    kvf__receiver_try_request(r);
     kvf__engine_wake(eng);
 }
 

@@ -384,7 +384,7 @@ void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
 {
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
         if (r->side == KVF_ROLE_DECODE && link_of(r, p) != NULL)
-            kvf__room_try_request(r);
+            kvf__receiver_try_request(r);
 }
 
 static int awaiting_confirmation(const kvf_room_t *r)
@@ -456,7 +456,7 @@ static void reconnect(kvf_room_t *r)
     }
     kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
              r->retries, MAX_RETRIES);
-    kvf__room_try_request(r);
+    kvf__receiver_try_request(r);
 }
 
 static int has_broken_link(const kvf_room_t *r)
