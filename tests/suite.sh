@@ -13,12 +13,17 @@ set -u
 pass=0 fail=0 summary=()
 for spec in "$@"; do
     name=${spec%%=*} dir=${spec#*=}
-    env=() args=()
+    env=() args=() reports=
     case $name in
         release) ;;
         asan) env=(ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
                    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1) ;;
-        tsan) env=(TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1) ;;
+        # Reports go to files: several tests send their helpers' stderr to
+        # /dev/null or a scratch directory, and some expect a helper to die,
+        # so neither the output nor an exit status would surely show a race.
+        tsan) reports=$(cd "$dir" && pwd)/tsan-reports
+              rm -rf "$reports" && mkdir -p "$reports" || exit 2
+              env=(TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:log_path=$reports/report) ;;
         fuzz) args=(-R '^fuzz\.') ;;
         *) echo "suite.sh: unknown build kind '$name'" >&2; exit 2 ;;
     esac
@@ -36,6 +41,17 @@ for spec in "$@"; do
     t=$(sed -E 's/.* failed out of ([0-9]+).*/\1/' <<<"$line")
     pass=$((pass + t - f)) fail=$((fail + f))
     summary+=("$name: $((t - f))/$t")
+    if [ -n "$reports" ]; then
+        n=$(find "$reports" -type f | wc -l)
+        if [ "$n" -gt 0 ]; then
+            # One failure per process TSan stopped, on top of its test's own
+            # verdict: a helper's race may leave its test passing.
+            head -n 60 "$reports"/* | tee -a "$log"
+            echo "$name: $n process(es) stopped by TSan, reports in $reports"
+            fail=$((fail + n))
+            summary+=("$name: $n TSan report(s)")
+        fi
+    fi
 done
 echo
 (IFS=,; echo "=== totals: ${summary[*]} ===")

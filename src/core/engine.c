@@ -524,6 +524,18 @@ static void own_stall(kvf_engine_t *eng, uint64_t gap)
         r->t_state_ms += gap;
 }
 
+/* Heartbeats and deadlines, once per TICK_MS. */
+static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
+{
+    uint64_t now = kvf_now_ms();
+    if (now < *next_tick)
+        return;
+    kvf__peers_tick(eng, now);
+    kvf__rooms_tick(eng, now);
+    flush_peers(eng);
+    *next_tick = now + TICK_MS;
+}
+
 static void *progress_main(void *arg)
 {
     kvf_engine_t *eng = arg;
@@ -560,19 +572,16 @@ static void *progress_main(void *arg)
                 kvf__peer_handle((kvf_peer_t *)kind, evs[i].events);
             }
         }
+        /* Between the two passes too: a peer's event and its drain may each
+         * pull a full share, and our heartbeats must not wait for both. */
+        tick_if_due(eng, &next_tick);
         more = drain_peers(eng);
         /* Application threads queue work and wake us; send it. */
         flush_peers(eng);
         for (int i = 0; i < KVF_MAX_MOVERS; i++)   /* movers without an fd */
             if (eng->movers[i] != NULL && eng->movers[i]->ops->fd(eng->movers[i]) < 0)
                 progress_mover(eng, i);
-        now = kvf_now_ms();
-        if (now >= next_tick) {
-            kvf__peers_tick(eng, now);
-            kvf__rooms_tick(eng, now);
-            flush_peers(eng);
-            next_tick = now + TICK_MS;
-        }
+        tick_if_due(eng, &next_tick);
     }
     pthread_mutex_unlock(&eng->lock);
     return NULL;

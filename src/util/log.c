@@ -17,7 +17,7 @@ static int log_level_from_env(void)
     return KVF_LOG_WARN;
 }
 
-int kvf__log_level = KVF_LOG_WARN;
+_Atomic int kvf__log_level = KVF_LOG_WARN;
 
 /* What a refused call said, for callers that do not read stderr (Python). */
 static _Thread_local char last_error[512];
@@ -37,12 +37,13 @@ void kvf__set_last_error(const char *fmt, ...)
 
 __attribute__((constructor)) static void log_init(void)
 {
-    kvf__log_level = log_level_from_env();
+    atomic_store_explicit(&kvf__log_level, log_level_from_env(), memory_order_relaxed);
 }
 
 void kvf_log_set_level(kvf_log_level_t level)
 {
-    kvf__log_level = (int)level;
+    /* Relaxed: loggers need the new level soon, not ordered with anything. */
+    atomic_store_explicit(&kvf__log_level, (int)level, memory_order_relaxed);
 }
 
 void kvf__log(kvf_log_level_t level, const char *file, int line,

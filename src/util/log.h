@@ -8,18 +8,23 @@
 #ifndef KVF_UTIL_LOG_H
 #define KVF_UTIL_LOG_H
 
+#include <stdatomic.h>
+
 #include "kvferry/kvferry.h"
 
-extern int kvf__log_level;
+/* Set by any thread (kvf_log_set_level) while engine threads log. */
+extern _Atomic int kvf__log_level;
 
 void kvf__log(kvf_log_level_t level, const char *file, int line,
               const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 
 void kvf__set_last_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* Relaxed load: the level is a lone flag; nothing is published with it. */
 #define KVF_LOG_(lvl, ...)                                                     \
     do {                                                                       \
-        if ((int)(lvl) <= kvf__log_level)                                      \
+        if ((int)(lvl) <= atomic_load_explicit(&kvf__log_level,                \
+                                               memory_order_relaxed))          \
             kvf__log((lvl), __FILE__, __LINE__, __VA_ARGS__);                  \
     } while (0)
 

@@ -423,7 +423,10 @@ static void handle_readable(kvf_tcp_conn_t *c);
  */
 static void write_failed(kvf_tcp_conn_t *c, int err)
 {
-    handle_readable(c);
+    /* All of it, not one event's share: the connection dies next. */
+    do
+        handle_readable(c);
+    while (!c->dead && c->backlog);
     conn_fail(c, KVF_ERR_CONN_RESET, "write failed: %s", strerror(err));
 }
 
@@ -523,12 +526,17 @@ static void payload_done(kvf_tcp_conn_t *c)
     c->h->on_data_end(c->arg, c->placed);
 }
 
-/* Parse the complete frames the receive buffer holds, up to a bound. */
-static void parse_buffered(kvf_tcp_conn_t *c)
+/* This event's share of messages and DATA_REF pulls, spent across every
+ * parse of the event: reading on between parses must not renew it. */
+typedef struct {
+    int      msgs;
+    uint64_t pulled;
+} pass_t;
+
+/* Parse the complete frames the receive buffer holds, up to the bound. */
+static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
 {
     char err[256];
-    int msgs = 0;
-    uint64_t pulled = 0;
 
     c->backlog = 0;
     while (!c->dead) {
@@ -585,8 +593,8 @@ static void parse_buffered(kvf_tcp_conn_t *c)
             /* A DATA_REF's payload is read by the engine while we wait:
              * count it, so one event never holds the engine for long. */
             if (m.type == KVF_MSG_DATA_REF)
-                pulled += m.u.data.payload_len;
-            if (++msgs == TCP_PASS_MSGS || pulled >= TCP_PASS_REFS) {
+                pass->pulled += m.u.data.payload_len;
+            if (++pass->msgs >= TCP_PASS_MSGS || pass->pulled >= TCP_PASS_REFS) {
                 c->backlog = 1;     /* the engine calls back: see pending() */
                 return;
             }
@@ -666,12 +674,14 @@ static ssize_t read_into_targets(kvf_tcp_conn_t *c)
 static void handle_readable(kvf_tcp_conn_t *c)
 {
     size_t budget = TCP_PASS_BYTES;
+    pass_t pass = {0, 0};
 
     if (c->rx_state == RX_PAYLOAD && !c->h->rx_valid(c->arg))
         discard_rest(c);
     while (!c->dead && budget > 0) {
-        parse_buffered(c);
-        if (c->dead)
+        parse_buffered(c, &pass);
+        /* Share used up: the rest waits in the buffer (pending()). */
+        if (c->dead || c->backlog)
             return;
         if (c->rx_off == c->rx.len)
             c->rx.len = c->rx_off = 0;
