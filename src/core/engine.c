@@ -15,7 +15,7 @@
 #include <unistd.h>
 
 #include "bootstrap/bootstrap.h"
-#include "core/engine_int.h"
+#include "core/room.h"
 #include "transport/mover.h"
 #include "util/log.h"
 #include "util/time.h"

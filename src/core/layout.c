@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/engine_int.h"
+#include "core/engine.h"
 
 static kvf_status_t copy_bufs(kvf_buffer_t **dst, const kvf_buffer_t *src,
                               uint32_t n, const char *what, int need_items,

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/engine_int.h"
+#include "core/engine.h"
 #include "util/log.h"
 
 /*

@@ -18,7 +18,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "core/engine_int.h"
+#include "core/room.h"
 #include "util/log.h"
 #include "util/time.h"
 

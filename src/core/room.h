@@ -6,7 +6,93 @@
 #ifndef KVF_CORE_ROOM_H
 #define KVF_CORE_ROOM_H
 
-#include "core/engine_int.h"
+#include "core/peer.h"
+
+/*
+ * One peer of a room.  On a sender: a decode rank it feeds (destination
+ * pages from its ROOM_REQ).  On a receiver: a prefill rank that feeds it.
+ */
+#define KVF_NO_SLOT UINT32_MAX   /* ROOM_REQ aux_slot: another prefill rank sends aux */
+
+typedef struct kvf_link {
+    kvf_peer_t    *peer;
+    uint32_t       rank;          /* the peer's tp rank */
+    int            idle;          /* the prefill rank sends nothing to this decode rank */
+    kvf_slice_t    slice;         /* sender: what of each page goes to this peer */
+    uint32_t      *pages;         /* sender: decode pages (n_pages) */
+    uint32_t       n_pages;
+    uint32_t       aux_slot;
+    uint32_t      *state_slots;   /* sender: decode state slots */
+    uint32_t       n_state;
+    uint64_t       bytes;         /* sender: queued; receiver: placed */
+    uint64_t       expected;      /* receiver: bytes this peer must place */
+    int            req_sent;      /* receiver: ROOM_REQ sent */
+    int            done;          /* sender: acked; receiver: DONE checked */
+    int            confirming;    /* receiver, pull: DONE checked, awaiting confirmation */
+    int            last_queued;   /* sender: the last chunk's put is queued */
+    int            broken;        /* its connection broke; a reconnect may resume it */
+    uint64_t       resume_instance; /* receiver: the peer instance to resume with */
+    XXH3_state_t  *hash;          /* checksum of this peer's bytes, or NULL */
+} kvf_link_t;
+
+struct kvf_room {
+    kvf_engine_t    *eng;
+    uint64_t         id;
+    kvf_role_t       side;
+    _Atomic int      state;       /* kvf_poll_t; written under the lock */
+    int              refs;
+    int              attached;    /* the application handle is live */
+    int              initialized;
+    uint64_t         t_state_ms;  /* entered the state, or last progress */
+    kvf_failure_t   *failure;     /* first root cause, or NULL */
+    int              failure_consumed;
+    kvf_room_t      *prev, *next; /* engine->rooms list (attached rooms) */
+    uint32_t         nlinks;
+    uint32_t         expected_links;
+    kvf_link_t      *links;
+    uint32_t         aux_slot;      /* sender: source slot; receiver: destination */
+    char            *last_err;      /* last resolver or connection error */
+    uint32_t         retries;       /* reconnects used */
+    uint64_t         retry_at_ms;   /* decode: next reconnect; prefill: resume deadline */
+    /* The side's own fields follow: struct kvf_sender, struct kvf_receiver
+     * (room.h), each starting with this struct. */
+};
+
+/* A destination that arrived before its sender existed. */
+typedef struct kvf_stash {
+    kvf_peer_t       *peer;
+    uint64_t          t_ms;
+    kvf_link_t        link;        /* the parsed ROOM_REQ (pages owned) */
+    uint32_t          expected;    /* expected_receivers */
+    kvf_failure_t    *failure;     /* or a FAIL/ABORT for the room */
+    struct kvf_stash *next;
+} kvf_stash_t;
+
+/* room.c */
+void kvf__room_put(kvf_room_t *room);
+void kvf__room_set_state(kvf_room_t *room, kvf_poll_t state);
+/* Fail a room with a root cause seen here (peer: the one it concerns, or
+ * NULL).  Tells the room's other peers.  No-op once the room is final. */
+void kvf__room_fail(kvf_room_t *room, kvf_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Fail a room with a record received from `from`. */
+void kvf__room_fail_remote(kvf_room_t *room, kvf_peer_t *from, int abort,
+                           const kvf_msg_fail_t *m);
+void kvf__receiver_try_request(kvf_room_t *room);
+void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now);
+void kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
+void kvf__receiver_on_data(kvf_peer_t *peer, const kvf_msg_data_t *d,
+                       kvf_rx_target_t *targets);
+void kvf__receiver_on_data_end(kvf_peer_t *peer, uint64_t placed);
+/* A DATA_REF frame (shm): check, then pull the bytes from the peer. */
+void kvf__receiver_on_data_ref(kvf_peer_t *peer, const kvf_msg_data_t *d);
+/* The peer went away: fail every live room linked to it; @return how many. */
+int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer,
+                            kvf_status_t st, const char *reason);
+/* A peer finished its handshake: send the requests waiting for it. */
+void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *peer);
+
+
 
 /* A run of pages becomes segments of at most this much: what one DATA
  * frame carries, and what one pull (shm, ucx) reads without yielding. */
@@ -145,6 +231,8 @@ void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t
 kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 
 /* sender.c */
+/* Free a chain of stashed destinations. */
+void kvf__stash_free(kvf_stash_t *s);
 /* Free what only a sender holds (its room is being freed). */
 void kvf__sender_free(kvf_sender_t *s);
 /* Keep a destroyed failed sender's record, to answer late requests. */

@@ -1,0 +1,162 @@
+/*
+ * The engine, internal: its struct, its layout and the calls of engine.c,
+ * params.c, layout.c and resolver.c.  Peers are in peer.h, rooms in room.h.
+ *
+ * Ownership and threads
+ *   One mutex, engine->lock, guards everything below except room->state,
+ *   which is atomic so that kvf_*_poll() never takes a lock.  Three kinds of
+ *   threads take the lock:
+ *     - application threads, in the public calls: they change room state
+ *       and queue work, then wake the progress thread (eventfd); they never
+ *       touch a socket;
+ *     - the progress thread: epoll over the listener, the eventfd and every
+ *       peer's stream; it holds the lock while it handles events (all I/O is
+ *       non-blocking, so that is bounded) and releases it in epoll_wait;
+ *     - the resolver thread: blocking registry HTTP calls, with the lock
+ *       released; it takes the lock only to post results.
+ *
+ * Lifetimes
+ *   Rooms and peers are reference-counted under the lock.  A room is
+ *   referenced by its application handle, by each put in flight and by the
+ *   resolver while it works on it; a peer by its stream and by every room
+ *   link and stashed request that names it.
+ */
+#ifndef KVF_CORE_ENGINE_H
+#define KVF_CORE_ENGINE_H
+
+#include <pthread.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+#include <xxhash.h>
+
+#include "kvferry/kvferry.h"
+#include "core/parallel.h"
+#include "core/planner.h"
+#include "transport/mover.h"
+#include "transport/transport.h"
+#include "util/map.h"
+
+typedef struct kvf_peer kvf_peer_t;
+typedef struct kvf_room kvf_room_t;
+
+/* What epoll's data.ptr points at. */
+typedef enum {
+    KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_MOVER
+} kvf_ev_kind_t;
+
+/* epoll data for a mover's fd: which one. */
+typedef struct kvf_mover_ev {
+    kvf_ev_kind_t kind;      /* KVF_EV_MOVER; first member */
+    int           index;     /* in kvf_movers[] */
+} kvf_mover_ev_t;
+
+/* An engine's (or a peer's) layout, owned copies. */
+typedef struct kvf_layout_int {
+    uint32_t        page_size;
+    char            kv_dtype[64];
+    kvf_attn_kind_t attn;
+    kvf_mem_kind_t  mem_kind;
+    uint32_t        num_layers, first_layer;
+    uint32_t        heads_per_rank, total_heads, bytes_per_head;
+    uint32_t        num_kv, num_aux, num_state;
+    kvf_buffer_t   *kv, *aux, *state;   /* base NULL for a peer's layout */
+} kvf_layout_int_t;
+
+#define KVF_TOMBS 4096   /* failure records kept for destroyed senders */
+#define KVF_HANDSHAKE_TIMEOUT_MS 5000   /* handshake_timeout_ms 0 means this */
+
+
+struct kvf_engine {
+    kvf_engine_params_t params;
+    char               *host;
+    char               *bootstrap_addr;   /* owned copy, or NULL */
+    char               *transport;
+    /* The movers this engine has (kvf_movers[i] -> movers[i]), created at
+     * layout registration; NULL where not allowed or not usable. */
+    kvf_mover_t        *movers[KVF_MAX_MOVERS];
+    kvf_mover_ev_t      mover_ev[KVF_MAX_MOVERS];
+    unsigned            used_paths;       /* kvf_movers_mask_name() bits seen */
+    int                 port;
+    char                addr[KVF_ADDR_MAX];
+    uint64_t            instance_id;
+
+    pthread_mutex_t     lock;
+    int                 epfd, wakefd, listenfd;
+    kvf_ev_kind_t       ev_listener, ev_wake;
+    pthread_t           progress_thread;
+    int                 stopping;
+    uint64_t            now_ms;           /* progress thread's clock, per wake-up */
+
+    int                 registered;       /* layout registered */
+    kvf_layout_int_t    layout;
+    uint64_t            kv_item_bytes_sum;
+    uint64_t            aux_item_bytes_sum;
+    uint64_t            state_item_bytes_sum;
+    void              **reg_bases;        /* every registered buffer: kv, aux, */
+    size_t             *reg_lens;         /* state (what peers may read) */
+    size_t              nregs;
+
+    kvf_map_t           rooms_by_id;      /* attached rooms */
+    kvf_room_t         *rooms;            /* list of the same */
+    kvf_map_t           stash;            /* prefill: room id -> kvf_stash_t* */
+    kvf_map_t           tombs;            /* prefill: room id -> kvf_failure_t* */
+    uint64_t           *tomb_ring;        /* their ids, oldest at tomb_head */
+    size_t              tomb_head, ntombs;
+    kvf_peer_t         *peers;
+    uint64_t            peer_generation;  /* bumped when a peer dies */
+
+    /* resolver thread */
+    pthread_t           resolver_thread;
+    pthread_cond_t      resolver_cond;
+    kvf_room_t         *rq_head, *rq_tail;
+    int                 want_register;
+    char               *register_error;
+
+    kvf_bootstrap_t    *bootstrap;        /* in-process registry */
+    kvf_faults_t       *faults;           /* injected faults, or NULL */
+    kvf_engine_stats_t  stats;
+};
+
+/* engine.c */
+void kvf__engine_wake(kvf_engine_t *eng);
+/* May this engine use `ops` (its `transport` setting)? */
+int  kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops);
+
+/* params.c: copy a caller's kvf_engine_params_t / kvf_layout_t, of the
+ * caller's `size`, into a full-size struct; fields past that size take
+ * their defaults.  KVF_OK, or KVF_ERR_INVALID_PARAM with a message naming
+ * `fn` and the sizes in err (the growth rules of kvferry.h). */
+kvf_status_t kvf__engine_params_import(kvf_engine_params_t *dst,
+                                       const kvf_engine_params_t *src,
+                                       const char *fn, char *err, size_t errlen);
+kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
+                                const char *fn, char *err, size_t errlen);
+
+/* layout.c: validate the caller's layout (read through kvf__layout_import)
+ * into l, which owns copies of the buffer arrays. */
+kvf_status_t kvf__layout_copy(kvf_layout_int_t *dst, const kvf_layout_t *src,
+                              char *err, size_t errlen);
+void         kvf__layout_free(kvf_layout_int_t *l);
+/* Same model and settings on both sides (page size, dtype, attention,
+ * heads, aux, state)?  KVF_OK, or KVF_ERR_INCOMPATIBLE with an
+ * SGLang-style message in err. */
+kvf_status_t kvf__layout_check(const kvf_layout_int_t *prefill,
+                               const kvf_layout_int_t *decode,
+                               char *err, size_t errlen);
+/* Can this prefill rank and this decode rank work together (the model
+ * check above, TP and PP pairing, page sizes of the buffers it writes)? */
+kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
+                             const kvf_layout_int_t *dl, const kvf_par_t *dp,
+                             char *err, size_t errlen);
+void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp_size,
+                   const kvf_layout_int_t *l);
+
+/* resolver.c */
+kvf_status_t kvf__resolver_start(kvf_engine_t *eng);
+void         kvf__resolver_stop(kvf_engine_t *eng);
+void         kvf__resolver_enqueue(kvf_engine_t *eng, kvf_room_t *room);
+
+#endif /* KVF_CORE_ENGINE_H */

@@ -1,0 +1,70 @@
+/*
+ * Peers, internal: one per connection to another engine (peer.c), its
+ * handshake, transport choice and liveness.
+ */
+#ifndef KVF_CORE_PEER_H
+#define KVF_CORE_PEER_H
+
+#include "core/engine.h"
+
+typedef enum {
+    KVF_PEER_CONNECTING,   /* outbound connect in progress */
+    KVF_PEER_HANDSHAKE,    /* waiting for the remote HELLO (decode: and XPORT) */
+    KVF_PEER_READY,
+    KVF_PEER_DEAD
+} kvf_peer_state_t;
+
+struct kvf_peer {
+    kvf_ev_kind_t     ev_kind;       /* KVF_EV_PEER; first member */
+    kvf_engine_t     *eng;
+    int               refs;
+    kvf_peer_state_t  state;
+    kvf_conn_t       *conn;
+    int               outbound;      /* we connected (decode side) */
+    char              addr[KVF_ADDR_MAX]; /* remote control address */
+    /* From the remote HELLO. */
+    kvf_role_t        role;
+    int               tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size;
+    uint64_t          instance_id;
+    int               checksum;      /* remote computes checksums */
+    kvf_layout_int_t  layout;
+    char             *incompatible;  /* set: every room on this pair fails */
+    int               hello_done;    /* decode: HELLO seen, XPORT awaited */
+    /* Payload path, chosen at the handshake: a mover, or NULL for the
+     * control stream itself.  Decode: mep reads the prefill's memory. */
+    const kvf_mover_ops_t *mover;
+    kvf_mover_ep_t   *mep;
+    struct iovec     *ref_iov;       /* DATA_REF scratch: local then remote */
+    kvf_rx_target_t  *ref_tgt;       /* DATA_REF scratch: checked targets */
+    uint32_t          ref_cap;
+    /* Current inbound DATA frame (decode side). */
+    kvf_room_t       *rx_room;
+    struct kvf_link  *rx_link;
+    uint64_t          handshake_until_ms; /* READY by then, or closed */
+    uint64_t          last_hb_ms;
+    uint64_t          grace_until_ms; /* no liveness verdict before (own stall) */
+    uint64_t          hb_seq;
+    kvf_peer_t       *next;          /* engine->peers */
+};
+
+/* The receiver pulls this peer's payload (DATA_REF) instead of receiving
+ * it in the stream. */
+static inline int kvf__peer_pulls(const kvf_peer_t *p)
+{
+    return p->mover != NULL;
+}
+
+/* peer.c */
+/* The connection to the prefill rank `tp_rank` at host:port (cached). */
+kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank);
+void         kvf__peer_put(kvf_peer_t *peer);
+void         kvf__peer_accept(kvf_engine_t *eng, int fd);
+void         kvf__peer_handle(kvf_peer_t *peer, uint32_t events);
+void         kvf__peer_fail(kvf_peer_t *peer, kvf_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
+kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);
+/* "decode rank 1 (127.0.0.1:4000)" */
+const char  *kvf__peer_name(const kvf_peer_t *peer, char *buf, size_t len);
+
+#endif /* KVF_CORE_PEER_H */
