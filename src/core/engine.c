@@ -23,6 +23,8 @@
 #define TICK_MS  50
 #define STALL_MS 1000   /* epoll_wait this late: the process itself was stopped */
 
+_Thread_local const kvf_engine_t *kvf__lock_held;
+
 void kvf__engine_wake(kvf_engine_t *eng)
 {
     uint64_t one = 1;
@@ -252,10 +254,10 @@ void kvf_engine_destroy(kvf_engine_t *eng)
 {
     if (eng == NULL)
         return;
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     eng->stopping = 1;
     pthread_cond_broadcast(&eng->resolver_cond);
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     kvf__engine_wake(eng);
     pthread_join(eng->progress_thread, NULL);
     kvf__resolver_stop(eng);
@@ -265,7 +267,9 @@ void kvf_engine_destroy(kvf_engine_t *eng)
         kvf_bootstrap_destroy(eng->bootstrap);
     eng->bootstrap = NULL;
 
-    /* Threads are gone: tear down without the lock. */
+    /* Threads are gone; the lock is taken all the same, since the teardown
+     * goes through the functions that expect it. */
+    kvf__lock(eng);
     if (eng->rooms != NULL)
         kvf_warn("engine destroyed with rooms still attached; destroy them first");
     while (eng->peers != NULL) {
@@ -277,6 +281,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     }
     for (size_t i = 0; i < eng->stash.cap; i++)
         kvf__stash_free(eng->stash.slots[i].val);
+    kvf__unlock(eng);
     kvf_map_free(&eng->stash);
     for (size_t i = 0; i < eng->tombs.cap; i++)
         free(eng->tombs.slots[i].val);
@@ -410,9 +415,9 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
             bases[k] = all[f][i].base;
             lens[k] = all[f][i].length;
         }
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     if (eng->registered) {
-        pthread_mutex_unlock(&eng->lock);
+        kvf__unlock(eng);
         kvf__layout_free(&l);
         free(bases);
         free(lens);
@@ -442,7 +447,7 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         eng->reg_bases = NULL;
         eng->reg_lens = NULL;
         eng->nregs = 0;
-        pthread_mutex_unlock(&eng->lock);
+        kvf__unlock(eng);
         kvf_error("%s", kvf_movers_device_hint());
         return KVF_ERR_UNSUPPORTED;
     }
@@ -450,13 +455,13 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         eng->want_register = 1;
         pthread_cond_broadcast(&eng->resolver_cond);
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     return KVF_OK;
 }
 
 void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
 {
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     *stats_p = eng->stats;
     memset(stats_p->rooms_by_state, 0, sizeof(stats_p->rooms_by_state));
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
@@ -469,7 +474,7 @@ void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
         stats_p->peers_connected++;
         kvf_movers_count_peer(stats_p, p->mover);
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
 }
 
 static void accept_all(kvf_engine_t *eng)
@@ -543,13 +548,13 @@ static void *progress_main(void *arg)
     uint64_t next_tick = kvf_now_ms() + TICK_MS;
     int more = 0;      /* connections have buffered messages left */
 
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     while (!eng->stopping) {
         uint64_t now = kvf_now_ms();
         int timeout = more || next_tick <= now ? 0 : (int)(next_tick - now);
-        pthread_mutex_unlock(&eng->lock);
+        kvf__unlock(eng);
         int n = epoll_wait(eng->epfd, evs, 64, timeout);
-        pthread_mutex_lock(&eng->lock);
+        kvf__lock(eng);
         eng->now_ms = kvf_now_ms();
         /* A wait far longer than asked for: the process was not running. */
         if (eng->now_ms - now > (uint64_t)timeout + STALL_MS)
@@ -583,6 +588,6 @@ static void *progress_main(void *arg)
                 progress_mover(eng, i);
         tick_if_due(eng, &next_tick);
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     return NULL;
 }

@@ -24,6 +24,7 @@
 #ifndef KVF_CORE_ENGINE_H
 #define KVF_CORE_ENGINE_H
 
+#include <assert.h>
 #include <pthread.h>
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -119,6 +120,38 @@ struct kvf_engine {
     kvf_faults_t       *faults;           /* injected faults, or NULL */
     kvf_engine_stats_t  stats;
 };
+
+/*
+ * The engine lock, with its holder recorded per thread so that functions
+ * that expect it held can say so: KVF_ASSERT_LOCKED(eng) at their top
+ * (checked in debug builds, the sanitizer ones included; libfabric's
+ * genlock idea).  A thread holds at most one engine's lock at a time.
+ */
+extern _Thread_local const kvf_engine_t *kvf__lock_held;
+
+static inline void kvf__lock(kvf_engine_t *eng)
+{
+    pthread_mutex_lock(&eng->lock);
+    kvf__lock_held = eng;
+}
+
+static inline void kvf__unlock(kvf_engine_t *eng)
+{
+    kvf__lock_held = NULL;
+    pthread_mutex_unlock(&eng->lock);
+}
+
+/* pthread_cond_timedwait on the engine lock, keeping the record true. */
+static inline int kvf__cond_timedwait(kvf_engine_t *eng, pthread_cond_t *cond,
+                                      const struct timespec *until)
+{
+    kvf__lock_held = NULL;
+    int rc = pthread_cond_timedwait(cond, &eng->lock, until);
+    kvf__lock_held = eng;
+    return rc;
+}
+
+#define KVF_ASSERT_LOCKED(eng) assert(kvf__lock_held == (eng))
 
 /* engine.c */
 void kvf__engine_wake(kvf_engine_t *eng);

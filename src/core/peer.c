@@ -69,6 +69,7 @@ static kvf_peer_t *peer_new(kvf_engine_t *eng)
 
 void kvf__peer_put(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (--p->refs > 0)
         return;
     if (p->conn)
@@ -84,6 +85,7 @@ void kvf__peer_put(kvf_peer_t *p)
 
 kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_DEAD || p->conn == NULL)
         return KVF_ERR_CONN_RESET;
     kvf_status_t st = p->conn->ops->send_msg(p->conn, msg);
@@ -367,6 +369,7 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     char why[384], name[128], reason[KVF_REASON_MAX];
     va_list ap;
 
+    KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_DEAD)
         return;
     va_start(ap, fmt);

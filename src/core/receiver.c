@@ -35,7 +35,7 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
                   "prefill DP rank >= -1");
         return KVF_ERR_INVALID_PARAM;
     }
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     kvf_status_t st = kvf__room_create(eng, KVF_ROLE_DECODE, room, &r);
     if (st == KVF_OK) {
         kvf_receiver_t *rv = receiver_of(r);
@@ -47,7 +47,7 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
             kvf__resolver_enqueue(eng, r);
         *receiver_p = (kvf_receiver_t *)r;
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     return st;
 }
 
@@ -116,7 +116,7 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
         memcpy(st_copy, state_slots, n_state * sizeof(uint32_t));
 
     kvf_status_t st = KVF_OK;
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     if (r->initialized) {
         kvf_error("room %llu: kvf_receiver_init called twice", id);
         st = KVF_ERR_STATE;
@@ -131,7 +131,7 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
         copy = sorted = st_copy = NULL;
         kvf__receiver_try_request(r);
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     free(copy);
     free(sorted);
     free(st_copy);
@@ -169,6 +169,7 @@ uint64_t kvf_receiver_room(const kvf_receiver_t *rv) { return rv->room.id; }
 void kvf__receiver_try_request(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
     kvf_receiver_t *rv = receiver_of(r);
     char name[128];
 

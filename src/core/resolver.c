@@ -252,7 +252,7 @@ static void do_register(kvf_engine_t *eng)
     };
     kvf_status_t st = kvf__bs_register(eng->bootstrap_addr, &reg, CALL_TIMEOUT_MS, err,
                                        sizeof(err));
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     free(eng->register_error);
     eng->register_error = NULL;
     if (st != KVF_OK) {
@@ -260,7 +260,7 @@ static void do_register(kvf_engine_t *eng)
                   p->tp_rank, err);
         eng->register_error = strdup(err);
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
 }
 
 static void timed_wait(kvf_engine_t *eng, uint64_t ms)
@@ -273,7 +273,7 @@ static void timed_wait(kvf_engine_t *eng, uint64_t ms)
         ts.tv_sec++;
         ts.tv_nsec -= 1000000000L;
     }
-    pthread_cond_timedwait(&eng->resolver_cond, &eng->lock, &ts);
+    kvf__cond_timedwait(eng, &eng->resolver_cond, &ts);
 }
 
 static void *resolver_main(void *arg)
@@ -283,13 +283,13 @@ static void *resolver_main(void *arg)
     uint64_t next_register = 0;
     int retrying = 0;
 
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     while (!eng->stopping && rs != NULL) {
         uint64_t now = kvf_now_ms();
         if (eng->want_register && now >= next_register) {
-            pthread_mutex_unlock(&eng->lock);
+            kvf__unlock(eng);
             do_register(eng);
-            pthread_mutex_lock(&eng->lock);
+            kvf__lock(eng);
             next_register = kvf_now_ms() +
                 (eng->register_error ? REGISTER_RETRY_MS : REGISTER_PERIOD_MS);
             continue;
@@ -317,7 +317,7 @@ static void *resolver_main(void *arg)
                 char *addr = strdup(receiver_of(r)->bootstrap_addr);
                 uint64_t id = r->id;
                 int dp = receiver_of(r)->dp_rank;
-                pthread_mutex_unlock(&eng->lock);
+                kvf__unlock(eng);
                 if (addr == NULL) {
                     res.res = RES_FATAL;
                     res.status = KVF_ERR_NO_MEMORY;
@@ -325,7 +325,7 @@ static void *resolver_main(void *arg)
                     resolve_room(rs, eng, addr, id, dp, &res);
                 }
                 free(addr);
-                pthread_mutex_lock(&eng->lock);
+                kvf__lock(eng);
                 post_result(eng, r, &res);
                 retrying |= res.res == RES_RETRY;
             }
@@ -337,13 +337,14 @@ static void *resolver_main(void *arg)
             kvf__room_put(r);
         }
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     free(rs);
     return NULL;
 }
 
 void kvf__resolver_enqueue(kvf_engine_t *eng, kvf_room_t *r)
 {
+    KVF_ASSERT_LOCKED(eng);
     r->refs++;
     receiver_of(r)->rq_next = NULL;
     if (eng->rq_tail)
@@ -365,16 +366,18 @@ kvf_status_t kvf__resolver_start(kvf_engine_t *eng)
 
 void kvf__resolver_stop(kvf_engine_t *eng)
 {
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     eng->stopping = 1;
     pthread_cond_broadcast(&eng->resolver_cond);
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     pthread_join(eng->resolver_thread, NULL);
     /* Rooms still queued hold a reference each. */
+    kvf__lock(eng);
     while (eng->rq_head != NULL) {
         kvf_room_t *r = eng->rq_head;
         eng->rq_head = receiver_of(r)->rq_next;
         kvf__room_put(r);
     }
     eng->rq_tail = NULL;
+    kvf__unlock(eng);
 }

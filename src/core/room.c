@@ -35,6 +35,7 @@ static void link_free(kvf_link_t *l)
 
 void kvf__room_put(kvf_room_t *r)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     if (--r->refs > 0)
         return;
     for (uint32_t i = 0; i < r->nlinks; i++)
@@ -66,6 +67,7 @@ static void stats_final(kvf_engine_t *eng, kvf_poll_t s, kvf_status_t st)
 
 void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_poll_t cur = room_state(r);
     if (cur == KVF_POLL_FAILED || cur == KVF_POLL_SUCCESS || s <= cur)
         return;
@@ -104,6 +106,7 @@ void kvf__send_fail(kvf_peer_t *to, uint64_t room, const kvf_failure_t *f, int a
 void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
                              int abort)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     if (room_final(r)) {
         free(f);
         return;
@@ -181,7 +184,7 @@ void kvf__room_fail_remote(kvf_room_t *r, kvf_peer_t *from, int abort,
 kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out)
 {
     kvf_status_t st;
-    pthread_mutex_lock(&r->eng->lock);
+    kvf__lock(r->eng);
     if (room_state(r) != KVF_POLL_FAILED)
         st = KVF_ERR_AGAIN;
     else if (r->failure_consumed || r->failure == NULL)
@@ -191,7 +194,7 @@ kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out)
         r->failure_consumed = 1;
         st = KVF_OK;
     }
-    pthread_mutex_unlock(&r->eng->lock);
+    kvf__unlock(r->eng);
     return st;
 }
 
@@ -246,7 +249,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
 void kvf__room_destroy(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     if (!room_final(r))
         kvf__room_fail(r, KVF_ERR_ABORTED, "room %llu destroyed by the application "
                        "on %s rank %d before it finished", (unsigned long long)r->id,
@@ -264,15 +267,15 @@ void kvf__room_destroy(kvf_room_t *r)
      * rx_valid() checks `attached` before every placement. */
     r->attached = 0;
     kvf__room_put(r);
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
 }
 
 void kvf__room_abort(kvf_room_t *r)
 {
-    pthread_mutex_lock(&r->eng->lock);
+    kvf__lock(r->eng);
     kvf__room_fail(r, KVF_ERR_ABORTED, "aborted by the application on %s rank %d",
                    kvf_role_name(r->side), r->eng->params.tp_rank);
-    pthread_mutex_unlock(&r->eng->lock);
+    kvf__unlock(r->eng);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -340,6 +343,7 @@ void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
                            const char *reason)
 {
+    KVF_ASSERT_LOCKED(eng);
     int n = 0;
 
     if (p->rx_room != NULL) {

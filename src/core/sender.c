@@ -320,7 +320,7 @@ kvf_status_t kvf_sender_create(kvf_engine_t *eng, const char *bootstrap_addr,
     kvf_room_t *r;
     if (eng == NULL || sender_p == NULL)
         return KVF_ERR_INVALID_PARAM;
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     kvf_status_t st = kvf__room_create(eng, KVF_ROLE_PREFILL, room, &r);
     if (st == KVF_OK) {
         if (bootstrap_addr && eng->bootstrap_addr &&
@@ -330,7 +330,7 @@ kvf_status_t kvf_sender_create(kvf_engine_t *eng, const char *bootstrap_addr,
         stash_apply(r);
         *sender_p = (kvf_sender_t *)r;
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     return st;
 }
 
@@ -341,7 +341,7 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
     const kvf_layout_int_t *l = &eng->layout;
     kvf_status_t st = KVF_OK;
 
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     if (r->initialized) {
         kvf_error("room %llu: kvf_sender_init called twice", (unsigned long long)r->id);
         st = KVF_ERR_STATE;
@@ -356,7 +356,7 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
     } else {
         s->src_pages = malloc(num_pages * sizeof(uint32_t));
         if (s->src_pages == NULL) {
-            pthread_mutex_unlock(&eng->lock);
+            kvf__unlock(eng);
             return KVF_ERR_NO_MEMORY;
         }
         s->num_pages = num_pages;
@@ -373,7 +373,7 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
             }
         }
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     return st;
 }
 
@@ -394,7 +394,7 @@ kvf_status_t kvf_sender_set_state(kvf_sender_t *s, const uint32_t *slots, size_t
                   (unsigned long long)r->id, slots[bad], bad);
         return KVF_ERR_OUT_OF_RANGE;
     }
-    pthread_mutex_lock(&r->eng->lock);
+    kvf__lock(r->eng);
     if (s->last_sent || s->state_src != NULL) {
         st = KVF_ERR_STATE;
     } else if (n > 0) {
@@ -406,7 +406,7 @@ kvf_status_t kvf_sender_set_state(kvf_sender_t *s, const uint32_t *slots, size_t
             s->n_state_src = (uint32_t)n;
         }
     }
-    pthread_mutex_unlock(&r->eng->lock);
+    kvf__unlock(r->eng);
     return st;
 }
 
@@ -428,7 +428,7 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
                   (unsigned long long)min_items(eng->layout.kv, eng->layout.num_kv));
         return KVF_ERR_OUT_OF_RANGE;
     }
-    pthread_mutex_lock(&eng->lock);
+    kvf__lock(eng);
     kvf_poll_t state = room_state(r);
     if (!r->initialized)
         why = "kvf_sender_init was not called";
@@ -481,7 +481,7 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
                   (unsigned long long)r->id, n, s->pages_sent, s->pages_sent + n,
                   s->num_pages, is_last ? ", last" : "", why);
     }
-    pthread_mutex_unlock(&eng->lock);
+    kvf__unlock(eng);
     if (st == KVF_OK)
         kvf__engine_wake(eng);
     return st;
