@@ -5,6 +5,7 @@
  * for heartbeats and room deadlines.
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,7 @@
 
 #define TICK_MS  50
 #define STALL_MS 1000   /* epoll_wait this late: the process itself was stopped */
+#define YIELD_SPINS 200 /* sched_yield()s at most, letting callers take the lock */
 
 _Thread_local const kvf_engine_t *kvf__lock_held;
 
@@ -541,6 +543,23 @@ static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
     *next_tick = now + TICK_MS;
 }
 
+/*
+ * Between passes, with the lock released: if application threads are
+ * waiting for it, let them have it before taking it back, for a bounded
+ * time (a waiter that was descheduled must not stall the loop).  Without
+ * this a busy loop re-takes the lock within the microsecond it let go,
+ * and a scheduler's call waits for many passes.
+ */
+static void yield_to_callers(kvf_engine_t *eng)
+{
+    for (int spins = 0; spins < YIELD_SPINS; spins++) {
+        /* Relaxed: only a hint, see kvf__lock. */
+        if (atomic_load_explicit(&eng->lock_wanted, memory_order_relaxed) == 0)
+            return;
+        sched_yield();
+    }
+}
+
 static void *progress_main(void *arg)
 {
     kvf_engine_t *eng = arg;
@@ -548,13 +567,16 @@ static void *progress_main(void *arg)
     uint64_t next_tick = kvf_now_ms() + TICK_MS;
     int more = 0;      /* connections have buffered messages left */
 
-    kvf__lock(eng);
+    pthread_mutex_lock(&eng->lock);
+    kvf__lock_held = eng;
     while (!eng->stopping) {
         uint64_t now = kvf_now_ms();
         int timeout = more || next_tick <= now ? 0 : (int)(next_tick - now);
         kvf__unlock(eng);
+        yield_to_callers(eng);
         int n = epoll_wait(eng->epfd, evs, 64, timeout);
-        kvf__lock(eng);
+        pthread_mutex_lock(&eng->lock);
+        kvf__lock_held = eng;
         eng->now_ms = kvf_now_ms();
         /* A wait far longer than asked for: the process was not running. */
         if (eng->now_ms - now > (uint64_t)timeout + STALL_MS)

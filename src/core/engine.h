@@ -85,6 +85,7 @@ struct kvf_engine {
     uint64_t            instance_id;
 
     pthread_mutex_t     lock;
+    atomic_int          lock_wanted;      /* threads waiting in kvf__lock */
     int                 epfd, wakefd, listenfd;
     kvf_ev_kind_t       ev_listener, ev_wake;
     pthread_t           progress_thread;
@@ -129,9 +130,18 @@ struct kvf_engine {
  */
 extern _Thread_local const kvf_engine_t *kvf__lock_held;
 
+/*
+ * Every thread but the progress thread takes the lock through this: it
+ * counts itself in `lock_wanted` while it waits, and the progress thread,
+ * which would otherwise take the lock back the moment it let go (a mutex
+ * is not fair), lets such waiters go first between its passes.
+ */
 static inline void kvf__lock(kvf_engine_t *eng)
 {
+    /* Relaxed: a hint for the progress thread; the mutex orders the rest. */
+    atomic_fetch_add_explicit(&eng->lock_wanted, 1, memory_order_relaxed);
     pthread_mutex_lock(&eng->lock);
+    atomic_fetch_sub_explicit(&eng->lock_wanted, 1, memory_order_relaxed);
     kvf__lock_held = eng;
 }
 

@@ -29,7 +29,9 @@
 #define TCP_FRAME_BYTES   (4u << 20)        /* payload per DATA frame */
 #define TCP_RX_BUF        (256u << 10)
 #define TCP_RX_IOV        1024              /* targets per readv() */
-#define TCP_PASS_BYTES    (32u << 20)       /* fairness: bytes per event */
+#define TCP_PASS_BYTES    (256u << 10)      /* bytes one event moves: what the
+                                               engine lock is held for at most,
+                                               per connection and direction */
 #define TCP_PASS_MSGS     64                /* fairness: messages per event */
 #define TCP_PASS_REFS     TCP_FRAME_BYTES   /* bytes pulled for the DATA_REFs of
                                                one event: one frame's worth, so
@@ -450,7 +452,20 @@ static void tcp_flush(kvf_conn_t *base)
             return;
         }
         if (c->frame_active) {
-            ssize_t n = writev(c->fd, c->iov + c->iov_i, c->iov_n - c->iov_i);
+            /* No more than the budget per call: the kernel would otherwise
+             * copy a whole socket buffer's worth with the engine locked. */
+            int cnt = 0;
+            size_t sum = 0, clipped = 0;
+            struct iovec *v = c->iov + c->iov_i;
+            while (c->iov_i + cnt < c->iov_n && sum < budget)
+                sum += v[cnt++].iov_len;
+            if (sum > budget) {
+                clipped = v[cnt - 1].iov_len;
+                v[cnt - 1].iov_len -= sum - budget;
+            }
+            ssize_t n = writev(c->fd, v, cnt);
+            if (clipped)
+                v[cnt - 1].iov_len = clipped;
             if (n < 0) {
                 if (errno == EINTR)
                     continue;
@@ -632,20 +647,22 @@ static void discard_rest(kvf_tcp_conn_t *c)
 
 /* readv the current frame's payload into its next targets (stops at a
  * discarded one, which goes through the buffer).  Same result as recv(). */
-static ssize_t read_into_targets(kvf_tcp_conn_t *c)
+static ssize_t read_into_targets(kvf_tcp_conn_t *c, size_t budget)
 {
     struct iovec iov[TCP_RX_IOV];
     uint64_t want = 0;
     int k = 0;
 
-    for (uint32_t i = c->tgt_i; i < c->tgt_n && k < TCP_RX_IOV && want < c->payload_left;
-         i++) {
+    for (uint32_t i = c->tgt_i; i < c->tgt_n && k < TCP_RX_IOV && want < c->payload_left &&
+         want < budget; i++) {
         const kvf_rx_target_t *t = &c->tgt[i];
         size_t off = i == c->tgt_i ? c->tgt_off : 0;
         if (t->dst == NULL)
             break;
         iov[k].iov_base = t->dst + off;
         iov[k].iov_len = t->len - off;
+        if (want + iov[k].iov_len > budget)
+            iov[k].iov_len = budget - want;   /* the rest in the next call */
         want += iov[k++].iov_len;
     }
     ssize_t n = readv(c->fd, iov, k);
@@ -691,7 +708,7 @@ static void handle_readable(kvf_tcp_conn_t *c)
         if (t != NULL && t->dst != NULL && c->rx_off == c->rx.len) {
             /* Payload with the buffer empty: scatter it straight into place,
              * as many targets per readv as the kernel takes. */
-            n = read_into_targets(c);
+            n = read_into_targets(c, budget);
             if (n > 0) {
                 budget -= (size_t)n < budget ? (size_t)n : budget;
                 continue;
@@ -701,7 +718,8 @@ static void handle_readable(kvf_tcp_conn_t *c)
                 kvf_buf_consume(&c->rx, c->rx_off);
                 c->rx_off = 0;
             }
-            n = recv(c->fd, c->rx.data + c->rx.len, c->rx.cap - c->rx.len, 0);
+            size_t room = c->rx.cap - c->rx.len;
+            n = recv(c->fd, c->rx.data + c->rx.len, room < budget ? room : budget, 0);
             if (n > 0) {
                 c->last_rx_ms = kvf_now_ms();
                 budget -= (size_t)n < budget ? (size_t)n : budget;
