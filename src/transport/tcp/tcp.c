@@ -29,7 +29,7 @@
 #define TCP_FRAME_BYTES   (4u << 20)        /* payload per DATA frame */
 #define TCP_RX_BUF        (256u << 10)
 #define TCP_RX_IOV        1024              /* targets per readv() */
-#define TCP_PASS_BYTES    (256u << 10)      /* bytes one event moves: what the
+#define TCP_PASS_BYTES    (1u << 20)        /* bytes one event moves: what the
                                                engine lock is held for at most,
                                                per connection and direction */
 #define TCP_PASS_MSGS     64                /* fairness: messages per event */
