@@ -127,6 +127,18 @@ struct kvf_transport_ops {
     /* 1 when received messages wait in the connection's buffer: a handle
      * stops after a bounded amount of work, and epoll will not say so. */
     int          (*pending)(const kvf_conn_t *c);
+
+    /* What the fault transport drives (optional: a backend without all
+     * three cannot be wrapped by it).
+     * abort: close now as a failure would, with an RST (rst=1) or a FIN
+     * that cuts whatever frame is half-sent (rst=0); on_close follows with
+     * `reason`.  pause: send nothing before until_ms (kvf_now_ms);
+     * receiving goes on.  truncate: send only the header of the next DATA
+     * frame (or of the one being sent), then close with a FIN; on_close
+     * follows with `reason`. */
+    void         (*abort)(kvf_conn_t *c, int rst, const char *reason);
+    void         (*pause)(kvf_conn_t *c, uint64_t until_ms);
+    void         (*truncate)(kvf_conn_t *c, const char *reason);
 };
 
 /* The backends built in. */

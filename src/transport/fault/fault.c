@@ -38,7 +38,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "transport/tcp/tcp.h"
 #include "transport/transport.h"
 #include "util/log.h"
 #include "util/time.h"
@@ -268,12 +267,12 @@ static int fput_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
             kvf_warn("injected fault: stalling sends for %llu ms after %llu payload bytes "
                      "of room %llu", (unsigned long long)f->ms, (unsigned long long)before,
                      (unsigned long long)put->room);
-            kvf_tcp_conn_pause(fc->inner, kvf_now_ms() + f->ms);
+            fc->inner->ops->pause(fc->inner, kvf_now_ms() + f->ms);
             break;
         case F_RESET:
             f->fired = cut = fc->cut = 1;
             fc->reset_pending = 1;
-            kvf_tcp_conn_pause(fc->inner, UINT64_MAX);
+            fc->inner->ops->pause(fc->inner, UINT64_MAX);
             break;
         case F_TRUNCATE:
             f->fired = cut = fc->cut = 1;
@@ -281,7 +280,7 @@ static int fput_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
                      "the middle of a frame after %llu payload bytes of room %llu",
                      (unsigned long long)before, (unsigned long long)put->room);
             kvf_warn("%s", why);
-            kvf_tcp_conn_truncate(fc->inner, why);
+            fc->inner->ops->truncate(fc->inner, why);
             break;
         default:
             break;
@@ -317,7 +316,7 @@ static void fault_put(kvf_conn_t *c, kvf_put_t *inner)
     for (int i = 0; i < fc->faults->n; i++) {
         fault_t *f = &fc->faults->f[i];
         if (f->kind == F_DELAY && fc->faults->sent >= f->bytes)
-            kvf_tcp_conn_pause(fc->inner, kvf_now_ms() + f->ms);
+            fc->inner->ops->pause(fc->inner, kvf_now_ms() + f->ms);
     }
     fc->inner->ops->put(fc->inner, &fp->put);
 }
@@ -333,7 +332,7 @@ static void fire(fault_conn_t *fc)
     snprintf(why, sizeof(why), "injected fault (KVF_FAULTS): connection reset after "
              "%llu payload bytes on this engine", (unsigned long long)fc->faults->sent);
     kvf_warn("%s", why);
-    kvf_tcp_conn_abort(fc->inner, 1, why);
+    fc->inner->ops->abort(fc->inner, 1, why);
 }
 
 static void fault_flush(kvf_conn_t *c)
@@ -506,8 +505,9 @@ static const kvf_conn_handler_t fault_handler = {
 static fault_conn_t *fault_conn_new(kvf_faults_t *faults, const kvf_transport_ops_t *inner,
                                     const kvf_conn_handler_t *h, void *arg)
 {
-    if (inner != &kvf_tcp_ops) {
-        kvf_error("the fault transport wraps tcp connections only");
+    if (inner->abort == NULL || inner->pause == NULL || inner->truncate == NULL) {
+        kvf_error("the fault transport cannot wrap %s connections (no abort, pause or "
+                  "truncate op)", inner->name);
         return NULL;
     }
     fault_conn_t *fc = calloc(1, sizeof(*fc));

@@ -766,7 +766,7 @@ static void tcp_handle(kvf_conn_t *base, uint32_t events)
         tcp_flush(&c->base);
 }
 
-void kvf_tcp_conn_abort(kvf_conn_t *base, int rst, const char *reason)
+static void tcp_abort(kvf_conn_t *base, int rst, const char *reason)
 {
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     if (c->dead)
@@ -778,14 +778,14 @@ void kvf_tcp_conn_abort(kvf_conn_t *base, int rst, const char *reason)
     conn_fail(c, KVF_ERR_CONN_RESET, "%s", reason);
 }
 
-void kvf_tcp_conn_pause(kvf_conn_t *base, uint64_t until_ms)
+static void tcp_pause(kvf_conn_t *base, uint64_t until_ms)
 {
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     c->paused_until_ms = until_ms;
     update_events(c);
 }
 
-void kvf_tcp_conn_truncate(kvf_conn_t *base, const char *reason)
+static void tcp_truncate(kvf_conn_t *base, const char *reason)
 {
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     if (c->truncate_reason == NULL)
@@ -806,4 +806,7 @@ const kvf_transport_ops_t kvf_tcp_ops = {
     .last_tx = tcp_last_tx,
     .idle = tcp_idle,
     .pending = tcp_pending,
+    .abort = tcp_abort,
+    .pause = tcp_pause,
+    .truncate = tcp_truncate,
 };

@@ -33,17 +33,4 @@ typedef struct kvf_tcp_conn kvf_tcp_conn_t;
 /* Listen on host:port (0 = any).  @return KVF_OK or KVF_ERR_IO. */
 kvf_status_t kvf_tcp_listen(const char *host, int port, int *fd_p, int *port_p);
 
-/*
- * For the fault transport only.
- * abort: close the socket now as a failure would: with an RST (rst=1) or a
- * plain FIN that cuts whatever frame is half-sent (rst=0); on_close follows
- * with `reason`.
- * pause: send nothing before `until_ms` (kvf_now_ms); receiving goes on.
- * truncate: send only the header of the next DATA frame (or of the one
- * being sent), then close with a FIN; on_close follows with `reason`.
- */
-void kvf_tcp_conn_abort(kvf_conn_t *c, int rst, const char *reason);
-void kvf_tcp_conn_pause(kvf_conn_t *c, uint64_t until_ms);
-void kvf_tcp_conn_truncate(kvf_conn_t *c, const char *reason);
-
 #endif /* KVF_TRANSPORT_TCP_H */
