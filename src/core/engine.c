@@ -349,6 +349,7 @@ static void start_movers(kvf_engine_t *eng)
         .mem_kind = eng->layout.mem_kind,
         .by_name = strcmp(eng->transport, "auto") != 0,
     };
+    kvf_movers_check();
     for (int i = 0; kvf_movers[i] != NULL; i++) {
         const kvf_mover_ops_t *ops = kvf_movers[i];
         char err[256] = "";

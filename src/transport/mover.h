@@ -111,6 +111,9 @@ struct kvf_mover_ops {
 extern const kvf_mover_ops_t *const kvf_movers[];
 #define KVF_MAX_MOVERS 4
 
+/* Assert, once per process, that every mover in the table has the
+ * required ops (debug builds).  Engines call it before creating movers. */
+void                   kvf_movers_check(void);
 /* The mover called `name` (len bytes), or NULL. */
 const kvf_mover_ops_t *kvf_mover_find(const char *name, size_t len);
 /* Its index in kvf_movers[], or -1. */

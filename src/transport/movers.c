@@ -51,9 +51,14 @@ static void check_table(void)
 
 static pthread_once_t table_once = PTHREAD_ONCE_INIT;
 
-const kvf_mover_ops_t *kvf_mover_find(const char *name, size_t len)
+void kvf_movers_check(void)
 {
     pthread_once(&table_once, check_table);
+}
+
+const kvf_mover_ops_t *kvf_mover_find(const char *name, size_t len)
+{
+    kvf_movers_check();
     for (const kvf_mover_ops_t *const *m = kvf_movers; *m != NULL; m++)
         if (strlen((*m)->name) == len && memcmp((*m)->name, name, len) == 0)
             return *m;

@@ -517,7 +517,6 @@ kvf_status_t kvf_shm_read(kvf_shm_peer_t *sp, struct iovec *local, struct iovec 
 
 typedef struct kvf_shm {
     kvf_mover_t base;
-    kvf_role_t  role;
     uint64_t    instance;
     int         listen_fd;     /* prefill: hands out memfds, or -1 */
     void      **bases;         /* the registered buffers, for offers */
@@ -552,7 +551,6 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
         return KVF_ERR_NO_MEMORY;
     }
     s->base.ops = &kvf_shm_mover;
-    s->role = p->role;
     s->instance = p->instance_id;
     s->listen_fd = -1;
     s->n = p->n;
