@@ -262,6 +262,32 @@ static void kvt_take(kvt_rank_t *r, kvt_room_t *rm)
     rm->has_pages = rm->has_aux = 1;
 }
 
+/*
+ * Decode: how many of a new room's pages are not all zero.  Pages go back
+ * to the pool zeroed once their room is final (kvt_release), and a final
+ * room's pages must never be written again: a page found dirty here was
+ * written after that (a read that landed late), which the failure model
+ * forbids.
+ */
+static uint32_t kvt_stale_pages(kvt_rank_t *r, const kvt_room_t *rm)
+{
+    static const uint8_t zero[4096];
+    uint32_t stale = 0;
+    for (uint32_t i = 0; i < r->room_pages; i++) {
+        int dirty = 0;
+        for (uint32_t b = 0; b < r->g.num_buffers && !dirty; b++) {
+            const uint8_t *p = kvt_page(r, b, rm->pages[i]);
+            for (size_t off = 0; off < r->g.page_bytes && !dirty; off += sizeof(zero)) {
+                size_t n = r->g.page_bytes - off < sizeof(zero) ? r->g.page_bytes - off
+                                                                : sizeof(zero);
+                dirty = memcmp(p + off, zero, n) != 0;
+            }
+        }
+        stale += (uint32_t)dirty;
+    }
+    return stale;
+}
+
 static void kvt_release(kvt_rank_t *r, kvt_room_t *rm)
 {
     if (rm->has_pages) {
@@ -378,6 +404,15 @@ static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index)
     }
     kvt_emit_phase(r, rm, "bootstrap");
     kvt_take(r, rm);
+    uint32_t stale = kvt_stale_pages(r, rm);
+    if (stale > 0) {
+        kvf_receiver_abort(rm->rcv);
+        kvt_finish(r, rm, KVF_POLL_FAILED,
+                   kvt_local_failure(r, rm, "STALE_WRITE", "%u of the %u pages given to "
+                                     "this room held bytes written after their previous "
+                                     "room was final (engine bug)", stale, r->room_pages));
+        return;
+    }
     st = kvf_receiver_init(rm->rcv, rm->pages, r->room_pages, rm->aux_slot,
                            NULL, 0);
     if (st != KVF_OK)

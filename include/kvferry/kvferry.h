@@ -458,7 +458,13 @@ KVF_API kvf_status_t kvf_receiver_init(kvf_receiver_t *receiver,
                                        const uint32_t *state_slots,
                                        size_t n_state);
 
-/** @return the receiver's poll state (an atomic load: cheap). */
+/**
+ * @return the receiver's poll state (atomic loads: cheap).  A room shows
+ * FAILED (or SUCCESS) only once no read into its pages is in flight: a
+ * room that failed while the decode side was still pulling bytes shows
+ * TRANSFERRING until those reads end (at most the heartbeat timeout), so
+ * that a final room's pages may always be given to another request.
+ */
 KVF_API kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *receiver);
 
 /** Consume the failure record, once (as kvf_sender_failure). */
@@ -471,17 +477,20 @@ KVF_API void kvf_receiver_abort(kvf_receiver_t *receiver);
 /**
  * May the room's destination pages be given to another request?  1 once
  * the room is final and no write into its pages can still land; 0 before.
- * Every built-in transport places bytes only from the engine's own thread
- * after checking that the room is live (tcp receives, shm and ucx pull), so
- * this is 1 as soon as the room is final; a transport where the sender
- * writes remotely would wait for the senders' confirmation or a drain
- * deadline.  An atomic load: cheap.
+ * Bytes received in the stream are placed by the engine's thread after it
+ * checked that the room is live; bytes pulled (shm, ucx) are read by the
+ * mover and counted until the mover says no byte of the read can land.
+ * So this is 1 exactly when kvf_receiver_poll() shows a final state.  An
+ * atomic load: cheap.
  */
 KVF_API int kvf_receiver_pages_released(const kvf_receiver_t *receiver);
 
 /**
- * Release the receiver.  Blocks (microseconds) until no write into its
- * pages is in progress; afterwards nothing more is written into them.
+ * Release the receiver; afterwards nothing more is written into its pages.
+ * Destroying a room poll() showed final never waits.  A room destroyed
+ * before that is aborted, and destroy waits until the reads into its pages
+ * that are in flight have ended (microseconds normally; at most the
+ * heartbeat timeout when the prefill process stopped answering).
  */
 KVF_API void kvf_receiver_destroy(kvf_receiver_t *receiver);
 

@@ -25,6 +25,7 @@
 
 #define BS_BACKOFF_FIRST_MS 50u
 #define BS_BACKOFF_MAX_MS   1000u
+#define BS_LAST_ATTEMPT_MS  50u     /* what the last attempt is left at least */
 
 static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
 static CURLcode curl_init_rc;
@@ -317,10 +318,14 @@ kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
         } else if (st != KVF_ERR_BOOTSTRAP) {
             break;
         }
+        /* The last attempt gets BS_LAST_ATTEMPT_MS at least: one started
+         * with a millisecond left can only time out, and its "did not
+         * answer" would hide why the earlier ones failed. */
         now = kvf_now_ms();
-        if (now >= deadline)
+        if (now + BS_LAST_ATTEMPT_MS >= deadline)
             break;
-        uint64_t nap = deadline - now < delay ? deadline - now : delay;
+        uint64_t left = deadline - now - BS_LAST_ATTEMPT_MS;
+        uint64_t nap = left < delay ? left : delay;
         kvf_debug("bootstrap register attempt %u failed (%s); retrying in "
                   "%llu ms", attempts, err ? err : "", (unsigned long long)nap);
         struct timespec ts = {(time_t)(nap / 1000),

@@ -141,6 +141,7 @@ static void engine_free(kvf_engine_t *eng)
     free(eng->bootstrap_addr);
     pthread_mutex_destroy(&eng->lock);
     pthread_cond_destroy(&eng->resolver_cond);
+    pthread_cond_destroy(&eng->reads_cond);
     free(eng);
 }
 
@@ -179,6 +180,8 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
         eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
     pthread_mutex_init(&eng->lock, NULL);
     pthread_cond_init(&eng->resolver_cond, NULL);
+    pthread_cond_init(&eng->reads_cond, NULL);
+    eng->reads_done_tail = &eng->reads_done;
     kvf_map_init(&eng->rooms_by_id);
     kvf_map_init(&eng->stash);
     kvf_map_init(&eng->tombs);
@@ -281,6 +284,14 @@ void kvf_engine_destroy(kvf_engine_t *eng)
         p->next = NULL;
         kvf__peer_put(p);
     }
+    /* The movers go before the rest: each hands back the reads it still
+     * had (failed), which release their rooms and peers. */
+    for (int i = 0; i < KVF_MAX_MOVERS; i++)
+        if (eng->movers[i] != NULL) {
+            eng->movers[i]->ops->destroy(eng->movers[i]);
+            eng->movers[i] = NULL;
+        }
+    kvf__receiver_reads_done(eng);
     for (size_t i = 0; i < eng->stash.cap; i++)
         kvf__stash_free(eng->stash.slots[i].val);
     kvf__unlock(eng);
@@ -374,12 +385,20 @@ static void start_movers(kvf_engine_t *eng)
     }
 }
 
-/* Serve what a mover has pending, a bounded number of rounds. */
+/* Serve what a mover has pending, a bounded number of rounds, and take in
+ * the reads it handed back. */
 static void progress_mover(kvf_engine_t *eng, int i)
 {
     kvf_mover_t *m = eng->movers[i];
     for (int k = 0; m != NULL && k < 64 && m->ops->progress(m); k++)
         ;
+    kvf__receiver_reads_done(eng);
+}
+
+void kvf__engine_progress_movers(kvf_engine_t *eng)
+{
+    for (int i = 0; i < KVF_MAX_MOVERS; i++)
+        progress_mover(eng, i);
 }
 
 static int have_device_mover(const kvf_engine_t *eng)
@@ -499,12 +518,25 @@ static int drain_peers(kvf_engine_t *eng)
 {
     int more = 0;
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
-        if (p->conn == NULL || p->state == KVF_PEER_DEAD || !p->conn->ops->pending(p->conn))
+        /* A peer over its read window waits for its reads (progress). */
+        if (p->conn == NULL || p->state == KVF_PEER_DEAD || !kvf__peer_rx_ready(p) ||
+            !p->conn->ops->pending(p->conn))
             continue;
         p->conn->ops->handle(p->conn, EPOLLIN);
-        more |= p->state != KVF_PEER_DEAD && p->conn->ops->pending(p->conn);
+        more |= p->state != KVF_PEER_DEAD && kvf__peer_rx_ready(p) &&
+                p->conn->ops->pending(p->conn);
     }
     return more;
+}
+
+/* 1 when a connection that may go on has messages left. */
+static int peers_pending(const kvf_engine_t *eng)
+{
+    for (const kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
+        if (p->conn != NULL && p->state != KVF_PEER_DEAD && kvf__peer_rx_ready(p) &&
+            p->conn->ops->pending(p->conn))
+            return 1;
+    return 0;
 }
 
 static void flush_peers(kvf_engine_t *eng)
@@ -606,9 +638,13 @@ static void *progress_main(void *arg)
         more = drain_peers(eng);
         /* Application threads queue work and wake us; send it. */
         flush_peers(eng);
-        for (int i = 0; i < KVF_MAX_MOVERS; i++)   /* movers without an fd */
-            if (eng->movers[i] != NULL && eng->movers[i]->ops->fd(eng->movers[i]) < 0)
+        /* Movers without an fd, and every mover while reads are in flight
+         * (a read may finish without its fd saying so). */
+        for (int i = 0; i < KVF_MAX_MOVERS; i++)
+            if (eng->movers[i] != NULL &&
+                (eng->reads_inflight > 0 || eng->movers[i]->ops->fd(eng->movers[i]) < 0))
                 progress_mover(eng, i);
+        more |= peers_pending(eng);   /* windows the reads just reopened */
         tick_if_due(eng, &next_tick);
     }
     kvf__unlock(eng);

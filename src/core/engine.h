@@ -110,6 +110,13 @@ struct kvf_engine {
     kvf_peer_t         *peers;
     uint64_t            peer_generation;  /* bumped when a peer dies */
 
+    /* Mover reads (receiver.c): how many are in flight, those the movers
+     * handed back and not yet taken in (in order), and a signal for a
+     * destroy waiting for a room's reads to end. */
+    uint32_t            reads_inflight;
+    struct kvf_read    *reads_done, **reads_done_tail;
+    pthread_cond_t      reads_cond;
+
     /* resolver thread */
     pthread_t           resolver_thread;
     pthread_cond_t      resolver_cond;
@@ -165,6 +172,8 @@ static inline int kvf__cond_timedwait(kvf_engine_t *eng, pthread_cond_t *cond,
 
 /* engine.c */
 void kvf__engine_wake(kvf_engine_t *eng);
+/* Call every mover's progress (reads in flight want their completions). */
+void kvf__engine_progress_movers(kvf_engine_t *eng);
 /* May this engine use `ops` (its `transport` setting)? */
 int  kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops);
 

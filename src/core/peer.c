@@ -26,6 +26,7 @@ static void on_connected(void *arg);
 static void on_msg(void *arg, const kvf_msg_t *msg);
 static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t);
 static int  rx_valid(void *arg);
+static int  rx_ready(void *arg);
 static void on_placed(void *arg, const uint8_t *p, size_t n);
 static void on_data_end(void *arg, uint64_t placed);
 static void on_close(void *arg, kvf_status_t st, const char *reason);
@@ -35,6 +36,7 @@ static const kvf_conn_handler_t handler = {
     .on_msg = on_msg,
     .on_data = on_data,
     .rx_valid = rx_valid,
+    .rx_ready = rx_ready,
     .on_placed = on_placed,
     .on_data_end = on_data_end,
     .on_close = on_close,
@@ -76,7 +78,6 @@ void kvf__peer_put(kvf_peer_t *p)
         p->conn->ops->destroy(p->conn);
     kvf__layout_free(&p->layout);
     free(p->incompatible);
-    free(p->ref_iov);
     if (p->mep != NULL)
         p->mep->ops->disconnect(p->mep);
     free(p->ref_tgt);
@@ -395,6 +396,12 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
         p->conn->ops->flush(p->conn);      /* best effort, never blocks */
         p->conn->ops->shutdown(p->conn);
     }
+    /* Reads still in flight are stopped; each is handed back (and its room
+     * released) by the mover's progress. */
+    if (p->mep != NULL) {
+        p->mep->ops->disconnect(p->mep);
+        p->mep = NULL;
+    }
 }
 
 void kvf__peer_handle(kvf_peer_t *p, uint32_t events)
@@ -579,6 +586,19 @@ static int rx_valid(void *arg)
     kvf_peer_t *p = arg;
     return p->rx_room != NULL && p->rx_room->attached &&
            atomic_load_explicit(&p->rx_room->state, memory_order_relaxed) != KVF_POLL_FAILED;
+}
+
+/* Parse on while the reads of this peer's DATA_REFs in flight are within
+ * the window; beyond it its stream waits (and, through TCP, its sender). */
+static int rx_ready(void *arg)
+{
+    const kvf_peer_t *p = arg;
+    return p->read_bytes < KVF_READ_WINDOW;
+}
+
+int kvf__peer_rx_ready(const kvf_peer_t *p)
+{
+    return rx_ready((void *)p);
 }
 
 static void on_placed(void *arg, const uint8_t *ptr, size_t n)

@@ -34,9 +34,9 @@ struct kvf_peer {
      * control stream itself.  Decode: mep reads the prefill's memory. */
     const kvf_mover_ops_t *mover;
     kvf_mover_ep_t   *mep;
-    struct iovec     *ref_iov;       /* DATA_REF scratch: local then remote */
     kvf_rx_target_t  *ref_tgt;       /* DATA_REF scratch: checked targets */
     uint32_t          ref_cap;
+    uint64_t          read_bytes;    /* of its DATA_REFs, being read now */
     /* Current inbound DATA frame (decode side). */
     kvf_room_t       *rx_room;
     struct kvf_link  *rx_link;
@@ -54,12 +54,18 @@ static inline int kvf__peer_pulls(const kvf_peer_t *p)
     return p->mover != NULL;
 }
 
+/* Bytes of DATA_REF reads one peer may have in flight: beyond it, its
+ * stream is held (not parsed) until reads end. */
+#define KVF_READ_WINDOW (16ull << 20)
+
 /* peer.c */
 /* The connection to the prefill rank `tp_rank` at host:port (cached). */
 kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank);
 void         kvf__peer_put(kvf_peer_t *peer);
 void         kvf__peer_accept(kvf_engine_t *eng, int fd);
 void         kvf__peer_handle(kvf_peer_t *peer, uint32_t events);
+/* May its stream be parsed on (its reads in flight are within the window)? */
+int          kvf__peer_rx_ready(const kvf_peer_t *peer);
 void         kvf__peer_fail(kvf_peer_t *peer, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);

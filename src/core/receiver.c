@@ -140,16 +140,32 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
     return st;
 }
 
-int kvf_receiver_pages_released(const kvf_receiver_t *rv)
+/*
+ * Bytes land in a room's pages in two ways.  The stream places them under
+ * the engine lock after checking that the room is live (rx_valid), and the
+ * final state is stored under the same lock.  A mover read is started only
+ * for a live room, and counted in `reads` until the mover says no byte of
+ * it can land.  So once the room is final and `reads` is 0, nothing is
+ * written into its pages or can start to be.
+ */
+static int pages_busy(const kvf_receiver_t *rv)
 {
-    /* Placement happens under the engine lock and checks that the room is
-     * live first (kvf__receiver_on_data, rx_valid); the final state is stored
-     * under the same lock, so once it is visible no write is in progress
-     * or can start. */
-    return room_final(&rv->room);
+    return atomic_load_explicit(&rv->room.reads, memory_order_acquire) != 0;
 }
 
-kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *rv) { return room_state(&rv->room); }
+int kvf_receiver_pages_released(const kvf_receiver_t *rv)
+{
+    return room_final(&rv->room) && !pages_busy(rv);
+}
+
+/* A room that failed while reads into its pages were in flight shows as
+ * TRANSFERRING until they end: FAILED tells the scheduler it may free the
+ * pages (SUCCESS never comes before its reads ended). */
+kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *rv)
+{
+    kvf_poll_t s = room_state(&rv->room);
+    return s == KVF_POLL_FAILED && pages_busy(rv) ? KVF_POLL_TRANSFERRING : s;
+}
 
 kvf_status_t kvf_receiver_failure(kvf_receiver_t *rv, kvf_failure_t *f)
 {
@@ -408,7 +424,104 @@ void kvf__receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target
     p->rx_link = lk;
 }
 
-/* shm: the same checks, then read the bytes from the prefill process. */
+/*
+ * A mover read in flight: one DATA_REF frame's pieces, checked, started,
+ * and taken in when the mover hands it back.  It holds its room and its
+ * peer: neither goes away while a byte of it may still land.
+ */
+typedef struct kvf_read {
+    kvf_mover_read_t base;       /* first: what the mover hands back */
+    kvf_engine_t    *eng;
+    kvf_room_t      *room;
+    kvf_peer_t      *peer;
+    uint32_t         link;       /* its index in room->links */
+    uint64_t         bytes;
+    uint32_t         n;
+    kvf_status_t     st;
+    char             err[160];
+    struct kvf_read *next;       /* eng->reads_done */
+    struct iovec     iov[];      /* local[n], then remote[n] */
+} kvf_read_t;
+
+/* The mover is done with it: queue it for the engine loop, which takes it
+ * in after the mover's progress returns (nothing here calls back into the
+ * mover).  Movers hand reads back in the order they were started. */
+static void read_done(kvf_mover_read_t *base, kvf_status_t st, const char *err)
+{
+    kvf_read_t *rd = (kvf_read_t *)base;
+    kvf_engine_t *eng = rd->eng;
+    rd->st = st;
+    if (st != KVF_OK)
+        snprintf(rd->err, sizeof(rd->err), "%s", err ? err : kvf_status_str(st));
+    rd->next = NULL;
+    *eng->reads_done_tail = rd;
+    eng->reads_done_tail = &rd->next;
+}
+
+static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_t bytes,
+                       int has_checksum, uint64_t checksum);
+
+/* One finished read: its bytes count (or its failure fails the room), and
+ * a DONE that waited for it is checked. */
+static void read_finish(kvf_read_t *rd)
+{
+    kvf_engine_t *eng = rd->eng;
+    kvf_room_t *r = rd->room;
+    kvf_peer_t *p = rd->peer;
+    kvf_link_t *lk = &r->links[rd->link];
+    const struct iovec *local = rd->iov;
+    char name[128];
+
+    lk->reads--;
+    p->read_bytes -= rd->bytes;
+    eng->reads_inflight--;
+    if (lk->peer != p || p->state == KVF_PEER_DEAD) {
+        /* Its connection broke meanwhile, and that decided for the room
+         * (failed, or reconnecting to be sent everything again): what this
+         * read did no longer counts.  The link's DONE waited for it all
+         * the same, since it could still write into the pages. */
+    } else if (rd->st == KVF_OK) {
+        if (!room_final(r)) {
+            for (uint32_t i = 0; lk->hash != NULL && i < rd->n; i++)
+                XXH3_64bits_update(lk->hash, local[i].iov_base, local[i].iov_len);
+            lk->bytes += rd->bytes;
+            eng->stats.bytes_received += rd->bytes;
+            r->t_state_ms = kvf_now_ms();
+        }
+    } else {
+        kvf__room_fail(r, rd->st, "%s transfer from %s failed: %s", p->mover->name,
+                       kvf__peer_name(p, name, sizeof(name)), rd->err);
+        /* An endpoint that can read nothing any more takes its peer along. */
+        if (p->mep != NULL && p->mover->ep_failed(p->mep))
+            kvf__peer_fail(p, rd->st, "%s endpoint failed: %s", p->mover->name, rd->err);
+    }
+    /* Release: a poller that sees the count reach 0 sees the bytes too. */
+    if (atomic_fetch_sub_explicit(&r->reads, 1, memory_order_release) == 1)
+        pthread_cond_broadcast(&eng->reads_cond);
+    if (lk->reads == 0 && lk->done_waiting) {
+        lk->done_waiting = 0;
+        if (!room_final(r))
+            check_done(lk->peer, r, lk, lk->done_bytes, lk->done_has_checksum,
+                       lk->done_checksum);
+    }
+    kvf__room_put(r);
+    kvf__peer_put(p);
+    free(rd);
+}
+
+void kvf__receiver_reads_done(kvf_engine_t *eng)
+{
+    KVF_ASSERT_LOCKED(eng);
+    while (eng->reads_done != NULL) {
+        kvf_read_t *rd = eng->reads_done;
+        if ((eng->reads_done = rd->next) == NULL)
+            eng->reads_done_tail = &eng->reads_done;
+        read_finish(rd);
+    }
+}
+
+/* A DATA_REF frame: the same checks as DATA, then the mover starts reading
+ * the bytes from the prefill's memory; they count once it hands them back. */
 void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
 {
     kvf_engine_t *eng = p->eng;
@@ -416,56 +529,65 @@ void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
     char err[256], name[128];
 
     if (p->ref_cap < d->nseg) {
-        struct iovec *v = realloc(p->ref_iov, 2 * (size_t)d->nseg * sizeof(*v));
         kvf_rx_target_t *tg = realloc(p->ref_tgt, (size_t)d->nseg * sizeof(*tg));
-        if (v != NULL)
-            p->ref_iov = v;
-        if (tg != NULL)
-            p->ref_tgt = tg;
-        if (v == NULL || tg == NULL) {
+        if (tg == NULL) {
             kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a DATA_REF frame");
             return;
         }
+        p->ref_tgt = tg;
         p->ref_cap = d->nseg;
     }
     kvf_rx_target_t *t = p->ref_tgt;
     kvf_link_t *lk = frame_targets(p, d, t, &r);
-    if (lk != NULL) {
-        struct iovec *local = p->ref_iov, *remote = p->ref_iov + d->nseg;
-        for (uint32_t i = 0; i < d->nseg; i++) {
-            local[i] = (struct iovec){t[i].dst, t[i].len};
-            remote[i] = (struct iovec){(void *)(uintptr_t)kvf_wire_arr64_at(&d->src_addrs, i),
-                                       t[i].len};
-        }
-        const char *via = p->mover->name;
-        kvf_status_t st = p->mover->read(p->mep, local, remote, d->nseg,
-                                         eng->params.heartbeat_timeout_ms, err, sizeof(err));
-        if (st == KVF_ERR_PROTOCOL) {
-            /*
-             * A source outside what the peer registered: nothing was read
-             * and the endpoint is fine, so this is one bad request, not a
-             * dead peer.  The room fails; the peer's other rooms, whose
-             * segments are checked the same way, go on
-             * (docs/FAILURES.md, "bad source address").
-             */
-            kvf__room_fail(r, KVF_ERR_BAD_INDICES, "refused a %s read for room %llu "
-                           "from %s: %s; nothing of the frame was read", via,
-                           (unsigned long long)r->id,
-                           kvf__peer_name(p, name, sizeof(name)), err);
-        } else if (st != KVF_OK) {
-            kvf__room_fail(r, st, "%s transfer from %s failed: %s", via,
-                           kvf__peer_name(p, name, sizeof(name)), err);
-            /* An endpoint that can read nothing any more takes its peer along. */
-            if (p->mover->ep_failed(p->mep))
-                kvf__peer_fail(p, st, "%s endpoint failed: %s", via, err);
-        } else {
-            for (uint32_t i = 0; lk->hash != NULL && i < d->nseg; i++)
-                XXH3_64bits_update(lk->hash, t[i].dst, t[i].len);
-            lk->bytes += d->payload_len;
-            eng->stats.bytes_received += d->payload_len;
-            r->t_state_ms = kvf_now_ms();
-        }
+    if (lk == NULL)
+        return;
+    kvf_read_t *rd = malloc(sizeof(*rd) + 2 * (size_t)d->nseg * sizeof(struct iovec));
+    if (rd == NULL) {
+        kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to read %llu bytes for room %llu",
+                       (unsigned long long)d->payload_len, (unsigned long long)r->id);
+        return;
     }
+    *rd = (kvf_read_t){.base.done = read_done, .eng = eng, .room = r, .peer = p,
+                       .link = (uint32_t)(lk - r->links), .bytes = d->payload_len,
+                       .n = d->nseg};
+    struct iovec *local = rd->iov, *remote = rd->iov + d->nseg;
+    for (uint32_t i = 0; i < d->nseg; i++) {
+        local[i] = (struct iovec){t[i].dst, t[i].len};
+        remote[i] = (struct iovec){(void *)(uintptr_t)kvf_wire_arr64_at(&d->src_addrs, i),
+                                   t[i].len};
+    }
+    const char *via = p->mover->name;
+    kvf_status_t st = p->mep == NULL ? KVF_ERR_CONN_RESET
+                      : p->mover->read(p->mep, &rd->base, local, remote, d->nseg,
+                                       eng->params.heartbeat_timeout_ms, err, sizeof(err));
+    if (st == KVF_OK) {
+        r->refs++;
+        p->refs++;
+        lk->reads++;
+        atomic_fetch_add_explicit(&r->reads, 1, memory_order_relaxed);
+        p->read_bytes += rd->bytes;
+        eng->reads_inflight++;
+        return;
+    }
+    free(rd);
+    if (st == KVF_ERR_PROTOCOL) {
+        /*
+         * A source outside what the peer registered: nothing was read
+         * and the endpoint is fine, so this is one bad request, not a
+         * dead peer.  The room fails; the peer's other rooms, whose
+         * segments are checked the same way, go on
+         * (docs/FAILURES.md, "bad source address").
+         */
+        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "refused a %s read for room %llu "
+                       "from %s: %s; nothing of the frame was read", via,
+                       (unsigned long long)r->id,
+                       kvf__peer_name(p, name, sizeof(name)), err);
+        return;
+    }
+    kvf__room_fail(r, st, "%s transfer from %s failed: %s", via,
+                   kvf__peer_name(p, name, sizeof(name)), err);
+    if (p->mep == NULL || p->mover->ep_failed(p->mep))
+        kvf__peer_fail(p, st, "%s endpoint failed: %s", via, err);
 }
 
 void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
@@ -485,28 +607,48 @@ void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m
 {
     kvf_link_t *lk = link_of(r, p);
     char name[128];
-    kvf__peer_name(p, name, sizeof(name));
 
-    if (lk == NULL || lk->done || lk->confirming) {
-        kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent %s DONE for room %llu", name,
+    if (lk == NULL || lk->done || lk->confirming || lk->done_waiting) {
+        kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent %s DONE for room %llu",
+                       kvf__peer_name(p, name, sizeof(name)),
                        lk ? "a second" : "an unexpected", (unsigned long long)r->id);
         return;
     }
-    if (m->bytes != lk->expected || lk->bytes != lk->expected) {
+    if (lk->reads > 0) {
+        /* The DONE follows the frames in the stream, but their bytes are
+         * still being read: judge once they are in. */
+        lk->done_waiting = 1;
+        lk->done_bytes = m->bytes;
+        lk->done_has_checksum = m->has_checksum;
+        lk->done_checksum = m->checksum;
+        return;
+    }
+    check_done(p, r, lk, m->bytes, m->has_checksum, m->checksum);
+}
+
+/* A DONE with every byte before it in place: compare counts and checksums,
+ * and answer. */
+static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_t bytes,
+                       int has_checksum, uint64_t checksum)
+{
+    char name[128];
+    kvf__peer_name(p, name, sizeof(name));
+
+    if (bytes != lk->expected || lk->bytes != lk->expected) {
         kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s: it reported "
                        "%llu bytes, %llu were placed, room %llu expects %llu", name,
-                       (unsigned long long)m->bytes, (unsigned long long)lk->bytes,
+                       (unsigned long long)bytes, (unsigned long long)lk->bytes,
                        (unsigned long long)r->id, (unsigned long long)lk->expected);
         return;
     }
     if (lk->hash != NULL) {
         uint64_t got = XXH3_64bits_digest(lk->hash);
-        if (!m->has_checksum || got != m->checksum) {
+        if (!has_checksum || got != checksum) {
             kvf__room_fail(r, KVF_ERR_CHECKSUM, "checksum mismatch on the %llu bytes "
                            "from %s: sender %s%016llx, receiver %016llx",
                            (unsigned long long)lk->bytes, name,
-                           m->has_checksum ? "" : "sent none, ",
-                           (unsigned long long)m->checksum, (unsigned long long)got);
+                           has_checksum ? "" : "sent none, ",
+                           (unsigned long long)checksum, (unsigned long long)got);
             return;
         }
     }

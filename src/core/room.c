@@ -10,10 +10,12 @@
  * propagation, message dispatch, peers going away, deadlines and
  * reconnects).  The sides themselves are in sender.c and receiver.c.
  */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "core/room.h"
 #include "util/log.h"
@@ -246,6 +248,32 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
     return KVF_OK;
 }
 
+/*
+ * A receiver destroyed while mover reads into its pages are in flight (one
+ * destroyed before it was final, or before poll showed it so) waits for
+ * them: the pages are the caller's again when destroy returns.  A read
+ * ends within its deadline (the heartbeat timeout) whatever the peer does;
+ * past that plus a margin something is wrong here, and we say so rather
+ * than hang.
+ */
+static void wait_reads(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    if (atomic_load_explicit(&r->reads, memory_order_acquire) == 0)
+        return;
+    kvf__engine_wake(eng);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += eng->params.heartbeat_timeout_ms / 1000 + 3;
+    while (atomic_load_explicit(&r->reads, memory_order_acquire) != 0)
+        if (kvf__cond_timedwait(eng, &eng->reads_cond, &until) == ETIMEDOUT) {
+            kvf_error("room %llu destroyed with %u reads into its pages still in flight "
+                      "past their deadline", (unsigned long long)r->id,
+                      atomic_load(&r->reads));
+            return;
+        }
+}
+
 void kvf__room_destroy(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
@@ -266,6 +294,7 @@ void kvf__room_destroy(kvf_room_t *r)
     /* From here on no inbound byte is placed into this room's pages:
      * rx_valid() checks `attached` before every placement. */
     r->attached = 0;
+    wait_reads(r);
     kvf__room_put(r);
     kvf__unlock(eng);
 }
@@ -457,6 +486,7 @@ static void reconnect(kvf_room_t *r)
         p->refs++;
         lk->broken = 0;
         lk->req_sent = 0;
+        lk->done_waiting = 0;   /* the old stream's DONE: everything comes again */
     }
     kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
              r->retries, MAX_RETRIES);

@@ -33,6 +33,12 @@ typedef struct kvf_link {
     int            broken;        /* its connection broke; a reconnect may resume it */
     uint64_t       resume_instance; /* receiver: the peer instance to resume with */
     XXH3_state_t  *hash;          /* checksum of this peer's bytes, or NULL */
+    uint32_t       reads;         /* receiver, pull: mover reads in flight */
+    /* Receiver, pull: a DONE that came while reads were in flight, checked
+     * once they end. */
+    int            done_waiting;
+    int            done_has_checksum;
+    uint64_t       done_bytes, done_checksum;
 } kvf_link_t;
 
 struct kvf_room {
@@ -40,6 +46,10 @@ struct kvf_room {
     uint64_t         id;
     kvf_role_t       side;
     _Atomic int      state;       /* kvf_poll_t; written under the lock */
+    /* Receiver: mover reads into its pages in flight; written under the
+     * lock, read without it (poll: a failed room is shown final, and its
+     * pages released, only once this is 0). */
+    _Atomic unsigned reads;
     int              refs;
     int              attached;    /* the application handle is live */
     int              initialized;
@@ -84,8 +94,10 @@ void kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
 void kvf__receiver_on_data(kvf_peer_t *peer, const kvf_msg_data_t *d,
                        kvf_rx_target_t *targets);
 void kvf__receiver_on_data_end(kvf_peer_t *peer, uint64_t placed);
-/* A DATA_REF frame (shm): check, then pull the bytes from the peer. */
+/* A DATA_REF frame: check, then start pulling the bytes from the peer. */
 void kvf__receiver_on_data_ref(kvf_peer_t *peer, const kvf_msg_data_t *d);
+/* Take in the reads the movers handed back (engine loop, destroy). */
+void kvf__receiver_reads_done(kvf_engine_t *eng);
 /* The peer went away: fail every live room linked to it; @return how many. */
 int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer,
                             kvf_status_t st, const char *reason);

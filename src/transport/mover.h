@@ -17,6 +17,11 @@
  * what the receiver chose, and a read names nothing outside what the
  * sender registered (both are checked before a byte moves).
  *
+ * Reads are asynchronous: `read` starts a batch and its completion comes
+ * back through `progress`, which the engine calls when the mover's fd is
+ * readable (or every loop pass without an fd).  A mover that copies may
+ * do so on its own thread, never under the engine lock.
+ *
  * Threads: every op runs on the engine's progress thread under the engine
  * lock, except `disconnect`, which may also run on an application thread
  * under the lock (a receiver destroyed there drops the last reference to
@@ -37,6 +42,18 @@
 #include "util/buf.h"
 
 typedef struct kvf_mover_ops kvf_mover_ops_t;
+
+/*
+ * A read in flight: the caller's record (core embeds it in its own), which
+ * the mover hands back through `done` when the read is over.  `err` says
+ * why when st is not KVF_OK.  done runs on the progress thread under the
+ * engine lock, inside progress() or destroy(); it must not call back into
+ * the mover.
+ */
+typedef struct kvf_mover_read kvf_mover_read_t;
+struct kvf_mover_read {
+    void (*done)(kvf_mover_read_t *rd, kvf_status_t st, const char *err);
+};
 
 /* Every backend's engine-wide and per-peer structs start with these. */
 typedef struct kvf_mover {
@@ -69,10 +86,13 @@ struct kvf_mover_ops {
      * @return KVF_OK, or why not in err (the engine goes on without it). */
     kvf_status_t (*create)(const kvf_mover_params_t *p, kvf_mover_t **m_p, char *err,
                            size_t errlen);
+    /* Every read still in flight is done (with an error) before it
+     * returns: nothing of it can land afterwards. */
     void         (*destroy)(kvf_mover_t *m);
     /* An fd to epoll for EPOLLIN, or -1: then progress runs every loop pass. */
     int          (*fd)(const kvf_mover_t *m);
-    /* Serve what is pending without blocking; 1 while more work remains. */
+    /* Serve what is pending without blocking (and call the done of the
+     * reads that finished); 1 while more work is ready now. */
     int          (*progress)(kvf_mover_t *m);
 
     /* Prefill: append the offer blob (at most KVF_WIRE_MAX_BLOB bytes). */
@@ -82,25 +102,32 @@ struct kvf_mover_ops {
     kvf_status_t (*connect)(kvf_mover_t *m, const uint8_t *blob, size_t len,
                             kvf_mover_ep_t **ep_p, char *why, size_t whylen);
     /* Close and free (now, or once the backend is done with it); never
-     * blocks.  NULL is a no-op. */
+     * blocks.  Reads still in flight are stopped (forcibly: their done
+     * follows from progress, with an error unless they had finished).
+     * NULL is a no-op. */
     void         (*disconnect)(kvf_mover_ep_t *ep);
     /* Periodic work of an endpoint (every engine tick).  May be NULL. */
     void         (*tick)(kvf_mover_ep_t *ep);
 
     /*
-     * Read remote[i] (addresses in the peer) into local[i], n pieces of
-     * pairwise equal lengths; when it returns, every byte is in place or
-     * no read of the batch can still land.  Today's movers complete the
-     * batch before returning, within timeout_ms (docs/ARCHITECTURE.md says
-     * what is left to make reads asynchronous).
-     * @return KVF_OK;
+     * Start reading remote[i] (addresses in the peer) into local[i], n
+     * pieces of pairwise equal lengths, and return without waiting.  The
+     * arrays and rd stay the caller's and valid until rd->done.  Within
+     * timeout_ms the read finishes or the endpoint is failed.
+     * @return KVF_OK: rd->done will be called exactly once, from
+     *                    progress() (never from read itself), once every
+     *                    byte is in place or no byte of the batch can
+     *                    still land;
      *   KVF_ERR_PROTOCOL  a remote piece outside every region the peer
-     *                     registered: nothing was read, the endpoint is fine;
-     *   other errors      the read failed (why in err); ep_failed() says
-     *                     whether the endpoint is dead with it.
+     *                     registered: nothing was started, the endpoint is
+     *                     fine, rd->done is not called;
+     *   other errors      nothing was started (why in err), rd->done is not
+     *                     called; ep_failed() says whether the endpoint is
+     *                     dead.
      */
-    kvf_status_t (*read)(kvf_mover_ep_t *ep, struct iovec *local, struct iovec *remote,
-                         size_t n, unsigned timeout_ms, char *err, size_t errlen);
+    kvf_status_t (*read)(kvf_mover_ep_t *ep, kvf_mover_read_t *rd, struct iovec *local,
+                         struct iovec *remote, size_t n, unsigned timeout_ms, char *err,
+                         size_t errlen);
     /* 1 when the endpoint can read nothing any more (every later read would
      * fail): its peer must be failed. */
     int          (*ep_failed)(const kvf_mover_ep_t *ep);

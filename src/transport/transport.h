@@ -68,6 +68,10 @@ typedef struct kvf_conn_handler {
     /* Before more payload of the current frame is placed: 0 = discard the
      * rest (its room went away meanwhile). */
     int  (*rx_valid)(void *arg);
+    /* Before the next message is parsed: 0 = hold it (and stop reading the
+     * socket) until the engine calls handle() again; pending() stays 1
+     * meanwhile.  May be NULL: always ready. */
+    int  (*rx_ready)(void *arg);
     /* Payload bytes were placed at p (for checksums).  May be NULL. */
     void (*on_placed)(void *arg, const uint8_t *p, size_t n);
     /* The current DATA frame's payload has been read completely. */

@@ -11,6 +11,8 @@ cannot hide an engine bug:
   - a surviving rank that saw the fault itself names the faulty side;
   - rooms resolved within 5 s of a kill or stop;
   - no room reported SUCCESS with data that did not verify;
+  - no page was written after its room was final (the demo finds such a
+    page dirty when it gives it to the next room: STALE_WRITE);
   - corrupt: the corruption was caught by a checksum failure, on every
     transport;
   - badaddr: the read outside the sender's memory was refused, and only
@@ -39,6 +41,9 @@ def check_records(spec, records, victim_side, d):
             fail(spec, "%s failed without a reason: %s" % (where, f), d)
         if not f.get("status"):
             fail(spec, "%s failed without a status: %s" % (where, f), d)
+        if f.get("status") == "STALE_WRITE":
+            fail(spec, "%s: a write landed in pages after their room was final: %s"
+                 % (where, f["reason"]), d)
         if f.get("origin_side") not in ("prefill", "decode") or not f.get("origin_addr"):
             fail(spec, "%s failed without an origin (side, addr): %s" % (where, f), d)
         # A rank of the other side that saw the fault first-hand must say

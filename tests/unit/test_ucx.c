@@ -256,11 +256,51 @@ static struct iovec rptr(const side_t *s, uint64_t off, size_t len)
     return (struct iovec){(void *)(uintptr_t)(s->peer.base + off), len};
 }
 
+/* A read, waited for the way the engine does: progress on the worker fd,
+ * a tick for the deadline, until the batch is handed back. */
+typedef struct {
+    kvf_mover_read_t base;
+    int              done;
+    kvf_status_t     st;
+    char             err[256];
+} test_read_t;
+
+static void test_read_done(kvf_mover_read_t *base, kvf_status_t st, const char *err)
+{
+    test_read_t *rd = (test_read_t *)base;
+    rd->done++;
+    rd->st = st;
+    snprintf(rd->err, sizeof(rd->err), "%s", err ? err : "");
+}
+
+static kvf_status_t read_wait(kvf_ucx_t *u, kvf_ucx_ep_t *ep, struct iovec *l,
+                              struct iovec *r, size_t n, unsigned timeout_ms, char *err,
+                              size_t errlen)
+{
+    test_read_t rd = {.base.done = test_read_done};
+    kvf_status_t st = kvf_ucx_read(ep, &rd.base, l, r, n, timeout_ms, err, errlen);
+    if (st != KVF_OK) {
+        CHECK_EQ_INT(rd.done, 0);   /* refused: never handed back */
+        return st;
+    }
+    CHECK_EQ_INT(rd.done, 0);       /* never from kvf_ucx_read itself */
+    while (!rd.done) {
+        if (kvf_ucx_progress(u) == 0 && !rd.done && kvf_ucx_fd(u) >= 0) {
+            struct pollfd pfd = {.fd = kvf_ucx_fd(u), .events = POLLIN};
+            poll(&pfd, 1, 10);
+        }
+        kvf_ucx_tick(ep);
+    }
+    CHECK_EQ_INT(rd.done, 1);
+    snprintf(err, errlen, "%s", rd.err);
+    return rd.st;
+}
+
 /* Read one small piece and verify it: the endpoint works. */
 static kvf_status_t probe(side_t *s, unsigned timeout_ms)
 {
     struct iovec l = {s->local, 4096}, r = rptr(s, 12345, 4096);
-    kvf_status_t st = kvf_ucx_read(s->ep, &l, &r, 1, timeout_ms, s->err, sizeof(s->err));
+    kvf_status_t st = read_wait(s->u, s->ep, &l, &r, 1, timeout_ms, s->err, sizeof(s->err));
     if (st == KVF_OK)
         for (size_t i = 0; i < 4096; i++)
             if (s->local[i] != pattern(12345 + i)) {
@@ -302,7 +342,7 @@ static void case_scatter(void)
     }
     CHECK(n > 20);
     uint64_t t0 = kvf_now_ms();
-    CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, n, 20000, s.err, sizeof(s.err)), KVF_OK);
+    CHECK_EQ_INT(read_wait(s.u, s.ep, l, r, n, 20000, s.err, sizeof(s.err)), KVF_OK);
     printf("  %zu pieces, %llu bytes in %llu ms\n", n, (unsigned long long)loff,
            (unsigned long long)(kvf_now_ms() - t0));
     /* Every byte: inside pieces the pattern, outside untouched. */
@@ -336,18 +376,18 @@ static void case_refuse(void)
     struct iovec l[2] = {{s.local, 4096}, {s.local + 8192, 200}};
     struct iovec r[2] = {rptr(&s, 0, 4096), rptr(&s, PEER_LEN - 100, 200)};
     memset(s.local, 0, 16384);
-    CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
+    CHECK_EQ_INT(read_wait(s.u, s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(s.err, "outside every region");
     CHECK(s.local[0] == 0);   /* nothing was issued, not even the valid piece */
     r[1] = (struct iovec){(void *)(uintptr_t)4096, 16};
     l[1].iov_len = 16;
-    CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
+    CHECK_EQ_INT(read_wait(s.u, s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
     r[1] = (struct iovec){(void *)(uintptr_t)(UINT64_MAX - 8), 16};
-    CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
+    CHECK_EQ_INT(read_wait(s.u, s.ep, l, r, 2, 5000, s.err, sizeof(s.err)), KVF_ERR_PROTOCOL);
 
     uint8_t stack[64];
     struct iovec ls = {stack, sizeof(stack)}, rs = rptr(&s, 0, sizeof(stack));
-    CHECK_EQ_INT(kvf_ucx_read(s.ep, &ls, &rs, 1, 5000, s.err, sizeof(s.err)),
+    CHECK_EQ_INT(read_wait(s.u, s.ep, &ls, &rs, 1, 5000, s.err, sizeof(s.err)),
                  KVF_ERR_INVALID_PARAM);
     CHECK_EQ_INT(probe(&s, 10000), KVF_OK);   /* the endpoint still works */
 
@@ -389,14 +429,14 @@ static void case_killed(void)
 
     struct iovec l = {s.local, 8 * MIB}, r = rptr(&s, 0, 8 * MIB);
     uint64_t t0 = kvf_now_ms();
-    kvf_status_t st = kvf_ucx_read(s.ep, &l, &r, 1, 3000, s.err, sizeof(s.err));
+    kvf_status_t st = read_wait(s.u, s.ep, &l, &r, 1, 3000, s.err, sizeof(s.err));
     uint64_t dt = kvf_now_ms() - t0;
     printf("  after SIGKILL: %s in %llu ms: %s\n", kvf_status_name(st),
            (unsigned long long)dt, s.err);
     CHECK(st == KVF_ERR_CONN_RESET || st == KVF_ERR_PEER_TIMEOUT);
     CHECK(dt < 3000 + 1500);   /* the timeout, plus the bound on closing */
     t0 = kvf_now_ms();
-    CHECK(kvf_ucx_read(s.ep, &l, &r, 1, 3000, s.err, sizeof(s.err)) != KVF_OK);
+    CHECK(read_wait(s.u, s.ep, &l, &r, 1, 3000, s.err, sizeof(s.err)) != KVF_OK);
     CHECK(kvf_now_ms() - t0 < 100);   /* a dead endpoint fails at once */
 out:
     side_fini(&s);
@@ -453,10 +493,10 @@ static void case_bench(void)
     }
     for (int one = 1; one >= 0; one--) {   /* one piece per read, then batches */
         size_t per = one ? 1 : BATCH;
-        CHECK_EQ_INT(kvf_ucx_read(s.ep, l, r, per, 20000, s.err, sizeof(s.err)), KVF_OK);
+        CHECK_EQ_INT(read_wait(s.u, s.ep, l, r, per, 20000, s.err, sizeof(s.err)), KVF_OK);
         uint64_t bytes = 0, t0 = kvf_now_ns();
         while (kvf_now_ns() - t0 < 2000000000ull) {
-            if (kvf_ucx_read(s.ep, l, r, per, 20000, s.err, sizeof(s.err)) != KVF_OK) {
+            if (read_wait(s.u, s.ep, l, r, per, 20000, s.err, sizeof(s.err)) != KVF_OK) {
                 CHECK(0);
                 break;
             }

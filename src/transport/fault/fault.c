@@ -472,6 +472,12 @@ static int fh_rx_valid(void *arg)
     return fc->h->rx_valid(fc->arg);
 }
 
+static int fh_rx_ready(void *arg)
+{
+    fault_conn_t *fc = arg;
+    return fc->h->rx_ready == NULL || fc->h->rx_ready(fc->arg);
+}
+
 static void fh_on_placed(void *arg, const uint8_t *p, size_t n)
 {
     fault_conn_t *fc = arg;
@@ -497,6 +503,7 @@ static const kvf_conn_handler_t fault_handler = {
     .on_msg = fh_on_msg,
     .on_data = fh_on_data,
     .rx_valid = fh_rx_valid,
+    .rx_ready = fh_rx_ready,
     .on_placed = fh_on_placed,
     .on_data_end = fh_on_data_end,
     .on_close = fh_on_close,

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -248,6 +249,9 @@ typedef struct span {
 
 struct kvf_shm_peer {
     kvf_mover_ep_t base;  /* first: the mover endpoint */
+    struct kvf_shm *s;    /* the mover whose copier reads for it */
+    size_t    jobs;       /* reads started and not handed back */
+    int       closed;     /* disconnected: freed once jobs is 0 */
     pid_t     pid;
     span_t   *regs;       /* what the peer registered, sorted by base */
     size_t    nregs;
@@ -473,64 +477,139 @@ static kvf_status_t cma_read(pid_t pid, struct iovec *local, struct iovec *remot
     return KVF_OK;
 }
 
-kvf_status_t kvf_shm_read(kvf_shm_peer_t *sp, struct iovec *local, struct iovec *remote,
-                          size_t n, char *err, size_t errlen)
+/*
+ * One read, copied by the mover's copier thread without the engine lock:
+ * the pieces, the local view of each source (NULL: process_vm_readv),
+ * and the outcome.  Everything the copier needs is in the job, so that it
+ * never looks at the peer while the progress thread changes it.
+ */
+typedef struct job {
+    kvf_mover_read_t *rd;
+    kvf_shm_peer_t   *sp;
+    pid_t             pid;
+    struct iovec     *local, *remote;
+    size_t            n;
+    kvf_status_t      st;
+    char              err[160];
+    struct job       *next;
+    const uint8_t    *src[];
+} job_t;
+
+/* Copy one job (the copier thread, no lock held). */
+static void copy_job(job_t *j)
 {
     size_t start = 0;   /* first piece of the pending process_vm_readv batch */
 
-    fetch_poll(sp);
-
-    /* Every source inside what the peer registered, before a byte is read:
-     * the peer names the addresses, and we read nothing else of it. */
-    for (size_t i = 0; i < n; i++) {
-        uint64_t a = (uint64_t)(uintptr_t)remote[i].iov_base;
-        if (remote[i].iov_len != local[i].iov_len ||
-            kvf_region_find(sp->regs, sizeof(*sp->regs), sp->nregs, a,
-                            remote[i].iov_len) == SIZE_MAX) {
-            snprintf(err, errlen, "the peer asked for a read of %zu bytes at 0x%llx, "
-                     "outside every region it registered", remote[i].iov_len,
-                     (unsigned long long)a);
-            return KVF_ERR_PROTOCOL;
-        }
-    }
-    for (size_t i = 0; i <= n; i++) {
-        const uint8_t *src = i < n ? mapped(sp, (uint64_t)(uintptr_t)remote[i].iov_base,
-                                            remote[i].iov_len) : NULL;
-        if (i < n && src == NULL && i - start < READ_IOV)
+    j->st = KVF_OK;
+    for (size_t i = 0; i <= j->n && j->st == KVF_OK; i++) {
+        const uint8_t *src = i < j->n ? j->src[i] : NULL;
+        if (i < j->n && src == NULL && i - start < READ_IOV)
             continue;
-        if (i > start) {
-            kvf_status_t st = cma_read(sp->pid, local + start, remote + start, i - start,
-                                       err, errlen);
-            if (st != KVF_OK)
-                return st;
-        }
-        if (src != NULL)
-            copy_kv(local[i].iov_base, src, local[i].iov_len);
+        if (i > start)
+            j->st = cma_read(j->pid, j->local + start, j->remote + start, i - start,
+                             j->err, sizeof(j->err));
+        if (src != NULL && j->st == KVF_OK)
+            copy_kv(j->local[i].iov_base, src, j->local[i].iov_len);
         start = src != NULL ? i + 1 : i;
     }
-    return KVF_OK;
 }
 
 /* ------------------------------------------------------------------------ */
 /* The mover (mover.h)                                                      */
 /* ------------------------------------------------------------------------ */
 
+/*
+ * Decode: reads are copied by one copier thread per engine, in the order
+ * they were started, with the engine lock free: an application call never
+ * waits for a copy, and the progress thread parses the next frames
+ * meanwhile.  Finished jobs go back to the progress thread through an
+ * eventfd (the mover's fd), whose progress hands them back (rd->done).
+ */
 typedef struct kvf_shm {
-    kvf_mover_t base;
-    uint64_t    instance;
-    int         listen_fd;     /* prefill: hands out memfds, or -1 */
-    void      **bases;         /* the registered buffers, for offers */
-    size_t     *lens;
-    size_t      n;
+    kvf_mover_t     base;
+    uint64_t        instance;
+    int             listen_fd;     /* prefill: hands out memfds, or -1 */
+    void          **bases;         /* the registered buffers, for offers */
+    size_t         *lens;
+    size_t          n;
+    /* decode */
+    int             efd;           /* finished jobs are waiting, or -1 */
+    pthread_t       copier;
+    int             copier_started;
+    pthread_mutex_t mu;            /* the two queues and `stopping` */
+    pthread_cond_t  cv;
+    int             stopping;
+    job_t          *todo, **todo_tail;
+    job_t          *done, **done_tail;
 } kvf_shm_t;
+
+static void *copier_main(void *arg)
+{
+    kvf_shm_t *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        while (s->todo == NULL && !s->stopping)
+            pthread_cond_wait(&s->cv, &s->mu);
+        if (s->todo == NULL)
+            break;
+        job_t *j = s->todo;
+        if ((s->todo = j->next) == NULL)
+            s->todo_tail = &s->todo;
+        pthread_mutex_unlock(&s->mu);
+        copy_job(j);
+        pthread_mutex_lock(&s->mu);
+        j->next = NULL;
+        *s->done_tail = j;
+        s->done_tail = &j->next;
+        uint64_t one = 1;
+        if (write(s->efd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+            kvf_warn("shm: eventfd write: %m");
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* Hand back every finished job (progress thread); free the endpoints that
+ * were disconnected and have none left. */
+static void hand_back(kvf_shm_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    job_t *j = s->done;
+    s->done = NULL;
+    s->done_tail = &s->done;
+    pthread_mutex_unlock(&s->mu);
+    while (j != NULL) {
+        job_t *next = j->next;
+        kvf_shm_peer_t *sp = j->sp;
+        j->rd->done(j->rd, j->st, j->err);
+        free(j);
+        if (--sp->jobs == 0 && sp->closed)
+            kvf_shm_peer_free(sp);
+        j = next;
+    }
+}
 
 static void shm_destroy(kvf_mover_t *m)
 {
     kvf_shm_t *s = (kvf_shm_t *)m;
     if (s == NULL)
         return;
+    if (s->copier_started) {
+        /* The copier finishes what it was given (bounded copies), then
+         * everything is handed back: nothing lands after this. */
+        pthread_mutex_lock(&s->mu);
+        s->stopping = 1;
+        pthread_cond_signal(&s->cv);
+        pthread_mutex_unlock(&s->mu);
+        pthread_join(s->copier, NULL);
+        hand_back(s);
+    }
     if (s->listen_fd >= 0)
         close(s->listen_fd);
+    if (s->efd >= 0)
+        close(s->efd);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cv);
     free(s->bases);
     free(s->lens);
     free(s);
@@ -544,15 +623,24 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
         return KVF_ERR_UNSUPPORTED;
     }
     kvf_shm_t *s = calloc(1, sizeof(*s));
-    if (s == NULL || (s->bases = malloc(p->n * sizeof(void *))) == NULL ||
-        (s->lens = malloc(p->n * sizeof(size_t))) == NULL) {
-        shm_destroy(s ? &s->base : NULL);
+    if (s == NULL) {
         snprintf(err, errlen, "out of memory");
         return KVF_ERR_NO_MEMORY;
     }
     s->base.ops = &kvf_shm_mover;
     s->instance = p->instance_id;
     s->listen_fd = -1;
+    s->efd = -1;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->cv, NULL);
+    s->todo_tail = &s->todo;
+    s->done_tail = &s->done;
+    if ((s->bases = malloc(p->n * sizeof(void *))) == NULL ||
+        (s->lens = malloc(p->n * sizeof(size_t))) == NULL) {
+        shm_destroy(&s->base);
+        snprintf(err, errlen, "out of memory");
+        return KVF_ERR_NO_MEMORY;
+    }
     s->n = p->n;
     memcpy(s->bases, p->bases, p->n * sizeof(void *));
     memcpy(s->lens, p->lens, p->n * sizeof(size_t));
@@ -561,6 +649,14 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
         /* Without the socket, readers use process_vm_readv: still shm. */
         if (kvf_shm_listen(p->instance_id, &s->listen_fd) != KVF_OK)
             s->listen_fd = -1;
+    } else {
+        s->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        if (s->efd < 0 || pthread_create(&s->copier, NULL, copier_main, s) != 0) {
+            snprintf(err, errlen, "cannot start the shm copier: %s", strerror(errno));
+            shm_destroy(&s->base);
+            return KVF_ERR_NO_MEMORY;
+        }
+        s->copier_started = 1;
     }
     *m_p = &s->base;
     return KVF_OK;
@@ -568,14 +664,18 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
 
 static int shm_fd(const kvf_mover_t *m)
 {
-    return ((const kvf_shm_t *)m)->listen_fd;
+    const kvf_shm_t *s = (const kvf_shm_t *)m;
+    return s->listen_fd >= 0 ? s->listen_fd : s->efd;
 }
 
 static int shm_progress(kvf_mover_t *m)
 {
     kvf_shm_t *s = (kvf_shm_t *)m;
+    uint64_t v;
     if (s->listen_fd >= 0)
         kvf_shm_serve(s->listen_fd, s->bases, s->lens, s->n);
+    if (s->efd >= 0 && read(s->efd, &v, sizeof(v)) == sizeof(v))
+        hand_back(s);
     return 0;
 }
 
@@ -589,16 +689,29 @@ static kvf_status_t shm_connect(kvf_mover_t *m, const uint8_t *blob, size_t len,
                                 kvf_mover_ep_t **ep_p, char *why, size_t whylen)
 {
     kvf_shm_peer_t *sp;
-    (void)m;
+    kvf_shm_t *s = (kvf_shm_t *)m;
+    if (!s->copier_started) {
+        snprintf(why, whylen, "a prefill engine does not read over shm");
+        return KVF_ERR_UNSUPPORTED;
+    }
     kvf_status_t st = kvf_shm_accept(blob, len, &sp, why, whylen);
-    if (st == KVF_OK)
+    if (st == KVF_OK) {
+        sp->s = s;
         *ep_p = &sp->base;
+    }
     return st;
 }
 
+/* Reads already given to the copier finish (a bounded copy each); the
+ * endpoint, and its mappings, go once they are handed back. */
 static void shm_disconnect(kvf_mover_ep_t *ep)
 {
-    kvf_shm_peer_free((kvf_shm_peer_t *)ep);
+    kvf_shm_peer_t *sp = (kvf_shm_peer_t *)ep;
+    if (sp == NULL)
+        return;
+    sp->closed = 1;
+    if (sp->jobs == 0)
+        kvf_shm_peer_free(sp);
 }
 
 static void shm_tick(kvf_mover_ep_t *ep)
@@ -606,12 +719,47 @@ static void shm_tick(kvf_mover_ep_t *ep)
     kvf_shm_peer_progress((kvf_shm_peer_t *)ep);
 }
 
-static kvf_status_t shm_read_ep(kvf_mover_ep_t *ep, struct iovec *local,
-                                struct iovec *remote, size_t n, unsigned timeout_ms,
-                                char *err, size_t errlen)
+/*
+ * Check every source against what the peer registered (the peer names the
+ * addresses, and we read nothing else of it), resolve each to our mapping
+ * of it or to process_vm_readv, and give the job to the copier.
+ */
+static kvf_status_t shm_read_ep(kvf_mover_ep_t *ep, kvf_mover_read_t *rd,
+                                struct iovec *local, struct iovec *remote, size_t n,
+                                unsigned timeout_ms, char *err, size_t errlen)
 {
-    (void)timeout_ms;   /* a copy by this thread: nothing to wait for */
-    return kvf_shm_read((kvf_shm_peer_t *)ep, local, remote, n, err, errlen);
+    kvf_shm_peer_t *sp = (kvf_shm_peer_t *)ep;
+    (void)timeout_ms;   /* a bounded copy here: nothing waits on the peer */
+
+    fetch_poll(sp);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t a = (uint64_t)(uintptr_t)remote[i].iov_base;
+        if (remote[i].iov_len != local[i].iov_len ||
+            kvf_region_find(sp->regs, sizeof(*sp->regs), sp->nregs, a,
+                            remote[i].iov_len) == SIZE_MAX) {
+            snprintf(err, errlen, "the peer asked for a read of %zu bytes at 0x%llx, "
+                     "outside every region it registered", remote[i].iov_len,
+                     (unsigned long long)a);
+            return KVF_ERR_PROTOCOL;
+        }
+    }
+    job_t *j = malloc(sizeof(*j) + n * sizeof(j->src[0]));
+    if (j == NULL) {
+        snprintf(err, errlen, "out of memory for a %zu-piece read", n);
+        return KVF_ERR_NO_MEMORY;
+    }
+    *j = (job_t){.rd = rd, .sp = sp, .pid = sp->pid, .local = local, .remote = remote,
+                 .n = n};
+    for (size_t i = 0; i < n; i++)
+        j->src[i] = mapped(sp, (uint64_t)(uintptr_t)remote[i].iov_base, remote[i].iov_len);
+    sp->jobs++;
+    kvf_shm_t *s = sp->s;
+    pthread_mutex_lock(&s->mu);
+    *s->todo_tail = j;
+    s->todo_tail = &j->next;
+    pthread_cond_signal(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return KVF_OK;
 }
 
 /* A failed read is the memory of one read gone, not the endpoint. */

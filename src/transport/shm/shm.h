@@ -78,16 +78,4 @@ pid_t        kvf_shm_peer_pid(const kvf_shm_peer_t *peer);
 /* How many of the peer's regions are mapped (for logs and tests). */
 size_t       kvf_shm_peer_mapped(const kvf_shm_peer_t *peer);
 
-/*
- * Read remote[i] (addresses in the peer process) into local[i], n pieces
- * of pairwise equal lengths: all of it, or an error.  Every remote piece
- * is checked against the regions of the offer before anything is read.
- * @return KVF_OK; KVF_ERR_PROTOCOL (a remote piece outside every region
- * the peer registered, or lengths that differ: nothing was read; the
- * endpoint stays usable); KVF_ERR_CONN_RESET (the process is gone, or the
- * memory is not mapped there any more), with why in err.
- */
-kvf_status_t kvf_shm_read(kvf_shm_peer_t *peer, struct iovec *local, struct iovec *remote,
-                          size_t n, char *err, size_t errlen);
-
 #endif /* KVF_TRANSPORT_SHM_H */

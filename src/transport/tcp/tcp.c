@@ -52,6 +52,7 @@ struct kvf_tcp_conn {
     int                      connecting;
     int                      closing;       /* in on_close: queue nothing */
     int                      backlog;       /* parsing stopped with frames left */
+    int                      held;          /* the handler is not ready for more */
     int                      dead;
     uint64_t                 last_rx_ms;
     uint64_t                 last_tx_ms;
@@ -155,7 +156,9 @@ err:
 
 static void update_events(kvf_tcp_conn_t *c)
 {
-    uint32_t want = EPOLLIN | EPOLLRDHUP;
+    /* Held: the socket is not read, so its readiness is not asked for
+     * (the engine calls handle() again once the handler is ready). */
+    uint32_t want = c->held ? 0 : EPOLLIN | EPOLLRDHUP;
     if (c->connecting || (!tcp_idle(&c->base) && (c->paused_until_ms == 0 ||
                                                    kvf_now_ms() >= c->paused_until_ms)))
         want |= EPOLLOUT;
@@ -574,6 +577,12 @@ static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
         if (c->rx_state == RX_HDR) {
             if (have < KVF_WIRE_HDR_LEN)
                 return;
+            if (c->h->rx_ready != NULL && !c->h->rx_ready(c->arg)) {
+                c->held = 1;
+                c->backlog = 1;
+                update_events(c);
+                return;
+            }
             if (kvf_wire_parse_header(p, &c->hdr, err, sizeof(err)) != KVF_OK) {
                 conn_fail(c, KVF_ERR_PROTOCOL, "malformed frame header: %s", err);
                 return;
@@ -693,6 +702,12 @@ static void handle_readable(kvf_tcp_conn_t *c)
     size_t budget = TCP_PASS_BYTES;
     pass_t pass = {0, 0};
 
+    if (c->held) {
+        if (!c->h->rx_ready(c->arg))
+            return;
+        c->held = 0;
+        update_events(c);
+    }
     if (c->rx_state == RX_PAYLOAD && !c->h->rx_valid(c->arg))
         discard_rest(c);
     while (!c->dead && budget > 0) {

@@ -3,15 +3,16 @@
  * one endpoint per peer, payload by ucp_get_nbx from the peer's registered
  * memory into ours.
  *
- * The one idea: a read is a batch that is always finished before
- * kvf_ucx_read returns.  All gets are issued first (UCX pipelines them over
- * its lanes), then the worker is progressed until every request has called
- * back.  When the batch cannot finish (the peer died, or did not answer
- * within the timeout) the endpoint is force-closed, which makes UCX
- * complete every outstanding request with an error; only after those
- * callbacks does the read return.  So when kvf_ucx_read returns, whatever
- * the outcome, no get of that batch can still write into local memory, and
- * the engine may hand the room's pages back.
+ * The one idea: a read is a batch of gets that ends exactly once.  All
+ * gets are issued at once (UCX pipelines them over its lanes) and the
+ * read returns; the worker's fd wakes the engine, kvf_ucx_progress counts
+ * the callbacks, and a batch whose every request called back is handed
+ * back (the read's done).  A batch that cannot finish (the peer died, or
+ * did not answer within its deadline, checked every tick) is stopped by
+ * force-closing the endpoint, which makes UCX complete every outstanding
+ * request with an error: so when a batch is handed back, whatever the
+ * outcome, no get of it can still write into local memory, and the engine
+ * may hand the room's pages back.
  *
  * Blob layout (all little-endian, every length explicit):
  *
@@ -66,6 +67,18 @@ struct kvf_ucx {
     kvf_ucx_ep_t *eps;           /* open endpoints, and zombies (below) */
 };
 
+/* One read: its gets, and how many of them called back. */
+typedef struct batch {
+    kvf_mover_read_t *rd;
+    uint64_t          deadline_ms;
+    unsigned          timeout_ms;
+    size_t            npieces;
+    size_t            nreqs, ndone;  /* requests UCX returned / called back */
+    ucs_status_t      err;           /* first failed request, or issuing */
+    struct batch     *next;
+    void             *reqs[];
+} batch_t;
+
 struct kvf_ucx_ep {
     kvf_mover_ep_t base;         /* first: the mover endpoint */
     kvf_ucx_t    *u;
@@ -76,10 +89,8 @@ struct kvf_ucx_ep {
     ucs_status_t  failed;
     int           timed_out;     /* failed because a read timed out */
     char          why[160];
-    /* The current batch: requests UCX returned, how many called back. */
-    void        **reqs;
-    size_t        capreqs, nreqs, ndone;
-    ucs_status_t  req_err;
+    batch_t      *batches;       /* reads in flight, oldest first */
+    batch_t     **batches_tail;
     /* A zombie: disconnected, but UCX may still call back into it (its close
      * did not finish in time); freed by kvf_ucx_destroy after the worker. */
     int           zombie;
@@ -175,6 +186,7 @@ fail:
 
 static void ep_release(kvf_ucx_ep_t *ep);
 static void ep_close(kvf_ucx_ep_t *ep);
+static void ep_fail(kvf_ucx_ep_t *ep, ucs_status_t st, int timed_out, const char *why);
 static void reap_zombies(kvf_ucx_t *u);
 
 int kvf_ucx_fd(const kvf_ucx_t *u)
@@ -184,11 +196,14 @@ int kvf_ucx_fd(const kvf_ucx_t *u)
 
 #define PROGRESS_BUDGET 1024   /* progress calls before yielding to the loop */
 
+static void finish_batches(kvf_ucx_t *u);
+
 int kvf_ucx_progress(kvf_ucx_t *u)
 {
     for (int budget = PROGRESS_BUDGET; budget > 0;) {
         while (budget > 0 && ucp_worker_progress(u->worker) != 0)
             budget--;
+        finish_batches(u);
         reap_zombies(u);
         if (u->efd < 0)
             return 0;
@@ -236,18 +251,26 @@ void kvf_ucx_destroy(kvf_ucx_t *u)
         if (ep->close_req != NULL)
             ucp_request_free(ep->close_req);
         ep->close_req = NULL;
-        for (size_t i = 0; i < ep->nreqs; i++)
-            ucp_request_free(ep->reqs[i]);
-        ep->nreqs = ep->ndone = 0;
+        for (batch_t *b = ep->batches; b != NULL; b = b->next)
+            for (size_t i = 0; i < b->nreqs; i++)
+                ucp_request_free(b->reqs[i]);
     }
     if (u->addr != NULL)
         ucp_worker_release_address(u->worker, u->addr);
     if (u->worker != NULL)
         ucp_worker_destroy(u->worker);
-    /* No callback can run any more: free the zombies. */
+    /* No callback can run any more, and no get can land: hand back the
+     * reads still in flight, and free the zombies. */
     while (u->eps != NULL) {
         kvf_ucx_ep_t *ep = u->eps;
         u->eps = ep->next;
+        while (ep->batches != NULL) {
+            batch_t *b = ep->batches;
+            ep->batches = b->next;
+            b->rd->done(b->rd, KVF_ERR_CONN_RESET, "the UCX transport was shut down "
+                        "while the read was in flight");
+            free(b);
+        }
         ep_release(ep);
     }
     for (size_t i = 0; i < u->nregs; i++) {
@@ -379,7 +402,6 @@ static void ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t status)
 static void ep_release(kvf_ucx_ep_t *ep)
 {
     free(ep->regs);
-    free(ep->reqs);
     free(ep);
 }
 
@@ -399,7 +421,11 @@ static void ep_close(kvf_ucx_ep_t *ep)
     if (ep->ep == NULL)
         return;
     /* A healthy endpoint closes gracefully (UCX tells the peer); a failed
-     * one can only be discarded. */
+     * one can only be discarded, and so can one with reads in flight: only
+     * a forced close stops a get (its request completes with an error). */
+    if (ep->batches != NULL)
+        ep_fail(ep, UCS_ERR_CANCELED, 0, "the UCX endpoint was closed while a read was "
+                "in flight");
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS,
         .flags = ep->failed != UCS_OK ? UCP_EP_CLOSE_FLAG_FORCE : 0,
@@ -423,7 +449,7 @@ static void ep_unlink(kvf_ucx_ep_t *ep)
 
 /* Free disconnected endpoints that UCX is done with.  A zombie lingers for
  * as long as its close or a read of it is outstanding: UCX may still call
- * back into it. */
+ * back into it, and a get of it may still land. */
 static void reap_zombies(kvf_ucx_t *u)
 {
     for (kvf_ucx_ep_t *ep = u->eps, *next; ep != NULL; ep = next) {
@@ -434,9 +460,7 @@ static void reap_zombies(kvf_ucx_t *u)
             ucp_request_free(ep->close_req);
             ep->close_req = NULL;
         }
-        if (ep->close_req == NULL && ep->nreqs == ep->ndone) {
-            for (size_t i = 0; i < ep->nreqs; i++)
-                ucp_request_free(ep->reqs[i]);
+        if (ep->close_req == NULL && ep->batches == NULL) {
             ep_unlink(ep);
             ep_release(ep);
         }
@@ -518,6 +542,7 @@ kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
     ep->base.ops = &kvf_ucx_mover;
     ep->u = u;
     ep->failed = UCS_OK;
+    ep->batches_tail = &ep->batches;
 
     ucp_ep_params_t epp = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
@@ -603,66 +628,72 @@ void kvf_ucx_disconnect(kvf_ucx_ep_t *ep)
 
 static void get_cb(void *request, ucs_status_t status, void *user_data)
 {
-    kvf_ucx_ep_t *ep = user_data;
-    ep->ndone++;
-    if (status != UCS_OK && ep->req_err == UCS_OK)
-        ep->req_err = status;
+    batch_t *b = user_data;
+    (void)request;
+    b->ndone++;
+    if (status != UCS_OK && b->err == UCS_OK)
+        b->err = status;
 }
 
-/* Progress until every request of the batch called back, or `deadline`
- * (ms) passes.  @return 1 when all called back. */
-/*
- * Progress until the batch is done or the deadline passes.  While progress
- * finds work, spin; after a few empty passes, arm the worker and sleep on
- * its fd until the network has something (over tcp every progress call is
- * a syscall, and spinning cost more CPU than the copy itself).
- */
-static int wait_batch(kvf_ucx_ep_t *ep, uint64_t deadline)
+/* The endpoint can read nothing any more: say why once, for every read. */
+static void ep_fail(kvf_ucx_ep_t *ep, ucs_status_t st, int timed_out, const char *why)
 {
-    unsigned idle = 0;
-    while (ep->ndone < ep->nreqs) {
-        if (ucp_worker_progress(ep->u->worker) != 0) {
-            idle = 0;
-            continue;
+    if (ep->failed != UCS_OK)
+        return;
+    ep->failed = st;
+    ep->timed_out = timed_out;
+    snprintf(ep->why, sizeof(ep->why), "%s", why);
+    kvf_warn("ucx: %s", ep->why);
+}
+
+/* Hand back, in order, the batches every request of which called back;
+ * stop the endpoint (force-close) when one failed, which completes the
+ * others with an error. */
+static void finish_batches(kvf_ucx_t *u)
+{
+    for (kvf_ucx_ep_t *ep = u->eps; ep != NULL; ep = ep->next) {
+        while (ep->batches != NULL && ep->batches->ndone == ep->batches->nreqs) {
+            batch_t *b = ep->batches;
+            ep->batches = b->next;
+            if (ep->batches == NULL)
+                ep->batches_tail = &ep->batches;
+            for (size_t i = 0; i < b->nreqs; i++)
+                ucp_request_free(b->reqs[i]);
+            if (b->err != UCS_OK) {
+                char why[160];
+                /* A failed request without an endpoint error: the peer's
+                 * memory is not readable any more all the same. */
+                snprintf(why, sizeof(why), "UCX read failed: %s", ucs_status_string(b->err));
+                ep_fail(ep, b->err, 0, why);
+                ep_close(ep);
+            }
+            if (b->err == UCS_OK)
+                b->rd->done(b->rd, KVF_OK, NULL);
+            else
+                b->rd->done(b->rd, ep->timed_out ? KVF_ERR_PEER_TIMEOUT : KVF_ERR_CONN_RESET,
+                            ep->why);
+            free(b);
         }
-        if (++idle < IDLE_SPINS)
-            continue;
-        idle = 0;
-        uint64_t now = kvf_now_ms();
-        if (now >= deadline)
-            return 0;
-        int fd = kvf_ucx_fd(ep->u);
-        if (fd < 0 || ucp_worker_arm(ep->u->worker) != UCS_OK) {
-            sched_yield();   /* events pending, or no fd: spin politely */
-            continue;
-        }
-        struct pollfd pfd = {.fd = fd, .events = POLLIN};
-        uint64_t left = deadline - now;
-        if (poll(&pfd, 1, left < IDLE_SLEEP_MS ? (int)left : IDLE_SLEEP_MS) < 0 &&
-            errno != EINTR)
-            sched_yield();
     }
-    return 1;
 }
 
-/* Stop the batch: the endpoint is force-closed, which completes every
- * outstanding request (with an error); then wait for those callbacks. */
-static void abort_batch(kvf_ucx_ep_t *ep)
+void kvf_ucx_tick(kvf_ucx_ep_t *ep)
 {
-    for (size_t i = 0; i < ep->nreqs; i++)
-        if (ucp_request_check_status(ep->reqs[i]) == UCS_INPROGRESS)
-            ucp_request_cancel(ep->u->worker, ep->reqs[i]);
-    ep_close(ep);
-    if (!wait_batch(ep, kvf_now_ms() + KVF_UCX_CLOSE_MS))
-        kvf_error("ucx: %zu reads still outstanding after force-closing the endpoint",
-                  ep->nreqs - ep->ndone);
+    batch_t *b = ep->batches;
+    if (b == NULL || ep->ep == NULL || kvf_now_ms() < b->deadline_ms)
+        return;
+    char why[160];
+    snprintf(why, sizeof(why), "the peer did not serve a UCX read of %zu pieces within "
+             "%u ms (stopped or overloaded)", b->npieces, b->timeout_ms);
+    ep_fail(ep, UCS_ERR_TIMED_OUT, 1, why);
+    ep_close(ep);   /* forced: its gets complete with an error */
 }
 
-kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *remote,
-                          size_t n, unsigned timeout_ms, char *err, size_t errlen)
+kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, kvf_mover_read_t *rd, struct iovec *local,
+                          struct iovec *remote, size_t n, unsigned timeout_ms, char *err,
+                          size_t errlen)
 {
     kvf_ucx_t *u = ep->u;
-    uint64_t deadline = kvf_now_ms() + timeout_ms;
 
     if (ep->failed != UCS_OK || ep->ep == NULL) {
         snprintf(err, errlen, "%s", ep->why[0] ? ep->why : "UCX endpoint closed");
@@ -693,21 +724,14 @@ kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *r
             return KVF_ERR_INVALID_PARAM;
         }
     }
-    if (n > ep->capreqs) {
-        void **r = realloc(ep->reqs, n * sizeof(*r));
-        if (r == NULL) {
-            snprintf(err, errlen, "out of memory for %zu UCX reads", n);
-            return KVF_ERR_NO_MEMORY;
-        }
-        ep->reqs = r;
-        ep->capreqs = n;
+    batch_t *b = malloc(sizeof(*b) + n * sizeof(void *));
+    if (b == NULL) {
+        snprintf(err, errlen, "out of memory for %zu UCX reads", n);
+        return KVF_ERR_NO_MEMORY;
     }
-
-    /* Issue the whole batch, then progress. */
-    ep->nreqs = ep->ndone = 0;
-    ep->req_err = UCS_OK;
-    ucs_status_t issue_err = UCS_OK;
-    for (size_t i = 0; i < n && issue_err == UCS_OK; i++) {
+    *b = (batch_t){.rd = rd, .deadline_ms = kvf_now_ms() + timeout_ms,
+                   .timeout_ms = timeout_ms, .npieces = n};
+    for (size_t i = 0; i < n && b->err == UCS_OK; i++) {
         size_t len = remote[i].iov_len;
         if (len == 0)
             continue;
@@ -719,48 +743,21 @@ kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *r
             .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                             UCP_OP_ATTR_FIELD_MEMH,
             .cb.send = get_cb,
-            .user_data = ep,
+            .user_data = b,
             .memh = u->regs[l].memh,
         };
         void *req = ucp_get_nbx(ep->ep, local[i].iov_base, len, ra, ep->regs[r].rkey, &prm);
         if (UCS_PTR_IS_ERR(req))
-            issue_err = UCS_PTR_STATUS(req);
+            b->err = UCS_PTR_STATUS(req);
         else if (req != NULL)
-            ep->reqs[ep->nreqs++] = req;
+            b->reqs[b->nreqs++] = req;
     }
-
-    int done = wait_batch(ep, deadline);
-    kvf_status_t s = KVF_OK;
-    if (!done) {
-        if (ep->failed == UCS_OK) {
-            ep->failed = UCS_ERR_TIMED_OUT;
-            ep->timed_out = 1;
-            snprintf(ep->why, sizeof(ep->why), "the peer did not serve a UCX read of "
-                     "%zu pieces within %u ms (stopped or overloaded)", n, timeout_ms);
-            kvf_warn("ucx: %s", ep->why);
-        }
-        abort_batch(ep);
-    } else if (issue_err != UCS_OK || ep->req_err != UCS_OK || ep->failed != UCS_OK) {
-        if (ep->failed == UCS_OK) {
-            /* A failed request without an endpoint error: treat the peer as
-             * gone all the same (its memory is not readable any more). */
-            ep->failed = issue_err != UCS_OK ? issue_err : ep->req_err;
-            snprintf(ep->why, sizeof(ep->why), "UCX read failed: %s",
-                     ucs_status_string(ep->failed));
-            kvf_warn("ucx: %s", ep->why);
-        }
-        abort_batch(ep);
-    }
-    if (ep->failed != UCS_OK) {
-        snprintf(err, errlen, "%s", ep->why);
-        s = ep->timed_out ? KVF_ERR_PEER_TIMEOUT : KVF_ERR_CONN_RESET;
-    }
-    if (ep->ndone == ep->nreqs) {
-        for (size_t i = 0; i < ep->nreqs; i++)
-            ucp_request_free(ep->reqs[i]);
-        ep->nreqs = ep->ndone = 0;
-    }
-    return s;
+    /* Queued even when every get finished at once or issuing failed: the
+     * batch is handed back from progress, in order with the others. */
+    b->next = NULL;
+    *ep->batches_tail = b;
+    ep->batches_tail = &b->next;
+    return KVF_OK;
 }
 
 /* ------------------------------------------------------------------ mover */
@@ -822,10 +819,16 @@ static void mv_disconnect(kvf_mover_ep_t *ep)
     kvf_ucx_disconnect((kvf_ucx_ep_t *)ep);
 }
 
-static kvf_status_t mv_read(kvf_mover_ep_t *ep, struct iovec *local, struct iovec *remote,
-                            size_t n, unsigned timeout_ms, char *err, size_t errlen)
+static kvf_status_t mv_read(kvf_mover_ep_t *ep, kvf_mover_read_t *rd, struct iovec *local,
+                            struct iovec *remote, size_t n, unsigned timeout_ms, char *err,
+                            size_t errlen)
 {
-    return kvf_ucx_read((kvf_ucx_ep_t *)ep, local, remote, n, timeout_ms, err, errlen);
+    return kvf_ucx_read((kvf_ucx_ep_t *)ep, rd, local, remote, n, timeout_ms, err, errlen);
+}
+
+static void mv_tick(kvf_mover_ep_t *ep)
+{
+    kvf_ucx_tick((kvf_ucx_ep_t *)ep);
 }
 
 /* A failed UCX endpoint stays failed: every later read fails at once. */
@@ -846,6 +849,7 @@ const kvf_mover_ops_t kvf_ucx_mover = {
     .pack = mv_pack,
     .connect = mv_connect,
     .disconnect = mv_disconnect,
+    .tick = mv_tick,
     .read = mv_read,
     .ep_failed = mv_ep_failed,
 };

@@ -143,30 +143,35 @@ kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
 void         kvf_ucx_disconnect(kvf_ucx_ep_t *ep);
 
 /*
- * Read remote[i] (addresses in the peer's process) into local[i], n pieces
- * of pairwise equal lengths, all of it or an error.  Every remote piece
+ * Start reading remote[i] (addresses in the peer's process) into local[i],
+ * n pieces of pairwise equal lengths, without waiting.  Every remote piece
  * must lie inside one region the peer registered, every local piece inside
- * one region registered on our kvf_ucx_t.  All gets are issued before the
- * worker is progressed; on KVF_OK every byte is in local memory.
+ * one region registered on our kvf_ucx_t.  All gets are issued at once;
+ * kvf_ucx_progress hands the batch back through rd->done, in the order the
+ * reads were started: KVF_OK with every byte in local memory, or an error,
+ * after which no byte of the batch can land.
  *
- * Blocks at most timeout_ms, plus KVF_UCX_CLOSE_MS when it has to stop a
- * batch.  On KVF_ERR_CONN_RESET and KVF_ERR_PEER_TIMEOUT the endpoint is
- * dead (a timed-out batch is stopped by force-closing it, the only way UCX
- * stops an outstanding get): no byte of the batch can land afterwards,
- * every later read fails the same way at once, and the caller disconnects
- * it.
+ * A batch not finished within timeout_ms is stopped at the next
+ * kvf_ucx_tick by force-closing the endpoint, the only way UCX stops an
+ * outstanding get: its done follows with KVF_ERR_PEER_TIMEOUT.  A failed
+ * request fails the endpoint the same way (KVF_ERR_CONN_RESET, with UCX's
+ * status text).  A failed endpoint stays failed: every later read fails at
+ * once, and the caller disconnects it.
  *
- * @return KVF_OK;
- *   KVF_ERR_PROTOCOL      a remote piece outside every region of the peer
- *                         (nothing was issued);
+ * @return KVF_OK (started; rd->done follows);
+ *   KVF_ERR_PROTOCOL      a remote piece outside every region of the peer;
  *   KVF_ERR_INVALID_PARAM a local piece outside our registered memory, or
- *                         lengths that differ (nothing was issued);
- *   KVF_ERR_CONN_RESET    the endpoint failed (peer died, network cut),
- *                         with UCX's status text;
- *   KVF_ERR_PEER_TIMEOUT  not complete within timeout_ms.
+ *                         lengths that differ;
+ *   KVF_ERR_CONN_RESET / KVF_ERR_PEER_TIMEOUT  the endpoint has failed;
+ *   KVF_ERR_NO_MEMORY.
+ *   On every error nothing was started and rd->done is not called.
  */
-kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, struct iovec *local, struct iovec *remote,
-                          size_t n, unsigned timeout_ms, char *err, size_t errlen);
+kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, kvf_mover_read_t *rd, struct iovec *local,
+                          struct iovec *remote, size_t n, unsigned timeout_ms, char *err,
+                          size_t errlen);
+
+/* Stop the endpoint's oldest read if its deadline passed (every tick). */
+void         kvf_ucx_tick(kvf_ucx_ep_t *ep);
 
 #endif /* KVF_HAVE_UCX */
 
