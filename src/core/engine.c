@@ -26,6 +26,20 @@
 #define YIELD_SPINS 200 /* sched_yield()s at most, letting callers take the lock */
 
 _Thread_local const kvf_engine_t *kvf__lock_held;
+_Thread_local const kvf_engine_t *kvf__io_owner;
+
+void kvf__engine_io_unlock(void *arg)
+{
+    kvf_engine_t *eng = arg;
+    kvf__unlock(eng);
+}
+
+void kvf__engine_io_lock(void *arg)
+{
+    kvf_engine_t *eng = arg;
+    pthread_mutex_lock(&eng->lock);
+    kvf__lock_held = eng;
+}
 
 void kvf__engine_wake(kvf_engine_t *eng)
 {
@@ -265,6 +279,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     kvf__unlock(eng);
     kvf__engine_wake(eng);
     pthread_join(eng->progress_thread, NULL);
+    kvf__io_owner = eng;   /* the connections are this thread's now */
     kvf__resolver_stop(eng);
     /* The registry's thread reads engine stats: stop it before anything
      * it could read is freed. */
@@ -292,9 +307,11 @@ void kvf_engine_destroy(kvf_engine_t *eng)
             eng->movers[i] = NULL;
         }
     kvf__receiver_reads_done(eng);
+    kvf__peers_free(eng);
     for (size_t i = 0; i < eng->stash.cap; i++)
         kvf__stash_free(eng->stash.slots[i].val);
     kvf__unlock(eng);
+    kvf__io_owner = NULL;
     kvf_map_free(&eng->stash);
     for (size_t i = 0; i < eng->tombs.cap; i++)
         free(eng->tombs.slots[i].val);
@@ -539,11 +556,15 @@ static int peers_pending(const kvf_engine_t *eng)
     return 0;
 }
 
+/* Hand the connections what other threads queued, and send. */
 static void flush_peers(kvf_engine_t *eng)
 {
-    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
+        kvf__peer_outbox_drain(p);
         if (p->conn != NULL && p->state != KVF_PEER_DEAD)
             p->conn->ops->flush(p->conn);
+    }
+    kvf__peers_free(eng);
 }
 
 /*
@@ -600,6 +621,7 @@ static void *progress_main(void *arg)
     uint64_t next_tick = kvf_now_ms() + TICK_MS;
     int more = 0;      /* connections have buffered messages left */
 
+    kvf__io_owner = eng;
     pthread_mutex_lock(&eng->lock);
     kvf__lock_held = eng;
     while (!eng->stopping) {

@@ -109,6 +109,8 @@ struct kvf_engine {
     size_t              tomb_head, ntombs;
     kvf_peer_t         *peers;
     uint64_t            peer_generation;  /* bumped when a peer dies */
+    kvf_peer_t         *peers_free;       /* last reference dropped off the
+                                             owner thread: freed by it */
 
     /* Mover reads (receiver.c): how many are in flight, those the movers
      * handed back and not yet taken in (in order), and a signal for a
@@ -136,6 +138,19 @@ struct kvf_engine {
  * genlock idea).  A thread holds at most one engine's lock at a time.
  */
 extern _Thread_local const kvf_engine_t *kvf__lock_held;
+
+/*
+ * The thread that owns an engine's connections: its progress thread, and
+ * the thread tearing it down once that is gone.  Only it calls connection
+ * ops (they let the lock go around their system calls); other threads
+ * queue what they send (kvf__peer_send, kvf__peer_put_data).
+ */
+extern _Thread_local const kvf_engine_t *kvf__io_owner;
+
+static inline int kvf__owns_io(const kvf_engine_t *eng)
+{
+    return kvf__io_owner == eng;
+}
 
 /*
  * Every thread but the progress thread takes the lock through this: it
@@ -172,6 +187,9 @@ static inline int kvf__cond_timedwait(kvf_engine_t *eng, pthread_cond_t *cond,
 
 /* engine.c */
 void kvf__engine_wake(kvf_engine_t *eng);
+/* What a connection calls around its system calls (kvf_conn_env_t). */
+void kvf__engine_io_unlock(void *eng);
+void kvf__engine_io_lock(void *eng);
 /* Call every mover's progress (reads in flight want their completions). */
 void kvf__engine_progress_movers(kvf_engine_t *eng);
 /* May this engine use `ops` (its `transport` setting)? */

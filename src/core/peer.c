@@ -12,6 +12,7 @@
  * for heartbeat_timeout the peer is dead and its rooms fail.  A stopped
  * (SIGSTOP) process, a hung one and a cut link all look the same here.
  */
+#include <assert.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -27,6 +28,7 @@ static void on_msg(void *arg, const kvf_msg_t *msg);
 static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t);
 static int  rx_valid(void *arg);
 static int  rx_ready(void *arg);
+static void rx_busy(void *arg, int busy);
 static void on_placed(void *arg, const uint8_t *p, size_t n);
 static void on_data_end(void *arg, uint64_t placed);
 static void on_close(void *arg, kvf_status_t st, const char *reason);
@@ -37,6 +39,7 @@ static const kvf_conn_handler_t handler = {
     .on_data = on_data,
     .rx_valid = rx_valid,
     .rx_ready = rx_ready,
+    .rx_busy = rx_busy,
     .on_placed = on_placed,
     .on_data_end = on_data_end,
     .on_close = on_close,
@@ -69,11 +72,19 @@ static kvf_peer_t *peer_new(kvf_engine_t *eng)
     return p;
 }
 
-void kvf__peer_put(kvf_peer_t *p)
+/* One thing a thread other than the owner sent: a put, or a message
+ * encoded at once (its arrays are the caller's). */
+typedef struct kvf_outq {
+    struct kvf_outq *next;
+    kvf_put_t       *put;        /* or NULL: msg[0..len) */
+    size_t           len;
+    uint8_t          msg[];
+} kvf_outq_t;
+
+static void peer_free(kvf_peer_t *p)
 {
-    KVF_ASSERT_LOCKED(p->eng);
-    if (--p->refs > 0)
-        return;
+    /* Nothing waits in an outbox here: the peer was dead, or drained, by
+     * the time its last reference went (kvf__peer_outbox_drain). */
     if (p->conn)
         p->conn->ops->destroy(p->conn);
     kvf__layout_free(&p->layout);
@@ -84,15 +95,122 @@ void kvf__peer_put(kvf_peer_t *p)
     free(p);
 }
 
+void kvf__peer_put(kvf_peer_t *p)
+{
+    kvf_engine_t *eng = p->eng;
+    KVF_ASSERT_LOCKED(eng);
+    if (--p->refs > 0)
+        return;
+    if (kvf__owns_io(eng) && p->out_head == NULL) {
+        peer_free(p);
+        return;
+    }
+    /* Its connection is the owner's to close (it may be in a system call
+     * on it right now): hand it over. */
+    p->free_next = eng->peers_free;
+    eng->peers_free = p;
+    kvf__engine_wake(eng);
+}
+
+void kvf__peers_free(kvf_engine_t *eng)
+{
+    KVF_ASSERT_LOCKED(eng);
+    assert(kvf__owns_io(eng));
+    while (eng->peers_free != NULL) {
+        kvf_peer_t *p = eng->peers_free;
+        eng->peers_free = p->free_next;
+        kvf__peer_outbox_drain(p);
+        peer_free(p);
+    }
+}
+
+void kvf__peer_outbox_drain(kvf_peer_t *p)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    assert(kvf__owns_io(p->eng));
+    while (p->out_head != NULL) {
+        kvf_outq_t *q = p->out_head;
+        if ((p->out_head = q->next) == NULL)
+            p->out_tail = NULL;
+        int up = p->state != KVF_PEER_DEAD && p->conn != NULL;
+        if (q->put != NULL) {
+            if (up)
+                p->conn->ops->put(p->conn, q->put);
+            else
+                q->put->complete(q->put, KVF_ERR_CONN_RESET);
+        } else if (up) {
+            /* Our own encoding: it decodes (the parser checks it all the same). */
+            kvf_wire_hdr_t h;
+            kvf_msg_t m;
+            char err[128];
+            if (kvf_wire_parse_header(q->msg, &h, err, sizeof(err)) != KVF_OK ||
+                kvf_wire_decode(&h, q->msg + KVF_WIRE_HDR_LEN, &m, err, sizeof(err)) != KVF_OK)
+                kvf_error("queued message does not decode: %s (bug)", err);
+            else if (p->conn->ops->send_msg(p->conn, &m) != KVF_OK)
+                kvf_debug("queued %s not sent: connection closing", kvf_wire_type_name(h.type));
+        }
+        free(q);
+    }
+}
+
+static void outbox_add(kvf_peer_t *p, kvf_outq_t *q)
+{
+    q->next = NULL;
+    if (p->out_tail != NULL)
+        p->out_tail->next = q;
+    else
+        p->out_head = q;
+    p->out_tail = q;
+    kvf__engine_wake(p->eng);
+}
+
 kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
 {
     KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_DEAD || p->conn == NULL)
         return KVF_ERR_CONN_RESET;
+    if (!kvf__owns_io(p->eng)) {
+        kvf_buf_t b;
+        kvf_buf_init(&b);
+        kvf_status_t st = kvf_wire_encode(&b, msg);
+        kvf_outq_t *q = st == KVF_OK ? malloc(sizeof(*q) + b.len) : NULL;
+        if (q != NULL) {
+            q->put = NULL;
+            q->len = b.len;
+            memcpy(q->msg, b.data, b.len);
+            outbox_add(p, q);
+        }
+        kvf_buf_free(&b);
+        return st != KVF_OK ? st : q == NULL ? KVF_ERR_NO_MEMORY : KVF_OK;
+    }
+    kvf__peer_outbox_drain(p);   /* what others queued goes first */
     kvf_status_t st = p->conn->ops->send_msg(p->conn, msg);
     if (st == KVF_OK)
         kvf__engine_wake(p->eng);
     return st;
+}
+
+void kvf__peer_put_data(kvf_peer_t *p, kvf_put_t *put)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    if (p->state == KVF_PEER_DEAD || p->conn == NULL) {
+        put->complete(put, KVF_ERR_CONN_RESET);
+        return;
+    }
+    if (!kvf__owns_io(p->eng)) {
+        kvf_outq_t *q = malloc(sizeof(*q));
+        if (q == NULL) {
+            put->complete(put, KVF_ERR_NO_MEMORY);
+            return;
+        }
+        q->put = put;
+        q->len = 0;
+        outbox_add(p, q);
+        return;
+    }
+    kvf__peer_outbox_drain(p);
+    p->conn->ops->put(p->conn, put);
+    kvf__engine_wake(p->eng);
 }
 
 /* Prefill: what a decode engine may pull payload with, besides the stream:
@@ -329,7 +447,7 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     p->tp_rank = tp_rank;
     p->state = KVF_PEER_CONNECTING;
     snprintf(p->addr, sizeof(p->addr), "%s", addr);
-    kvf_conn_env_t env = {eng->epfd, p};
+    kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
     /* With KVF_FAULTS set, every connection goes through the fault transport. */
     kvf_status_t st = eng->faults
         ? kvf_fault_connect(eng->faults, kvf_control_ops, host, port, &env, &handler, p,
@@ -353,7 +471,7 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd)
     }
     p->state = KVF_PEER_HANDSHAKE;
     snprintf(p->addr, sizeof(p->addr), "(connecting)");
-    kvf_conn_env_t env = {eng->epfd, p};
+    kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
     kvf_status_t st = eng->faults
         ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &handler, p, &p->conn)
         : kvf_control_ops->accept(fd, &env, &handler, p, &p->conn);
@@ -373,6 +491,9 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_DEAD)
         return;
+    /* What other threads queued goes first, while the stream is up (and
+     * a put in the outbox holds a reference to this peer). */
+    kvf__peer_outbox_drain(p);
     va_start(ap, fmt);
     vsnprintf(why, sizeof(why), fmt, ap);
     va_end(ap);
@@ -594,6 +715,21 @@ static int rx_ready(void *arg)
 {
     const kvf_peer_t *p = arg;
     return p->read_bytes < KVF_READ_WINDOW;
+}
+
+/* The frame's room keeps its pages while the stream writes into them with
+ * the lock released: counted like a mover read (room.h, `reads`). */
+static void rx_busy(void *arg, int busy)
+{
+    kvf_peer_t *p = arg;
+    kvf_room_t *r = busy ? p->rx_room : p->rx_pinned;
+    p->rx_pinned = busy ? r : NULL;
+    if (r == NULL)
+        return;
+    if (busy)
+        atomic_fetch_add_explicit(&r->reads, 1, memory_order_relaxed);
+    else if (atomic_fetch_sub_explicit(&r->reads, 1, memory_order_release) == 1)
+        pthread_cond_broadcast(&p->eng->reads_cond);
 }
 
 int kvf__peer_rx_ready(const kvf_peer_t *p)

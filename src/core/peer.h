@@ -37,9 +37,14 @@ struct kvf_peer {
     kvf_rx_target_t  *ref_tgt;       /* DATA_REF scratch: checked targets */
     uint32_t          ref_cap;
     uint64_t          read_bytes;    /* of its DATA_REFs, being read now */
+    /* What threads other than the connection's owner sent, in order; the
+     * owner hands it to the connection (kvf__peer_outbox_drain). */
+    struct kvf_outq  *out_head, *out_tail;
+    kvf_peer_t       *free_next;     /* engine->peers_free */
     /* Current inbound DATA frame (decode side). */
     kvf_room_t       *rx_room;
     struct kvf_link  *rx_link;
+    kvf_room_t       *rx_pinned;     /* rx_room, while the stream writes into it */
     uint64_t          handshake_until_ms; /* READY by then, or closed */
     uint64_t          last_hb_ms;
     uint64_t          grace_until_ms; /* no liveness verdict before (own stall) */
@@ -69,7 +74,15 @@ int          kvf__peer_rx_ready(const kvf_peer_t *peer);
 void         kvf__peer_fail(kvf_peer_t *peer, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
+/* Queue a message (any thread; off the owner thread it waits in the
+ * outbox for the next pass).  KVF_ERR_CONN_RESET once the peer is dead. */
 kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);
+/* Queue a put the same way (it always completes). */
+void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
+/* Owner thread: give the connection what waits in the outbox. */
+void         kvf__peer_outbox_drain(kvf_peer_t *peer);
+/* Owner thread: free the peers whose last reference went elsewhere. */
+void         kvf__peers_free(kvf_engine_t *eng);
 /* "decode rank 1 (127.0.0.1:4000)" */
 const char  *kvf__peer_name(const kvf_peer_t *peer, char *buf, size_t len);
 

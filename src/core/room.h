@@ -46,9 +46,11 @@ struct kvf_room {
     uint64_t         id;
     kvf_role_t       side;
     _Atomic int      state;       /* kvf_poll_t; written under the lock */
-    /* Receiver: mover reads into its pages in flight; written under the
-     * lock, read without it (poll: a failed room is shown final, and its
-     * pages released, only once this is 0). */
+    /* I/O on its pages with the lock released: mover reads into a
+     * receiver's pages in flight, and a stream's system call writing into
+     * them (receiver) or reading them (sender).  Written under the lock,
+     * read without it: a receiver is shown final, and its pages released,
+     * only once this is 0, and a destroy waits for it (room.c). */
     _Atomic unsigned reads;
     int              refs;
     int              attached;    /* the application handle is live */

@@ -151,6 +151,25 @@ static void chunk_complete(kvf_put_t *put, kvf_status_t st)
     free(c);
 }
 
+/* The stream reads this chunk's pages with the lock released: the room
+ * keeps them (a destroy waits for the call to end, room.h `reads`). */
+static void chunk_busy(kvf_put_t *put, int busy)
+{
+    chunk_put_t *c = (chunk_put_t *)put;
+    kvf_room_t *r = c->room;
+    if (busy)
+        atomic_fetch_add_explicit(&r->reads, 1, memory_order_relaxed);
+    else if (atomic_fetch_sub_explicit(&r->reads, 1, memory_order_release) == 1)
+        pthread_cond_broadcast(&r->eng->reads_cond);
+}
+
+/* Are the chunk's pages still the room's to send? */
+static int chunk_live(kvf_put_t *put)
+{
+    const kvf_room_t *r = ((chunk_put_t *)put)->room;
+    return r->attached && !room_final(r);
+}
+
 /* Queue src[i] -> the link's destination page dst_off + i, i < n. */
 static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *pages,
                                 uint32_t dst_off, size_t n, int last)
@@ -168,6 +187,8 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
                                         (uint32_t)(MAX_RUN_BYTES / max_ib), c->runs);
     c->put.next = chunk_next;
     c->put.complete = chunk_complete;
+    c->put.busy = chunk_busy;
+    c->put.live = chunk_live;
     c->put.room = r->id;
     c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
     c->put.by_ref = kvf__peer_pulls(lk->peer);
@@ -179,10 +200,7 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     lk->peer->refs++;
     if (last)
         lk->last_queued = 1;
-    if (lk->peer->conn == NULL)
-        chunk_complete(&c->put, KVF_ERR_CONN_RESET);
-    else
-        lk->peer->conn->ops->put(lk->peer->conn, &c->put);
+    kvf__peer_put_data(lk->peer, &c->put);
     return KVF_OK;
 }
 

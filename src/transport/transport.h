@@ -18,7 +18,8 @@
  * boundary it can stop at and completes with the room's status.
  *
  * Threads: every op is called on the engine's progress thread with the
- * engine lock held, and calls back the same way.
+ * engine lock held, and calls back the same way.  Around the system calls
+ * that move payload the lock is released (kvf_conn_env_t).
  */
 #ifndef KVF_TRANSPORT_TRANSPORT_H
 #define KVF_TRANSPORT_TRANSPORT_H
@@ -40,6 +41,14 @@ struct kvf_put {
     int  (*next)(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src);
     /* Called once, as described above. */
     void (*complete)(kvf_put_t *put, kvf_status_t status);
+    /* busy=1 before, busy=0 after, a system call that reads the source
+     * bytes of this put with the engine lock released (see
+     * kvf_conn_env_t); the room is pinned in between.  May be NULL. */
+    void (*busy)(kvf_put_t *put, int busy);
+    /* 0 once the source bytes are no longer the put's to read (its room
+     * failed or was destroyed): what is left of a frame already started
+     * goes out as zeros.  May be NULL: always. */
+    int  (*live)(kvf_put_t *put);
     uint64_t   room;
     uint32_t   src_rank;
     int        by_ref;     /* send source addresses, not bytes: the peer pulls */
@@ -72,6 +81,11 @@ typedef struct kvf_conn_handler {
      * socket) until the engine calls handle() again; pending() stays 1
      * meanwhile.  May be NULL: always ready. */
     int  (*rx_ready)(void *arg);
+    /* busy=1 before, busy=0 after, a system call that writes the current
+     * DATA frame's payload into its targets with the engine lock released
+     * (see kvf_conn_env_t): the room must stay put in between.  May be
+     * NULL. */
+    void (*rx_busy)(void *arg, int busy);
     /* Payload bytes were placed at p (for checksums).  May be NULL. */
     void (*on_placed)(void *arg, const uint8_t *p, size_t n);
     /* The current DATA frame's payload has been read completely. */
@@ -81,10 +95,21 @@ typedef struct kvf_conn_handler {
     void (*on_close)(void *arg, kvf_status_t status, const char *reason);
 } kvf_conn_handler_t;
 
-/* Where a connection registers itself for events. */
+/*
+ * Where a connection registers itself for events, and how it lets go of
+ * the engine lock around its system calls: unlock before a send, write,
+ * recv or read of the socket, lock after (both NULL: keep it).  Only the
+ * connection's own thread ever calls its ops (the engine routes what
+ * other threads send through that thread), so nothing but the payload
+ * pages is shared while the lock is released, and those are pinned
+ * (put->busy, handler->rx_busy).
+ */
 typedef struct kvf_conn_env {
     int   epfd;       /* the engine's epoll instance */
     void *ep_data;    /* epoll_event.data.ptr for this connection */
+    void (*unlock)(void *lock_arg);
+    void (*lock)(void *lock_arg);
+    void *lock_arg;
 } kvf_conn_env_t;
 
 typedef struct kvf_conn kvf_conn_t;
@@ -97,9 +122,9 @@ struct kvf_conn {
 
 /*
  * A transport backend.  Every op runs on the progress thread under the
- * engine lock (put/send_msg may also run on an application thread under
- * the lock: they only queue), never blocks, and reports failures through
- * the handler's on_close, never by returning them later.
+ * engine lock (and lets the lock go around its system calls, see
+ * kvf_conn_env_t), never blocks, and reports failures through the
+ * handler's on_close, never by returning them later.
  */
 struct kvf_transport_ops {
     const char *name;

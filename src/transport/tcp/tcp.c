@@ -29,14 +29,14 @@
 #define TCP_FRAME_BYTES   (4u << 20)        /* payload per DATA frame */
 #define TCP_RX_BUF        (256u << 10)
 #define TCP_RX_IOV        1024              /* targets per readv() */
-#define TCP_PASS_BYTES    (1u << 20)        /* bytes one event moves: what the
-                                               engine lock is held for at most,
-                                               per connection and direction */
+#define TCP_PASS_BYTES    (1u << 20)        /* bytes one event moves, per
+                                               connection and direction: a
+                                               pass stays bounded */
 #define TCP_PASS_MSGS     64                /* fairness: messages per event */
-#define TCP_PASS_REFS     TCP_FRAME_BYTES   /* bytes pulled for the DATA_REFs of
-                                               one event: one frame's worth, so
-                                               the engine lock is held for one
-                                               bounded copy at a time */
+#define TCP_PASS_REFS     TCP_FRAME_BYTES   /* bytes of DATA_REFs whose reads
+                                               one event starts: one frame's
+                                               worth, then the other
+                                               connections' turn */
 #define TCP_SOCKBUF       (4 << 20)
 
 enum { RX_HDR, RX_BODY, RX_PAYLOAD };
@@ -46,6 +46,9 @@ struct kvf_tcp_conn {
     int                      fd;
     int                      epfd;
     void                    *ep_data;
+    void                   (*unlock)(void *);
+    void                   (*lock)(void *);
+    void                    *lock_arg;
     uint32_t                 ep_events;
     const kvf_conn_handler_t *h;
     void                    *arg;
@@ -53,6 +56,7 @@ struct kvf_tcp_conn {
     int                      closing;       /* in on_close: queue nothing */
     int                      backlog;       /* parsing stopped with frames left */
     int                      held;          /* the handler is not ready for more */
+    int                      frame_zeroed;  /* the frame's rest comes from zeros */
     int                      dead;
     uint64_t                 last_rx_ms;
     uint64_t                 last_tx_ms;
@@ -154,6 +158,20 @@ err:
     return KVF_ERR_IO;
 }
 
+/* Around a system call: let the engine lock go, and take it back.  Only
+ * this connection's thread uses it meanwhile (kvf_conn_env_t). */
+static void io_begin(kvf_tcp_conn_t *c)
+{
+    if (c->unlock != NULL)
+        c->unlock(c->lock_arg);
+}
+
+static void io_end(kvf_tcp_conn_t *c)
+{
+    if (c->lock != NULL)
+        c->lock(c->lock_arg);
+}
+
 static void update_events(kvf_tcp_conn_t *c)
 {
     /* Held: the socket is not read, so its readiness is not asked for
@@ -180,6 +198,9 @@ static kvf_status_t conn_new(int fd, const kvf_conn_env_t *env, int connecting,
     c->fd = fd;
     c->epfd = env->epfd;
     c->ep_data = env->ep_data;
+    c->unlock = env->unlock;
+    c->lock = env->lock;
+    c->lock_arg = env->lock_arg;
     c->h = h;
     c->arg = arg;
     c->connecting = connecting;
@@ -400,7 +421,23 @@ static int build_frame(kvf_tcp_conn_t *c)
     c->iov_n = p->by_ref ? 1 : (int)n + 1;
     c->iov_i = 0;
     c->frame_active = 1;
+    c->frame_zeroed = 0;
     return 1;
+}
+
+/*
+ * The rest of the current frame's payload, from zeros: its put's source
+ * is no longer its to read, and a frame cannot be cut short.  (Zero-filled
+ * and never written: it costs no memory until read, and then only the
+ * kernel's zero page.)
+ */
+static uint8_t zeros[TCP_FRAME_BYTES];
+
+static void zero_rest(kvf_tcp_conn_t *c)
+{
+    for (int i = c->iov_i > 0 ? c->iov_i : 1; i < c->iov_n; i++)
+        c->iov[i].iov_base = zeros;
+    c->frame_zeroed = 1;
 }
 
 /* Advance the iovec cursor past `n` written bytes. */
@@ -455,8 +492,11 @@ static void tcp_flush(kvf_conn_t *base)
             return;
         }
         if (c->frame_active) {
-            /* No more than the budget per call: the kernel would otherwise
-             * copy a whole socket buffer's worth with the engine locked. */
+            kvf_put_t *cp = c->cur_put;
+            if (!c->frame_zeroed && cp != NULL && cp->live != NULL && !cp->live(cp))
+                zero_rest(c);
+            /* No more than the budget per call: a pass stays bounded (the
+             * tick and the other connections wait for it). */
             int cnt = 0;
             size_t sum = 0, clipped = 0;
             struct iovec *v = c->iov + c->iov_i;
@@ -466,7 +506,16 @@ static void tcp_flush(kvf_conn_t *base)
                 clipped = v[cnt - 1].iov_len;
                 v[cnt - 1].iov_len -= sum - budget;
             }
+            kvf_put_t *src = c->cur_put;   /* the frame's source pages: pinned */
+            if (src != NULL && src->busy != NULL)
+                src->busy(src, 1);
+            io_begin(c);
             ssize_t n = writev(c->fd, v, cnt);
+            int werr = errno;
+            io_end(c);
+            if (src != NULL && src->busy != NULL)
+                src->busy(src, 0);
+            errno = werr;
             if (clipped)
                 v[cnt - 1].iov_len = clipped;
             if (n < 0) {
@@ -491,8 +540,12 @@ static void tcp_flush(kvf_conn_t *base)
             continue;
         }
         if (c->ctrl_off < c->ctrl.len) {
+            io_begin(c);
             ssize_t n = send(c->fd, c->ctrl.data + c->ctrl_off,
                              c->ctrl.len - c->ctrl_off, MSG_NOSIGNAL);
+            int serr = errno;
+            io_end(c);
+            errno = serr;
             if (n < 0) {
                 if (errno == EINTR)
                     continue;
@@ -674,7 +727,15 @@ static ssize_t read_into_targets(kvf_tcp_conn_t *c, size_t budget)
             iov[k].iov_len = budget - want;   /* the rest in the next call */
         want += iov[k++].iov_len;
     }
+    if (c->h->rx_busy != NULL)
+        c->h->rx_busy(c->arg, 1);
+    io_begin(c);
     ssize_t n = readv(c->fd, iov, k);
+    int rerr = errno;
+    io_end(c);
+    if (c->h->rx_busy != NULL)
+        c->h->rx_busy(c->arg, 0);
+    errno = rerr;
     if (n <= 0)
         return n;
     c->last_rx_ms = kvf_now_ms();
@@ -708,9 +769,10 @@ static void handle_readable(kvf_tcp_conn_t *c)
         c->held = 0;
         update_events(c);
     }
-    if (c->rx_state == RX_PAYLOAD && !c->h->rx_valid(c->arg))
-        discard_rest(c);
     while (!c->dead && budget > 0) {
+        /* Every pass: the room may have gone while the lock was let go. */
+        if (c->rx_state == RX_PAYLOAD && !c->h->rx_valid(c->arg))
+            discard_rest(c);
         parse_buffered(c, &pass);
         /* Share used up: the rest waits in the buffer (pending()). */
         if (c->dead || c->backlog)
@@ -734,7 +796,11 @@ static void handle_readable(kvf_tcp_conn_t *c)
                 c->rx_off = 0;
             }
             size_t room = c->rx.cap - c->rx.len;
+            io_begin(c);
             n = recv(c->fd, c->rx.data + c->rx.len, room < budget ? room : budget, 0);
+            int rerr = errno;
+            io_end(c);
+            errno = rerr;
             if (n > 0) {
                 c->last_rx_ms = kvf_now_ms();
                 budget -= (size_t)n < budget ? (size_t)n : budget;
