@@ -1,6 +1,7 @@
 #include "transport/shm/shm.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -490,6 +491,7 @@ typedef struct job {
     struct iovec     *local, *remote;
     size_t            n;
     kvf_status_t      st;
+    int               finished;    /* copied (under kvf_shm_t.mu) */
     char              err[160];
     struct job       *next;
     const uint8_t    *src[];
@@ -519,12 +521,18 @@ static void copy_job(job_t *j)
 /* ------------------------------------------------------------------------ */
 
 /*
- * Decode: reads are copied by one copier thread per engine, in the order
- * they were started, with the engine lock free: an application call never
- * waits for a copy, and the progress thread parses the next frames
- * meanwhile.  Finished jobs go back to the progress thread through an
- * eventfd (the mover's fd), whose progress hands them back (rd->done).
+ * Decode: reads are copied by copier threads (KVF_SHM_COPIERS of them, see
+ * shm_create), with the engine lock free: an application call never waits
+ * for a copy, the progress thread parses the next frames meanwhile, and
+ * one large room's frames are copied on as many cores as there are
+ * copiers.  Jobs stay in one list in the order they were started; each
+ * copier takes the first not yet taken.  Finished jobs go back to the
+ * progress thread through an eventfd (the mover's fd), whose progress
+ * hands back the finished head of the list (rd->done): in order, as the
+ * contract wants, whichever copier finished first.
  */
+#define MAX_COPIERS 16
+
 typedef struct kvf_shm {
     kvf_mover_t     base;
     uint64_t        instance;
@@ -534,13 +542,13 @@ typedef struct kvf_shm {
     size_t          n;
     /* decode */
     int             efd;           /* finished jobs are waiting, or -1 */
-    pthread_t       copier;
-    int             copier_started;
-    pthread_mutex_t mu;            /* the two queues and `stopping` */
+    pthread_t       copier[MAX_COPIERS];
+    int             ncopiers;      /* started */
+    pthread_mutex_t mu;            /* the job list and `stopping` */
     pthread_cond_t  cv;
     int             stopping;
-    job_t          *todo, **todo_tail;
-    job_t          *done, **done_tail;
+    job_t          *jobs, **jobs_tail;  /* started and not handed back */
+    job_t          *next_todo;     /* first job no copier has taken, or NULL */
 } kvf_shm_t;
 
 static void *copier_main(void *arg)
@@ -548,44 +556,48 @@ static void *copier_main(void *arg)
     kvf_shm_t *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        while (s->todo == NULL && !s->stopping)
+        while (s->next_todo == NULL && !s->stopping)
             pthread_cond_wait(&s->cv, &s->mu);
-        if (s->todo == NULL)
+        if (s->next_todo == NULL)
             break;
-        job_t *j = s->todo;
-        if ((s->todo = j->next) == NULL)
-            s->todo_tail = &s->todo;
+        job_t *j = s->next_todo;
+        s->next_todo = j->next;
         pthread_mutex_unlock(&s->mu);
         copy_job(j);
         pthread_mutex_lock(&s->mu);
-        j->next = NULL;
-        *s->done_tail = j;
-        s->done_tail = &j->next;
+        j->finished = 1;
         uint64_t one = 1;
-        if (write(s->efd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+        if (s->jobs == j && write(s->efd, &one, sizeof(one)) < 0 && errno != EAGAIN)
             kvf_warn("shm: eventfd write: %m");
     }
     pthread_mutex_unlock(&s->mu);
     return NULL;
 }
 
-/* Hand back every finished job (progress thread); free the endpoints that
- * were disconnected and have none left. */
+/* Hand back the finished jobs at the head of the list (progress thread);
+ * free the endpoints that were disconnected and have none left. */
 static void hand_back(kvf_shm_t *s)
 {
     pthread_mutex_lock(&s->mu);
-    job_t *j = s->done;
-    s->done = NULL;
-    s->done_tail = &s->done;
+    job_t *head = s->jobs, **cut = &s->jobs;
+    while (*cut != NULL && (*cut)->finished)
+        cut = &(*cut)->next;
+    if (cut == &s->jobs) {
+        pthread_mutex_unlock(&s->mu);
+        return;
+    }
+    s->jobs = *cut;
+    if (s->jobs == NULL)
+        s->jobs_tail = &s->jobs;
+    *cut = NULL;
     pthread_mutex_unlock(&s->mu);
-    while (j != NULL) {
-        job_t *next = j->next;
+    for (job_t *j = head, *next; j != NULL; j = next) {
+        next = j->next;
         kvf_shm_peer_t *sp = j->sp;
         j->rd->done(j->rd, j->st, j->err);
         free(j);
         if (--sp->jobs == 0 && sp->closed)
             kvf_shm_peer_free(sp);
-        j = next;
     }
 }
 
@@ -594,14 +606,22 @@ static void shm_destroy(kvf_mover_t *m)
     kvf_shm_t *s = (kvf_shm_t *)m;
     if (s == NULL)
         return;
-    if (s->copier_started) {
-        /* The copier finishes what it was given (bounded copies), then
-         * everything is handed back: nothing lands after this. */
+    if (s->ncopiers > 0) {
+        /* The copiers finish what was given them (bounded copies each),
+         * then everything is handed back: nothing lands after this. */
         pthread_mutex_lock(&s->mu);
         s->stopping = 1;
-        pthread_cond_signal(&s->cv);
+        pthread_cond_broadcast(&s->cv);
         pthread_mutex_unlock(&s->mu);
-        pthread_join(s->copier, NULL);
+        for (int i = 0; i < s->ncopiers; i++)
+            pthread_join(s->copier[i], NULL);
+        for (job_t *j = s->next_todo; j != NULL; j = j->next) {
+            j->st = KVF_ERR_CONN_RESET;   /* never taken: never will be */
+            snprintf(j->err, sizeof(j->err), "the shm transport was shut down before "
+                     "the read was copied");
+        }
+        for (job_t *j = s->jobs; j != NULL; j = j->next)
+            j->finished = 1;
         hand_back(s);
     }
     if (s->listen_fd >= 0)
@@ -613,6 +633,35 @@ static void shm_destroy(kvf_mover_t *m)
     free(s->bases);
     free(s->lens);
     free(s);
+}
+
+/*
+ * How many copier threads a decode engine runs: KVF_SHM_COPIERS, or by
+ * default one per two CPUs this process may run on, at most 4 (a copy is
+ * bound by memory bandwidth, which a few cores saturate; the other CPUs
+ * are the inference engine's).
+ */
+static int copiers_wanted(void)
+{
+    const char *env = getenv("KVF_SHM_COPIERS");
+    long n = 0;
+    if (env != NULL && *env != '\0') {
+        char *end;
+        n = strtol(env, &end, 10);
+        if (*end != '\0' || n < 1 || n > MAX_COPIERS) {
+            kvf_warn("KVF_SHM_COPIERS=%s is not a number in 1..%d: using the default",
+                     env, MAX_COPIERS);
+            n = 0;
+        }
+    }
+    if (n == 0) {
+        cpu_set_t set;
+        long cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                                : sysconf(_SC_NPROCESSORS_ONLN);
+        n = cpus / 2;
+        n = n < 1 ? 1 : n > 4 ? 4 : n;
+    }
+    return (int)n;
 }
 
 static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, char *err,
@@ -633,8 +682,7 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
     s->efd = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
-    s->todo_tail = &s->todo;
-    s->done_tail = &s->done;
+    s->jobs_tail = &s->jobs;
     if ((s->bases = malloc(p->n * sizeof(void *))) == NULL ||
         (s->lens = malloc(p->n * sizeof(size_t))) == NULL) {
         shm_destroy(&s->base);
@@ -650,13 +698,18 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
         if (kvf_shm_listen(p->instance_id, &s->listen_fd) != KVF_OK)
             s->listen_fd = -1;
     } else {
+        int want = copiers_wanted();
         s->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-        if (s->efd < 0 || pthread_create(&s->copier, NULL, copier_main, s) != 0) {
+        for (int i = 0; s->efd >= 0 && i < want; i++) {
+            if (pthread_create(&s->copier[i], NULL, copier_main, s) != 0)
+                break;
+            s->ncopiers++;
+        }
+        if (s->ncopiers == 0) {
             snprintf(err, errlen, "cannot start the shm copier: %s", strerror(errno));
             shm_destroy(&s->base);
             return KVF_ERR_NO_MEMORY;
         }
-        s->copier_started = 1;
     }
     *m_p = &s->base;
     return KVF_OK;
@@ -690,7 +743,7 @@ static kvf_status_t shm_connect(kvf_mover_t *m, const uint8_t *blob, size_t len,
 {
     kvf_shm_peer_t *sp;
     kvf_shm_t *s = (kvf_shm_t *)m;
-    if (!s->copier_started) {
+    if (s->ncopiers == 0) {
         snprintf(why, whylen, "a prefill engine does not read over shm");
         return KVF_ERR_UNSUPPORTED;
     }
@@ -755,8 +808,10 @@ static kvf_status_t shm_read_ep(kvf_mover_ep_t *ep, kvf_mover_read_t *rd,
     sp->jobs++;
     kvf_shm_t *s = sp->s;
     pthread_mutex_lock(&s->mu);
-    *s->todo_tail = j;
-    s->todo_tail = &j->next;
+    *s->jobs_tail = j;
+    s->jobs_tail = &j->next;
+    if (s->next_todo == NULL)
+        s->next_todo = j;
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
     return KVF_OK;
