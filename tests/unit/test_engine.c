@@ -15,6 +15,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include "bootstrap/bootstrap.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_test.h"
 #include "util/time.h"
@@ -456,6 +457,299 @@ static void test_trickling_handshake_is_closed(void)
     side_fini(&pre);
 }
 
+/*
+ * A hand-written prefill rank, to send a real decode engine what no
+ * kvferry sender would: it registers in a registry, answers the decode
+ * engine's connection on a plain socket and speaks the wire protocol
+ * through the codec.
+ */
+typedef struct fake_peer {
+    int     lfd, fd, port;
+    uint8_t body[1 << 16];
+} fake_peer_t;
+
+static void fake_listen(fake_peer_t *f)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    socklen_t len = sizeof(sa);
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    f->lfd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(f->lfd >= 0 && bind(f->lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+          listen(f->lfd, 1) == 0);
+    getsockname(f->lfd, (struct sockaddr *)&sa, &len);
+    f->port = ntohs(sa.sin_port);
+    f->fd = -1;
+}
+
+/* Exactly n bytes, or 0 after 5 s (or at EOF). */
+static int fake_read(int fd, uint8_t *p, size_t n)
+{
+    uint64_t until = kvf_now_ms() + 5000;
+    while (n > 0) {
+        struct pollfd pfd = {fd, POLLIN, 0};
+        if (kvf_now_ms() >= until || poll(&pfd, 1, 100) < 0)
+            return 0;
+        if (!(pfd.revents & (POLLIN | POLLHUP)))
+            continue;
+        ssize_t got = recv(fd, p, n, 0);
+        if (got <= 0)
+            return 0;
+        p += got;
+        n -= (size_t)got;
+    }
+    return 1;
+}
+
+/* The next message of `type` the decode engine sends (others skipped). */
+static int fake_expect(fake_peer_t *f, uint8_t type, kvf_msg_t *m)
+{
+    char err[256];
+    for (;;) {
+        uint8_t h[KVF_WIRE_HDR_LEN];
+        kvf_wire_hdr_t hdr;
+        if (!fake_read(f->fd, h, sizeof(h)) ||
+            kvf_wire_parse_header(h, &hdr, err, sizeof(err)) != KVF_OK ||
+            hdr.length > sizeof(f->body) || !fake_read(f->fd, f->body, hdr.length) ||
+            kvf_wire_decode(&hdr, f->body, m, err, sizeof(err)) != KVF_OK)
+            return 0;
+        if (hdr.type == type)
+            return 1;
+    }
+}
+
+static void fake_send(fake_peer_t *f, const kvf_msg_t *m, const uint8_t *payload, size_t n)
+{
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    CHECK_EQ_INT(kvf_wire_encode(&b, m), KVF_OK);
+    CHECK(kvf_buf_append(&b, payload, n) == KVF_OK);
+    CHECK(send(f->fd, b.data, b.len, MSG_NOSIGNAL) == (ssize_t)b.len);
+    kvf_buf_free(&b);
+}
+
+/* The same layout side_init registers, as a prefill rank of TP 1. */
+static void fake_hello(fake_peer_t *f)
+{
+    uint64_t kb[NKV], ki[NKV], ab = AUX_B, ai = SLOTS, sb = 8, si = SLOTS;
+    char addr[32];
+    for (int i = 0; i < NKV; i++) {
+        kb[i] = PAGE_B;
+        ki[i] = PAGES;
+    }
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
+    kvf_msg_t m = {.type = KVF_MSG_HELLO};
+    kvf_msg_hello_t *h = &m.u.hello;
+    h->magic = KVF_WIRE_MAGIC;
+    h->version = KVF_WIRE_VERSION;
+    h->role = KVF_ROLE_PREFILL;
+    h->instance_id = 0x5eed;
+    h->tp_size = h->pp_size = h->dp_size = 1;
+    h->addr = (kvf_wire_str_t){addr, (uint32_t)strlen(addr)};
+    h->layout.page_size = PAGE;
+    h->layout.kv_dtype = (kvf_wire_str_t){"bfloat16", 8};
+    h->layout.attn = KVF_ATTN_MHA;
+    h->layout.num_layers = LAYERS;
+    h->layout.heads_per_rank = h->layout.total_heads = HEADS;
+    h->layout.bytes_per_head = HEAD_B;
+    h->layout.kv_item_bytes = (kvf_wire_arr64_t){NKV, kb, NULL};
+    h->layout.kv_items = (kvf_wire_arr64_t){NKV, ki, NULL};
+    h->layout.aux_item_bytes = (kvf_wire_arr64_t){1, &ab, NULL};
+    h->layout.aux_items = (kvf_wire_arr64_t){1, &ai, NULL};
+    h->layout.state_item_bytes = (kvf_wire_arr64_t){1, &sb, NULL};
+    h->layout.state_items = (kvf_wire_arr64_t){1, &si, NULL};
+    fake_send(f, &m, NULL, 0);
+}
+
+/* DATA for `room`: segments, then as many payload bytes as they hold. */
+static void fake_data(fake_peer_t *f, uint64_t room, const kvf_wire_seg_t *segs, uint32_t n)
+{
+    static uint8_t payload[NKV * PAGE_B + 4096];
+    kvf_msg_t m = {.type = KVF_MSG_DATA};
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < n; i++)
+        bytes += kvf_wire_seg_bytes(&segs[i]);
+    CHECK(bytes <= sizeof(payload));
+    for (size_t i = 0; i < bytes; i++)
+        payload[i] = (uint8_t)(i * 31 + 7);
+    m.u.data.room = room;
+    m.u.data.payload_len = bytes;
+    m.u.data.nseg = n;
+    m.u.data.segs = segs;
+    m.u.data.strided = 1;
+    fake_send(f, &m, payload, bytes);
+}
+
+static int all_zero(const uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != 0)
+            return 0;
+    return 1;
+}
+
+static kvf_poll_t wait_receiver(kvf_receiver_t *r)
+{
+    for (int i = 0; i < 5000; i++) {
+        kvf_poll_t st = kvf_receiver_poll(r);
+        if (st == KVF_POLL_SUCCESS || st == KVF_POLL_FAILED)
+            return st;
+        sleep_ms(1);
+    }
+    return kvf_receiver_poll(r);
+}
+
+static void check_refused(kvf_receiver_t *r, kvf_status_t status, const char *why)
+{
+    kvf_failure_t f;
+    CHECK_EQ_INT(wait_receiver(r), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, status);
+    CHECK_STR_CONTAINS(f.reason, why);
+}
+
+#define SEG(kind, buf, off, len, count, dstr, sstr) \
+    ((kvf_wire_seg_t){(kind), (buf), (off), (len), (count), (dstr), (sstr)})
+
+/*
+ * Strided segments from a peer: a good one lands piece by piece; one piece
+ * past its page, into another room's page, or far off by its stride fails
+ * its room with KVF_ERR_BAD_INDICES and places nothing of the frame; a
+ * stride that wraps 64 bits is a protocol violation that takes the peer.
+ */
+static void test_hostile_strided_segments(void)
+{
+    enum { R_GOOD, R_PAST, R_INTO, R_OTHER, R_FAR, R_AUX, NR };
+    static const uint32_t page[NR] = {5, 7, 9, 10, 11, 12};
+    const uint64_t tok = HEADS * HEAD_B;   /* a token's bytes on both sides */
+    kvf_bootstrap_t *bs;
+    kvf_receiver_t *r[NR];
+    fake_peer_t *f = calloc(1, sizeof(*f));
+    char addr[64], err[256];
+    side_t dec;
+    kvf_msg_t m;
+
+    transport = "tcp";
+    CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 0, &bs), KVF_OK);
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", kvf_bootstrap_port(bs));
+    fake_listen(f);
+    kvf_bs_reg_t reg = {
+        .attn_tp_size = 1, .attn_cp_size = 1, .attn_dp_size = 1, .pp_size = 1,
+        .system_dp_size = 1, .rank_ip = "127.0.0.1", .rank_port = f->port,
+        .page_size = PAGE, .kv_cache_dtype = "bfloat16",
+    };
+    CHECK_EQ_INT(kvf__bs_register(addr, &reg, 3000, err, sizeof(err)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, addr, 0, PAGE, "bfloat16", 1);
+    for (int i = 0; i < NR; i++) {
+        uint32_t state = (uint32_t)i;
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 100 + (uint64_t)i, -1, &r[i]),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[i], &page[i], 1, (uint32_t)i, &state, 1), KVF_OK);
+    }
+
+    struct pollfd pfd = {f->lfd, POLLIN, 0};
+    CHECK(poll(&pfd, 1, 5000) == 1);
+    f->fd = accept(f->lfd, NULL, NULL);
+    CHECK(f->fd >= 0);
+    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
+    fake_hello(f);
+    uint8_t caps[4];
+    kvf_put_u32(caps, KVF_CAP_STRIDED);
+    kvf_msg_t x = {.type = KVF_MSG_XPORT};
+    x.u.xport.count = 1;
+    x.u.xport.x[0] = (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, caps, 4};
+    fake_send(f, &x, NULL, 0);
+    /* The decode engine takes the stream and accepts strided segments. */
+    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    CHECK(m.u.xport.count == 1 && m.u.xport.x[0].name.len == 4 &&
+          memcmp(m.u.xport.x[0].name.ptr, "caps", 4) == 0 &&
+          m.u.xport.x[0].blob_len == 4 &&
+          kvf_get_u32(m.u.xport.x[0].blob) == KVF_CAP_STRIDED);
+    for (int i = 0; i < NR; i++)
+        CHECK(fake_expect(f, KVF_MSG_ROOM_REQ, &m));
+
+    /* Good: every KV buffer's page as PAGE pieces of a token, then aux and
+     * state; the payload is the pieces in order. */
+    kvf_wire_seg_t good[NKV + 2];
+    for (int b = 0; b < NKV; b++)
+        good[b] = SEG(KVF_BUF_KV, (uint32_t)b, page[R_GOOD] * (uint64_t)PAGE_B,
+                      (uint32_t)tok, PAGE, tok, 2 * tok);
+    good[NKV] = SEG(KVF_BUF_AUX, 0, R_GOOD * AUX_B, AUX_B, 1, 0, 0);
+    good[NKV + 1] = SEG(KVF_BUF_STATE, 0, R_GOOD * 8, 8, 1, 0, 0);
+    fake_data(f, 100 + R_GOOD, good, NKV + 2);
+    kvf_msg_t done = {.type = KVF_MSG_DONE};
+    done.u.done.room = 100 + R_GOOD;
+    done.u.done.bytes = NKV * PAGE_B + AUX_B + 8;
+    fake_send(f, &done, NULL, 0);
+    CHECK_EQ_INT(wait_receiver(r[R_GOOD]), KVF_POLL_SUCCESS);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < PAGE_B; i++)
+            if (dec.kv[b][page[R_GOOD] * PAGE_B + i] != (uint8_t)((b * PAGE_B + i) * 31 + 7)) {
+                CHECK(!"a strided piece landed in the wrong place");
+                b = NKV;
+                break;
+            }
+
+    /* One piece past the page (into page 8, which no room declared). */
+    kvf_wire_seg_t past = SEG(KVF_BUF_KV, 0, page[R_PAST] * (uint64_t)PAGE_B,
+                              (uint32_t)tok, PAGE + 1, tok, tok);
+    fake_data(f, 100 + R_PAST, &past, 1);
+    check_refused(r[R_PAST], KVF_ERR_BAD_INDICES, "outside the pages the room declared");
+
+    /* A good segment, then one whose last piece reaches into page 10, which
+     * room R_OTHER declared: nothing of the frame is placed. */
+    kvf_wire_seg_t into[2] = {
+        SEG(KVF_BUF_KV, 1, page[R_INTO] * (uint64_t)PAGE_B, (uint32_t)tok, PAGE, tok, tok),
+        SEG(KVF_BUF_KV, 0, page[R_INTO] * (uint64_t)PAGE_B + tok, HEAD_B, PAGE, tok, tok),
+    };
+    fake_data(f, 100 + R_INTO, into, 2);
+    check_refused(r[R_INTO], KVF_ERR_BAD_INDICES, "segment 1: bytes");
+    CHECK(all_zero(dec.kv[1] + page[R_INTO] * PAGE_B, PAGE_B));
+    CHECK(all_zero(dec.kv[0] + page[R_INTO] * PAGE_B, 2 * PAGE_B));
+    CHECK(kvf_receiver_poll(r[R_OTHER]) == KVF_POLL_WAITING_FOR_INPUT);
+
+    /* Pieces 2^40 bytes apart: the second is far outside the buffer. */
+    kvf_wire_seg_t far = SEG(KVF_BUF_KV, 0, page[R_FAR] * (uint64_t)PAGE_B, (uint32_t)tok,
+                             2, 1ull << 40, tok);
+    fake_data(f, 100 + R_FAR, &far, 1);
+    check_refused(r[R_FAR], KVF_ERR_BAD_INDICES, "outside the pages the room declared");
+
+    /* Aux: three 8-byte pieces from the slot's start run past its 16 bytes. */
+    kvf_wire_seg_t aux = SEG(KVF_BUF_AUX, 0, R_AUX * AUX_B, 8, 3, 8, 8);
+    fake_data(f, 100 + R_AUX, &aux, 1);
+    check_refused(r[R_AUX], KVF_ERR_BAD_INDICES, "outside the room's slot");
+    CHECK(all_zero(dec.aux + (R_AUX + 1) * AUX_B, AUX_B));
+
+    /* Still untouched, still live; then a stride that wraps around 64 bits,
+     * which the codec refuses: the connection goes, and the room with it. */
+    CHECK(all_zero(dec.kv[0] + page[R_OTHER] * PAGE_B, PAGE_B));
+    kvf_msg_t wrap = {.type = KVF_MSG_DATA};
+    kvf_wire_seg_t ws = SEG(KVF_BUF_KV, 0, page[R_OTHER] * (uint64_t)PAGE_B, 8, 3,
+                            UINT64_MAX / 2, 8);
+    wrap.u.data.room = 100 + R_OTHER;
+    wrap.u.data.payload_len = 24;
+    wrap.u.data.nseg = 1;
+    wrap.u.data.segs = &ws;
+    wrap.u.data.strided = 1;
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    CHECK_EQ_INT(kvf_wire_encode(&b, &wrap), KVF_ERR_INVALID_PARAM);   /* not from us */
+    ws.dst_stride = 8;
+    CHECK_EQ_INT(kvf_wire_encode(&b, &wrap), KVF_OK);
+    kvf_put_u64(b.data + KVF_WIRE_HDR_LEN + 24 + 21, UINT64_MAX / 2);  /* dst_stride */
+    CHECK(send(f->fd, b.data, b.len, MSG_NOSIGNAL) == (ssize_t)b.len);
+    kvf_buf_free(&b);
+    check_refused(r[R_OTHER], KVF_ERR_PROTOCOL, "overflows");
+    CHECK(all_zero(dec.kv[0] + page[R_OTHER] * PAGE_B, PAGE_B));
+
+    for (int i = 0; i < NR; i++)
+        kvf_receiver_destroy(r[i]);
+    side_fini(&dec);
+    close(f->fd);
+    close(f->lfd);
+    free(f);
+    kvf_bootstrap_destroy(bs);
+}
+
 static void test_reset_resumes(void)
 {
     kvf_poll_t ps, ds;
@@ -633,6 +927,7 @@ static void test_over_ucx(void)
 
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_trickling_handshake_is_closed),
+              KVF_CASE(test_hostile_strided_segments),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_repeated_resets_give_up),
