@@ -527,13 +527,14 @@ static void fake_send(fake_peer_t *f, const kvf_msg_t *m, const uint8_t *payload
     kvf_buf_free(&b);
 }
 
-/* The same layout side_init registers, as a prefill rank of TP 1. */
-static void fake_hello(fake_peer_t *f)
+/* The layout side_init registers, with `heads` of the HEADS per rank, as
+ * rank 0 of TP HEADS / heads. */
+static void fake_hello(fake_peer_t *f, kvf_role_t role, uint32_t heads)
 {
     uint64_t kb[NKV], ki[NKV], ab = AUX_B, ai = SLOTS, sb = 8, si = SLOTS;
     char addr[32];
     for (int i = 0; i < NKV; i++) {
-        kb[i] = PAGE_B;
+        kb[i] = (uint64_t)PAGE * heads * HEAD_B;
         ki[i] = PAGES;
     }
     snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
@@ -541,15 +542,17 @@ static void fake_hello(fake_peer_t *f)
     kvf_msg_hello_t *h = &m.u.hello;
     h->magic = KVF_WIRE_MAGIC;
     h->version = KVF_WIRE_VERSION;
-    h->role = KVF_ROLE_PREFILL;
+    h->role = (uint8_t)role;
     h->instance_id = 0x5eed;
-    h->tp_size = h->pp_size = h->dp_size = 1;
+    h->tp_size = HEADS / heads;
+    h->pp_size = h->dp_size = 1;
     h->addr = (kvf_wire_str_t){addr, (uint32_t)strlen(addr)};
     h->layout.page_size = PAGE;
     h->layout.kv_dtype = (kvf_wire_str_t){"bfloat16", 8};
     h->layout.attn = KVF_ATTN_MHA;
     h->layout.num_layers = LAYERS;
-    h->layout.heads_per_rank = h->layout.total_heads = HEADS;
+    h->layout.heads_per_rank = heads;
+    h->layout.total_heads = HEADS;
     h->layout.bytes_per_head = HEAD_B;
     h->layout.kv_item_bytes = (kvf_wire_arr64_t){NKV, kb, NULL};
     h->layout.kv_items = (kvf_wire_arr64_t){NKV, ki, NULL};
@@ -558,6 +561,13 @@ static void fake_hello(fake_peer_t *f)
     h->layout.state_item_bytes = (kvf_wire_arr64_t){1, &sb, NULL};
     h->layout.state_items = (kvf_wire_arr64_t){1, &si, NULL};
     fake_send(f, &m, NULL, 0);
+}
+
+/* The XPORT entry of capabilities, `bits` in `blob`. */
+static kvf_wire_xport_t caps_xport(uint8_t blob[4], uint32_t bits)
+{
+    kvf_put_u32(blob, bits);
+    return (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, blob, 4};
 }
 
 /* DATA for `room`: segments, then as many payload bytes as they hold. */
@@ -651,12 +661,11 @@ static void test_hostile_strided_segments(void)
     f->fd = accept(f->lfd, NULL, NULL);
     CHECK(f->fd >= 0);
     CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
-    fake_hello(f);
+    fake_hello(f, KVF_ROLE_PREFILL, HEADS);
     uint8_t caps[4];
-    kvf_put_u32(caps, KVF_CAP_STRIDED);
     kvf_msg_t x = {.type = KVF_MSG_XPORT};
     x.u.xport.count = 1;
-    x.u.xport.x[0] = (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, caps, 4};
+    x.u.xport.x[0] = caps_xport(caps, KVF_CAP_STRIDED);
     fake_send(f, &x, NULL, 0);
     /* The decode engine takes the stream and accepts strided segments. */
     CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
@@ -748,6 +757,151 @@ static void test_hostile_strided_segments(void)
     close(f->lfd);
     free(f);
     kvf_bootstrap_destroy(bs);
+}
+
+/* What a fake decode rank saw of one room's payload. */
+typedef struct fake_rx {
+    int      frames, strided_frames;
+    uint32_t kv_segs, max_count;
+    uint64_t bytes;
+    uint8_t  payload[NKV * PAGE_B];
+} fake_rx_t;
+
+/*
+ * One room from a real prefill engine (TP 1) to a hand-written decode
+ * rank 0 of TP 2 (one head of the two: a TP slice), which answers the
+ * offer as a build without capabilities does (accept 0: it names no caps
+ * entry) or accepts strided segments.  Every DATA frame is recorded.
+ */
+static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_t accept,
+                             fake_rx_t *rx)
+{
+    fake_peer_t *f = calloc(1, sizeof(*f));
+    char addr[64], err[256];
+    kvf_msg_t m;
+    kvf_sender_t *s;
+
+    memset(rx, 0, sizeof(*rx));
+    CHECK_EQ_INT(kvf_engine_address(pre->eng, addr, sizeof(addr)), KVF_OK);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    f->fd = socket(AF_INET, SOCK_STREAM, 0);
+    f->lfd = -1;
+    CHECK(connect(f->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    fake_hello(f, KVF_ROLE_DECODE, 1);
+    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
+    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    int offered = 0;
+    for (uint32_t i = 0; i < m.u.xport.count; i++)
+        offered |= m.u.xport.x[i].name.len == 4 &&
+                   memcmp(m.u.xport.x[i].name.ptr, "caps", 4) == 0 &&
+                   m.u.xport.x[i].blob_len == 4 &&
+                   (kvf_get_u32(m.u.xport.x[i].blob) & KVF_CAP_STRIDED) != 0;
+    CHECK(offered);
+    uint8_t caps[4];
+    kvf_msg_t x = {.type = KVF_MSG_XPORT};
+    if (accept != 0)
+        x.u.xport.x[x.u.xport.count++] = caps_xport(caps, accept);
+    fake_send(f, &x, NULL, 0);
+    uint32_t dpage = 3, dstate = 2;
+    kvf_msg_t req = {.type = KVF_MSG_ROOM_REQ};
+    req.u.room_req.room = room;
+    req.u.room_req.expected_receivers = 1;
+    req.u.room_req.aux_slot = 1;
+    req.u.room_req.pages = (kvf_wire_arr32_t){1, &dpage, NULL};
+    req.u.room_req.state_slots = (kvf_wire_arr32_t){1, &dstate, NULL};
+    fake_send(f, &req, NULL, 0);
+
+    uint32_t spage = 20, sstate = 4;
+    CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
+    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 6), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_set_state(s, &sstate, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+
+    /* DATA frames (and their payload) until DONE. */
+    for (;;) {
+        uint8_t h[KVF_WIRE_HDR_LEN];
+        kvf_wire_hdr_t hdr;
+        if (!fake_read(f->fd, h, sizeof(h)) ||
+            kvf_wire_parse_header(h, &hdr, err, sizeof(err)) != KVF_OK ||
+            hdr.length > sizeof(f->body) || !fake_read(f->fd, f->body, hdr.length) ||
+            kvf_wire_decode(&hdr, f->body, &m, err, sizeof(err)) != KVF_OK) {
+            CHECK(!"the prefill engine's stream ended before DONE");
+            break;
+        }
+        if (m.type == KVF_MSG_DONE) {
+            CHECK(m.u.done.bytes == rx->bytes);
+            break;
+        }
+        if (m.type != KVF_MSG_DATA)
+            continue;
+        rx->frames++;
+        rx->strided_frames += (hdr.flags & KVF_WIRE_F_STRIDED) != 0;
+        uint64_t kv = 0;
+        for (uint32_t i = 0; i < m.u.data.nseg; i++) {
+            kvf_wire_seg_t sg;
+            kvf_wire_seg_at(&m.u.data, i, &sg);
+            if (sg.kind != KVF_BUF_KV)
+                continue;
+            rx->kv_segs++;
+            rx->max_count = sg.count > rx->max_count ? sg.count : rx->max_count;
+            kv += kvf_wire_seg_bytes(&sg);
+        }
+        /* KV pieces come first in a frame: keep them, skip the rest. */
+        CHECK(rx->bytes + kv <= sizeof(rx->payload));
+        CHECK(fake_read(f->fd, rx->payload + rx->bytes, kv));
+        uint8_t rest[64];
+        CHECK(m.u.data.payload_len - kv <= sizeof(rest));
+        CHECK(fake_read(f->fd, rest, m.u.data.payload_len - kv));
+        rx->bytes += m.u.data.payload_len;
+    }
+    kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
+    ack.u.done_ack.room = room;
+    ack.u.done_ack.bytes = rx->bytes;
+    fake_send(f, &ack, NULL, 0);
+    wait_final(s, NULL);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
+    kvf_sender_destroy(s);
+    close(f->fd);
+    free(f);
+}
+
+/*
+ * A decode rank that did not accept strided segments (an older build)
+ * gets a plain segment per token of a TP slice; one that did gets one
+ * strided segment per KV buffer.  The payload is the same bytes in the
+ * same order either way.
+ */
+static void test_strided_only_when_accepted(void)
+{
+    side_t pre;
+    char bs[64];
+    static fake_rx_t plain, strided;
+
+    transport = "tcp";
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 5 + b * 11 + 3);
+
+    fake_decode_room(&pre, bs, 201, 0, &plain);
+    CHECK(plain.frames > 0 && plain.strided_frames == 0);
+    CHECK_EQ_INT(plain.kv_segs, NKV * PAGE);        /* a token's head, each */
+    CHECK_EQ_INT(plain.max_count, 1);
+
+    fake_decode_room(&pre, bs, 202, KVF_CAP_STRIDED, &strided);
+    CHECK(strided.frames > 0 && strided.strided_frames == strided.frames);
+    CHECK_EQ_INT(strided.kv_segs, NKV);             /* the page's tokens, each */
+    CHECK_EQ_INT(strided.max_count, PAGE);
+
+    CHECK(plain.bytes == strided.bytes && plain.bytes == NKV * PAGE_B / 2 + AUX_B + 8);
+    CHECK(memcmp(plain.payload, strided.payload, NKV * PAGE_B / 2) == 0);
+    /* Head 0 of token 1 of prefill page 20, buffer 0: the second piece. */
+    CHECK_EQ_INT(strided.payload[HEAD_B], pre.kv[0][20 * PAGE_B + HEADS * HEAD_B]);
+    side_fini(&pre);
 }
 
 static void test_reset_resumes(void)
@@ -928,6 +1082,7 @@ static void test_over_ucx(void)
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_trickling_handshake_is_closed),
               KVF_CASE(test_hostile_strided_segments),
+              KVF_CASE(test_strided_only_when_accepted),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_repeated_resets_give_up),
