@@ -158,10 +158,11 @@ typedef struct kvf_wire_seg {
     uint32_t buf;        /* buffer index within its kind */
     uint64_t offset;     /* byte offset of the first piece inside that buffer */
     uint32_t len;        /* bytes per piece, > 0 */
-    /* Strided frames only (a plain segment leaves them 0; decoding a plain
-     * frame gives count 1): count pieces, piece k at offset + k * dst_stride
-     * and read from the source + k * src_stride.  With count > 1 both
-     * strides are >= len, so pieces never overlap. */
+    /* count pieces, piece k at offset + k * dst_stride and read from the
+     * source + k * src_stride; with count > 1 (strided frames only) both
+     * strides are >= len, so pieces never overlap.  A plain segment has
+     * count 1, or 0 in an encoder's input outside a strided frame; decoding
+     * gives count >= 1 (1 and strides 0 for every segment of a plain frame). */
     uint32_t count;
     uint64_t dst_stride;
     uint64_t src_stride;
