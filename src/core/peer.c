@@ -213,12 +213,29 @@ void kvf__peer_put_data(kvf_peer_t *p, kvf_put_t *put)
     kvf__engine_wake(p->eng);
 }
 
+/* The XPORT entry that carries capability bits (wire.h, KVF_WIRE_CAPS_NAME). */
+static kvf_wire_xport_t caps_entry(uint8_t *blob, uint32_t caps)
+{
+    kvf_put_u32(blob, caps);
+    return (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, (uint32_t)strlen(KVF_WIRE_CAPS_NAME)},
+                              blob, KVF_WIRE_CAPS_LEN};
+}
+
+static int is_caps(const kvf_wire_xport_t *e)
+{
+    return e->name.len == strlen(KVF_WIRE_CAPS_NAME) &&
+           memcmp(e->name.ptr, KVF_WIRE_CAPS_NAME, e->name.len) == 0;
+}
+
 /* Prefill: what a decode engine may pull payload with, besides the stream:
- * every mover this engine has, each with its blob. */
+ * every mover this engine has, each with its blob; then the optional
+ * payload forms this engine can send (a decode engine of an older build
+ * skips that entry, answers without it, and gets plain frames). */
 static void send_offers(kvf_peer_t *p)
 {
     kvf_engine_t *eng = p->eng;
     kvf_buf_t blobs[KVF_MAX_MOVERS];
+    uint8_t caps[KVF_WIRE_CAPS_LEN];
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
     kvf_msg_xport_t *x = &m.u.xport;
 
@@ -232,6 +249,8 @@ static void send_offers(kvf_peer_t *p)
             {mv->ops->name, (uint32_t)strlen(mv->ops->name)}, blobs[i].data,
             (uint32_t)blobs[i].len};
     }
+    if (x->count < KVF_WIRE_MAX_XPORTS)
+        x->x[x->count++] = caps_entry(caps, KVF_CAPS_KNOWN);
     kvf_status_t st = kvf__peer_send(p, &m);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         kvf_buf_free(&blobs[i]);
@@ -305,6 +324,7 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
 {
     kvf_engine_t *eng = p->eng;
     char why[256] = "", tried[512] = "";
+    uint8_t caps[KVF_WIRE_CAPS_LEN];
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
     const kvf_mover_ops_t *chosen = NULL;
 
@@ -326,6 +346,14 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         if (!said++ || strcmp(eng->transport, "auto") != 0)
             kvf_warn("prefill rank %d at %s: payload over %s (%s)", p->tp_rank, p->addr,
                      kvf_stream_name(), tried);
+    }
+    /* Accept what both builds know; answer only a prefill that asked, so a
+     * prefill rank of an older build never sees the entry. */
+    const kvf_wire_xport_t *offer = find_offer(x, KVF_WIRE_CAPS_NAME);
+    if (offer != NULL && offer->blob_len == KVF_WIRE_CAPS_LEN) {
+        p->caps = kvf_get_u32(offer->blob) & KVF_CAPS_KNOWN;
+        if (p->caps != 0)
+            m.u.xport.x[m.u.xport.count++] = caps_entry(caps, p->caps);
     }
     kvf_status_t st = kvf__peer_send(p, &m);
     if (st != KVF_OK) {
@@ -349,13 +377,32 @@ static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         choose_xport(p, x);
         return;
     }
-    if (p->state != KVF_PEER_READY || x->count > 1) {
+    /* The answer: at most one transport, and the capabilities accepted. */
+    const kvf_wire_xport_t *choice = NULL, *caps = NULL;
+    for (uint32_t i = 0; i < x->count; i++) {
+        const kvf_wire_xport_t **slot = is_caps(&x->x[i]) ? &caps : &choice;
+        if (*slot != NULL)
+            choice = caps = &x->x[i];   /* a second of either: refused below */
+        else
+            *slot = &x->x[i];
+    }
+    if (p->state != KVF_PEER_READY || (choice != NULL && choice == caps)) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "XPORT out of order or with several choices");
         return;
     }
+    if (caps != NULL) {
+        uint32_t bits = caps->blob_len == KVF_WIRE_CAPS_LEN ? kvf_get_u32(caps->blob) : 0;
+        if (bits == 0 || (bits & ~KVF_CAPS_KNOWN) != 0) {
+            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "decode engine accepted capabilities "
+                           "0x%x (%u-byte entry), but 0x%x were offered", bits,
+                           caps->blob_len, KVF_CAPS_KNOWN);
+            return;
+        }
+        p->caps = bits;
+    }
     const kvf_mover_ops_t *ops = NULL;
-    if (x->count == 1) {
-        ops = kvf_mover_find(x->x[0].name.ptr, x->x[0].name.len);
+    if (choice != NULL) {
+        ops = kvf_mover_find(choice->name.ptr, choice->name.len);
         int i = ops ? kvf_mover_index(ops) : -1;
         if (i < 0 || eng->movers[i] == NULL) {
             kvf__peer_fail(p, KVF_ERR_PROTOCOL, "decode engine chose a transport that "

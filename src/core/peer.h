@@ -34,6 +34,8 @@ struct kvf_peer {
      * control stream itself.  Decode: mep reads the prefill's memory. */
     const kvf_mover_ops_t *mover;
     kvf_mover_ep_t   *mep;
+    uint32_t          caps;          /* KVF_CAP_* both sides agreed in XPORT:
+                                        optional forms payload frames may use */
     kvf_rx_target_t  *ref_tgt;       /* DATA_REF scratch: checked targets */
     uint32_t          ref_cap;
     uint64_t          read_bytes;    /* of its DATA_REFs, being read now */

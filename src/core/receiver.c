@@ -316,31 +316,43 @@ void kvf__receiver_try_request(kvf_room_t *r)
     kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
 }
 
-/* Resolve one inbound segment to its place in this room's memory. */
+/*
+ * Resolve one inbound segment to its place in this room's memory: the
+ * address of its first byte, once every byte it touches is inside what
+ * the room declared.  A strided segment is checked over its span, from
+ * its first piece's start to its last piece's end, which holds each of
+ * its pieces: the sender's pieces fill consecutive pages, so the span of
+ * a real one is declared whenever its pieces are.
+ */
 static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
                            size_t errlen)
 {
     kvf_receiver_t *rv = receiver_of(r);
     const kvf_layout_int_t *l = &r->eng->layout;
     const kvf_buffer_t *b;
-    uint64_t lo, hi;
+    uint64_t lo, hi, span;
 
+    if (!kvf_wire_seg_span(s, 0, &span) || s->offset > UINT64_MAX - span) {
+        snprintf(err, errlen, "%u pieces of %u bytes %llu apart from offset %llu "
+                 "wrap around", kvf_wire_seg_pieces(s), s->len,
+                 (unsigned long long)s->dst_stride, (unsigned long long)s->offset);
+        return NULL;
+    }
     if (s->kind == KVF_BUF_KV && s->buf < l->num_kv) {
         b = &l->kv[s->buf];
         uint64_t first = s->offset / b->item_bytes;
-        uint64_t last = (s->offset + s->len - 1) / b->item_bytes;
+        uint64_t last = (s->offset + span - 1) / b->item_bytes;
         /* Head slices hit the same page many times in a row: remember it. */
         if (first >= rv->ok_first && last <= rv->ok_last)
             return (uint8_t *)b->base + s->offset;
-        if (s->offset <= UINT64_MAX - s->len &&
-            kvf__pages_contain(rv->sorted_pages, rv->n_pages, first, last)) {
+        if (kvf__pages_contain(rv->sorted_pages, rv->n_pages, first, last)) {
             rv->ok_first = first;
             rv->ok_last = last;
             return (uint8_t *)b->base + s->offset;
         }
         snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are outside the "
                  "pages the room declared", (unsigned long long)s->offset,
-                 (unsigned long long)(s->offset + s->len), s->buf);
+                 (unsigned long long)(s->offset + span), s->buf);
         return NULL;
     }
     if (s->kind == KVF_BUF_AUX && s->buf < l->num_aux) {
@@ -356,22 +368,23 @@ static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
         return NULL;
     }
     hi = lo + b->item_bytes;
-    if (s->offset >= lo && s->offset <= hi && s->len <= hi - s->offset)
+    if (s->offset >= lo && s->offset <= hi && span <= hi - s->offset)
         return (uint8_t *)b->base + s->offset;
     snprintf(err, errlen, "bytes [%llu, %llu) of %s buffer %u are outside the room's "
              "slot [%llu, %llu)", (unsigned long long)s->offset,
-             (unsigned long long)(s->offset + s->len),
+             (unsigned long long)(s->offset + span),
              s->kind == KVF_BUF_AUX ? "aux" : "state", s->buf, (unsigned long long)lo,
              (unsigned long long)hi);
     return NULL;
 }
 
 /*
- * Where each segment of an inbound DATA or DATA_REF frame goes, checked
- * against what the room declared before a byte is placed.  @return the
- * link the frame belongs to, or NULL: place nothing (the room is not live
- * here, the peer was not asked, or a segment is out of bounds, which fails
- * the room).
+ * Where each piece of an inbound DATA or DATA_REF frame goes (t[0..
+ * d->npieces), segment by segment, a plain segment being one piece),
+ * checked against what the room declared before a byte is placed.
+ * @return the link the frame belongs to, or NULL: place nothing (the room
+ * is not live here, the peer was not asked, or a segment is out of
+ * bounds, which fails the room).
  */
 static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
                                  kvf_rx_target_t *t, kvf_room_t **room_p)
@@ -390,24 +403,49 @@ static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
                  kvf__peer_name(p, name, sizeof(name)), (unsigned long long)d->room);
         return NULL;
     }
+    uint32_t k = 0;
     for (uint32_t i = 0; i < d->nseg; i++) {
         kvf_wire_seg_t s;
         kvf_wire_seg_at(d, i, &s);
-        t[i].len = s.len;
-        t[i].dst = seg_target(r, &s, err, sizeof(err));
-        if (t[i].dst == NULL) {
-            for (uint32_t j = 0; j < i; j++)
+        uint8_t *dst = seg_target(r, &s, err, sizeof(err));
+        if (dst == NULL) {
+            for (uint32_t j = 0; j < k; j++)
                 t[j].dst = NULL;
             kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s wrote outside room %llu's "
-                           "destination: %s; nothing of it was placed",
+                           "destination: segment %u: %s; nothing of it was placed",
                            kvf__peer_name(p, name, sizeof(name)),
-                           (unsigned long long)r->id, err);
+                           (unsigned long long)r->id, i, err);
             return NULL;
         }
+        /* The codec bounds the pieces of a frame by d->npieces. */
+        for (uint32_t j = 0; j < kvf_wire_seg_pieces(&s) && k < d->npieces; j++, k++)
+            t[k] = (kvf_rx_target_t){dst + (size_t)j * s.dst_stride, s.len};
     }
     kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
     *room_p = r;
     return lk;
+}
+
+/*
+ * DATA_REF: the (local, remote) iovec of every piece of the frame, from
+ * its checked targets t[0..d->npieces) and each segment's source address.
+ * @return the number of pieces.
+ */
+static uint32_t ref_pieces(const kvf_msg_data_t *d, const kvf_rx_target_t *t,
+                           struct iovec *local, struct iovec *remote)
+{
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < d->nseg; i++) {
+        kvf_wire_seg_t s;
+        kvf_wire_seg_at(d, i, &s);
+        uint64_t a = kvf_wire_arr64_at(&d->src_addrs, i);
+        for (uint32_t j = 0; j < kvf_wire_seg_pieces(&s) && k < d->npieces; j++, k++) {
+            local[k] = (struct iovec){t[k].dst, t[k].len};
+            remote[k] = (struct iovec){(void *)(uintptr_t)(a + (uint64_t)j * s.src_stride),
+                                       t[k].len};
+        }
+    }
+    return k;
 }
 
 void kvf__receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
@@ -528,37 +566,37 @@ void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
     kvf_room_t *r = NULL;
     char err[256], name[128];
 
-    if (p->ref_cap < d->nseg) {
-        kvf_rx_target_t *tg = realloc(p->ref_tgt, (size_t)d->nseg * sizeof(*tg));
+    if (p->ref_cap < d->npieces) {
+        kvf_rx_target_t *tg = realloc(p->ref_tgt, (size_t)d->npieces * sizeof(*tg));
         if (tg == NULL) {
             kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a DATA_REF frame");
             return;
         }
         p->ref_tgt = tg;
-        p->ref_cap = d->nseg;
+        p->ref_cap = d->npieces;
     }
     kvf_rx_target_t *t = p->ref_tgt;
     kvf_link_t *lk = frame_targets(p, d, t, &r);
     if (lk == NULL)
         return;
-    kvf_read_t *rd = malloc(sizeof(*rd) + 2 * (size_t)d->nseg * sizeof(struct iovec));
+    kvf_read_t *rd = malloc(sizeof(*rd) + 2 * (size_t)d->npieces * sizeof(struct iovec));
     if (rd == NULL) {
         kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to read %llu bytes for room %llu",
                        (unsigned long long)d->payload_len, (unsigned long long)r->id);
         return;
     }
-    *rd = (kvf_read_t){.base.done = read_done, .eng = eng, .room = r, .peer = p,
-                       .link = (uint32_t)(lk - r->links), .bytes = d->payload_len,
-                       .n = d->nseg};
-    struct iovec *local = rd->iov, *remote = rd->iov + d->nseg;
-    for (uint32_t i = 0; i < d->nseg; i++) {
-        local[i] = (struct iovec){t[i].dst, t[i].len};
-        remote[i] = (struct iovec){(void *)(uintptr_t)kvf_wire_arr64_at(&d->src_addrs, i),
-                                   t[i].len};
-    }
+    struct iovec *local = rd->iov, *remote = rd->iov + d->npieces;
+    uint32_t n = ref_pieces(d, t, local, remote);
+    rd->base.done = read_done;
+    rd->eng = eng;
+    rd->room = r;
+    rd->peer = p;
+    rd->link = (uint32_t)(lk - r->links);
+    rd->bytes = d->payload_len;
+    rd->n = n;
     const char *via = p->mover->name;
     kvf_status_t st = p->mep == NULL ? KVF_ERR_CONN_RESET
-                      : p->mover->read(p->mep, &rd->base, local, remote, d->nseg,
+                      : p->mover->read(p->mep, &rd->base, local, remote, n,
                                        eng->params.heartbeat_timeout_ms, err, sizeof(err));
     if (st == KVF_OK) {
         r->refs++;

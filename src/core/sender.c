@@ -33,8 +33,12 @@ typedef struct chunk_put {
 
 /*
  * The next KV segment: a whole run of pages per buffer, or, when the link
- * carries a slice of the heads, the slice of one token (a run of heads is
- * contiguous inside a token on both sides, tokens are not).
+ * carries a slice of the heads, that slice of every token of the run: a
+ * run of heads is contiguous inside a token on both sides, and tokens are
+ * evenly spaced on both sides through a run (its pages are consecutive on
+ * both), so the run is one strided segment, a piece per token.  A peer
+ * that has not accepted strided segments (KVF_CAP_STRIDED) gets a plain
+ * segment per token instead.
  */
 static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *lk,
                    kvf_wire_seg_t *seg, const void **src)
@@ -51,19 +55,29 @@ static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *
     uint32_t dbuf = c->buf + sl->dst_buf0;
     if (!sl->sliced) {
         size_t ib = l->kv[c->buf].item_bytes;
-        *seg = (kvf_wire_seg_t){KVF_BUF_KV, dbuf, (uint64_t)run->dst * ib,
-                                (uint32_t)(run->count * ib)};
+        *seg = (kvf_wire_seg_t){.kind = KVF_BUF_KV, .buf = dbuf,
+                                .offset = (uint64_t)run->dst * ib,
+                                .len = (uint32_t)(run->count * ib), .count = 1};
         *src = base + (size_t)run->src * ib;
         c->run++;
         return 1;
     }
     uint64_t ps = l->page_size, bph = l->bytes_per_head;
+    uint64_t sts = l->heads_per_rank * bph, dts = lk->peer->layout.heads_per_rank * bph;
     uint64_t stok = ((uint64_t)run->src + c->page) * ps + c->tok;
     uint64_t dtok = ((uint64_t)run->dst + c->page) * ps + c->tok;
-    *seg = (kvf_wire_seg_t){KVF_BUF_KV, dbuf,
-                            (dtok * lk->peer->layout.heads_per_rank + sl->dst_head) * bph,
-                            (uint32_t)(sl->nheads * bph)};
-    *src = base + (stok * l->heads_per_rank + sl->src_head) * bph;
+    *seg = (kvf_wire_seg_t){.kind = KVF_BUF_KV, .buf = dbuf,
+                            .offset = dtok * dts + sl->dst_head * bph,
+                            .len = (uint32_t)(sl->nheads * bph), .count = 1};
+    *src = base + stok * sts + sl->src_head * bph;
+    if (c->peer->caps & KVF_CAP_STRIDED) {
+        /* Runs hold at most MAX_RUN_BYTES of pages: the count fits. */
+        seg->count = (uint32_t)(run->count * ps);
+        seg->dst_stride = dts;
+        seg->src_stride = sts;
+        c->run++;
+        return 1;
+    }
     if (++c->tok == ps) {
         c->tok = 0;
         if (++c->page == run->count) {
@@ -89,24 +103,31 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     } else if (c->last && lk->aux_slot != KVF_NO_SLOT && c->extra < l->num_aux) {
         uint32_t i = c->extra++;
         size_t ib = l->aux[i].item_bytes;
-        *seg = (kvf_wire_seg_t){KVF_BUF_AUX, i, (uint64_t)lk->aux_slot * ib, (uint32_t)ib};
+        *seg = (kvf_wire_seg_t){.kind = KVF_BUF_AUX, .buf = i,
+                                .offset = (uint64_t)lk->aux_slot * ib,
+                                .len = (uint32_t)ib, .count = 1};
         *src = (const uint8_t *)l->aux[i].base + (size_t)r->aux_slot * ib;
     } else if (c->last && lk->n_state > 0 && c->extra < l->num_aux + l->num_state) {
         if (c->extra < l->num_aux)
             c->extra = l->num_aux;
         uint32_t i = c->extra++ - l->num_aux;
         size_t ib = l->state[i].item_bytes;
-        *seg = (kvf_wire_seg_t){KVF_BUF_STATE, i, (uint64_t)lk->state_slots[i] * ib,
-                                (uint32_t)ib};
+        *seg = (kvf_wire_seg_t){.kind = KVF_BUF_STATE, .buf = i,
+                                .offset = (uint64_t)lk->state_slots[i] * ib,
+                                .len = (uint32_t)ib, .count = 1};
         *src = (const uint8_t *)l->state[i].base + (size_t)sender_of(r)->state_src[i] * ib;
     } else {
         return 0;
     }
-    lk->bytes += seg->len;
-    eng->stats.bytes_sent += seg->len;
+    uint64_t bytes = kvf_wire_seg_bytes(seg);
+    lk->bytes += bytes;
+    eng->stats.bytes_sent += bytes;
     r->t_state_ms = eng->now_ms;     /* per segment: the progress thread's clock */
-    if (lk->hash)
-        XXH3_64bits_update(lk->hash, *src, seg->len);
+    /* Piece by piece, in payload order: what the receiver hashes as it
+     * places them (a strided segment's source is not one range). */
+    for (uint32_t k = 0; lk->hash && k < kvf_wire_seg_pieces(seg); k++)
+        XXH3_64bits_update(lk->hash, (const uint8_t *)*src + (size_t)k * seg->src_stride,
+                           seg->len);
     return 1;
 }
 

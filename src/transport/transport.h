@@ -35,8 +35,10 @@ typedef struct kvf_put kvf_put_t;
 struct kvf_put {
     /*
      * Produce the next segment: its destination in *seg and its source in
-     * *src.  @return 1 when a segment was produced, 0 at the end, or a
-     * negative kvf_status_t when the put must stop (its room failed).
+     * *src (a strided segment's pieces are seg->src_stride apart from
+     * there; the transport may cut it between pieces across frames).
+     * @return 1 when a segment was produced, 0 at the end, or a negative
+     * kvf_status_t when the put must stop (its room failed).
      */
     int  (*next)(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src);
     /* Called once, as described above. */
@@ -56,9 +58,10 @@ struct kvf_put {
 };
 
 /*
- * Where an inbound DATA segment goes.  The engine resolves each segment of
- * a frame to a destination (already bounds-checked against what the room
- * declared) or to NULL: discard those bytes.
+ * Where an inbound DATA piece goes (a plain segment is one piece, a
+ * strided one `count`).  The engine resolves each piece of a frame to a
+ * destination (already bounds-checked against what the room declared) or
+ * to NULL: discard those bytes.
  */
 typedef struct kvf_rx_target {
     uint8_t *dst;
@@ -72,7 +75,8 @@ typedef struct kvf_conn_handler {
     void (*on_connected)(void *arg);
     /* A decoded control message (every type but DATA). */
     void (*on_msg)(void *arg, const kvf_msg_t *msg);
-    /* A DATA frame arrived: fill targets[0..d->nseg-1] (dst NULL: discard). */
+    /* A DATA frame arrived: fill targets[0..d->npieces-1], in payload order
+     * (dst NULL: discard). */
     void (*on_data)(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *targets);
     /* Before more payload of the current frame is placed: 0 = discard the
      * rest (its room went away meanwhile). */

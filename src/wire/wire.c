@@ -93,11 +93,20 @@ void kvf_wire_seg_at(const kvf_msg_data_t *d, uint32_t i, kvf_wire_seg_t *seg_p)
         *seg_p = d->segs[i];
         return;
     }
-    const uint8_t *p = d->raw_segs + (size_t)i * KVF_WIRE_SEG_LEN;
+    const uint8_t *p = d->raw_segs +
+                       (size_t)i * (d->strided ? KVF_WIRE_SSEG_LEN : KVF_WIRE_SEG_LEN);
     seg_p->kind   = p[0];
     seg_p->buf    = kvf_get_u32(p + 1);
     seg_p->offset = kvf_get_u64(p + 5);
     seg_p->len    = kvf_get_u32(p + 13);
+    if (d->strided) {
+        seg_p->count      = kvf_get_u32(p + 17);
+        seg_p->dst_stride = kvf_get_u64(p + 21);
+        seg_p->src_stride = kvf_get_u64(p + 29);
+    } else {
+        seg_p->count = 1;
+        seg_p->dst_stride = seg_p->src_stride = 0;
+    }
 }
 
 /* ------------------------------------------------------------------------ */
@@ -204,8 +213,61 @@ static bool kvf_wire_check_hello(const kvf_msg_hello_t *h, char *err,
            kvf_wire_check_layout(&h->layout, err, errlen);
 }
 
-static bool kvf_wire_check_data(const kvf_msg_data_t *d, char *err,
-                                size_t errlen)
+/* One segment's rules; `i` names it in the error.  DATA_REF: its source
+ * address (src_addrs[i], already paired with the segments) is checked too. */
+static bool kvf_wire_check_seg(const kvf_msg_data_t *d, uint32_t i,
+                               const kvf_wire_seg_t *s, char *err, size_t errlen)
+{
+    uint64_t span;
+
+    if (s->kind > KVF_BUF_STATE) {
+        kvf_wire_errf(err, errlen, "DATA segment %u: unknown buffer kind %u", i,
+                      s->kind);
+        return false;
+    }
+    if (s->len == 0) {
+        kvf_wire_errf(err, errlen, "DATA segment %u: length 0", i);
+        return false;
+    }
+    if (!d->strided && s->count > 1) {
+        kvf_wire_errf(err, errlen, "DATA segment %u: %u pieces in a frame without "
+                      "strided segments", i, s->count);
+        return false;
+    }
+    if (d->strided && s->count == 0) {
+        kvf_wire_errf(err, errlen, "DATA segment %u: piece count 0", i);
+        return false;
+    }
+    if (s->count > 1 && (s->dst_stride < s->len || s->src_stride < s->len)) {
+        kvf_wire_errf(err, errlen, "DATA segment %u: strides %llu (destination) and "
+                      "%llu (source) are shorter than its %u-byte pieces, which would "
+                      "overlap", i, (unsigned long long)s->dst_stride,
+                      (unsigned long long)s->src_stride, s->len);
+        return false;
+    }
+    if (!kvf_wire_seg_span(s, 0, &span) || s->offset > UINT64_MAX - span) {
+        if (kvf_wire_seg_pieces(s) == 1)
+            kvf_wire_errf(err, errlen, "DATA segment %u: offset %llu + length %u "
+                          "overflows", i, (unsigned long long)s->offset, s->len);
+        else
+            kvf_wire_errf(err, errlen, "DATA segment %u: offset %llu + %u pieces of %u "
+                          "bytes %llu apart overflows", i, (unsigned long long)s->offset,
+                          kvf_wire_seg_pieces(s), s->len,
+                          (unsigned long long)s->dst_stride);
+        return false;
+    }
+    if (!kvf_wire_seg_span(s, 1, &span) ||
+        (i < d->src_addrs.count && kvf_wire_arr64_at(&d->src_addrs, i) > UINT64_MAX - span)) {
+        kvf_wire_errf(err, errlen, "DATA segment %u: source + %u pieces of %u bytes "
+                      "%llu apart overflows", i, kvf_wire_seg_pieces(s), s->len,
+                      (unsigned long long)s->src_stride);
+        return false;
+    }
+    return true;
+}
+
+static bool kvf_wire_check_data(const kvf_msg_data_t *d, uint32_t *pieces_p,
+                                char *err, size_t errlen)
 {
     if (d->nseg < 1 || d->nseg > KVF_WIRE_MAX_SEGS) {
         kvf_wire_errf(err, errlen, "DATA: segment count %u outside 1..%u",
@@ -217,26 +279,22 @@ static bool kvf_wire_check_data(const kvf_msg_data_t *d, char *err,
                       d->nseg);
         return false;
     }
-    uint64_t sum = 0;
+    uint64_t sum = 0, pieces = 0;
     for (uint32_t i = 0; i < d->nseg; i++) {
         kvf_wire_seg_t s;
         kvf_wire_seg_at(d, i, &s);
-        if (s.kind > KVF_BUF_STATE) {
-            kvf_wire_errf(err, errlen, "DATA segment %u: unknown buffer "
-                          "kind %u", i, s.kind);
+        if (!kvf_wire_check_seg(d, i, &s, err, errlen))
+            return false;
+        pieces += kvf_wire_seg_pieces(&s);
+        /* The bound on what one frame costs the receiver: per piece it
+         * resolves a target, and (pulled) issues a read. */
+        if (pieces > KVF_WIRE_MAX_PIECES) {
+            kvf_wire_errf(err, errlen, "DATA: more than %u pieces (segment %u)",
+                          KVF_WIRE_MAX_PIECES, i);
             return false;
         }
-        if (s.len == 0) {
-            kvf_wire_errf(err, errlen, "DATA segment %u: length 0", i);
-            return false;
-        }
-        if (s.offset > UINT64_MAX - s.len) {
-            kvf_wire_errf(err, errlen, "DATA segment %u: offset %llu + "
-                          "length %u overflows", i,
-                          (unsigned long long)s.offset, s.len);
-            return false;
-        }
-        sum += s.len;   /* at most KVF_WIRE_MAX_SEGS * 2^32: cannot overflow */
+        /* At most KVF_WIRE_MAX_PIECES * 2^32 in all: cannot overflow. */
+        sum += kvf_wire_seg_bytes(&s);
     }
     if (sum != d->payload_len) {
         kvf_wire_errf(err, errlen, "DATA: segment lengths sum to %llu but "
@@ -244,10 +302,13 @@ static bool kvf_wire_check_data(const kvf_msg_data_t *d, char *err,
                       (unsigned long long)d->payload_len);
         return false;
     }
+    if (pieces_p != NULL)
+        *pieces_p = (uint32_t)pieces;
     return true;
 }
 
-static bool kvf_wire_check(const kvf_msg_t *m, char *err, size_t errlen)
+static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
+                           size_t errlen)
 {
     const char *what = kvf_wire_type_name((uint8_t)m->type);
 
@@ -259,14 +320,14 @@ static bool kvf_wire_check(const kvf_msg_t *m, char *err, size_t errlen)
                KVF_WIRE_CHECK_ARR(&m->u.room_req.state_slots,
                                   KVF_WIRE_MAX_BUFS, "state slot");
     case KVF_MSG_DATA:
-        return kvf_wire_check_data(&m->u.data, err, errlen);
+        return kvf_wire_check_data(&m->u.data, pieces_p, err, errlen);
     case KVF_MSG_DATA_REF:
         if (m->u.data.src_addrs.count != m->u.data.nseg) {
             kvf_wire_errf(err, errlen, "DATA_REF: %u source addresses for %u segments",
                           m->u.data.src_addrs.count, m->u.data.nseg);
             return false;
         }
-        return kvf_wire_check_data(&m->u.data, err, errlen);
+        return kvf_wire_check_data(&m->u.data, pieces_p, err, errlen);
     case KVF_MSG_XPORT:
         if (m->u.xport.count > KVF_WIRE_MAX_XPORTS) {
             kvf_wire_errf(err, errlen, "XPORT: %u transports, at most %u",
@@ -436,7 +497,7 @@ static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_data_t *d)
     kvf_wire_wr_u64(w, d->payload_len);
     kvf_wire_wr_u32(w, d->nseg);
     if (w->p == NULL) {
-        w->n += (uint64_t)d->nseg * KVF_WIRE_SEG_LEN;
+        w->n += (uint64_t)d->nseg * (d->strided ? KVF_WIRE_SSEG_LEN : KVF_WIRE_SEG_LEN);
         return;
     }
     for (uint32_t i = 0; i < d->nseg; i++) {
@@ -446,6 +507,11 @@ static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_data_t *d)
         kvf_wire_wr_u32(w, s.buf);
         kvf_wire_wr_u64(w, s.offset);
         kvf_wire_wr_u32(w, s.len);
+        if (d->strided) {
+            kvf_wire_wr_u32(w, s.count);
+            kvf_wire_wr_u64(w, s.dst_stride);
+            kvf_wire_wr_u64(w, s.src_stride);
+        }
     }
 }
 
@@ -512,7 +578,7 @@ kvf_status_t kvf_wire_encode(kvf_buf_t *out, const kvf_msg_t *msg)
 {
     char err[256];
 
-    if (out == NULL || msg == NULL || !kvf_wire_check(msg, err, sizeof(err)))
+    if (out == NULL || msg == NULL || !kvf_wire_check(msg, NULL, err, sizeof(err)))
         return KVF_ERR_INVALID_PARAM;
 
     kvf_wire_wr_t w = { NULL, 0 };
@@ -528,7 +594,8 @@ kvf_status_t kvf_wire_encode(kvf_buf_t *out, const kvf_msg_t *msg)
     uint8_t *p = out->data + out->len;
     kvf_put_u32(p, length);
     p[4] = (uint8_t)msg->type;
-    p[5] = 0;
+    p[5] = (msg->type == KVF_MSG_DATA || msg->type == KVF_MSG_DATA_REF) &&
+           msg->u.data.strided ? KVF_WIRE_F_STRIDED : 0;
     kvf_put_u16(p + 6, 0);
     w = (kvf_wire_wr_t){ p + KVF_WIRE_HDR_LEN, 0 };
     kvf_wire_wr_body(&w, msg);
@@ -560,7 +627,9 @@ kvf_status_t kvf_wire_parse_header(const uint8_t *p, kvf_wire_hdr_t *hdr_p,
                           "lost sync)", type);
         return KVF_ERR_PROTOCOL;
     }
-    if (flags != 0 || reserved != 0) {
+    uint8_t allowed = type == KVF_MSG_DATA || type == KVF_MSG_DATA_REF
+                          ? KVF_WIRE_F_STRIDED : 0;
+    if ((flags & ~allowed) != 0 || reserved != 0) {
         kvf_wire_errf(err, errlen, "frame header: %s frame has non-zero "
                       "reserved bits (flags 0x%02x, reserved 0x%04x)",
                       kvf_wire_type_name(type), flags, reserved);
@@ -574,6 +643,7 @@ kvf_status_t kvf_wire_parse_header(const uint8_t *p, kvf_wire_hdr_t *hdr_p,
     }
     hdr_p->length = length;
     hdr_p->type = type;
+    hdr_p->flags = flags;
     return KVF_OK;
 }
 
@@ -777,7 +847,8 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         d->room        = kvf_wire_rd_u64(rd, "room");
         d->src_rank    = kvf_wire_rd_u32(rd, "src_rank");
         d->payload_len = kvf_wire_rd_u64(rd, "payload_len");
-        d->raw_segs    = kvf_wire_rd_items(rd, KVF_WIRE_SEG_LEN,
+        d->raw_segs    = kvf_wire_rd_items(rd, d->strided ? KVF_WIRE_SSEG_LEN
+                                                          : KVF_WIRE_SEG_LEN,
                                            KVF_WIRE_MAX_SEGS, "segment",
                                            &d->nseg);
         if (m->type == KVF_MSG_DATA_REF)
@@ -889,9 +960,19 @@ kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
             return st;
     }
 
+    uint8_t allowed = hdr->type == KVF_MSG_DATA || hdr->type == KVF_MSG_DATA_REF
+                          ? KVF_WIRE_F_STRIDED : 0;
+    if ((hdr->flags & ~allowed) != 0) {
+        kvf_wire_errf(err, errlen, "%s: unknown frame flags 0x%02x",
+                      kvf_wire_type_name(hdr->type), hdr->flags);
+        return KVF_ERR_PROTOCOL;
+    }
+
     kvf_msg_t m;
     memset(&m, 0, sizeof(m));
     m.type = (kvf_msg_type_t)hdr->type;
+    if (allowed)
+        m.u.data.strided = (hdr->flags & KVF_WIRE_F_STRIDED) != 0;
     kvf_wire_rd_t rd = {
         .p = body, .left = hdr->length, .what = kvf_wire_type_name(hdr->type),
         .err = err, .errlen = errlen, .bad = false,
@@ -899,8 +980,11 @@ kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
     kvf_wire_rd_body(&rd, &m);
     if (!rd.bad && rd.left != 0)
         kvf_wire_rd_fail(&rd, "%zu trailing bytes after the message", rd.left);
-    if (rd.bad || !kvf_wire_check(&m, err, errlen))
+    uint32_t pieces = 0;
+    if (rd.bad || !kvf_wire_check(&m, &pieces, err, errlen))
         return KVF_ERR_PROTOCOL;
+    if (allowed)
+        m.u.data.npieces = pieces;
     *msg_p = m;
     return KVF_OK;
 }

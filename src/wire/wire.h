@@ -7,7 +7,8 @@
  *
  *     u32 length    body bytes that follow the header (<= KVF_WIRE_MAX_BODY)
  *     u8  type      kvf_msg_type_t
- *     u8  flags     0 (reserved; receivers reject non-zero)
+ *     u8  flags     0, or KVF_WIRE_F_STRIDED on DATA / DATA_REF (below);
+ *                   receivers reject any other bit
  *     u16 reserved  0 (receivers reject non-zero)
  *
  * A DATA frame is followed by `payload_len` raw payload bytes that are not
@@ -19,6 +20,16 @@
  * the caller's body buffer, which must outlive the message.  Arrays are read
  * through the kvf_wire_*_at() accessors, which work for encoded input
  * (native arrays) and decoded output (raw little-endian bytes) alike.
+ *
+ * Strided segments.  A segment normally names one byte range.  A DATA or
+ * DATA_REF frame whose header carries KVF_WIRE_F_STRIDED has wider
+ * segments (KVF_WIRE_SSEG_LEN bytes) that each name `count` pieces of
+ * `len` bytes: piece k lands at offset + k * dst_stride and comes from
+ * (DATA_REF: the source address) + k * src_stride.  That is the shape of
+ * a TP slice, a few heads out of every token, which would otherwise cost
+ * one segment per token.  The plain frame is unchanged, and a sender uses
+ * the strided one only with a peer that accepted KVF_CAP_STRIDED in the
+ * XPORT exchange (KVF_WIRE_CAPS_NAME), so older peers never see it.
  */
 #ifndef KVF_WIRE_WIRE_H
 #define KVF_WIRE_WIRE_H
@@ -37,6 +48,9 @@
 #define KVF_WIRE_MAX_STR    1024       /* strings: addresses, dtype, reasons */
 #define KVF_WIRE_MAX_BUFS   4096       /* kv/aux/state buffers in a layout */
 #define KVF_WIRE_SEG_LEN    17         /* encoded size of one DATA segment */
+#define KVF_WIRE_SSEG_LEN   37         /* ... of one in a strided frame */
+#define KVF_WIRE_MAX_PIECES KVF_WIRE_MAX_SEGS  /* pieces in one frame */
+#define KVF_WIRE_F_STRIDED  0x1u       /* header flag: strided segments */
 #define KVF_WIRE_MAX_XPORTS 8          /* transports in one XPORT message */
 #define KVF_WIRE_MAX_BLOB   (1u << 20) /* bytes of one transport's blob */
 
@@ -103,6 +117,18 @@ typedef struct kvf_wire_layout {
 
 #define KVF_HELLO_F_CHECKSUM 0x1u      /* sender computes XXH3 checksums */
 
+/*
+ * Capabilities: optional forms a sender may use only once its peer has
+ * accepted them.  A prefill rank lists what it can send as an XPORT entry
+ * named KVF_WIRE_CAPS_NAME whose blob is a u32 of KVF_CAP_* bits (older
+ * decode ranks skip an entry they do not know); a decode rank that knows
+ * the entry answers with one of the same name holding the bits it accepts.
+ */
+#define KVF_WIRE_CAPS_NAME  "caps"
+#define KVF_WIRE_CAPS_LEN   4
+#define KVF_CAP_STRIDED     0x1u       /* DATA / DATA_REF with strided segments */
+#define KVF_CAPS_KNOWN      KVF_CAP_STRIDED
+
 typedef struct kvf_msg_hello {
     uint32_t          magic;          /* KVF_WIRE_MAGIC */
     uint16_t          version;        /* KVF_WIRE_VERSION */
@@ -128,11 +154,46 @@ typedef struct kvf_msg_room_req {
 } kvf_msg_room_req_t;
 
 typedef struct kvf_wire_seg {
-    uint8_t  kind;     /* kvf_buf_kind_t */
-    uint32_t buf;      /* buffer index within its kind */
-    uint64_t offset;   /* byte offset inside that buffer */
-    uint32_t len;      /* bytes, > 0 */
+    uint8_t  kind;       /* kvf_buf_kind_t */
+    uint32_t buf;        /* buffer index within its kind */
+    uint64_t offset;     /* byte offset of the first piece inside that buffer */
+    uint32_t len;        /* bytes per piece, > 0 */
+    /* count pieces, piece k at offset + k * dst_stride and read from the
+     * source + k * src_stride; with count > 1 (strided frames only) both
+     * strides are >= len, so pieces never overlap.  A plain segment has
+     * count 1, or 0 in an encoder's input outside a strided frame; decoding
+     * gives count >= 1 (1 and strides 0 for every segment of a plain frame). */
+    uint32_t count;
+    uint64_t dst_stride;
+    uint64_t src_stride;
 } kvf_wire_seg_t;
+
+/* Pieces of a segment: count, where 0 (a plain segment's) means 1. */
+static inline uint32_t kvf_wire_seg_pieces(const kvf_wire_seg_t *s)
+{
+    return s->count > 1 ? s->count : 1;
+}
+
+/* Payload bytes of a segment: pieces x len (cannot overflow 64 bits). */
+static inline uint64_t kvf_wire_seg_bytes(const kvf_wire_seg_t *s)
+{
+    return (uint64_t)kvf_wire_seg_pieces(s) * s->len;
+}
+
+/*
+ * Bytes from the first piece's start to the last piece's end, in the
+ * destination (src = 0) or the source (src = 1): every byte a segment
+ * touches lies in [offset, offset + span).  @return 0 if that sum
+ * overflows 64 bits (the codec refuses such a segment).
+ */
+static inline int kvf_wire_seg_span(const kvf_wire_seg_t *s, int src, uint64_t *span_p)
+{
+    uint64_t n = kvf_wire_seg_pieces(s) - 1, stride = src ? s->src_stride : s->dst_stride;
+    if (n != 0 && stride > (UINT64_MAX - s->len) / n)
+        return 0;
+    *span_p = n * stride + s->len;
+    return 1;
+}
 
 /*
  * Prefill -> decode: segments, then payload_len payload bytes (DATA), or
@@ -142,10 +203,14 @@ typedef struct kvf_wire_seg {
 typedef struct kvf_msg_data {
     uint64_t              room;
     uint32_t              src_rank;
-    uint64_t              payload_len;   /* == sum of segment lengths */
+    uint64_t              payload_len;   /* == sum of segment bytes */
     uint32_t              nseg;          /* 1..KVF_WIRE_MAX_SEGS */
+    uint8_t               strided;       /* KVF_WIRE_F_STRIDED frame: segments
+                                            may have count > 1 */
+    uint32_t              npieces;       /* decode: sum of the segments' pieces,
+                                            <= KVF_WIRE_MAX_PIECES (encode: ignored) */
     const kvf_wire_seg_t *segs;          /* encode: input array */
-    const uint8_t        *raw_segs;      /* decode: nseg * KVF_WIRE_SEG_LEN bytes */
+    const uint8_t        *raw_segs;      /* decode: nseg segments as on the wire */
     kvf_wire_arr64_t      src_addrs;     /* DATA_REF: nseg source addresses */
 } kvf_msg_data_t;
 
@@ -217,6 +282,7 @@ typedef struct kvf_msg {
 typedef struct kvf_wire_hdr {
     uint32_t length;
     uint8_t  type;
+    uint8_t  flags;      /* KVF_WIRE_F_STRIDED or 0 */
 } kvf_wire_hdr_t;
 
 /*
@@ -228,8 +294,9 @@ kvf_status_t kvf_wire_encode(kvf_buf_t *out, const kvf_msg_t *msg);
 
 /*
  * Parse a frame header (exactly KVF_WIRE_HDR_LEN bytes at p).
- * @return KVF_OK; KVF_ERR_PROTOCOL with `err` set (unknown type, non-zero
- * reserved bits, length over KVF_WIRE_MAX_BODY).
+ * @return KVF_OK; KVF_ERR_PROTOCOL with `err` set (unknown type, a flag
+ * other than KVF_WIRE_F_STRIDED on DATA / DATA_REF, non-zero reserved
+ * bits, length over KVF_WIRE_MAX_BODY).
  */
 kvf_status_t kvf_wire_parse_header(const uint8_t *p, kvf_wire_hdr_t *hdr_p,
                                    char *err, size_t errlen);

@@ -66,16 +66,28 @@ static bool fz_hello_eq(const kvf_msg_hello_t *a, const kvf_msg_hello_t *b)
 static bool fz_data_eq(const kvf_msg_data_t *a, const kvf_msg_data_t *b)
 {
     if (a->room != b->room || a->src_rank != b->src_rank ||
-        a->payload_len != b->payload_len || a->nseg != b->nseg)
+        a->payload_len != b->payload_len || a->nseg != b->nseg ||
+        a->strided != b->strided || a->npieces != b->npieces)
         return false;
+    uint64_t pieces = 0;
     for (uint32_t i = 0; i < a->nseg; i++) {
         kvf_wire_seg_t s, t;
         kvf_wire_seg_at(a, i, &s);
         kvf_wire_seg_at(b, i, &t);
         if (s.kind != t.kind || s.buf != t.buf || s.offset != t.offset ||
-            s.len != t.len)
+            s.len != t.len || s.count != t.count || s.dst_stride != t.dst_stride ||
+            s.src_stride != t.src_stride)
             return false;
+        /* What the receiver relies on: no piece wraps, none overlaps. */
+        uint64_t span;
+        if (s.count == 0 || !kvf_wire_seg_span(&s, 0, &span) ||
+            s.offset > UINT64_MAX - span ||
+            (s.count > 1 && (s.dst_stride < s.len || s.src_stride < s.len)))
+            abort();
+        pieces += s.count;
     }
+    if (pieces != a->npieces || pieces > KVF_WIRE_MAX_PIECES)
+        abort();
     return true;
 }
 
@@ -157,7 +169,8 @@ static void fz_roundtrip(const uint8_t *frame, const kvf_wire_hdr_t *hdr,
         memcmp(out.data, frame, out.len) != 0)
         abort();
     if (kvf_wire_parse_header(out.data, &hdr2, err, sizeof(err)) != KVF_OK ||
-        hdr2.length != hdr->length || hdr2.type != hdr->type)
+        hdr2.length != hdr->length || hdr2.type != hdr->type ||
+        hdr2.flags != hdr->flags)
         abort();
     if (kvf_wire_decode(&hdr2, out.data + KVF_WIRE_HDR_LEN, &msg2, err,
                         sizeof(err)) != KVF_OK ||

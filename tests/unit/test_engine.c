@@ -15,6 +15,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include "bootstrap/bootstrap.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_test.h"
 #include "util/time.h"
@@ -456,6 +457,453 @@ static void test_trickling_handshake_is_closed(void)
     side_fini(&pre);
 }
 
+/*
+ * A hand-written prefill rank, to send a real decode engine what no
+ * kvferry sender would: it registers in a registry, answers the decode
+ * engine's connection on a plain socket and speaks the wire protocol
+ * through the codec.
+ */
+typedef struct fake_peer {
+    int     lfd, fd, port;
+    uint8_t body[1 << 16];
+} fake_peer_t;
+
+static void fake_listen(fake_peer_t *f)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    socklen_t len = sizeof(sa);
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    f->lfd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(f->lfd >= 0 && bind(f->lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+          listen(f->lfd, 1) == 0);
+    getsockname(f->lfd, (struct sockaddr *)&sa, &len);
+    f->port = ntohs(sa.sin_port);
+    f->fd = -1;
+}
+
+/* Exactly n bytes, or 0 after 5 s (or at EOF). */
+static int fake_read(int fd, uint8_t *p, size_t n)
+{
+    uint64_t until = kvf_now_ms() + 5000;
+    while (n > 0) {
+        struct pollfd pfd = {fd, POLLIN, 0};
+        if (kvf_now_ms() >= until || poll(&pfd, 1, 100) < 0)
+            return 0;
+        if (!(pfd.revents & (POLLIN | POLLHUP)))
+            continue;
+        ssize_t got = recv(fd, p, n, 0);
+        if (got <= 0)
+            return 0;
+        p += got;
+        n -= (size_t)got;
+    }
+    return 1;
+}
+
+/* The next message of `type` the decode engine sends (others skipped). */
+static int fake_expect(fake_peer_t *f, uint8_t type, kvf_msg_t *m)
+{
+    char err[256];
+    for (;;) {
+        uint8_t h[KVF_WIRE_HDR_LEN];
+        kvf_wire_hdr_t hdr;
+        if (!fake_read(f->fd, h, sizeof(h)) ||
+            kvf_wire_parse_header(h, &hdr, err, sizeof(err)) != KVF_OK ||
+            hdr.length > sizeof(f->body) || !fake_read(f->fd, f->body, hdr.length) ||
+            kvf_wire_decode(&hdr, f->body, m, err, sizeof(err)) != KVF_OK)
+            return 0;
+        if (hdr.type == type)
+            return 1;
+    }
+}
+
+static void fake_send(fake_peer_t *f, const kvf_msg_t *m, const uint8_t *payload, size_t n)
+{
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    CHECK_EQ_INT(kvf_wire_encode(&b, m), KVF_OK);
+    CHECK(kvf_buf_append(&b, payload, n) == KVF_OK);
+    CHECK(send(f->fd, b.data, b.len, MSG_NOSIGNAL) == (ssize_t)b.len);
+    kvf_buf_free(&b);
+}
+
+/* The layout side_init registers, with `heads` of the HEADS per rank, as
+ * rank 0 of TP HEADS / heads. */
+static void fake_hello(fake_peer_t *f, kvf_role_t role, uint32_t heads)
+{
+    uint64_t kb[NKV], ki[NKV], ab = AUX_B, ai = SLOTS, sb = 8, si = SLOTS;
+    char addr[32];
+    for (int i = 0; i < NKV; i++) {
+        kb[i] = (uint64_t)PAGE * heads * HEAD_B;
+        ki[i] = PAGES;
+    }
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
+    kvf_msg_t m = {.type = KVF_MSG_HELLO};
+    kvf_msg_hello_t *h = &m.u.hello;
+    h->magic = KVF_WIRE_MAGIC;
+    h->version = KVF_WIRE_VERSION;
+    h->role = (uint8_t)role;
+    h->instance_id = 0x5eed;
+    h->tp_size = HEADS / heads;
+    h->pp_size = h->dp_size = 1;
+    h->addr = (kvf_wire_str_t){addr, (uint32_t)strlen(addr)};
+    h->layout.page_size = PAGE;
+    h->layout.kv_dtype = (kvf_wire_str_t){"bfloat16", 8};
+    h->layout.attn = KVF_ATTN_MHA;
+    h->layout.num_layers = LAYERS;
+    h->layout.heads_per_rank = heads;
+    h->layout.total_heads = HEADS;
+    h->layout.bytes_per_head = HEAD_B;
+    h->layout.kv_item_bytes = (kvf_wire_arr64_t){NKV, kb, NULL};
+    h->layout.kv_items = (kvf_wire_arr64_t){NKV, ki, NULL};
+    h->layout.aux_item_bytes = (kvf_wire_arr64_t){1, &ab, NULL};
+    h->layout.aux_items = (kvf_wire_arr64_t){1, &ai, NULL};
+    h->layout.state_item_bytes = (kvf_wire_arr64_t){1, &sb, NULL};
+    h->layout.state_items = (kvf_wire_arr64_t){1, &si, NULL};
+    fake_send(f, &m, NULL, 0);
+}
+
+/* The XPORT entry of capabilities, `bits` in `blob`. */
+static kvf_wire_xport_t caps_xport(uint8_t blob[4], uint32_t bits)
+{
+    kvf_put_u32(blob, bits);
+    return (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, blob, 4};
+}
+
+/* DATA for `room`: segments, then as many payload bytes as they hold. */
+static void fake_data(fake_peer_t *f, uint64_t room, const kvf_wire_seg_t *segs, uint32_t n)
+{
+    static uint8_t payload[NKV * PAGE_B + 4096];
+    kvf_msg_t m = {.type = KVF_MSG_DATA};
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < n; i++)
+        bytes += kvf_wire_seg_bytes(&segs[i]);
+    CHECK(bytes <= sizeof(payload));
+    for (size_t i = 0; i < bytes; i++)
+        payload[i] = (uint8_t)(i * 31 + 7);
+    m.u.data.room = room;
+    m.u.data.payload_len = bytes;
+    m.u.data.nseg = n;
+    m.u.data.segs = segs;
+    m.u.data.strided = 1;
+    fake_send(f, &m, payload, bytes);
+}
+
+static int all_zero(const uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != 0)
+            return 0;
+    return 1;
+}
+
+static kvf_poll_t wait_receiver(kvf_receiver_t *r)
+{
+    for (int i = 0; i < 5000; i++) {
+        kvf_poll_t st = kvf_receiver_poll(r);
+        if (st == KVF_POLL_SUCCESS || st == KVF_POLL_FAILED)
+            return st;
+        sleep_ms(1);
+    }
+    return kvf_receiver_poll(r);
+}
+
+static void check_refused(kvf_receiver_t *r, kvf_status_t status, const char *why)
+{
+    kvf_failure_t f;
+    CHECK_EQ_INT(wait_receiver(r), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, status);
+    CHECK_STR_CONTAINS(f.reason, why);
+}
+
+#define SEG(kind, buf, off, len, count, dstr, sstr) \
+    ((kvf_wire_seg_t){(kind), (buf), (off), (len), (count), (dstr), (sstr)})
+
+/*
+ * Strided segments from a peer: a good one lands piece by piece; one piece
+ * past its page, into another room's page, or far off by its stride fails
+ * its room with KVF_ERR_BAD_INDICES and places nothing of the frame; a
+ * stride that wraps 64 bits is a protocol violation that takes the peer.
+ */
+static void test_hostile_strided_segments(void)
+{
+    enum { R_GOOD, R_PAST, R_INTO, R_OTHER, R_FAR, R_AUX, NR };
+    static const uint32_t page[NR] = {5, 7, 9, 10, 11, 12};
+    const uint64_t tok = HEADS * HEAD_B;   /* a token's bytes on both sides */
+    kvf_bootstrap_t *bs;
+    kvf_receiver_t *r[NR];
+    fake_peer_t *f = calloc(1, sizeof(*f));
+    char addr[64], err[256];
+    side_t dec;
+    kvf_msg_t m;
+
+    transport = "tcp";
+    CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 0, &bs), KVF_OK);
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", kvf_bootstrap_port(bs));
+    fake_listen(f);
+    kvf_bs_reg_t reg = {
+        .attn_tp_size = 1, .attn_cp_size = 1, .attn_dp_size = 1, .pp_size = 1,
+        .system_dp_size = 1, .rank_ip = "127.0.0.1", .rank_port = f->port,
+        .page_size = PAGE, .kv_cache_dtype = "bfloat16",
+    };
+    CHECK_EQ_INT(kvf__bs_register(addr, &reg, 3000, err, sizeof(err)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, addr, 0, PAGE, "bfloat16", 1);
+    for (int i = 0; i < NR; i++) {
+        uint32_t state = (uint32_t)i;
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 100 + (uint64_t)i, -1, &r[i]),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[i], &page[i], 1, (uint32_t)i, &state, 1), KVF_OK);
+    }
+
+    struct pollfd pfd = {f->lfd, POLLIN, 0};
+    CHECK(poll(&pfd, 1, 5000) == 1);
+    f->fd = accept(f->lfd, NULL, NULL);
+    CHECK(f->fd >= 0);
+    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
+    fake_hello(f, KVF_ROLE_PREFILL, HEADS);
+    uint8_t caps[4];
+    kvf_msg_t x = {.type = KVF_MSG_XPORT};
+    x.u.xport.count = 1;
+    x.u.xport.x[0] = caps_xport(caps, KVF_CAP_STRIDED);
+    fake_send(f, &x, NULL, 0);
+    /* The decode engine takes the stream and accepts strided segments. */
+    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    CHECK(m.u.xport.count == 1 && m.u.xport.x[0].name.len == 4 &&
+          memcmp(m.u.xport.x[0].name.ptr, "caps", 4) == 0 &&
+          m.u.xport.x[0].blob_len == 4 &&
+          kvf_get_u32(m.u.xport.x[0].blob) == KVF_CAP_STRIDED);
+    for (int i = 0; i < NR; i++)
+        CHECK(fake_expect(f, KVF_MSG_ROOM_REQ, &m));
+
+    /* Good: every KV buffer's page as PAGE pieces of a token, then aux and
+     * state; the payload is the pieces in order. */
+    kvf_wire_seg_t good[NKV + 2];
+    for (int b = 0; b < NKV; b++)
+        good[b] = SEG(KVF_BUF_KV, (uint32_t)b, page[R_GOOD] * (uint64_t)PAGE_B,
+                      (uint32_t)tok, PAGE, tok, 2 * tok);
+    good[NKV] = SEG(KVF_BUF_AUX, 0, R_GOOD * AUX_B, AUX_B, 1, 0, 0);
+    good[NKV + 1] = SEG(KVF_BUF_STATE, 0, R_GOOD * 8, 8, 1, 0, 0);
+    fake_data(f, 100 + R_GOOD, good, NKV + 2);
+    kvf_msg_t done = {.type = KVF_MSG_DONE};
+    done.u.done.room = 100 + R_GOOD;
+    done.u.done.bytes = NKV * PAGE_B + AUX_B + 8;
+    fake_send(f, &done, NULL, 0);
+    CHECK_EQ_INT(wait_receiver(r[R_GOOD]), KVF_POLL_SUCCESS);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < PAGE_B; i++)
+            if (dec.kv[b][page[R_GOOD] * PAGE_B + i] != (uint8_t)((b * PAGE_B + i) * 31 + 7)) {
+                CHECK(!"a strided piece landed in the wrong place");
+                b = NKV;
+                break;
+            }
+
+    /* One piece past the page (into page 8, which no room declared). */
+    kvf_wire_seg_t past = SEG(KVF_BUF_KV, 0, page[R_PAST] * (uint64_t)PAGE_B,
+                              (uint32_t)tok, PAGE + 1, tok, tok);
+    fake_data(f, 100 + R_PAST, &past, 1);
+    check_refused(r[R_PAST], KVF_ERR_BAD_INDICES, "outside the pages the room declared");
+
+    /* A good segment, then one whose last piece reaches into page 10, which
+     * room R_OTHER declared: nothing of the frame is placed. */
+    kvf_wire_seg_t into[2] = {
+        SEG(KVF_BUF_KV, 1, page[R_INTO] * (uint64_t)PAGE_B, (uint32_t)tok, PAGE, tok, tok),
+        SEG(KVF_BUF_KV, 0, page[R_INTO] * (uint64_t)PAGE_B + tok, HEAD_B, PAGE, tok, tok),
+    };
+    fake_data(f, 100 + R_INTO, into, 2);
+    check_refused(r[R_INTO], KVF_ERR_BAD_INDICES, "segment 1: bytes");
+    CHECK(all_zero(dec.kv[1] + page[R_INTO] * PAGE_B, PAGE_B));
+    CHECK(all_zero(dec.kv[0] + page[R_INTO] * PAGE_B, 2 * PAGE_B));
+    CHECK(kvf_receiver_poll(r[R_OTHER]) == KVF_POLL_WAITING_FOR_INPUT);
+
+    /* Pieces 2^40 bytes apart: the second is far outside the buffer. */
+    kvf_wire_seg_t far = SEG(KVF_BUF_KV, 0, page[R_FAR] * (uint64_t)PAGE_B, (uint32_t)tok,
+                             2, 1ull << 40, tok);
+    fake_data(f, 100 + R_FAR, &far, 1);
+    check_refused(r[R_FAR], KVF_ERR_BAD_INDICES, "outside the pages the room declared");
+
+    /* Aux: three 8-byte pieces from the slot's start run past its 16 bytes. */
+    kvf_wire_seg_t aux = SEG(KVF_BUF_AUX, 0, R_AUX * AUX_B, 8, 3, 8, 8);
+    fake_data(f, 100 + R_AUX, &aux, 1);
+    check_refused(r[R_AUX], KVF_ERR_BAD_INDICES, "outside the room's slot");
+    CHECK(all_zero(dec.aux + (R_AUX + 1) * AUX_B, AUX_B));
+
+    /* Still untouched, still live; then a stride that wraps around 64 bits,
+     * which the codec refuses: the connection goes, and the room with it. */
+    CHECK(all_zero(dec.kv[0] + page[R_OTHER] * PAGE_B, PAGE_B));
+    kvf_msg_t wrap = {.type = KVF_MSG_DATA};
+    kvf_wire_seg_t ws = SEG(KVF_BUF_KV, 0, page[R_OTHER] * (uint64_t)PAGE_B, 8, 3,
+                            UINT64_MAX / 2, 8);
+    wrap.u.data.room = 100 + R_OTHER;
+    wrap.u.data.payload_len = 24;
+    wrap.u.data.nseg = 1;
+    wrap.u.data.segs = &ws;
+    wrap.u.data.strided = 1;
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    CHECK_EQ_INT(kvf_wire_encode(&b, &wrap), KVF_ERR_INVALID_PARAM);   /* not from us */
+    ws.dst_stride = 8;
+    CHECK_EQ_INT(kvf_wire_encode(&b, &wrap), KVF_OK);
+    kvf_put_u64(b.data + KVF_WIRE_HDR_LEN + 24 + 21, UINT64_MAX / 2);  /* dst_stride */
+    CHECK(send(f->fd, b.data, b.len, MSG_NOSIGNAL) == (ssize_t)b.len);
+    kvf_buf_free(&b);
+    check_refused(r[R_OTHER], KVF_ERR_PROTOCOL, "overflows");
+    CHECK(all_zero(dec.kv[0] + page[R_OTHER] * PAGE_B, PAGE_B));
+
+    for (int i = 0; i < NR; i++)
+        kvf_receiver_destroy(r[i]);
+    side_fini(&dec);
+    close(f->fd);
+    close(f->lfd);
+    free(f);
+    kvf_bootstrap_destroy(bs);
+}
+
+/* What a fake decode rank saw of one room's payload. */
+typedef struct fake_rx {
+    int      frames, strided_frames;
+    uint32_t kv_segs, max_count;
+    uint64_t bytes;
+    uint8_t  payload[NKV * PAGE_B];
+} fake_rx_t;
+
+/*
+ * One room from a real prefill engine (TP 1) to a hand-written decode
+ * rank 0 of TP 2 (one head of the two: a TP slice), which answers the
+ * offer as a build without capabilities does (accept 0: it names no caps
+ * entry) or accepts strided segments.  Every DATA frame is recorded.
+ */
+static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_t accept,
+                             fake_rx_t *rx)
+{
+    fake_peer_t *f = calloc(1, sizeof(*f));
+    char addr[64], err[256];
+    kvf_msg_t m;
+    kvf_sender_t *s;
+
+    memset(rx, 0, sizeof(*rx));
+    CHECK_EQ_INT(kvf_engine_address(pre->eng, addr, sizeof(addr)), KVF_OK);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    f->fd = socket(AF_INET, SOCK_STREAM, 0);
+    f->lfd = -1;
+    CHECK(connect(f->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    fake_hello(f, KVF_ROLE_DECODE, 1);
+    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
+    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    int offered = 0;
+    for (uint32_t i = 0; i < m.u.xport.count; i++)
+        offered |= m.u.xport.x[i].name.len == 4 &&
+                   memcmp(m.u.xport.x[i].name.ptr, "caps", 4) == 0 &&
+                   m.u.xport.x[i].blob_len == 4 &&
+                   (kvf_get_u32(m.u.xport.x[i].blob) & KVF_CAP_STRIDED) != 0;
+    CHECK(offered);
+    uint8_t caps[4];
+    kvf_msg_t x = {.type = KVF_MSG_XPORT};
+    if (accept != 0)
+        x.u.xport.x[x.u.xport.count++] = caps_xport(caps, accept);
+    fake_send(f, &x, NULL, 0);
+    uint32_t dpage = 3, dstate = 2;
+    kvf_msg_t req = {.type = KVF_MSG_ROOM_REQ};
+    req.u.room_req.room = room;
+    req.u.room_req.expected_receivers = 1;
+    req.u.room_req.aux_slot = 1;
+    req.u.room_req.pages = (kvf_wire_arr32_t){1, &dpage, NULL};
+    req.u.room_req.state_slots = (kvf_wire_arr32_t){1, &dstate, NULL};
+    fake_send(f, &req, NULL, 0);
+
+    uint32_t spage = 20, sstate = 4;
+    CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
+    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 6), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_set_state(s, &sstate, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+
+    /* DATA frames (and their payload) until DONE. */
+    for (;;) {
+        uint8_t h[KVF_WIRE_HDR_LEN];
+        kvf_wire_hdr_t hdr;
+        if (!fake_read(f->fd, h, sizeof(h)) ||
+            kvf_wire_parse_header(h, &hdr, err, sizeof(err)) != KVF_OK ||
+            hdr.length > sizeof(f->body) || !fake_read(f->fd, f->body, hdr.length) ||
+            kvf_wire_decode(&hdr, f->body, &m, err, sizeof(err)) != KVF_OK) {
+            CHECK(!"the prefill engine's stream ended before DONE");
+            break;
+        }
+        if (m.type == KVF_MSG_DONE) {
+            CHECK(m.u.done.bytes == rx->bytes);
+            break;
+        }
+        if (m.type != KVF_MSG_DATA)
+            continue;
+        rx->frames++;
+        rx->strided_frames += (hdr.flags & KVF_WIRE_F_STRIDED) != 0;
+        uint64_t kv = 0;
+        for (uint32_t i = 0; i < m.u.data.nseg; i++) {
+            kvf_wire_seg_t sg;
+            kvf_wire_seg_at(&m.u.data, i, &sg);
+            if (sg.kind != KVF_BUF_KV)
+                continue;
+            rx->kv_segs++;
+            rx->max_count = sg.count > rx->max_count ? sg.count : rx->max_count;
+            kv += kvf_wire_seg_bytes(&sg);
+        }
+        /* KV pieces come first in a frame: keep them, skip the rest. */
+        CHECK(rx->bytes + kv <= sizeof(rx->payload));
+        CHECK(fake_read(f->fd, rx->payload + rx->bytes, kv));
+        uint8_t rest[64];
+        CHECK(m.u.data.payload_len - kv <= sizeof(rest));
+        CHECK(fake_read(f->fd, rest, m.u.data.payload_len - kv));
+        rx->bytes += m.u.data.payload_len;
+    }
+    kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
+    ack.u.done_ack.room = room;
+    ack.u.done_ack.bytes = rx->bytes;
+    fake_send(f, &ack, NULL, 0);
+    wait_final(s, NULL);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
+    kvf_sender_destroy(s);
+    close(f->fd);
+    free(f);
+}
+
+/*
+ * A decode rank that did not accept strided segments (an older build)
+ * gets a plain segment per token of a TP slice; one that did gets one
+ * strided segment per KV buffer.  The payload is the same bytes in the
+ * same order either way.
+ */
+static void test_strided_only_when_accepted(void)
+{
+    side_t pre;
+    char bs[64];
+    static fake_rx_t plain, strided;
+
+    transport = "tcp";
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 5 + b * 11 + 3);
+
+    fake_decode_room(&pre, bs, 201, 0, &plain);
+    CHECK(plain.frames > 0 && plain.strided_frames == 0);
+    CHECK_EQ_INT(plain.kv_segs, NKV * PAGE);        /* a token's head, each */
+    CHECK_EQ_INT(plain.max_count, 1);
+
+    fake_decode_room(&pre, bs, 202, KVF_CAP_STRIDED, &strided);
+    CHECK(strided.frames > 0 && strided.strided_frames == strided.frames);
+    CHECK_EQ_INT(strided.kv_segs, NKV);             /* the page's tokens, each */
+    CHECK_EQ_INT(strided.max_count, PAGE);
+
+    CHECK(plain.bytes == strided.bytes && plain.bytes == NKV * PAGE_B / 2 + AUX_B + 8);
+    CHECK(memcmp(plain.payload, strided.payload, NKV * PAGE_B / 2) == 0);
+    /* Head 0 of token 1 of prefill page 20, buffer 0: the second piece. */
+    CHECK_EQ_INT(strided.payload[HEAD_B], pre.kv[0][20 * PAGE_B + HEADS * HEAD_B]);
+    side_fini(&pre);
+}
+
 static void test_reset_resumes(void)
 {
     kvf_poll_t ps, ds;
@@ -633,6 +1081,8 @@ static void test_over_ucx(void)
 
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_trickling_handshake_is_closed),
+              KVF_CASE(test_hostile_strided_segments),
+              KVF_CASE(test_strided_only_when_accepted),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_repeated_resets_give_up),

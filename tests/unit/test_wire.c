@@ -38,10 +38,10 @@ static const uint64_t st_items[]  = { 3, BIG64 };
 static const uint32_t pages[]     = { 0, 7, 8, 9, BIG32, 42 };
 static const uint32_t slots[]     = { 3, BIG32 };
 static const kvf_wire_seg_t segs[] = {
-    { KVF_BUF_KV, 0, 0, 4096 },
-    { KVF_BUF_KV, 77, 6000000000ull, 1u << 31 },
-    { KVF_BUF_AUX, 0, 8192, 100 },
-    { KVF_BUF_STATE, 1, UINT64_MAX - 5, 5 },
+    { KVF_BUF_KV, 0, 0, 4096, 1, 0, 0 },
+    { KVF_BUF_KV, 77, 6000000000ull, 1u << 31, 1, 0, 0 },
+    { KVF_BUF_AUX, 0, 8192, 100, 1, 0, 0 },
+    { KVF_BUF_STATE, 1, UINT64_MAX - 5, 5, 1, 0, 0 },
 };
 
 static kvf_msg_t sample_hello(void)
@@ -176,7 +176,7 @@ static kvf_status_t decode_copy(uint8_t type, const uint8_t *body, size_t len,
     uint8_t *copy = malloc(len ? len : 1);
     if (len)
         memcpy(copy, body, len);
-    kvf_wire_hdr_t hdr = { (uint32_t)len, type };
+    kvf_wire_hdr_t hdr = { (uint32_t)len, type, 0 };
     err[0] = '\0';
     kvf_status_t st = kvf_wire_decode(&hdr, copy, m, err, errlen);
     free(copy);
@@ -378,7 +378,8 @@ static void test_golden_bytes(void)
     CHECK(b.len == sizeof(hb) && memcmp(b.data, hb, sizeof(hb)) == 0);
 
     /* encode appends: a DATA frame after the heartbeat */
-    kvf_wire_seg_t s = { KVF_BUF_AUX, 0x21222324u, 0x3132333435363738ull, 0x41424344u };
+    kvf_wire_seg_t s = { KVF_BUF_AUX, 0x21222324u, 0x3132333435363738ull, 0x41424344u,
+                         1, 0, 0 };
     memset(&m, 0, sizeof(m));
     m.type = KVF_MSG_DATA;
     m.u.data.room = 0x99;
@@ -431,7 +432,7 @@ static void test_type_names(void)
 
 static void test_header_errors(void)
 {
-    kvf_wire_hdr_t hdr = { 12345, 99 };
+    kvf_wire_hdr_t hdr = { 12345, 99, 0 };
     char err[256];
     uint8_t h[8];
 
@@ -452,9 +453,18 @@ static void test_header_errors(void)
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "unknown message type 11");
 
-    h[4] = KVF_MSG_DATA; h[5] = 1;
+    /* The strided flag, on DATA and DATA_REF only. */
+    h[4] = KVF_MSG_DATA; h[5] = KVF_WIRE_F_STRIDED;
+    CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(hdr.flags, KVF_WIRE_F_STRIDED);
+    h[4] = KVF_MSG_DATA_REF;
+    CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_OK);
+    h[4] = KVF_MSG_HEARTBEAT;
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "DATA frame has non-zero reserved bits (flags 0x01");
+    CHECK_STR_CONTAINS(err, "HEARTBEAT frame has non-zero reserved bits (flags 0x01");
+    h[4] = KVF_MSG_DATA; h[5] = 2;
+    CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA frame has non-zero reserved bits (flags 0x02");
     h[5] = 0; kvf_put_u16(h + 6, 0x100);
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "reserved 0x0100");
@@ -480,16 +490,16 @@ static void test_decode_rejects_bad_header_values(void)
     kvf_msg_t d;
     char err[256];
     uint8_t body[16] = { 0 };
-    kvf_wire_hdr_t hdr = { 16, 0 };
+    kvf_wire_hdr_t hdr = { 16, 0, 0 };
     CHECK_EQ_INT(kvf_wire_decode(&hdr, body, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "unknown message type 0");
-    hdr = (kvf_wire_hdr_t){ KVF_WIRE_MAX_BODY + 1, KVF_MSG_HEARTBEAT };
+    hdr = (kvf_wire_hdr_t){ KVF_WIRE_MAX_BODY + 1, KVF_MSG_HEARTBEAT, 0 };
     CHECK_EQ_INT(kvf_wire_decode(&hdr, body, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "exceeds limit");
-    hdr = (kvf_wire_hdr_t){ 0, KVF_MSG_HEARTBEAT };
+    hdr = (kvf_wire_hdr_t){ 0, KVF_MSG_HEARTBEAT, 0 };
     CHECK_EQ_INT(kvf_wire_decode(&hdr, NULL, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "HEARTBEAT: truncated at seq (needs 8 bytes, 0 left)");
-    hdr = (kvf_wire_hdr_t){ 0, KVF_MSG_HELLO };
+    hdr = (kvf_wire_hdr_t){ 0, KVF_MSG_HELLO, 0 };
     CHECK_EQ_INT(kvf_wire_decode(&hdr, NULL, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "HELLO: body of 0 bytes");
 }
@@ -634,7 +644,8 @@ static void test_data_rules(void)
     static bld_t w;
     char err[256];
     kvf_wire_seg_t s[4] = {
-        { 0, 0, 0, 10 }, { 1, 0, 0, 20 }, { 2, 0, 0, 30 }, { 0, 1, 64, 40 },
+        { 0, 0, 0, 10, 1, 0, 0 }, { 1, 0, 0, 20, 1, 0, 0 },
+        { 2, 0, 0, 30, 1, 0, 0 }, { 0, 1, 64, 40, 1, 0, 0 },
     };
 
     data_body(&w, 100, 4, s);
@@ -677,7 +688,7 @@ static void test_data_rules(void)
     /* the largest sum: MAX_SEGS segments of 2^32-1 bytes */
     static kvf_wire_seg_t many[KVF_WIRE_MAX_SEGS];
     for (int i = 0; i < KVF_WIRE_MAX_SEGS; i++)
-        many[i] = (kvf_wire_seg_t){ 0, 0, (uint64_t)i << 32, UINT32_MAX };
+        many[i] = (kvf_wire_seg_t){ 0, 0, (uint64_t)i << 32, UINT32_MAX, 1, 0, 0 };
     kvf_msg_t m;
     memset(&m, 0, sizeof(m));
     m.type = KVF_MSG_DATA;
@@ -689,6 +700,215 @@ static void test_data_rules(void)
     CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
     CHECK_EQ_INT(d.u.data.nseg, KVF_WIRE_MAX_SEGS);
     kvf_buf_free(&b);
+}
+
+/* A strided frame's body: 37-byte segments. */
+static void sdata_body(bld_t *w, uint64_t payload, uint32_t nseg,
+                       const kvf_wire_seg_t *s)
+{
+    w->n = 0;
+    b64(w, 5); b32(w, 1); b64(w, payload); b32(w, nseg);
+    for (uint32_t i = 0; i < nseg; i++) {
+        b8(w, s[i].kind); b32(w, s[i].buf); b64(w, s[i].offset); b32(w, s[i].len);
+        b32(w, s[i].count); b64(w, s[i].dst_stride); b64(w, s[i].src_stride);
+    }
+}
+
+static kvf_status_t decode_strided(uint8_t type, const bld_t *w, kvf_msg_t *m,
+                                   char *err, size_t errlen)
+{
+    uint8_t *copy = malloc(w->n ? w->n : 1);
+    memcpy(copy, w->b, w->n);
+    kvf_wire_hdr_t hdr = { (uint32_t)w->n, type, KVF_WIRE_F_STRIDED };
+    err[0] = '\0';
+    kvf_status_t st = kvf_wire_decode(&hdr, copy, m, err, errlen);
+    free(copy);
+    return st;
+}
+
+/* A TP slice: 64 tokens of 512 bytes, 1024 apart on prefill, 512 on decode. */
+static void test_strided_roundtrip(void)
+{
+    kvf_wire_seg_t segs2[3] = {
+        { KVF_BUF_KV, 3, 65536, 512, 64, 512, 1024 },
+        { KVF_BUF_KV, 4, 1ull << 40, 0x10203, 2, 0x1020304050ull, 0x60708090a0ull },
+        { KVF_BUF_AUX, 0, 64, 16, 0, 0, 0 },          /* plain: count 0 = 1 */
+    };
+    uint64_t addrs[3] = { 0x7f0000001000ull, 0x7f0000100000ull, 0x7f0000200000ull };
+    kvf_msg_t m, d;
+    kvf_buf_t b;
+    char err[256];
+
+    memset(&m, 0, sizeof(m));
+    m.type = KVF_MSG_DATA;
+    m.u.data.room = BIG64;
+    m.u.data.src_rank = 3;
+    m.u.data.payload_len = 64 * 512 + 2 * 0x10203 + 16;
+    m.u.data.nseg = 3;
+    m.u.data.segs = segs2;
+    m.u.data.strided = 1;
+    /* count 0 is a plain segment's only outside a strided frame */
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+    kvf_buf_free(&b);
+    segs2[2].count = 1;
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(b.data[5], KVF_WIRE_F_STRIDED);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 24 + 3 * KVF_WIRE_SSEG_LEN);
+    /* segment 0's tail: count, dst_stride, src_stride */
+    const uint8_t *p = b.data + KVF_WIRE_HDR_LEN + 24;
+    CHECK_EQ_INT(kvf_get_u32(p + 17), 64);
+    CHECK(kvf_get_u64(p + 21) == 512 && kvf_get_u64(p + 29) == 1024);
+    CHECK(d.u.data.strided == 1 && d.u.data.nseg == 3);
+    CHECK_EQ_INT(d.u.data.npieces, 64 + 2 + 1);
+    for (uint32_t i = 0; i < 3; i++) {
+        kvf_wire_seg_t t;
+        kvf_wire_seg_at(&d.u.data, i, &t);
+        CHECK(t.kind == segs2[i].kind && t.buf == segs2[i].buf &&
+              t.offset == segs2[i].offset && t.len == segs2[i].len &&
+              t.count == segs2[i].count && t.dst_stride == segs2[i].dst_stride &&
+              t.src_stride == segs2[i].src_stride);
+    }
+    kvf_buf_free(&b);
+
+    /* the same as DATA_REF, with the sources */
+    m.type = KVF_MSG_DATA_REF;
+    m.u.data.src_addrs = (kvf_wire_arr64_t){ 3, addrs, NULL };
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(b.data[5], KVF_WIRE_F_STRIDED);
+    CHECK_EQ_INT(d.u.data.npieces, 67);
+    CHECK(kvf_wire_arr64_at(&d.u.data.src_addrs, 1) == addrs[1]);
+    kvf_buf_free(&b);
+
+    /* a plain frame is as before: no flag, 17-byte segments, count 1 out */
+    m = sample_data();
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(b.data[5], 0);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 24 + 4 * KVF_WIRE_SEG_LEN);
+    CHECK(d.u.data.strided == 0 && d.u.data.npieces == 4);
+    kvf_wire_seg_t t;
+    kvf_wire_seg_at(&d.u.data, 0, &t);
+    CHECK(t.count == 1 && t.dst_stride == 0 && t.src_stride == 0);
+    kvf_buf_free(&b);
+
+    /* a plain frame cannot carry pieces */
+    m = sample_data();
+    kvf_wire_seg_t one = { KVF_BUF_KV, 0, 0, 8, 2, 8, 8 };
+    m.u.data.nseg = 1;
+    m.u.data.segs = &one;
+    m.u.data.payload_len = 16;
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+    kvf_buf_free(&b);
+    m.u.data.strided = 1;
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
+    kvf_buf_free(&b);
+}
+
+/* Every hostile strided form is refused, with the field named. */
+static void test_strided_rules(void)
+{
+    static bld_t w;
+    char err[256];
+    kvf_msg_t d;
+    kvf_wire_seg_t s[2] = {
+        { KVF_BUF_KV, 0, 4096, 512, 8, 512, 1024 },
+        { KVF_BUF_STATE, 0, 0, 30, 1, 0, 0 },
+    };
+
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(d.u.data.npieces, 9);
+    /* the same bytes without the flag are not a plain frame */
+    CHECK_EQ_INT(decode_bld(KVF_MSG_DATA, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
+
+    /* payload_len is the sum of the pieces */
+    sdata_body(&w, 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA: segment lengths sum to 4126 but payload_len is 542");
+
+    s[0].count = 0;
+    sdata_body(&w, 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA segment 0: piece count 0");
+    s[0].count = 8;
+
+    s[0].len = 0;
+    sdata_body(&w, 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA segment 0: length 0");
+    s[0].len = 512;
+
+    /* overlapping pieces, either side */
+    s[0].dst_stride = 511;
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA segment 0: strides 511 (destination) and 1024 (source) "
+                       "are shorter than its 512-byte pieces");
+    s[0].dst_stride = 512;
+    s[0].src_stride = 0;
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "are shorter than its 512-byte pieces");
+    s[0].src_stride = 1024;
+
+    /* wrap-around: the stride product, then the sum with the offset */
+    s[0].dst_stride = UINT64_MAX / 4;
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA segment 0: offset 4096 + 8 pieces of 512 bytes "
+                       "4611686018427387903 apart overflows");
+    s[0].dst_stride = 1ull << 60;        /* 7 x 2^60 + 512 fits; + offset does not */
+    s[0].offset = UINT64_MAX - 7 * (1ull << 60) - 511;
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "apart overflows");
+    s[0].offset--;                       /* the last byte is UINT64_MAX - 1: fine */
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_OK);
+    s[0].offset = 4096;
+    s[0].dst_stride = 512;
+    s[0].src_stride = UINT64_MAX / 7;
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA segment 0: source + 8 pieces of 512 bytes "
+                       "2635249153387078802 apart overflows");
+    s[0].src_stride = 1024;
+
+    /* DATA_REF: the source address + the source span */
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    b32(&w, 2); b64(&w, UINT64_MAX - 7 * 1024 - 512); b64(&w, 0x1000);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA_REF, &w, &d, err, sizeof(err)), KVF_OK);
+    kvf_put_u64(w.b + w.n - 16, UINT64_MAX - 7 * 1024 - 511);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA_REF, &w, &d, err, sizeof(err)),
+                 KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA segment 0: source + 8 pieces of 512 bytes 1024 apart "
+                       "overflows");
+
+    /* the pieces of a frame: at most KVF_WIRE_MAX_PIECES, one segment or several */
+    s[0].count = KVF_WIRE_MAX_PIECES;
+    sdata_body(&w, (uint64_t)KVF_WIRE_MAX_PIECES * 512 + 30, 2, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA: more than 8192 pieces (segment 1)");
+    sdata_body(&w, (uint64_t)KVF_WIRE_MAX_PIECES * 512, 1, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(d.u.data.npieces, KVF_WIRE_MAX_PIECES);
+    s[0].count = UINT32_MAX;
+    sdata_body(&w, (uint64_t)UINT32_MAX * 512, 1, s);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA: more than 8192 pieces (segment 0)");
+    s[0].count = 8;
+
+    /* truncated: a strided segment is 37 bytes */
+    sdata_body(&w, 8 * 512 + 30, 2, s);
+    w.n -= 1;
+    CHECK_EQ_INT(decode_strided(KVF_MSG_DATA, &w, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "DATA: segment count 2 exceeds body (73 bytes left)");
+
+    /* the flag means nothing on other messages */
+    w.n = 0;
+    b64(&w, 1); b64(&w, 2);
+    CHECK_EQ_INT(decode_strided(KVF_MSG_HEARTBEAT, &w, &d, err, sizeof(err)),
+                 KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "HEARTBEAT: unknown frame flags 0x01");
 }
 
 static void test_value_rules(void)
@@ -846,13 +1066,13 @@ static void test_encode_refuses(void)
     m = sample_data(); m.u.data.nseg = 0; REFUSE(m);
     m = sample_data(); m.u.data.payload_len++; REFUSE(m);
     m = sample_data(); m.u.data.segs = NULL; REFUSE(m);
-    kvf_wire_seg_t bad[2] = { { 0, 0, 0, 8 }, { 0, 0, 8, 0 } };
+    kvf_wire_seg_t bad[2] = { { 0, 0, 0, 8, 1, 0, 0 }, { 0, 0, 8, 0, 1, 0, 0 } };
     m = sample_data(); m.u.data.nseg = 2; m.u.data.segs = bad;
     m.u.data.payload_len = 8; REFUSE(m);
-    bad[1] = (kvf_wire_seg_t){ 3, 0, 8, 8 }; m.u.data.payload_len = 16; REFUSE(m);
+    bad[1] = (kvf_wire_seg_t){ 3, 0, 8, 8, 1, 0, 0 }; m.u.data.payload_len = 16; REFUSE(m);
     static kvf_wire_seg_t manysegs[KVF_WIRE_MAX_SEGS + 1];
     for (int i = 0; i <= KVF_WIRE_MAX_SEGS; i++)
-        manysegs[i] = (kvf_wire_seg_t){ 0, 0, 0, 1 };
+        manysegs[i] = (kvf_wire_seg_t){ 0, 0, 0, 1, 1, 0, 0 };
     m = sample_data(); m.u.data.segs = manysegs;
     m.u.data.nseg = KVF_WIRE_MAX_SEGS + 1; m.u.data.payload_len = KVF_WIRE_MAX_SEGS + 1;
     REFUSE(m);
@@ -951,7 +1171,7 @@ static void test_roundtrip_xport_data_ref(void)
     b.len = 0;
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_ERR_INVALID_PARAM);
 
-    kvf_wire_seg_t rsegs[2] = {{KVF_BUF_KV, 3, 4096, 100}, {KVF_BUF_AUX, 0, 64, 8}};
+    kvf_wire_seg_t rsegs[2] = {{ KVF_BUF_KV, 3, 4096, 100, 1, 0, 0 }, { KVF_BUF_AUX, 0, 64, 8, 1, 0, 0 }};
     uint64_t addrs[2] = {0x7f0000001000ull, 0x7f0000002000ull};
     memset(&m, 0, sizeof(m));
     m.type = KVF_MSG_DATA_REF;
@@ -989,6 +1209,8 @@ KVF_TEST_MAIN(
     KVF_CASE(test_trailing_bytes),
     KVF_CASE(test_limits_rejected),
     KVF_CASE(test_data_rules),
+    KVF_CASE(test_strided_roundtrip),
+    KVF_CASE(test_strided_rules),
     KVF_CASE(test_value_rules),
     KVF_CASE(test_version_mismatch),
     KVF_CASE(test_encode_refuses),

@@ -202,9 +202,15 @@ static void corrupt(fault_put_t *fp, fault_t *f, uint64_t before, kvf_wire_seg_t
                     const void **src)
 {
     uint64_t at = f->bytes > before ? f->bytes - before : 0;
+    /* Payload offset `at` of a strided segment is byte at % len of piece
+     * at / len, which lies src_stride apart in the source (dst_stride in
+     * the destination). */
+    uint64_t piece = at / seg->len, in = at % seg->len;
+    uint64_t src_off = piece * seg->src_stride + in;
+    at = piece * seg->dst_stride + in;
     /* Registered memory is the application's, writable by contract: the
      * byte goes back before anything but this segment's reader sees it. */
-    f->at = (uint8_t *)(uintptr_t)*src + at;
+    f->at = (uint8_t *)(uintptr_t)*src + src_off;
     f->orig = *f->at;
     *f->at ^= 0x5a;
     f->room = fp->put.room;
@@ -224,8 +230,9 @@ static void badaddr(fault_put_t *fp, fault_t *f, kvf_wire_seg_t *seg, const void
     *src = f;
     f->fired = 1;
     kvf_warn("injected fault: room %llu names a source outside every registered region "
-             "(%u bytes for buffer %u, offset %llu)", (unsigned long long)fp->put.room,
-             seg->len, seg->buf, (unsigned long long)seg->offset);
+             "(%llu bytes for buffer %u, offset %llu)", (unsigned long long)fp->put.room,
+             (unsigned long long)kvf_wire_seg_bytes(seg), seg->buf,
+             (unsigned long long)seg->offset);
 }
 
 /*
@@ -247,8 +254,8 @@ static int fput_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     uint64_t before = *count;
     /* One reset or truncate per connection: each one is a break of its own. */
     int cut = fc->cut;
-    fs->sent += seg->len;
-    *count += seg->len;
+    fs->sent += kvf_wire_seg_bytes(seg);
+    *count += kvf_wire_seg_bytes(seg);
     for (int i = 0; i < fs->n; i++) {
         fault_t *f = &fs->f[i];
         if (f->fired || *count <= f->bytes ||

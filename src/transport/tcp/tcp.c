@@ -25,8 +25,10 @@
 #include "util/log.h"
 #include "util/time.h"
 
-#define TCP_FRAME_SEGS    1023              /* + 1 header iovec = IOV_MAX */
+#define TCP_FRAME_SEGS    1023              /* segments per DATA frame */
+#define TCP_FRAME_PIECES  KVF_WIRE_MAX_PIECES  /* pieces (strided segments) per frame */
 #define TCP_FRAME_BYTES   (4u << 20)        /* payload per DATA frame */
+#define TCP_IOV_MAX       1024              /* iovecs per writev (Linux UIO_MAXIOV) */
 #define TCP_RX_BUF        (256u << 10)
 #define TCP_RX_IOV        1024              /* targets per readv() */
 #define TCP_PASS_BYTES    (1u << 20)        /* bytes one event moves, per
@@ -71,10 +73,16 @@ struct kvf_tcp_conn {
     int                      cur_put_ended;
     int                      frame_active;
     kvf_buf_t                frame;         /* current DATA header + body */
-    struct iovec             iov[TCP_FRAME_SEGS + 1];
+    struct iovec            *iov;           /* header, then one per piece */
+    uint32_t                 iov_cap;
     int                      iov_n, iov_i;
     kvf_wire_seg_t           segs[TCP_FRAME_SEGS];
     uint64_t                 addrs[TCP_FRAME_SEGS];  /* DATA_REF sources */
+    /* The pieces of the current put's last strided segment that did not
+     * fit in the frame: the next frame starts with them. */
+    int                      has_carry;
+    kvf_wire_seg_t           carry;
+    const uint8_t           *carry_src;
 
     /* receive */
     kvf_buf_t                rx;            /* bytes rx.data[rx_off..rx.len) unread */
@@ -289,6 +297,7 @@ static void fail_puts(kvf_tcp_conn_t *c, kvf_status_t st)
     kvf_put_t *p = c->cur_put;
     c->cur_put = NULL;
     c->frame_active = 0;
+    c->has_carry = 0;
     if (p != NULL)
         p->complete(p, st);
     while ((p = c->q_head) != NULL) {
@@ -320,6 +329,7 @@ static void tcp_destroy(kvf_conn_t *base)
     kvf_buf_free(&c->frame);
     kvf_buf_free(&c->rx);
     free(c->tgt);
+    free(c->iov);
     free(c->truncate_reason);
     free(c);
 }
@@ -366,19 +376,56 @@ static void tcp_put(kvf_conn_t *base, kvf_put_t *put)
     c->q_tail = put;
 }
 
+/* Room for `n` iovecs (the header's and one per piece). */
+static int reserve_iov(kvf_tcp_conn_t *c, uint32_t n)
+{
+    if (n <= c->iov_cap)
+        return 1;
+    uint32_t cap = n <= TCP_FRAME_SEGS + 1 ? TCP_FRAME_SEGS + 1 : TCP_FRAME_PIECES + 1;
+    struct iovec *v = realloc(c->iov, cap * sizeof(*v));
+    if (v == NULL)
+        return 0;
+    c->iov = v;
+    c->iov_cap = cap;
+    return 1;
+}
+
 /*
- * Pull segments from the current put into one DATA frame.
+ * The next segment of the current put: the carried rest of the last one,
+ * or a new one.  @return as put->next.
+ */
+static int next_seg(kvf_tcp_conn_t *c, kvf_wire_seg_t *seg, const uint8_t **src)
+{
+    if (c->has_carry) {
+        c->has_carry = 0;
+        *seg = c->carry;
+        *src = c->carry_src;
+        return 1;
+    }
+    const void *s;
+    int rc = c->cur_put->next(c->cur_put, seg, &s);
+    *src = s;
+    return rc;
+}
+
+/*
+ * Pull segments from the current put into one DATA frame, up to its
+ * limits in segments, pieces and bytes; a strided segment that would cross
+ * them is cut there, and its other pieces start the next frame.
  * @return 1 a frame is ready, 0 the put ended with nothing more to send.
  */
 static int build_frame(kvf_tcp_conn_t *c)
 {
     kvf_put_t *p = c->cur_put;
     uint64_t payload = 0;
-    uint32_t n = 0;
+    uint32_t n = 0, pieces = 0;
+    uint8_t strided = 0;
+    kvf_status_t st = KVF_OK;
 
-    while (n < TCP_FRAME_SEGS && payload < TCP_FRAME_BYTES) {
-        const void *src;
-        int rc = p->next(p, &c->segs[n], &src);
+    while (n < TCP_FRAME_SEGS && pieces < TCP_FRAME_PIECES && payload < TCP_FRAME_BYTES) {
+        kvf_wire_seg_t *s = &c->segs[n];
+        const uint8_t *src;
+        int rc = next_seg(c, s, &src);
         if (rc < 0) {
             /* Room failed: drop what was collected, it was never sent. */
             c->cur_put = NULL;
@@ -389,13 +436,37 @@ static int build_frame(kvf_tcp_conn_t *c)
             c->cur_put_ended = 1;
             break;
         }
-        c->iov[n + 1].iov_base = (void *)src;
-        c->iov[n + 1].iov_len = c->segs[n].len;
+        uint32_t cnt = kvf_wire_seg_pieces(s);
+        if (cnt > 1) {
+            uint64_t fit = (TCP_FRAME_BYTES - payload + s->len - 1) / s->len;
+            if (fit > TCP_FRAME_PIECES - pieces)
+                fit = TCP_FRAME_PIECES - pieces;
+            if (fit < cnt) {
+                c->carry = *s;
+                c->carry.count = cnt - (uint32_t)fit;
+                c->carry.offset += fit * s->dst_stride;
+                c->carry_src = src + fit * s->src_stride;
+                c->has_carry = 1;
+                s->count = cnt = (uint32_t)fit;
+            }
+            strided = 1;
+        }
+        /* By reference, only the header goes: the receiver reads the rest. */
+        if (!p->by_ref) {
+            if (!reserve_iov(c, pieces + cnt + 1)) {
+                st = KVF_ERR_NO_MEMORY;
+                break;
+            }
+            for (uint32_t k = 0; k < cnt; k++)
+                c->iov[1 + pieces + k] = (struct iovec){(void *)(src + (size_t)k * s->src_stride),
+                                                        s->len};
+        }
         c->addrs[n] = (uint64_t)(uintptr_t)src;
-        payload += c->segs[n].len;
+        payload += (uint64_t)cnt * s->len;
+        pieces += cnt;
         n++;
     }
-    if (n == 0) {
+    if (st == KVF_OK && n == 0) {
         c->cur_put = NULL;
         p->complete(p, KVF_OK);
         return 0;
@@ -406,19 +477,24 @@ static int build_frame(kvf_tcp_conn_t *c)
     m.u.data.payload_len = payload;
     m.u.data.nseg = n;
     m.u.data.segs = c->segs;
+    m.u.data.strided = strided;
+    for (uint32_t i = 0; strided && i < n; i++)
+        if (c->segs[i].count == 0)
+            c->segs[i].count = 1;      /* a plain one among strided ones */
     if (p->by_ref)
         m.u.data.src_addrs = (kvf_wire_arr64_t){n, c->addrs, NULL};
     c->frame.len = 0;
-    kvf_status_t st = kvf_wire_encode(&c->frame, &m);
+    if (st == KVF_OK)
+        st = reserve_iov(c, 1) ? kvf_wire_encode(&c->frame, &m) : KVF_ERR_NO_MEMORY;
     if (st != KVF_OK) {
         c->cur_put = NULL;
+        c->has_carry = 0;
         p->complete(p, st);
         return 0;
     }
     c->iov[0].iov_base = c->frame.data;
     c->iov[0].iov_len = c->frame.len;
-    /* By reference, only the header goes: the receiver reads the rest. */
-    c->iov_n = p->by_ref ? 1 : (int)n + 1;
+    c->iov_n = p->by_ref ? 1 : (int)pieces + 1;
     c->iov_i = 0;
     c->frame_active = 1;
     c->frame_zeroed = 0;
@@ -500,7 +576,7 @@ static void tcp_flush(kvf_conn_t *base)
             int cnt = 0;
             size_t sum = 0, clipped = 0;
             struct iovec *v = c->iov + c->iov_i;
-            while (c->iov_i + cnt < c->iov_n && sum < budget)
+            while (c->iov_i + cnt < c->iov_n && sum < budget && cnt < TCP_IOV_MAX)
                 sum += v[cnt++].iov_len;
             if (sum > budget) {
                 clipped = v[cnt - 1].iov_len;
@@ -677,22 +753,24 @@ static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
             }
             continue;
         }
-        if (c->tgt_cap < m.u.data.nseg) {
-            kvf_rx_target_t *t = realloc(c->tgt, m.u.data.nseg * sizeof(*t));
+        /* One target per piece: the payload is the pieces concatenated. */
+        uint32_t np = m.u.data.npieces;
+        if (c->tgt_cap < np) {
+            kvf_rx_target_t *t = realloc(c->tgt, np * sizeof(*t));
             if (t == NULL) {
                 conn_fail(c, KVF_ERR_NO_MEMORY, "no memory for DATA targets");
                 return;
             }
             c->tgt = t;
-            c->tgt_cap = m.u.data.nseg;
+            c->tgt_cap = np;
         }
-        for (uint32_t i = 0; i < m.u.data.nseg; i++) {
+        for (uint32_t i = 0, k = 0; i < m.u.data.nseg; i++) {
             kvf_wire_seg_t s;
             kvf_wire_seg_at(&m.u.data, i, &s);
-            c->tgt[i].dst = NULL;
-            c->tgt[i].len = s.len;
+            for (uint32_t j = 0; j < kvf_wire_seg_pieces(&s) && k < np; j++, k++)
+                c->tgt[k] = (kvf_rx_target_t){NULL, s.len};
         }
-        c->tgt_n = m.u.data.nseg;
+        c->tgt_n = np;
         c->tgt_i = c->tgt_off = 0;
         c->payload_left = m.u.data.payload_len;
         c->placed = 0;
