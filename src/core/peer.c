@@ -549,12 +549,18 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     snprintf(reason, sizeof(reason), "%s: %s", name, why);
     /*
      * Rooms first, then the stream: completions of its puts must not be
-     * taken for the root cause.  While the peer still counts as connected,
-     * the rooms' FAILs are queued to it too: a peer that was only stopped
-     * finds them in its socket when it runs again, and fails its side at
-     * once with our reason instead of waiting for a reconnect or deadline.
+     * taken for the root cause.  The rooms tell their other peers; this
+     * one we tell ourselves, while the stream is still up: a peer that was
+     * only stopped finds the FAILs in its socket when it runs again, and
+     * fails its side at once with our reason instead of waiting for a
+     * reconnect or deadline.
      */
-    int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason);
+    kvf_room_failed_t *failed;
+    size_t nfailed;
+    int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason, &failed, &nfailed);
+    for (size_t i = 0; i < nfailed; i++)
+        kvf__send_fail(p, failed[i].room, &failed[i].failure, 0);
+    free(failed);
     p->state = KVF_PEER_DEAD;
     if (rooms > 0)
         kvf_warn("%s (%d live rooms affected)", reason, rooms);

@@ -369,11 +369,37 @@ void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 /* Peers and deadlines                                                       */
 /* ------------------------------------------------------------------------ */
 
+/* Fail a room because `p` failed: its other peers are told; `p` is not
+ * (its peer code sends the FAIL itself, from the record kept in *out). */
+static void fail_for_peer(kvf_room_t *r, kvf_peer_t *p, kvf_room_failed_t *out,
+                          kvf_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+
+static void fail_for_peer(kvf_room_t *r, kvf_peer_t *p, kvf_room_failed_t *out,
+                          kvf_status_t st, const char *fmt, ...)
+{
+    va_list ap;
+    kvf_failure_t *f = malloc(sizeof(*f));
+    if (f == NULL)
+        return;
+    va_start(ap, fmt);
+    failure_vset(f, r->eng, st, fmt, ap);
+    va_end(ap);
+    if (out != NULL) {
+        out->room = r->id;
+        out->failure = *f;
+    }
+    kvf__room_fail_record(r, f, p, 0);
+}
+
 int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
-                           const char *reason)
+                           const char *reason, kvf_room_failed_t **failed_p,
+                           size_t *nfailed_p)
 {
     KVF_ASSERT_LOCKED(eng);
     int n = 0;
+    size_t nf = 0, cap = 0;
+    kvf_room_failed_t *failed = NULL;
 
     if (p->rx_room != NULL) {
         kvf__room_put(p->rx_room);
@@ -389,12 +415,21 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         /* A reset stream may be transient: the decode side reconnects and
          * resumes; the prefill side waits for that, briefly. */
         if (st != KVF_ERR_CONN_RESET || r->retries >= MAX_RETRIES) {
+            if (nf == cap) {
+                size_t c = cap ? 2 * cap : 8;
+                kvf_room_failed_t *g = realloc(failed, c * sizeof(*g));
+                if (g != NULL) {
+                    failed = g;
+                    cap = c;
+                }
+            }
+            kvf_room_failed_t *out = nf < cap ? &failed[nf++] : NULL;
             /* The first break is the root cause; say how reconnecting ended. */
             if (r->retries > 0 && r->last_err != NULL)
-                kvf__room_fail(r, st, "%s; gave up after %u reconnects, the last: %s",
-                               r->last_err, r->retries, reason);
+                fail_for_peer(r, p, out, st, "%s; gave up after %u reconnects, the "
+                              "last: %s", r->last_err, r->retries, reason);
             else
-                kvf__room_fail(r, st, "%s", reason);
+                fail_for_peer(r, p, out, st, "%s", reason);
             continue;
         }
         for (uint32_t i = 0; i < r->nlinks; i++)
@@ -410,6 +445,8 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
             r->retry_at_ms = now + eng->params.heartbeat_timeout_ms;
         }
     }
+    *failed_p = failed;
+    *nfailed_p = nf;
     return n;
 }
 

@@ -100,9 +100,20 @@ void kvf__receiver_on_data_end(kvf_peer_t *peer, uint64_t placed);
 void kvf__receiver_on_data_ref(kvf_peer_t *peer, const kvf_msg_data_t *d);
 /* Take in the reads the movers handed back (engine loop, destroy). */
 void kvf__receiver_reads_done(kvf_engine_t *eng);
-/* The peer went away: fail every live room linked to it; @return how many. */
-int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer,
-                            kvf_status_t st, const char *reason);
+/*
+ * The peer went away: fail (or, for a reset stream, hold for a reconnect)
+ * every live room linked to it; @return how many.  The rooms tell their
+ * other peers, never this one: the ones failed are listed in *failed_p
+ * (malloc'd, *nfailed_p entries, maybe fewer without memory) for the peer
+ * to send their FAILs itself.  Events flow one way: peer -> room.
+ */
+typedef struct kvf_room_failed {
+    uint64_t      room;
+    kvf_failure_t failure;
+} kvf_room_failed_t;
+int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer, kvf_status_t st,
+                            const char *reason, kvf_room_failed_t **failed_p,
+                            size_t *nfailed_p);
 /* A peer finished its handshake: send the requests waiting for it. */
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *peer);
 
