@@ -7,11 +7,12 @@
 # disturbance of this (shared, noisy) host lands on both sides of a ratio:
 #   baselines  memcpy 1 GiB single-threaded (`kvferry bench --memcpy`);
 #              iperf3 one TCP stream over loopback (GB/s and CPU s/GB);
-#              ucx_perftest ucp_get and ucp_put_bw, UCX_TLS=tcp, -e, 16 MiB
+#              ucx_perftest ucp_get and ucp_put_bw, UCX_TLS=tcp, -e, 4 MiB
 #   issue 6    TCP llama3-8b contiguous page 64 / scattered page 1; small
 #              rooms (tiny, 64 in flight); 10,000 rooms in flight
 #   issue 4    qwen2.5-7b prefill TP 1 -> decode TP 2 vs TP 1 -> 1 (tcp, shm)
-#   issue 5    shm contiguous vs memcpy; ucx (UCX_TLS=tcp) vs ucp_get
+#   issue 5    shm contiguous vs memcpy (and with two copier threads);
+#              ucx (UCX_TLS=tcp) vs ucp_get
 #   issue 11   the same targets tightened, plus every application call's
 #              latency idle and while 1 GiB rooms stream (--call-latency)
 # then (PROFILE=1, the default when perf works) a short perf profile of the
@@ -116,12 +117,14 @@ for i in $(seq "$REPEATS"); do
     done
     # issue 5: shm vs memcpy; ucx vs ucx_perftest (UCX_TLS=tcp: see docs/BENCHMARKS.md)
     kvf shm "$i" --transport shm "${LLAMA[@]}" --pattern contiguous --concurrency 4 --requests 16
+    # the same with two copier threads (the default is one per two CPUs)
+    KVF_SHM_COPIERS=2 kvf shm2 "$i" --transport shm "${LLAMA[@]}" --pattern contiguous \
+        --concurrency 4 --requests 16
     if [ "$UCX" = 1 ]; then
         note "ucx_perftest ucp_get / ucp_put_bw, UCX_TLS=tcp -e -s $UCX_MSG ($i/$REPEATS)"
         perftest ucp_get "$i"
         perftest ucp_put_bw "$i"
-        # One room in flight: with two, the decode engine's pass over 2 GiB of
-        # DATA_REF pulls outlasts the 2.5 s heartbeat (docs/BENCHMARKS.md).
+        # One room in flight, as ucx_perftest runs one stream of gets.
         UCX_TLS=tcp kvf ucx "$i" --transport ucx "${LLAMA[@]}" --pattern contiguous \
             --concurrency 1 --requests 4
     fi
@@ -242,6 +245,7 @@ for t in ("tcp", "shm"):
     put(f"tp11_{t}", col(f"tp11_{t}", lambda d: d["gbps"], t))
     put(f"tp12_{t}", col(f"tp12_{t}", lambda d: d["gbps"], t))
 put("shm", col("shm", lambda d: d["gbps"], "shm"))
+put("shm2", col("shm2", lambda d: d["gbps"], "shm"))
 if ucx:
     put("ucx", col("ucx", lambda d: d["gbps"], "ucx"))
 
@@ -280,6 +284,7 @@ ratio_row(11, "qwen2.5-7b TP 1->2 / TP 1->1, shm", "tp12_shm", "tp11_shm", ">= 0
 abs_row(11, "calls under load: worst p99 / idle p99", "calls_ratio", 3.0, "<= 3x", "<=")
 abs_row(11, "calls under load: worst max, ms", "calls_max", 1.0, "<= 1 ms", "<=")
 ratio_row(5, "shm contiguous (4 in flight) / memcpy", "shm", "memcpy", ">= 0.8x", lo=0.8)
+ratio_row(11, "shm, 2 copier threads / memcpy", "shm2", "memcpy", "(2 cores)")
 if ucx:
     ratio_row(5, "ucx (UCX_TLS=tcp) / ucx_perftest ucp_get", "ucx", "ucp_get", ">= 0.9x", lo=0.9)
     ratio_row(5, "ucx (UCX_TLS=tcp) / ucx_perftest ucp_put_bw", "ucx", "ucp_put_bw", "(issue's name)")
@@ -312,7 +317,7 @@ def key(name, k):
     v = [d[k] for d in runs.get(name, []) if d]
     return med(v) if v else 0
 print("also (medians):")
-for name in ["contiguous", "scattered", "small", "tp11_tcp", "tp12_tcp", "tp11_shm", "tp12_shm", "shm"] + (["ucx"] if ucx else []):
+for name in ["contiguous", "scattered", "small", "tp11_tcp", "tp12_tcp", "tp11_shm", "tp12_shm", "shm", "shm2"] + (["ucx"] if ucx else []):
     if not runs.get(name): continue
     print(f"  {name:10} {key(name, 'gbps'):7.3f} GB/s ({spread(name) if name in fig else '-'}), "
           f"{key(name, 'rooms_per_s'):9.1f} rooms/s, p50 {key(name, 'p50_ms'):8.2f} ms, p99 {key(name, 'p99_ms'):8.2f} ms, "

@@ -296,7 +296,10 @@ static int try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, int i, char *why,
         snprintf(why, len, "not available on this engine (see its log)");
         return 0;
     }
-    return ops->connect(mv, o->blob, o->blob_len, &p->mep, why, len) == KVF_OK;
+    if (ops->connect(mv, o->blob, o->blob_len, &p->mep, why, len) != KVF_OK)
+        return 0;
+    kvf_fault_wrap_ep(p->eng->faults, &p->mep);   /* read faults, if any */
+    return 1;
 }
 
 /* Device memory moves only over a mover that carries it: any other choice

@@ -530,7 +530,7 @@ static void read_finish(kvf_read_t *rd)
         kvf__room_fail(r, rd->st, "%s transfer from %s failed: %s", p->mover->name,
                        kvf__peer_name(p, name, sizeof(name)), rd->err);
         /* An endpoint that can read nothing any more takes its peer along. */
-        if (p->mep != NULL && p->mover->ep_failed(p->mep))
+        if (p->mep != NULL && p->mep->ops->ep_failed(p->mep))
             kvf__peer_fail(p, rd->st, "%s endpoint failed: %s", p->mover->name, rd->err);
     }
     /* Release: a poller that sees the count reach 0 sees the bytes too. */
@@ -596,7 +596,7 @@ void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
     rd->n = n;
     const char *via = p->mover->name;
     kvf_status_t st = p->mep == NULL ? KVF_ERR_CONN_RESET
-                      : p->mover->read(p->mep, &rd->base, local, remote, n,
+                      : p->mep->ops->read(p->mep, &rd->base, local, remote, n,
                                        eng->params.heartbeat_timeout_ms, err, sizeof(err));
     if (st == KVF_OK) {
         r->refs++;
@@ -624,7 +624,7 @@ void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
     }
     kvf__room_fail(r, st, "%s transfer from %s failed: %s", via,
                    kvf__peer_name(p, name, sizeof(name)), err);
-    if (p->mep == NULL || p->mover->ep_failed(p->mep))
+    if (p->mep == NULL || p->mep->ops->ep_failed(p->mep))
         kvf__peer_fail(p, st, "%s endpoint failed: %s", via, err);
 }
 

@@ -47,8 +47,9 @@ typedef struct kvf_mover_ops kvf_mover_ops_t;
  * A read in flight: the caller's record (core embeds it in its own), which
  * the mover hands back through `done` when the read is over.  `err` says
  * why when st is not KVF_OK.  done runs on the progress thread under the
- * engine lock, inside progress() or destroy(); it must not call back into
- * the mover.
+ * engine lock, inside progress(), an endpoint's tick() or disconnect(), or
+ * destroy(), never inside read(); it must not call back into the mover.
+ * Reads of one endpoint are handed back in the order they were started.
  */
 typedef struct kvf_mover_read kvf_mover_read_t;
 struct kvf_mover_read {
@@ -114,10 +115,10 @@ struct kvf_mover_ops {
      * pieces of pairwise equal lengths, and return without waiting.  The
      * arrays and rd stay the caller's and valid until rd->done.  Within
      * timeout_ms the read finishes or the endpoint is failed.
-     * @return KVF_OK: rd->done will be called exactly once, from
-     *                    progress() (never from read itself), once every
-     *                    byte is in place or no byte of the batch can
-     *                    still land;
+     * @return KVF_OK: rd->done will be called exactly once (see
+     *                    kvf_mover_read_t; never from read itself), once
+     *                    every byte is in place or no byte of the batch
+     *                    can still land;
      *   KVF_ERR_PROTOCOL  a remote piece outside every region the peer
      *                     registered: nothing was started, the endpoint is
      *                     fine, rd->done is not called;
@@ -160,6 +161,18 @@ void        kvf_movers_count_peer(kvf_engine_stats_t *st, const kvf_mover_ops_t 
 extern const kvf_transport_ops_t *const kvf_control_ops;
 kvf_status_t kvf_control_listen(const char *host, int port, int *fd_p, int *port_p);
 const char  *kvf_stream_name(void);
+
+/*
+ * The fault mover (transport/fault): wraps a decode endpoint `*ep_p` (of
+ * any mover) with the engine's read faults, replacing *ep_p by the
+ * wrapper, which owns the inner endpoint; no-op when the spec has none.
+ *   readfail@BYTES       the read during which this engine's pulled bytes
+ *                        pass BYTES is handed back failed (its bytes may
+ *                        have landed; the endpoint stays usable)
+ *   readstall@BYTES:MS   that read is handed back MS late, and every read
+ *                        of the endpoint after it waits behind it
+ */
+void kvf_fault_wrap_ep(kvf_faults_t *faults, kvf_mover_ep_t **ep_p);
 
 /* What to do when device memory is registered and no mover carries it. */
 const char *kvf_movers_device_hint(void);

@@ -407,6 +407,120 @@ static void test_bad_source_fails_the_room_only(void)
 }
 
 /*
+ * A mover read that fails (KVF_FAULTS=readfail at the decode engine, the
+ * fault mover wrapping the real endpoint) fails its room alone, with the
+ * read's reason on the decode side and as a remote record on the prefill
+ * side; the endpoint and the peer stay, and the next room succeeds byte
+ * for byte.
+ */
+static void test_failed_read_fails_the_room_only(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    uint32_t pages[PAGES];
+    kvf_sender_t *s[2];
+    kvf_receiver_t *r[2];
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = "readfail@100";
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    next_faults = NULL;
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 11 + b + 5);
+    for (int i = 0; i < PAGES; i++)
+        pages[i] = (uint32_t)i;
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 95 + (uint64_t)k, &s[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 95 + (uint64_t)k, -1, &r[k]),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[k], pages, PAGES, 1, NULL, 0), KVF_OK);
+        wait_state(s[k], KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s[k], PAGES, 1), KVF_OK);
+        kvf_status_t st = kvf_sender_send(s[k], pages, PAGES, 1);
+        CHECK(st == KVF_OK || (k == 0 && st == KVF_ERR_STATE));
+        wait_final(s[k], r[k]);
+    }
+    kvf_failure_t df, pf;
+    CHECK_EQ_INT(kvf_receiver_poll(r[0]), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_poll(s[0]), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[0], &df), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_failure(s[0], &pf), KVF_OK);
+    CHECK_EQ_INT(df.status, KVF_ERR_IO);
+    CHECK_STR_CONTAINS(df.reason, "injected fault (KVF_FAULTS): read failed");
+    CHECK_STR_CONTAINS(df.reason, transport);
+    CHECK_EQ_INT(pf.status, KVF_ERR_IO);
+    CHECK_EQ_INT(pf.from_another_rank, 1);
+    CHECK_EQ_INT(kvf_receiver_poll(r[1]), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_sender_poll(s[1]), KVF_POLL_SUCCESS);
+    for (int b = 0; b < NKV; b++)
+        CHECK(memcmp(dec.kv[b], pre.kv[b], (size_t)PAGES * PAGE_B) == 0);
+    kvf_engine_stats_t st;
+    kvf_engine_stats(dec.eng, &st);
+    CHECK_EQ_INT((int)st.peers_connected, 1);
+    for (int k = 0; k < 2; k++) {
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
+ * A room aborted while a read into its pages is in flight (held back by
+ * KVF_FAULTS=readstall) is failed at once, but shows TRANSFERRING and
+ * keeps its pages until the read is over: a scheduler that sees FAILED may
+ * give the pages away, so FAILED must mean no byte can still land.
+ */
+static void test_failed_room_keeps_pages_until_reads_end(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    uint32_t pages[PAGES];
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    kvf_failure_t df;
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = "readstall@0:2000";
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    next_faults = NULL;
+    for (int i = 0; i < PAGES; i++)
+        pages[i] = (uint32_t)i;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 97, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 97, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, pages, PAGES, 1, NULL, 0), KVF_OK);
+    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, PAGES, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, pages, PAGES, 1), KVF_OK);
+    /* The first DATA_REF makes the room TRANSFERRING, and its read is held. */
+    uint64_t until = kvf_now_ms() + 5000;
+    while (kvf_receiver_poll(r) != KVF_POLL_TRANSFERRING && kvf_now_ms() < until)
+        sleep_ms(1);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_TRANSFERRING);
+    kvf_receiver_abort(r);
+    /* Failed (the record is there at once), but not shown final. */
+    CHECK_EQ_INT(kvf_receiver_failure(r, &df), KVF_OK);
+    CHECK_EQ_INT(df.status, KVF_ERR_ABORTED);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_TRANSFERRING);
+    CHECK_EQ_INT(kvf_receiver_pages_released(r), 0);
+    /* Once the read is handed back: FAILED, and the pages are free. */
+    until = kvf_now_ms() + 10000;
+    while (kvf_receiver_poll(r) != KVF_POLL_FAILED && kvf_now_ms() < until)
+        sleep_ms(1);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_pages_released(r), 1);
+    wait_final(s, NULL);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
  * A connection that trickles its handshake (a byte now and then, so it is
  * never silent long enough for the heartbeat timeout) is closed at the
  * handshake deadline, and the engine goes on serving.
@@ -1051,6 +1165,12 @@ static void test_corrupt_fails_with_checksum_shm(void)
     transport = "shm";
     test_corrupt_fails_with_checksum();
 }
+static void test_read_faults_shm(void)
+{
+    transport = "shm";
+    test_failed_read_fails_the_room_only();
+    test_failed_room_keeps_pages_until_reads_end();
+}
 static void test_bad_source_fails_the_room_only_shm(void)
 {
     transport = "shm";
@@ -1074,6 +1194,8 @@ static void test_over_ucx(void)
     test_dropped_ack_times_out();
     test_corrupt_fails_with_checksum();   /* the same on every transport */
     test_bad_source_fails_the_room_only();
+    test_failed_read_fails_the_room_only();
+    test_failed_room_keeps_pages_until_reads_end();
 #else
     printf("SKIP test_over_ucx: built without UCX\n");
 #endif
@@ -1093,5 +1215,6 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_reset_resumes_shm), KVF_CASE(test_repeated_resets_give_up_shm),
               KVF_CASE(test_corrupt_fails_with_checksum_shm),
               KVF_CASE(test_bad_source_fails_the_room_only_shm),
+              KVF_CASE(test_read_faults_shm),
               KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx),
               KVF_CASE(test_device_memory_refused))

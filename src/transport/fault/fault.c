@@ -24,6 +24,12 @@
  *   delay      hold every put for MS before its first byte
  *   drop-ack   drop every DONE_ACK this engine would send (BYTES ignored)
  *
+ * and, at a decode engine's mover endpoints (the fault mover, end of this
+ * file; BYTES counts the bytes of reads started on this engine):
+ *
+ *   readfail   the read that passes BYTES is handed back failed
+ *   readstall  that read is handed back MS late; later reads wait behind it
+ *
  * Payload is counted as segments are produced (put->next), which is when
  * the bytes are committed to the stream; a fault fires in the segment
  * that crosses its BYTES.  The sender's checksum is taken as the segment
@@ -38,16 +44,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "transport/mover.h"
 #include "transport/transport.h"
 #include "util/log.h"
 #include "util/time.h"
 
 typedef enum {
-    F_RESET, F_TRUNCATE, F_CORRUPT, F_BADADDR, F_STALL, F_DELAY, F_DROP_ACK, F_KINDS
+    F_RESET, F_TRUNCATE, F_CORRUPT, F_BADADDR, F_STALL, F_DELAY, F_DROP_ACK,
+    F_READFAIL, F_READSTALL, F_KINDS
 } fault_kind_t;
 
 static const char *const kind_names[F_KINDS] = {
-    "reset", "truncate", "corrupt", "badaddr", "stall", "delay", "drop-ack"
+    "reset", "truncate", "corrupt", "badaddr", "stall", "delay", "drop-ack",
+    "readfail", "readstall"
 };
 
 typedef struct fault_conn fault_conn_t;
@@ -76,6 +85,7 @@ struct kvf_faults {
     fault_t      f[MAX_FAULTS];
     int          n;
     uint64_t     sent;       /* payload bytes produced, all connections */
+    uint64_t     pulled;     /* bytes of reads started, all mover endpoints */
     /* Per-room counts, by room id modulo ROOM_SLOTS: a room that takes the
      * slot of another starts from zero (only with hundreds in flight). */
     room_count_t rooms[ROOM_SLOTS];
@@ -129,7 +139,7 @@ kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *e
                 break;
         if (k == F_KINDS) {
             snprintf(err, errlen, "unknown fault '%.*s' (known: reset, truncate, corrupt, "
-                     "badaddr, stall, delay, drop-ack)", (int)klen, tok);
+                     "badaddr, stall, delay, drop-ack, readfail, readstall)", (int)klen, tok);
             goto bad;
         }
         f.kind = (fault_kind_t)k;
@@ -564,4 +574,167 @@ kvf_status_t kvf_fault_accept(kvf_faults_t *faults, const kvf_transport_ops_t *i
     }
     *conn_p = &fc->base;
     return KVF_OK;
+}
+
+/* ------------------------------------------------------------------------ */
+/* The fault mover: read faults at a decode engine's endpoints              */
+/* ------------------------------------------------------------------------ */
+
+typedef struct fault_read fault_read_t;
+
+typedef struct fault_ep {
+    kvf_mover_ep_t  base;       /* first: ops = the wrapper's */
+    kvf_mover_ep_t *inner;
+    kvf_faults_t   *faults;
+    /* Reads started, in order, until handed back: the inner mover hands
+     * them back in order, and a stalled one holds the ones after it. */
+    fault_read_t   *head, **tail;
+    int             closed;     /* disconnected: freed once head is NULL */
+} fault_ep_t;
+
+struct fault_read {
+    kvf_mover_read_t  base;     /* what the inner mover hands back */
+    kvf_mover_read_t *outer;    /* the engine's */
+    fault_ep_t       *fe;
+    int               fail;
+    uint64_t          until_ms; /* stalled: not handed back before */
+    int               back;     /* the inner mover handed it back */
+    kvf_status_t      st;
+    char              err[160];
+    fault_read_t     *next;
+};
+
+static void fep_free(fault_ep_t *fe)
+{
+    free(fe);
+}
+
+/* Hand back, in order, what the inner mover returned and no stall holds. */
+static void fep_release(fault_ep_t *fe)
+{
+    uint64_t now = kvf_now_ms();
+    while (fe->head != NULL && fe->head->back && (fe->closed || now >= fe->head->until_ms)) {
+        fault_read_t *fr = fe->head;
+        if ((fe->head = fr->next) == NULL)
+            fe->tail = &fe->head;
+        fr->outer->done(fr->outer, fr->st, fr->err);
+        free(fr);
+    }
+    if (fe->closed && fe->head == NULL)
+        fep_free(fe);
+}
+
+static void fep_done(kvf_mover_read_t *base, kvf_status_t st, const char *err)
+{
+    fault_read_t *fr = (fault_read_t *)base;
+    fr->back = 1;
+    fr->st = st;
+    snprintf(fr->err, sizeof(fr->err), "%s", err ? err : "");
+    if (st == KVF_OK && fr->fail) {
+        fr->st = KVF_ERR_IO;
+        snprintf(fr->err, sizeof(fr->err), "injected fault (KVF_FAULTS): read failed");
+    }
+    fep_release(fr->fe);
+}
+
+static kvf_status_t fep_read(kvf_mover_ep_t *ep, kvf_mover_read_t *rd, struct iovec *local,
+                             struct iovec *remote, size_t n, unsigned timeout_ms, char *err,
+                             size_t errlen)
+{
+    fault_ep_t *fe = (fault_ep_t *)ep;
+    kvf_faults_t *fs = fe->faults;
+    fault_read_t *fr = calloc(1, sizeof(*fr));
+    if (fr == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return KVF_ERR_NO_MEMORY;
+    }
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < n; i++)
+        bytes += local[i].iov_len;
+    for (int i = 0; i < fs->n; i++) {
+        fault_t *f = &fs->f[i];
+        if (f->fired || (f->kind != F_READFAIL && f->kind != F_READSTALL) ||
+            fs->pulled + bytes <= f->bytes)
+            continue;
+        f->fired = 1;
+        if (f->kind == F_READFAIL) {
+            fr->fail = 1;
+            kvf_warn("injected fault (KVF_FAULTS): the read of %llu bytes past byte %llu "
+                     "will fail", (unsigned long long)bytes, (unsigned long long)f->bytes);
+        } else {
+            fr->until_ms = kvf_now_ms() + f->ms;
+            kvf_warn("injected fault (KVF_FAULTS): the read of %llu bytes past byte %llu "
+                     "is held for %llu ms", (unsigned long long)bytes,
+                     (unsigned long long)f->bytes, (unsigned long long)f->ms);
+        }
+    }
+    fr->base.done = fep_done;
+    fr->outer = rd;
+    fr->fe = fe;
+    kvf_status_t st = fe->inner->ops->read(fe->inner, &fr->base, local, remote, n,
+                                           timeout_ms, err, errlen);
+    if (st != KVF_OK) {
+        free(fr);
+        return st;
+    }
+    fs->pulled += bytes;
+    fr->next = NULL;
+    *fe->tail = fr;
+    fe->tail = &fr->next;
+    return KVF_OK;
+}
+
+static void fep_tick(kvf_mover_ep_t *ep)
+{
+    fault_ep_t *fe = (fault_ep_t *)ep;
+    if (fe->inner->ops->tick != NULL)
+        fe->inner->ops->tick(fe->inner);
+    fep_release(fe);
+}
+
+/* The inner endpoint stops its reads; what they hand back goes straight
+ * on (no stall outlives the endpoint), then the wrapper goes. */
+static void fep_disconnect(kvf_mover_ep_t *ep)
+{
+    fault_ep_t *fe = (fault_ep_t *)ep;
+    if (fe == NULL)
+        return;
+    fe->inner->ops->disconnect(fe->inner);
+    fe->closed = 1;
+    fep_release(fe);
+}
+
+static int fep_failed(const kvf_mover_ep_t *ep)
+{
+    const fault_ep_t *fe = (const fault_ep_t *)ep;
+    return fe->inner->ops->ep_failed(fe->inner);
+}
+
+/* Endpoint ops only: the engine reaches the mover itself through the
+ * inner mover's own table. */
+static const kvf_mover_ops_t fault_ep_ops = {
+    .name = "fault",
+    .disconnect = fep_disconnect,
+    .tick = fep_tick,
+    .read = fep_read,
+    .ep_failed = fep_failed,
+};
+
+void kvf_fault_wrap_ep(kvf_faults_t *fs, kvf_mover_ep_t **ep_p)
+{
+    int any = 0;
+    for (int i = 0; fs != NULL && i < fs->n; i++)
+        any |= fs->f[i].kind == F_READFAIL || fs->f[i].kind == F_READSTALL;
+    if (!any || *ep_p == NULL)
+        return;
+    fault_ep_t *fe = calloc(1, sizeof(*fe));
+    if (fe == NULL) {
+        kvf_warn("no memory for the fault mover: read faults not injected");
+        return;
+    }
+    fe->base.ops = &fault_ep_ops;
+    fe->inner = *ep_p;
+    fe->faults = fs;
+    fe->tail = &fe->head;
+    *ep_p = &fe->base;
 }
