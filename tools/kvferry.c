@@ -127,11 +127,8 @@ static int kvt_bootstrap_main(int argc, char **argv)
                 host, port, kvf_status_str(st), kvf_status_name(st));
         return 1;
     }
-    /* The first line is the address, as scripts read it; the access rule
-     * follows on stderr. */
-    printf("kvferry bootstrap registry listening on %s:%d\n", host,
-           kvf_bootstrap_port(bs));
-    fflush(stdout);
+    /* The access rule on stderr, then the address on stdout, the line
+     * scripts wait for: when they have it, the rule is written too. */
     const char *access = kvf_bootstrap_access(bs);
     fprintf(stderr, "kvferry bootstrap: %s\n",
             strcmp(access, "token") == 0
@@ -140,6 +137,9 @@ static int kvt_bootstrap_main(int argc, char **argv)
             ? "KVF_AUTH=none: anyone who reaches this registry may register"
             : "no cluster token: only clients on this host may register "
               "(set KVF_AUTH_TOKEN to accept other hosts' ranks)");
+    printf("kvferry bootstrap registry listening on %s:%d\n", host,
+           kvf_bootstrap_port(bs));
+    fflush(stdout);
 
     int sig = 0;
     while (sigwait(&stop, &sig) != 0)
