@@ -277,6 +277,8 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
         "verify", p->verify,
         "transport", o->transport[0] ? o->transport : "unknown"));
     json_object_set_new(out, "prefill_bytes", json_integer((json_int_t)prefill_bytes));
+    json_object_set_new(out, "registry_auth", json_string(
+        o->registry_auth[0] ? o->registry_auth : "unknown"));
     if (o->error[0])
         json_object_set_new(out, "error", json_string(o->error));
     free(lat);
@@ -296,6 +298,7 @@ static void kvt_bench_print(FILE *f, json_t *j)
     fprintf(f, "  rooms        %d, %d failed, %.3f GB in %.3f s\n",
             (int)NUM(j, "rooms"), (int)NUM(j, "failed"), NUM(j, "bytes") / 1e9,
             NUM(j, "seconds"));
+    fprintf(f, "  registry     %s\n", STR(j, "registry_auth"));
     fprintf(f, "  throughput   %.3f GB/s, %.1f rooms/s\n", NUM(j, "gbps"),
             NUM(j, "rooms_per_s"));
     fprintf(f, "  latency      p50 %.3f ms, p99 %.3f ms, max %.3f ms "

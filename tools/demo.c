@@ -198,6 +198,7 @@ int kvt_demo_main(int argc, char **argv)
     kvt_orch_t *o = &d.orch;
     json_t *detail = d.o.fault ? kvt_injector_detail(&d.inj) : NULL;
     kvt_run_info_t info = { o->transport[0] ? o->transport : "unknown",
+                            o->registry_auth[0] ? o->registry_auth : "unknown",
                             o->error[0] ? o->error : NULL, o->timed_out,
                             o->signal, d.o.fault, d.inj.injected,
                             d.inj.injected_at, detail };

@@ -54,13 +54,24 @@ static void kvt_bootstrap_usage(FILE *out)
         "once it listens, then serves until SIGINT or SIGTERM.\n"
         "\n"
         "Options:\n"
-        "  --host HOST   address to listen on (default 0.0.0.0)\n"
-        "  --port PORT   port to listen on; 0 picks a free one (default 8998)\n");
+        "  --host HOST   address to listen on (default 127.0.0.1: this host only)\n"
+        "  --port PORT   port to listen on; 0 picks a free one (default 8998)\n"
+        "\n"
+        "Access (docs/SECURITY.md): registering (PUT /route, POST\n"
+        "/register_dp_rank) needs the cluster token, sent as\n"
+        "\"Authorization: Bearer <token>\", when one is set here:\n"
+        "  KVF_AUTH_TOKEN=<token>        the token itself\n"
+        "  KVF_AUTH_TOKEN_FILE=<file>    a file holding it (mode 0600 or 0400)\n"
+        "  SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN=<token>  SGLang's variable\n"
+        "Give every prefill rank the same one.  Without a token only clients on\n"
+        "this host may register, and a HOST other than a loopback address is\n"
+        "refused, unless KVF_AUTH=none (anyone may register: not recommended).\n"
+        "Lookups (GET /route, /health, /metrics) need no token.\n");
 }
 
 static int kvt_bootstrap_main(int argc, char **argv)
 {
-    const char *host = "0.0.0.0";
+    const char *host = "127.0.0.1";
     long port = 8998;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
@@ -104,12 +115,28 @@ static int kvt_bootstrap_main(int argc, char **argv)
 
     kvf_bootstrap_t *bs = NULL;
     kvf_status_t st = kvf_bootstrap_create(host, (int)port, &bs);
+    if (st == KVF_ERR_INVALID_PARAM) {
+        /* No token for a non-loopback host, or a bad token: the library
+         * says which and what to do. */
+        fprintf(stderr, "kvferry bootstrap: %s\n", kvf_last_error());
+        return 1;
+    }
     if (st != KVF_OK) {
         fprintf(stderr, "kvferry bootstrap: cannot listen on %s:%ld: %s (%s); "
                 "is the port in use? Pick another with --port, or 0 for any\n",
                 host, port, kvf_status_str(st), kvf_status_name(st));
         return 1;
     }
+    /* The access rule on stderr, then the address on stdout, the line
+     * scripts wait for: when they have it, the rule is written too. */
+    const char *access = kvf_bootstrap_access(bs);
+    fprintf(stderr, "kvferry bootstrap: %s\n",
+            strcmp(access, "token") == 0
+            ? "registering needs the cluster token (Authorization: Bearer)"
+            : strcmp(access, "open") == 0
+            ? "KVF_AUTH=none: anyone who reaches this registry may register"
+            : "no cluster token: only clients on this host may register "
+              "(set KVF_AUTH_TOKEN to accept other hosts' ranks)");
     printf("kvferry bootstrap registry listening on %s:%d\n", host,
            kvf_bootstrap_port(bs));
     fflush(stdout);

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -165,6 +166,49 @@ int kvt_orch_registry_complete(kvt_orch_t *d)
             "%d (expected 200 or 503); starting the rooms anyway\n",
             d->cmd, d->registry_addr, code);
     return -1;
+}
+
+/*
+ * Every process of the run holds one cluster token, which the registry asks
+ * of every registration: one from the environment is kept (the children
+ * inherit it), else a fresh random one goes into KVF_AUTH_TOKEN before the
+ * first child starts.  KVF_AUTH=none runs without one.
+ */
+static int kvt_orch_token(kvt_orch_t *d)
+{
+    static const char *const vars[] = {
+        "KVF_AUTH_TOKEN", "KVF_AUTH_TOKEN_FILE",
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"};
+    for (size_t i = 0; i < sizeof(vars) / sizeof(vars[0]); i++) {
+        const char *v = getenv(vars[i]);
+        if (v != NULL && v[0] != '\0') {
+            snprintf(d->registry_auth, sizeof(d->registry_auth),
+                     "registering needs the cluster token from %s", vars[i]);
+            return 0;
+        }
+    }
+    const char *mode = getenv("KVF_AUTH");
+    if (mode != NULL && strcmp(mode, "none") == 0) {
+        snprintf(d->registry_auth, sizeof(d->registry_auth),
+                 "open to any registration (KVF_AUTH=none)");
+        return 0;
+    }
+    unsigned char r[24];
+    char hex[2 * sizeof(r) + 1];
+    if (getrandom(r, sizeof(r), 0) != (ssize_t)sizeof(r)) {
+        kvt_orch_error(d, "cannot draw a cluster token for the run: %s",
+                       strerror(errno));
+        return -1;
+    }
+    for (size_t i = 0; i < sizeof(r); i++)
+        snprintf(hex + 2 * i, 3, "%02x", r[i]);
+    if (setenv("KVF_AUTH_TOKEN", hex, 1) != 0) {
+        kvt_orch_error(d, "cannot set KVF_AUTH_TOKEN: %s", strerror(errno));
+        return -1;
+    }
+    snprintf(d->registry_auth, sizeof(d->registry_auth),
+             "registering needs a cluster token generated for this run");
+    return 0;
 }
 
 /* Start the registry on `port` ("0": any) and wait for the line with its
@@ -442,8 +486,10 @@ void kvt_orch_run(kvt_orch_t *d, const kvt_opts_t *o, char **fwd)
 {
     d->deadline_ms = kvt_mono_ms() + (uint64_t)d->timeout_s * 1000;
     d->fwd = fwd;
-    if (kvt_start_registry(d, "0") != 0)
+    if (kvt_orch_token(d) != 0 || kvt_start_registry(d, "0") != 0)
         return;
+    fprintf(stderr, "kvferry %s: registry %s, %s\n", d->cmd,
+            d->registry_addr, d->registry_auth);
     int ok = 1;
     uint32_t np = kvt_opts_nranks(o, 1), nd = kvt_opts_nranks(o, 0);
     for (uint32_t r = 0; ok && r < np + nd; r++) {

@@ -506,6 +506,8 @@ json_t *kvt_report_summary(kvt_report_t *r, const kvt_children_t *kids,
         json_object_set_new(out, "prefill_pp", json_integer(o->prefill_pp));
         json_object_set_new(out, "decode_pp", json_integer(o->decode_pp));
         json_object_set_new(out, "dp", json_integer(o->dp));
+        json_object_set_new(out, "registry_auth",
+                            json_string(info->registry_auth));
         kvt_fault_summary(r, info, &first, &after, p.a, out);
     }
     /* Without a fault every room must succeed; with one, every room must
@@ -635,6 +637,8 @@ void kvt_report_print(FILE *out, json_t *s)
             json_is_true(json_object_get(s, "scattered")) ? "scattered" : "contiguous",
             kvt_str(s, "transport"),
             json_is_true(json_object_get(s, "checksum")) ? ", checksums on" : "");
+    fprintf(out, "  registry   %s\n",
+            kvt_str(s, "registry_auth"));
     fprintf(out, "  rooms      %lld/%lld succeeded, %lld failed, %lld unresolved\n",
             ok, rooms, kvt_int(s, "failed"), kvt_int(s, "unresolved"));
     fprintf(out, "  verified   %s\n",

@@ -59,6 +59,7 @@ typedef struct kvt_report {
 /** Extra facts about the run, for the verdict. */
 typedef struct kvt_run_info {
     const char *transport;   /**< as the engine parameters say */
+    const char *registry_auth;   /**< how registering was protected */
     const char *error;       /**< setup error, or NULL */
     int         timed_out;
     int         signal;      /**< signal that interrupted the demo, or 0 */

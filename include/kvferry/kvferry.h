@@ -528,15 +528,41 @@ typedef struct kvf_bootstrap kvf_bootstrap_t;
 /**
  * Start a bootstrap registry (HTTP, SGLang's routes plus /metrics) on
  * host:port (port 0: any free port).  It serves from its own thread.
+ *
+ * Who may change it (PUT /route, POST /register_dp_rank) is read from the
+ * environment when it starts (docs/SECURITY.md):
+ *  - the cluster token, first found of KVF_AUTH_TOKEN, KVF_AUTH_TOKEN_FILE
+ *    (a file only its owner may read; trailing newline stripped) and
+ *    SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN: every mutating request
+ *    must then carry "Authorization: Bearer <token>", or gets 401;
+ *  - no token: protected mode, mutating requests from loopback clients
+ *    only (others get 403), and a host that is not a loopback address is
+ *    refused (KVF_ERR_INVALID_PARAM, the log and kvf_last_error() say how
+ *    to set a token);
+ *  - no token and KVF_AUTH=none: anyone may write, on any host (a warning
+ *    is logged at start).
+ * Read-only routes (GET /route, /health, /metrics, POST /query_dp_ranks)
+ * are open in every mode.  Connections are bounded (512 in all, 64 per
+ * client address, idle ones closed after 15 s), and so are queries (2048
+ * bytes, 32 parameters) and bodies (1 MiB).
+ *
  * @return KVF_OK, KVF_ERR_IO (cannot resolve the host or listen),
- *         KVF_ERR_INVALID_PARAM (NULL host, port outside 0..65535),
- *         KVF_ERR_NO_MEMORY.
+ *         KVF_ERR_INVALID_PARAM (NULL host, port outside 0..65535; a
+ *         non-loopback host without a token; a token that is malformed or
+ *         whose file others can read), KVF_ERR_NO_MEMORY.
  */
 KVF_API kvf_status_t kvf_bootstrap_create(const char *host, int port,
                                           kvf_bootstrap_t **bootstrap_p);
 
 /** @return the port the registry listens on. */
 KVF_API int kvf_bootstrap_port(const kvf_bootstrap_t *bootstrap);
+
+/**
+ * @return who may change the registry: "token" (holders of the cluster
+ *         token), "protected" (loopback clients) or "open" (anyone);
+ *         static text.
+ */
+KVF_API const char *kvf_bootstrap_access(const kvf_bootstrap_t *bootstrap);
 
 /** Stop the registry and free it.  Blocks until its thread has stopped. */
 KVF_API void kvf_bootstrap_destroy(kvf_bootstrap_t *bootstrap);

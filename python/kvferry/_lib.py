@@ -176,6 +176,7 @@ _PROTOTYPES = {
     "kvf_engine_stats": (None, [c_void_p, POINTER(EngineStats)]),
     "kvf_bootstrap_create": (c_int, [c_char_p, c_int, POINTER(c_void_p)]),
     "kvf_bootstrap_port": (c_int, [c_void_p]),
+    "kvf_bootstrap_access": (c_char_p, [c_void_p]),
     "kvf_bootstrap_destroy": (None, [c_void_p]),
     "kvf_log_set_level": (None, [c_int]),
     "kvf_last_error": (c_char_p, []),

@@ -311,7 +311,12 @@ class BootstrapServer(_Closing):
     """A bootstrap registry (SGLang's HTTP routes) served from its own thread.
 
     ``BootstrapServer(host="127.0.0.1", port=0)``; ``.port`` is the port it
-    listens on, ``.addr`` ``"host:port"``.  Context manager, ``close()``.
+    listens on, ``.addr`` ``"host:port"``, ``.access`` who may register:
+    ``"token"`` (the cluster token from ``KVF_AUTH_TOKEN``,
+    ``KVF_AUTH_TOKEN_FILE`` or ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``
+    in the environment), ``"protected"`` (no token: clients on this host
+    only; a non-loopback host is refused) or ``"open"`` (``KVF_AUTH=none``).
+    Context manager, ``close()``.
     """
 
     def __init__(self, host="127.0.0.1", port=0):
@@ -322,6 +327,7 @@ class BootstrapServer(_Closing):
               "kvf_bootstrap_create(%s, %s)" % (host, port))
         self._ptr = ptr.value
         self.port = lib.kvf_bootstrap_port(ptr)
+        self.access = lib.kvf_bootstrap_access(ptr).decode()
         self.addr = "%s:%d" % (host, self.port)
         self._fin = weakref.finalize(self, lib.kvf_bootstrap_destroy, ptr.value)
 

@@ -187,9 +187,31 @@ class Construction(unittest.TestCase):
         with kvferry.BootstrapServer("127.0.0.1", 0) as b:
             self.assertGreater(b.port, 0)
             self.assertEqual(b.addr, "127.0.0.1:%d" % b.port)
+            self.assertIn(b.access, ("token", "protected"))
         b.close()                           # idempotent
         self.assertRaises(ValueError, kvferry.BootstrapServer, "127.0.0.1", -1)
         self.assertRaises(TypeError, kvferry.BootstrapServer, None, 0)
+
+    def test_bootstrap_server_token_from_environment(self):
+        """The registry reads the cluster token where it starts; without one
+        it refuses a non-loopback host (a child process: the environment is
+        its own)."""
+        code = ("import sys; sys.path.insert(0, %r)\n"
+                "from _util import kvferry\n"
+                "with kvferry.BootstrapServer('0.0.0.0', 0) as b:\n"
+                "    print(b.access, flush=True)\n"
+                % os.path.dirname(os.path.abspath(__file__)))
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("KVF_AUTH_TOKEN", "KVF_AUTH_TOKEN_FILE", "KVF_AUTH",
+                            "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN")}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                             text=True, env=env, timeout=60)
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("KVF_AUTH_TOKEN", out.stderr)
+        env["SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"] = "sglang-shared-token-0123456789"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                             text=True, env=env, timeout=60)
+        self.assertEqual((out.returncode, out.stdout.strip()), (0, "token"), out.stderr)
 
 
 class Lifetime(unittest.TestCase):

@@ -17,6 +17,18 @@
 
 /* Largest request body the server accepts (bytes); more gets 413. */
 #define KVF_BS_MAX_BODY (1u << 20)
+/* Largest query string (bytes, raw) and number of query parameters a
+ * request may carry: more gets 414 / 400 at once.  GET /route needs 4. */
+#define KVF_BS_MAX_QUERY        2048u
+#define KVF_BS_MAX_QUERY_PARAMS 32u
+/* Connections the server keeps open at once, in total and per client IP,
+ * and how long an idle one may stay (seconds). */
+#define KVF_BS_MAX_CONNS        512u
+#define KVF_BS_MAX_CONNS_PER_IP 64u
+#define KVF_BS_IDLE_TIMEOUT_S   15u
+/* A parallel configuration none of whose ranks has registered for this
+ * long is stale: a conflicting registration may replace it (routes.c). */
+#define KVF_BS_STALE_MS         15000u
 
 /* A prefill rank's registration: the JSON fields of SGLang's PUT /route. */
 typedef struct kvf_bs_reg {
@@ -61,13 +73,25 @@ void kvf__bootstrap_set_stats_cb(kvf_bootstrap_t *bs, kvf_bs_stats_cb_t cb,
  * refuses or whose port is 0, and KVF_ERR_NO_MEMORY.
  */
 
+/*
+ * The mutating calls (PUT /route, POST /register_dp_rank) send
+ * "Authorization: Bearer <token>" when a cluster token is configured
+ * (util/token.h: KVF_AUTH_TOKEN, KVF_AUTH_TOKEN_FILE,
+ * SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN); the _auth variants take an
+ * explicit token that wins over the environment.  The read-only calls never
+ * send it.  A 401 or 403 answer is final and its err says how to fix it.
+ */
+
 /* PUT /route, retried with exponential backoff (50 ms doubling to 1 s)
  * until it answers 200 or timeout_ms has passed.  An answer that retrying
- * cannot change (400 invalid registration, 409 conflicting parallel info,
- * 413) ends the call at once.
+ * cannot change (400 invalid registration, 401/403 refused, 409
+ * conflicting parallel info, 413) ends the call at once.
  * @return KVF_OK, KVF_ERR_BOOTSTRAP. */
 kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
                               unsigned timeout_ms, char *err, size_t errlen);
+kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
+                                   const char *token, unsigned timeout_ms,
+                                   char *err, size_t errlen);
 
 /* GET /route?...=-1.  @return KVF_OK; KVF_ERR_AGAIN (503: not every rank
  * has registered yet); KVF_ERR_BOOTSTRAP (unreachable, other answers). */
@@ -91,6 +115,10 @@ kvf_status_t kvf__bs_health(const char *addr, unsigned timeout_ms,
 kvf_status_t kvf__bs_register_dp_rank(const char *addr, uint64_t room,
                                       int dp_rank, unsigned timeout_ms,
                                       char *err, size_t errlen);
+kvf_status_t kvf__bs_register_dp_rank_auth(const char *addr, uint64_t room,
+                                           int dp_rank, const char *token,
+                                           unsigned timeout_ms, char *err,
+                                           size_t errlen);
 
 /* POST /query_dp_ranks {bootstrap_rooms:[...]}: dp_ranks_p[i] is the DP
  * rank of rooms[i], or -1 where the registry does not know the room. */
@@ -124,31 +152,74 @@ typedef struct kvf_registry_state kvf_registry_state_t;
 kvf_registry_state_t *kvf__registry_state_create(size_t max_rooms);
 void kvf__registry_state_destroy(kvf_registry_state_t *st);
 
+/*
+ * Who may change the registry (PUT /route, POST /register_dp_rank):
+ *  - with a token (non-empty): a request whose "Authorization: Bearer"
+ *    matches it, from anywhere; any other gets 401;
+ *  - without one, `open` 0 (protected mode, the default): loopback clients
+ *    only; others get 403;
+ *  - without one, `open` 1 (KVF_AUTH=none): anyone.
+ * Read-only routes are open in every mode.  Call before the registry
+ * serves.  @return KVF_OK or KVF_ERR_INVALID_PARAM (a token util/token.h
+ * would refuse). */
+kvf_status_t kvf__registry_set_auth(kvf_registry_state_t *st,
+                                    const char *token, int open);
+
+/* The registry's clock (milliseconds, monotonic), for tests of the stale
+ * rule; NULL restores kvf_now_ms().  Call before the registry serves. */
+typedef uint64_t (*kvf_bs_clock_cb_t)(void *arg);
+void kvf__registry_set_clock(kvf_registry_state_t *st, kvf_bs_clock_cb_t cb,
+                             void *arg);
+
 /* Set or clear (cb NULL) the /metrics stats source.  When it returns, the
  * previous callback is not running and will not be called again, so its
  * arg may be freed.  Must not be called from inside the callback. */
 void kvf__registry_set_stats_cb(kvf_registry_state_t *st,
                                 kvf_bs_stats_cb_t cb, void *arg);
 
+/* Who sent a request, as the network glue saw it. */
+typedef struct kvf_bs_client {
+    const char *authorization;  /* the Authorization header, NULL: none */
+    int         loopback;       /* connected from 127.0.0.0/8 or ::1 */
+    const char *addr;           /* its IP address, for logs; NULL: unknown */
+} kvf_bs_client_t;
+
 /*
- * Answer one request.  `method` is the HTTP method, `path` the URL path
+ * Answer one request.  `client` is who sent it (NULL: a loopback client
+ * without credentials).  `method` is the HTTP method, `path` the URL path
  * without the query, `query` the raw (percent-encoded) query string without
  * '?' or NULL, `body` the request body (NULL when body_len is 0).  A
  * body_len above KVF_BS_MAX_BODY answers 413 without reading `body` (the
  * network glue passes NULL then: it never buffers more than the limit).
- * Thread-safe.
+ * A mutating request that its client may not make (see
+ * kvf__registry_set_auth) is answered 401/403 before anything else is
+ * looked at.  Thread-safe.
  *
  * @param [out] resp_p   response body, NUL-terminated, caller frees with
  *                       free(); NULL only when out of memory (status 500)
  * @param [out] ctype_p  its Content-Type (static string)
  * @return the HTTP status code.
  */
-int kvf__registry_handle(kvf_registry_state_t *st, const char *method,
+int kvf__registry_handle(kvf_registry_state_t *st,
+                         const kvf_bs_client_t *client, const char *method,
                          const char *path, const char *query,
                          const char *body, size_t body_len, char **resp_p,
                          const char **ctype_p);
 
 /* The Allow header value for a known path ("GET, PUT"), or NULL. */
 const char *kvf__registry_allowed(const char *path);
+
+/*
+ * kvf_bootstrap_create() with the access rule spelled out instead of read
+ * from the environment: `token` (NULL or "": none) and `open` as in
+ * kvf__registry_set_auth().  Without a token and with open 0, a host that
+ * is not a loopback address is refused (KVF_ERR_INVALID_PARAM).
+ */
+kvf_status_t kvf__bootstrap_create_auth(const char *host, int port,
+                                        const char *token, int open,
+                                        kvf_bootstrap_t **bootstrap_p);
+
+/* The registry state of a running server (tests set its clock). */
+kvf_registry_state_t *kvf__bootstrap_state(kvf_bootstrap_t *bs);
 
 #endif /* KVF_BOOTSTRAP_BOOTSTRAP_H */

@@ -8,6 +8,11 @@
  * (CURLOPT_NOSIGNAL: engines are multi-threaded).  A failure leaves exactly
  * one line in err, naming the registry, what happened and the request, so
  * a caller can put it into a room's failure reason as it is.
+ *
+ * The mutating calls carry "Authorization: Bearer <token>" (SGLang's
+ * bootstrap_auth_headers()) when a cluster token is given or configured
+ * (util/token.h); the token is read per call, which is cheap next to an
+ * HTTP exchange and follows a rotated token file.
  */
 #include <pthread.h>
 #include <stdarg.h>
@@ -19,9 +24,12 @@
 #include <curl/curl.h>
 #include <jansson.h>
 
+#include <openssl/crypto.h>
+
 #include "bootstrap/bootstrap.h"
 #include "util/log.h"
 #include "util/time.h"
+#include "util/token.h"
 
 #define BS_BACKOFF_FIRST_MS 50u
 #define BS_BACKOFF_MAX_MS   1000u
@@ -133,10 +141,11 @@ static size_t on_data(char *p, size_t size, size_t nmemb, void *arg)
  */
 static kvf_status_t bs_http(const char *addr, const char *method,
                             const char *target, const char *json,
-                            unsigned timeout_ms, bs_resp_t *resp, char *err,
-                            size_t errlen)
+                            const char *token, unsigned timeout_ms,
+                            bs_resp_t *resp, char *err, size_t errlen)
 {
     char host[256], url[512], cerr[CURL_ERROR_SIZE] = "";
+    char authz[KVF_TOKEN_MAX + 32];
     int port;
     struct curl_slist *hdrs = NULL;
     kvf_status_t st = KVF_OK;
@@ -184,6 +193,18 @@ static kvf_status_t bs_http(const char *addr, const char *method,
             goto out;
         }
         hdrs = h2;
+        if (token != NULL && token[0] != '\0') {
+            snprintf(authz, sizeof(authz), "Authorization: Bearer %s", token);
+            h2 = curl_slist_append(hdrs, authz);
+            OPENSSL_cleanse(authz, sizeof(authz));
+            if (h2 == NULL) {
+                st = KVF_ERR_NO_MEMORY;
+                set_err(err, errlen, "bootstrap registry %s: out of memory "
+                        "(%s %s)", addr, method, target);
+                goto out;
+            }
+            hdrs = h2;
+        }
         curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
         curl_easy_setopt(c, CURLOPT_POSTFIELDS, json);
         curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, (long)strlen(json));
@@ -222,9 +243,40 @@ static void set_http_err(char *err, size_t errlen, const char *addr,
                          const char *method, const char *target,
                          const bs_resp_t *r)
 {
-    set_err(err, errlen, "bootstrap registry %s answered %ld to %s %s: %.300s",
+    set_err(err, errlen, "bootstrap registry %s answered %ld to %s %s: %.400s",
             addr, r->status, method, target,
             r->body && r->body[0] ? r->body : "(empty body)");
+}
+
+/* After a 401/403: say what this process sent, so the reader knows which
+ * side to fix. */
+static void add_auth_hint(char *err, size_t errlen, const char *from)
+{
+    if (err == NULL || errlen == 0)
+        return;
+    size_t n = strlen(err);
+    if (from[0] != '\0')
+        snprintf(err + n, errlen - n, " [this process sent the token from "
+                 "%s]", from);
+    else
+        snprintf(err + n, errlen - n, " [this process has no cluster token: "
+                 "KVF_AUTH_TOKEN, KVF_AUTH_TOKEN_FILE and "
+                 "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN are unset]");
+}
+
+/* The token a mutating call sends: `explicit_token` or the configured one.
+ * @return KVF_OK (tok may be ""), or the error of a bad token source. */
+static kvf_status_t call_token(const char *addr, const char *explicit_token,
+                               char *tok, size_t len, const char **from_p,
+                               char *err, size_t errlen)
+{
+    char why[512];
+    kvf_status_t st = kvf_token_load_ex(explicit_token, tok, len, from_p, why,
+                                        sizeof(why));
+    if (st != KVF_OK)
+        set_err(err, errlen, "bootstrap registry %s: cannot load the cluster "
+                "token: %s", addr ? addr : "", why);
+    return st;
 }
 
 static json_t *parse_answer(const char *addr, const char *method,
@@ -261,6 +313,16 @@ static int get_int(json_t *o, const char *name, int *v_p)
 kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
                               unsigned timeout_ms, char *err, size_t errlen)
 {
+    return kvf__bs_register_auth(addr, reg, NULL, timeout_ms, err, errlen);
+}
+
+kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
+                                   const char *token, unsigned timeout_ms,
+                                   char *err, size_t errlen)
+{
+    char tok[KVF_TOKEN_MAX + 1];
+    const char *from = "";
+
     if (reg == NULL) {
         set_err(err, errlen, "bootstrap registration without parameters");
         return KVF_ERR_INVALID_PARAM;
@@ -290,6 +352,12 @@ kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
                 "registration (out of memory)", addr ? addr : "");
         return KVF_ERR_NO_MEMORY;
     }
+    kvf_status_t tst = call_token(addr, token, tok, sizeof(tok), &from, err,
+                                  errlen);
+    if (tst != KVF_OK) {
+        free(body);
+        return tst;
+    }
 
     uint64_t start = kvf_now_ms(), deadline = start + timeout_ms;
     unsigned delay = BS_BACKOFF_FIRST_MS, attempts = 0;
@@ -298,22 +366,26 @@ kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
         bs_resp_t r;
         uint64_t now = kvf_now_ms();
         attempts++;
-        st = bs_http(addr, "PUT", "/route", body,
+        st = bs_http(addr, "PUT", "/route", body, tok,
                      (unsigned)(deadline > now ? deadline - now : 1), &r, err,
                      errlen);
         if (st == KVF_OK) {
             long code = r.status;
             if (code != 200)
                 set_http_err(err, errlen, addr, "PUT", "/route", &r);
+            if (code == 401 || code == 403)
+                add_auth_hint(err, errlen, from);
             free(r.body);
             if (code == 200) {
                 free(body);
+                OPENSSL_cleanse(tok, sizeof(tok));
                 return KVF_OK;
             }
             st = KVF_ERR_BOOTSTRAP;
             /* The registry refused this registration: asking again cannot
              * change its mind. */
-            if (code == 400 || code == 409 || code == 413)
+            if (code == 400 || code == 401 || code == 403 || code == 409 ||
+                code == 413)
                 break;
         } else if (st != KVF_ERR_BOOTSTRAP) {
             break;
@@ -334,6 +406,7 @@ kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
         delay = delay * 2 > BS_BACKOFF_MAX_MS ? BS_BACKOFF_MAX_MS : delay * 2;
     }
     free(body);
+    OPENSSL_cleanse(tok, sizeof(tok));
     if (st == KVF_ERR_BOOTSTRAP && attempts > 1 && err != NULL && errlen > 0) {
         size_t n = strlen(err);
         snprintf(err + n, errlen - n, " [%u attempts in %llu ms]", attempts,
@@ -348,8 +421,8 @@ kvf_status_t kvf__bs_get_info(const char *addr, unsigned timeout_ms,
     static const char target[] = "/route?prefill_dp_rank=-1&prefill_cp_rank="
                                  "-1&target_tp_rank=-1&target_pp_rank=-1";
     bs_resp_t r;
-    kvf_status_t st = bs_http(addr, "GET", target, NULL, timeout_ms, &r, err,
-                              errlen);
+    kvf_status_t st = bs_http(addr, "GET", target, NULL, NULL, timeout_ms, &r,
+                              err, errlen);
     if (st != KVF_OK)
         return st;
     if (r.status != 200) {
@@ -402,8 +475,8 @@ kvf_status_t kvf__bs_get_rank(const char *addr, int dp_rank, int cp_rank,
     snprintf(target, sizeof(target), "/route?prefill_dp_rank=%d&"
              "prefill_cp_rank=%d&target_tp_rank=%d&target_pp_rank=%d",
              dp_rank, cp_rank, tp_rank, pp_rank);
-    kvf_status_t st = bs_http(addr, "GET", target, NULL, timeout_ms, &r, err,
-                              errlen);
+    kvf_status_t st = bs_http(addr, "GET", target, NULL, NULL, timeout_ms, &r,
+                              err, errlen);
     if (st != KVF_OK)
         return st;
     if (r.status != 200) {
@@ -435,14 +508,17 @@ kvf_status_t kvf__bs_get_rank(const char *addr, int dp_rank, int cp_rank,
 /* A call whose only good answer is 200. */
 static kvf_status_t bs_expect_200(const char *addr, const char *method,
                                   const char *target, const char *json,
+                                  const char *token, const char *token_from,
                                   unsigned timeout_ms, char *err,
                                   size_t errlen)
 {
     bs_resp_t r;
-    kvf_status_t st = bs_http(addr, method, target, json, timeout_ms, &r, err,
-                              errlen);
+    kvf_status_t st = bs_http(addr, method, target, json, token, timeout_ms,
+                              &r, err, errlen);
     if (st == KVF_OK && r.status != 200) {
         set_http_err(err, errlen, addr, method, target, &r);
+        if (r.status == 401 || r.status == 403)
+            add_auth_hint(err, errlen, token_from ? token_from : "");
         st = KVF_ERR_BOOTSTRAP;
     }
     free(r.body);
@@ -452,8 +528,8 @@ static kvf_status_t bs_expect_200(const char *addr, const char *method,
 kvf_status_t kvf__bs_health(const char *addr, unsigned timeout_ms,
                             char *err, size_t errlen)
 {
-    return bs_expect_200(addr, "GET", "/health", NULL, timeout_ms, err,
-                         errlen);
+    return bs_expect_200(addr, "GET", "/health", NULL, NULL, NULL, timeout_ms,
+                         err, errlen);
 }
 
 /* Rooms above INT64_MAX do not fit a JSON integer in jansson: they travel
@@ -471,6 +547,17 @@ kvf_status_t kvf__bs_register_dp_rank(const char *addr, uint64_t room,
                                       int dp_rank, unsigned timeout_ms,
                                       char *err, size_t errlen)
 {
+    return kvf__bs_register_dp_rank_auth(addr, room, dp_rank, NULL,
+                                         timeout_ms, err, errlen);
+}
+
+kvf_status_t kvf__bs_register_dp_rank_auth(const char *addr, uint64_t room,
+                                           int dp_rank, const char *token,
+                                           unsigned timeout_ms, char *err,
+                                           size_t errlen)
+{
+    char tok[KVF_TOKEN_MAX + 1];
+    const char *from = "";
     json_t *j = json_pack("{s:o, s:i}", "bootstrap_room", room_json(room),
                           "dp_rank", dp_rank);
     char *body = j ? json_dumps(j, JSON_COMPACT) : NULL;
@@ -480,8 +567,12 @@ kvf_status_t kvf__bs_register_dp_rank(const char *addr, uint64_t room,
                 "(POST /register_dp_rank)", addr ? addr : "");
         return KVF_ERR_NO_MEMORY;
     }
-    kvf_status_t st = bs_expect_200(addr, "POST", "/register_dp_rank", body,
-                                    timeout_ms, err, errlen);
+    kvf_status_t st = call_token(addr, token, tok, sizeof(tok), &from, err,
+                                 errlen);
+    if (st == KVF_OK)
+        st = bs_expect_200(addr, "POST", "/register_dp_rank", body, tok, from,
+                           timeout_ms, err, errlen);
+    OPENSSL_cleanse(tok, sizeof(tok));
     free(body);
     return st;
 }
@@ -509,8 +600,8 @@ kvf_status_t kvf__bs_query_dp_ranks(const char *addr, const uint64_t *rooms,
                 "(POST %s)", addr ? addr : "", target);
         return KVF_ERR_NO_MEMORY;
     }
-    kvf_status_t st = bs_http(addr, "POST", target, body, timeout_ms, &r, err,
-                              errlen);
+    kvf_status_t st = bs_http(addr, "POST", target, body, NULL, timeout_ms, &r,
+                              err, errlen);
     free(body);
     if (st != KVF_OK)
         return st;

@@ -16,7 +16,28 @@
  *  - SGLang counts every PUT; we count distinct coordinates, so a restarted
  *    rank re-registering does not make the registry "ready" too early.
  *  - stricter than SGLang: 400 (not 500) for bad input, 409 for a rank
- *    whose parallel info differs from the first registration.
+ *    whose parallel info differs from the registry's (unless the rule
+ *    below lets it replace that info).
+ *  - access, as SGLang's bootstrap_auth.py: the mutating routes (PUT
+ *    /route, POST /register_dp_rank) need "Authorization: Bearer <token>"
+ *    (scheme case-insensitive, token compared in constant time) when the
+ *    registry has a token, and answer 401 otherwise; GET /route, /health,
+ *    POST /query_dp_ranks and /metrics stay open.  Without a token SGLang
+ *    refuses every write; we accept loopback clients only (protected mode)
+ *    or, with KVF_AUTH=none, anyone.
+ *
+ * The configuration rule: the parallel info (sizes, page size, dtype) is
+ * set by the first registration.  A registration that differs replaces it,
+ * dropping every entry of the old configuration, when either
+ *  (a) the old configuration holds a registered rank at the newcomer's
+ *      (dp, cp, tp, pp): that rank restarted with a new configuration, or
+ *  (b) no rank of the old configuration has registered for KVF_BS_STALE_MS:
+ *      whoever set it is gone (a stray or a dead cluster), and kvferry
+ *      engines re-register every 5 s, so a live configuration is never
+ *      stale.
+ * Otherwise it gets 409.  A restarted cluster thus comes back without a
+ * registry restart, and a live misconfigured rank still gets a 409 that
+ * names who set the registry's configuration.
  */
 #include <ctype.h>
 #include <errno.h>
@@ -26,12 +47,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include <jansson.h>
+#include <openssl/crypto.h>
 
 #include "bootstrap/bootstrap.h"
 #include "bootstrap/rooms.h"
 #include "util/log.h"
+#include "util/time.h"
+#include "util/token.h"
 
 #define CT_TEXT    "text/plain; charset=utf-8"
 #define CT_JSON    "application/json"
@@ -44,7 +69,14 @@ static const char *const route_names[R_N] = {
     "other"};
 static const char *const method_names[M_N] = {"GET", "PUT", "POST", "HEAD",
                                               "other"};
-static const int counted_codes[] = {200, 400, 404, 405, 409, 413, 500, 503};
+static const int counted_codes[] = {200, 400, 401, 403, 404, 405, 409, 413,
+                                     414, 500, 503};
+/* Why a mutating request was refused. */
+enum { REF_MISSING, REF_WRONG, REF_NOT_LOOPBACK, REF_N };
+static const char *const refusal_names[REF_N] = {"missing_token",
+                                                 "wrong_token", "not_loopback"};
+/* At most one log line per this long about refused requests. */
+#define REFUSAL_LOG_MS 10000u
 #define C_N ((int)(sizeof(counted_codes) / sizeof(counted_codes[0])) + 1)
 
 typedef struct rank_entry {
@@ -66,6 +98,19 @@ struct kvf_registry_state {
     char   first_desc[320];         /* who set the info, for 409 messages */
     rank_entry_t *ranks;            /* [dp][cp][tp][pp] */
     size_t nranks, nregistered;
+    uint64_t info_touched_ms;       /* last registration under this info */
+    uint64_t replaced;              /* configurations replaced (rule a/b) */
+
+    /* The access rule: set before serving, read without the lock. */
+    char   token[KVF_TOKEN_MAX + 1];
+    int    auth_open;
+    /* Refused mutating requests, and the rate limit of their log lines. */
+    uint64_t refused[REF_N];
+    uint64_t refused_unlogged, refusal_logged_ms;
+    int      refusal_logged;
+
+    kvf_bs_clock_cb_t clock;
+    void             *clock_arg;
 
     kvf_bs_rooms_t rooms;           /* POST /register_dp_rank */
 
@@ -105,6 +150,11 @@ static void reply_json(reply_t *r, json_t *j)
     json_decref(j);
     r->status = r->body ? 200 : 500;
     r->ctype = r->body ? CT_JSON : CT_TEXT;
+}
+
+static uint64_t now_ms(const kvf_registry_state_t *st)
+{
+    return st->clock ? st->clock(st->clock_arg) : kvf_now_ms();
 }
 
 /* ------------------------------------------------------------------------ */
@@ -442,34 +492,65 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
     }
 
     pthread_mutex_lock(&st->lock);
-    if (!st->have_info) {
-        st->ranks = calloc(total, sizeof(*st->ranks));
-        if (st->ranks == NULL) {
-            pthread_mutex_unlock(&st->lock);
-            free(ipcopy);
-            reply_text(r, 500, "out of memory");
-            goto out;
-        }
-        st->nranks = total;
-        set_info_locked(st, &f, dp_size, dtype_null, dtype, o);
-        snprintf(st->first_desc, sizeof(st->first_desc), "rank %s at %s:%d",
-                 coords, ip, f.rank_port);
-    } else {
-        char why[200];
-        if (conflict_locked(st, &f, dp_size, dtype_null, dtype, why,
-                            sizeof(why))) {
+    uint64_t now = now_ms(st);
+    char why[200] = "";
+    const char *rule = NULL;
+    if (st->have_info && conflict_locked(st, &f, dp_size, dtype_null, dtype,
+                                         why, sizeof(why))) {
+        /* The configuration rule (top of the file). */
+        const rank_entry_t *prev = rank_at_locked(st, dp, f.attn_cp_rank,
+                                                  f.attn_tp_rank, f.pp_rank);
+        if (prev != NULL && prev->ip != NULL)
+            rule = "the rank at these coordinates restarted with a new "
+                   "configuration";
+        else if (now - st->info_touched_ms >= KVF_BS_STALE_MS)
+            rule = "no rank of the old configuration has registered for "
+                   "15 s";
+        if (rule == NULL) {
             reply_text(r, 409, "Registration of prefill rank %s (%s:%d) "
                        "conflicts with this bootstrap registry: %s (set by "
-                       "the first registration, %s). Every prefill rank must "
-                       "use the same parallel configuration, page size and "
-                       "KV cache dtype; restart the registry to change them.",
-                       coords, ip, f.rank_port, why, st->first_desc);
+                       "%s, %llu ms since a rank of it last registered). "
+                       "Every prefill rank must use the same parallel "
+                       "configuration, page size and KV cache dtype. A "
+                       "different configuration replaces the registry's when "
+                       "it comes from a rank already registered (a restart), "
+                       "or once no rank of the old one has registered for "
+                       "15 s.", coords, ip, f.rank_port, why, st->first_desc,
+                       (unsigned long long)(now - st->info_touched_ms));
             pthread_mutex_unlock(&st->lock);
             kvf_warn("bootstrap registry: %s", r->body ? r->body : why);
             free(ipcopy);
             goto out;
         }
     }
+    if (!st->have_info || rule != NULL) {
+        rank_entry_t *ranks = calloc(total, sizeof(*ranks));
+        if (ranks == NULL) {
+            pthread_mutex_unlock(&st->lock);
+            free(ipcopy);
+            reply_text(r, 500, "out of memory");
+            goto out;
+        }
+        size_t dropped = st->nregistered;
+        for (size_t i = 0; i < st->nranks; i++)
+            free(st->ranks[i].ip);
+        free(st->ranks);
+        st->ranks = ranks;
+        st->nranks = total;
+        st->nregistered = 0;
+        set_info_locked(st, &f, dp_size, dtype_null, dtype, o);
+        if (rule != NULL) {
+            st->replaced++;
+            kvf_warn("bootstrap registry: prefill rank %s at %s:%d replaces "
+                     "the registry's configuration (%s; set by %s) because %s; "
+                     "the %zu registered rank(s) of the old configuration are "
+                     "dropped", coords, ip, f.rank_port, why, st->first_desc,
+                     rule, dropped);
+        }
+        snprintf(st->first_desc, sizeof(st->first_desc), "rank %s at %s:%d",
+                 coords, ip, f.rank_port);
+    }
+    st->info_touched_ms = now;
     rank_entry_t *e = rank_at_locked(st, dp, f.attn_cp_rank, f.attn_tp_rank,
                                      f.pp_rank);
     if (e->ip != NULL)
@@ -653,6 +734,7 @@ static void route_metrics(kvf_registry_state_t *st, reply_t *r)
     kvf_bs_stats_cb_t cb;
     void *arg;
     size_t nreg, ntotal, nrooms;
+    uint64_t refused[REF_N], replaced;
     char *text = NULL;
     size_t textlen = 0;
 
@@ -661,6 +743,8 @@ static void route_metrics(kvf_registry_state_t *st, reply_t *r)
     nreg = st->nregistered;
     ntotal = st->nranks;
     nrooms = st->rooms.count;
+    memcpy(refused, st->refused, sizeof(refused));
+    replaced = st->replaced;
     cb = st->stats_cb;
     arg = st->stats_arg;
     if (cb != NULL)
@@ -691,6 +775,19 @@ static void route_metrics(kvf_registry_state_t *st, reply_t *r)
     metric_head(f, "kvferry_registry_rooms_tracked", "gauge",
                 "Rooms with a DP rank from POST /register_dp_rank.");
     fprintf(f, "kvferry_registry_rooms_tracked %zu\n", nrooms);
+    metric_head(f, "kvferry_registry_auth", "gauge",
+                "The registry's access rule for mutating requests (1).");
+    fprintf(f, "kvferry_registry_auth{mode=\"%s\"} 1\n",
+            st->token[0] ? "token" : st->auth_open ? "open" : "protected");
+    metric_head(f, "kvferry_registry_refused_total", "counter",
+                "Mutating requests refused (401/403), by reason.");
+    for (int i = 0; i < REF_N; i++)
+        fprintf(f, "kvferry_registry_refused_total{reason=\"%s\"} %llu\n",
+                refusal_names[i], (unsigned long long)refused[i]);
+    metric_head(f, "kvferry_registry_config_replaced_total", "counter",
+                "Parallel configurations replaced by a newer registration.");
+    fprintf(f, "kvferry_registry_config_replaced_total %llu\n",
+            (unsigned long long)replaced);
     metric_head(f, "kvferry_registry_requests_total", "counter",
                 "HTTP requests answered, by route, method and status code.");
     for (int a = 0; a < R_N; a++)
@@ -785,18 +882,139 @@ const char *kvf__registry_allowed(const char *path)
     return allowed[route_of(path)];
 }
 
-int kvf__registry_handle(kvf_registry_state_t *st, const char *method,
+/* ------------------------------------------------------------------------ */
+/* Access                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/* @return -1 when `client` may change the registry, else why not (REF_*).
+ * st->token and st->auth_open do not change while the registry serves. */
+static int refusal_of(const kvf_registry_state_t *st,
+                      const kvf_bs_client_t *client)
+{
+    if (st->token[0] != '\0') {
+        const char *h = client ? client->authorization : NULL;
+        if (h == NULL || h[0] == '\0')
+            return REF_MISSING;
+        /* SGLang's rule: "<scheme> <token>", the scheme case-insensitive,
+         * the token everything after the first space. */
+        if (strncasecmp(h, "Bearer ", 7) != 0)
+            return REF_WRONG;
+        return kvf_token_equal(h + 7, st->token) ? -1 : REF_WRONG;
+    }
+    if (st->auth_open || client == NULL || client->loopback)
+        return -1;
+    return REF_NOT_LOOPBACK;
+}
+
+/* Count a refusal and log it, at most once per REFUSAL_LOG_MS: a flood of
+ * bad requests must not become a flood of log lines. */
+static void note_refusal(kvf_registry_state_t *st, int why,
+                         const char *method, const char *path,
+                         const kvf_bs_client_t *client)
+{
+    static const char *const what[REF_N] = {
+        "no bearer token", "a wrong bearer token",
+        "not from loopback, and the registry has no token"};
+    uint64_t now = now_ms(st), more = 0;
+    int log = 0;
+
+    pthread_mutex_lock(&st->lock);
+    st->refused[why]++;
+    if (!st->refusal_logged || now - st->refusal_logged_ms >= REFUSAL_LOG_MS) {
+        log = 1;
+        more = st->refused_unlogged;
+        st->refused_unlogged = 0;
+        st->refusal_logged = 1;
+        st->refusal_logged_ms = now;
+    } else {
+        st->refused_unlogged++;
+    }
+    pthread_mutex_unlock(&st->lock);
+    if (log && more)
+        kvf_warn("bootstrap registry: refused %.16s %s from %s: %s (and %llu "
+                 "more refused requests since the last such line)", method,
+                 path, client && client->addr ? client->addr : "unknown",
+                 what[why], (unsigned long long)more);
+    else if (log)
+        kvf_warn("bootstrap registry: refused %.16s %s from %s: %s (further "
+                 "refusals: one line per %u s)", method, path,
+                 client && client->addr ? client->addr : "unknown", what[why],
+                 REFUSAL_LOG_MS / 1000);
+}
+
+static void reply_refusal(reply_t *r, int why, const char *method,
+                          const char *path)
+{
+    switch (why) {
+    case REF_MISSING:
+        reply_text(r, 401, "Unauthorized: %.16s %s needs this bootstrap "
+                   "registry's cluster token, as \"Authorization: Bearer "
+                   "<token>\". kvferry and SGLang send it when KVF_AUTH_TOKEN, "
+                   "KVF_AUTH_TOKEN_FILE or "
+                   "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN is set.",
+                   method, path);
+        break;
+    case REF_WRONG:
+        reply_text(r, 401, "Unauthorized: the bearer token of %.16s %s does "
+                   "not match this bootstrap registry's cluster token. Give "
+                   "the registry and every prefill rank the same "
+                   "KVF_AUTH_TOKEN (or KVF_AUTH_TOKEN_FILE).", method, path);
+        break;
+    default:
+        reply_text(r, 403, "Forbidden: this bootstrap registry has no "
+                   "cluster token (protected mode), so it accepts %.16s %s "
+                   "from loopback clients only. Set KVF_AUTH_TOKEN (or "
+                   "KVF_AUTH_TOKEN_FILE) on the registry and on every rank, "
+                   "or start the registry with KVF_AUTH=none to accept "
+                   "anyone.", method, path);
+        break;
+    }
+}
+
+/* 0 when the raw query is within the limits, else a 414/400 reply. */
+static int check_query(const char *query, reply_t *r)
+{
+    size_t len = query ? strlen(query) : 0, n = len ? 1 : 0;
+
+    if (len > KVF_BS_MAX_QUERY) {
+        reply_text(r, 414, "URI Too Long: the query string is longer than "
+                   "%u bytes; the bootstrap registry accepts at most that "
+                   "(GET /route needs four short parameters)",
+                   KVF_BS_MAX_QUERY);
+        return -1;
+    }
+    for (size_t i = 0; i < len; i++)
+        n += query[i] == '&';
+    if (n > KVF_BS_MAX_QUERY_PARAMS) {
+        reply_text(r, 400, "too many query parameters: %zu; the bootstrap "
+                   "registry accepts at most %u (GET /route needs four)", n,
+                   KVF_BS_MAX_QUERY_PARAMS);
+        return -1;
+    }
+    return 0;
+}
+
+int kvf__registry_handle(kvf_registry_state_t *st,
+                         const kvf_bs_client_t *client, const char *method,
                          const char *path, const char *query,
                          const char *body, size_t body_len, char **resp_p,
                          const char **ctype_p)
 {
     int route = route_of(path), m = method_of(method);
     int get = m == M_GET || m == M_HEAD;
+    int mutating = (route == R_ROUTE && m == M_PUT) ||
+                   (route == R_REG_DP && m == M_POST);
+    int why = mutating ? refusal_of(st, client) : -1;
     reply_t r = {0};
 
-    if (body_len > KVF_BS_MAX_BODY) {
+    if (why >= 0) {
+        note_refusal(st, why, method_names[m], route_names[route], client);
+        reply_refusal(&r, why, method_names[m], route_names[route]);
+    } else if (body_len > KVF_BS_MAX_BODY) {
         reply_text(&r, 413, "request body too large: the bootstrap registry "
                    "accepts at most %u bytes", KVF_BS_MAX_BODY);
+    } else if (check_query(query, &r) != 0) {
+        /* r holds the 414 or 400 */
     } else if (route == R_OTHER) {
         reply_text(&r, 404, "no such route: %.200s (routes: /route, /health, "
                    "/register_dp_rank, /query_dp_ranks, /metrics)",
@@ -851,9 +1069,37 @@ void kvf__registry_state_destroy(kvf_registry_state_t *st)
         free(st->ranks[i].ip);
     free(st->ranks);
     kvf__bs_rooms_free(&st->rooms);
+    OPENSSL_cleanse(st->token, sizeof(st->token));
     pthread_cond_destroy(&st->stats_idle);
     pthread_mutex_destroy(&st->lock);
     free(st);
+}
+
+kvf_status_t kvf__registry_set_auth(kvf_registry_state_t *st,
+                                    const char *token, int open)
+{
+    char err[256];
+
+    st->token[0] = '\0';
+    st->auth_open = 0;
+    if (token != NULL && token[0] != '\0') {
+        kvf_status_t rc = kvf_token_load(token, st->token, sizeof(st->token),
+                                         err, sizeof(err));
+        if (rc != KVF_OK) {
+            kvf_error("bootstrap registry: %s", err);
+            return rc;
+        }
+        return KVF_OK;
+    }
+    st->auth_open = open != 0;
+    return KVF_OK;
+}
+
+void kvf__registry_set_clock(kvf_registry_state_t *st, kvf_bs_clock_cb_t cb,
+                             void *arg)
+{
+    st->clock = cb;
+    st->clock_arg = arg;
 }
 
 void kvf__registry_set_stats_cb(kvf_registry_state_t *st,

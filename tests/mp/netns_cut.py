@@ -12,6 +12,7 @@ only heartbeats and deadlines can resolve those rooms.
 
 Usage: netns_cut.py KVFERRY PREFILL_NS_LINK DECODE_NS PREFILL_IP DECODE_IP
 """
+import secrets
 import json
 import os
 import select
@@ -86,10 +87,14 @@ def pump(ranks, until, timeout, what):
 
 def main():
     exe, link, dec_ns, pre_ip, dec_ip = sys.argv[1:6]
+    # The registry listens on the veth address, not loopback: it needs a
+    # cluster token, which every rank shares through the environment.
     env = dict(os.environ, KVF_BOOTSTRAP_TIMEOUT_MS="3000",
-               KVF_WAITING_TIMEOUT_MS="3000", KVF_TRANSFER_TIMEOUT_MS="3000")
+               KVF_WAITING_TIMEOUT_MS="3000", KVF_TRANSFER_TIMEOUT_MS="3000",
+               KVF_AUTH_TOKEN=os.environ.get("KVF_AUTH_TOKEN")
+               or secrets.token_hex(24))
     reg = subprocess.Popen([exe, "bootstrap", "--host", pre_ip, "--port", "0"],
-                           stdout=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, text=True, env=env)
     line = reg.stdout.readline()
     if "listening on " not in line:
         die("the registry did not start: %r" % line)

@@ -571,25 +571,25 @@ static void test_room_eviction(void)
     for (int room = 1; room <= 10; room++) {
         snprintf(body, sizeof(body), "{\"bootstrap_room\":%d,\"dp_rank\":%d}",
                  room, room % 3);
-        CHECK_EQ_INT(kvf__registry_handle(st, "POST", "/register_dp_rank",
+        CHECK_EQ_INT(kvf__registry_handle(st, NULL, "POST", "/register_dp_rank",
                                           NULL, body, strlen(body), &resp,
                                           &ctype), 200);
         free(resp);
     }
     snprintf(body, sizeof(body), "{\"bootstrap_rooms\":[1,6,7,8,9,10]}");
-    CHECK_EQ_INT(kvf__registry_handle(st, "POST", "/query_dp_ranks", NULL,
+    CHECK_EQ_INT(kvf__registry_handle(st, NULL, "POST", "/query_dp_ranks", NULL,
                                       body, strlen(body), &resp, &ctype), 200);
     CHECK(strcmp(resp, "{\"7\":1,\"8\":2,\"9\":0,\"10\":1}") == 0);
     CHECK(strcmp(ctype, "application/json") == 0);
     free(resp);
     /* Odd inputs straight into the handler. */
-    CHECK_EQ_INT(kvf__registry_handle(st, NULL, NULL, NULL, NULL, 0, &resp,
+    CHECK_EQ_INT(kvf__registry_handle(st, NULL, NULL, NULL, NULL, NULL, 0, &resp,
                                       &ctype), 404);
     free(resp);
-    CHECK_EQ_INT(kvf__registry_handle(st, "GET", "/route", "a=%&b&=&&%zz",
+    CHECK_EQ_INT(kvf__registry_handle(st, NULL, "GET", "/route", "a=%&b&=&&%zz",
                                       NULL, 0, &resp, &ctype), 400);
     free(resp);
-    CHECK_EQ_INT(kvf__registry_handle(st, "PUT", "/route", NULL, NULL,
+    CHECK_EQ_INT(kvf__registry_handle(st, NULL, "PUT", "/route", NULL, NULL,
                                       KVF_BS_MAX_BODY + 1u, &resp, &ctype),
                  413);
     free(resp);
@@ -600,20 +600,20 @@ static void test_room_eviction(void)
     for (int room = 0; room < 10000; room++) {
         snprintf(body, sizeof(body), "{\"bootstrap_room\":%d,\"dp_rank\":1}",
                  room * 7919);
-        kvf__registry_handle(st, "POST", "/register_dp_rank", NULL, body,
+        kvf__registry_handle(st, NULL, "POST", "/register_dp_rank", NULL, body,
                              strlen(body), &resp, &ctype);
         free(resp);
     }
     snprintf(body, sizeof(body), "{\"bootstrap_rooms\":[%d,%d,%d]}",
              6999 * 7919, 7000 * 7919, 9999 * 7919);
-    kvf__registry_handle(st, "POST", "/query_dp_ranks", NULL, body,
+    kvf__registry_handle(st, NULL, "POST", "/query_dp_ranks", NULL, body,
                          strlen(body), &resp, &ctype);
     char want[128];
     snprintf(want, sizeof(want), "{\"%d\":1,\"%d\":1}", 7000 * 7919,
              9999 * 7919);
     CHECK(resp != NULL && strcmp(resp, want) == 0);
     free(resp);
-    kvf__registry_handle(st, "GET", "/metrics", NULL, NULL, 0, &resp, &ctype);
+    kvf__registry_handle(st, NULL, "GET", "/metrics", NULL, NULL, 0, &resp, &ctype);
     CHECK_STR_CONTAINS(resp, "kvferry_registry_rooms_tracked 3000\n");
     free(resp);
     kvf__registry_state_destroy(st);
