@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -253,6 +254,45 @@ static int kvt_start_registry(kvt_orch_t *d, const char *port)
     return 0;
 }
 
+/*
+ * A free port for the registry outside the kernel's ephemeral range
+ * (net.ipv4.ip_local_port_range), or "0".  The registry is restarted on
+ * the same port after a registry-down fault, and meanwhile the ranks'
+ * connection attempts each take an ephemeral local port: one of them
+ * could take the registry's, and the restart would find it in use.
+ */
+static void kvt_registry_port(char *buf, size_t len)
+{
+    unsigned lo = 32768, hi = 60999;
+    FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+    if (f != NULL) {
+        if (fscanf(f, "%u %u", &lo, &hi) != 2)
+            lo = 32768;
+        fclose(f);
+    }
+    snprintf(buf, len, "0");
+    if (lo <= 11024)
+        return;   /* no room below the range: let the kernel choose */
+    for (int tries = 0; tries < 64; tries++) {
+        uint16_t r;
+        if (getrandom(&r, sizeof(r), 0) != (ssize_t)sizeof(r))
+            return;
+        unsigned port = 10000 + r % (lo - 11024);
+        struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                                 .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+        if (fd < 0)
+            return;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        int ok = bind(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0;
+        close(fd);
+        if (ok) {
+            snprintf(buf, len, "%u", port);
+            return;
+        }
+    }
+}
+
 int kvt_orch_restart_registry(kvt_orch_t *d)
 {
     const char *colon = strrchr(d->registry_addr, ':');
@@ -486,7 +526,9 @@ void kvt_orch_run(kvt_orch_t *d, const kvt_opts_t *o, char **fwd)
 {
     d->deadline_ms = kvt_mono_ms() + (uint64_t)d->timeout_s * 1000;
     d->fwd = fwd;
-    if (kvt_orch_token(d) != 0 || kvt_start_registry(d, "0") != 0)
+    char port[16];
+    kvt_registry_port(port, sizeof(port));
+    if (kvt_orch_token(d) != 0 || kvt_start_registry(d, port) != 0)
         return;
     fprintf(stderr, "kvferry %s: registry %s, %s\n", d->cmd,
             d->registry_addr, d->registry_auth);
