@@ -19,11 +19,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include "tool.h"
+#include "util/token.h"
 
 #define KVT_REGISTRY_START_MS 10000   /* registry must print its port */
 #define KVT_REGISTRY_WAIT_MS  15000   /* prefill ranks must show up in it */
@@ -414,6 +416,38 @@ static int kvt_orch_signals(kvt_orch_t *d)
 /* Lifecycle                                                                */
 /* ------------------------------------------------------------------------ */
 
+/*
+ * Every rank of a run, and its registry, must hold the same cluster token.
+ * With none set, one is made for this run; the children get it (and so
+ * does nothing else) through the environment they inherit.
+ */
+static int kvt_orch_token(const char *cmd)
+{
+    char tok[KVF_TOKEN_MAX + 1], err[256];
+    uint8_t raw[32];
+    int r = kvf_token_load(NULL, tok, sizeof(tok), err, sizeof(err));
+    if (r < 0) {
+        fprintf(stderr, "kvferry %s: %s\n", cmd, err);
+        return -1;
+    }
+    if (r == 1)
+        return 0;
+    if (getrandom(raw, sizeof(raw), 0) != (ssize_t)sizeof(raw)) {
+        fprintf(stderr, "kvferry %s: getrandom: %s\n", cmd, strerror(errno));
+        return -1;
+    }
+    for (size_t i = 0; i < sizeof(raw); i++)
+        snprintf(tok + 2 * i, 3, "%02x", raw[i]);
+    if (setenv("KVF_AUTH_TOKEN", tok, 1) != 0) {
+        fprintf(stderr, "kvferry %s: setenv: %s\n", cmd, strerror(errno));
+        return -1;
+    }
+    fprintf(stderr, "kvferry %s: no cluster token set (KVF_AUTH_TOKEN, KVF_AUTH_TOKEN_FILE "
+            "or SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN): generated one for this run "
+            "and passed it to its ranks\n", cmd);
+    return 0;
+}
+
 int kvt_orch_init(kvt_orch_t *d, const char *cmd, const kvt_opts_t *opts,
                   unsigned timeout_s)
 {
@@ -429,6 +463,8 @@ int kvt_orch_init(kvt_orch_t *d, const char *cmd, const kvt_opts_t *opts,
         return -1;
     }
     d->exe[len] = '\0';
+    if (kvt_orch_token(cmd) != 0)
+        return -1;
     /* Twice the processes: room for restarting each one once (faults). */
     if (kvt_children_init(&d->kids, 2 * (1 + kvt_opts_nranks(opts, 1) +
                                          kvt_opts_nranks(opts, 0))) != 0) {

@@ -3,7 +3,9 @@
  *
  * Decode engines connect (one connection per prefill rank, cached by
  * address and shared by every room); prefill engines accept.  Both sides
- * send HELLO first: protocol version, instance id, ranks and the layout.
+ * authenticate first (auth.c: nothing else is sent or read before the
+ * peer has proved it holds the cluster token), then send HELLO: protocol
+ * version, instance id, ranks and the layout.
  * An incompatible pair stays connected, so that every room on it can fail
  * on both sides with the precise message, rather than a refused connect.
  *
@@ -509,15 +511,16 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     return p;
 }
 
-void kvf__peer_accept(kvf_engine_t *eng, int fd)
+void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
 {
     kvf_peer_t *p = peer_new(eng);
     if (p == NULL) {
         close(fd);
         return;
     }
-    p->state = KVF_PEER_HANDSHAKE;
-    snprintf(p->addr, sizeof(p->addr), "(connecting)");
+    p->state = KVF_PEER_AUTH;
+    snprintf(p->remote_host, sizeof(p->remote_host), "%s", host);
+    snprintf(p->addr, sizeof(p->addr), "%s (not authenticated)", host);
     kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
     kvf_status_t st = eng->faults
         ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &handler, p, &p->conn)
@@ -527,6 +530,12 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd)
         p->state = KVF_PEER_DEAD;
         return;
     }
+    kvf__auth_start(p);
+}
+
+void kvf__peer_authenticated(kvf_peer_t *p)
+{
+    p->state = KVF_PEER_HANDSHAKE;
     send_hello(p);
 }
 
@@ -558,6 +567,8 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     p->state = KVF_PEER_DEAD;
     if (rooms > 0)
         kvf_warn("%s (%d live rooms affected)", reason, rooms);
+    else if (p->quiet)
+        kvf_debug("%s", reason);
     else
         kvf_info("%s", reason);
     if (p->conn) {
@@ -581,17 +592,30 @@ void kvf__peer_handle(kvf_peer_t *p, uint32_t events)
 static void on_connected(void *arg)
 {
     kvf_peer_t *p = arg;
-    p->state = KVF_PEER_HANDSHAKE;
-    send_hello(p);
+    p->state = KVF_PEER_AUTH;
+    kvf__auth_start(p);
 }
 
 static void on_close(void *arg, kvf_status_t st, const char *reason)
 {
     kvf_peer_t *p = arg;
-    char name[128];
+    char why[KVF_REASON_MAX];
     if (p->state == KVF_PEER_DEAD)
         return;
-    kvf__peer_name(p, name, sizeof(name));
+    if (p->state == KVF_PEER_AUTH) {
+        if (kvf__auth_explain_close(p, why, sizeof(why))) {
+            kvf__peer_fail(p, KVF_ERR_AUTH, "%s", why);
+            return;
+        }
+        /* A stranger that sent garbage (or an engine of another version):
+         * refused, and logged once per address; one that just left: quiet. */
+        if (!p->outbound && (st == KVF_ERR_PROTOCOL || st == KVF_ERR_VERSION)) {
+            kvf__auth_refuse(p, "%s", reason);
+            return;
+        }
+        if (!p->outbound)
+            p->quiet = 1;
+    }
     kvf__peer_fail(p, st, "connection lost: %s", reason);
 }
 
@@ -711,6 +735,15 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
 static void on_msg(void *arg, const kvf_msg_t *msg)
 {
     kvf_peer_t *p = arg;
+    if (msg->type == KVF_MSG_AUTH || msg->type == KVF_MSG_AUTH_PROOF) {
+        kvf__auth_on_msg(p, msg);
+        return;
+    }
+    /* The gate: nothing of an unauthenticated peer is read any further. */
+    if (!p->auth.done) {
+        kvf__auth_refuse(p, "%s before authenticating", kvf_wire_type_name((uint8_t)msg->type));
+        return;
+    }
     if (msg->type == KVF_MSG_HELLO) {
         on_hello(p, &msg->u.hello);
         return;
@@ -742,6 +775,10 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
 static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
 {
     kvf_peer_t *p = arg;
+    if (!p->auth.done) {
+        kvf__auth_refuse(p, "DATA before authenticating");
+        return;
+    }
     if (p->state != KVF_PEER_READY || p->role != KVF_ROLE_PREFILL) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA from a peer that may not send it");
         return;
@@ -804,7 +841,14 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
         /* A connect that hangs, or a handshake that trickles (bytes keep
          * coming, so heartbeats would never call it dead), ends here. */
-        if ((p->state == KVF_PEER_CONNECTING || p->state == KVF_PEER_HANDSHAKE) &&
+        if (p->state == KVF_PEER_AUTH && !p->outbound && now >= p->handshake_until_ms &&
+            now >= p->grace_until_ms) {
+            kvf__auth_refuse(p, "did not authenticate within %.1f s (handshake timeout)",
+                             (double)pr->handshake_timeout_ms / 1000.0);
+            continue;
+        }
+        if ((p->state == KVF_PEER_CONNECTING || p->state == KVF_PEER_AUTH ||
+             p->state == KVF_PEER_HANDSHAKE) &&
             now >= p->handshake_until_ms && now >= p->grace_until_ms) {
             kvf__peer_fail(p, p->state == KVF_PEER_CONNECTING ? KVF_ERR_UNREACHABLE
                                                               : KVF_ERR_PEER_TIMEOUT,
