@@ -240,12 +240,15 @@ static void send_offers(kvf_peer_t *p)
     uint8_t caps[KVF_WIRE_CAPS_LEN];
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
     kvf_msg_xport_t *x = &m.u.xport;
+    /* Only ever for a peer that authenticated: what it declared there. */
+    assert(p->auth.done);
+    kvf_mover_peer_t who = {p->auth.theirs.pid, p->auth.theirs.instance_id};
 
     for (int i = 0; i < KVF_MAX_MOVERS; i++) {
         kvf_mover_t *mv = eng->movers[i];
         kvf_buf_init(&blobs[i]);
         if (mv == NULL || x->count == KVF_WIRE_MAX_XPORTS ||
-            mv->ops->pack(mv, &blobs[i]) != KVF_OK)
+            mv->ops->pack(mv, &who, &blobs[i]) != KVF_OK)
             continue;
         x->x[x->count++] = (kvf_wire_xport_t){
             {mv->ops->name, (uint32_t)strlen(mv->ops->name)}, blobs[i].data,

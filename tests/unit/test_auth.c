@@ -14,7 +14,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -24,6 +27,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "core/engine.h"
+#include "transport/shm/shm.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_test.h"
 #include "unit/kvf_wire_peer.h"
@@ -450,6 +454,7 @@ static void stranger_case(stranger_fn_t fn, int refusals)
     CHECK_EQ_INT(kvf_engine_auth_refused(pre.eng), refusals);
     kvf_sender_destroy(live);
     CHECK(legit_room(&pre, &dec, bs, 7));
+    CHECK(strcmp(kvf_engine_transport(dec.eng), transport) == 0);
     side_fini(&dec);
     side_fini(&pre);
 }
@@ -462,6 +467,203 @@ static void test_stranger_without_token(void)
 static void test_stranger_with_wrong_token(void)
 {
     stranger_case(stranger_wrong_token, 2);
+}
+
+/* The same strangers beside rooms over shm (mapped memfds) and ucx. */
+static void test_strangers_over_shm(void)
+{
+    transport = "shm";
+    mem_alloc = 1;
+    stranger_case(stranger_no_token, 10);
+    stranger_case(stranger_wrong_token, 2);
+    mem_alloc = 0;
+    transport = "tcp";
+}
+
+static void test_strangers_over_ucx(void)
+{
+#ifdef KVF_HAVE_UCX
+    setenv("UCX_TLS", "tcp", 1);
+    transport = "ucx";
+    stranger_case(stranger_no_token, 10);
+    stranger_case(stranger_wrong_token, 2);
+    transport = "tcp";
+#else
+    fprintf(stderr, "  (no UCX in this build: the ucx case is not run)\n");
+#endif
+}
+
+/* ---- the shm memfd handout --------------------------------------------- */
+
+/* The prefill's shm offer, as a decode engine holding `token` gets it. */
+static int raw_offer(int port, const char *token, uint8_t *blob, size_t cap, size_t *len_p)
+{
+    static uint8_t body[1 << 20];
+    kvf_msg_t m;
+    int fd = dial(port), ok = 0;
+    if (fd < 0 || !wp_authenticate(fd, token, KVF_ROLE_DECODE, 1, NULL) ||
+        wp_recv(fd, &m, body, sizeof(body), 5000) != KVF_MSG_HELLO ||
+        wp_recv(fd, &m, body, sizeof(body), 5000) != KVF_MSG_XPORT) {
+        if (fd >= 0)
+            close(fd);
+        return 0;
+    }
+    for (uint32_t i = 0; i < m.u.xport.count; i++) {
+        const kvf_wire_xport_t *x = &m.u.xport.x[i];
+        if (x->name.len == 3 && memcmp(x->name.ptr, "shm", 3) == 0 && x->blob_len <= cap) {
+            memcpy(blob, x->blob, x->blob_len);
+            *len_p = x->blob_len;
+            ok = 1;
+        }
+    }
+    close(fd);
+    return ok;
+}
+
+typedef struct handout_req {
+    char    name[48];
+    uint8_t cookie[KVF_SHM_COOKIE_LEN];
+} handout_req_t;
+
+/* Ask the handout socket `name` for memfds with `cookie`: @return how
+ * many arrived (into fds), 0 when refused, -1 if it could not ask. */
+static int fetch_memfds(const handout_req_t *q, int *fds, int max)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    size_t n = strnlen(q->name, sizeof(q->name));
+    memcpy(sa.sun_path + 1, q->name, n);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa,
+                          (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n)) != 0 ||
+        send(fd, q->cookie, sizeof(q->cookie), MSG_NOSIGNAL) != sizeof(q->cookie)) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    uint64_t desc[1 + 2 * 256];
+    char cbuf[CMSG_SPACE(256 * sizeof(int))];
+    struct iovec iov = {desc, sizeof(desc)};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                        .msg_controllen = sizeof(cbuf)};
+    struct pollfd pfd = {fd, POLLIN, 0};
+    int got = 0;
+    if (poll(&pfd, 1, 5000) == 1 && recvmsg(fd, &mh, MSG_CMSG_CLOEXEC) > 0) {
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        if (cm != NULL && cm->cmsg_type == SCM_RIGHTS) {
+            got = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            int *in = (int *)CMSG_DATA(cm);
+            for (int i = 0; i < got; i++) {
+                if (i < max)
+                    fds[i] = in[i];
+                else
+                    close(in[i]);
+            }
+        }
+    }
+    close(fd);
+    return got;
+}
+
+static handout_req_t req_of(const uint8_t *blob)
+{
+    handout_req_t q;
+    memcpy(q.name, blob + KVF_SHM_OFF_NAME, sizeof(q.name));
+    memcpy(q.cookie, blob + KVF_SHM_OFF_COOKIE, sizeof(q.cookie));
+    return q;
+}
+
+/* Another process with a cookie it stole: exits with the fds it got. */
+static int thief_main(int rfd)
+{
+    handout_req_t q;
+    int fds[256];
+    alarm(60);
+    if (read(rfd, &q, sizeof(q)) != sizeof(q))
+        return 99;
+    int got = fetch_memfds(&q, fds, 256);
+    return got < 0 ? 98 : got;
+}
+
+static void test_shm_handout(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    uint8_t blob[4096];
+    size_t len = 0;
+    int fds[256], p[2];
+    clear_env();
+    CHECK(pipe(p) == 0);
+    pid_t thief = fork();
+    if (thief == 0) {
+        close(p[1]);
+        _exit(thief_main(p[0]));
+    }
+    close(p[0]);
+    transport = "shm";
+    mem_alloc = 1;
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    int port = port_of(pre.eng);
+
+    /* A cookie offered to this process, used by another: refused by pid,
+     * and used up, so that this process cannot use it after that either. */
+    CHECK(raw_offer(port, "alpha", blob, sizeof(blob), &len));
+    CHECK(len > KVF_SHM_OFF_NREGIONS);
+    handout_req_t stolen = req_of(blob);
+    CHECK(write(p[1], &stolen, sizeof(stolen)) == sizeof(stolen));
+    close(p[1]);
+    int status = -1;
+    CHECK(waitpid(thief, &status, 0) == thief);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK_EQ_INT(fetch_memfds(&stolen, fds, 256), 0);
+
+    /* No cookie (what a stranger without the token has): nothing. */
+    CHECK(raw_offer(port, "alpha", blob, sizeof(blob), &len));
+    handout_req_t good = req_of(blob), guess = good;
+    CHECK(getrandom(guess.cookie, sizeof(guess.cookie), 0) == sizeof(guess.cookie));
+    CHECK_EQ_INT(fetch_memfds(&guess, fds, 256), 0);
+
+    /* The right process with its own fresh cookie: the memfds, read-only. */
+    int n = fetch_memfds(&good, fds, 256);
+    CHECK_EQ_INT(n, NKV);
+    for (int i = 0; i < n && i < 256; i++) {
+        off_t size = lseek(fds[i], 0, SEEK_END);
+        CHECK(size == (off_t)PAGES * PAGE_B);
+        void *w = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], 0);
+        CHECK(w == MAP_FAILED && errno == EACCES);
+        uint8_t *r = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fds[i], 0);
+        CHECK(r != MAP_FAILED);
+        int same = 0;
+        for (int b = 0; r != MAP_FAILED && b < NKV; b++)
+            same |= memcmp(r, pre.kv[b], (size_t)size) == 0;
+        CHECK(same);                 /* it is the prefill's KV, not a copy */
+        if (r != MAP_FAILED)
+            munmap(r, (size_t)size);
+        CHECK(ftruncate(fds[i], 0) != 0);
+        /* Reopened for writing through /proc: the seals still refuse. */
+        char path[64];
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", fds[i]);
+        int rw = open(path, O_RDWR | O_CLOEXEC);
+        if (rw >= 0) {
+            w = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0);
+            CHECK(w == MAP_FAILED && errno == EPERM);
+            CHECK(pwrite(rw, "x", 1, 0) < 0 && errno == EPERM);
+            CHECK(ftruncate(rw, 0) != 0);
+            close(rw);
+        }
+        close(fds[i]);
+    }
+    /* Used once: not twice. */
+    CHECK_EQ_INT(fetch_memfds(&good, fds, 256), 0);
+
+    /* And the real decode engine beside it gets its room. */
+    side_init(&dec, KVF_ROLE_DECODE, NULL, "alpha");
+    CHECK(legit_room(&pre, &dec, bs, 11));
+    CHECK(strcmp(kvf_engine_transport(dec.eng), "shm") == 0);
+    side_fini(&dec);
+    side_fini(&pre);
+    mem_alloc = 0;
+    transport = "tcp";
 }
 
 /* ---- a prefill engine of protocol version 1 ---------------------------- */
@@ -565,6 +767,9 @@ KVF_TEST_MAIN(
     KVF_CASE(test_wrong_token_refused),
     KVF_CASE(test_stranger_without_token),
     KVF_CASE(test_stranger_with_wrong_token),
+    KVF_CASE(test_strangers_over_shm),
+    KVF_CASE(test_strangers_over_ucx),
+    KVF_CASE(test_shm_handout),
     KVF_CASE(test_version1_peer),
     KVF_CASE(test_protected_mode)
 )
