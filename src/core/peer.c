@@ -85,6 +85,11 @@ typedef struct kvf_outq {
 
 static void peer_free(kvf_peer_t *p)
 {
+    while (p->held_head != NULL) {
+        struct kvf_outq *q = p->held_head;
+        p->held_head = q->next;
+        free(q);
+    }
     /* Nothing waits in an outbox here: the peer was dead, or drained, by
      * the time its last reference went (kvf__peer_outbox_drain). */
     if (p->conn)
@@ -190,6 +195,43 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
     if (st == KVF_OK)
         kvf__engine_wake(p->eng);
     return st;
+}
+
+void kvf__peer_hold(kvf_peer_t *p, const kvf_msg_t *msg)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    kvf_outq_t *q = kvf_wire_encode(&b, msg) == KVF_OK ? malloc(sizeof(*q) + b.len) : NULL;
+    if (q != NULL) {
+        q->next = NULL;
+        q->put = NULL;
+        q->len = b.len;
+        memcpy(q->msg, b.data, b.len);
+        if (p->held_tail != NULL)
+            p->held_tail->next = q;
+        else
+            p->held_head = q;
+        p->held_tail = q;
+    }
+    kvf_buf_free(&b);
+}
+
+/* Authenticated at last: what waited for it goes out, after our HELLO. */
+static void send_held(kvf_peer_t *p)
+{
+    while (p->held_head != NULL && p->state != KVF_PEER_DEAD) {
+        kvf_outq_t *q = p->held_head;
+        if ((p->held_head = q->next) == NULL)
+            p->held_tail = NULL;
+        kvf_wire_hdr_t h;
+        kvf_msg_t m;
+        char err[128];
+        if (kvf_wire_parse_header(q->msg, &h, err, sizeof(err)) == KVF_OK &&
+            kvf_wire_decode(&h, q->msg + KVF_WIRE_HDR_LEN, &m, err, sizeof(err)) == KVF_OK)
+            kvf__peer_send(p, &m);
+        free(q);
+    }
 }
 
 void kvf__peer_put_data(kvf_peer_t *p, kvf_put_t *put)
@@ -488,7 +530,8 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     char addr[KVF_ADDR_MAX];
     snprintf(addr, sizeof(addr), "%s:%d", host, port);
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
-        if (p->outbound && p->state != KVF_PEER_DEAD && strcmp(p->addr, addr) == 0)
+        if (p->outbound && p->state != KVF_PEER_DEAD && !p->lingering &&
+            strcmp(p->addr, addr) == 0)
             return p;
 
     kvf_peer_t *p = peer_new(eng);
@@ -540,6 +583,13 @@ void kvf__peer_authenticated(kvf_peer_t *p)
 {
     p->state = KVF_PEER_HANDSHAKE;
     send_hello(p);
+    if (p->lingering) {
+        /* Its rooms failed while it was stopped: it learns why now, then
+         * the connection ends as it would have. */
+        send_held(p);
+        kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT, "told it about the rooms that failed "
+                       "while it was not answering");
+    }
 }
 
 void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
@@ -550,6 +600,8 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_DEAD)
         return;
+    if (p->lingering)
+        goto close;
     /* What other threads queued goes first, while the stream is up (and
      * a put in the outbox holds a reference to this peer). */
     kvf__peer_outbox_drain(p);
@@ -567,13 +619,27 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
      * once with our reason instead of waiting for a reconnect or deadline.
      */
     int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason);
-    p->state = KVF_PEER_DEAD;
     if (rooms > 0)
         kvf_warn("%s (%d live rooms affected)", reason, rooms);
     else if (p->quiet)
         kvf_debug("%s", reason);
     else
         kvf_info("%s", reason);
+    /*
+     * Outbound and still authenticating (the prefill is stopped, say):
+     * the FAILs its rooms just queued cannot go before it has proved
+     * itself, so the connection stays until the handshake deadline, for
+     * a prefill that resumes to learn of them at once.  No room uses it
+     * any more (kvf__peer_get skips it).
+     */
+    if (p->state == KVF_PEER_AUTH && p->outbound && p->held_head != NULL &&
+        st == KVF_ERR_PEER_TIMEOUT && p->conn != NULL &&
+        kvf_now_ms() < p->handshake_until_ms) {   /* silent, not broken */
+        p->lingering = 1;
+        return;
+    }
+close:
+    p->state = KVF_PEER_DEAD;
     if (p->conn) {
         p->conn->ops->flush(p->conn);      /* best effort, never blocks */
         p->conn->ops->shutdown(p->conn);
@@ -860,7 +926,7 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
                            (double)pr->handshake_timeout_ms / 1000.0);
             continue;
         }
-        if (p->state == KVF_PEER_DEAD || p->state == KVF_PEER_CONNECTING)
+        if (p->state == KVF_PEER_DEAD || p->state == KVF_PEER_CONNECTING || p->lingering)
             continue;
         const kvf_transport_ops_t *ops = p->conn->ops;
         if (ops->tick)

@@ -26,6 +26,11 @@ struct kvf_peer {
     char              remote_host[64];    /* the connection's source address */
     kvf_auth_t        auth;
     int               quiet;         /* its failure was logged already (auth.c) */
+    /* Outbound, still authenticating when its rooms failed: their FAILs
+     * wait in `held` for the peer's proof (nothing goes to a peer before
+     * it), and the connection lingers until the handshake deadline. */
+    struct kvf_outq  *held_head, *held_tail;
+    int               lingering;
     /* From the remote HELLO. */
     kvf_role_t        role;
     int               tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size;
@@ -86,6 +91,9 @@ void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
 /* Queue a message (any thread; off the owner thread it waits in the
  * outbox for the next pass).  KVF_ERR_CONN_RESET once the peer is dead. */
 kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);
+/* An outbound peer still authenticating: keep msg until it has proved
+ * itself, then send it after our HELLO (kvf__send_fail uses it). */
+void         kvf__peer_hold(kvf_peer_t *peer, const kvf_msg_t *msg);
 /* Queue a put the same way (it always completes). */
 void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
 /* Owner thread: give the connection what waits in the outbox. */
