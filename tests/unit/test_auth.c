@@ -495,8 +495,9 @@ static void test_strangers_over_ucx(void)
 
 /* ---- the shm memfd handout --------------------------------------------- */
 
-/* The prefill's shm offer, as a decode engine holding `token` gets it. */
-static int raw_offer(int port, const char *token, uint8_t *blob, size_t cap, size_t *len_p)
+/* The prefill's offer of `name`, as a decode engine holding `token` gets it. */
+static int raw_offer_of(int port, const char *token, const char *name, uint8_t *blob,
+                        size_t cap, size_t *len_p)
 {
     static uint8_t body[1 << 20];
     kvf_msg_t m;
@@ -510,7 +511,8 @@ static int raw_offer(int port, const char *token, uint8_t *blob, size_t cap, siz
     }
     for (uint32_t i = 0; i < m.u.xport.count; i++) {
         const kvf_wire_xport_t *x = &m.u.xport.x[i];
-        if (x->name.len == 3 && memcmp(x->name.ptr, "shm", 3) == 0 && x->blob_len <= cap) {
+        if (x->name.len == strlen(name) && memcmp(x->name.ptr, name, x->name.len) == 0 &&
+            x->blob_len <= cap) {
             memcpy(blob, x->blob, x->blob_len);
             *len_p = x->blob_len;
             ok = 1;
@@ -518,6 +520,11 @@ static int raw_offer(int port, const char *token, uint8_t *blob, size_t cap, siz
     }
     close(fd);
     return ok;
+}
+
+static int raw_offer(int port, const char *token, uint8_t *blob, size_t cap, size_t *len_p)
+{
+    return raw_offer_of(port, token, "shm", blob, cap, len_p);
 }
 
 typedef struct handout_req {
@@ -666,6 +673,96 @@ static void test_shm_handout(void)
     transport = "tcp";
 }
 
+/* ---- what a remote key allows over UCX's tcp transport ------------------ */
+
+#ifdef KVF_HAVE_UCX
+#include <ucp/api/ucp.h>
+
+/*
+ * Someone who has a prefill's ucx offer (a token holder, or whoever reads
+ * the control stream on the wire: it is not encrypted) tries ucp_put with
+ * its remote key.  Regions are registered remote-read-only; this records
+ * what UCX over tcp makes of that, which docs/SECURITY.md states: it
+ * emulates remote access in software and does not check, so the bytes land.
+ * If this starts failing, UCX enforces the protection: update the doc.
+ */
+static void test_ucx_rkey_put_over_tcp(void)
+{
+    side_t pre;
+    uint8_t blob[1 << 16];
+    size_t len = 0;
+    clear_env();
+    setenv("UCX_TLS", "tcp", 1);
+    transport = "ucx";
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    transport = "tcp";
+    CHECK(raw_offer_of(port_of(pre.eng), "alpha", "ucx", blob, sizeof(blob), &len));
+    CHECK(len > 12);
+    uint32_t alen = kvf_get_u32(blob + 4);
+    const uint8_t *r = blob + 8 + alen;
+    uint64_t base = kvf_get_u64(r + 4);
+    uint32_t klen = kvf_get_u32(r + 4 + 16);
+
+    ucp_config_t *cfg;
+    ucp_context_h ctx;
+    ucp_worker_h wk;
+    ucp_ep_h ep;
+    ucp_rkey_h rkey;
+    ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_RMA};
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    CHECK(ucp_config_read(NULL, NULL, &cfg) == UCS_OK);
+    CHECK(ucp_init(&pp, cfg, &ctx) == UCS_OK);
+    ucp_config_release(cfg);
+    CHECK(ucp_worker_create(ctx, &wp, &wk) == UCS_OK);
+    ucp_ep_params_t ep_p = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
+                            .address = (const ucp_address_t *)(blob + 8)};
+    CHECK(ucp_ep_create(wk, &ep_p, &ep) == UCS_OK);
+    CHECK(ucp_ep_rkey_unpack(ep, r + 4 + 20, &rkey) == UCS_OK);
+    (void)klen;
+    uint8_t *target = NULL;
+    for (int b = 0; b < NKV; b++)
+        if ((uint64_t)(uintptr_t)pre.kv[b] == base)
+            target = pre.kv[b];
+    CHECK(target != NULL);
+    static uint8_t evil[64];
+    memset(evil, 0xee, sizeof(evil));
+    ucp_request_param_t rp = {.op_attr_mask = 0};
+    ucs_status_ptr_t req = ucp_put_nbx(ep, evil, sizeof(evil), base, rkey, &rp);
+    ucs_status_t st = UCS_PTR_IS_ERR(req) ? UCS_PTR_STATUS(req) : UCS_OK;
+    if (UCS_PTR_IS_PTR(req)) {
+        while ((st = ucp_request_check_status(req)) == UCS_INPROGRESS)
+            ucp_worker_progress(wk);
+        ucp_request_free(req);
+    }
+    req = ucp_ep_flush_nbx(ep, &rp);
+    if (UCS_PTR_IS_PTR(req)) {
+        while (ucp_request_check_status(req) == UCS_INPROGRESS)
+            ucp_worker_progress(wk);
+        ucp_request_free(req);
+    }
+    int landed = target != NULL && memcmp(target, evil, sizeof(evil)) == 0;
+    fprintf(stderr, "  ucx over tcp: put with the offer's remote key: %s, bytes %s\n",
+            ucs_status_string(st), landed ? "landed (not enforced)" : "did not land");
+    CHECK(landed);
+    ucp_rkey_destroy(rkey);
+    req = ucp_ep_close_nbx(ep, &rp);
+    if (UCS_PTR_IS_PTR(req)) {
+        while (ucp_request_check_status(req) == UCS_INPROGRESS)
+            ucp_worker_progress(wk);
+        ucp_request_free(req);
+    }
+    ucp_worker_destroy(wk);
+    ucp_cleanup(ctx);
+    side_fini(&pre);
+}
+#else
+static void test_ucx_rkey_put_over_tcp(void)
+{
+    fprintf(stderr, "  (no UCX in this build)\n");
+}
+#endif
+
 /* ---- a prefill engine of protocol version 1 ---------------------------- */
 
 static void test_version1_peer(void)
@@ -770,6 +867,7 @@ KVF_TEST_MAIN(
     KVF_CASE(test_strangers_over_shm),
     KVF_CASE(test_strangers_over_ucx),
     KVF_CASE(test_shm_handout),
+    KVF_CASE(test_ucx_rkey_put_over_tcp),
     KVF_CASE(test_version1_peer),
     KVF_CASE(test_protected_mode)
 )
