@@ -16,6 +16,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <openssl/crypto.h>
+
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
 #include "transport/mover.h"
@@ -151,6 +153,7 @@ static void engine_free(kvf_engine_t *eng)
     kvf_faults_free(eng->faults);
     free(eng->tomb_ring);
     free(eng->register_error);
+    OPENSSL_cleanse(eng->token, sizeof(eng->token));
     free(eng->host);
     free(eng->transport);
     free(eng->bootstrap_addr);
