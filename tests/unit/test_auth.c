@@ -698,10 +698,25 @@ static void test_ucx_rkey_put_over_tcp(void)
     transport = "tcp";
     CHECK(raw_offer_of(port_of(pre.eng), "alpha", "ucx", blob, sizeof(blob), &len));
     CHECK(len > 12);
-    uint32_t alen = kvf_get_u32(blob + 4);
-    const uint8_t *r = blob + 8 + alen;
-    uint64_t base = kvf_get_u64(r + 4);
-    uint32_t klen = kvf_get_u32(r + 4 + 16);
+    /* The offer's region that is a KV buffer (regions come sorted by
+     * address, so the first may be the aux buffer). */
+    uint32_t alen = kvf_get_u32(blob + 4), nregs = kvf_get_u32(blob + 8 + alen);
+    const uint8_t *r = blob + 8 + alen + 4, *kv_r = NULL;
+    uint8_t *target = NULL;
+    for (uint32_t i = 0; i < nregs && target == NULL; i++) {
+        for (int b = 0; b < NKV; b++)
+            if ((uint64_t)(uintptr_t)pre.kv[b] == kvf_get_u64(r)) {
+                target = pre.kv[b];
+                kv_r = r;
+            }
+        r += 20 + kvf_get_u32(r + 16);
+    }
+    CHECK(target != NULL);
+    if (target == NULL) {
+        side_fini(&pre);
+        return;
+    }
+    uint64_t base = kvf_get_u64(kv_r);
 
     ucp_config_t *cfg;
     ucp_context_h ctx;
@@ -718,13 +733,7 @@ static void test_ucx_rkey_put_over_tcp(void)
     ucp_ep_params_t ep_p = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
                             .address = (const ucp_address_t *)(blob + 8)};
     CHECK(ucp_ep_create(wk, &ep_p, &ep) == UCS_OK);
-    CHECK(ucp_ep_rkey_unpack(ep, r + 4 + 20, &rkey) == UCS_OK);
-    (void)klen;
-    uint8_t *target = NULL;
-    for (int b = 0; b < NKV; b++)
-        if ((uint64_t)(uintptr_t)pre.kv[b] == base)
-            target = pre.kv[b];
-    CHECK(target != NULL);
+    CHECK(ucp_ep_rkey_unpack(ep, kv_r + 20, &rkey) == UCS_OK);
     static uint8_t evil[64];
     memset(evil, 0xee, sizeof(evil));
     ucp_request_param_t rp = {.op_attr_mask = 0};
@@ -741,7 +750,7 @@ static void test_ucx_rkey_put_over_tcp(void)
             ucp_worker_progress(wk);
         ucp_request_free(req);
     }
-    int landed = target != NULL && memcmp(target, evil, sizeof(evil)) == 0;
+    int landed = memcmp(target, evil, sizeof(evil)) == 0;
     fprintf(stderr, "  ucx over tcp: put with the offer's remote key: %s, bytes %s\n",
             ucs_status_string(st), landed ? "landed (not enforced)" : "did not land");
     CHECK(landed);
