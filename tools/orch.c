@@ -26,6 +26,7 @@
 #include <unistd.h>
 
 #include "tool.h"
+#include "util/token.h"
 
 #define KVT_REGISTRY_START_MS 10000   /* registry must print its port */
 #define KVT_REGISTRY_WAIT_MS  15000   /* prefill ranks must show up in it */
@@ -171,9 +172,10 @@ int kvt_orch_registry_complete(kvt_orch_t *d)
 
 /*
  * Every process of the run holds one cluster token, which the registry asks
- * of every registration: one from the environment is kept (the children
- * inherit it), else a fresh random one goes into KVF_AUTH_TOKEN before the
- * first child starts.  KVF_AUTH=none runs without one.
+ * of every registration and engines ask of each other: one from the
+ * environment is kept (the children inherit it), else a fresh random one
+ * goes into KVF_AUTH_TOKEN before the first child starts.  KVF_AUTH=none
+ * runs without one.
  */
 static int kvt_orch_token(kvt_orch_t *d)
 {
@@ -184,7 +186,7 @@ static int kvt_orch_token(kvt_orch_t *d)
         const char *v = getenv(vars[i]);
         if (v != NULL && v[0] != '\0') {
             snprintf(d->registry_auth, sizeof(d->registry_auth),
-                     "registering needs the cluster token from %s", vars[i]);
+                     "cluster token from %s (registry writes, engine handshakes)", vars[i]);
             return 0;
         }
     }
@@ -208,7 +210,8 @@ static int kvt_orch_token(kvt_orch_t *d)
         return -1;
     }
     snprintf(d->registry_auth, sizeof(d->registry_auth),
-             "registering needs a cluster token generated for this run");
+             "cluster token generated for this run (registry writes, engine "
+             "handshakes)");
     return 0;
 }
 

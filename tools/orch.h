@@ -45,9 +45,9 @@ struct kvt_orch {
     kvt_children_t      kids;
     kvt_child_t        *registry;
     char                registry_addr[64];
-    /* How registering is protected, for the summary: "registering needs a
-     * cluster token generated for this run", ... */
-    char                registry_auth[96];
+    /* Which cluster token the run uses, for the summary: "cluster token
+     * generated for this run (registry writes, engine handshakes)", ... */
+    char                registry_auth[128];
     char                transport[32];   /* what the ranks' engines report */
     int                 sfd;             /* signalfd: SIGCHLD, SIGINT, SIGTERM */
     unsigned            timeout_s;

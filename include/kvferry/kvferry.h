@@ -186,6 +186,17 @@ typedef struct kvf_engine_params {
      * default: 5000 (KVF_HANDSHAKE_TIMEOUT_MS).
      */
     unsigned    handshake_timeout_ms;
+    /**
+     * The cluster token: every engine of a deployment holds the same one,
+     * and a peer is trusted only once it has proved, in the handshake,
+     * that it holds it (docs/SECURITY.md).  NULL or "" means the default:
+     * KVF_AUTH_TOKEN, else the contents of the file KVF_AUTH_TOKEN_FILE,
+     * else SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN, else none.  Without
+     * a token the engine accepts peers on the loopback interface only, and
+     * refuses to listen on another address unless KVF_AUTH=none is set
+     * (protected mode).  Copied at create.  Default NULL.
+     */
+    const char *auth_token;
 } kvf_engine_params_t;
 
 /** kvf_engine_params_t as kvferry 0.1.0 has it: the least `size` accepted. */
@@ -223,7 +234,9 @@ KVF_API void (kvf_engine_params_init)(kvf_engine_params_t *params);
  *                        copied
  * @param [out] engine_p  the new engine
  * @return KVF_OK, KVF_ERR_INVALID_PARAM (with a log line saying which,
- *         including a `size` the growth rules above refuse),
+ *         including a `size` the growth rules above refuse, a token that
+ *         cannot be read, and a host other than loopback without a cluster
+ *         token unless KVF_AUTH=none: see auth_token),
  *         KVF_ERR_IO (bind failed), KVF_ERR_NO_MEMORY, KVF_ERR_UNSUPPORTED.
  */
 KVF_API kvf_status_t kvf_engine_create(const kvf_engine_params_t *params,
@@ -518,6 +531,15 @@ typedef struct kvf_engine_stats {
 
 /** Snapshot the engine's counters. */
 KVF_API void kvf_engine_stats(kvf_engine_t *engine, kvf_engine_stats_t *stats_p);
+
+/**
+ * Connections this engine refused since it started because the peer did
+ * not authenticate: a wrong or missing cluster token, a message before the
+ * handshake finished, a non-loopback peer in protected mode.  (Not in
+ * kvf_engine_stats_t: that struct has no size field, and a new field would
+ * overrun callers built against this header's older versions.)  Any thread.
+ */
+KVF_API uint64_t kvf_engine_auth_refused(kvf_engine_t *engine);
 
 /* ------------------------------------------------------------------------ */
 /* Bootstrap registry                                                       */

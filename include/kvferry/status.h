@@ -42,7 +42,8 @@
     X(KVF_ERR_PROTOCOL,       -43,  "protocol violation by peer")              \
     X(KVF_ERR_INCOMPATIBLE,   -44,  "prefill and decode configurations are incompatible") \
     X(KVF_ERR_VERSION,        -45,  "unsupported wire protocol version")       \
-    X(KVF_ERR_PEER_RESTARTED, -46,  "peer restarted with a new instance")
+    X(KVF_ERR_PEER_RESTARTED, -46,  "peer restarted with a new instance")     \
+    X(KVF_ERR_AUTH,           -47,  "peer failed authentication (cluster token)")
 
 typedef enum kvf_status {
 #define KVF_STATUS_ENUM_(name, value, text) name = value,

@@ -72,6 +72,7 @@ class EngineParams(Structure):
         ("heartbeat_timeout_ms", c_uint),
         ("faults", c_char_p),
         ("handshake_timeout_ms", c_uint),
+        ("auth_token", c_char_p),
     ]
 
 

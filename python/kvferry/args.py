@@ -61,7 +61,10 @@ class KVArgs:
     prefill only), ``host_bootstrap`` (prefill: run the registry
     in-process on ``bootstrap_addr``, whose port may be 0), ``transport``,
     ``checksum``, the deadlines in milliseconds and ``faults`` (a fault
-    injection spec for testing failure handling, as ``KVF_FAULTS``).  ``None`` keeps the
+    injection spec for testing failure handling, as ``KVF_FAULTS``),
+    ``auth_token`` (the cluster token every engine of the deployment holds;
+    ``None`` takes ``KVF_AUTH_TOKEN``, ``KVF_AUTH_TOKEN_FILE`` or
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, see docs/SECURITY.md).  ``None`` keeps the
     library default, which honours the ``KVF_*`` environment variables
     (``KVF_HEARTBEAT_TIMEOUT_MS`` and so on; see docs/GUIDE.md).
     """
@@ -102,6 +105,7 @@ class KVArgs:
     heartbeat_interval_ms: Optional[int] = None
     heartbeat_timeout_ms: Optional[int] = None
     faults: Optional[str] = None
+    auth_token: Optional[str] = field(default=None, repr=False)
 
     def replace(self, **changes):
         """A copy with some fields changed (``dataclasses.replace``)."""

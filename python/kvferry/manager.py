@@ -198,6 +198,8 @@ class KVManager(_Closing):
             p.checksum = 1 if a.checksum else 0
         if a.faults is not None:
             p.faults = _str("faults", a.faults)
+        if a.auth_token is not None:
+            p.auth_token = _str("auth_token", a.auth_token)
         for f in ("bootstrap_timeout_ms", "waiting_timeout_ms", "transfer_timeout_ms",
                   "heartbeat_interval_ms", "heartbeat_timeout_ms"):
             v = getattr(a, f)

@@ -94,6 +94,37 @@ class RoomEndToEnd(unittest.TestCase):
         with self.assertRaises(kvferry.KVFerryStateError):
             tx.failure_exception()          # a successful room has no failure
 
+    def test_auth_token_in_engine_args(self):
+        """The token travels in the engine arguments: a decode engine with
+        another one fails its room with the reason; one with the same gets
+        every byte."""
+        self.mgr = kvferry.KVManager(make_args(4, host_bootstrap=True,
+                                               bootstrap_addr="127.0.0.1:0",
+                                               auth_token="py-alpha"), "prefill")
+        boot = self.mgr.bootstrap_addr
+        wrong = kvferry.KVManager(make_args(4, auth_token="py-beta"), "decode")
+        good = kvferry.KVManager(make_args(4, auth_token="py-alpha"), "decode")
+        try:
+            self.assertNotIn("py-alpha", repr(self.mgr.args))
+            rx = kvferry.KVReceiver(wrong, boot, 5)
+            self.assertEqual(wait_state(rx, FINAL), KVPoll.Failed)
+            with self.assertRaises(kvferry.KVTransferError) as cm:
+                rx.failure_exception()
+            self.assertIn("authentication failed", str(cm.exception))
+            tx = kvferry.KVSender(self.mgr, boot, 6)
+            rx = kvferry.KVReceiver(good, boot, 6)
+            rx.init([7, 8], 1)
+            self.assertEqual(wait_state(tx, (KVPoll.WaitingForInput, KVPoll.Failed)),
+                             KVPoll.WaitingForInput, self._why(tx))
+            fill_room(self.mgr, 6, [3, 4], 2)
+            tx.init(2, 2)
+            tx.send([3, 4], is_last=True)
+            self.assertEqual(wait_state(tx, FINAL), KVPoll.Success, self._why(tx))
+            self.assertEqual(wait_state(rx, FINAL), KVPoll.Success, self._why(rx))
+        finally:
+            wrong.close()
+            good.close()
+
     @staticmethod
     def _why(h):
         if h.poll() != KVPoll.Failed:

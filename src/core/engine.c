@@ -4,6 +4,7 @@
  * listener, a wake-up eventfd and every peer's stream, plus a 50 ms tick
  * for heartbeats and room deadlines.
  */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <sched.h>
 #include <stdio.h>
@@ -14,6 +15,8 @@
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <openssl/crypto.h>
 
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
@@ -116,7 +119,11 @@ static kvf_status_t start_bootstrap(kvf_engine_t *eng)
                   eng->bootstrap_addr);
         return KVF_ERR_INVALID_PARAM;
     }
-    kvf_status_t st = kvf_bootstrap_create(host, port, &eng->bootstrap);
+    /* The engine's own token (its parameter, or the environment): the
+     * registry asks it of every registration. */
+    kvf_status_t st = kvf__bootstrap_create_auth(host, port,
+                                                 eng->has_token ? eng->token : NULL,
+                                                 eng->auth_open, &eng->bootstrap);
     if (st != KVF_OK)
         return st;
     kvf__bootstrap_set_stats_cb(eng->bootstrap, stats_cb, eng);
@@ -150,6 +157,7 @@ static void engine_free(kvf_engine_t *eng)
     kvf_faults_free(eng->faults);
     free(eng->tomb_ring);
     free(eng->register_error);
+    OPENSSL_cleanse(eng->token, sizeof(eng->token));
     free(eng->host);
     free(eng->transport);
     free(eng->bootstrap_addr);
@@ -228,6 +236,18 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     if (st != KVF_OK)
         goto err;
     snprintf(eng->addr, sizeof(eng->addr), "%s:%d", eng->host, eng->port);
+    /* The token, and protected mode, from the address actually bound. */
+    struct sockaddr_storage bound;
+    socklen_t blen = sizeof(bound);
+    if (getsockname(eng->listenfd, (struct sockaddr *)&bound, &blen) != 0) {
+        kvf_error("getsockname: %m");
+        st = KVF_ERR_IO;
+        goto err;
+    }
+    st = kvf__auth_setup(eng, params->auth_token, (struct sockaddr *)&bound);
+    eng->params.auth_token = NULL;     /* the caller's string: never kept */
+    if (st != KVF_OK)
+        goto err;
 
     st = KVF_ERR_IO;
     eng->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -516,16 +536,37 @@ void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
     kvf__unlock(eng);
 }
 
+uint64_t kvf_engine_auth_refused(kvf_engine_t *eng)
+{
+    kvf__lock(eng);
+    uint64_t n = eng->auth_refused;
+    kvf__unlock(eng);
+    return n;
+}
+
 static void accept_all(kvf_engine_t *eng)
 {
     for (;;) {
-        int fd = accept4(eng->listenfd, NULL, NULL, SOCK_CLOEXEC);
+        struct sockaddr_storage sa;
+        socklen_t salen = sizeof(sa);
+        char host[64] = "(unknown address)";
+        int fd = accept4(eng->listenfd, (struct sockaddr *)&sa, &salen, SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno != EAGAIN && errno != EINTR)
                 kvf_warn("accept: %m");
             return;
         }
-        kvf__peer_accept(eng, fd);
+        /* Protected mode: without a token only this host's peers get as
+         * far as the handshake. */
+        if (!kvf__auth_admit(eng, (struct sockaddr *)&sa)) {
+            close(fd);
+            continue;
+        }
+        if (sa.ss_family == AF_INET)
+            inet_ntop(AF_INET, &((struct sockaddr_in *)&sa)->sin_addr, host, sizeof(host));
+        else if (sa.ss_family == AF_INET6)
+            inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&sa)->sin6_addr, host, sizeof(host));
+        kvf__peer_accept(eng, fd, host);
     }
 }
 

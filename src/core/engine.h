@@ -34,6 +34,7 @@
 #include <xxhash.h>
 
 #include "kvferry/kvferry.h"
+#include "core/auth.h"
 #include "core/parallel.h"
 #include "core/planner.h"
 #include "transport/mover.h"
@@ -129,6 +130,14 @@ struct kvf_engine {
     kvf_bootstrap_t    *bootstrap;        /* in-process registry */
     kvf_faults_t       *faults;           /* injected faults, or NULL */
     kvf_engine_stats_t  stats;
+
+    /* Authentication (auth.c): the cluster token ("" without one), and
+     * protected mode's switch. */
+    char                token[KVF_TOKEN_MAX + 1];
+    int                 has_token;
+    int                 auth_open;        /* no token and KVF_AUTH=none */
+    uint64_t            auth_refused;     /* connections refused, ever */
+    kvf_auth_log_t      auth_log[KVF_AUTH_LOG_SLOTS];
 };
 
 /*

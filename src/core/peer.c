@@ -3,7 +3,9 @@
  *
  * Decode engines connect (one connection per prefill rank, cached by
  * address and shared by every room); prefill engines accept.  Both sides
- * send HELLO first: protocol version, instance id, ranks and the layout.
+ * authenticate first (auth.c: nothing else is sent or read before the
+ * peer has proved it holds the cluster token), then send HELLO: protocol
+ * version, instance id, ranks and the layout.
  * An incompatible pair stays connected, so that every room on it can fail
  * on both sides with the precise message, rather than a refused connect.
  *
@@ -83,6 +85,11 @@ typedef struct kvf_outq {
 
 static void peer_free(kvf_peer_t *p)
 {
+    while (p->held_head != NULL) {
+        struct kvf_outq *q = p->held_head;
+        p->held_head = q->next;
+        free(q);
+    }
     /* Nothing waits in an outbox here: the peer was dead, or drained, by
      * the time its last reference went (kvf__peer_outbox_drain). */
     if (p->conn)
@@ -190,6 +197,43 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
     return st;
 }
 
+void kvf__peer_hold(kvf_peer_t *p, const kvf_msg_t *msg)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    kvf_outq_t *q = kvf_wire_encode(&b, msg) == KVF_OK ? malloc(sizeof(*q) + b.len) : NULL;
+    if (q != NULL) {
+        q->next = NULL;
+        q->put = NULL;
+        q->len = b.len;
+        memcpy(q->msg, b.data, b.len);
+        if (p->held_tail != NULL)
+            p->held_tail->next = q;
+        else
+            p->held_head = q;
+        p->held_tail = q;
+    }
+    kvf_buf_free(&b);
+}
+
+/* Authenticated at last: what waited for it goes out, after our HELLO. */
+static void send_held(kvf_peer_t *p)
+{
+    while (p->held_head != NULL && p->state != KVF_PEER_DEAD) {
+        kvf_outq_t *q = p->held_head;
+        if ((p->held_head = q->next) == NULL)
+            p->held_tail = NULL;
+        kvf_wire_hdr_t h;
+        kvf_msg_t m;
+        char err[128];
+        if (kvf_wire_parse_header(q->msg, &h, err, sizeof(err)) == KVF_OK &&
+            kvf_wire_decode(&h, q->msg + KVF_WIRE_HDR_LEN, &m, err, sizeof(err)) == KVF_OK)
+            kvf__peer_send(p, &m);
+        free(q);
+    }
+}
+
 void kvf__peer_put_data(kvf_peer_t *p, kvf_put_t *put)
 {
     KVF_ASSERT_LOCKED(p->eng);
@@ -238,12 +282,15 @@ static void send_offers(kvf_peer_t *p)
     uint8_t caps[KVF_WIRE_CAPS_LEN];
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
     kvf_msg_xport_t *x = &m.u.xport;
+    /* Only ever for a peer that authenticated: what it declared there. */
+    assert(p->auth.done);
+    kvf_mover_peer_t who = {p->auth.theirs.pid, p->auth.theirs.instance_id};
 
     for (int i = 0; i < KVF_MAX_MOVERS; i++) {
         kvf_mover_t *mv = eng->movers[i];
         kvf_buf_init(&blobs[i]);
         if (mv == NULL || x->count == KVF_WIRE_MAX_XPORTS ||
-            mv->ops->pack(mv, &blobs[i]) != KVF_OK)
+            mv->ops->pack(mv, &who, &blobs[i]) != KVF_OK)
             continue;
         x->x[x->count++] = (kvf_wire_xport_t){
             {mv->ops->name, (uint32_t)strlen(mv->ops->name)}, blobs[i].data,
@@ -486,7 +533,8 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     char addr[KVF_ADDR_MAX];
     snprintf(addr, sizeof(addr), "%s:%d", host, port);
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
-        if (p->outbound && p->state != KVF_PEER_DEAD && strcmp(p->addr, addr) == 0)
+        if (p->outbound && p->state != KVF_PEER_DEAD && !p->lingering &&
+            strcmp(p->addr, addr) == 0)
             return p;
 
     kvf_peer_t *p = peer_new(eng);
@@ -512,15 +560,16 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     return p;
 }
 
-void kvf__peer_accept(kvf_engine_t *eng, int fd)
+void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
 {
     kvf_peer_t *p = peer_new(eng);
     if (p == NULL) {
         close(fd);
         return;
     }
-    p->state = KVF_PEER_HANDSHAKE;
-    snprintf(p->addr, sizeof(p->addr), "(connecting)");
+    p->state = KVF_PEER_AUTH;
+    snprintf(p->remote_host, sizeof(p->remote_host), "%s", host);
+    snprintf(p->addr, sizeof(p->addr), "%s (not authenticated)", host);
     kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
     kvf_status_t st = eng->faults
         ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &handler, p, &p->conn)
@@ -530,7 +579,20 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd)
         p->state = KVF_PEER_DEAD;
         return;
     }
+    kvf__auth_start(p);
+}
+
+void kvf__peer_authenticated(kvf_peer_t *p)
+{
+    p->state = KVF_PEER_HANDSHAKE;
     send_hello(p);
+    if (p->lingering) {
+        /* Its rooms failed while it was stopped: it learns why now, then
+         * the connection ends as it would have. */
+        send_held(p);
+        kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT, "told it about the rooms that failed "
+                       "while it was not answering");
+    }
 }
 
 void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
@@ -541,6 +603,8 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_DEAD)
         return;
+    if (p->lingering)
+        goto close;
     /* What other threads queued goes first, while the stream is up (and
      * a put in the outbox holds a reference to this peer). */
     kvf__peer_outbox_drain(p);
@@ -564,11 +628,27 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     for (size_t i = 0; i < nfailed; i++)
         kvf__send_fail(p, failed[i].room, &failed[i].failure, 0);
     free(failed);
-    p->state = KVF_PEER_DEAD;
     if (rooms > 0)
         kvf_warn("%s (%d live rooms affected)", reason, rooms);
+    else if (p->quiet)
+        kvf_debug("%s", reason);
     else
         kvf_info("%s", reason);
+    /*
+     * Outbound and still authenticating (the prefill is stopped, say):
+     * the FAILs its rooms just queued cannot go before it has proved
+     * itself, so the connection stays until the handshake deadline, for
+     * a prefill that resumes to learn of them at once.  No room uses it
+     * any more (kvf__peer_get skips it).
+     */
+    if (p->state == KVF_PEER_AUTH && p->outbound && p->held_head != NULL &&
+        st == KVF_ERR_PEER_TIMEOUT && p->conn != NULL &&
+        kvf_now_ms() < p->handshake_until_ms) {   /* silent, not broken */
+        p->lingering = 1;
+        return;
+    }
+close:
+    p->state = KVF_PEER_DEAD;
     if (p->conn) {
         p->conn->ops->flush(p->conn);      /* best effort, never blocks */
         p->conn->ops->shutdown(p->conn);
@@ -590,17 +670,30 @@ void kvf__peer_handle(kvf_peer_t *p, uint32_t events)
 static void on_connected(void *arg)
 {
     kvf_peer_t *p = arg;
-    p->state = KVF_PEER_HANDSHAKE;
-    send_hello(p);
+    p->state = KVF_PEER_AUTH;
+    kvf__auth_start(p);
 }
 
 static void on_close(void *arg, kvf_status_t st, const char *reason)
 {
     kvf_peer_t *p = arg;
-    char name[128];
+    char why[KVF_REASON_MAX];
     if (p->state == KVF_PEER_DEAD)
         return;
-    kvf__peer_name(p, name, sizeof(name));
+    if (p->state == KVF_PEER_AUTH) {
+        if (kvf__auth_explain_close(p, why, sizeof(why))) {
+            kvf__peer_fail(p, KVF_ERR_AUTH, "%s", why);
+            return;
+        }
+        /* A stranger that sent garbage (or an engine of another version):
+         * refused, and logged once per address; one that just left: quiet. */
+        if (!p->outbound && (st == KVF_ERR_PROTOCOL || st == KVF_ERR_VERSION)) {
+            kvf__auth_refuse(p, "%s", reason);
+            return;
+        }
+        if (!p->outbound)
+            p->quiet = 1;
+    }
     kvf__peer_fail(p, st, "connection lost: %s", reason);
 }
 
@@ -720,6 +813,15 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
 static void on_msg(void *arg, const kvf_msg_t *msg)
 {
     kvf_peer_t *p = arg;
+    if (msg->type == KVF_MSG_AUTH || msg->type == KVF_MSG_AUTH_PROOF) {
+        kvf__auth_on_msg(p, msg);
+        return;
+    }
+    /* The gate: nothing of an unauthenticated peer is read any further. */
+    if (!p->auth.done) {
+        kvf__auth_refuse(p, "%s before authenticating", kvf_wire_type_name((uint8_t)msg->type));
+        return;
+    }
     if (msg->type == KVF_MSG_HELLO) {
         on_hello(p, &msg->u.hello);
         return;
@@ -751,6 +853,10 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
 static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
 {
     kvf_peer_t *p = arg;
+    if (!p->auth.done) {
+        kvf__auth_refuse(p, "DATA before authenticating");
+        return;
+    }
     if (p->state != KVF_PEER_READY || p->role != KVF_ROLE_PREFILL) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA from a peer that may not send it");
         return;
@@ -813,7 +919,14 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
         /* A connect that hangs, or a handshake that trickles (bytes keep
          * coming, so heartbeats would never call it dead), ends here. */
-        if ((p->state == KVF_PEER_CONNECTING || p->state == KVF_PEER_HANDSHAKE) &&
+        if (p->state == KVF_PEER_AUTH && !p->outbound && now >= p->handshake_until_ms &&
+            now >= p->grace_until_ms) {
+            kvf__auth_refuse(p, "did not authenticate within %.1f s (handshake timeout)",
+                             (double)pr->handshake_timeout_ms / 1000.0);
+            continue;
+        }
+        if ((p->state == KVF_PEER_CONNECTING || p->state == KVF_PEER_AUTH ||
+             p->state == KVF_PEER_HANDSHAKE) &&
             now >= p->handshake_until_ms && now >= p->grace_until_ms) {
             kvf__peer_fail(p, p->state == KVF_PEER_CONNECTING ? KVF_ERR_UNREACHABLE
                                                               : KVF_ERR_PEER_TIMEOUT,
@@ -822,7 +935,7 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
                            (double)pr->handshake_timeout_ms / 1000.0);
             continue;
         }
-        if (p->state == KVF_PEER_DEAD || p->state == KVF_PEER_CONNECTING)
+        if (p->state == KVF_PEER_DEAD || p->state == KVF_PEER_CONNECTING || p->lingering)
             continue;
         const kvf_transport_ops_t *ops = p->conn->ops;
         if (ops->tick)

@@ -9,6 +9,7 @@
 
 typedef enum {
     KVF_PEER_CONNECTING,   /* outbound connect in progress */
+    KVF_PEER_AUTH,         /* AUTH / AUTH_PROOF: not trusted yet (auth.c) */
     KVF_PEER_HANDSHAKE,    /* waiting for the remote HELLO (decode: and XPORT) */
     KVF_PEER_READY,
     KVF_PEER_DEAD
@@ -22,6 +23,14 @@ struct kvf_peer {
     kvf_conn_t       *conn;
     int               outbound;      /* we connected (decode side) */
     char              addr[KVF_ADDR_MAX]; /* remote control address */
+    char              remote_host[64];    /* the connection's source address */
+    kvf_auth_t        auth;
+    int               quiet;         /* its failure was logged already (auth.c) */
+    /* Outbound, still authenticating when its rooms failed: their FAILs
+     * wait in `held` for the peer's proof (nothing goes to a peer before
+     * it), and the connection lingers until the handshake deadline. */
+    struct kvf_outq  *held_head, *held_tail;
+    int               lingering;
     /* From the remote HELLO. */
     kvf_role_t        role;
     int               tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size;
@@ -69,7 +78,10 @@ static inline int kvf__peer_pulls(const kvf_peer_t *p)
 /* The connection to the prefill rank `tp_rank` at host:port (cached). */
 kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank);
 void         kvf__peer_put(kvf_peer_t *peer);
-void         kvf__peer_accept(kvf_engine_t *eng, int fd);
+/* A connection from `host` (already admitted by kvf__auth_admit). */
+void         kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host);
+/* auth.c: the peer proved it holds the token; the handshake goes on. */
+void         kvf__peer_authenticated(kvf_peer_t *peer);
 void         kvf__peer_handle(kvf_peer_t *peer, uint32_t events);
 /* May its stream be parsed on (its reads in flight are within the window)? */
 int          kvf__peer_rx_ready(const kvf_peer_t *peer);
@@ -79,6 +91,9 @@ void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
 /* Queue a message (any thread; off the owner thread it waits in the
  * outbox for the next pass).  KVF_ERR_CONN_RESET once the peer is dead. */
 kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);
+/* An outbound peer still authenticating: keep msg until it has proved
+ * itself, then send it after our HELLO (kvf__send_fail uses it). */
+void         kvf__peer_hold(kvf_peer_t *peer, const kvf_msg_t *msg);
 /* Queue a put the same way (it always completes). */
 void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
 /* Owner thread: give the connection what waits in the outbox. */

@@ -250,8 +250,10 @@ static void do_register(kvf_engine_t *eng)
         .kv_cache_dtype = eng->layout.kv_dtype,
         .load_balance_method = "round_robin",
     };
-    kvf_status_t st = kvf__bs_register(eng->bootstrap_addr, &reg, CALL_TIMEOUT_MS, err,
-                                       sizeof(err));
+    /* eng->token is set at create and never changes: no lock needed. */
+    kvf_status_t st = kvf__bs_register_auth(eng->bootstrap_addr, &reg,
+                                            eng->has_token ? eng->token : NULL,
+                                            CALL_TIMEOUT_MS, err, sizeof(err));
     kvf__lock(eng);
     free(eng->register_error);
     eng->register_error = NULL;

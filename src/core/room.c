@@ -102,6 +102,8 @@ void kvf__send_fail(kvf_peer_t *to, uint64_t room, const kvf_failure_t *f, int a
      * before the peer's HELLO arrived (it may be stopped, and read it later). */
     if (to->state == KVF_PEER_READY || to->state == KVF_PEER_HANDSHAKE)
         kvf__peer_send(to, &m);
+    else if (to->state == KVF_PEER_AUTH && to->outbound)
+        kvf__peer_hold(to, &m);      /* sent once it has authenticated */
 }
 
 /* Record `f` as the room's root cause and tell every peer but `from`. */

@@ -65,6 +65,13 @@ typedef struct kvf_mover_ep {
     const kvf_mover_ops_t *ops;
 } kvf_mover_ep_t;
 
+/* Who an offer is for: the peer as it declared itself in its
+ * authenticated handshake (AUTH, docs/PROTOCOL.md section 4). */
+typedef struct kvf_mover_peer {
+    uint32_t pid;               /* its process id */
+    uint64_t instance_id;
+} kvf_mover_peer_t;
+
 /* What a mover is created with: the engine and its registered memory. */
 typedef struct kvf_mover_params {
     kvf_role_t      role;
@@ -96,8 +103,11 @@ struct kvf_mover_ops {
      * reads that finished); 1 while more work is ready now. */
     int          (*progress)(kvf_mover_t *m);
 
-    /* Prefill: append the offer blob (at most KVF_WIRE_MAX_BLOB bytes). */
-    kvf_status_t (*pack)(kvf_mover_t *m, kvf_buf_t *out);
+    /* Prefill: append the offer blob (at most KVF_WIRE_MAX_BLOB bytes) for
+     * one authenticated peer; called only once it has authenticated.  An
+     * offer may hold what only that peer may use (shm: a one-time cookie
+     * bound to its pid). */
+    kvf_status_t (*pack)(kvf_mover_t *m, const kvf_mover_peer_t *peer, kvf_buf_t *out);
     /* Decode: accept a peer's offer (untrusted bytes) and make an endpoint;
      * never blocks.  @return KVF_OK, or why the offer is unusable in `why`. */
     kvf_status_t (*connect)(kvf_mover_t *m, const uint8_t *blob, size_t len,

@@ -35,11 +35,13 @@ static const char *const kvf_wire_type_names[] = {
     [KVF_MSG_HEARTBEAT] = "HEARTBEAT",
     [KVF_MSG_XPORT]     = "XPORT",
     [KVF_MSG_DATA_REF]  = "DATA_REF",
+    [KVF_MSG_AUTH]      = "AUTH",
+    [KVF_MSG_AUTH_PROOF] = "AUTH_PROOF",
 };
 
 static bool kvf_wire_type_valid(unsigned type)
 {
-    return type >= KVF_MSG_HELLO && type <= KVF_MSG_DATA_REF;
+    return type >= KVF_MSG_HELLO && type <= KVF_MSG_AUTH_PROOF;
 }
 
 const char *kvf_wire_type_name(uint8_t type)
@@ -376,6 +378,25 @@ static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
                kvf_wire_check_str(&m->u.fail.reason, what, "reason", err,
                                   errlen);
     case KVF_MSG_HEARTBEAT:
+    case KVF_MSG_AUTH_PROOF:
+        return true;
+    case KVF_MSG_AUTH:
+        if (m->u.auth.magic != KVF_WIRE_MAGIC || m->u.auth.version != KVF_WIRE_VERSION) {
+            kvf_wire_errf(err, errlen, "AUTH: magic 0x%08x version %u, expected "
+                          "0x%08x version %u", m->u.auth.magic, m->u.auth.version,
+                          KVF_WIRE_MAGIC, KVF_WIRE_VERSION);
+            return false;
+        }
+        if (m->u.auth.role > 1) {
+            kvf_wire_errf(err, errlen, "AUTH: role %u is neither prefill (0) nor "
+                          "decode (1)", m->u.auth.role);
+            return false;
+        }
+        if (m->u.auth.flags & ~KVF_AUTH_F_TOKEN) {
+            kvf_wire_errf(err, errlen, "AUTH: unknown flags 0x%02x",
+                          m->u.auth.flags & ~KVF_AUTH_F_TOKEN);
+            return false;
+        }
         return true;
     }
     kvf_wire_errf(err, errlen, "unknown message type %d", (int)m->type);
@@ -570,6 +591,18 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
     case KVF_MSG_HEARTBEAT:
         kvf_wire_wr_u64(w, m->u.heartbeat.seq);
         kvf_wire_wr_u64(w, m->u.heartbeat.time_ns);
+        break;
+    case KVF_MSG_AUTH:
+        kvf_wire_wr_u32(w, m->u.auth.magic);
+        kvf_wire_wr_u16(w, m->u.auth.version);
+        kvf_wire_wr_u8(w, m->u.auth.role);
+        kvf_wire_wr_u8(w, m->u.auth.flags);
+        kvf_wire_wr_u64(w, m->u.auth.instance_id);
+        kvf_wire_wr_u32(w, m->u.auth.pid);
+        kvf_wire_wr_bytes(w, m->u.auth.nonce, KVF_WIRE_NONCE_LEN);
+        break;
+    case KVF_MSG_AUTH_PROOF:
+        kvf_wire_wr_bytes(w, m->u.proof.mac, KVF_WIRE_MAC_LEN);
         break;
     }
 }
@@ -897,40 +930,60 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         m->u.heartbeat.seq     = kvf_wire_rd_u64(rd, "seq");
         m->u.heartbeat.time_ns = kvf_wire_rd_u64(rd, "time_ns");
         break;
+    case KVF_MSG_AUTH: {
+        kvf_msg_auth_t *a = &m->u.auth;
+        a->magic       = kvf_wire_rd_u32(rd, "magic");
+        a->version     = kvf_wire_rd_u16(rd, "version");
+        a->role        = kvf_wire_rd_u8(rd, "role");
+        a->flags       = kvf_wire_rd_u8(rd, "flags");
+        a->instance_id = kvf_wire_rd_u64(rd, "instance_id");
+        a->pid         = kvf_wire_rd_u32(rd, "pid");
+        const uint8_t *n = kvf_wire_rd_take(rd, KVF_WIRE_NONCE_LEN, "nonce");
+        if (n != NULL)
+            memcpy(a->nonce, n, KVF_WIRE_NONCE_LEN);
+        break;
+    }
+    case KVF_MSG_AUTH_PROOF: {
+        const uint8_t *mac = kvf_wire_rd_take(rd, KVF_WIRE_MAC_LEN, "mac");
+        if (mac != NULL)
+            memcpy(m->u.proof.mac, mac, KVF_WIRE_MAC_LEN);
+        break;
+    }
     }
 }
 
 /*
- * The first six bytes of HELLO (magic, version) are frozen across protocol
- * versions: they are checked before anything else, so that a peer whose
- * HELLO has another shape is still reported as a version mismatch.
+ * The first six bytes of HELLO and AUTH (magic, version) are frozen across
+ * protocol versions: they are checked before anything else, so that a peer
+ * whose first frame has another shape is still reported as a version
+ * mismatch.  A version-1 peer leads with HELLO, a version-2 one with AUTH.
  */
-static kvf_status_t kvf_wire_check_version(const uint8_t *body, uint32_t len,
-                                           char *err, size_t errlen)
+static kvf_status_t kvf_wire_check_version(const char *what, const uint8_t *body,
+                                           uint32_t len, char *err, size_t errlen)
 {
     if (len < 4) {
-        kvf_wire_errf(err, errlen, "HELLO: body of %u bytes is too short for "
-                      "the magic number", len);
+        kvf_wire_errf(err, errlen, "%s: body of %u bytes is too short for "
+                      "the magic number", what, len);
         return KVF_ERR_PROTOCOL;
     }
     uint32_t magic = kvf_get_u32(body);
     if (magic != KVF_WIRE_MAGIC) {
-        kvf_wire_errf(err, errlen, "HELLO: magic 0x%08x is not kvferry's "
-                      "0x%08x: the peer is not a kvferry engine", magic,
+        kvf_wire_errf(err, errlen, "%s: magic 0x%08x is not kvferry's "
+                      "0x%08x: the peer is not a kvferry engine", what, magic,
                       KVF_WIRE_MAGIC);
         return KVF_ERR_VERSION;
     }
     if (len < 6) {
-        kvf_wire_errf(err, errlen, "HELLO: body of %u bytes is too short for "
-                      "the protocol version", len);
+        kvf_wire_errf(err, errlen, "%s: body of %u bytes is too short for "
+                      "the protocol version", what, len);
         return KVF_ERR_PROTOCOL;
     }
     uint16_t version = kvf_get_u16(body + 4);
     if (version != KVF_WIRE_VERSION) {
-        kvf_wire_errf(err, errlen, "HELLO: peer speaks kvferry wire protocol "
+        kvf_wire_errf(err, errlen, "%s: peer speaks kvferry wire protocol "
                       "version %u, this build speaks version %u. Prefill and "
                       "decode must run kvferry builds with the same wire "
-                      "protocol version.", version, KVF_WIRE_VERSION);
+                      "protocol version.", what, version, KVF_WIRE_VERSION);
         return KVF_ERR_VERSION;
     }
     return KVF_OK;
@@ -953,9 +1006,9 @@ kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
                       KVF_WIRE_MAX_BODY);
         return KVF_ERR_PROTOCOL;
     }
-    if (hdr->type == KVF_MSG_HELLO) {
-        kvf_status_t st = kvf_wire_check_version(body, hdr->length, err,
-                                                 errlen);
+    if (hdr->type == KVF_MSG_HELLO || hdr->type == KVF_MSG_AUTH) {
+        kvf_status_t st = kvf_wire_check_version(kvf_wire_type_name(hdr->type),
+                                                 body, hdr->length, err, errlen);
         if (st != KVF_OK)
             return st;
     }

@@ -13,8 +13,16 @@
  *
  * A DATA frame is followed by `payload_len` raw payload bytes that are not
  * part of the body: the receiver scatters them straight into registered
- * memory.  The protocol version travels in HELLO, which each side sends
- * first; a peer with another version is refused with KVF_ERR_VERSION.
+ * memory.  The protocol version travels in the first frame each side
+ * sends (AUTH since version 2, HELLO in version 1: both begin with the
+ * magic and the version); a peer with another version is refused with
+ * KVF_ERR_VERSION.
+ *
+ * Authentication.  Each side's first frame is AUTH: who it is and a fresh
+ * nonce.  Each then proves it holds the cluster token with AUTH_PROOF, an
+ * HMAC-SHA256 under the token over both AUTHs and a label naming the
+ * direction (core/auth.c builds it).  Nothing else is sent or read before
+ * the peer's proof has been checked.
  *
  * Decoding never copies: strings and arrays in a decoded message point into
  * the caller's body buffer, which must outlive the message.  Arrays are read
@@ -41,7 +49,10 @@
 #include "util/buf.h"
 
 #define KVF_WIRE_MAGIC      0x5946564bu /* "KVFY" as little-endian bytes */
-#define KVF_WIRE_VERSION    1
+#define KVF_WIRE_VERSION    2          /* 2: AUTH / AUTH_PROOF first */
+#define KVF_WIRE_NONCE_LEN  32
+#define KVF_WIRE_MAC_LEN    32         /* HMAC-SHA256 */
+#define KVF_WIRE_AUTH_LEN   (4 + 2 + 1 + 1 + 8 + 4 + KVF_WIRE_NONCE_LEN)
 #define KVF_WIRE_HDR_LEN    8
 #define KVF_WIRE_MAX_BODY   (16u << 20)
 #define KVF_WIRE_MAX_SEGS   8192
@@ -64,7 +75,9 @@ typedef enum kvf_msg_type {
     KVF_MSG_ABORT     = 7,
     KVF_MSG_HEARTBEAT = 8,
     KVF_MSG_XPORT     = 9,    /* transport offers (prefill) / choice (decode) */
-    KVF_MSG_DATA_REF  = 10    /* DATA without payload: source addresses to pull */
+    KVF_MSG_DATA_REF  = 10,   /* DATA without payload: source addresses to pull */
+    KVF_MSG_AUTH      = 11,   /* first frame: identity and a fresh nonce */
+    KVF_MSG_AUTH_PROOF = 12   /* HMAC proving the sender holds the token */
 } kvf_msg_type_t;
 
 /* Which registered buffer family a DATA segment targets. */
@@ -260,6 +273,27 @@ typedef struct kvf_msg_fail {
     kvf_wire_str_t reason;
 } kvf_msg_fail_t;
 
+/*
+ * The first frame each side sends (both at once).  The first six bytes,
+ * magic and version, have the place HELLO gave them in version 1, so a
+ * peer of another version is named as such whichever frame it led with.
+ */
+#define KVF_AUTH_F_TOKEN 0x1u          /* the sender has a token configured */
+
+typedef struct kvf_msg_auth {
+    uint32_t magic;                    /* KVF_WIRE_MAGIC */
+    uint16_t version;                  /* KVF_WIRE_VERSION */
+    uint8_t  role;                     /* kvf_role_t */
+    uint8_t  flags;                    /* KVF_AUTH_F_*: advisory, unauthenticated */
+    uint64_t instance_id;
+    uint32_t pid;                      /* the sender's process id (shm checks it) */
+    uint8_t  nonce[KVF_WIRE_NONCE_LEN]; /* fresh from getrandom() */
+} kvf_msg_auth_t;
+
+typedef struct kvf_msg_auth_proof {
+    uint8_t mac[KVF_WIRE_MAC_LEN];
+} kvf_msg_auth_proof_t;
+
 typedef struct kvf_msg_heartbeat {
     uint64_t seq;
     uint64_t time_ns;
@@ -276,6 +310,8 @@ typedef struct kvf_msg {
         kvf_msg_fail_t      fail;      /* FAIL and ABORT */
         kvf_msg_heartbeat_t heartbeat;
         kvf_msg_xport_t     xport;
+        kvf_msg_auth_t      auth;
+        kvf_msg_auth_proof_t proof;
     } u;
 } kvf_msg_t;
 
@@ -304,8 +340,8 @@ kvf_status_t kvf_wire_parse_header(const uint8_t *p, kvf_wire_hdr_t *hdr_p,
 /*
  * Decode a body of hdr->length bytes.  Every length and count is checked
  * against the body and against the limits above; trailing bytes are an
- * error.  @return KVF_OK; KVF_ERR_PROTOCOL or, for a HELLO of another
- * version or magic, KVF_ERR_VERSION, with a reason in `err`.
+ * error.  @return KVF_OK; KVF_ERR_PROTOCOL or, for a HELLO or AUTH of
+ * another version or magic, KVF_ERR_VERSION, with a reason in `err`.
  */
 kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
                              kvf_msg_t *msg_p, char *err, size_t errlen);

@@ -131,6 +131,16 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
     case KVF_MSG_HEARTBEAT:
         return a->u.heartbeat.seq == b->u.heartbeat.seq &&
                a->u.heartbeat.time_ns == b->u.heartbeat.time_ns;
+    case KVF_MSG_AUTH:
+        return a->u.auth.magic == b->u.auth.magic &&
+               a->u.auth.version == b->u.auth.version &&
+               a->u.auth.role == b->u.auth.role &&
+               a->u.auth.flags == b->u.auth.flags &&
+               a->u.auth.instance_id == b->u.auth.instance_id &&
+               a->u.auth.pid == b->u.auth.pid &&
+               memcmp(a->u.auth.nonce, b->u.auth.nonce, KVF_WIRE_NONCE_LEN) == 0;
+    case KVF_MSG_AUTH_PROOF:
+        return memcmp(a->u.proof.mac, b->u.proof.mac, KVF_WIRE_MAC_LEN) == 0;
     case KVF_MSG_DATA_REF:
         if (!fz_data_eq(&a->u.data, &b->u.data) ||
             a->u.data.src_addrs.count != b->u.data.src_addrs.count)

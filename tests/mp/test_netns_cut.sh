@@ -38,6 +38,10 @@ for ns in "$nsp" "$nsd"; do ip -n "$ns" link set lo up; done
 ip -n "$nsp" link set "$vp" up
 ip -n "$nsd" link set "$vd" up
 
+# The ranks listen on addresses other than loopback, so they need a
+# cluster token (protected mode refuses them otherwise): one for this run.
+export KVF_AUTH_TOKEN="${KVF_AUTH_TOKEN:-$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')}"
+
 # The driver runs inside the prefill namespace: the registry and the
 # prefill rank are its children there; the decode rank is started in the
 # other namespace, and the cut is the prefill side's link going down.

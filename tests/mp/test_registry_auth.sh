@@ -98,7 +98,7 @@ python3 -c '
 import json, sys
 d = json.loads(sys.argv[1])
 assert d["succeeded"] == 2 and d["verified"] is True, d
-assert d["registry_auth"] == "registering needs the cluster token from KVF_AUTH_TOKEN", d["registry_auth"]
+assert d["registry_auth"] == "cluster token from KVF_AUTH_TOKEN (registry writes, engine handshakes)", d["registry_auth"]
 ' "$out" || fail "demo summary: $out"
-grep -q "registering needs the cluster token from KVF_AUTH_TOKEN" "$tmp/demo.err" || fail "demo did not say it"
+grep -q "cluster token from KVF_AUTH_TOKEN (registry writes, engine handshakes)" "$tmp/demo.err" || fail "demo did not say it"
 echo "ok: kvferry demo with KVF_AUTH_TOKEN: 2 rooms verified, and it says how the registry was protected"

@@ -99,9 +99,11 @@ static void test_init_writes_only_size(void)
         }
         /* A field added after 0.1.0 gets its default when the size holds
          * it; past the fields the library knows: zeroed, never garbage. */
-        const size_t known = KVF_FIELD_END(kvf_engine_params_t, handshake_timeout_ms);
-        if (psizes[i] >= known)
+        const size_t known = KVF_FIELD_END(kvf_engine_params_t, auth_token);
+        if (psizes[i] >= KVF_FIELD_END(kvf_engine_params_t, handshake_timeout_ms))
             CHECK_EQ_INT(((kvf_engine_params_t *)s.b)->handshake_timeout_ms, 5000);
+        if (psizes[i] >= known)
+            CHECK(((kvf_engine_params_t *)s.b)->auth_token == NULL);
         for (size_t j = known; j < psizes[i]; j++)
             CHECK_EQ_INT(s.b[j], 0);
     }
@@ -144,6 +146,7 @@ static void test_v0_params_create(void)
     /* Fields added after 0.1.0 (handshake_timeout_ms) lie in the garbage:
      * the engine must take their defaults, not the canaries. */
     CHECK(KVF_ENGINE_PARAMS_SIZE_V0 <= offsetof(kvf_engine_params_t, handshake_timeout_ms));
+    CHECK(KVF_ENGINE_PARAMS_SIZE_V0 <= offsetof(kvf_engine_params_t, auth_token));
     scratch_t *g = malloc(sizeof(*g));
     kvf_engine_params_t *p = (kvf_engine_params_t *)g->b;
 

@@ -18,6 +18,7 @@
 #include "bootstrap/bootstrap.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_test.h"
+#include "unit/kvf_wire_peer.h"
 #include "util/time.h"
 #include "wire/wire.h"
 
@@ -555,7 +556,7 @@ static void test_trickling_handshake_is_closed(void)
             break;                    /* the engine closed it under us */
         struct pollfd pfd = {fd, POLLIN, 0};
         while (!closed && poll(&pfd, 1, 100) > 0) {
-            char junk[4096];          /* its HELLO and offers, then EOF */
+            char junk[4096];          /* its AUTH, then EOF */
             ssize_t n = recv(fd, junk, sizeof(junk), 0);
             closed = n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN);
         }
@@ -774,6 +775,7 @@ static void test_hostile_strided_segments(void)
     CHECK(poll(&pfd, 1, 5000) == 1);
     f->fd = accept(f->lfd, NULL, NULL);
     CHECK(f->fd >= 0);
+    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_PREFILL, 0, NULL));
     CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
     fake_hello(f, KVF_ROLE_PREFILL, HEADS);
     uint8_t caps[4];
@@ -903,6 +905,7 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     f->fd = socket(AF_INET, SOCK_STREAM, 0);
     f->lfd = -1;
     CHECK(connect(f->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_DECODE, 1, NULL));
     fake_hello(f, KVF_ROLE_DECODE, 1);
     CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
     CHECK(fake_expect(f, KVF_MSG_XPORT, &m));

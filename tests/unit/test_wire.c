@@ -154,10 +154,38 @@ static kvf_msg_t sample_heartbeat(void)
     return m;
 }
 
-#define NSAMPLES 8
+static kvf_msg_t sample_auth(void)
+{
+    kvf_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = KVF_MSG_AUTH;
+    m.u.auth.magic = KVF_WIRE_MAGIC;
+    m.u.auth.version = KVF_WIRE_VERSION;
+    m.u.auth.role = 1;
+    m.u.auth.flags = KVF_AUTH_F_TOKEN;
+    m.u.auth.instance_id = BIG64;
+    m.u.auth.pid = 0x01020304;
+    for (int i = 0; i < KVF_WIRE_NONCE_LEN; i++)
+        m.u.auth.nonce[i] = (uint8_t)(0xa0 + i);
+    return m;
+}
+
+static kvf_msg_t sample_proof(void)
+{
+    kvf_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = KVF_MSG_AUTH_PROOF;
+    for (int i = 0; i < KVF_WIRE_MAC_LEN; i++)
+        m.u.proof.mac[i] = (uint8_t)(0x10 + i);
+    return m;
+}
+
+#define NSAMPLES 10
 static kvf_msg_t sample(int i)
 {
     switch (i) {
+    case 8: return sample_auth();
+    case 9: return sample_proof();
     case 0: return sample_hello();
     case 1: return sample_room_req();
     case 2: return sample_data();
@@ -400,6 +428,31 @@ static void test_golden_bytes(void)
           memcmp(b.data + sizeof(hb), data, sizeof(data)) == 0);
     kvf_buf_free(&b);
 
+    /* AUTH: magic, version, role, flags, instance, pid, nonce (52 bytes) */
+    m = sample_auth();
+    kvf_buf_init(&b);
+    CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
+    static const uint8_t auth_head[] = {
+        52, 0, 0, 0, KVF_MSG_AUTH, 0, 0, 0,
+        'K', 'V', 'F', 'Y', 2, 0, 1, KVF_AUTH_F_TOKEN,
+    };
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + KVF_WIRE_AUTH_LEN);
+    CHECK(memcmp(b.data, auth_head, sizeof(auth_head)) == 0);
+    CHECK(kvf_get_u64(b.data + 16) == BIG64);
+    CHECK_EQ_INT(kvf_get_u32(b.data + 24), 0x01020304);
+    CHECK_EQ_INT(b.data[28], 0xa0);
+    CHECK_EQ_INT(b.data[28 + 31], 0xa0 + 31);
+    kvf_buf_free(&b);
+    /* AUTH_PROOF: the 32-byte MAC, nothing else */
+    m = sample_proof();
+    kvf_buf_init(&b);
+    CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 32);
+    CHECK_EQ_INT(kvf_get_u32(b.data), 32);
+    CHECK_EQ_INT(b.data[4], KVF_MSG_AUTH_PROOF);
+    CHECK_EQ_INT(b.data[8], 0x10);
+    kvf_buf_free(&b);
+
     /* HELLO opens with magic "KVFY", then version, role, flags */
     m = sample_hello();
     kvf_buf_init(&b);
@@ -426,7 +479,9 @@ static void test_type_names(void)
     CHECK(strcmp(kvf_wire_type_name(0), "UNKNOWN") == 0);
     CHECK(strcmp(kvf_wire_type_name(KVF_MSG_XPORT), "XPORT") == 0);
     CHECK(strcmp(kvf_wire_type_name(KVF_MSG_DATA_REF), "DATA_REF") == 0);
-    CHECK(strcmp(kvf_wire_type_name(11), "UNKNOWN") == 0);
+    CHECK(strcmp(kvf_wire_type_name(KVF_MSG_AUTH), "AUTH") == 0);
+    CHECK(strcmp(kvf_wire_type_name(KVF_MSG_AUTH_PROOF), "AUTH_PROOF") == 0);
+    CHECK(strcmp(kvf_wire_type_name(13), "UNKNOWN") == 0);
     CHECK(strcmp(kvf_wire_type_name(255), "UNKNOWN") == 0);
 }
 
@@ -449,9 +504,9 @@ static void test_header_errors(void)
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "unknown message type 0");
     CHECK_EQ_INT(hdr.length, 777);   /* untouched on error */
-    h[4] = 11;
+    h[4] = 13;
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "unknown message type 11");
+    CHECK_STR_CONTAINS(err, "unknown message type 13");
 
     /* The strided flag, on DATA and DATA_REF only. */
     h[4] = KVF_MSG_DATA; h[5] = KVF_WIRE_F_STRIDED;
@@ -986,20 +1041,21 @@ static void test_version_mismatch(void)
     uint8_t *body = b.data + KVF_WIRE_HDR_LEN;
     size_t len = b.len - KVF_WIRE_HDR_LEN;
 
-    kvf_put_u16(body + 4, 2);
+    /* A version-1 peer leads with HELLO: named as such. */
+    kvf_put_u16(body + 4, 1);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "peer speaks kvferry wire protocol version 2, this "
-                            "build speaks version 1");
+    CHECK_STR_CONTAINS(err, "HELLO: peer speaks kvferry wire protocol version 1, this "
+                            "build speaks version 2");
     kvf_put_u16(body + 4, 0);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 0, this build speaks version 1");
+    CHECK_STR_CONTAINS(err, "version 0, this build speaks version 2");
     kvf_put_u16(body + 4, KVF_WIRE_VERSION);
 
     /* A future version with a different body is still a version mismatch. */
     w.n = 0;
     b32(&w, KVF_WIRE_MAGIC); b16(&w, 7); bfill(&w, 3);
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 7, this build speaks version 1");
+    CHECK_STR_CONTAINS(err, "version 7, this build speaks version 2");
     w.n = 6;
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
     w.n = 5;
@@ -1015,6 +1071,22 @@ static void test_version_mismatch(void)
     kvf_put_u32(w.b, 0xdeadbeef);
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
     CHECK_STR_CONTAINS(err, "magic 0xdeadbeef");
+    kvf_buf_free(&b);
+
+    /* AUTH, the first frame since version 2, has the same frozen prefix. */
+    m = sample_auth();
+    kvf_buf_init(&b);
+    CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
+    body = b.data + KVF_WIRE_HDR_LEN;
+    len = b.len - KVF_WIRE_HDR_LEN;
+    kvf_put_u16(body + 4, 3);
+    CHECK_EQ_INT(decode_copy(KVF_MSG_AUTH, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
+    CHECK_STR_CONTAINS(err, "AUTH: peer speaks kvferry wire protocol version 3, this "
+                            "build speaks version 2");
+    w.n = 0;
+    b32(&w, KVF_WIRE_MAGIC); b16(&w, 9);
+    CHECK_EQ_INT(decode_bld(KVF_MSG_AUTH, &w, err, sizeof(err)), KVF_ERR_VERSION);
+    CHECK_STR_CONTAINS(err, "version 9, this build speaks version 2");
     kvf_buf_free(&b);
 }
 
@@ -1034,7 +1106,10 @@ static void test_encode_refuses(void)
     } while (0)
 
     CHECK_EQ_INT(kvf_wire_encode(&b, NULL), KVF_ERR_INVALID_PARAM);
-    m = sample_heartbeat(); m.type = (kvf_msg_type_t)11; REFUSE(m);
+    m = sample_heartbeat(); m.type = (kvf_msg_type_t)13; REFUSE(m);
+    m = sample_auth(); m.u.auth.version = 1; REFUSE(m);
+    m = sample_auth(); m.u.auth.role = 2; REFUSE(m);
+    m = sample_auth(); m.u.auth.flags = 2; REFUSE(m);
     m = sample_heartbeat(); m.type = (kvf_msg_type_t)0; REFUSE(m);
 
     m = sample_fail(KVF_MSG_FAIL);
@@ -1045,7 +1120,7 @@ static void test_encode_refuses(void)
     m = sample_fail(KVF_MSG_FAIL); m.u.fail.origin_side = 2; REFUSE(m);
     m = sample_fail(KVF_MSG_FAIL); m.u.fail.origin_addr.ptr = NULL; REFUSE(m);
 
-    m = sample_hello(); m.u.hello.version = 2; REFUSE(m);
+    m = sample_hello(); m.u.hello.version = 1; REFUSE(m);
     m = sample_hello(); m.u.hello.magic = 0; REFUSE(m);
     m = sample_hello(); m.u.hello.role = 2; REFUSE(m);
     m = sample_hello(); m.u.hello.flags = 0x40; REFUSE(m);

@@ -7,12 +7,16 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
+
+#include <openssl/crypto.h>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -25,7 +29,16 @@
 
 #define BOOT_ID_LEN  36
 #define NAME_LEN     48
-#define BLOB_LEN     (4 + BOOT_ID_LEN + 8 + NAME_LEN)
+#define COOKIE_LEN   KVF_SHM_COOKIE_LEN
+#define BLOB_LEN     (4 + BOOT_ID_LEN + 8 + NAME_LEN + COOKIE_LEN)
+#define MAX_COOKIES  256      /* offers whose cookie is not used yet */
+#define COOKIE_MS    30000    /* an unused cookie expires */
+#define MAX_PENDING  16       /* handout connections waiting for their cookie */
+#define PENDING_MS   1000
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010   /* Linux 5.1; older headers lack it */
+#endif
 #define READ_IOV     1024     /* iovecs per process_vm_readv (UIO_MAXIOV) */
 #define MAX_REGIONS  250      /* memfds per answer (SCM_MAX_FD is 253) */
 #define MAX_OFFER_REGIONS 65536 /* registered buffers named in an offer */
@@ -38,6 +51,7 @@ typedef struct region {
     void  *base;
     size_t len;
     int    fd;
+    int    ro_fd;      /* the same memfd opened read-only: what is handed out */
 } region_t;
 
 /* Every kvf_mem_alloc'd region of this process; few and long-lived. */
@@ -45,11 +59,37 @@ static pthread_mutex_t regions_lock = PTHREAD_MUTEX_INITIALIZER;
 static region_t       *regions;
 static size_t          nregions;
 
+/*
+ * What a decode engine gets must not let it write: the prefill's own
+ * mapping (made before) stays writable, and every later one is read-only.
+ * Two locks, each enough alone: the seals (F_SEAL_FUTURE_WRITE refuses
+ * writable mappings and write() to anyone, even through a reopened
+ * /proc/<pid>/fd link; SHRINK / GROW keep the size, so a holder cannot
+ * truncate the prefill into SIGBUS; SEAL fixes the set), and a read-only
+ * file description (reopened through /proc/self/fd), whose writable
+ * MAP_SHARED mmap fails with EACCES.  @return that descriptor, or -1.
+ */
+static int seal_read_only(int fd, size_t len)
+{
+    char path[64];
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE |
+                                   F_SEAL_SEAL) != 0) {
+        kvf_error("sealing a %zu-byte memfd read-only for peers (F_SEAL_FUTURE_WRITE needs "
+                  "Linux 5.1): %m", len);
+        return -1;
+    }
+    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
+    int ro = open(path, O_RDONLY | O_CLOEXEC);
+    if (ro < 0)
+        kvf_error("reopening a memfd read-only (%s): %m", path);
+    return ro;
+}
+
 kvf_status_t kvf_mem_alloc(size_t len, void **ptr_p)
 {
     if (len == 0 || ptr_p == NULL)
         return KVF_ERR_INVALID_PARAM;
-    int fd = memfd_create("kvferry-kv", MFD_CLOEXEC);
+    int fd = memfd_create("kvferry-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) {
         kvf_error("memfd_create: %m");
         return KVF_ERR_NO_MEMORY;
@@ -67,16 +107,23 @@ kvf_status_t kvf_mem_alloc(size_t len, void **ptr_p)
         close(fd);
         return KVF_ERR_NO_MEMORY;
     }
+    int ro_fd = seal_read_only(fd, len);
+    if (ro_fd < 0) {
+        munmap(p, len);
+        close(fd);
+        return KVF_ERR_IO;
+    }
     pthread_mutex_lock(&regions_lock);
     region_t *r = realloc(regions, (nregions + 1) * sizeof(*r));
     if (r != NULL) {
         regions = r;
-        regions[nregions++] = (region_t){p, len, fd};
+        regions[nregions++] = (region_t){p, len, fd, ro_fd};
     }
     pthread_mutex_unlock(&regions_lock);
     if (r == NULL) {
         munmap(p, len);
         close(fd);
+        close(ro_fd);
         return KVF_ERR_NO_MEMORY;
     }
     *ptr_p = p;
@@ -93,6 +140,7 @@ void kvf_mem_free(void *ptr)
             continue;
         munmap(regions[i].base, regions[i].len);
         close(regions[i].fd);
+        close(regions[i].ro_fd);
         regions[i] = regions[--nregions];
         break;
     }
@@ -174,7 +222,7 @@ static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
             if (b < re && b + lens[i] > rb) {
                 desc[1 + 2 * k] = rb;
                 desc[2 + 2 * k] = regions[r].len;
-                fds[k++] = regions[r].fd;
+                fds[k++] = regions[r].ro_fd;
                 break;
             }
         }
@@ -198,19 +246,9 @@ static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
     pthread_mutex_unlock(&regions_lock);
 }
 
-void kvf_shm_serve(int listen_fd, void *const *bases, const size_t *lens, size_t n)
-{
-    for (;;) {
-        int fd = accept4(listen_fd, NULL, NULL, SOCK_CLOEXEC);
-        if (fd < 0)
-            return;
-        answer(fd, bases, lens, n);
-        close(fd);
-    }
-}
-
 kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
-                          uint64_t instance, kvf_buf_t *out)
+                          uint64_t instance, const uint8_t cookie[KVF_SHM_COOKIE_LEN],
+                          kvf_buf_t *out)
 {
     uint8_t blob[BLOB_LEN];
     char id[BOOT_ID_LEN];
@@ -220,6 +258,7 @@ kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
     memcpy(blob + 4, id, BOOT_ID_LEN);
     kvf_put_u64(blob + 4 + BOOT_ID_LEN, (uint64_t)(uintptr_t)bases[0]);
     make_name((char *)blob + 4 + BOOT_ID_LEN + 8, instance);
+    memcpy(blob + 4 + BOOT_ID_LEN + 8 + NAME_LEN, cookie, COOKIE_LEN);
     kvf_status_t st = kvf_buf_reserve(out, sizeof(blob) + 4 + n * 16);
     if (st != KVF_OK)
         return st;
@@ -257,6 +296,7 @@ struct kvf_shm_peer {
     span_t   *regs;       /* what the peer registered, sorted by base */
     size_t    nregs;
     int       fetch_fd;   /* waiting for the memfds, or -1 */
+    uint8_t   cookie[COOKIE_LEN]; /* the offer's: the first bytes we send */
     uint64_t  fetch_deadline_ms;
     size_t    nmaps;
     mapping_t maps[MAX_REGIONS];
@@ -286,7 +326,9 @@ static void fetch_start(kvf_shm_peer_t *sp, const char *name)
     sp->fetch_fd = -1;
     if (fd < 0)
         return;
-    if (connect(fd, (struct sockaddr *)&sa, salen) != 0) {
+    /* The cookie goes at once: a few bytes into an empty socket buffer. */
+    if (connect(fd, (struct sockaddr *)&sa, salen) != 0 ||
+        send(fd, sp->cookie, COOKIE_LEN, MSG_DONTWAIT | MSG_NOSIGNAL) != COOKIE_LEN) {
         kvf_debug("shm: no mappings from pid %d (connect @%s: %m): reading with "
                   "process_vm_readv", (int)sp->pid, name);
         close(fd);
@@ -389,6 +431,7 @@ kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **pe
     qsort(sp->regs, nregs, sizeof(*sp->regs), span_cmp);
     memcpy(name, blob + 4 + BOOT_ID_LEN + 8, NAME_LEN);
     name[NAME_LEN] = '\0';
+    memcpy(sp->cookie, blob + 4 + BOOT_ID_LEN + 8 + NAME_LEN, COOKIE_LEN);
     fetch_start(sp, name);
     *peer_p = sp;
     return KVF_OK;
@@ -533,10 +576,28 @@ static void copy_job(job_t *j)
  */
 #define MAX_COPIERS 16
 
+/* An offer's cookie: good once, for the process that was offered it. */
+typedef struct cookie {
+    uint8_t  bytes[COOKIE_LEN];
+    pid_t    pid;              /* as the peer declared it in its AUTH */
+    uint64_t expires_ms;       /* 0: free slot */
+} cookie_t;
+
+/* A handout connection whose cookie has not all arrived. */
+typedef struct pending {
+    int      fd;               /* -1: free slot */
+    size_t   got;
+    uint8_t  bytes[COOKIE_LEN];
+    uint64_t until_ms;
+} pending_t;
+
 typedef struct kvf_shm {
     kvf_mover_t     base;
     uint64_t        instance;
     int             listen_fd;     /* prefill: hands out memfds, or -1 */
+    int             hand_epfd;     /* prefill: the listener and pending[], or -1 */
+    pending_t       pending[MAX_PENDING];
+    cookie_t        cookies[MAX_COOKIES];
     void          **bases;         /* the registered buffers, for offers */
     size_t         *lens;
     size_t          n;
@@ -550,6 +611,135 @@ typedef struct kvf_shm {
     job_t          *jobs, **jobs_tail;  /* started and not handed back */
     job_t          *next_todo;     /* first job no copier has taken, or NULL */
 } kvf_shm_t;
+
+/* ---- the memfd handout (prefill) --------------------------------------- */
+
+static int handout_start(kvf_shm_t *s)
+{
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = UINT32_MAX};
+    s->hand_epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (s->hand_epfd < 0 || epoll_ctl(s->hand_epfd, EPOLL_CTL_ADD, s->listen_fd, &ev) != 0) {
+        kvf_warn("shm: epoll for the memfd handout: %m");
+        if (s->hand_epfd >= 0)
+            close(s->hand_epfd);
+        s->hand_epfd = -1;
+        return -1;
+    }
+    return 0;
+}
+
+/* A fresh cookie for `pid`, remembered until used or COOKIE_MS. */
+static int cookie_new(kvf_shm_t *s, pid_t pid, uint8_t out[COOKIE_LEN])
+{
+    uint64_t now = kvf_now_ms();
+    cookie_t *slot = &s->cookies[0];
+    for (int i = 0; i < MAX_COOKIES; i++) {
+        cookie_t *c = &s->cookies[i];
+        if (c->expires_ms <= now) {   /* free or expired */
+            slot = c;
+            break;
+        }
+        if (c->expires_ms < slot->expires_ms)
+            slot = c;                 /* all taken: the oldest goes */
+    }
+    if (getrandom(slot->bytes, COOKIE_LEN, 0) != COOKIE_LEN) {
+        kvf_error("shm: getrandom for a handout cookie: %m");
+        slot->expires_ms = 0;
+        return -1;
+    }
+    slot->pid = pid;
+    slot->expires_ms = now + COOKIE_MS;
+    memcpy(out, slot->bytes, COOKIE_LEN);
+    return 0;
+}
+
+/* The cookie that matches, used up (whoever presented it); or NULL. */
+static const cookie_t *cookie_take(kvf_shm_t *s, const uint8_t bytes[COOKIE_LEN])
+{
+    uint64_t now = kvf_now_ms();
+    for (int i = 0; i < MAX_COOKIES; i++) {
+        cookie_t *c = &s->cookies[i];
+        if (c->expires_ms > now && CRYPTO_memcmp(c->bytes, bytes, COOKIE_LEN) == 0) {
+            c->expires_ms = 0;
+            return c;
+        }
+    }
+    return NULL;
+}
+
+static void pending_close(kvf_shm_t *s, pending_t *q)
+{
+    epoll_ctl(s->hand_epfd, EPOLL_CTL_DEL, q->fd, NULL);
+    close(q->fd);
+    q->fd = -1;
+}
+
+/* A connection sent its cookie: memfds if it is one we gave out, to the
+ * process we gave it to; nothing otherwise. */
+static void pending_done(kvf_shm_t *s, pending_t *q)
+{
+    struct ucred cred;
+    socklen_t clen = sizeof(cred);
+    const cookie_t *c = cookie_take(s, q->bytes);
+    if (c == NULL)
+        kvf_warn("shm: refused a memfd request with an unknown or used cookie");
+    else if (getsockopt(q->fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 ||
+             cred.pid != c->pid)
+        kvf_warn("shm: refused a memfd request from pid %d with the cookie offered to "
+                 "pid %d (the authenticated peer)", (int)cred.pid, (int)c->pid);
+    else
+        answer(q->fd, s->bases, s->lens, s->n);
+    pending_close(s, q);
+}
+
+static void pending_read(kvf_shm_t *s, pending_t *q)
+{
+    ssize_t got = recv(q->fd, q->bytes + q->got, COOKIE_LEN - q->got, MSG_DONTWAIT);
+    if (got > 0 && (q->got += (size_t)got) == COOKIE_LEN)
+        pending_done(s, q);
+    else if (got == 0 || (got < 0 && errno != EAGAIN && errno != EINTR))
+        pending_close(s, q);
+}
+
+/* Accept what is waiting, read the cookies that arrived, drop those late
+ * (a connection that sends nothing holds a slot for PENDING_MS at most,
+ * and when all are taken the oldest goes).  Never blocks. */
+static void serve(kvf_shm_t *s)
+{
+    struct epoll_event evs[MAX_PENDING + 1];
+    uint64_t now = kvf_now_ms();
+    int n = epoll_wait(s->hand_epfd, evs, MAX_PENDING + 1, 0);
+    for (int i = 0; i < n; i++)
+        if (evs[i].data.u32 != UINT32_MAX && s->pending[evs[i].data.u32].fd >= 0)
+            pending_read(s, &s->pending[evs[i].data.u32]);
+    for (int i = 0; i < MAX_PENDING; i++)
+        if (s->pending[i].fd >= 0 && now >= s->pending[i].until_ms)
+            pending_close(s, &s->pending[i]);
+    for (;;) {
+        int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0)
+            return;
+        pending_t *q = &s->pending[0];
+        for (int i = 0; i < MAX_PENDING; i++) {
+            if (s->pending[i].fd < 0) {
+                q = &s->pending[i];
+                break;
+            }
+            if (s->pending[i].until_ms < q->until_ms)
+                q = &s->pending[i];
+        }
+        if (q->fd >= 0)
+            pending_close(s, q);
+        *q = (pending_t){.fd = fd, .got = 0, .until_ms = now + PENDING_MS};
+        struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (uint32_t)(q - s->pending)};
+        if (epoll_ctl(s->hand_epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+            close(fd);
+            q->fd = -1;
+            continue;
+        }
+        pending_read(s, q);     /* the cookie is usually there already */
+    }
+}
 
 static void *copier_main(void *arg)
 {
@@ -626,6 +816,11 @@ static void shm_destroy(kvf_mover_t *m)
     }
     if (s->listen_fd >= 0)
         close(s->listen_fd);
+    for (int i = 0; i < MAX_PENDING; i++)
+        if (s->pending[i].fd >= 0)
+            close(s->pending[i].fd);
+    if (s->hand_epfd >= 0)
+        close(s->hand_epfd);
     if (s->efd >= 0)
         close(s->efd);
     pthread_mutex_destroy(&s->mu);
@@ -679,6 +874,9 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
     s->base.ops = &kvf_shm_mover;
     s->instance = p->instance_id;
     s->listen_fd = -1;
+    s->hand_epfd = -1;
+    for (int i = 0; i < MAX_PENDING; i++)
+        s->pending[i].fd = -1;
     s->efd = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -697,6 +895,10 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
         /* Without the socket, readers use process_vm_readv: still shm. */
         if (kvf_shm_listen(p->instance_id, &s->listen_fd) != KVF_OK)
             s->listen_fd = -1;
+        else if (handout_start(s) != 0) {
+            close(s->listen_fd);
+            s->listen_fd = -1;
+        }
     } else {
         int want = copiers_wanted();
         s->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -718,24 +920,30 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
 static int shm_fd(const kvf_mover_t *m)
 {
     const kvf_shm_t *s = (const kvf_shm_t *)m;
-    return s->listen_fd >= 0 ? s->listen_fd : s->efd;
+    return s->hand_epfd >= 0 ? s->hand_epfd : s->efd;
 }
 
 static int shm_progress(kvf_mover_t *m)
 {
     kvf_shm_t *s = (kvf_shm_t *)m;
     uint64_t v;
-    if (s->listen_fd >= 0)
-        kvf_shm_serve(s->listen_fd, s->bases, s->lens, s->n);
+    if (s->hand_epfd >= 0)
+        serve(s);
     if (s->efd >= 0 && read(s->efd, &v, sizeof(v)) == sizeof(v))
         hand_back(s);
     return 0;
 }
 
-static kvf_status_t shm_pack_offer(kvf_mover_t *m, kvf_buf_t *out)
+static kvf_status_t shm_pack_offer(kvf_mover_t *m, const kvf_mover_peer_t *peer,
+                                   kvf_buf_t *out)
 {
     kvf_shm_t *s = (kvf_shm_t *)m;
-    return kvf_shm_pack(s->bases, s->lens, s->n, s->instance, out);
+    uint8_t cookie[COOKIE_LEN] = {0};
+    if (s->hand_epfd >= 0 && cookie_new(s, (pid_t)peer->pid, cookie) != 0)
+        return KVF_ERR_IO;
+    /* Without the socket the cookie is never asked for: readers use
+     * process_vm_readv, which the kernel checks itself. */
+    return kvf_shm_pack(s->bases, s->lens, s->n, s->instance, cookie, out);
 }
 
 static kvf_status_t shm_connect(kvf_mover_t *m, const uint8_t *blob, size_t len,

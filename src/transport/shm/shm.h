@@ -16,11 +16,19 @@
  *     goes, which costs about half of memcpy's bandwidth.
  *
  * A prefill engine offers shm in its XPORT message (pid, boot id, a probe
- * address, the unix socket's name); a decode engine on the same host
+ * address, the unix socket's name, a one-time cookie), only to a peer that
+ * authenticated; a decode engine on the same host
  * probes one read and, if the kernel allows it, answers "shm".  Reading
  * another process's memory needs ptrace permission: same user and, under
  * Yama's ptrace_scope 1, the target's consent, which a prefill engine that
  * offers shm gives with prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY).
+ *
+ * The memfds go only to the authenticated peer, and only read-only: the
+ * handout socket answers a connection whose first bytes are a cookie this
+ * engine put in an offer, unused, and whose SO_PEERCRED pid is the one
+ * that peer declared in its AUTH; the memfds are sealed against writes
+ * (F_SEAL_FUTURE_WRITE, SHRINK, GROW) and handed out as read-only file
+ * descriptions (docs/SECURITY.md).
  */
 #ifndef KVF_TRANSPORT_SHM_H
 #define KVF_TRANSPORT_SHM_H
@@ -49,17 +57,20 @@ void         kvf_shm_allow_readers(void);
  */
 kvf_status_t kvf_shm_listen(uint64_t instance, int *fd_p);
 
-/* Prefill: answer every pending connection on the listening socket with
- * the memfd regions that overlap the n registered buffers.  Never blocks. */
-void         kvf_shm_serve(int listen_fd, void *const *bases, const size_t *lens,
-                           size_t n);
+/* The offer blob's layout (docs/PROTOCOL.md, XPORT). */
+#define KVF_SHM_COOKIE_LEN     32
+#define KVF_SHM_OFF_NAME       (4 + 36 + 8)
+#define KVF_SHM_OFF_COOKIE     (KVF_SHM_OFF_NAME + 48)
+#define KVF_SHM_OFF_NREGIONS   (KVF_SHM_OFF_COOKIE + KVF_SHM_COOKIE_LEN)
 
 /* Prefill: the offer blob (pid, boot id, a probe address, the socket name,
- * and the n registered buffers [bases[i], +lens[i]), the only memory a
- * decode engine will read).  @return KVF_OK, KVF_ERR_NO_MEMORY, or
- * KVF_ERR_UNSUPPORTED (no boot id, no buffers). */
+ * the cookie that fetches the memfds, and the n registered buffers
+ * [bases[i], +lens[i]), the only memory a decode engine will read).
+ * @return KVF_OK, KVF_ERR_NO_MEMORY, or KVF_ERR_UNSUPPORTED (no boot id,
+ * no buffers). */
 kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
-                          uint64_t instance, kvf_buf_t *out);
+                          uint64_t instance, const uint8_t cookie[KVF_SHM_COOKIE_LEN],
+                          kvf_buf_t *out);
 
 /*
  * Decode: can we read from the engine that made this offer?  Checks the

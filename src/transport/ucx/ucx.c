@@ -320,12 +320,18 @@ kvf_status_t kvf_ucx_register(kvf_ucx_t *u, void *base, size_t len, kvf_mem_kind
     }
 
     region_t r = {.base = (uint64_t)(uintptr_t)base, .len = len};
+    /* Peers read registered memory and never write it: remote keys grant
+     * remote read only, where the transport enforces it (RDMA NICs do; UCX
+     * over tcp emulates remote access in software and does not check,
+     * docs/SECURITY.md).  Only authenticated peers ever get a key. */
     ucp_mem_map_params_t mp = {
         .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
-                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE | UCP_MEM_MAP_PARAM_FIELD_PROT,
         .address = base,
         .length = len,
         .memory_type = mt,
+        .prot = UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_LOCAL_WRITE |
+                UCP_MEM_MAP_PROT_REMOTE_READ,
     };
     ucs_status_t st = ucp_mem_map(u->ctx, &mp, &r.memh);
     if (st != UCS_OK) {
@@ -799,8 +805,11 @@ static int mv_progress(kvf_mover_t *m)
     return kvf_ucx_progress((kvf_ucx_t *)m);
 }
 
-static kvf_status_t mv_pack(kvf_mover_t *m, kvf_buf_t *out)
+/* The same blob for every peer: what makes it theirs alone is that only
+ * authenticated peers ever see it (peer.c). */
+static kvf_status_t mv_pack(kvf_mover_t *m, const kvf_mover_peer_t *peer, kvf_buf_t *out)
 {
+    (void)peer;
     return kvf_ucx_pack((kvf_ucx_t *)m, out);
 }
 

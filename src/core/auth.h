@@ -1,0 +1,79 @@
+/*
+ * Peer authentication, internal (auth.c): the challenge-response every
+ * connection starts with, protected mode, and the once-per-address log of
+ * what was refused.  docs/SECURITY.md and docs/PROTOCOL.md section 4.
+ */
+#ifndef KVF_CORE_AUTH_H
+#define KVF_CORE_AUTH_H
+
+#include <stdint.h>
+#include <sys/socket.h>
+
+#include "util/token.h"
+#include "wire/wire.h"
+
+typedef struct kvf_engine kvf_engine_t;
+typedef struct kvf_peer kvf_peer_t;
+
+/* One peer's side of the handshake (in kvf_peer_t). */
+typedef struct kvf_auth {
+    kvf_msg_auth_t mine;       /* the AUTH we sent (our nonce) */
+    kvf_msg_auth_t theirs;     /* the peer's, once got_auth */
+    int            got_auth;
+    int            proof_sent; /* our AUTH_PROOF went out */
+    int            done;       /* the peer's proof checked: it is trusted */
+} kvf_auth_t;
+
+/* Addresses whose refusals were logged recently (in kvf_engine_t). */
+#define KVF_AUTH_LOG_SLOTS 64
+#define KVF_AUTH_LOG_MS    60000   /* one line per address per minute */
+
+typedef struct kvf_auth_log {
+    char     host[64];
+    uint64_t last_ms;
+    uint64_t count;            /* refused since the last line */
+} kvf_auth_log_t;
+
+/*
+ * Engine create: load the token (params->auth_token, else the environment)
+ * and decide whether the listener may face the network.  `bound` is the
+ * listener's address.  @return KVF_OK, KVF_ERR_INVALID_PARAM (no token on
+ * a non-loopback address without KVF_AUTH=none; a token that cannot be
+ * read), with the reason logged.
+ */
+int          kvf__auth_setup(kvf_engine_t *eng, const char *explicit_token,
+                             const struct sockaddr *bound);
+
+/* Is this address on the loopback interface (127.0.0.0/8, ::1, v4-mapped)? */
+int          kvf__auth_is_loopback(const struct sockaddr *sa);
+
+/* Accept: may a connection from `sa` go on to the handshake?  Protected
+ * mode refuses all but loopback (counted and logged once per address). */
+int          kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa);
+
+/* Send our AUTH: the first frame on a new connection, either side. */
+void         kvf__auth_start(kvf_peer_t *p);
+/* AUTH or AUTH_PROOF from the peer. */
+void         kvf__auth_on_msg(kvf_peer_t *p, const kvf_msg_t *msg);
+/* Close a peer that has not authenticated, quietly, counted, logged once
+ * per address. */
+void         kvf__auth_refuse(kvf_peer_t *p, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* The connection closed before the peer authenticated: what to tell its
+ * rooms (an outbound peer's), as status and reason.  @return 1 when the
+ * close is best explained by a token mismatch. */
+int          kvf__auth_explain_close(const kvf_peer_t *p, char *why, size_t len);
+
+/*
+ * The proof a side sends: HMAC-SHA256 under the token over
+ *   label || 0x00 || prover's (role, instance_id, pid, nonce) ||
+ *   verifier's (role, instance_id, pid, nonce)
+ * with label "kvferry-auth-v2 connector" or "kvferry-auth-v2 acceptor" for
+ * the side that connected or accepted (integers little-endian: u8, u64,
+ * u32, 32 bytes).  Exposed for the tests that play a peer.
+ */
+void         kvf__auth_mac(const char *token, int prover_connected,
+                           const kvf_msg_auth_t *prover, const kvf_msg_auth_t *verifier,
+                           uint8_t mac[KVF_WIRE_MAC_LEN]);
+
+#endif /* KVF_CORE_AUTH_H */

@@ -1,0 +1,849 @@
+/*
+ * Authentication: only holders of the cluster token touch a room.
+ *
+ * Engines with the right token, a wrong one and none side by side; a
+ * stranger process that speaks the real protocol on a raw socket; a peer
+ * of the previous protocol version; protected mode.  Each case checks
+ * both that the stranger gets nowhere and that the legitimate room beside
+ * it succeeds byte for byte.
+ */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include "bootstrap/bootstrap.h"
+#include "core/engine.h"
+#include "transport/shm/shm.h"
+#include "kvferry/kvferry.h"
+#include "unit/kvf_test.h"
+#include "unit/kvf_wire_peer.h"
+
+#define LAYERS 2
+#define NKV    (2 * LAYERS)
+#define HEADS  2
+#define HEAD_B 32
+#define PAGE   4
+#define PAGES  32
+#define PAGE_B (PAGE * HEADS * HEAD_B)
+#define AUX_B  16
+#define SLOTS  8
+
+typedef struct side {
+    kvf_engine_t *eng;
+    uint8_t      *kv[NKV];
+    uint8_t      *aux;
+} side_t;
+
+static const char *transport = "tcp";
+static int mem_alloc;
+
+/* No token from the environment: every case says which one each engine holds. */
+static void clear_env(void)
+{
+    unsetenv("KVF_AUTH_TOKEN");
+    unsetenv("KVF_AUTH_TOKEN_FILE");
+    unsetenv("SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN");
+    unsetenv("KVF_AUTH");
+}
+
+static kvf_status_t side_try(side_t *s, kvf_role_t role, const char *bs, const char *token,
+                             const char *host)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = role;
+    p.bootstrap_addr = bs;
+    p.host_bootstrap = role == KVF_ROLE_PREFILL && bs != NULL &&
+                       strcmp(bs, "127.0.0.1:0") == 0;
+    p.bootstrap_timeout_ms = 5000;
+    p.transfer_timeout_ms = 5000;
+    p.transport = transport;
+    p.auth_token = token;
+    if (host != NULL)
+        p.host = host;
+    memset(s, 0, sizeof(*s));
+    return kvf_engine_create(&p, &s->eng);
+}
+
+static void side_init(side_t *s, kvf_role_t role, const char *bs, const char *token)
+{
+    CHECK_EQ_INT(side_try(s, role, bs, token, NULL), KVF_OK);
+    kvf_buffer_t kv[NKV], aux;
+    for (int i = 0; i < NKV; i++) {
+        if (mem_alloc)
+            CHECK_EQ_INT(kvf_mem_alloc((size_t)PAGES * PAGE_B, (void **)&s->kv[i]), KVF_OK);
+        else
+            s->kv[i] = calloc(PAGES, PAGE_B);
+        if (role == KVF_ROLE_PREFILL)
+            for (size_t j = 0; j < (size_t)PAGES * PAGE_B; j++)
+                s->kv[i][j] = (uint8_t)(j * 7 + (size_t)i * 13 + 1);
+        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)PAGES * PAGE_B, PAGE_B};
+    }
+    s->aux = calloc(SLOTS, AUX_B);
+    aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = PAGE;
+    l.kv_dtype = "bfloat16";
+    l.num_layers = LAYERS;
+    l.heads_per_rank = l.total_heads = HEADS;
+    l.bytes_per_head = HEAD_B;
+    l.num_kv = NKV;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;
+    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
+}
+
+static void side_fini(side_t *s)
+{
+    kvf_engine_destroy(s->eng);
+    for (int i = 0; i < NKV; i++) {
+        if (mem_alloc)
+            kvf_mem_free(s->kv[i]);
+        else
+            free(s->kv[i]);
+    }
+    free(s->aux);
+}
+
+static void pause_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* The room's state once it is final or past `want` (10 s at most). */
+static kvf_poll_t recv_wait(kvf_receiver_t *r, kvf_poll_t want)
+{
+    kvf_poll_t st = kvf_receiver_poll(r);
+    for (int i = 0; i < 10000 && st != KVF_POLL_FAILED && st < want; i++) {
+        pause_ms(1);
+        st = kvf_receiver_poll(r);
+    }
+    return st;
+}
+
+static kvf_poll_t send_wait(kvf_sender_t *s, kvf_poll_t want)
+{
+    kvf_poll_t st = kvf_sender_poll(s);
+    for (int i = 0; i < 10000 && st != KVF_POLL_FAILED && st < want; i++) {
+        pause_ms(1);
+        st = kvf_sender_poll(s);
+    }
+    return st;
+}
+
+static const uint32_t src_pages[3] = {3, 4, 9}, dst_pages[3] = {20, 5, 6};
+
+/* Room `room` from pre to dec, whole; 1 if every byte is in place. */
+static int legit_room(side_t *pre, side_t *dec, const char *bs, uint64_t room)
+{
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    memcpy(pre->aux + 1 * AUX_B, "legit-room-tag-1", AUX_B);
+    CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec->eng, bs, room, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst_pages, 3, 2, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(send_wait(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 3, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src_pages, 3, 1), KVF_OK);
+    int ok = send_wait(s, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS &&
+             recv_wait(r, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS;
+    for (int b = 0; b < NKV; b++)
+        for (int i = 0; i < 3; i++)
+            ok &= memcmp(dec->kv[b] + (size_t)dst_pages[i] * PAGE_B,
+                         pre->kv[b] + (size_t)src_pages[i] * PAGE_B, PAGE_B) == 0;
+    ok &= memcmp(dec->aux + 2 * AUX_B, "legit-room-tag-1", AUX_B) == 0;
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    return ok;
+}
+
+static int port_of(kvf_engine_t *eng)
+{
+    char addr[64];
+    CHECK_EQ_INT(kvf_engine_address(eng, addr, sizeof(addr)), KVF_OK);
+    return atoi(strrchr(addr, ':') + 1);
+}
+
+static int dial(int port)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* ------------------------------------------------------------------------ */
+
+/* The proof is exactly what docs/PROTOCOL.md section 4 says. */
+static void test_mac_context(void)
+{
+    kvf_msg_auth_t a = {.role = 1, .instance_id = 0x0102030405060708ull, .pid = 77},
+                   b = {.role = 0, .instance_id = 0x1112131415161718ull, .pid = 88};
+    memset(a.nonce, 0xaa, sizeof(a.nonce));
+    memset(b.nonce, 0xbb, sizeof(b.nonce));
+    uint8_t msg[256], want[32], got[32];
+    size_t n = 0;
+    memcpy(msg, "kvferry-auth-v2 connector", 26);   /* with its NUL */
+    n = 26;
+    const kvf_msg_auth_t *party[2] = {&a, &b};
+    for (int i = 0; i < 2; i++) {
+        msg[n++] = party[i]->role;
+        kvf_put_u64(msg + n, party[i]->instance_id);
+        kvf_put_u32(msg + n + 8, party[i]->pid);
+        memcpy(msg + n + 12, party[i]->nonce, 32);
+        n += 44;
+    }
+    unsigned len = 32;
+    CHECK(HMAC(EVP_sha256(), "secret", 6, msg, n, want, &len) != NULL);
+    kvf__auth_mac("secret", 1, &a, &b, got);
+    CHECK(memcmp(want, got, 32) == 0);
+    /* The direction label, the order and the key all matter. */
+    kvf__auth_mac("secret", 0, &a, &b, got);
+    CHECK(memcmp(want, got, 32) != 0);
+    kvf__auth_mac("secret", 1, &b, &a, got);
+    CHECK(memcmp(want, got, 32) != 0);
+    kvf__auth_mac("secreT", 1, &a, &b, got);
+    CHECK(memcmp(want, got, 32) != 0);
+}
+
+/*
+ * Decode engines with a wrong token and with none fail their rooms with
+ * KVF_ERR_AUTH and say why; the prefill engine counts them and their
+ * ROOM_REQs never reach it; a decode engine with the token, asking for the
+ * same room, gets it byte for byte.
+ */
+static void test_wrong_token_refused(void)
+{
+    side_t pre, good, wrong, none;
+    char bs[64];
+    kvf_failure_t f;
+    clear_env();
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&wrong, KVF_ROLE_DECODE, NULL, "beta");
+    side_init(&none, KVF_ROLE_DECODE, NULL, NULL);
+    side_init(&good, KVF_ROLE_DECODE, NULL, "alpha");
+
+    kvf_receiver_t *rw, *rn;
+    CHECK_EQ_INT(kvf_receiver_create(wrong.eng, bs, 7, -1, &rw), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(none.eng, bs, 7, -1, &rn), KVF_OK);
+    CHECK_EQ_INT(recv_wait(rw, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
+    CHECK_EQ_INT(recv_wait(rn, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(rw, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_AUTH);
+    CHECK_STR_CONTAINS(f.reason, "authentication failed");
+    CHECK_STR_CONTAINS(f.reason, "both have a cluster token, and they differ");
+    CHECK_STR_CONTAINS(f.reason, "KVF_AUTH_TOKEN");
+    CHECK_EQ_INT(kvf_receiver_failure(rn, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_AUTH);
+    CHECK_STR_CONTAINS(f.reason, "it has a cluster token, this engine has none");
+    CHECK_EQ_INT(kvf_engine_auth_refused(pre.eng), 2);
+
+    /* Room 7, which both strangers asked for, is still the legitimate one's. */
+    CHECK(legit_room(&pre, &good, bs, 7));
+    kvf_engine_stats_t st;
+    kvf_engine_stats(pre.eng, &st);
+    CHECK_EQ_INT(st.rooms_succeeded, 1);
+    CHECK_EQ_INT(st.rooms_failed, 0);
+    kvf_receiver_destroy(rw);
+    kvf_receiver_destroy(rn);
+    side_fini(&good);
+    side_fini(&none);
+    side_fini(&wrong);
+    side_fini(&pre);
+}
+
+/* ---- a stranger process on a raw socket -------------------------------- */
+
+/* What the stranger does; @return 0 if the engine behaved. */
+typedef int (*stranger_fn_t)(int port);
+
+/* Run fn in a child process (it learns the port through a pipe, so it is
+ * forked before any engine thread exists); waitable with stranger_join. */
+typedef struct stranger {
+    pid_t pid;
+    int   wfd;
+} stranger_t;
+
+static stranger_t stranger_fork(stranger_fn_t fn)
+{
+    int p[2];
+    stranger_t s = {-1, -1};
+    if (pipe(p) != 0)
+        return s;
+    s.pid = fork();
+    if (s.pid == 0) {
+        int port = 0;
+        close(p[1]);
+        alarm(60);                    /* never outlive the test */
+        if (read(p[0], &port, sizeof(port)) != sizeof(port))
+            _exit(99);
+        _exit(fn(port));
+    }
+    close(p[0]);
+    s.wfd = p[1];
+    return s;
+}
+
+static int stranger_join(stranger_t *s, int port)
+{
+    int status = -1;
+    CHECK(write(s->wfd, &port, sizeof(port)) == sizeof(port));
+    close(s->wfd);
+    CHECK(waitpid(s->pid, &status, 0) == s->pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+/* The engine's AUTH, and nothing after it for a while. */
+static int only_auth(int fd, kvf_msg_auth_t *auth_p)
+{
+    uint8_t body[1 << 16];
+    kvf_msg_t m;
+    if (wp_recv(fd, &m, body, sizeof(body), 5000) != KVF_MSG_AUTH)
+        return 0;
+    if (auth_p != NULL)
+        *auth_p = m.u.auth;
+    struct pollfd pfd = {fd, POLLIN, 0};
+    return poll(&pfd, 1, 200) == 0;      /* no HELLO, no XPORT follows */
+}
+
+static kvf_msg_t hostile(uint8_t type)
+{
+    static uint32_t pages[2] = {1, 2};
+    kvf_msg_t m = {.type = (kvf_msg_type_t)type};
+    switch (type) {
+    case KVF_MSG_ROOM_REQ:
+        m.u.room_req.room = 7;
+        m.u.room_req.expected_receivers = 1;
+        m.u.room_req.pages = (kvf_wire_arr32_t){2, pages, NULL};
+        break;
+    case KVF_MSG_DONE:
+        m.u.done.room = 7;
+        m.u.done.bytes = 4096;
+        break;
+    case KVF_MSG_DONE_ACK:
+        m.u.done_ack.room = 7;
+        break;
+    default:  /* FAIL, ABORT */
+        m.u.fail.room = 7;
+        m.u.fail.status = KVF_ERR_ABORTED;
+        m.u.fail.reason = (kvf_wire_str_t){"stolen", 6};
+        m.u.fail.origin_addr = (kvf_wire_str_t){"x:1", 3};
+        break;
+    }
+    return m;
+}
+
+/* Without authenticating: sees only AUTH; each room message, sent right
+ * after our own AUTH or instead of it, closes the connection. */
+static int stranger_no_token(int port)
+{
+    static const uint8_t types[] = {KVF_MSG_ROOM_REQ, KVF_MSG_DONE, KVF_MSG_DONE_ACK,
+                                    KVF_MSG_FAIL, KVF_MSG_ABORT};
+    for (size_t i = 0; i < sizeof(types); i++)
+        for (int with_auth = 0; with_auth < 2; with_auth++) {
+            int fd = dial(port);
+            if (fd < 0 || !only_auth(fd, NULL))
+                return 10 + (int)i;
+            kvf_msg_t a = wp_auth_msg(KVF_ROLE_DECODE, ""), m = hostile(types[i]);
+            if ((with_auth && !wp_send(fd, &a, NULL, 0)) || !wp_send(fd, &m, NULL, 0))
+                return 20 + (int)i;
+            if (!wp_closed(fd, 5000))
+                return 30 + (int)i;
+            close(fd);
+        }
+    return 0;
+}
+
+/* A wrong token's proof: closed, and the engine's own proof never comes. */
+static int stranger_wrong_token(int port)
+{
+    int fd = dial(port);
+    kvf_msg_auth_t theirs;
+    if (fd < 0 || !only_auth(fd, &theirs))
+        return 10;
+    kvf_msg_t a = wp_auth_msg(KVF_ROLE_DECODE, "guess"), p = {.type = KVF_MSG_AUTH_PROOF},
+              m = hostile(KVF_MSG_ROOM_REQ);
+    kvf__auth_mac("guess", 1, &a.u.auth, &theirs, p.u.proof.mac);
+    if (!wp_send(fd, &a, NULL, 0) || !wp_send(fd, &p, NULL, 0) || !wp_send(fd, &m, NULL, 0))
+        return 11;
+    if (!wp_closed(fd, 5000))     /* not even its AUTH_PROOF came first */
+        return 12;
+    close(fd);
+    /* A reflection: its own AUTH back, then our proof-shaped bytes. */
+    fd = dial(port);
+    if (fd < 0 || !only_auth(fd, &theirs))
+        return 13;
+    kvf_msg_t echo = {.type = KVF_MSG_AUTH};
+    echo.u.auth = theirs;
+    echo.u.auth.role = KVF_ROLE_DECODE;
+    if (!wp_send(fd, &echo, NULL, 0) || !wp_closed(fd, 5000))
+        return 14;
+    close(fd);
+    return 0;
+}
+
+static void stranger_case(stranger_fn_t fn, int refusals)
+{
+    side_t pre, dec;
+    char bs[64];
+    clear_env();
+    stranger_t s = stranger_fork(fn);
+    CHECK(s.pid > 0);
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, "alpha");
+    /* Room 7 is live on the prefill side while the stranger works. */
+    kvf_sender_t *live;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 7, &live), KVF_OK);
+    CHECK_EQ_INT(stranger_join(&s, port_of(pre.eng)), 0);
+    CHECK_EQ_INT(kvf_sender_poll(live), KVF_POLL_BOOTSTRAPPING);
+    CHECK_EQ_INT(kvf_engine_auth_refused(pre.eng), refusals);
+    kvf_sender_destroy(live);
+    CHECK(legit_room(&pre, &dec, bs, 7));
+    CHECK(strcmp(kvf_engine_transport(dec.eng), transport) == 0);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_stranger_without_token(void)
+{
+    stranger_case(stranger_no_token, 10);
+}
+
+static void test_stranger_with_wrong_token(void)
+{
+    stranger_case(stranger_wrong_token, 2);
+}
+
+/* The same strangers beside rooms over shm (mapped memfds) and ucx. */
+static void test_strangers_over_shm(void)
+{
+    transport = "shm";
+    mem_alloc = 1;
+    stranger_case(stranger_no_token, 10);
+    stranger_case(stranger_wrong_token, 2);
+    mem_alloc = 0;
+    transport = "tcp";
+}
+
+static void test_strangers_over_ucx(void)
+{
+#ifdef KVF_HAVE_UCX
+    setenv("UCX_TLS", "tcp", 1);
+    transport = "ucx";
+    stranger_case(stranger_no_token, 10);
+    stranger_case(stranger_wrong_token, 2);
+    transport = "tcp";
+#else
+    fprintf(stderr, "  (no UCX in this build: the ucx case is not run)\n");
+#endif
+}
+
+/* ---- the shm memfd handout --------------------------------------------- */
+
+/* The prefill's offer of `name`, as a decode engine holding `token` gets it. */
+static int raw_offer_of(int port, const char *token, const char *name, uint8_t *blob,
+                        size_t cap, size_t *len_p)
+{
+    static uint8_t body[1 << 20];
+    kvf_msg_t m;
+    int fd = dial(port), ok = 0;
+    if (fd < 0 || !wp_authenticate(fd, token, KVF_ROLE_DECODE, 1, NULL) ||
+        wp_recv(fd, &m, body, sizeof(body), 5000) != KVF_MSG_HELLO ||
+        wp_recv(fd, &m, body, sizeof(body), 5000) != KVF_MSG_XPORT) {
+        if (fd >= 0)
+            close(fd);
+        return 0;
+    }
+    for (uint32_t i = 0; i < m.u.xport.count; i++) {
+        const kvf_wire_xport_t *x = &m.u.xport.x[i];
+        if (x->name.len == strlen(name) && memcmp(x->name.ptr, name, x->name.len) == 0 &&
+            x->blob_len <= cap) {
+            memcpy(blob, x->blob, x->blob_len);
+            *len_p = x->blob_len;
+            ok = 1;
+        }
+    }
+    close(fd);
+    return ok;
+}
+
+static int raw_offer(int port, const char *token, uint8_t *blob, size_t cap, size_t *len_p)
+{
+    return raw_offer_of(port, token, "shm", blob, cap, len_p);
+}
+
+typedef struct handout_req {
+    char    name[48];
+    uint8_t cookie[KVF_SHM_COOKIE_LEN];
+} handout_req_t;
+
+/* Ask the handout socket `name` for memfds with `cookie`: @return how
+ * many arrived (into fds), 0 when refused, -1 if it could not ask. */
+static int fetch_memfds(const handout_req_t *q, int *fds, int max)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    size_t n = strnlen(q->name, sizeof(q->name));
+    memcpy(sa.sun_path + 1, q->name, n);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa,
+                          (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n)) != 0 ||
+        send(fd, q->cookie, sizeof(q->cookie), MSG_NOSIGNAL) != sizeof(q->cookie)) {
+        if (fd >= 0)
+            close(fd);
+        return -1;
+    }
+    uint64_t desc[1 + 2 * 256];
+    char cbuf[CMSG_SPACE(256 * sizeof(int))];
+    struct iovec iov = {desc, sizeof(desc)};
+    struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf,
+                        .msg_controllen = sizeof(cbuf)};
+    struct pollfd pfd = {fd, POLLIN, 0};
+    int got = 0;
+    if (poll(&pfd, 1, 5000) == 1 && recvmsg(fd, &mh, MSG_CMSG_CLOEXEC) > 0) {
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        if (cm != NULL && cm->cmsg_type == SCM_RIGHTS) {
+            got = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            int *in = (int *)CMSG_DATA(cm);
+            for (int i = 0; i < got; i++) {
+                if (i < max)
+                    fds[i] = in[i];
+                else
+                    close(in[i]);
+            }
+        }
+    }
+    close(fd);
+    return got;
+}
+
+static handout_req_t req_of(const uint8_t *blob)
+{
+    handout_req_t q;
+    memcpy(q.name, blob + KVF_SHM_OFF_NAME, sizeof(q.name));
+    memcpy(q.cookie, blob + KVF_SHM_OFF_COOKIE, sizeof(q.cookie));
+    return q;
+}
+
+/* Another process with a cookie it stole: exits with the fds it got. */
+static int thief_main(int rfd)
+{
+    handout_req_t q;
+    int fds[256];
+    alarm(60);
+    if (read(rfd, &q, sizeof(q)) != sizeof(q))
+        return 99;
+    int got = fetch_memfds(&q, fds, 256);
+    return got < 0 ? 98 : got;
+}
+
+static void test_shm_handout(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    uint8_t blob[4096];
+    size_t len = 0;
+    int fds[256], p[2];
+    clear_env();
+    CHECK(pipe(p) == 0);
+    pid_t thief = fork();
+    if (thief == 0) {
+        close(p[1]);
+        _exit(thief_main(p[0]));
+    }
+    close(p[0]);
+    transport = "shm";
+    mem_alloc = 1;
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    int port = port_of(pre.eng);
+
+    /* A cookie offered to this process, used by another: refused by pid,
+     * and used up, so that this process cannot use it after that either. */
+    CHECK(raw_offer(port, "alpha", blob, sizeof(blob), &len));
+    CHECK(len > KVF_SHM_OFF_NREGIONS);
+    handout_req_t stolen = req_of(blob);
+    CHECK(write(p[1], &stolen, sizeof(stolen)) == sizeof(stolen));
+    close(p[1]);
+    int status = -1;
+    CHECK(waitpid(thief, &status, 0) == thief);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK_EQ_INT(fetch_memfds(&stolen, fds, 256), 0);
+
+    /* No cookie (what a stranger without the token has): nothing. */
+    CHECK(raw_offer(port, "alpha", blob, sizeof(blob), &len));
+    handout_req_t good = req_of(blob), guess = good;
+    CHECK(getrandom(guess.cookie, sizeof(guess.cookie), 0) == sizeof(guess.cookie));
+    CHECK_EQ_INT(fetch_memfds(&guess, fds, 256), 0);
+
+    /* The right process with its own fresh cookie: the memfds, read-only. */
+    int n = fetch_memfds(&good, fds, 256);
+    CHECK_EQ_INT(n, NKV);
+    for (int i = 0; i < n && i < 256; i++) {
+        off_t size = lseek(fds[i], 0, SEEK_END);
+        CHECK(size == (off_t)PAGES * PAGE_B);
+        void *w = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fds[i], 0);
+        CHECK(w == MAP_FAILED && errno == EACCES);
+        uint8_t *r = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fds[i], 0);
+        CHECK(r != MAP_FAILED);
+        int same = 0;
+        for (int b = 0; r != MAP_FAILED && b < NKV; b++)
+            same |= memcmp(r, pre.kv[b], (size_t)size) == 0;
+        CHECK(same);                 /* it is the prefill's KV, not a copy */
+        if (r != MAP_FAILED)
+            munmap(r, (size_t)size);
+        CHECK(ftruncate(fds[i], 0) != 0);
+        /* Reopened for writing through /proc: the seals still refuse. */
+        char path[64];
+        snprintf(path, sizeof(path), "/proc/self/fd/%d", fds[i]);
+        int rw = open(path, O_RDWR | O_CLOEXEC);
+        if (rw >= 0) {
+            w = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0);
+            CHECK(w == MAP_FAILED && errno == EPERM);
+            CHECK(pwrite(rw, "x", 1, 0) < 0 && errno == EPERM);
+            CHECK(ftruncate(rw, 0) != 0);
+            close(rw);
+        }
+        close(fds[i]);
+    }
+    /* Used once: not twice. */
+    CHECK_EQ_INT(fetch_memfds(&good, fds, 256), 0);
+
+    /* And the real decode engine beside it gets its room. */
+    side_init(&dec, KVF_ROLE_DECODE, NULL, "alpha");
+    CHECK(legit_room(&pre, &dec, bs, 11));
+    CHECK(strcmp(kvf_engine_transport(dec.eng), "shm") == 0);
+    side_fini(&dec);
+    side_fini(&pre);
+    mem_alloc = 0;
+    transport = "tcp";
+}
+
+/* ---- what a remote key allows over UCX's tcp transport ------------------ */
+
+#ifdef KVF_HAVE_UCX
+#include <ucp/api/ucp.h>
+
+/*
+ * Someone who has a prefill's ucx offer (a token holder, or whoever reads
+ * the control stream on the wire: it is not encrypted) tries ucp_put with
+ * its remote key.  Regions are registered remote-read-only; this records
+ * what UCX over tcp makes of that, which docs/SECURITY.md states: it
+ * emulates remote access in software and does not check, so the bytes land.
+ * If this starts failing, UCX enforces the protection: update the doc.
+ */
+static void test_ucx_rkey_put_over_tcp(void)
+{
+    side_t pre;
+    uint8_t blob[1 << 16];
+    size_t len = 0;
+    clear_env();
+    setenv("UCX_TLS", "tcp", 1);
+    transport = "ucx";
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    transport = "tcp";
+    CHECK(raw_offer_of(port_of(pre.eng), "alpha", "ucx", blob, sizeof(blob), &len));
+    CHECK(len > 12);
+    /* The offer's region that is a KV buffer (regions come sorted by
+     * address, so the first may be the aux buffer). */
+    uint32_t alen = kvf_get_u32(blob + 4), nregs = kvf_get_u32(blob + 8 + alen);
+    const uint8_t *r = blob + 8 + alen + 4, *kv_r = NULL;
+    uint8_t *target = NULL;
+    for (uint32_t i = 0; i < nregs && target == NULL; i++) {
+        for (int b = 0; b < NKV; b++)
+            if ((uint64_t)(uintptr_t)pre.kv[b] == kvf_get_u64(r)) {
+                target = pre.kv[b];
+                kv_r = r;
+            }
+        r += 20 + kvf_get_u32(r + 16);
+    }
+    CHECK(target != NULL);
+    if (target == NULL) {
+        side_fini(&pre);
+        return;
+    }
+    uint64_t base = kvf_get_u64(kv_r);
+
+    ucp_config_t *cfg;
+    ucp_context_h ctx;
+    ucp_worker_h wk;
+    ucp_ep_h ep;
+    ucp_rkey_h rkey;
+    ucp_params_t pp = {.field_mask = UCP_PARAM_FIELD_FEATURES, .features = UCP_FEATURE_RMA};
+    ucp_worker_params_t wp = {.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+                              .thread_mode = UCS_THREAD_MODE_SINGLE};
+    CHECK(ucp_config_read(NULL, NULL, &cfg) == UCS_OK);
+    CHECK(ucp_init(&pp, cfg, &ctx) == UCS_OK);
+    ucp_config_release(cfg);
+    CHECK(ucp_worker_create(ctx, &wp, &wk) == UCS_OK);
+    ucp_ep_params_t ep_p = {.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS,
+                            .address = (const ucp_address_t *)(blob + 8)};
+    CHECK(ucp_ep_create(wk, &ep_p, &ep) == UCS_OK);
+    CHECK(ucp_ep_rkey_unpack(ep, kv_r + 20, &rkey) == UCS_OK);
+    static uint8_t evil[64];
+    memset(evil, 0xee, sizeof(evil));
+    ucp_request_param_t rp = {.op_attr_mask = 0};
+    ucs_status_ptr_t req = ucp_put_nbx(ep, evil, sizeof(evil), base, rkey, &rp);
+    ucs_status_t st = UCS_PTR_IS_ERR(req) ? UCS_PTR_STATUS(req) : UCS_OK;
+    if (UCS_PTR_IS_PTR(req)) {
+        while ((st = ucp_request_check_status(req)) == UCS_INPROGRESS)
+            ucp_worker_progress(wk);
+        ucp_request_free(req);
+    }
+    req = ucp_ep_flush_nbx(ep, &rp);
+    if (UCS_PTR_IS_PTR(req)) {
+        while (ucp_request_check_status(req) == UCS_INPROGRESS)
+            ucp_worker_progress(wk);
+        ucp_request_free(req);
+    }
+    int landed = memcmp(target, evil, sizeof(evil)) == 0;
+    fprintf(stderr, "  ucx over tcp: put with the offer's remote key: %s, bytes %s\n",
+            ucs_status_string(st), landed ? "landed (not enforced)" : "did not land");
+    CHECK(landed);
+    ucp_rkey_destroy(rkey);
+    req = ucp_ep_close_nbx(ep, &rp);
+    if (UCS_PTR_IS_PTR(req)) {
+        while (ucp_request_check_status(req) == UCS_INPROGRESS)
+            ucp_worker_progress(wk);
+        ucp_request_free(req);
+    }
+    ucp_worker_destroy(wk);
+    ucp_cleanup(ctx);
+    side_fini(&pre);
+}
+#else
+static void test_ucx_rkey_put_over_tcp(void)
+{
+    fprintf(stderr, "  (no UCX in this build)\n");
+}
+#endif
+
+/* ---- a prefill engine of protocol version 1 ---------------------------- */
+
+static void test_version1_peer(void)
+{
+    side_t dec;
+    char addr[64], err[256];
+    kvf_bootstrap_t *bs;
+    clear_env();
+    CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 0, &bs), KVF_OK);
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", kvf_bootstrap_port(bs));
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    socklen_t len = sizeof(sa);
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(lfd >= 0 && bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+          listen(lfd, 1) == 0);
+    getsockname(lfd, (struct sockaddr *)&sa, &len);
+    kvf_bs_reg_t reg = {
+        .attn_tp_size = 1, .attn_cp_size = 1, .attn_dp_size = 1, .pp_size = 1,
+        .system_dp_size = 1, .rank_ip = "127.0.0.1", .rank_port = ntohs(sa.sin_port),
+        .page_size = PAGE, .kv_cache_dtype = "bfloat16",
+    };
+    CHECK_EQ_INT(kvf__bs_register(addr, &reg, 3000, err, sizeof(err)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, NULL);
+    kvf_receiver_t *r;
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 5, -1, &r), KVF_OK);
+    struct pollfd pfd = {lfd, POLLIN, 0};
+    CHECK(poll(&pfd, 1, 5000) == 1);
+    int fd = accept(lfd, NULL, NULL);
+    /* What a version-1 prefill sends first: HELLO, magic and version 1. */
+    uint8_t frame[8 + 40] = {0};
+    kvf_put_u32(frame, 40);
+    frame[4] = KVF_MSG_HELLO;
+    kvf_put_u32(frame + 8, KVF_WIRE_MAGIC);
+    kvf_put_u16(frame + 12, 1);
+    CHECK(send(fd, frame, sizeof(frame), MSG_NOSIGNAL) == (ssize_t)sizeof(frame));
+    CHECK_EQ_INT(recv_wait(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
+    kvf_failure_t f;
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_VERSION);
+    CHECK_STR_CONTAINS(f.reason, "peer speaks kvferry wire protocol version 1, this build "
+                                 "speaks version 2");
+    /* And what it got from us: an AUTH, which it refuses as type 11. */
+    uint8_t h[8];
+    CHECK(wp_read(fd, h, sizeof(h), 5000) && h[4] == KVF_MSG_AUTH);
+    kvf_receiver_destroy(r);
+    close(fd);
+    close(lfd);
+    side_fini(&dec);
+    kvf_bootstrap_destroy(bs);
+}
+
+/* ---- protected mode ---------------------------------------------------- */
+
+static void test_protected_mode(void)
+{
+    side_t s;
+    clear_env();
+    /* No token: not on an address others can reach. */
+    CHECK_EQ_INT(side_try(&s, KVF_ROLE_DECODE, NULL, NULL, "0.0.0.0"), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "without a cluster token");
+    CHECK_STR_CONTAINS(kvf_last_error(), "KVF_AUTH_TOKEN");
+    CHECK_STR_CONTAINS(kvf_last_error(), "KVF_AUTH=none");
+    /* With a token, or with KVF_AUTH=none said explicitly: it may. */
+    CHECK_EQ_INT(side_try(&s, KVF_ROLE_DECODE, NULL, "alpha", "0.0.0.0"), KVF_OK);
+    kvf_engine_destroy(s.eng);
+    setenv("KVF_AUTH", "none", 1);
+    CHECK_EQ_INT(side_try(&s, KVF_ROLE_DECODE, NULL, NULL, "0.0.0.0"), KVF_OK);
+    kvf_engine_destroy(s.eng);
+    clear_env();
+
+    /* At accept, without a token: loopback only. */
+    CHECK_EQ_INT(side_try(&s, KVF_ROLE_DECODE, NULL, NULL, NULL), KVF_OK);
+    struct sockaddr_in far = {.sin_family = AF_INET}, near = {.sin_family = AF_INET};
+    struct sockaddr_in6 far6 = {.sin6_family = AF_INET6}, near6 = {.sin6_family = AF_INET6};
+    inet_pton(AF_INET, "10.1.2.3", &far.sin_addr);
+    inet_pton(AF_INET, "127.0.0.5", &near.sin_addr);
+    inet_pton(AF_INET6, "fe80::1", &far6.sin6_addr);
+    inet_pton(AF_INET6, "::ffff:127.0.0.1", &near6.sin6_addr);
+    kvf__lock(s.eng);
+    CHECK(!kvf__auth_admit(s.eng, (struct sockaddr *)&far));
+    CHECK(!kvf__auth_admit(s.eng, (struct sockaddr *)&far6));
+    CHECK(kvf__auth_admit(s.eng, (struct sockaddr *)&near));
+    CHECK(kvf__auth_admit(s.eng, (struct sockaddr *)&near6));
+    kvf__unlock(s.eng);
+    CHECK_EQ_INT(kvf_engine_auth_refused(s.eng), 2);
+    kvf_engine_destroy(s.eng);
+    /* ... and anyone may try the handshake once a token is set. */
+    CHECK_EQ_INT(side_try(&s, KVF_ROLE_DECODE, NULL, "alpha", NULL), KVF_OK);
+    kvf__lock(s.eng);
+    CHECK(kvf__auth_admit(s.eng, (struct sockaddr *)&far));
+    kvf__unlock(s.eng);
+    kvf_engine_destroy(s.eng);
+}
+
+KVF_TEST_MAIN(
+    KVF_CASE(test_mac_context),
+    KVF_CASE(test_wrong_token_refused),
+    KVF_CASE(test_stranger_without_token),
+    KVF_CASE(test_stranger_with_wrong_token),
+    KVF_CASE(test_strangers_over_shm),
+    KVF_CASE(test_strangers_over_ucx),
+    KVF_CASE(test_shm_handout),
+    KVF_CASE(test_ucx_rkey_put_over_tcp),
+    KVF_CASE(test_version1_peer),
+    KVF_CASE(test_protected_mode)
+)
