@@ -148,18 +148,31 @@ void kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st
     va_end(ap);
 }
 
+/* Fail a live room with a root cause seen here, telling every peer but
+ * `from`; a copy of the record goes to *out.  @return 1 when recorded. */
+static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
+                      kvf_status_t st, const char *fmt, va_list ap)
+{
+    if (room_final(r))
+        return 0;
+    kvf_failure_t *f = malloc(sizeof(*f));
+    if (f == NULL)
+        return 0;
+    failure_vset(f, r->eng, st, fmt, ap);
+    if (out != NULL) {
+        out->room = r->id;
+        out->failure = *f;
+    }
+    kvf__room_fail_record(r, f, from, st == KVF_ERR_ABORTED);
+    return 1;
+}
+
 void kvf__room_fail(kvf_room_t *r, kvf_status_t st, const char *fmt, ...)
 {
     va_list ap;
-    if (room_final(r))
-        return;
-    kvf_failure_t *f = malloc(sizeof(*f));
-    if (f == NULL)
-        return;
     va_start(ap, fmt);
-    failure_vset(f, r->eng, st, fmt, ap);
+    room_vfail(r, NULL, NULL, st, fmt, ap);
     va_end(ap);
-    kvf__room_fail_record(r, f, NULL, st == KVF_ERR_ABORTED);
 }
 
 kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m)
@@ -372,26 +385,20 @@ void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 /* ------------------------------------------------------------------------ */
 
 /* Fail a room because `p` failed: its other peers are told; `p` is not
- * (its peer code sends the FAIL itself, from the record kept in *out). */
-static void fail_for_peer(kvf_room_t *r, kvf_peer_t *p, kvf_room_failed_t *out,
-                          kvf_status_t st, const char *fmt, ...)
+ * (its peer code sends the FAIL itself, from the record kept in *out).
+ * @return 1 when recorded. */
+static int fail_for_peer(kvf_room_t *r, kvf_peer_t *p, kvf_room_failed_t *out,
+                         kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
 
-static void fail_for_peer(kvf_room_t *r, kvf_peer_t *p, kvf_room_failed_t *out,
-                          kvf_status_t st, const char *fmt, ...)
+static int fail_for_peer(kvf_room_t *r, kvf_peer_t *p, kvf_room_failed_t *out,
+                         kvf_status_t st, const char *fmt, ...)
 {
     va_list ap;
-    kvf_failure_t *f = malloc(sizeof(*f));
-    if (f == NULL)
-        return;
     va_start(ap, fmt);
-    failure_vset(f, r->eng, st, fmt, ap);
+    int done = room_vfail(r, p, out, st, fmt, ap);
     va_end(ap);
-    if (out != NULL) {
-        out->room = r->id;
-        out->failure = *f;
-    }
-    kvf__room_fail_record(r, f, p, 0);
+    return done;
 }
 
 int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
@@ -425,13 +432,15 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
                     cap = c;
                 }
             }
-            kvf_room_failed_t *out = nf < cap ? &failed[nf++] : NULL;
+            kvf_room_failed_t *out = nf < cap ? &failed[nf] : NULL;
+            int done;
             /* The first break is the root cause; say how reconnecting ended. */
             if (r->retries > 0 && r->last_err != NULL)
-                fail_for_peer(r, p, out, st, "%s; gave up after %u reconnects, the "
-                              "last: %s", r->last_err, r->retries, reason);
+                done = fail_for_peer(r, p, out, st, "%s; gave up after %u reconnects, "
+                                     "the last: %s", r->last_err, r->retries, reason);
             else
-                fail_for_peer(r, p, out, st, "%s", reason);
+                done = fail_for_peer(r, p, out, st, "%s", reason);
+            nf += done && out != NULL;
             continue;
         }
         for (uint32_t i = 0; i < r->nlinks; i++)
