@@ -270,6 +270,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
             continue;
         kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
         m.u.room_req.room = r->id;
+        m.u.room_req.instance = r->instance;
         m.u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
         m.u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
         m.u.room_req.attempt = lk->resume_instance ? r->retries : 0;
@@ -399,8 +400,13 @@ static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
     }
     kvf_link_t *lk = link_of(r, p);
     if (lk == NULL || !lk->req_sent) {
-        kvf_warn("%s sent data for room %llu, which did not ask it for any: discarded",
-                 kvf__peer_name(p, name, sizeof(name)), (unsigned long long)d->room);
+        kvf__room_dropped(p, "DATA", d->room, d->instance, "the room did not ask this "
+                          "peer for any; its bytes were discarded");
+        return NULL;
+    }
+    if (d->instance != r->instance) {
+        kvf__room_dropped(p, "DATA", d->room, d->instance, "it names another instance of "
+                          "the room (an earlier room with this id); its bytes were discarded");
         return NULL;
     }
     uint32_t k = 0;
@@ -692,6 +698,7 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_t by
     }
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = r->id;
+    ack.u.done_ack.instance = r->instance;
     ack.u.done_ack.status = KVF_OK;
     ack.u.done_ack.bytes = lk->bytes;
     kvf__peer_send(p, &ack);

@@ -17,6 +17,8 @@
 typedef struct kvf_link {
     kvf_peer_t    *peer;
     uint32_t       rank;          /* the peer's tp rank */
+    uint64_t       instance;      /* sender: the receiver's room instance, from
+                                     its ROOM_REQ: what it is bound to */
     int            idle;          /* the prefill rank sends nothing to this decode rank */
     kvf_slice_t    slice;         /* sender: what of each page goes to this peer */
     uint32_t      *pages;         /* sender: decode pages (n_pages) */
@@ -44,6 +46,8 @@ typedef struct kvf_link {
 struct kvf_room {
     kvf_engine_t    *eng;
     uint64_t         id;
+    uint64_t         instance;    /* receiver: this room's instance (wire.h),
+                                     drawn at create, kept across resumes */
     kvf_role_t       side;
     _Atomic int      state;       /* kvf_poll_t; written under the lock */
     /* I/O on its pages with the lock released: mover reads into a
@@ -77,6 +81,7 @@ typedef struct kvf_stash {
     kvf_link_t        link;        /* the parsed ROOM_REQ (pages owned) */
     uint32_t          expected;    /* expected_receivers */
     kvf_failure_t    *failure;     /* or a FAIL/ABORT for the room */
+    uint64_t          instance;    /* the room instance it names */
     struct kvf_stash *next;
 } kvf_stash_t;
 
@@ -109,6 +114,7 @@ void kvf__receiver_reads_done(kvf_engine_t *eng);
  */
 typedef struct kvf_room_failed {
     uint64_t      room;
+    uint64_t      instance;       /* the room instance the peer knows it by */
     kvf_failure_t failure;
 } kvf_room_failed_t;
 int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer, kvf_status_t st,
@@ -171,6 +177,15 @@ static inline int room_final(const kvf_room_t *r)
 {
     kvf_poll_t s = room_state(r);
     return s == KVF_POLL_FAILED || s == KVF_POLL_SUCCESS;
+}
+
+/* Sender: the link bound to this peer and room instance, or NULL. */
+static inline kvf_link_t *link_bound(kvf_room_t *r, const kvf_peer_t *p, uint64_t instance)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].peer == p && r->links[i].instance == instance)
+            return &r->links[i];
+    return NULL;
 }
 
 static inline kvf_link_t *link_of(kvf_room_t *r, const kvf_peer_t *p)
@@ -248,8 +263,16 @@ void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
 /* Tell `to` the room failed (its record), if the connection is up. */
 void           kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
-void           kvf__send_fail(kvf_peer_t *to, uint64_t room, const kvf_failure_t *f,
-                              int abort);
+void           kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
+                              const kvf_failure_t *f, int abort);
+/* A room message from `p` that the room is not bound to (another peer,
+ * another instance): counted, logged at most once per KVF_DROP_LOG_MS,
+ * and otherwise ignored; it never fails the room. */
+#define KVF_DROP_LOG_MS 10000
+void           kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room,
+                                 uint64_t instance, const char *why);
+/* Prefill: did a destroyed sender serve this room instance? */
+int            kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance);
 /* Record `f` (owned) as the root cause and tell every peer but `from`. */
 void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
                                      int abort);
@@ -263,12 +286,13 @@ void kvf__sender_free(kvf_sender_t *s);
 /* Keep a destroyed failed sender's record, to answer late requests. */
 void kvf__sender_bury(kvf_room_t *r);
 /* A decode rank names a room whose sender is gone: tell it so. */
-void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room);
+void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance);
 void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
-void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m);
+void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
+                             const kvf_msg_done_ack_t *m);
 /* A ROOM_REQ (lk) or a failure (f) for a room whose sender does not exist yet. */
-void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_t expected,
-                           kvf_failure_t *f);
+void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
+                           uint32_t expected, kvf_failure_t *f);
 
 /* receiver.c */
 /* Free what only a receiver holds (its room is being freed). */

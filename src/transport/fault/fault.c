@@ -326,6 +326,7 @@ static void fault_put(kvf_conn_t *c, kvf_put_t *inner)
     fp->put.next = fput_next;
     fp->put.complete = fput_complete;
     fp->put.room = inner->room;
+    fp->put.instance = inner->instance;
     fp->put.src_rank = inner->src_rank;
     fp->put.by_ref = inner->by_ref;
     fp->inner = inner;

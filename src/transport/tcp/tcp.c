@@ -473,6 +473,7 @@ static int build_frame(kvf_tcp_conn_t *c)
     }
     kvf_msg_t m = {.type = p->by_ref ? KVF_MSG_DATA_REF : KVF_MSG_DATA};
     m.u.data.room = p->room;
+    m.u.data.instance = p->instance;
     m.u.data.src_rank = p->src_rank;
     m.u.data.payload_len = payload;
     m.u.data.nseg = n;
