@@ -548,6 +548,22 @@ uint64_t kvf_engine_auth_refused(kvf_engine_t *eng)
     return n;
 }
 
+uint64_t kvf_engine_room_msgs_dropped(kvf_engine_t *eng)
+{
+    kvf__lock(eng);
+    uint64_t n = eng->room_msgs_dropped;
+    kvf__unlock(eng);
+    return n;
+}
+
+uint64_t kvf_engine_stash_dropped(kvf_engine_t *eng)
+{
+    kvf__lock(eng);
+    uint64_t n = eng->stash_dropped;
+    kvf__unlock(eng);
+    return n;
+}
+
 static void accept_all(kvf_engine_t *eng)
 {
     for (;;) {

@@ -106,6 +106,10 @@ struct kvf_engine {
     kvf_map_t           rooms_by_id;      /* attached rooms */
     kvf_room_t         *rooms;            /* list of the same */
     kvf_map_t           stash;            /* prefill: room id -> kvf_stash_t* */
+    struct kvf_stash   *stash_oldest, *stash_newest; /* every entry, in order */
+    size_t              stash_count, stash_bytes;    /* bounded (room.h) */
+    uint64_t            stash_dropped;    /* entries dropped to stay bounded */
+    uint64_t            stash_log_ms, stash_unlogged;
     kvf_map_t           tombs;            /* prefill: room id -> kvf_failure_t* */
     uint64_t           *tomb_ring;        /* their ids, oldest at tomb_head */
     size_t              tomb_head, ntombs;

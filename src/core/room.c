@@ -700,13 +700,5 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
                        limit / 1000.0, detail);
     }
     /* Destinations whose sender never came. */
-    for (size_t i = 0; i < eng->stash.cap; i++) {
-        kvf_stash_t *s = eng->stash.slots[i].val;
-        if (s == NULL || now - s->t_ms < pr->bootstrap_timeout_ms)
-            continue;
-        uint64_t room = eng->stash.slots[i].key;
-        kvf_debug("dropping stale destinations for room %llu", (unsigned long long)room);
-        kvf__stash_free(kvf_map_del(&eng->stash, room));
-        i--;  /* backward shift may have moved an entry into slot i */
-    }
+    kvf__stash_expire(eng, now);
 }

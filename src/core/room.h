@@ -74,9 +74,21 @@ struct kvf_room {
      * (room.h), each starting with this struct. */
 };
 
-/* A destination that arrived before its sender existed. */
+/*
+ * A destination (or a FAIL) that arrived before its sender existed.  Per
+ * room id a chain, newest first (engine->stash); engine-wide a FIFO of
+ * every entry, oldest first, so that the stashes are bounded in count and
+ * bytes (KVF_STASH_MAX, KVF_STASH_BYTES) by dropping the oldest.
+ */
+#define KVF_STASH_MAX   32768
+#define KVF_STASH_BYTES (32u << 20)
+
 typedef struct kvf_stash {
     kvf_peer_t       *peer;
+    uint64_t          room;
+    size_t            bytes;       /* what it holds, as the bound counts it */
+    int               queued;      /* in the engine's FIFO */
+    struct kvf_stash *older, *newer; /* the FIFO */
     uint64_t          t_ms;
     kvf_link_t        link;        /* the parsed ROOM_REQ (pages owned) */
     uint32_t          expected;    /* expected_receivers */
@@ -84,6 +96,18 @@ typedef struct kvf_stash {
     uint64_t          instance;    /* the room instance it names */
     struct kvf_stash *next;
 } kvf_stash_t;
+
+/*
+ * A destroyed failed sender's record (engine->tombs): its failure and the
+ * decode ranks whose destination it had bound.  A request from one of
+ * those ranks with a new instance is a retry (the id reused); one from a
+ * rank it never heard from is that rank's late request for this room.
+ */
+typedef struct kvf_tomb {
+    kvf_failure_t f;               /* first: the record */
+    uint32_t      nranks;
+    uint32_t      ranks[];
+} kvf_tomb_t;
 
 /* room.c */
 void kvf__room_put(kvf_room_t *room);
@@ -281,6 +305,8 @@ kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 /* sender.c */
 /* Free a chain of stashed destinations. */
 void kvf__stash_free(kvf_stash_t *s);
+/* Drop what waited longer than the bootstrap deadline for its sender. */
+void kvf__stash_expire(kvf_engine_t *eng, uint64_t now);
 /* Free what only a sender holds (its room is being freed). */
 void kvf__sender_free(kvf_sender_t *s);
 /* Keep a destroyed failed sender's record, to answer late requests. */

@@ -365,7 +365,15 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
         free(bad);
         return;
     }
+    if (room_state(r) == KVF_POLL_FAILED && slot == NULL) {
+        /* A rank it never heard from, late: the room failed without it. */
+        kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+        free(bad);
+        return;
+    }
     if (room_final(r)) {
+        /* A new instance for a rank that was served: the id reused, for
+         * the next sender the application creates with it. */
         kvf__sender_stash_add(p, r->id, req->instance, req, expected, bad);
         return;
     }
@@ -389,6 +397,8 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     add_destination(r, p, req, expected);
 }
 
+static void stash_unqueue(kvf_engine_t *eng, kvf_stash_t *s);
+
 /* A FAIL that came before its sender: does it concern this room? */
 static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
 {
@@ -406,6 +416,9 @@ static void stash_apply(kvf_room_t *r)
     kvf_stash_t *s = kvf_map_del(&r->eng->stash, r->id), *old = NULL;
     while (s != NULL) {          /* the chain is newest first */
         kvf_stash_t *n = s->next;
+        /* Out of the FIFO now: what take_request stashes again may make
+         * the bound drop the oldest entries, never one of these. */
+        stash_unqueue(r->eng, s);
         s->next = old;
         old = s;
         s = n;
@@ -445,16 +458,90 @@ void kvf__sender_free(kvf_sender_t *s)
     free(s->state_src);
 }
 
+/* Out of the engine's FIFO (no-op if it is not in it). */
+static void stash_unqueue(kvf_engine_t *eng, kvf_stash_t *s)
+{
+    if (!s->queued)
+        return;
+    if (s->older)
+        s->older->newer = s->newer;
+    else
+        eng->stash_oldest = s->newer;
+    if (s->newer)
+        s->newer->older = s->older;
+    else
+        eng->stash_newest = s->older;
+    s->older = s->newer = NULL;
+    s->queued = 0;
+    eng->stash_count--;
+    eng->stash_bytes -= s->bytes;
+}
+
 void kvf__stash_free(kvf_stash_t *s)
 {
     while (s != NULL) {
         kvf_stash_t *n = s->next;
+        stash_unqueue(s->peer->eng, s);
         free(s->link.pages);
         free(s->link.state_slots);
         free(s->failure);
         kvf__peer_put(s->peer);
         free(s);
         s = n;
+    }
+}
+
+/* Take one entry out of its room's chain and free it. */
+static void stash_forget(kvf_engine_t *eng, kvf_stash_t *o)
+{
+    kvf_stash_t *head = kvf_map_get(&eng->stash, o->room);
+    if (head == o) {
+        if (o->next != NULL)
+            kvf_map_put(&eng->stash, o->room, o->next);   /* replaces: no memory */
+        else
+            kvf_map_del(&eng->stash, o->room);
+    } else {
+        for (kvf_stash_t *c = head; c != NULL; c = c->next)
+            if (c->next == o) {
+                c->next = o->next;
+                break;
+            }
+    }
+    o->next = NULL;
+    kvf__stash_free(o);
+}
+
+/* Drop the oldest entry to make room: counted, logged at most once per
+ * KVF_DROP_LOG_MS. */
+static void stash_drop_oldest(kvf_engine_t *eng)
+{
+    kvf_stash_t *o = eng->stash_oldest;
+    uint64_t now = kvf_now_ms();
+    eng->stash_dropped++;
+    if (eng->stash_log_ms != 0 && now - eng->stash_log_ms < KVF_DROP_LOG_MS) {
+        eng->stash_unlogged++;
+    } else {
+        char name[128];
+        kvf_warn("prefill rank %d: more messages wait for rooms that have no sender yet "
+                 "than it keeps (%d messages, %u MiB): dropped the oldest, for room %llu "
+                 "from %s (%llu more dropped since the last such line); is a decode "
+                 "engine asking for rooms this prefill never creates?",
+                 eng->params.tp_rank, KVF_STASH_MAX, KVF_STASH_BYTES >> 20,
+                 (unsigned long long)o->room, kvf__peer_name(o->peer, name, sizeof(name)),
+                 (unsigned long long)eng->stash_unlogged);
+        eng->stash_log_ms = now;
+        eng->stash_unlogged = 0;
+    }
+    stash_forget(eng, o);
+}
+
+void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
+{
+    while (eng->stash_oldest != NULL &&
+           now - eng->stash_oldest->t_ms >= eng->params.bootstrap_timeout_ms) {
+        kvf_debug("dropping a stale destination for room %llu",
+                  (unsigned long long)eng->stash_oldest->room);
+        stash_forget(eng, eng->stash_oldest);
     }
 }
 
@@ -684,12 +771,13 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
 void kvf__sender_bury(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
-    kvf_failure_t *f = malloc(sizeof(*f));
-    if (f == NULL || r->failure == NULL) {
-        free(f);
+    kvf_tomb_t *f = r->failure ? malloc(sizeof(*f) + r->nlinks * sizeof(uint32_t)) : NULL;
+    if (f == NULL)
         return;
-    }
-    *f = *r->failure;
+    f->f = *r->failure;
+    f->nranks = r->nlinks;
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        f->ranks[i] = r->links[i].rank;
     if (eng->ntombs == KVF_TOMBS) {       /* forget the oldest */
         free(kvf_map_del(&eng->tombs, eng->tomb_ring[eng->tomb_head]));
         eng->tomb_head = (eng->tomb_head + 1) % KVF_TOMBS;
@@ -738,11 +826,30 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_
     s->expected = expected;
     s->failure = f;
     s->instance = instance;
+    s->room = room;
+    s->bytes = sizeof(*s) + (size_t)s->link.n_pages * sizeof(uint32_t) +
+               (size_t)s->link.n_state * sizeof(uint32_t) + (f ? sizeof(*f) : 0);
+    /* Bounded engine-wide: whoever sends messages for rooms that never
+     * come must not grow this process (docs/SECURITY.md). */
+    while (eng->stash_oldest != NULL && (eng->stash_count >= KVF_STASH_MAX ||
+                                         eng->stash_bytes + s->bytes > KVF_STASH_BYTES))
+        stash_drop_oldest(eng);
     kvf_stash_t *older = kvf_map_get(&eng->stash, room);
-    if (kvf_map_put(&eng->stash, room, s) != KVF_OK)
+    if (s->bytes > KVF_STASH_BYTES || kvf_map_put(&eng->stash, room, s) != KVF_OK) {
+        eng->stash_dropped++;
         kvf__stash_free(s);
+        return;
+    }
+    s->next = older;
+    s->queued = 1;
+    s->older = eng->stash_newest;
+    if (eng->stash_newest)
+        eng->stash_newest->newer = s;
     else
-        s->next = older;
+        eng->stash_oldest = s;
+    eng->stash_newest = s;
+    eng->stash_count++;
+    eng->stash_bytes += s->bytes;
 }
 
 /*
@@ -797,6 +904,14 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     return 1;
 }
 
+static int tomb_has_rank(const kvf_tomb_t *t, uint32_t rank)
+{
+    for (uint32_t i = 0; i < t->nranks; i++)
+        if (t->ranks[i] == rank)
+            return 1;
+    return 0;
+}
+
 void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
 {
     kvf_engine_t *eng = p->eng;
@@ -842,8 +957,13 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
             kvf__failure_set(f, eng, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
     }
     lk.instance = m->instance;
-    if (r == NULL && (m->attempt > 0 || kvf__instance_retired(eng, m->instance))) {
-        /* Resuming, or asking late, for a room instance whose sender is gone. */
+    const kvf_tomb_t *tomb = r == NULL ? kvf_map_get(&eng->tombs, m->room) : NULL;
+    if (r == NULL && (m->attempt > 0 || kvf__instance_retired(eng, m->instance) ||
+                      (tomb != NULL && !tomb_has_rank(tomb, m->dst_rank)))) {
+        /* Resuming, or asking late, for a room whose sender is gone: a
+         * rank the failed sender never heard from, or an instance it
+         * served.  (A new instance from a rank it had bound is a retry
+         * with the id reused: stashed for the next sender.) */
         kvf__sender_answer_gone(p, m->room, m->instance);
         free(f);
     } else if (r == NULL) {

@@ -19,7 +19,7 @@
 #include <sys/socket.h>
 
 #include "bootstrap/bootstrap.h"
-#include "core/engine.h"
+#include "core/room.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_test.h"
 #include "unit/kvf_wire_peer.h"
@@ -117,13 +117,7 @@ static kvf_poll_t wait_tx(kvf_sender_t *t, kvf_poll_t want)
 }
 
 /* Room messages an engine dropped as not its rooms' (room.c). */
-static uint64_t dropped(kvf_engine_t *eng)
-{
-    kvf__lock(eng);
-    uint64_t n = eng->room_msgs_dropped;
-    kvf__unlock(eng);
-    return n;
-}
+static uint64_t dropped(kvf_engine_t *eng) { return kvf_engine_room_msgs_dropped(eng); }
 
 /* Wait until the engine has dropped at least `n` (5 s at most). */
 static int wait_dropped(kvf_engine_t *eng, uint64_t n)
@@ -688,8 +682,91 @@ static void test_refused_receiver_fails_at_once(void)
     side_fini(&pre);
 }
 
+/*
+ * 200,000 ABORTs for room ids no sender will ever have, from an
+ * authenticated decode engine (it once grew a prefill engine by ~160 MiB
+ * for the bootstrap deadline): the prefill engine keeps at most
+ * KVF_STASH_MAX of them and KVF_STASH_BYTES, drops the oldest and counts
+ * them; a room asked for after the flood still binds and succeeds.
+ */
+static void test_stashes_are_bounded(void)
+{
+    enum { N = 200000 };
+    side_t pre;
+    fake_t *d = calloc(1, sizeof(*d));
+    kvf_buf_t b;
+    kvf_msg_t m;
+    uint32_t dpage = 2, spage = 3;
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    fake_decode_connect(d, pre.eng);
+    kvf_buf_init(&b);
+    for (uint32_t i = 0; i < N; i++) {
+        kvf_msg_t a = fail_msg(1000000 + i, 0x100 + i, "nobody creates this room");
+        a.type = KVF_MSG_ABORT;
+        a.u.fail.status = KVF_ERR_ABORTED;
+        CHECK_EQ_INT(kvf_wire_encode(&b, &a), KVF_OK);
+        if (b.len >= (1u << 20) || i == N - 1) {
+            for (size_t off = 0; off < b.len;) {
+                ssize_t n = send(d->fd, b.data + off, b.len - off, MSG_NOSIGNAL);
+                CHECK(n > 0);
+                if (n <= 0)
+                    break;
+                off += (size_t)n;
+            }
+            b.len = 0;
+        }
+    }
+    kvf_buf_free(&b);
+    size_t count = 0, bytes = 0;
+    for (int i = 0; i < 60000; i++) {
+        kvf__lock(pre.eng);
+        count = pre.eng->stash_count;
+        bytes = pre.eng->stash_bytes;
+        kvf__unlock(pre.eng);
+        if (count + kvf_engine_stash_dropped(pre.eng) >= N)
+            break;
+        sleep_ms(1);
+    }
+    CHECK(count + kvf_engine_stash_dropped(pre.eng) == N);
+    CHECK(count <= KVF_STASH_MAX);
+    CHECK(bytes <= KVF_STASH_BYTES);
+    CHECK(kvf_engine_stash_dropped(pre.eng) >= N - KVF_STASH_MAX);
+
+    /* A room's request after the flood, then its sender: bound, served. */
+    for (int b2 = 0; b2 < NKV; b2++)
+        memset(pre.kv[b2] + spage * PAGE_B, 0x40 + b2, PAGE_B);
+    kvf_msg_t req = room_req(5, 0x5555, &dpage);
+    fake_send(d, &req, NULL, 0);
+    for (int i = 0; i < 5000; i++) {
+        kvf__lock(pre.eng);
+        int there = kvf_map_get(&pre.eng->stash, 5) != NULL;
+        kvf__unlock(pre.eng);
+        if (there)
+            break;
+        sleep_ms(1);
+    }
+    kvf_sender_t *s = sender(&pre, 5);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+    CHECK(fake_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 5 &&
+          m.u.done.instance == 0x5555 && m.u.done.bytes == ROOM_BYTES);
+    kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
+    ack.u.done_ack.room = 5;
+    ack.u.done_ack.instance = 0x5555;
+    ack.u.done_ack.bytes = ROOM_BYTES;
+    fake_send(d, &ack, NULL, 0);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    kvf_sender_destroy(s);
+    fake_close(d);
+    free(d);
+    side_fini(&pre);
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
               KVF_CASE(test_reused_id_gets_only_its_own_frames),
               KVF_CASE(test_reused_id_real_engines),
               KVF_CASE(test_sender_takes_only_its_peer_and_instance),
-              KVF_CASE(test_refused_receiver_fails_at_once))
+              KVF_CASE(test_refused_receiver_fails_at_once),
+              KVF_CASE(test_stashes_are_bounded))
