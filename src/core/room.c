@@ -32,6 +32,7 @@ static void link_free(kvf_link_t *l)
         kvf__peer_put(l->peer);
     free(l->pages);
     free(l->state_slots);
+    free(l->cover);
     if (l->hash)
         XXH3_freeState(l->hash);
 }

@@ -35,6 +35,11 @@ typedef struct kvf_link {
     int            broken;        /* its connection broke; a reconnect may resume it */
     uint64_t       resume_instance; /* receiver: the peer instance to resume with */
     XXH3_state_t  *hash;          /* checksum of this peer's bytes, or NULL */
+    /* Receiver: exact coverage, one bit per destination unit this peer
+     * writes, set when a segment naming it is accepted: per (KV buffer,
+     * page index, token) of the room, then per aux buffer, then per state
+     * buffer (receiver.c, cover_mark).  A unit named twice fails the room. */
+    uint8_t       *cover;
     uint32_t       reads;         /* receiver, pull: mover reads in flight */
     /* Receiver, pull: a DONE that came while reads were in flight, checked
      * once they end. */

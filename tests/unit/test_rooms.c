@@ -218,9 +218,15 @@ static void fake_prefill_listen(fake_t *f, kvf_bootstrap_t **bs_p, char *bs, siz
 
 /* Take the decode engine's connection and run the handshake as a prefill
  * rank that offers nothing but DATA frames. */
-static void fake_prefill_accept(fake_t *f)
+static void fake_prefill_accept_caps(fake_t *f, uint32_t caps);
+
+static void fake_prefill_accept(fake_t *f) { fake_prefill_accept_caps(f, 0); }
+
+/* The same, offering (and expecting accepted) capabilities `caps`. */
+static void fake_prefill_accept_caps(fake_t *f, uint32_t caps)
 {
     kvf_msg_t m;
+    uint8_t blob[4];
     struct pollfd pfd = {f->lfd, POLLIN, 0};
     CHECK(poll(&pfd, 1, 5000) == 1);
     f->fd = accept(f->lfd, NULL, NULL);
@@ -229,6 +235,11 @@ static void fake_prefill_accept(fake_t *f)
     CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
     fake_hello(f, KVF_ROLE_PREFILL);
     kvf_msg_t x = {.type = KVF_MSG_XPORT};
+    if (caps != 0) {
+        kvf_put_u32(blob, caps);
+        x.u.xport.x[x.u.xport.count++] =
+            (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, blob, 4};
+    }
     fake_send(f, &x, NULL, 0);
     CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
 }
@@ -533,6 +544,139 @@ static void test_reused_id_real_engines(void)
     side_fini(&pre);
 }
 
+/* DATA for `room` with the given segments and pattern-0 payload. */
+static void fake_segs(fake_t *f, uint64_t room, uint64_t inst, const kvf_wire_seg_t *segs,
+                      uint32_t n, int strided)
+{
+    static uint8_t payload[4 * ROOM_BYTES];
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < n; i++)
+        bytes += kvf_wire_seg_bytes(&segs[i]);
+    CHECK(bytes <= sizeof(payload));
+    for (size_t i = 0; i < bytes; i++)
+        payload[i] = pat(0, i);
+    kvf_msg_t m = {.type = KVF_MSG_DATA};
+    m.u.data.room = room;
+    m.u.data.instance = inst;
+    m.u.data.payload_len = bytes;
+    m.u.data.nseg = n;
+    m.u.data.segs = segs;
+    m.u.data.strided = (uint8_t)strided;
+    fake_send(f, &m, payload, bytes);
+}
+
+static void fake_done(fake_t *f, uint64_t room, uint64_t inst, uint64_t bytes)
+{
+    kvf_msg_t d = {.type = KVF_MSG_DONE};
+    d.u.done.room = room;
+    d.u.done.instance = inst;
+    d.u.done.bytes = bytes;
+    fake_send(f, &d, NULL, 0);
+}
+
+#define KV(b, off, len, cnt, str) \
+    ((kvf_wire_seg_t){KVF_BUF_KV, (b), (off), (len), (cnt), (str), (str)})
+
+/*
+ * Exact coverage.  A peer bound to the room sends the right total of
+ * bytes but places some destination bytes twice and leaves others out:
+ * room 300 gets page 20 of every KV buffer twice and page 21 never; room
+ * 301 gets token 2 of page 30 in buffer 1 twice (a strided segment, then a
+ * plain one) and token 3 never; room 302 a piece that is not whole tokens.
+ * Each fails with KVF_ERR_PROTOCOL and a reason naming what was repeated,
+ * before DONE could call it complete; nothing of the offending frame is
+ * placed.  Room 303, sent right, succeeds byte for byte.
+ */
+static void test_each_byte_counts_once(void)
+{
+    enum { NR = 4 };
+    static const uint32_t pages[NR][2] = {{20, 21}, {30, 0}, {40, 0}, {50, 51}};
+    static const uint32_t npages[NR] = {2, 1, 1, 2};
+    const uint64_t tok = PAGE_B / PAGE;
+    fake_t *a = calloc(1, sizeof(*a));
+    kvf_bootstrap_t *bs;
+    char addr[64];
+    side_t dec;
+    kvf_msg_t m;
+    kvf_receiver_t *r[NR];
+    uint64_t inst[NR] = {0};
+    kvf_failure_t f;
+
+    fake_prefill_listen(a, &bs, addr, sizeof(addr));
+    side_init(&dec, KVF_ROLE_DECODE, addr, 0);
+    for (int i = 0; i < NR; i++) {
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 300 + (uint64_t)i, -1, &r[i]),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[i], pages[i], npages[i], (uint32_t)i, NULL, 0),
+                     KVF_OK);
+    }
+    fake_prefill_accept_caps(a, KVF_CAP_STRIDED);
+    for (int i = 0; i < NR; i++) {
+        CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room - 300 < NR);
+        inst[(m.u.room_req.room - 300) % NR] = m.u.room_req.instance;
+    }
+
+    /* Room 300: page 20 twice per buffer, page 21 never; the total is right. */
+    kvf_wire_seg_t s1[2 * NKV + 1];
+    for (int b = 0; b < NKV; b++) {
+        s1[2 * b] = KV((uint32_t)b, 20 * (uint64_t)PAGE_B, PAGE_B, 1, 0);
+        s1[2 * b + 1] = KV((uint32_t)b, 20 * (uint64_t)PAGE_B, PAGE_B, 1, 0);
+    }
+    s1[2 * NKV] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 0 * AUX_B, AUX_B, 1, 0, 0};
+    fake_segs(a, 300, inst[0], s1, 2 * NKV + 1, 0);
+    fake_done(a, 300, inst[0], 2 * NKV * PAGE_B + AUX_B);
+    CHECK_EQ_INT(wait_rx(r[0], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[0], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(f.reason, "segment 1: token 0 of page 20 of KV buffer 0");
+    CHECK_STR_CONTAINS(f.reason, "written a second time");
+    CHECK(page_is_zero(&dec, 20) && page_is_zero(&dec, 21));
+
+    /* Room 301, strided: buffer 1's tokens 0..2, then token 2 again. */
+    kvf_wire_seg_t s2[NKV + 2];
+    for (int b = 0; b < NKV; b++)
+        s2[b] = b == 1 ? KV(1, 30 * (uint64_t)PAGE_B, (uint32_t)tok, 3, tok)
+                       : KV((uint32_t)b, 30 * (uint64_t)PAGE_B, (uint32_t)tok, PAGE, tok);
+    s2[NKV] = KV(1, 30 * (uint64_t)PAGE_B + 2 * tok, (uint32_t)tok, 1, 0);
+    s2[NKV + 1] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 1 * AUX_B, AUX_B, 1, 0, 0};
+    fake_segs(a, 301, inst[1], s2, NKV + 2, 1);
+    fake_done(a, 301, inst[1], NKV * PAGE_B + AUX_B);
+    CHECK_EQ_INT(wait_rx(r[1], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[1], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(f.reason, "token 2 of page 30 of KV buffer 1");
+    CHECK(page_is_zero(&dec, 30));
+
+    /* Room 302: half a token. */
+    kvf_wire_seg_t s3 = KV(0, 40 * (uint64_t)PAGE_B + tok / 2, (uint32_t)tok, 1, 0);
+    fake_segs(a, 302, inst[2], &s3, 1, 0);
+    CHECK_EQ_INT(wait_rx(r[2], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[2], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(f.reason, "are not whole tokens");
+
+    /* Room 303, right: two pages in one segment per buffer, and aux. */
+    kvf_wire_seg_t s4[NKV + 1];
+    for (int b = 0; b < NKV; b++)
+        s4[b] = KV((uint32_t)b, 50 * (uint64_t)PAGE_B, 2 * PAGE_B, 1, 0);
+    s4[NKV] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 3 * AUX_B, AUX_B, 1, 0, 0};
+    fake_segs(a, 303, inst[3], s4, NKV + 1, 0);
+    fake_done(a, 303, inst[3], 2 * NKV * PAGE_B + AUX_B);
+    CHECK_EQ_INT(wait_rx(r[3], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    int same = 1;
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < 2 * PAGE_B; i++)
+            same &= dec.kv[b][50 * PAGE_B + i] == pat(0, (size_t)b * 2 * PAGE_B + i);
+    CHECK(same);
+
+    for (int i = 0; i < NR; i++)
+        kvf_receiver_destroy(r[i]);
+    side_fini(&dec);
+    fake_close(a);
+    free(a);
+    kvf_bootstrap_destroy(bs);
+}
+
 /* A real sender for room `id`, one page from src, aux slot 1. */
 static kvf_sender_t *sender(side_t *pre, uint64_t id)
 {
@@ -769,4 +913,5 @@ KVF_TEST_MAIN(KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
               KVF_CASE(test_reused_id_real_engines),
               KVF_CASE(test_sender_takes_only_its_peer_and_instance),
               KVF_CASE(test_refused_receiver_fails_at_once),
-              KVF_CASE(test_stashes_are_bounded))
+              KVF_CASE(test_stashes_are_bounded),
+              KVF_CASE(test_each_byte_counts_once))
