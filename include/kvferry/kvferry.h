@@ -541,6 +541,23 @@ KVF_API void kvf_engine_stats(kvf_engine_t *engine, kvf_engine_stats_t *stats_p)
  */
 KVF_API uint64_t kvf_engine_auth_refused(kvf_engine_t *engine);
 
+/**
+ * Room messages this engine dropped since it started because they came
+ * from an authenticated peer the room is not bound to, or named another
+ * instance of the room (an earlier room with the same id): a stale retry,
+ * a buggy or hostile rank.  They changed nothing (docs/SECURITY.md, "Token
+ * holders").  Not in kvf_engine_stats_t, for the reason above.  Any thread.
+ */
+KVF_API uint64_t kvf_engine_room_msgs_dropped(kvf_engine_t *engine);
+
+/**
+ * Prefill: messages kept for rooms that had no sender yet (destinations,
+ * failures) that this engine dropped, oldest first, to stay within its
+ * bound (32768 messages and 32 MiB engine-wide), since it started.  Not in
+ * kvf_engine_stats_t, for the reason above.  Any thread.
+ */
+KVF_API uint64_t kvf_engine_stash_dropped(kvf_engine_t *engine);
+
 /* ------------------------------------------------------------------------ */
 /* Bootstrap registry                                                       */
 /* ------------------------------------------------------------------------ */

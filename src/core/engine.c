@@ -156,6 +156,7 @@ static void engine_free(kvf_engine_t *eng)
     free(eng->reg_lens);
     kvf_faults_free(eng->faults);
     free(eng->tomb_ring);
+    free(eng->retired_ring);
     free(eng->register_error);
     OPENSSL_cleanse(eng->token, sizeof(eng->token));
     free(eng->host);
@@ -207,14 +208,16 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     kvf_map_init(&eng->rooms_by_id);
     kvf_map_init(&eng->stash);
     kvf_map_init(&eng->tombs);
+    kvf_map_init(&eng->retired);
 
     st = KVF_ERR_NO_MEMORY;
     eng->tomb_ring = calloc(KVF_TOMBS, sizeof(uint64_t));
+    eng->retired_ring = calloc(KVF_RETIRED, sizeof(uint64_t));
     eng->host = strdup(params->host);
     eng->transport = strdup(params->transport ? params->transport : "auto");
     if (params->bootstrap_addr)
         eng->bootstrap_addr = strdup(params->bootstrap_addr);
-    if (!eng->host || !eng->transport || !eng->tomb_ring ||
+    if (!eng->host || !eng->transport || !eng->tomb_ring || !eng->retired_ring ||
         (params->bootstrap_addr && !eng->bootstrap_addr))
         goto err;
     eng->params.host = eng->host;
@@ -336,6 +339,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     for (size_t i = 0; i < eng->tombs.cap; i++)
         free(eng->tombs.slots[i].val);
     kvf_map_free(&eng->tombs);
+    kvf_map_free(&eng->retired);
     kvf_map_free(&eng->rooms_by_id);
     engine_free(eng);
 }
@@ -540,6 +544,22 @@ uint64_t kvf_engine_auth_refused(kvf_engine_t *eng)
 {
     kvf__lock(eng);
     uint64_t n = eng->auth_refused;
+    kvf__unlock(eng);
+    return n;
+}
+
+uint64_t kvf_engine_room_msgs_dropped(kvf_engine_t *eng)
+{
+    kvf__lock(eng);
+    uint64_t n = eng->room_msgs_dropped;
+    kvf__unlock(eng);
+    return n;
+}
+
+uint64_t kvf_engine_stash_dropped(kvf_engine_t *eng)
+{
+    kvf__lock(eng);
+    uint64_t n = eng->stash_dropped;
     kvf__unlock(eng);
     return n;
 }

@@ -68,6 +68,7 @@ typedef struct kvf_layout_int {
 } kvf_layout_int_t;
 
 #define KVF_TOMBS 4096   /* failure records kept for destroyed senders */
+#define KVF_RETIRED 16384 /* room instances of destroyed senders remembered */
 #define KVF_HANDSHAKE_TIMEOUT_MS 5000   /* handshake_timeout_ms 0 means this */
 
 
@@ -105,9 +106,24 @@ struct kvf_engine {
     kvf_map_t           rooms_by_id;      /* attached rooms */
     kvf_room_t         *rooms;            /* list of the same */
     kvf_map_t           stash;            /* prefill: room id -> kvf_stash_t* */
+    struct kvf_stash   *stash_oldest, *stash_newest; /* every entry, in order */
+    size_t              stash_count, stash_bytes;    /* bounded (room.h) */
+    uint64_t            stash_dropped;    /* entries dropped to stay bounded */
+    uint64_t            stash_log_ms, stash_unlogged;
     kvf_map_t           tombs;            /* prefill: room id -> kvf_failure_t* */
     uint64_t           *tomb_ring;        /* their ids, oldest at tomb_head */
     size_t              tomb_head, ntombs;
+    /* Prefill: the room instances (wire.h) that destroyed senders served,
+     * the last KVF_RETIRED of them: a late FAIL or request naming one is
+     * the old room's, never the next room with the same id. */
+    kvf_map_t           retired;          /* instance -> (void *)1 */
+    uint64_t           *retired_ring;     /* oldest at retired_head */
+    size_t              retired_head, nretired;
+    /* Room messages dropped because they came from a peer, or named an
+     * instance, the room is not bound to (room.c); the log says so at most
+     * once per KVF_DROP_LOG_MS. */
+    uint64_t            room_msgs_dropped;
+    uint64_t            drop_log_ms, drops_unlogged;
     kvf_peer_t         *peers;
     uint64_t            peer_generation;  /* bumped when a peer dies */
     kvf_peer_t         *peers_free;       /* last reference dropped off the

@@ -626,7 +626,7 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     size_t nfailed;
     int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason, &failed, &nfailed);
     for (size_t i = 0; i < nfailed; i++)
-        kvf__send_fail(p, failed[i].room, &failed[i].failure, 0);
+        kvf__send_fail(p, failed[i].room, failed[i].instance, &failed[i].failure, 0);
     free(failed);
     if (rooms > 0)
         kvf_warn("%s (%d live rooms affected)", reason, rooms);
@@ -942,17 +942,17 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
             ops->tick(p->conn, now);
         if (p->mep != NULL && p->mep->ops->tick != NULL)
             p->mep->ops->tick(p->mep);
-        uint64_t last_rx = ops->last_rx(p->conn);
-        if (now - last_rx >= pr->heartbeat_timeout_ms && now >= p->grace_until_ms) {
+        uint64_t silent = kvf_elapsed_ms(now, ops->last_rx(p->conn));
+        if (silent >= pr->heartbeat_timeout_ms && now >= p->grace_until_ms) {
             kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT,
                            "sent nothing for %.1f s (heartbeat timeout %.1f s): the "
                            "process is stopped, hung or cut off from the network",
-                           (double)(now - last_rx) / 1000.0,
+                           (double)silent / 1000.0,
                            (double)pr->heartbeat_timeout_ms / 1000.0);
             continue;
         }
         if (p->state == KVF_PEER_READY &&
-            now - ops->last_tx(p->conn) >= pr->heartbeat_interval_ms &&
+            kvf_elapsed_ms(now, ops->last_tx(p->conn)) >= pr->heartbeat_interval_ms &&
             ops->idle(p->conn)) {
             kvf_msg_t m = {.type = KVF_MSG_HEARTBEAT};
             m.u.heartbeat.seq = ++p->hb_seq;

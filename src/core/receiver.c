@@ -270,6 +270,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
             continue;
         kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
         m.u.room_req.room = r->id;
+        m.u.room_req.instance = r->instance;
         m.u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
         m.u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
         m.u.room_req.attempt = lk->resume_instance ? r->retries : 0;
@@ -300,6 +301,21 @@ void kvf__receiver_try_request(kvf_room_t *r)
         lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
             (state && rv->n_state_dst ? eng->state_item_bytes_sum : 0);
         lk->bytes = 0;
+        /* What this peer may write, each unit once (cover_mark). */
+        lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
+        lk->n_state = state ? rv->n_state_dst : 0;
+        free(lk->cover);
+        lk->cover = NULL;
+        if (!lk->idle) {
+            uint64_t bits = (uint64_t)eng->layout.num_kv * rv->n_pages * eng->layout.page_size +
+                            eng->layout.num_aux + eng->layout.num_state;
+            if ((lk->cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
+                kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to track room %llu's "
+                               "%llu destination units", (unsigned long long)r->id,
+                               (unsigned long long)bits);
+                return;
+            }
+        }
         lk->done = lk->idle;
         if (lk->hash == NULL && !lk->idle && want_checksum(eng, p))
             lk->hash = XXH3_createState();
@@ -378,6 +394,112 @@ static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
     return NULL;
 }
 
+/* Test and set bit i of a coverage bitmap: 1 if it was clear. */
+static int cover_set(uint8_t *c, uint64_t i)
+{
+    uint8_t m = (uint8_t)(1u << (i & 7));
+    if (c[i >> 3] & m)
+        return 0;
+    c[i >> 3] |= m;
+    return 1;
+}
+
+/* The index of declared page `page` in the room's sorted pages (it is
+ * declared: seg_target checked). */
+static uint64_t page_index(const kvf_receiver_t *rv, uint64_t page)
+{
+    size_t lo = 0, hi = rv->n_pages;
+    while (lo + 1 < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (rv->sorted_pages[mid] <= page)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/*
+ * Exact coverage: a receiver counts each destination byte once.  Every
+ * piece a peer sends must be whole destination units of its own share:
+ * whole tokens of the KV buffers its layers map to (a TP-sliced link:
+ * exactly its run of heads of one token), the whole aux slot if it is the
+ * link that sends aux, each whole state slot if it sends state; and no
+ * unit twice.  With the byte count DONE checks, that makes the bytes
+ * placed exactly the room's, each once.  The check runs when a frame is
+ * accepted, for pushed (DATA) and pulled (DATA_REF) frames alike, so a
+ * frame that repeats a unit places nothing.  @return 1, or 0 with err.
+ */
+static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, char *err,
+                      size_t errlen)
+{
+    kvf_receiver_t *rv = receiver_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    uint64_t ps = l->page_size, nkv = (uint64_t)l->num_kv * rv->n_pages * ps;
+    uint32_t pieces = kvf_wire_seg_pieces(s);
+
+    if (lk->cover == NULL)
+        return 1;     /* an idle link: any byte it sends fails the count */
+    if (s->kind == KVF_BUF_KV) {
+        const kvf_buffer_t *b = &l->kv[s->buf];
+        uint64_t tok = b->item_bytes / ps;
+        const kvf_slice_t *sl = &lk->slice;
+        uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * l->bytes_per_head : 0;
+        uint64_t want = sl->sliced ? (uint64_t)sl->nheads * l->bytes_per_head : 0;
+        if (s->buf < sl->dst_buf0 || s->buf - sl->dst_buf0 >= lk->peer->layout.num_kv) {
+            snprintf(err, errlen, "KV buffer %u holds layers this peer does not send to "
+                     "this rank", s->buf);
+            return 0;
+        }
+        for (uint32_t k = 0; k < pieces; k++) {
+            uint64_t off = s->offset + (uint64_t)k * s->dst_stride;
+            if (off % tok != at || (want ? s->len != want : s->len % tok != 0)) {
+                snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are not %s",
+                         (unsigned long long)off, (unsigned long long)(off + s->len),
+                         s->buf, want ? "this peer's heads of one token"
+                                      : "whole tokens");
+                return 0;
+            }
+            uint64_t t0 = off / tok, n = want ? 1 : s->len / tok;
+            uint64_t first = t0 / ps, idx0 = page_index(rv, first);
+            for (uint64_t t = t0; t < t0 + n; t++) {
+                /* Consecutive pages: seg_target found them all declared. */
+                uint64_t idx = idx0 + (t / ps - first);
+                if (!cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
+                                              t % ps)) {
+                    snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (bytes "
+                             "[%llu, %llu)) is written a second time: each destination "
+                             "byte is placed once", (unsigned long long)(t % ps),
+                             (unsigned long long)(t / ps), s->buf,
+                             (unsigned long long)(t * tok + at),
+                             (unsigned long long)(t * tok + at + (want ? want : tok)));
+                    return 0;
+                }
+            }
+        }
+        return 1;
+    }
+    int aux = s->kind == KVF_BUF_AUX;
+    const kvf_buffer_t *b = aux ? &l->aux[s->buf] : &l->state[s->buf];
+    uint64_t slot = aux ? r->aux_slot : rv->state_dst[s->buf];
+    if (aux ? lk->aux_slot == KVF_NO_SLOT : lk->n_state == 0) {
+        snprintf(err, errlen, "this peer does not send the room's %s", aux ? "aux" : "state");
+        return 0;
+    }
+    if (pieces != 1 || s->offset != slot * b->item_bytes || s->len != b->item_bytes) {
+        snprintf(err, errlen, "bytes [%llu, %llu) of %s buffer %u are not its whole slot",
+                 (unsigned long long)s->offset, (unsigned long long)(s->offset + s->len),
+                 aux ? "aux" : "state", s->buf);
+        return 0;
+    }
+    if (!cover_set(lk->cover, nkv + (aux ? 0 : l->num_aux) + s->buf)) {
+        snprintf(err, errlen, "%s buffer %u's slot is written a second time: each "
+                 "destination byte is placed once", aux ? "aux" : "state", s->buf);
+        return 0;
+    }
+    return 1;
+}
+
 /*
  * Where each piece of an inbound DATA or DATA_REF frame goes (t[0..
  * d->npieces), segment by segment, a plain segment being one piece),
@@ -399,8 +521,13 @@ static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
     }
     kvf_link_t *lk = link_of(r, p);
     if (lk == NULL || !lk->req_sent) {
-        kvf_warn("%s sent data for room %llu, which did not ask it for any: discarded",
-                 kvf__peer_name(p, name, sizeof(name)), (unsigned long long)d->room);
+        kvf__room_dropped(p, "DATA", d->room, d->instance, "the room did not ask this "
+                          "peer for any; its bytes were discarded");
+        return NULL;
+    }
+    if (d->instance != r->instance) {
+        kvf__room_dropped(p, "DATA", d->room, d->instance, "it names another instance of "
+                          "the room (an earlier room with this id); its bytes were discarded");
         return NULL;
     }
     uint32_t k = 0;
@@ -413,6 +540,15 @@ static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
                 t[j].dst = NULL;
             kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s wrote outside room %llu's "
                            "destination: segment %u: %s; nothing of it was placed",
+                           kvf__peer_name(p, name, sizeof(name)),
+                           (unsigned long long)r->id, i, err);
+            return NULL;
+        }
+        if (!cover_mark(r, lk, &s, err, sizeof(err))) {
+            for (uint32_t j = 0; j < k; j++)
+                t[j].dst = NULL;
+            kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent room %llu a segment it must not: "
+                           "segment %u: %s; nothing of the frame was placed",
                            kvf__peer_name(p, name, sizeof(name)),
                            (unsigned long long)r->id, i, err);
             return NULL;
@@ -692,6 +828,7 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_t by
     }
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = r->id;
+    ack.u.done_ack.instance = r->instance;
     ack.u.done_ack.status = KVF_OK;
     ack.u.done_ack.bytes = lk->bytes;
     kvf__peer_send(p, &ack);

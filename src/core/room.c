@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/random.h>
 
 #include "core/room.h"
 #include "util/log.h"
@@ -31,6 +32,7 @@ static void link_free(kvf_link_t *l)
         kvf__peer_put(l->peer);
     free(l->pages);
     free(l->state_slots);
+    free(l->cover);
     if (l->hash)
         XXH3_freeState(l->hash);
 }
@@ -84,15 +86,27 @@ void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
 /* Failure                                                                   */
 /* ------------------------------------------------------------------------ */
 
-void kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
+/* The instance `to` knows room r by: a receiver's own; on a sender, that
+ * of the link bound to `to` (0 if none). */
+static uint64_t instance_for(kvf_room_t *r, const kvf_peer_t *to)
 {
-    kvf__send_fail(to, r->id, r->failure, abort);
+    if (r->side == KVF_ROLE_DECODE)
+        return r->instance;
+    kvf_link_t *lk = link_of(r, to);
+    return lk ? lk->instance : 0;
 }
 
-void kvf__send_fail(kvf_peer_t *to, uint64_t room, const kvf_failure_t *f, int abort)
+void kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
+{
+    kvf__send_fail(to, r->id, instance_for(r, to), r->failure, abort);
+}
+
+void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
+                    int abort)
 {
     kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
     m.u.fail.room = room;
+    m.u.fail.instance = instance;
     m.u.fail.status = f->status;
     m.u.fail.origin_side = (uint8_t)f->origin_side;
     m.u.fail.origin_rank = (uint32_t)f->origin_rank;
@@ -104,6 +118,50 @@ void kvf__send_fail(kvf_peer_t *to, uint64_t room, const kvf_failure_t *f, int a
         kvf__peer_send(to, &m);
     else if (to->state == KVF_PEER_AUTH && to->outbound)
         kvf__peer_hold(to, &m);      /* sent once it has authenticated */
+}
+
+void kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room, uint64_t instance,
+                       const char *why)
+{
+    kvf_engine_t *eng = p->eng;
+    char name[128];
+    uint64_t now = kvf_now_ms();
+    eng->room_msgs_dropped++;
+    if (eng->drop_log_ms != 0 && now - eng->drop_log_ms < KVF_DROP_LOG_MS) {
+        eng->drops_unlogged++;
+        return;
+    }
+    kvf_warn("dropped %s for room %llu (instance %016llx) from %s: %s (%llu more room "
+             "messages dropped since the last such line)", what, (unsigned long long)room,
+             (unsigned long long)instance, kvf__peer_name(p, name, sizeof(name)), why,
+             (unsigned long long)eng->drops_unlogged);
+    eng->drop_log_ms = now;
+    eng->drops_unlogged = 0;
+}
+
+int kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance)
+{
+    return instance != 0 && kvf_map_get(&eng->retired, instance) != NULL;
+}
+
+/* A destroyed sender's instances: remembered, the oldest forgotten first. */
+static void retire_instances(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        uint64_t inst = r->links[i].instance;
+        if (inst == 0 || kvf__instance_retired(eng, inst))
+            continue;
+        if (eng->nretired == KVF_RETIRED) {
+            kvf_map_del(&eng->retired, eng->retired_ring[eng->retired_head]);
+            eng->retired_head = (eng->retired_head + 1) % KVF_RETIRED;
+            eng->nretired--;
+        }
+        if (kvf_map_put(&eng->retired, inst, (void *)(uintptr_t)1) != KVF_OK)
+            return;
+        eng->retired_ring[(eng->retired_head + eng->nretired) % KVF_RETIRED] = inst;
+        eng->nretired++;
+    }
 }
 
 /* Record `f` as the room's root cause and tell every peer but `from`. */
@@ -161,6 +219,7 @@ static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
     failure_vset(f, r->eng, st, fmt, ap);
     if (out != NULL) {
         out->room = r->id;
+        out->instance = instance_for(r, from);
         out->failure = *f;
     }
     kvf__room_fail_record(r, f, from, st == KVF_ERR_ABORTED);
@@ -252,6 +311,10 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
     r->t_state_ms = kvf_now_ms();
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
     if (side == KVF_ROLE_DECODE) {
+        /* Fresh per receiver: what every frame of this room will name. */
+        while (r->instance == 0)
+            if (getrandom(&r->instance, sizeof(r->instance), 0) != sizeof(r->instance))
+                r->instance = kvf_now_ns() ^ ((uint64_t)(uintptr_t)r << 16) ^ id;
         receiver_of(r)->ok_first = 1;    /* empty: no page range checked yet */
         receiver_of(r)->ok_last = 0;
     }
@@ -300,6 +363,8 @@ void kvf__room_destroy(kvf_room_t *r)
     kvf_map_del(&eng->rooms_by_id, r->id);
     if (r->side == KVF_ROLE_PREFILL && room_state(r) == KVF_POLL_FAILED)
         kvf__sender_bury(r);
+    if (r->side == KVF_ROLE_PREFILL)
+        retire_instances(r);
     if (r->prev)
         r->prev->next = r->next;
     else
@@ -326,11 +391,60 @@ void kvf__room_abort(kvf_room_t *r)
 /* Messages about rooms                                                      */
 /* ------------------------------------------------------------------------ */
 
+/*
+ * Ownership: a room's messages count only from the peer it is bound to,
+ * naming the room's instance.  A receiver is bound to the prefill ranks
+ * it asked (its links, once their ROOM_REQ went) under its own instance;
+ * a sender to the decode rank and instance of each ROOM_REQ it accepted.
+ * Anything else is dropped (kvf__room_dropped) and never fails the room.
+ * The one exception is a sender still collecting destinations: a FAIL
+ * from a decode rank not bound yet, whose instance no destroyed sender
+ * served, fails it, because a decode rank that failed before it could
+ * send its destination has no other way to say so (docs/SECURITY.md).
+ */
+static void on_fail(kvf_peer_t *p, int abort, const kvf_msg_fail_t *m)
+{
+    kvf_engine_t *eng = p->eng;
+    kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
+    const char *what = abort ? "ABORT" : "FAIL";
+
+    if (eng->params.role == KVF_ROLE_DECODE) {
+        kvf_link_t *lk = r ? link_of(r, p) : NULL;
+        if (r == NULL || room_final(r))
+            return;                        /* nothing to fail */
+        if (lk == NULL)
+            kvf__room_dropped(p, what, m->room, m->instance, "the room did not ask this peer");
+        else if (m->instance != r->instance)
+            kvf__room_dropped(p, what, m->room, m->instance, "it names another instance "
+                              "of the room (an earlier room with this id)");
+        else
+            kvf__room_fail_remote(r, p, abort, m);
+        return;
+    }
+    if (r == NULL) {
+        if (kvf__instance_retired(eng, m->instance))
+            kvf__room_dropped(p, what, m->room, m->instance, "its room is gone");
+        else
+            kvf__sender_stash_add(p, m->room, m->instance, NULL, 0,
+                                  kvf__room_remote_failure(m));
+        return;
+    }
+    if (room_final(r))
+        return;
+    if (link_bound(r, p, m->instance) != NULL)
+        kvf__room_fail_remote(r, p, abort, m);
+    else if (room_state(r) == KVF_POLL_BOOTSTRAPPING && link_of(r, p) == NULL &&
+             !kvf__instance_retired(eng, m->instance))
+        kvf__room_fail_remote(r, p, abort, m);
+    else
+        kvf__room_dropped(p, what, m->room, m->instance, "the room is not bound to this "
+                          "peer and instance");
+}
+
 void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 {
     kvf_engine_t *eng = p->eng;
     int prefill = eng->params.role == KVF_ROLE_PREFILL;
-    uint64_t id;
 
     switch (msg->type) {
     case KVF_MSG_ROOM_REQ:
@@ -338,41 +452,61 @@ void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
             break;
         kvf__sender_on_room_req(p, &msg->u.room_req);
         return;
-    case KVF_MSG_DONE:
+    case KVF_MSG_DONE: {
         if (prefill)
             break;
-        id = msg->u.done.room;
-        if (kvf_map_get(&eng->rooms_by_id, id) && !room_final(kvf_map_get(&eng->rooms_by_id, id)))
-            kvf__receiver_on_done(p, kvf_map_get(&eng->rooms_by_id, id), &msg->u.done);
+        const kvf_msg_done_t *m = &msg->u.done;
+        kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
+        kvf_link_t *lk = r ? link_of(r, p) : NULL;
+        if (r == NULL || room_final(r))
+            return;
+        if (lk == NULL || !lk->req_sent)
+            kvf__room_dropped(p, "DONE", m->room, m->instance, "the room did not ask this peer");
+        else if (m->instance != r->instance)
+            kvf__room_dropped(p, "DONE", m->room, m->instance, "it names another instance "
+                              "of the room (an earlier room with this id)");
+        else
+            kvf__receiver_on_done(p, r, m);
         return;
+    }
     case KVF_MSG_DONE_ACK: {
-        kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, msg->u.done_ack.room);
+        const kvf_msg_done_ack_t *m = &msg->u.done_ack;
+        kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
         if (!prefill) {
-            if (r != NULL && !room_final(r))
-                kvf__receiver_on_confirm(p, r, &msg->u.done_ack);
-        } else if (r == NULL) {
-            /* Its sender is gone: a decode rank that pulled must not trust it. */
-            kvf__sender_answer_gone(p, msg->u.done_ack.room);
+            kvf_link_t *lk = r ? link_of(r, p) : NULL;
+            if (r == NULL || room_final(r))
+                return;
+            if (lk == NULL || !lk->req_sent)
+                kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
+                                  "the room did not ask this peer");
+            else if (m->instance != r->instance)
+                kvf__room_dropped(p, "DONE_ACK", m->room, m->instance, "it names another "
+                                  "instance of the room (an earlier room with this id)");
+            else
+                kvf__receiver_on_confirm(p, r, m);
+            return;
+        }
+        kvf_link_t *lk = r ? link_bound(r, p, m->instance) : NULL;
+        if (lk == NULL) {
+            /* Its sender is gone (or this is another room with the id): a
+             * decode rank that pulled must not trust what it read.  The
+             * answer names the acknowledged instance, so it reaches
+             * nothing else. */
+            if (r != NULL)
+                kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
+                                  "the room is not bound to this peer and instance");
+            kvf__sender_answer_gone(p, m->room, m->instance);
         } else if (room_state(r) == KVF_POLL_FAILED) {
             kvf__room_send_fail(r, p, 0);
         } else if (!room_final(r)) {
-            kvf__sender_on_done_ack(p, r, &msg->u.done_ack);
+            kvf__sender_on_done_ack(p, r, lk, m);
         }
         return;
     }
     case KVF_MSG_FAIL:
-    case KVF_MSG_ABORT: {
-        kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, msg->u.fail.room);
-        int abort = msg->type == KVF_MSG_ABORT;
-        /* A prefill room still collecting destinations also accepts it from a
-         * decode rank that failed before it could send its destination. */
-        if (r != NULL && (link_of(r, p) != NULL ||
-                          (prefill && room_state(r) == KVF_POLL_BOOTSTRAPPING)))
-            kvf__room_fail_remote(r, p, abort, &msg->u.fail);
-        else if (r == NULL && prefill)
-            kvf__sender_stash_add(p, msg->u.fail.room, NULL, 0, kvf__room_remote_failure(&msg->u.fail));
+    case KVF_MSG_ABORT:
+        on_fail(p, msg->type == KVF_MSG_ABORT, &msg->u.fail);
         return;
-    }
     default:
         break;
     }
@@ -567,22 +701,14 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
         unsigned limit = s == KVF_POLL_BOOTSTRAPPING ? pr->bootstrap_timeout_ms
                        : s == KVF_POLL_WAITING_FOR_INPUT ? pr->waiting_timeout_ms
                        : s == KVF_POLL_TRANSFERRING ? pr->transfer_timeout_ms : 0;
-        if (limit == 0 || now - r->t_state_ms < limit)
+        uint64_t idle = kvf_elapsed_ms(now, r->t_state_ms);
+        if (limit == 0 || idle < limit)
             continue;
         deadline_detail(r, s, detail, sizeof(detail));
         kvf__room_fail(r, KVF_ERR_TIMED_OUT, "room %llu made no progress in %s for "
                        "%.1f s (deadline %.1f s): %s", (unsigned long long)r->id,
-                       kvf_poll_name(s), (double)(now - r->t_state_ms) / 1000.0,
-                       limit / 1000.0, detail);
+                       kvf_poll_name(s), (double)idle / 1000.0, limit / 1000.0, detail);
     }
     /* Destinations whose sender never came. */
-    for (size_t i = 0; i < eng->stash.cap; i++) {
-        kvf_stash_t *s = eng->stash.slots[i].val;
-        if (s == NULL || now - s->t_ms < pr->bootstrap_timeout_ms)
-            continue;
-        uint64_t room = eng->stash.slots[i].key;
-        kvf_debug("dropping stale destinations for room %llu", (unsigned long long)room);
-        kvf__stash_free(kvf_map_del(&eng->stash, room));
-        i--;  /* backward shift may have moved an entry into slot i */
-    }
+    kvf__stash_expire(eng, now);
 }

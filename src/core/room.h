@@ -17,6 +17,8 @@
 typedef struct kvf_link {
     kvf_peer_t    *peer;
     uint32_t       rank;          /* the peer's tp rank */
+    uint64_t       instance;      /* sender: the receiver's room instance, from
+                                     its ROOM_REQ: what it is bound to */
     int            idle;          /* the prefill rank sends nothing to this decode rank */
     kvf_slice_t    slice;         /* sender: what of each page goes to this peer */
     uint32_t      *pages;         /* sender: decode pages (n_pages) */
@@ -33,6 +35,11 @@ typedef struct kvf_link {
     int            broken;        /* its connection broke; a reconnect may resume it */
     uint64_t       resume_instance; /* receiver: the peer instance to resume with */
     XXH3_state_t  *hash;          /* checksum of this peer's bytes, or NULL */
+    /* Receiver: exact coverage, one bit per destination unit this peer
+     * writes, set when a segment naming it is accepted: per (KV buffer,
+     * page index, token) of the room, then per aux buffer, then per state
+     * buffer (receiver.c, cover_mark).  A unit named twice fails the room. */
+    uint8_t       *cover;
     uint32_t       reads;         /* receiver, pull: mover reads in flight */
     /* Receiver, pull: a DONE that came while reads were in flight, checked
      * once they end. */
@@ -44,6 +51,8 @@ typedef struct kvf_link {
 struct kvf_room {
     kvf_engine_t    *eng;
     uint64_t         id;
+    uint64_t         instance;    /* receiver: this room's instance (wire.h),
+                                     drawn at create, kept across resumes */
     kvf_role_t       side;
     _Atomic int      state;       /* kvf_poll_t; written under the lock */
     /* I/O on its pages with the lock released: mover reads into a
@@ -70,15 +79,40 @@ struct kvf_room {
      * (room.h), each starting with this struct. */
 };
 
-/* A destination that arrived before its sender existed. */
+/*
+ * A destination (or a FAIL) that arrived before its sender existed.  Per
+ * room id a chain, newest first (engine->stash); engine-wide a FIFO of
+ * every entry, oldest first, so that the stashes are bounded in count and
+ * bytes (KVF_STASH_MAX, KVF_STASH_BYTES) by dropping the oldest.
+ */
+#define KVF_STASH_MAX   32768
+#define KVF_STASH_BYTES (32u << 20)
+
 typedef struct kvf_stash {
     kvf_peer_t       *peer;
+    uint64_t          room;
+    size_t            bytes;       /* what it holds, as the bound counts it */
+    int               queued;      /* in the engine's FIFO */
+    struct kvf_stash *older, *newer; /* the FIFO */
     uint64_t          t_ms;
     kvf_link_t        link;        /* the parsed ROOM_REQ (pages owned) */
     uint32_t          expected;    /* expected_receivers */
     kvf_failure_t    *failure;     /* or a FAIL/ABORT for the room */
+    uint64_t          instance;    /* the room instance it names */
     struct kvf_stash *next;
 } kvf_stash_t;
+
+/*
+ * A destroyed failed sender's record (engine->tombs): its failure and the
+ * decode ranks whose destination it had bound.  A request from one of
+ * those ranks with a new instance is a retry (the id reused); one from a
+ * rank it never heard from is that rank's late request for this room.
+ */
+typedef struct kvf_tomb {
+    kvf_failure_t f;               /* first: the record */
+    uint32_t      nranks;
+    uint32_t      ranks[];
+} kvf_tomb_t;
 
 /* room.c */
 void kvf__room_put(kvf_room_t *room);
@@ -109,6 +143,7 @@ void kvf__receiver_reads_done(kvf_engine_t *eng);
  */
 typedef struct kvf_room_failed {
     uint64_t      room;
+    uint64_t      instance;       /* the room instance the peer knows it by */
     kvf_failure_t failure;
 } kvf_room_failed_t;
 int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer, kvf_status_t st,
@@ -171,6 +206,15 @@ static inline int room_final(const kvf_room_t *r)
 {
     kvf_poll_t s = room_state(r);
     return s == KVF_POLL_FAILED || s == KVF_POLL_SUCCESS;
+}
+
+/* Sender: the link bound to this peer and room instance, or NULL. */
+static inline kvf_link_t *link_bound(kvf_room_t *r, const kvf_peer_t *p, uint64_t instance)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].peer == p && r->links[i].instance == instance)
+            return &r->links[i];
+    return NULL;
 }
 
 static inline kvf_link_t *link_of(kvf_room_t *r, const kvf_peer_t *p)
@@ -248,8 +292,16 @@ void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
 /* Tell `to` the room failed (its record), if the connection is up. */
 void           kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
-void           kvf__send_fail(kvf_peer_t *to, uint64_t room, const kvf_failure_t *f,
-                              int abort);
+void           kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
+                              const kvf_failure_t *f, int abort);
+/* A room message from `p` that the room is not bound to (another peer,
+ * another instance): counted, logged at most once per KVF_DROP_LOG_MS,
+ * and otherwise ignored; it never fails the room. */
+#define KVF_DROP_LOG_MS 10000
+void           kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room,
+                                 uint64_t instance, const char *why);
+/* Prefill: did a destroyed sender serve this room instance? */
+int            kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance);
 /* Record `f` (owned) as the root cause and tell every peer but `from`. */
 void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
                                      int abort);
@@ -258,17 +310,20 @@ kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 /* sender.c */
 /* Free a chain of stashed destinations. */
 void kvf__stash_free(kvf_stash_t *s);
+/* Drop what waited longer than the bootstrap deadline for its sender. */
+void kvf__stash_expire(kvf_engine_t *eng, uint64_t now);
 /* Free what only a sender holds (its room is being freed). */
 void kvf__sender_free(kvf_sender_t *s);
 /* Keep a destroyed failed sender's record, to answer late requests. */
 void kvf__sender_bury(kvf_room_t *r);
 /* A decode rank names a room whose sender is gone: tell it so. */
-void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room);
+void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance);
 void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
-void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m);
+void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
+                             const kvf_msg_done_ack_t *m);
 /* A ROOM_REQ (lk) or a failure (f) for a room whose sender does not exist yet. */
-void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_t expected,
-                           kvf_failure_t *f);
+void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
+                           uint32_t expected, kvf_failure_t *f);
 
 /* receiver.c */
 /* Free what only a receiver holds (its room is being freed). */

@@ -10,6 +10,7 @@
  * A decode rank that reconnects resumes its destination: everything queued
  * so far is sent again (writes are idempotent).
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,6 +136,7 @@ static void send_done(kvf_room_t *r, kvf_link_t *lk)
 {
     kvf_msg_t m = {.type = KVF_MSG_DONE};
     m.u.done.room = r->id;
+    m.u.done.instance = lk->instance;
     m.u.done.src_rank = (uint32_t)r->eng->params.tp_rank;
     m.u.done.bytes = lk->bytes;
     if (lk->hash) {
@@ -211,6 +213,7 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     c->put.busy = chunk_busy;
     c->put.live = chunk_live;
     c->put.room = r->id;
+    c->put.instance = lk->instance;
     c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
     c->put.by_ref = kvf__peer_pulls(lk->peer);
     c->room = r;
@@ -225,32 +228,51 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     return KVF_OK;
 }
 
-/* A decode rank's destination for a live sender. */
+/*
+ * Tell `p` that its request (room instance `inst`) was refused, with the
+ * reason, so that its receiver fails at once; the room itself goes on.
+ */
+static void refuse(kvf_room_t *r, kvf_peer_t *p, uint64_t inst, kvf_status_t st,
+                   const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static void refuse(kvf_room_t *r, kvf_peer_t *p, uint64_t inst, kvf_status_t st,
+                   const char *fmt, ...)
+{
+    kvf_failure_t f;
+    char why[KVF_REASON_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof(why), fmt, ap);
+    va_end(ap);
+    kvf__failure_set(&f, r->eng, st, "%s", why);
+    kvf__send_fail(p, r->id, inst, &f, 0);
+    kvf__room_dropped(p, "ROOM_REQ", r->id, inst, why);
+}
+
+/* The link bound to decode rank `rank`, or NULL. */
+static kvf_link_t *slot_of(kvf_room_t *r, uint32_t rank)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].rank == rank)
+            return &r->links[i];
+    return NULL;
+}
+
+/* A decode rank's destination for a live sender, for a slot not bound
+ * yet: the first valid request binds it. */
 static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
                             uint32_t expected)
 {
     char name[128];
     kvf__peer_name(p, name, sizeof(name));
 
-    if (room_final(r)) {
-        if (room_state(r) == KVF_POLL_FAILED) {
-            kvf__room_send_fail(r, p, 0);
-        } else {
-            kvf_failure_t f;
-            kvf__failure_set(&f, r->eng, KVF_ERR_ROOM_CONFLICT, "room %llu already "
-                             "completed on prefill rank %d; a room id must not be reused "
-                             "while its sender is alive", (unsigned long long)r->id,
-                             r->eng->params.tp_rank);
-            kvf_failure_t *keep = r->failure;
-            r->failure = &f;
-            kvf__room_send_fail(r, p, 0);
-            r->failure = keep;
-        }
-        goto out;
-    }
     if (expected == 0 || expected > MAX_LINKS) {
-        kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s announced %u receivers for room %llu",
-                       name, expected, (unsigned long long)r->id);
+        if (r->nlinks > 0)
+            refuse(r, p, dst->instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
+                   "room %llu", name, expected, (unsigned long long)r->id);
+        else
+            kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s announced %u receivers for room %llu",
+                           name, expected, (unsigned long long)r->id);
         goto out;
     }
     if (r->links == NULL) {
@@ -261,15 +283,19 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
         }
         r->expected_links = expected;
     } else if (expected != r->expected_links) {
-        kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s announced %u receivers for room %llu, "
-                       "another decode rank announced %u", name, expected,
-                       (unsigned long long)r->id, r->expected_links);
+        /* The ranks bound first said otherwise: this request is the odd one. */
+        refuse(r, p, dst->instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
+               "room %llu, the decode ranks bound to it announced %u", name, expected,
+               (unsigned long long)r->id, r->expected_links);
         goto out;
     }
     if (link_of(r, p) != NULL || r->nlinks == r->expected_links) {
-        kvf__room_fail(r, KVF_ERR_ROOM_CONFLICT, "%s sent a second destination for "
-                       "room %llu while the room is live (room id reused?)", name,
-                       (unsigned long long)r->id);
+        refuse(r, p, dst->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
+               "(instance %016llx) on prefill rank %d, whose %u decode ranks are all "
+               "bound to other requests: two live requests use one room id (a stale "
+               "retry, or a bootstrap_room drawn twice?); this request was refused",
+               name, (unsigned long long)r->id, (unsigned long long)dst->instance,
+               r->eng->params.tp_rank, r->expected_links);
         goto out;
     }
     kvf_par_t mine, theirs;
@@ -284,6 +310,7 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
                        "%s asked for room %llu's KV from prefill rank %d, which %s", name,
                        (unsigned long long)r->id, r->eng->params.tp_rank,
                        st == KVF_ERR_NOT_FOUND ? "holds none of its heads" : err);
+        kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
         goto out;
     }
     if (r->initialized && !dst->idle && dst->n_pages != sender_of(r)->num_pages) {
@@ -291,6 +318,7 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
                        "but the prefill side declared %u (kvf_sender_init num_pages)",
                        name, dst->n_pages, (unsigned long long)r->id,
                        sender_of(r)->num_pages);
+        kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
         goto out;
     }
     kvf_link_t *lk = &r->links[r->nlinks++];
@@ -309,24 +337,114 @@ out:
     memset(dst, 0, sizeof(*dst));
 }
 
+static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t *req);
+
+/*
+ * A request (req, whose pages are moved or freed by the callee's callers)
+ * for a room that has a sender.  `bad`: the request's own failure (bad
+ * indices, an incompatible pair), owned.  A request of the instance a
+ * slot is bound to is that receiver's (a resume); one of another instance
+ * for a bound slot is refused; one for a room that is over waits for the
+ * next sender with the id (the application reuses it); the first valid
+ * one for a free slot binds it.
+ */
+static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t expected,
+                         uint32_t attempt, kvf_failure_t *bad)
+{
+    kvf_link_t *slot = slot_of(r, req->rank);
+    char name[128];
+
+    if (slot != NULL && slot->instance == req->instance) {
+        if (attempt > 0)
+            resume(r, p, slot, req);
+        else if (room_state(r) == KVF_POLL_FAILED)
+            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+        else
+            kvf__room_dropped(p, "ROOM_REQ", r->id, req->instance,
+                              "a second request of the same room instance");
+        free(bad);
+        return;
+    }
+    if (room_state(r) == KVF_POLL_FAILED && slot == NULL) {
+        /* A rank it never heard from, late: the room failed without it. */
+        kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+        free(bad);
+        return;
+    }
+    if (room_final(r)) {
+        /* A new instance for a rank that was served: the id reused, for
+         * the next sender the application creates with it. */
+        kvf__sender_stash_add(p, r->id, req->instance, req, expected, bad);
+        return;
+    }
+    if (slot != NULL) {
+        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
+               "(instance %016llx) as decode rank %u, but that rank's destination is "
+               "bound to %s (instance %016llx): two live requests use one room id (a "
+               "stale retry, or a bootstrap_room drawn twice?); this request was refused",
+               kvf__peer_name(p, name, sizeof(name)), (unsigned long long)r->id,
+               (unsigned long long)req->instance, req->rank,
+               kvf__peer_name(slot->peer, (char[128]){0}, 128),
+               (unsigned long long)slot->instance);
+        free(bad);
+        return;
+    }
+    if (bad != NULL) {
+        kvf__room_fail_record(r, bad, NULL, 0);
+        kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+        return;
+    }
+    add_destination(r, p, req, expected);
+}
+
+static void stash_unqueue(kvf_engine_t *eng, kvf_stash_t *s);
+
+/* A FAIL that came before its sender: does it concern this room? */
+static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
+{
+    if (room_final(r))
+        return 0;
+    if (link_bound(r, s->peer, s->instance) != NULL)
+        return 1;
+    return room_state(r) == KVF_POLL_BOOTSTRAPPING && link_of(r, s->peer) == NULL &&
+           !kvf__instance_retired(r->eng, s->instance);
+}
+
+/* What came for this room before its sender, oldest first. */
 static void stash_apply(kvf_room_t *r)
 {
-    kvf_stash_t *s = kvf_map_del(&r->eng->stash, r->id);
-    while (s != NULL) {
+    kvf_stash_t *s = kvf_map_del(&r->eng->stash, r->id), *old = NULL;
+    while (s != NULL) {          /* the chain is newest first */
+        kvf_stash_t *n = s->next;
+        /* Out of the FIFO now: what take_request stashes again may make
+         * the bound drop the oldest entries, never one of these. */
+        stash_unqueue(r->eng, s);
+        s->next = old;
+        old = s;
+        s = n;
+    }
+    for (s = old; s != NULL;) {
         kvf_stash_t *n = s->next;
         char name[128];
-        if (s->failure != NULL) {
-            if (!room_final(r)) {
-                kvf__room_fail_record(r, s->failure, s->peer, s->failure->status == KVF_ERR_ABORTED);
+        if (s->link.pages == NULL) {           /* a FAIL / ABORT */
+            if (stash_fail_applies(r, s)) {
+                kvf__room_fail_record(r, s->failure, s->peer,
+                                      s->failure->status == KVF_ERR_ABORTED);
                 s->failure = NULL;
+            } else {
+                kvf__room_dropped(s->peer, "FAIL", r->id, s->instance,
+                                  "the room is not bound to this peer and instance");
             }
         } else if (s->peer->state == KVF_PEER_DEAD) {
-            kvf__room_fail(r, KVF_ERR_CONN_RESET, "%s disconnected before the sender "
-                           "for room %llu was created",
-                           kvf__peer_name(s->peer, name, sizeof(name)),
-                           (unsigned long long)r->id);
+            if (!room_final(r))
+                kvf__room_fail(r, KVF_ERR_CONN_RESET, "%s disconnected before the sender "
+                               "for room %llu was created",
+                               kvf__peer_name(s->peer, name, sizeof(name)),
+                               (unsigned long long)r->id);
         } else {
-            add_destination(r, s->peer, &s->link, s->expected);
+            kvf_failure_t *bad = s->failure;
+            s->failure = NULL;
+            take_request(r, s->peer, &s->link, s->expected, 0, bad);
         }
         s->next = NULL;
         kvf__stash_free(s);
@@ -340,16 +458,90 @@ void kvf__sender_free(kvf_sender_t *s)
     free(s->state_src);
 }
 
+/* Out of the engine's FIFO (no-op if it is not in it). */
+static void stash_unqueue(kvf_engine_t *eng, kvf_stash_t *s)
+{
+    if (!s->queued)
+        return;
+    if (s->older)
+        s->older->newer = s->newer;
+    else
+        eng->stash_oldest = s->newer;
+    if (s->newer)
+        s->newer->older = s->older;
+    else
+        eng->stash_newest = s->older;
+    s->older = s->newer = NULL;
+    s->queued = 0;
+    eng->stash_count--;
+    eng->stash_bytes -= s->bytes;
+}
+
 void kvf__stash_free(kvf_stash_t *s)
 {
     while (s != NULL) {
         kvf_stash_t *n = s->next;
+        stash_unqueue(s->peer->eng, s);
         free(s->link.pages);
         free(s->link.state_slots);
         free(s->failure);
         kvf__peer_put(s->peer);
         free(s);
         s = n;
+    }
+}
+
+/* Take one entry out of its room's chain and free it. */
+static void stash_forget(kvf_engine_t *eng, kvf_stash_t *o)
+{
+    kvf_stash_t *head = kvf_map_get(&eng->stash, o->room);
+    if (head == o) {
+        if (o->next != NULL)
+            kvf_map_put(&eng->stash, o->room, o->next);   /* replaces: no memory */
+        else
+            kvf_map_del(&eng->stash, o->room);
+    } else {
+        for (kvf_stash_t *c = head; c != NULL; c = c->next)
+            if (c->next == o) {
+                c->next = o->next;
+                break;
+            }
+    }
+    o->next = NULL;
+    kvf__stash_free(o);
+}
+
+/* Drop the oldest entry to make room: counted, logged at most once per
+ * KVF_DROP_LOG_MS. */
+static void stash_drop_oldest(kvf_engine_t *eng)
+{
+    kvf_stash_t *o = eng->stash_oldest;
+    uint64_t now = kvf_now_ms();
+    eng->stash_dropped++;
+    if (eng->stash_log_ms != 0 && now - eng->stash_log_ms < KVF_DROP_LOG_MS) {
+        eng->stash_unlogged++;
+    } else {
+        char name[128];
+        kvf_warn("prefill rank %d: more messages wait for rooms that have no sender yet "
+                 "than it keeps (%d messages, %u MiB): dropped the oldest, for room %llu "
+                 "from %s (%llu more dropped since the last such line); is a decode "
+                 "engine asking for rooms this prefill never creates?",
+                 eng->params.tp_rank, KVF_STASH_MAX, KVF_STASH_BYTES >> 20,
+                 (unsigned long long)o->room, kvf__peer_name(o->peer, name, sizeof(name)),
+                 (unsigned long long)eng->stash_unlogged);
+        eng->stash_log_ms = now;
+        eng->stash_unlogged = 0;
+    }
+    stash_forget(eng, o);
+}
+
+void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
+{
+    while (eng->stash_oldest != NULL &&
+           kvf_elapsed_ms(now, eng->stash_oldest->t_ms) >= eng->params.bootstrap_timeout_ms) {
+        kvf_debug("dropping a stale destination for room %llu",
+                  (unsigned long long)eng->stash_oldest->room);
+        stash_forget(eng, eng->stash_oldest);
     }
 }
 
@@ -543,12 +735,12 @@ void kvf_sender_destroy(kvf_sender_t *s)
 
 uint64_t kvf_sender_room(const kvf_sender_t *s) { return s->room.id; }
 
-void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
+                             const kvf_msg_done_ack_t *m)
 {
-    kvf_link_t *lk = link_of(r, p);
     char name[128];
 
-    if (lk == NULL || !lk->last_queued || lk->done)
+    if (!lk->last_queued || lk->done)
         return;
     if (m->status != KVF_OK) {
         kvf__room_fail(r, (kvf_status_t)m->status, "%s refused room %llu's data: %s",
@@ -561,6 +753,7 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ac
         /* The room is live: what the decode rank read was still ours. */
         kvf_msg_t c = {.type = KVF_MSG_DONE_ACK};
         c.u.done_ack.room = r->id;
+        c.u.done_ack.instance = lk->instance;
         c.u.done_ack.status = KVF_OK;
         c.u.done_ack.bytes = m->bytes;
         kvf__peer_send(p, &c);
@@ -578,12 +771,13 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ac
 void kvf__sender_bury(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
-    kvf_failure_t *f = malloc(sizeof(*f));
-    if (f == NULL || r->failure == NULL) {
-        free(f);
+    kvf_tomb_t *f = r->failure ? malloc(sizeof(*f) + r->nlinks * sizeof(uint32_t)) : NULL;
+    if (f == NULL)
         return;
-    }
-    *f = *r->failure;
+    f->f = *r->failure;
+    f->nranks = r->nlinks;
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        f->ranks[i] = r->links[i].rank;
     if (eng->ntombs == KVF_TOMBS) {       /* forget the oldest */
         free(kvf_map_del(&eng->tombs, eng->tomb_ring[eng->tomb_head]));
         eng->tomb_head = (eng->tomb_head + 1) % KVF_TOMBS;
@@ -598,7 +792,7 @@ void kvf__sender_bury(kvf_room_t *r)
     eng->ntombs++;
 }
 
-void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room)
+void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance)
 {
     kvf_engine_t *eng = p->eng;
     const kvf_failure_t *f = kvf_map_get(&eng->tombs, room);
@@ -609,12 +803,12 @@ void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room)
                          "was confirmed", (unsigned long long)room, eng->params.tp_rank);
         f = &gone;
     }
-    kvf__send_fail(p, room, f, f->status == KVF_ERR_ABORTED);
+    kvf__send_fail(p, room, instance, f, f->status == KVF_ERR_ABORTED);
 }
 
 /* Prefill: a ROOM_REQ or a FAIL for a room that has no sender yet. */
-void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_t expected,
-                      kvf_failure_t *f)
+void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
+                           uint32_t expected, kvf_failure_t *f)
 {
     kvf_engine_t *eng = p->eng;
     kvf_stash_t *s = calloc(1, sizeof(*s));
@@ -631,40 +825,55 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, kvf_link_t *lk, uint32_
     }
     s->expected = expected;
     s->failure = f;
+    s->instance = instance;
+    s->room = room;
+    s->bytes = sizeof(*s) + (size_t)s->link.n_pages * sizeof(uint32_t) +
+               (size_t)s->link.n_state * sizeof(uint32_t) + (f ? sizeof(*f) : 0);
+    /* Bounded engine-wide: whoever sends messages for rooms that never
+     * come must not grow this process (docs/SECURITY.md). */
+    while (eng->stash_oldest != NULL && (eng->stash_count >= KVF_STASH_MAX ||
+                                         eng->stash_bytes + s->bytes > KVF_STASH_BYTES))
+        stash_drop_oldest(eng);
     kvf_stash_t *older = kvf_map_get(&eng->stash, room);
-    if (kvf_map_put(&eng->stash, room, s) != KVF_OK)
+    if (s->bytes > KVF_STASH_BYTES || kvf_map_put(&eng->stash, room, s) != KVF_OK) {
+        eng->stash_dropped++;
         kvf__stash_free(s);
+        return;
+    }
+    s->next = older;
+    s->queued = 1;
+    s->older = eng->stash_newest;
+    if (eng->stash_newest)
+        eng->stash_newest->newer = s;
     else
-        s->next = older;
+        eng->stash_oldest = s;
+    eng->stash_newest = s;
+    eng->stash_count++;
+    eng->stash_bytes += s->bytes;
 }
 
 /*
- * A decode rank that lost its connection asks again (attempt > 0): move its
- * link to the new connection and resend everything queued so far (writes
- * are idempotent).  @return 0 if the room has no such link (a first
- * request, then).
+ * The receiver a slot is bound to (same room instance) lost its
+ * connection and asks again (attempt > 0): move its link to the new
+ * connection and resend everything queued so far (writes are idempotent).
  */
-static int resume(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
+static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t *req)
 {
     char name[128];
-    uint32_t li;
+    uint32_t li = (uint32_t)(lk - r->links);
 
-    for (li = 0; li < r->nlinks; li++)
-        if (r->links[li].rank == req->rank)
-            break;
-    if (li == r->nlinks)
-        return 0;
-    kvf_link_t *lk = &r->links[li];
     kvf__peer_name(p, name, sizeof(name));
     if (room_final(r)) {
-        kvf__room_send_fail(r, p, 0);
+        if (room_state(r) == KVF_POLL_FAILED)
+            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
         return 1;
     }
     if (lk->peer->instance_id != p->instance_id) {
-        kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s restarted while room %llu was in "
-                       "flight (instance %016llx, was %016llx)", name,
-                       (unsigned long long)r->id, (unsigned long long)p->instance_id,
-                       (unsigned long long)lk->peer->instance_id);
+        /* Not the engine the room is bound to: refused, the room goes on. */
+        refuse(r, p, req->instance, KVF_ERR_PEER_RESTARTED, "%s resumed room %llu, which "
+               "is bound to decode engine instance %016llx, not %016llx: refused",
+               name, (unsigned long long)r->id, (unsigned long long)lk->peer->instance_id,
+               (unsigned long long)p->instance_id);
         return 1;
     }
     if (req->n_pages != lk->n_pages ||
@@ -693,6 +902,14 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
             kvf__room_fail(r, st, "cannot queue the resend: %s", kvf_status_str(st));
     }
     return 1;
+}
+
+static int tomb_has_rank(const kvf_tomb_t *t, uint32_t rank)
+{
+    for (uint32_t i = 0; i < t->nranks; i++)
+        if (t->ranks[i] == rank)
+            return 1;
+    return 0;
 }
 
 void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
@@ -731,29 +948,28 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
 
     char name[128];
     kvf__peer_name(p, name, sizeof(name));
-    if (r == NULL && (m->attempt > 0 || kvf_map_get(&eng->tombs, m->room) != NULL)) {
-        /* Resuming or asking about a room whose sender is gone. */
-        kvf__sender_answer_gone(p, m->room);
+    kvf_failure_t *f = NULL;
+    if ((bad != NULL || p->incompatible != NULL) && (f = malloc(sizeof(*f))) != NULL) {
+        if (bad)
+            kvf__failure_set(f, eng, KVF_ERR_BAD_INDICES, "%s sent a destination for "
+                             "room %llu with %s", name, (unsigned long long)m->room, bad);
+        else
+            kvf__failure_set(f, eng, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
+    }
+    lk.instance = m->instance;
+    const kvf_tomb_t *tomb = r == NULL ? kvf_map_get(&eng->tombs, m->room) : NULL;
+    if (r == NULL && (m->attempt > 0 || kvf__instance_retired(eng, m->instance) ||
+                      (tomb != NULL && !tomb_has_rank(tomb, m->dst_rank)))) {
+        /* Resuming, or asking late, for a room whose sender is gone: a
+         * rank the failed sender never heard from, or an instance it
+         * served.  (A new instance from a rank it had bound is a retry
+         * with the id reused: stashed for the next sender.) */
+        kvf__sender_answer_gone(p, m->room, m->instance);
+        free(f);
     } else if (r == NULL) {
-        kvf_failure_t *f = NULL;
-        if ((bad != NULL || p->incompatible != NULL) && (f = malloc(sizeof(*f))) != NULL) {
-            if (bad)
-                kvf__failure_set(f, eng, KVF_ERR_BAD_INDICES, "%s sent a destination for "
-                                 "room %llu with %s", name, (unsigned long long)m->room,
-                                 bad);
-            else
-                kvf__failure_set(f, eng, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
-        }
-        kvf__sender_stash_add(p, m->room, &lk, m->expected_receivers, f);
-    } else if (m->attempt > 0 && resume(r, p, &lk)) {
-        /* resumed on a new connection */
-    } else if (bad != NULL) {
-        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s sent a destination for room %llu "
-                       "with %s", name, (unsigned long long)m->room, bad);
-    } else if (p->incompatible != NULL) {
-        kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
+        kvf__sender_stash_add(p, m->room, m->instance, &lk, m->expected_receivers, f);
     } else {
-        add_destination(r, p, &lk, m->expected_receivers);
+        take_request(r, p, &lk, m->expected_receivers, m->attempt, f);
     }
     free(lk.pages);
     free(lk.state_slots);

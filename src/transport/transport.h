@@ -52,6 +52,7 @@ struct kvf_put {
      * goes out as zeros.  May be NULL: always. */
     int  (*live)(kvf_put_t *put);
     uint64_t   room;
+    uint64_t   instance;   /* the receiver's room instance (wire.h) */
     uint32_t   src_rank;
     int        by_ref;     /* send source addresses, not bytes: the peer pulls */
     kvf_put_t *qnext;      /* transport-owned queue link */

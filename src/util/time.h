@@ -17,4 +17,14 @@ static inline uint64_t kvf_now_ms(void)
     return kvf_now_ns() / 1000000ull;
 }
 
+/*
+ * Milliseconds from `then` to `now`, 0 when `then` is later: a stamp taken
+ * by another thread (or by this one while the lock was let go) can be newer
+ * than a pass's `now`, and unsigned subtraction would make it ages old.
+ */
+static inline uint64_t kvf_elapsed_ms(uint64_t now, uint64_t then)
+{
+    return now > then ? now - then : 0;
+}
+
 #endif /* KVF_UTIL_TIME_H */

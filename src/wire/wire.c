@@ -514,6 +514,7 @@ static void kvf_wire_wr_hello(kvf_wire_wr_t *w, const kvf_msg_hello_t *h)
 static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_data_t *d)
 {
     kvf_wire_wr_u64(w, d->room);
+    kvf_wire_wr_u64(w, d->instance);
     kvf_wire_wr_u32(w, d->src_rank);
     kvf_wire_wr_u64(w, d->payload_len);
     kvf_wire_wr_u32(w, d->nseg);
@@ -544,6 +545,7 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         break;
     case KVF_MSG_ROOM_REQ:
         kvf_wire_wr_u64(w, m->u.room_req.room);
+        kvf_wire_wr_u64(w, m->u.room_req.instance);
         kvf_wire_wr_u32(w, m->u.room_req.dst_rank);
         kvf_wire_wr_u32(w, m->u.room_req.expected_receivers);
         kvf_wire_wr_u32(w, m->u.room_req.aux_slot);
@@ -569,6 +571,7 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         break;
     case KVF_MSG_DONE:
         kvf_wire_wr_u64(w, m->u.done.room);
+        kvf_wire_wr_u64(w, m->u.done.instance);
         kvf_wire_wr_u32(w, m->u.done.src_rank);
         kvf_wire_wr_u64(w, m->u.done.bytes);
         kvf_wire_wr_u8(w, m->u.done.has_checksum);
@@ -576,12 +579,14 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         break;
     case KVF_MSG_DONE_ACK:
         kvf_wire_wr_u64(w, m->u.done_ack.room);
+        kvf_wire_wr_u64(w, m->u.done_ack.instance);
         kvf_wire_wr_u32(w, (uint32_t)m->u.done_ack.status);
         kvf_wire_wr_u64(w, m->u.done_ack.bytes);
         break;
     case KVF_MSG_FAIL:
     case KVF_MSG_ABORT:
         kvf_wire_wr_u64(w, m->u.fail.room);
+        kvf_wire_wr_u64(w, m->u.fail.instance);
         kvf_wire_wr_u32(w, (uint32_t)m->u.fail.status);
         kvf_wire_wr_u8(w, m->u.fail.origin_side);
         kvf_wire_wr_u32(w, m->u.fail.origin_rank);
@@ -865,6 +870,7 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
     case KVF_MSG_ROOM_REQ: {
         kvf_msg_room_req_t *r = &m->u.room_req;
         r->room               = kvf_wire_rd_u64(rd, "room");
+        r->instance           = kvf_wire_rd_u64(rd, "instance");
         r->dst_rank           = kvf_wire_rd_u32(rd, "dst_rank");
         r->expected_receivers = kvf_wire_rd_u32(rd, "expected_receivers");
         r->aux_slot           = kvf_wire_rd_u32(rd, "aux_slot");
@@ -878,6 +884,7 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
     case KVF_MSG_DATA_REF: {
         kvf_msg_data_t *d = &m->u.data;
         d->room        = kvf_wire_rd_u64(rd, "room");
+        d->instance    = kvf_wire_rd_u64(rd, "instance");
         d->src_rank    = kvf_wire_rd_u32(rd, "src_rank");
         d->payload_len = kvf_wire_rd_u64(rd, "payload_len");
         d->raw_segs    = kvf_wire_rd_items(rd, d->strided ? KVF_WIRE_SSEG_LEN
@@ -907,6 +914,7 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
     }
     case KVF_MSG_DONE:
         m->u.done.room         = kvf_wire_rd_u64(rd, "room");
+        m->u.done.instance     = kvf_wire_rd_u64(rd, "instance");
         m->u.done.src_rank     = kvf_wire_rd_u32(rd, "src_rank");
         m->u.done.bytes        = kvf_wire_rd_u64(rd, "bytes");
         m->u.done.has_checksum = kvf_wire_rd_u8(rd, "has_checksum");
@@ -914,12 +922,14 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         break;
     case KVF_MSG_DONE_ACK:
         m->u.done_ack.room   = kvf_wire_rd_u64(rd, "room");
+        m->u.done_ack.instance = kvf_wire_rd_u64(rd, "instance");
         m->u.done_ack.status = (int32_t)kvf_wire_rd_u32(rd, "status");
         m->u.done_ack.bytes  = kvf_wire_rd_u64(rd, "bytes");
         break;
     case KVF_MSG_FAIL:
     case KVF_MSG_ABORT:
         m->u.fail.room        = kvf_wire_rd_u64(rd, "room");
+        m->u.fail.instance    = kvf_wire_rd_u64(rd, "instance");
         m->u.fail.status      = (int32_t)kvf_wire_rd_u32(rd, "status");
         m->u.fail.origin_side = kvf_wire_rd_u8(rd, "origin_side");
         m->u.fail.origin_rank = kvf_wire_rd_u32(rd, "origin_rank");

@@ -156,8 +156,19 @@ typedef struct kvf_msg_hello {
 } kvf_msg_hello_t;
 
 /* Decode -> prefill: the room's destination on one decode rank. */
+/*
+ * Room instances.  Every room message names, beside the room id, the
+ * instance of the room it is about: a fresh random non-zero u64 the
+ * receiver draws when it is created and sends in its ROOM_REQ (a resume
+ * keeps it).  The sender names it in everything it sends for that
+ * receiver; both sides drop a frame whose instance is not the room's, so
+ * a room id reused right after a failure never sees the old room's bytes
+ * or failure.  0 means "no instance known" (a FAIL answering a request
+ * that could not be parsed far enough; never matches a live room).
+ */
 typedef struct kvf_msg_room_req {
     uint64_t         room;
+    uint64_t         instance;            /* the receiver's room instance */
     uint32_t         dst_rank;            /* decode tp rank */
     uint32_t         expected_receivers;  /* decode ranks this sender feeds */
     uint32_t         aux_slot;
@@ -215,6 +226,7 @@ static inline int kvf_wire_seg_span(const kvf_wire_seg_t *s, int src, uint64_t *
  */
 typedef struct kvf_msg_data {
     uint64_t              room;
+    uint64_t              instance;      /* the receiver's room instance */
     uint32_t              src_rank;
     uint64_t              payload_len;   /* == sum of segment bytes */
     uint32_t              nseg;          /* 1..KVF_WIRE_MAX_SEGS */
@@ -250,6 +262,7 @@ typedef struct kvf_msg_xport {
 /* Prefill -> decode: this rank's part of the room is complete. */
 typedef struct kvf_msg_done {
     uint64_t room;
+    uint64_t instance;     /* the receiver's room instance */
     uint32_t src_rank;
     uint64_t bytes;        /* payload bytes this sender wrote for the room */
     uint8_t  has_checksum;
@@ -259,6 +272,7 @@ typedef struct kvf_msg_done {
 /* Decode -> prefill: the data is in decode memory (status KVF_OK) or not. */
 typedef struct kvf_msg_done_ack {
     uint64_t room;
+    uint64_t instance;     /* the receiver's room instance */
     int32_t  status;
     uint64_t bytes;
 } kvf_msg_done_ack_t;
@@ -266,6 +280,7 @@ typedef struct kvf_msg_done_ack {
 /* Either way: the room failed (FAIL) or was aborted (ABORT) at origin. */
 typedef struct kvf_msg_fail {
     uint64_t       room;
+    uint64_t       instance;       /* the receiver's room instance */
     int32_t        status;         /* kvf_status_t, negative */
     uint8_t        origin_side;    /* kvf_role_t */
     uint32_t       origin_rank;

@@ -65,7 +65,7 @@ static bool fz_hello_eq(const kvf_msg_hello_t *a, const kvf_msg_hello_t *b)
 
 static bool fz_data_eq(const kvf_msg_data_t *a, const kvf_msg_data_t *b)
 {
-    if (a->room != b->room || a->src_rank != b->src_rank ||
+    if (a->room != b->room || a->instance != b->instance || a->src_rank != b->src_rank ||
         a->payload_len != b->payload_len || a->nseg != b->nseg ||
         a->strided != b->strided || a->npieces != b->npieces)
         return false;
@@ -100,6 +100,7 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
         return fz_hello_eq(&a->u.hello, &b->u.hello);
     case KVF_MSG_ROOM_REQ:
         return a->u.room_req.room == b->u.room_req.room &&
+               a->u.room_req.instance == b->u.room_req.instance &&
                a->u.room_req.dst_rank == b->u.room_req.dst_rank &&
                a->u.room_req.expected_receivers ==
                    b->u.room_req.expected_receivers &&
@@ -112,17 +113,20 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
         return fz_data_eq(&a->u.data, &b->u.data);
     case KVF_MSG_DONE:
         return a->u.done.room == b->u.done.room &&
+               a->u.done.instance == b->u.done.instance &&
                a->u.done.src_rank == b->u.done.src_rank &&
                a->u.done.bytes == b->u.done.bytes &&
                a->u.done.has_checksum == b->u.done.has_checksum &&
                a->u.done.checksum == b->u.done.checksum;
     case KVF_MSG_DONE_ACK:
         return a->u.done_ack.room == b->u.done_ack.room &&
+               a->u.done_ack.instance == b->u.done_ack.instance &&
                a->u.done_ack.status == b->u.done_ack.status &&
                a->u.done_ack.bytes == b->u.done_ack.bytes;
     case KVF_MSG_FAIL:
     case KVF_MSG_ABORT:
         return a->u.fail.room == b->u.fail.room &&
+               a->u.fail.instance == b->u.fail.instance &&
                a->u.fail.status == b->u.fail.status &&
                a->u.fail.origin_side == b->u.fail.origin_side &&
                a->u.fail.origin_rank == b->u.fail.origin_rank &&

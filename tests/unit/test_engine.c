@@ -566,6 +566,10 @@ static int fake_read(int fd, uint8_t *p, size_t n)
     return wp_read(fd, p, n, 5000);
 }
 
+/* The room instance of each ROOM_REQ a fake prefill saw, by room id % 256:
+ * what its frames for the room must name. */
+static uint64_t fake_inst[256];
+
 /* The next message of `type` the decode engine sends (others skipped). */
 static int fake_expect(fake_peer_t *f, uint8_t type, kvf_msg_t *m)
 {
@@ -578,6 +582,8 @@ static int fake_expect(fake_peer_t *f, uint8_t type, kvf_msg_t *m)
             hdr.length > sizeof(f->body) || !fake_read(f->fd, f->body, hdr.length) ||
             kvf_wire_decode(&hdr, f->body, m, err, sizeof(err)) != KVF_OK)
             return 0;
+        if (hdr.type == KVF_MSG_ROOM_REQ)
+            fake_inst[m->u.room_req.room % 256] = m->u.room_req.instance;
         if (hdr.type == type)
             return 1;
     }
@@ -648,6 +654,7 @@ static void fake_data(fake_peer_t *f, uint64_t room, const kvf_wire_seg_t *segs,
     for (size_t i = 0; i < bytes; i++)
         payload[i] = (uint8_t)(i * 31 + 7);
     m.u.data.room = room;
+    m.u.data.instance = fake_inst[room % 256];
     m.u.data.payload_len = bytes;
     m.u.data.nseg = n;
     m.u.data.segs = segs;
@@ -754,6 +761,7 @@ static void test_hostile_strided_segments(void)
     fake_data(f, 100 + R_GOOD, good, NKV + 2);
     kvf_msg_t done = {.type = KVF_MSG_DONE};
     done.u.done.room = 100 + R_GOOD;
+    done.u.done.instance = fake_inst[100 + R_GOOD];
     done.u.done.bytes = NKV * PAGE_B + AUX_B + 8;
     fake_send(f, &done, NULL, 0);
     CHECK_EQ_INT(wait_receiver(r[R_GOOD]), KVF_POLL_SUCCESS);
@@ -802,6 +810,7 @@ static void test_hostile_strided_segments(void)
     kvf_wire_seg_t ws = SEG(KVF_BUF_KV, 0, page[R_OTHER] * (uint64_t)PAGE_B, 8, 3,
                             UINT64_MAX / 2, 8);
     wrap.u.data.room = 100 + R_OTHER;
+    wrap.u.data.instance = fake_inst[100 + R_OTHER];
     wrap.u.data.payload_len = 24;
     wrap.u.data.nseg = 1;
     wrap.u.data.segs = &ws;
@@ -811,7 +820,7 @@ static void test_hostile_strided_segments(void)
     CHECK_EQ_INT(kvf_wire_encode(&b, &wrap), KVF_ERR_INVALID_PARAM);   /* not from us */
     ws.dst_stride = 8;
     CHECK_EQ_INT(kvf_wire_encode(&b, &wrap), KVF_OK);
-    kvf_put_u64(b.data + KVF_WIRE_HDR_LEN + 24 + 21, UINT64_MAX / 2);  /* dst_stride */
+    kvf_put_u64(b.data + KVF_WIRE_HDR_LEN + 32 + 21, UINT64_MAX / 2);  /* dst_stride */
     CHECK(send(f->fd, b.data, b.len, MSG_NOSIGNAL) == (ssize_t)b.len);
     kvf_buf_free(&b);
     check_refused(r[R_OTHER], KVF_ERR_PROTOCOL, "overflows");
@@ -875,6 +884,7 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     uint32_t dpage = 3, dstate = 2;
     kvf_msg_t req = {.type = KVF_MSG_ROOM_REQ};
     req.u.room_req.room = room;
+    req.u.room_req.instance = 0x1257a9ce0000ull + room;
     req.u.room_req.expected_receivers = 1;
     req.u.room_req.aux_slot = 1;
     req.u.room_req.pages = (kvf_wire_arr32_t){1, &dpage, NULL};
@@ -927,6 +937,7 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     }
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = room;
+    ack.u.done_ack.instance = 0x1257a9ce0000ull + room;
     ack.u.done_ack.bytes = rx->bytes;
     fake_send(f, &ack, NULL, 0);
     wait_final(s, NULL);

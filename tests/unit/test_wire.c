@@ -83,6 +83,7 @@ static kvf_msg_t sample_room_req(void)
     memset(&m, 0, sizeof(m));
     m.type = KVF_MSG_ROOM_REQ;
     m.u.room_req.room = BIG64;
+    m.u.room_req.instance = 0xa1a2a3a4a5a6a7a8ull;
     m.u.room_req.dst_rank = 2;
     m.u.room_req.expected_receivers = 4;
     m.u.room_req.aux_slot = BIG32;
@@ -98,6 +99,7 @@ static kvf_msg_t sample_data(void)
     memset(&m, 0, sizeof(m));
     m.type = KVF_MSG_DATA;
     m.u.data.room = BIG64;
+    m.u.data.instance = 0xb1b2b3b4b5b6b7b8ull;
     m.u.data.src_rank = 7;
     m.u.data.payload_len = 4096 + (1ull << 31) + 100 + 5;
     m.u.data.nseg = 4;
@@ -111,6 +113,7 @@ static kvf_msg_t sample_done(void)
     memset(&m, 0, sizeof(m));
     m.type = KVF_MSG_DONE;
     m.u.done.room = BIG64;
+    m.u.done.instance = 0xc1c2c3c4c5c6c7c8ull;
     m.u.done.src_rank = 1;
     m.u.done.bytes = 1ull << 36;
     m.u.done.has_checksum = 1;
@@ -124,6 +127,7 @@ static kvf_msg_t sample_done_ack(void)
     memset(&m, 0, sizeof(m));
     m.type = KVF_MSG_DONE_ACK;
     m.u.done_ack.room = BIG64;
+    m.u.done_ack.instance = 0xd1d2d3d4d5d6d7d8ull;
     m.u.done_ack.status = KVF_ERR_INCOMPLETE;
     m.u.done_ack.bytes = 1ull << 36;
     return m;
@@ -135,6 +139,7 @@ static kvf_msg_t sample_fail(kvf_msg_type_t type)
     memset(&m, 0, sizeof(m));
     m.type = type;
     m.u.fail.room = BIG64;
+    m.u.fail.instance = 0xe1e2e3e4e5e6e7e8ull;
     m.u.fail.status = type == KVF_MSG_ABORT ? KVF_ERR_ABORTED
                                             : KVF_ERR_BAD_INDICES;
     m.u.fail.origin_side = 1;
@@ -301,6 +306,7 @@ static void test_roundtrip_room_req(void)
     check_arr32(&d.u.room_req.pages, &m.u.room_req.pages);
     check_arr32(&d.u.room_req.state_slots, &m.u.room_req.state_slots);
     CHECK_EQ_INT(d.u.room_req.attempt, 3);
+    CHECK(d.u.room_req.instance == 0xa1a2a3a4a5a6a7a8ull);
     kvf_buf_free(&b);
 
     /* empty arrays */
@@ -321,10 +327,11 @@ static void test_roundtrip_data(void)
     CHECK_EQ_INT(d.type, KVF_MSG_DATA);
     CHECK(d.u.data.room == BIG64);
     CHECK_EQ_INT(d.u.data.src_rank, 7);
+    CHECK(d.u.data.instance == 0xb1b2b3b4b5b6b7b8ull);
     CHECK(d.u.data.payload_len == m.u.data.payload_len);
     CHECK_EQ_INT(d.u.data.nseg, 4);
     CHECK(d.u.data.segs == NULL && d.u.data.raw_segs != NULL);
-    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 24 + 4 * KVF_WIRE_SEG_LEN);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 32 + 4 * KVF_WIRE_SEG_LEN);
     for (uint32_t i = 0; i < 4; i++) {
         kvf_wire_seg_t s;
         kvf_wire_seg_at(&d.u.data, i, &s);
@@ -346,16 +353,18 @@ static void test_roundtrip_small(void)
     CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
     CHECK(d.u.done.room == BIG64);
     CHECK_EQ_INT(d.u.done.src_rank, 1);
+    CHECK(d.u.done.instance == 0xc1c2c3c4c5c6c7c8ull);
     CHECK(d.u.done.bytes == 1ull << 36);
     CHECK_EQ_INT(d.u.done.has_checksum, 1);
     CHECK(d.u.done.checksum == 0xfedcba9876543210ull);
-    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 29);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 37);
     kvf_buf_free(&b);
 
     m = sample_done_ack();
     CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
     CHECK(d.u.done_ack.room == BIG64);
     CHECK_EQ_INT(d.u.done_ack.status, KVF_ERR_INCOMPLETE);
+    CHECK(d.u.done_ack.instance == 0xd1d2d3d4d5d6d7d8ull);
     CHECK(d.u.done_ack.bytes == 1ull << 36);
     kvf_buf_free(&b);
 
@@ -378,6 +387,7 @@ static void test_roundtrip_fail_abort(void)
         CHECK_EQ_INT(b.data[4], types[i]);
         CHECK(d.u.fail.room == BIG64);
         CHECK_EQ_INT(d.u.fail.status, m.u.fail.status);
+        CHECK(d.u.fail.instance == 0xe1e2e3e4e5e6e7e8ull);
         CHECK_EQ_INT(d.u.fail.origin_side, 1);
         CHECK_EQ_INT(d.u.fail.origin_rank, 6);
         CHECK(str_eq(d.u.fail.origin_addr, "decode-3:7000"));
@@ -411,14 +421,16 @@ static void test_golden_bytes(void)
     memset(&m, 0, sizeof(m));
     m.type = KVF_MSG_DATA;
     m.u.data.room = 0x99;
+    m.u.data.instance = 0x5152535455565758ull;
     m.u.data.src_rank = 2;
     m.u.data.payload_len = 0x41424344u;
     m.u.data.nseg = 1;
     m.u.data.segs = &s;
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
     static const uint8_t data[] = {
-        41, 0, 0, 0, 3, 0, 0, 0,
-        0x99, 0, 0, 0, 0, 0, 0, 0,   2, 0, 0, 0,
+        49, 0, 0, 0, 3, 0, 0, 0,
+        0x99, 0, 0, 0, 0, 0, 0, 0,   0x58, 0x57, 0x56, 0x55, 0x54, 0x53, 0x52, 0x51,
+        2, 0, 0, 0,
         0x44, 0x43, 0x42, 0x41, 0, 0, 0, 0,   1, 0, 0, 0,
         1, 0x24, 0x23, 0x22, 0x21, 0x38, 0x37, 0x36, 0x35, 0x34, 0x33, 0x32,
         0x31, 0x44, 0x43, 0x42, 0x41,
@@ -620,7 +632,7 @@ static kvf_status_t decode_bld(uint8_t type, const bld_t *w, char *err,
 static void fail_body(bld_t *w, int32_t status, uint8_t side, uint32_t reason_len)
 {
     w->n = 0;
-    b64(w, 1); b32(w, (uint32_t)status); b8(w, side); b32(w, 0);
+    b64(w, 1); b64(w, 0x1d); b32(w, (uint32_t)status); b8(w, side); b32(w, 0);
     b32(w, 4); bfill(w, 4);
     b32(w, reason_len); bfill(w, reason_len);
 }
@@ -646,7 +658,7 @@ static void test_limits_rejected(void)
     uint32_t counts[] = { 4000000, 0x40000001u, UINT32_MAX };
     for (int i = 0; i < 3; i++) {
         w.n = 0;
-        b64(&w, 1); b32(&w, 0); b32(&w, 1); b32(&w, 0);
+        b64(&w, 1); b64(&w, 0x1d); b32(&w, 0); b32(&w, 1); b32(&w, 0);
         b32(&w, counts[i]); b32(&w, 1); b32(&w, 2); b32(&w, 0);
         CHECK_EQ_INT(decode_bld(KVF_MSG_ROOM_REQ, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
         CHECK_STR_CONTAINS(err, "ROOM_REQ: page count");
@@ -655,14 +667,14 @@ static void test_limits_rejected(void)
 
     /* ROOM_REQ: too many state slots */
     w.n = 0;
-    b64(&w, 1); b32(&w, 0); b32(&w, 1); b32(&w, 0);
+    b64(&w, 1); b64(&w, 0x1d); b32(&w, 0); b32(&w, 1); b32(&w, 0);
     b32(&w, 0); b32(&w, KVF_WIRE_MAX_BUFS + 1); bfill(&w, 4 * (KVF_WIRE_MAX_BUFS + 1));
     CHECK_EQ_INT(decode_bld(KVF_MSG_ROOM_REQ, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "ROOM_REQ: state slot count 4097 exceeds limit 4096");
 
     /* DATA: too many segments */
     w.n = 0;
-    b64(&w, 1); b32(&w, 0); b64(&w, 0); b32(&w, KVF_WIRE_MAX_SEGS + 1);
+    b64(&w, 1); b64(&w, 0x1d); b32(&w, 0); b64(&w, 0); b32(&w, KVF_WIRE_MAX_SEGS + 1);
     CHECK_EQ_INT(decode_bld(KVF_MSG_DATA, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "DATA: segment count 8193 exceeds limit 8192");
 
@@ -688,7 +700,7 @@ static void data_body(bld_t *w, uint64_t payload, uint32_t nseg,
                       const kvf_wire_seg_t *s)
 {
     w->n = 0;
-    b64(w, 5); b32(w, 1); b64(w, payload); b32(w, nseg);
+    b64(w, 5); b64(w, 0x1d); b32(w, 1); b64(w, payload); b32(w, nseg);
     for (uint32_t i = 0; i < nseg; i++) {
         b8(w, s[i].kind); b32(w, s[i].buf); b64(w, s[i].offset); b32(w, s[i].len);
     }
@@ -736,7 +748,7 @@ static void test_data_rules(void)
 
     /* count promising more segments than the body holds */
     data_body(&w, 100, 4, s);
-    kvf_put_u32(w.b + 20, 5);
+    kvf_put_u32(w.b + 28, 5);
     CHECK_EQ_INT(decode_bld(KVF_MSG_DATA, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "DATA: segment count 5 exceeds body (68 bytes left)");
 
@@ -762,7 +774,7 @@ static void sdata_body(bld_t *w, uint64_t payload, uint32_t nseg,
                        const kvf_wire_seg_t *s)
 {
     w->n = 0;
-    b64(w, 5); b32(w, 1); b64(w, payload); b32(w, nseg);
+    b64(w, 5); b64(w, 0x1d); b32(w, 1); b64(w, payload); b32(w, nseg);
     for (uint32_t i = 0; i < nseg; i++) {
         b8(w, s[i].kind); b32(w, s[i].buf); b64(w, s[i].offset); b32(w, s[i].len);
         b32(w, s[i].count); b64(w, s[i].dst_stride); b64(w, s[i].src_stride);
@@ -808,9 +820,9 @@ static void test_strided_roundtrip(void)
     segs2[2].count = 1;
     CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
     CHECK_EQ_INT(b.data[5], KVF_WIRE_F_STRIDED);
-    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 24 + 3 * KVF_WIRE_SSEG_LEN);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 32 + 3 * KVF_WIRE_SSEG_LEN);
     /* segment 0's tail: count, dst_stride, src_stride */
-    const uint8_t *p = b.data + KVF_WIRE_HDR_LEN + 24;
+    const uint8_t *p = b.data + KVF_WIRE_HDR_LEN + 32;
     CHECK_EQ_INT(kvf_get_u32(p + 17), 64);
     CHECK(kvf_get_u64(p + 21) == 512 && kvf_get_u64(p + 29) == 1024);
     CHECK(d.u.data.strided == 1 && d.u.data.nseg == 3);
@@ -838,7 +850,7 @@ static void test_strided_roundtrip(void)
     m = sample_data();
     CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
     CHECK_EQ_INT(b.data[5], 0);
-    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 24 + 4 * KVF_WIRE_SEG_LEN);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 32 + 4 * KVF_WIRE_SEG_LEN);
     CHECK(d.u.data.strided == 0 && d.u.data.npieces == 4);
     kvf_wire_seg_t t;
     kvf_wire_seg_at(&d.u.data, 0, &t);
@@ -982,12 +994,12 @@ static void test_value_rules(void)
     CHECK_STR_CONTAINS(err, "ABORT: origin side 2");
 
     w.n = 0;
-    b64(&w, 1); b32(&w, 1); b64(&w, 1); b8(&w, 2); b64(&w, 0);
+    b64(&w, 1); b64(&w, 0x1d); b32(&w, 1); b64(&w, 1); b8(&w, 2); b64(&w, 0);
     CHECK_EQ_INT(decode_bld(KVF_MSG_DONE, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "DONE: has_checksum is 2");
 
     w.n = 0;
-    b64(&w, 1); b32(&w, 1); b64(&w, 1);
+    b64(&w, 1); b64(&w, 0x1d); b32(&w, 1); b64(&w, 1);
     CHECK_EQ_INT(decode_bld(KVF_MSG_DONE_ACK, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "DONE_ACK: status 1 is positive");
 
@@ -1161,7 +1173,7 @@ static void test_encode_refuses(void)
     REFUSE(m);
 
     /* a page list that would make the body exceed KVF_WIRE_MAX_BODY */
-    uint32_t fit = (KVF_WIRE_MAX_BODY - 32) / 4;
+    uint32_t fit = (KVF_WIRE_MAX_BODY - 40) / 4;   /* 40: ROOM_REQ's fixed fields */
     uint32_t *big = calloc((size_t)fit + 1, sizeof(uint32_t));
     m = sample_room_req();
     m.u.room_req.state_slots.count = 0;
@@ -1212,7 +1224,7 @@ static void test_output_untouched_on_error(void)
     kvf_msg_t before;
     memcpy(&before, &d, sizeof(d));
     char err[256];
-    b.data[8 + 20] = 7;   /* has_checksum */
+    b.data[8 + 28] = 7;   /* has_checksum */
     CHECK_EQ_INT(decode_copy(KVF_MSG_DONE, b.data + 8, b.len - 8, &d, err,
                              sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK(memcmp(&d, &before, sizeof(d)) == 0);

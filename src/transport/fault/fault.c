@@ -315,6 +315,21 @@ static void fput_complete(kvf_put_t *put, kvf_status_t st)
     free(fp);
 }
 
+/* The inner put's pages are what the stream reads: pin them, and ask
+ * whether they are still the put's, through it. */
+static void fput_busy(kvf_put_t *put, int busy)
+{
+    kvf_put_t *inner = ((fault_put_t *)put)->inner;
+    if (inner->busy != NULL)
+        inner->busy(inner, busy);
+}
+
+static int fput_live(kvf_put_t *put)
+{
+    kvf_put_t *inner = ((fault_put_t *)put)->inner;
+    return inner->live == NULL || inner->live(inner);
+}
+
 static void fault_put(kvf_conn_t *c, kvf_put_t *inner)
 {
     fault_conn_t *fc = (fault_conn_t *)c;
@@ -325,7 +340,10 @@ static void fault_put(kvf_conn_t *c, kvf_put_t *inner)
     }
     fp->put.next = fput_next;
     fp->put.complete = fput_complete;
+    fp->put.busy = fput_busy;
+    fp->put.live = fput_live;
     fp->put.room = inner->room;
+    fp->put.instance = inner->instance;
     fp->put.src_rank = inner->src_rank;
     fp->put.by_ref = inner->by_ref;
     fp->inner = inner;

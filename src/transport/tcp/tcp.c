@@ -57,6 +57,8 @@ struct kvf_tcp_conn {
     int                      connecting;
     int                      closing;       /* in on_close: queue nothing */
     int                      backlog;       /* parsing stopped with frames left */
+    int                      tx_cut;        /* a truncate fault cut the stream:
+                                               nothing more is written */
     int                      held;          /* the handler is not ready for more */
     int                      frame_zeroed;  /* the frame's rest comes from zeros */
     int                      dead;
@@ -473,6 +475,7 @@ static int build_frame(kvf_tcp_conn_t *c)
     }
     kvf_msg_t m = {.type = p->by_ref ? KVF_MSG_DATA_REF : KVF_MSG_DATA};
     m.u.data.room = p->room;
+    m.u.data.instance = p->instance;
     m.u.data.src_rank = p->src_rank;
     m.u.data.payload_len = payload;
     m.u.data.nseg = n;
@@ -553,17 +556,21 @@ static void tcp_flush(kvf_conn_t *base)
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     size_t budget = TCP_PASS_BYTES;
 
-    while (!c->dead && !c->connecting && budget > 0) {
+    while (!c->dead && !c->connecting && !c->tx_cut && budget > 0) {
         if (c->paused_until_ms != 0) {
             if (kvf_now_ms() < c->paused_until_ms)
                 break;
             c->paused_until_ms = 0;
         }
         if (c->truncate_reason != NULL && c->frame_active) {
-            /* The header and segment table go out, the payload never does. */
+            /* The header and segment table go out, the payload never does,
+             * and nothing after them: the FAILs the dying connection's
+             * rooms send while it closes (conn_fail re-enters this loop)
+             * would otherwise follow, or the frame go out twice. */
             ssize_t n = send(c->fd, c->iov[c->iov_i].iov_base, c->iov[c->iov_i].iov_len,
                              MSG_NOSIGNAL);
             (void)n;
+            c->tx_cut = 1;
             conn_fail(c, KVF_ERR_CONN_RESET, "%s", c->truncate_reason);
             return;
         }

@@ -1,0 +1,917 @@
+/*
+ * Room trust: peers that hold the cluster token but are wrong (a stale
+ * retry, a buggy or hostile rank).  Real engines beside hand-written peers
+ * that authenticate and speak the real protocol (kvf_wire_peer.h): a
+ * room's messages count only from the peer it is bound to and only when
+ * they name the room's instance; a second request for a bound room is
+ * refused and its sender told; a room id reused right after a failure
+ * gets the new room's bytes, never the old room's bytes or failure.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include "bootstrap/bootstrap.h"
+#include "core/room.h"
+#include "kvferry/kvferry.h"
+#include "unit/kvf_test.h"
+#include "unit/kvf_wire_peer.h"
+#include "util/time.h"
+#include "wire/wire.h"
+
+#define LAYERS 2
+#define NKV    (2 * LAYERS)
+#define HEADS  2
+#define HEAD_B 32
+#define PAGE   4
+#define PAGES  64
+#define PAGE_B (PAGE * HEADS * HEAD_B)
+#define AUX_B  16
+#define SLOTS  8
+
+typedef struct side {
+    kvf_engine_t *eng;
+    uint8_t      *kv[NKV];
+    uint8_t      *aux;
+} side_t;
+
+static const char *next_faults;
+
+static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = role;
+    p.bootstrap_addr = bs;
+    p.host_bootstrap = host_bs;
+    p.bootstrap_timeout_ms = 5000;
+    p.transfer_timeout_ms = 5000;
+    p.transport = "tcp";
+    p.faults = next_faults;
+    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
+    kvf_buffer_t kv[NKV], aux;
+    for (int i = 0; i < NKV; i++) {
+        s->kv[i] = calloc(PAGES, PAGE_B);
+        kv[i] = (kvf_buffer_t){s->kv[i], PAGES * PAGE_B, PAGE_B};
+    }
+    s->aux = calloc(SLOTS, AUX_B);
+    aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = PAGE;
+    l.kv_dtype = "bfloat16";
+    l.num_layers = LAYERS;
+    l.heads_per_rank = l.total_heads = HEADS;
+    l.bytes_per_head = HEAD_B;
+    l.num_kv = NKV;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;
+    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
+}
+
+static void side_fini(side_t *s)
+{
+    kvf_engine_destroy(s->eng);
+    for (int i = 0; i < NKV; i++)
+        free(s->kv[i]);
+    free(s->aux);
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static int is_final(kvf_poll_t s) { return s == KVF_POLL_SUCCESS || s == KVF_POLL_FAILED; }
+
+/* Poll until final (or at least `want`), 10 s at most. */
+static kvf_poll_t wait_rx(kvf_receiver_t *r, kvf_poll_t want)
+{
+    for (int i = 0; i < 10000; i++) {
+        kvf_poll_t s = kvf_receiver_poll(r);
+        if (is_final(s) || s >= want)
+            return s;
+        sleep_ms(1);
+    }
+    return kvf_receiver_poll(r);
+}
+
+static kvf_poll_t wait_tx(kvf_sender_t *t, kvf_poll_t want)
+{
+    for (int i = 0; i < 10000; i++) {
+        kvf_poll_t s = kvf_sender_poll(t);
+        if (is_final(s) || s >= want)
+            return s;
+        sleep_ms(1);
+    }
+    return kvf_sender_poll(t);
+}
+
+/* Room messages an engine dropped as not its rooms' (room.c). */
+static uint64_t dropped(kvf_engine_t *eng) { return kvf_engine_room_msgs_dropped(eng); }
+
+/* Wait until the engine has dropped at least `n` (5 s at most). */
+static int wait_dropped(kvf_engine_t *eng, uint64_t n)
+{
+    for (int i = 0; i < 5000; i++) {
+        if (dropped(eng) >= n)
+            return 1;
+        sleep_ms(1);
+    }
+    return 0;
+}
+
+/* ---- a hand-written engine on a plain socket -------------------------- */
+
+typedef struct fake {
+    int     lfd, fd, port;
+    uint8_t body[1 << 16];
+} fake_t;
+
+/* The next frame of `type` (others, heartbeats among them, skipped). */
+static int fake_expect(fake_t *f, uint8_t type, kvf_msg_t *m)
+{
+    for (;;) {
+        int t = wp_recv(f->fd, m, f->body, sizeof(f->body), 5000);
+        if (t == 0)
+            return 0;
+        if (t == KVF_MSG_DATA) {    /* skip its payload */
+            static uint8_t sink[1 << 16];
+            CHECK(m->u.data.payload_len <= sizeof(sink));
+            if (!wp_read(f->fd, sink, m->u.data.payload_len, 5000))
+                return 0;
+        }
+        if (t == type)
+            return 1;
+    }
+}
+
+static void fake_send(fake_t *f, const kvf_msg_t *m, const uint8_t *payload, size_t n)
+{
+    CHECK(wp_send(f->fd, m, payload, n));
+}
+
+/* The layout side_init registers, as rank 0 of TP 1. */
+static void fake_hello(fake_t *f, kvf_role_t role)
+{
+    uint64_t kb[NKV], ki[NKV], ab = AUX_B, ai = SLOTS;
+    char addr[32];
+    for (int i = 0; i < NKV; i++) {
+        kb[i] = PAGE_B;
+        ki[i] = PAGES;
+    }
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
+    kvf_msg_t m = {.type = KVF_MSG_HELLO};
+    kvf_msg_hello_t *h = &m.u.hello;
+    h->magic = KVF_WIRE_MAGIC;
+    h->version = KVF_WIRE_VERSION;
+    h->role = (uint8_t)role;
+    h->instance_id = 0x5eed0000ull + (uint64_t)f->port;
+    h->tp_size = h->pp_size = h->dp_size = 1;
+    h->addr = (kvf_wire_str_t){addr, (uint32_t)strlen(addr)};
+    h->layout.page_size = PAGE;
+    h->layout.kv_dtype = (kvf_wire_str_t){"bfloat16", 8};
+    h->layout.attn = KVF_ATTN_MHA;
+    h->layout.num_layers = LAYERS;
+    h->layout.heads_per_rank = HEADS;
+    h->layout.total_heads = HEADS;
+    h->layout.bytes_per_head = HEAD_B;
+    h->layout.kv_item_bytes = (kvf_wire_arr64_t){NKV, kb, NULL};
+    h->layout.kv_items = (kvf_wire_arr64_t){NKV, ki, NULL};
+    h->layout.aux_item_bytes = (kvf_wire_arr64_t){1, &ab, NULL};
+    h->layout.aux_items = (kvf_wire_arr64_t){1, &ai, NULL};
+    fake_send(f, &m, NULL, 0);
+}
+
+/* A fake prefill rank listening, registered in a fresh registry; *bs_p
+ * the registry, its address in bs. */
+static void fake_prefill_listen(fake_t *f, kvf_bootstrap_t **bs_p, char *bs, size_t len)
+{
+    char err[256];
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    socklen_t sl = sizeof(sa);
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    f->lfd = socket(AF_INET, SOCK_STREAM, 0);
+    CHECK(f->lfd >= 0 && bind(f->lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
+          listen(f->lfd, 4) == 0);
+    getsockname(f->lfd, (struct sockaddr *)&sa, &sl);
+    f->port = ntohs(sa.sin_port);
+    f->fd = -1;
+    CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 0, bs_p), KVF_OK);
+    snprintf(bs, len, "127.0.0.1:%d", kvf_bootstrap_port(*bs_p));
+    kvf_bs_reg_t reg = {
+        .attn_tp_size = 1, .attn_cp_size = 1, .attn_dp_size = 1, .pp_size = 1,
+        .system_dp_size = 1, .rank_ip = "127.0.0.1", .rank_port = f->port,
+        .page_size = PAGE, .kv_cache_dtype = "bfloat16",
+    };
+    CHECK_EQ_INT(kvf__bs_register(bs, &reg, 3000, err, sizeof(err)), KVF_OK);
+}
+
+/* Take the decode engine's connection and run the handshake as a prefill
+ * rank that offers nothing but DATA frames. */
+static void fake_prefill_accept_caps(fake_t *f, uint32_t caps);
+
+static void fake_prefill_accept(fake_t *f) { fake_prefill_accept_caps(f, 0); }
+
+/* The same, offering (and expecting accepted) capabilities `caps`. */
+static void fake_prefill_accept_caps(fake_t *f, uint32_t caps)
+{
+    kvf_msg_t m;
+    uint8_t blob[4];
+    struct pollfd pfd = {f->lfd, POLLIN, 0};
+    CHECK(poll(&pfd, 1, 5000) == 1);
+    f->fd = accept(f->lfd, NULL, NULL);
+    CHECK(f->fd >= 0);
+    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_PREFILL, 0, NULL));
+    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
+    fake_hello(f, KVF_ROLE_PREFILL);
+    kvf_msg_t x = {.type = KVF_MSG_XPORT};
+    if (caps != 0) {
+        kvf_put_u32(blob, caps);
+        x.u.xport.x[x.u.xport.count++] =
+            (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, blob, 4};
+    }
+    fake_send(f, &x, NULL, 0);
+    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+}
+
+/* A fake decode rank connected to a real prefill engine, handshake done. */
+static void fake_decode_connect(fake_t *f, kvf_engine_t *pre)
+{
+    char addr[64];
+    kvf_msg_t m;
+    CHECK_EQ_INT(kvf_engine_address(pre, addr, sizeof(addr)), KVF_OK);
+    struct sockaddr_in sa = {.sin_family = AF_INET,
+                             .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    f->fd = socket(AF_INET, SOCK_STREAM, 0);
+    f->lfd = -1;
+    CHECK(connect(f->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    struct sockaddr_in me;
+    socklen_t ml = sizeof(me);
+    getsockname(f->fd, (struct sockaddr *)&me, &ml);
+    f->port = ntohs(me.sin_port);
+    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_DECODE, 1, NULL));
+    fake_hello(f, KVF_ROLE_DECODE);
+    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
+    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    kvf_msg_t x = {.type = KVF_MSG_XPORT};
+    fake_send(f, &x, NULL, 0);
+}
+
+static void fake_close(fake_t *f)
+{
+    if (f->fd >= 0)
+        close(f->fd);
+    if (f->lfd >= 0)
+        close(f->lfd);
+}
+
+/* One page per KV buffer and the aux slot, as a sender of `pattern` writes
+ * them: DATA (NKV + 1 segments and their payload), then DONE. */
+#define ROOM_BYTES (NKV * PAGE_B + AUX_B)
+
+static uint8_t pat(int pattern, size_t i) { return (uint8_t)(i * 31 + 7 + pattern * 101); }
+
+static void fake_room_data(fake_t *f, uint64_t room, uint64_t inst, uint32_t page,
+                           uint32_t slot, int pattern, int with_done)
+{
+    static uint8_t payload[ROOM_BYTES];
+    kvf_wire_seg_t segs[NKV + 1];
+    for (int b = 0; b < NKV; b++)
+        segs[b] = (kvf_wire_seg_t){KVF_BUF_KV, (uint32_t)b, (uint64_t)page * PAGE_B, PAGE_B,
+                                   1, 0, 0};
+    segs[NKV] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, (uint64_t)slot * AUX_B, AUX_B, 1, 0, 0};
+    for (size_t i = 0; i < ROOM_BYTES; i++)
+        payload[i] = pat(pattern, i);
+    kvf_msg_t m = {.type = KVF_MSG_DATA};
+    m.u.data.room = room;
+    m.u.data.instance = inst;
+    m.u.data.payload_len = ROOM_BYTES;
+    m.u.data.nseg = NKV + 1;
+    m.u.data.segs = segs;
+    fake_send(f, &m, payload, ROOM_BYTES);
+    if (!with_done)
+        return;
+    kvf_msg_t d = {.type = KVF_MSG_DONE};
+    d.u.done.room = room;
+    d.u.done.instance = inst;
+    d.u.done.bytes = ROOM_BYTES;
+    fake_send(f, &d, NULL, 0);
+}
+
+/* Did the receiver's page and slot get exactly pattern's bytes? */
+static int room_bytes_are(const side_t *dec, uint32_t page, uint32_t slot, int pattern)
+{
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < PAGE_B; i++)
+            if (dec->kv[b][(size_t)page * PAGE_B + i] != pat(pattern, (size_t)b * PAGE_B + i))
+                return 0;
+    for (size_t i = 0; i < AUX_B; i++)
+        if (dec->aux[(size_t)slot * AUX_B + i] != pat(pattern, NKV * PAGE_B + i))
+            return 0;
+    return 1;
+}
+
+static int page_is_zero(const side_t *dec, uint32_t page)
+{
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < PAGE_B; i++)
+            if (dec->kv[b][(size_t)page * PAGE_B + i] != 0)
+                return 0;
+    return 1;
+}
+
+static kvf_msg_t fail_msg(uint64_t room, uint64_t inst, const char *reason)
+{
+    kvf_msg_t m = {.type = KVF_MSG_FAIL};
+    m.u.fail.room = room;
+    m.u.fail.instance = inst;
+    m.u.fail.status = KVF_ERR_TIMED_OUT;
+    m.u.fail.origin_side = KVF_ROLE_PREFILL;
+    m.u.fail.origin_addr = (kvf_wire_str_t){"x:1", 3};
+    m.u.fail.reason = (kvf_wire_str_t){reason, (uint32_t)strlen(reason)};
+    return m;
+}
+
+/*
+ * Decode side.  Room 1 is asked of prefill A, room 2 of prefill B (two
+ * registries).  B, bound only to room 2, sends room 1 DATA, DONE,
+ * DONE_ACK and FAIL naming room 1's real instance; A sends room 1 frames
+ * naming another instance: every one is dropped, room 1 stays live and
+ * untouched, and then succeeds byte for byte on A's right frames.
+ */
+static void test_receiver_takes_only_its_peer_and_instance(void)
+{
+    fake_t *a = calloc(1, sizeof(*a)), *b = calloc(1, sizeof(*b));
+    kvf_bootstrap_t *bsa, *bsb;
+    char addr_a[64], addr_b[64];
+    side_t dec;
+    kvf_msg_t m;
+    kvf_receiver_t *r1, *r2;
+    uint32_t p1 = 5, p2 = 9;
+
+    fake_prefill_listen(a, &bsa, addr_a, sizeof(addr_a));
+    fake_prefill_listen(b, &bsb, addr_b, sizeof(addr_b));
+    side_init(&dec, KVF_ROLE_DECODE, addr_a, 0);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr_a, 1, -1, &r1), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r1, &p1, 1, 1, NULL, 0), KVF_OK);
+    fake_prefill_accept(a);
+    CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 1);
+    uint64_t inst1 = m.u.room_req.instance;
+    CHECK(inst1 != 0);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr_b, 2, -1, &r2), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r2, &p2, 1, 2, NULL, 0), KVF_OK);
+    fake_prefill_accept(b);
+    CHECK(fake_expect(b, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 2);
+    CHECK(m.u.room_req.instance != 0 && m.u.room_req.instance != inst1);
+    CHECK_EQ_INT(wait_rx(r1, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+
+    /* B is not room 1's peer, whatever instance it names. */
+    uint64_t before = dropped(dec.eng);
+    fake_room_data(b, 1, inst1, p1, 1, 9, 1);
+    kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
+    ack.u.done_ack.room = 1;
+    ack.u.done_ack.instance = inst1;
+    fake_send(b, &ack, NULL, 0);
+    kvf_msg_t fail = fail_msg(1, inst1, "a hostile rank says room 1 failed");
+    fake_send(b, &fail, NULL, 0);
+    /* A, room 1's peer, naming another instance of room 1. */
+    fake_room_data(a, 1, inst1 ^ 1, p1, 1, 8, 1);
+    fail = fail_msg(1, inst1 + 1, "an earlier room 1 failed");
+    fake_send(a, &fail, NULL, 0);
+    /* Room 2's own frames from B, after all of that: B is room 2's peer. */
+    fake_room_data(b, 2, m.u.room_req.instance, p2, 2, 2, 1);
+    CHECK_EQ_INT(wait_rx(r2, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK(room_bytes_are(&dec, p2, 2, 2));
+    CHECK(wait_dropped(dec.eng, before + 7));
+    CHECK_EQ_INT(kvf_receiver_poll(r1), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK(page_is_zero(&dec, p1));
+
+    /* And room 1 gets its own bytes from its own peer. */
+    fake_room_data(a, 1, inst1, p1, 1, 1, 1);
+    CHECK_EQ_INT(wait_rx(r1, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK(room_bytes_are(&dec, p1, 1, 1));
+    CHECK(fake_expect(a, KVF_MSG_DONE_ACK, &m) && m.u.done_ack.room == 1 &&
+          m.u.done_ack.instance == inst1 && m.u.done_ack.status == KVF_OK);
+
+    kvf_receiver_destroy(r1);
+    kvf_receiver_destroy(r2);
+    side_fini(&dec);
+    fake_close(a);
+    fake_close(b);
+    free(a);
+    free(b);
+    kvf_bootstrap_destroy(bsa);
+    kvf_bootstrap_destroy(bsb);
+}
+
+/*
+ * A room id reused right after a failure, while the old room's frames are
+ * still in flight: room 7 fails (aborted here), a new receiver for room 7
+ * asks again with a fresh instance, and the old room's DATA, DONE and FAIL
+ * arrive only then, followed by the new room's.  The new room gets the new
+ * bytes, byte for byte, and neither the old bytes nor the old failure.
+ */
+static void test_reused_id_gets_only_its_own_frames(void)
+{
+    fake_t *a = calloc(1, sizeof(*a));
+    kvf_bootstrap_t *bs;
+    char addr[64];
+    side_t dec;
+    kvf_msg_t m;
+    kvf_receiver_t *r;
+    uint32_t page = 12;
+    kvf_failure_t f;
+
+    fake_prefill_listen(a, &bs, addr, sizeof(addr));
+    side_init(&dec, KVF_ROLE_DECODE, addr, 0);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 7, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, &page, 1, 3, NULL, 0), KVF_OK);
+    fake_prefill_accept(a);
+    CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 7);
+    uint64_t old = m.u.room_req.instance;
+    kvf_receiver_abort(r);
+    CHECK(fake_expect(a, KVF_MSG_ABORT, &m) && m.u.fail.room == 7 &&
+          m.u.fail.instance == old);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_FAILED);
+    kvf_receiver_destroy(r);
+
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 7, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, &page, 1, 3, NULL, 0), KVF_OK);
+    CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 7);
+    uint64_t fresh = m.u.room_req.instance;
+    CHECK(fresh != 0 && fresh != old);
+    CHECK_EQ_INT(m.u.room_req.attempt, 0);
+
+    /* The old room's frames, still in flight, then the new room's. */
+    fake_room_data(a, 7, old, page, 3, 6, 1);
+    kvf_msg_t fail = fail_msg(7, old, "the old room 7 timed out");
+    fake_send(a, &fail, NULL, 0);
+    fake_room_data(a, 7, fresh, page, 3, 1, 1);
+    CHECK_EQ_INT(wait_rx(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK(room_bytes_are(&dec, page, 3, 1));
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_ERR_AGAIN);
+    kvf_engine_stats_t st;
+    kvf_engine_stats(dec.eng, &st);
+    CHECK(st.bytes_received == ROOM_BYTES);
+
+    kvf_receiver_destroy(r);
+    side_fini(&dec);
+    fake_close(a);
+    free(a);
+    kvf_bootstrap_destroy(bs);
+}
+
+/*
+ * The same with real engines over the fault transport: every put of the
+ * prefill engine is held (delay), so the first room's chunk is still in
+ * flight when the room fails on both sides; the application destroys
+ * both and asks again at once with the same id, the decode side first
+ * (its request reaches the prefill engine before the new sender exists,
+ * right after the old one was destroyed failed).  The new room succeeds
+ * byte for byte with the new source pages.
+ */
+static void test_reused_id_real_engines(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    uint32_t dst = 20, src1 = 3, src2 = 4;
+    kvf_failure_t f;
+
+    next_faults = "delay@0:300";
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    next_faults = NULL;
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < PAGE_B; i++) {
+            pre.kv[b][src1 * PAGE_B + i] = 0xee;
+            pre.kv[b][src2 * PAGE_B + i] = (uint8_t)(i * 5 + b + 1);
+        }
+    memset(pre.aux + 1 * AUX_B, 0xee, AUX_B);
+    memcpy(pre.aux + 2 * AUX_B, "the-second-room!", AUX_B);
+
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 77, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 77, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, &dst, 1, 0, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &src1, 1, 1), KVF_OK);   /* held 300 ms */
+    kvf_sender_abort(s);
+    CHECK_EQ_INT(wait_rx(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 77, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, &dst, 1, 0, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(wait_rx(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    /* Its request is at the prefill engine before the sender exists. */
+    for (int i = 0; i < 5000; i++) {
+        kvf__lock(pre.eng);
+        size_t n = pre.eng->stash.count;
+        kvf__unlock(pre.eng);
+        if (n > 0)
+            break;
+        sleep_ms(1);
+    }
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 77, &s), KVF_OK);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 2), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &src2, 1, 1), KVF_OK);
+    CHECK_EQ_INT(wait_rx(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    for (int b = 0; b < NKV; b++)
+        CHECK(memcmp(dec.kv[b] + dst * PAGE_B, pre.kv[b] + src2 * PAGE_B, PAGE_B) == 0);
+    CHECK(memcmp(dec.aux, "the-second-room!", AUX_B) == 0);
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_ERR_AGAIN);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/* DATA for `room` with the given segments and pattern-0 payload. */
+static void fake_segs(fake_t *f, uint64_t room, uint64_t inst, const kvf_wire_seg_t *segs,
+                      uint32_t n, int strided)
+{
+    static uint8_t payload[4 * ROOM_BYTES];
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < n; i++)
+        bytes += kvf_wire_seg_bytes(&segs[i]);
+    CHECK(bytes <= sizeof(payload));
+    for (size_t i = 0; i < bytes; i++)
+        payload[i] = pat(0, i);
+    kvf_msg_t m = {.type = KVF_MSG_DATA};
+    m.u.data.room = room;
+    m.u.data.instance = inst;
+    m.u.data.payload_len = bytes;
+    m.u.data.nseg = n;
+    m.u.data.segs = segs;
+    m.u.data.strided = (uint8_t)strided;
+    fake_send(f, &m, payload, bytes);
+}
+
+static void fake_done(fake_t *f, uint64_t room, uint64_t inst, uint64_t bytes)
+{
+    kvf_msg_t d = {.type = KVF_MSG_DONE};
+    d.u.done.room = room;
+    d.u.done.instance = inst;
+    d.u.done.bytes = bytes;
+    fake_send(f, &d, NULL, 0);
+}
+
+#define KV(b, off, len, cnt, str) \
+    ((kvf_wire_seg_t){KVF_BUF_KV, (b), (off), (len), (cnt), (str), (str)})
+
+/*
+ * Exact coverage.  A peer bound to the room sends the right total of
+ * bytes but places some destination bytes twice and leaves others out:
+ * room 300 gets page 20 of every KV buffer twice and page 21 never; room
+ * 301 gets token 2 of page 30 in buffer 1 twice (a strided segment, then a
+ * plain one) and token 3 never; room 302 a piece that is not whole tokens.
+ * Each fails with KVF_ERR_PROTOCOL and a reason naming what was repeated,
+ * before DONE could call it complete; nothing of the offending frame is
+ * placed.  Room 303, sent right, succeeds byte for byte.
+ */
+static void test_each_byte_counts_once(void)
+{
+    enum { NR = 4 };
+    static const uint32_t pages[NR][2] = {{20, 21}, {30, 0}, {40, 0}, {50, 51}};
+    static const uint32_t npages[NR] = {2, 1, 1, 2};
+    const uint64_t tok = PAGE_B / PAGE;
+    fake_t *a = calloc(1, sizeof(*a));
+    kvf_bootstrap_t *bs;
+    char addr[64];
+    side_t dec;
+    kvf_msg_t m;
+    kvf_receiver_t *r[NR];
+    uint64_t inst[NR] = {0};
+    kvf_failure_t f;
+
+    fake_prefill_listen(a, &bs, addr, sizeof(addr));
+    side_init(&dec, KVF_ROLE_DECODE, addr, 0);
+    for (int i = 0; i < NR; i++) {
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 300 + (uint64_t)i, -1, &r[i]),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[i], pages[i], npages[i], (uint32_t)i, NULL, 0),
+                     KVF_OK);
+    }
+    fake_prefill_accept_caps(a, KVF_CAP_STRIDED);
+    for (int i = 0; i < NR; i++) {
+        CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room - 300 < NR);
+        inst[(m.u.room_req.room - 300) % NR] = m.u.room_req.instance;
+    }
+
+    /* Room 300: page 20 twice per buffer, page 21 never; the total is right. */
+    kvf_wire_seg_t s1[2 * NKV + 1];
+    for (int b = 0; b < NKV; b++) {
+        s1[2 * b] = KV((uint32_t)b, 20 * (uint64_t)PAGE_B, PAGE_B, 1, 0);
+        s1[2 * b + 1] = KV((uint32_t)b, 20 * (uint64_t)PAGE_B, PAGE_B, 1, 0);
+    }
+    s1[2 * NKV] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 0 * AUX_B, AUX_B, 1, 0, 0};
+    fake_segs(a, 300, inst[0], s1, 2 * NKV + 1, 0);
+    fake_done(a, 300, inst[0], 2 * NKV * PAGE_B + AUX_B);
+    CHECK_EQ_INT(wait_rx(r[0], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[0], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(f.reason, "segment 1: token 0 of page 20 of KV buffer 0");
+    CHECK_STR_CONTAINS(f.reason, "written a second time");
+    CHECK(page_is_zero(&dec, 20) && page_is_zero(&dec, 21));
+
+    /* Room 301, strided: buffer 1's tokens 0..2, then token 2 again. */
+    kvf_wire_seg_t s2[NKV + 2];
+    for (int b = 0; b < NKV; b++)
+        s2[b] = b == 1 ? KV(1, 30 * (uint64_t)PAGE_B, (uint32_t)tok, 3, tok)
+                       : KV((uint32_t)b, 30 * (uint64_t)PAGE_B, (uint32_t)tok, PAGE, tok);
+    s2[NKV] = KV(1, 30 * (uint64_t)PAGE_B + 2 * tok, (uint32_t)tok, 1, 0);
+    s2[NKV + 1] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 1 * AUX_B, AUX_B, 1, 0, 0};
+    fake_segs(a, 301, inst[1], s2, NKV + 2, 1);
+    fake_done(a, 301, inst[1], NKV * PAGE_B + AUX_B);
+    CHECK_EQ_INT(wait_rx(r[1], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[1], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(f.reason, "token 2 of page 30 of KV buffer 1");
+    CHECK(page_is_zero(&dec, 30));
+
+    /* Room 302: half a token. */
+    kvf_wire_seg_t s3 = KV(0, 40 * (uint64_t)PAGE_B + tok / 2, (uint32_t)tok, 1, 0);
+    fake_segs(a, 302, inst[2], &s3, 1, 0);
+    CHECK_EQ_INT(wait_rx(r[2], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[2], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(f.reason, "are not whole tokens");
+
+    /* Room 303, right: two pages in one segment per buffer, and aux. */
+    kvf_wire_seg_t s4[NKV + 1];
+    for (int b = 0; b < NKV; b++)
+        s4[b] = KV((uint32_t)b, 50 * (uint64_t)PAGE_B, 2 * PAGE_B, 1, 0);
+    s4[NKV] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 3 * AUX_B, AUX_B, 1, 0, 0};
+    fake_segs(a, 303, inst[3], s4, NKV + 1, 0);
+    fake_done(a, 303, inst[3], 2 * NKV * PAGE_B + AUX_B);
+    CHECK_EQ_INT(wait_rx(r[3], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    int same = 1;
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < 2 * PAGE_B; i++)
+            same &= dec.kv[b][50 * PAGE_B + i] == pat(0, (size_t)b * 2 * PAGE_B + i);
+    CHECK(same);
+
+    for (int i = 0; i < NR; i++)
+        kvf_receiver_destroy(r[i]);
+    side_fini(&dec);
+    fake_close(a);
+    free(a);
+    kvf_bootstrap_destroy(bs);
+}
+
+/* A real sender for room `id`, one page from src, aux slot 1. */
+static kvf_sender_t *sender(side_t *pre, uint64_t id)
+{
+    kvf_sender_t *s;
+    char bs[64];
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre->eng, bs, sizeof(bs)), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, id, &s), KVF_OK);
+    return s;
+}
+
+static kvf_msg_t room_req(uint64_t room, uint64_t inst, const uint32_t *page)
+{
+    kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
+    m.u.room_req.room = room;
+    m.u.room_req.instance = inst;
+    m.u.room_req.expected_receivers = 1;
+    m.u.room_req.aux_slot = 1;
+    m.u.room_req.pages = (kvf_wire_arr32_t){1, page, NULL};
+    return m;
+}
+
+/*
+ * Prefill side.  Decode rank D binds room 9 (instance A).  Then E, another
+ * authenticated decode engine, sends room 9 a FAIL, an ABORT and a
+ * DONE_ACK naming A, and a second ROOM_REQ for the same decode rank (its
+ * own instance): the request is refused (E is told, ROOM_CONFLICT, with a
+ * reason) and the rest dropped.  D itself sends a FAIL naming another
+ * instance: dropped.  The room goes on and succeeds with D.  For room 10,
+ * E binds first: D's request, arriving second, is told at once.
+ */
+static void test_sender_takes_only_its_peer_and_instance(void)
+{
+    side_t pre;
+    fake_t *d = calloc(1, sizeof(*d)), *e = calloc(1, sizeof(*e));
+    kvf_msg_t m;
+    uint32_t dpage = 6, spage = 8;
+    const uint64_t A = 0xa11ce00000000001ull, B = 0xb0b0000000000002ull;
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < PAGE_B; i++)
+            pre.kv[b][spage * PAGE_B + i] = (uint8_t)(i + 3 * b);
+    kvf_sender_t *s = sender(&pre, 9);
+    fake_decode_connect(d, pre.eng);
+    fake_decode_connect(e, pre.eng);
+    kvf_msg_t req = room_req(9, A, &dpage);
+    fake_send(d, &req, NULL, 0);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+
+    uint64_t before = dropped(pre.eng);
+    kvf_msg_t bad = fail_msg(9, A, "a hostile rank says room 9 failed");
+    fake_send(e, &bad, NULL, 0);
+    bad.type = KVF_MSG_ABORT;
+    fake_send(e, &bad, NULL, 0);
+    kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
+    ack.u.done_ack.room = 9;
+    ack.u.done_ack.instance = A;
+    fake_send(e, &ack, NULL, 0);
+    req = room_req(9, B, &dpage);
+    fake_send(e, &req, NULL, 0);
+    /* E is told its request was refused, naming its instance. */
+    kvf_msg_t got;
+    int told = 0;
+    for (int i = 0; i < 3 && !told; i++) {
+        CHECK(fake_expect(e, KVF_MSG_FAIL, &got));
+        told = got.u.fail.room == 9 && got.u.fail.instance == B &&
+               got.u.fail.status == KVF_ERR_ROOM_CONFLICT;
+    }
+    CHECK(told);
+    if (told) {
+        char reason[KVF_REASON_MAX];
+        snprintf(reason, sizeof(reason), "%.*s", (int)got.u.fail.reason.len,
+                 got.u.fail.reason.ptr);
+        CHECK_STR_CONTAINS(reason, "this request was refused");
+    }
+    bad = fail_msg(9, A ^ 0xff, "an earlier room 9 failed");
+    fake_send(d, &bad, NULL, 0);
+    CHECK(wait_dropped(pre.eng, before + 5));
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
+
+    /* The room is D's: its bytes go to D, naming A, and D's ack ends it. */
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+    CHECK(fake_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 9 && m.u.done.instance == A);
+    CHECK(m.u.done.bytes == ROOM_BYTES);
+    ack.u.done_ack.bytes = ROOM_BYTES;
+    fake_send(d, &ack, NULL, 0);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    kvf_sender_destroy(s);
+
+    /* Room 10: E binds first; D, the legitimate one, is told at once. */
+    s = sender(&pre, 10);
+    req = room_req(10, B, &dpage);
+    fake_send(e, &req, NULL, 0);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    req = room_req(10, A, &dpage);
+    fake_send(d, &req, NULL, 0);
+    CHECK(fake_expect(d, KVF_MSG_FAIL, &got) && got.u.fail.room == 10 &&
+          got.u.fail.instance == A && got.u.fail.status == KVF_ERR_ROOM_CONFLICT);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
+    kvf_sender_destroy(s);
+
+    fake_close(d);
+    fake_close(e);
+    free(d);
+    free(e);
+    side_fini(&pre);
+}
+
+/*
+ * The decode engine's side of a refusal: a real receiver whose request
+ * conflicts with the one a prefill rank bound first fails at once with
+ * ROOM_CONFLICT and the prefill rank's reason, long before any deadline.
+ */
+static void test_refused_receiver_fails_at_once(void)
+{
+    side_t pre, dec;
+    fake_t *e = calloc(1, sizeof(*e));
+    char bs[64];
+    uint32_t dpage = 6;
+    kvf_receiver_t *r;
+    kvf_failure_t f;
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0);
+    kvf_sender_t *s = sender(&pre, 11);
+    fake_decode_connect(e, pre.eng);
+    kvf_msg_t req = room_req(11, 0xbadull, &dpage);
+    fake_send(e, &req, NULL, 0);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    uint64_t t0 = kvf_now_ms();
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 11, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, &dpage, 1, 1, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(wait_rx(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK(kvf_now_ms() - t0 < 2000);       /* the bootstrap deadline is 5 s */
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_ROOM_CONFLICT);
+    CHECK_STR_CONTAINS(f.reason, "this request was refused");
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
+    kvf_receiver_destroy(r);
+    kvf_sender_destroy(s);
+    fake_close(e);
+    free(e);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
+ * 200,000 ABORTs for room ids no sender will ever have, from an
+ * authenticated decode engine (it once grew a prefill engine by ~160 MiB
+ * for the bootstrap deadline): the prefill engine keeps at most
+ * KVF_STASH_MAX of them and KVF_STASH_BYTES, drops the oldest and counts
+ * them; a room asked for after the flood still binds and succeeds.
+ */
+static void test_stashes_are_bounded(void)
+{
+    enum { N = 200000 };
+    side_t pre;
+    fake_t *d = calloc(1, sizeof(*d));
+    kvf_buf_t b;
+    kvf_msg_t m;
+    uint32_t dpage = 2, spage = 3;
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    fake_decode_connect(d, pre.eng);
+    kvf_buf_init(&b);
+    for (uint32_t i = 0; i < N; i++) {
+        kvf_msg_t a = fail_msg(1000000 + i, 0x100 + i, "nobody creates this room");
+        a.type = KVF_MSG_ABORT;
+        a.u.fail.status = KVF_ERR_ABORTED;
+        CHECK_EQ_INT(kvf_wire_encode(&b, &a), KVF_OK);
+        if (b.len >= (1u << 20) || i == N - 1) {
+            for (size_t off = 0; off < b.len;) {
+                ssize_t n = send(d->fd, b.data + off, b.len - off, MSG_NOSIGNAL);
+                CHECK(n > 0);
+                if (n <= 0)
+                    break;
+                off += (size_t)n;
+            }
+            b.len = 0;
+        }
+    }
+    kvf_buf_free(&b);
+    size_t count = 0, bytes = 0;
+    for (int i = 0; i < 60000; i++) {
+        kvf__lock(pre.eng);
+        count = pre.eng->stash_count;
+        bytes = pre.eng->stash_bytes;
+        kvf__unlock(pre.eng);
+        if (count + kvf_engine_stash_dropped(pre.eng) >= N)
+            break;
+        sleep_ms(1);
+    }
+    CHECK(count + kvf_engine_stash_dropped(pre.eng) == N);
+    CHECK(count <= KVF_STASH_MAX);
+    CHECK(bytes <= KVF_STASH_BYTES);
+    CHECK(kvf_engine_stash_dropped(pre.eng) >= N - KVF_STASH_MAX);
+
+    /* A room's request after the flood, then its sender: bound, served. */
+    for (int b2 = 0; b2 < NKV; b2++)
+        memset(pre.kv[b2] + spage * PAGE_B, 0x40 + b2, PAGE_B);
+    kvf_msg_t req = room_req(5, 0x5555, &dpage);
+    fake_send(d, &req, NULL, 0);
+    for (int i = 0; i < 5000; i++) {
+        kvf__lock(pre.eng);
+        int there = kvf_map_get(&pre.eng->stash, 5) != NULL;
+        kvf__unlock(pre.eng);
+        if (there)
+            break;
+        sleep_ms(1);
+    }
+    kvf_sender_t *s = sender(&pre, 5);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+    CHECK(fake_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 5 &&
+          m.u.done.instance == 0x5555 && m.u.done.bytes == ROOM_BYTES);
+    kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
+    ack.u.done_ack.room = 5;
+    ack.u.done_ack.instance = 0x5555;
+    ack.u.done_ack.bytes = ROOM_BYTES;
+    fake_send(d, &ack, NULL, 0);
+    CHECK_EQ_INT(wait_tx(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    kvf_sender_destroy(s);
+    fake_close(d);
+    free(d);
+    side_fini(&pre);
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
+              KVF_CASE(test_reused_id_gets_only_its_own_frames),
+              KVF_CASE(test_reused_id_real_engines),
+              KVF_CASE(test_sender_takes_only_its_peer_and_instance),
+              KVF_CASE(test_refused_receiver_fails_at_once),
+              KVF_CASE(test_stashes_are_bounded),
+              KVF_CASE(test_each_byte_counts_once))
