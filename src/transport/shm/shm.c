@@ -609,7 +609,7 @@ typedef struct kvf_shm {
     pthread_cond_t  cv;
     int             stopping;
     job_t          *jobs, **jobs_tail;  /* started and not handed back */
-    job_t          *next_todo;     /* first job no copier has taken, or NULL */
+    job_t          *untaken;       /* first job no copier has taken, or NULL */
 } kvf_shm_t;
 
 /* ---- the memfd handout (prefill) --------------------------------------- */
@@ -746,12 +746,12 @@ static void *copier_main(void *arg)
     kvf_shm_t *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        while (s->next_todo == NULL && !s->stopping)
+        while (s->untaken == NULL && !s->stopping)
             pthread_cond_wait(&s->cv, &s->mu);
-        if (s->next_todo == NULL)
+        if (s->untaken == NULL)
             break;
-        job_t *j = s->next_todo;
-        s->next_todo = j->next;
+        job_t *j = s->untaken;
+        s->untaken = j->next;
         pthread_mutex_unlock(&s->mu);
         copy_job(j);
         pthread_mutex_lock(&s->mu);
@@ -805,7 +805,7 @@ static void shm_destroy(kvf_mover_t *m)
         pthread_mutex_unlock(&s->mu);
         for (int i = 0; i < s->ncopiers; i++)
             pthread_join(s->copier[i], NULL);
-        for (job_t *j = s->next_todo; j != NULL; j = j->next) {
+        for (job_t *j = s->untaken; j != NULL; j = j->next) {
             j->st = KVF_ERR_CONN_RESET;   /* never taken: never will be */
             snprintf(j->err, sizeof(j->err), "the shm transport was shut down before "
                      "the read was copied");
@@ -1018,8 +1018,8 @@ static kvf_status_t shm_read_ep(kvf_mover_ep_t *ep, kvf_mover_read_t *rd,
     pthread_mutex_lock(&s->mu);
     *s->jobs_tail = j;
     s->jobs_tail = &j->next;
-    if (s->next_todo == NULL)
-        s->next_todo = j;
+    if (s->untaken == NULL)
+        s->untaken = j;
     pthread_cond_signal(&s->cv);
     pthread_mutex_unlock(&s->mu);
     return KVF_OK;
