@@ -46,6 +46,10 @@ ROLE_DECODE = 1
 ATTN_MHA = 0
 ATTN_MLA = 1
 MEM_HOST = 0
+MEM_CUDA = 1
+KV_K = 0
+KV_V = 1
+KV_KV = 2
 
 
 class EngineParams(Structure):
@@ -104,6 +108,59 @@ class Layout(Structure):
         ("num_state", c_uint32),
         ("state", POINTER(Buffer)),
         ("first_layer", c_uint32),
+        # added after 0.1.0: zero (the default) on an older library
+        ("kv_tags", c_void_p),              # const kvf_kv_tag_t *
+        ("num_state_groups", c_uint32),
+        ("state_groups", c_void_p),         # const kvf_state_group_t *
+    ]
+
+
+class KVTag(Structure):
+    """``kvf_kv_tag_t``: what a KV buffer holds (layer, role, group)."""
+    _fields_ = [
+        ("layer", c_uint32),
+        ("role", c_uint32),
+        ("group", c_uint32),
+    ]
+
+
+class StateGroup(Structure):
+    """``kvf_state_group_t``: typed state (SGLang's StateType) buffers."""
+    _fields_ = [
+        ("type", c_char_p),
+        ("num_buffers", c_uint32),
+        ("buffers", POINTER(Buffer)),
+    ]
+
+
+class Indices(Structure):
+    """``kvf_indices_t``: indices into every buffer of one state group."""
+    _fields_ = [
+        ("idx", POINTER(c_uint32)),
+        ("n", c_size_t),
+    ]
+
+
+class Dest(Structure):
+    """``kvf_dest_t``: a receiver's destination, given in one call."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("pages", POINTER(c_uint32)),
+        ("num_pages", c_size_t),
+        ("aux_slot", c_uint32),
+        ("states", POINTER(Indices)),
+        ("num_states", c_size_t),
+        ("decode_prefix_len", c_uint32),
+    ]
+
+
+class RoomMetric(Structure):
+    """``kvf_room_metric_t``: what a room cost (SGLang's KVTransferMetric)."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("bytes", c_uint64),
+        ("alloc_s", ctypes.c_double),
+        ("transfer_s", ctypes.c_double),
     ]
 
 
@@ -184,6 +241,19 @@ _PROTOTYPES = {
 }
 
 
+# Functions added after 0.1.0.  The package imports without them; the
+# feature that needs one checks ``has(name)`` and says which library it
+# needs (``require``).
+_OPTIONAL = {
+    "kvf_receiver_set_dest": (c_int, [c_void_p, POINTER(Dest)]),
+    "kvf_dest_init_sized": (None, [POINTER(Dest), c_size_t]),
+    "kvf_sender_set_states": (c_int, [c_void_p, POINTER(Indices), c_size_t]),
+    "kvf_sender_decode_prefix_len": (c_int, [c_void_p, POINTER(c_uint32)]),
+    "kvf_sender_metric": (c_int, [c_void_p, POINTER(RoomMetric)]),
+    "kvf_receiver_metric": (c_int, [c_void_p, POINTER(RoomMetric)]),
+}
+
+
 def _candidates():
     """Yield (path, where) pairs in search order."""
     env = os.environ.get(LIBRARY_ENV)
@@ -229,6 +299,11 @@ def _declare(lib, path):
                               % (path, name)) from None
         fn.restype = restype
         fn.argtypes = argtypes
+    for name, (restype, argtypes) in _OPTIONAL.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype = restype
+            fn.argtypes = argtypes
     # Sizes say nothing of a field inserted mid-struct; the documented
     # defaults of kvf_engine_params_init() catch a shifted params layout.
     p = new_params()
@@ -250,6 +325,27 @@ def _new(init, struct):
 def new_params():
     """``kvf_engine_params_t`` with every default set by the library."""
     return _new(lib.kvf_engine_params_init_sized, EngineParams)
+
+
+def has(name):
+    """Whether the loaded library exports ``name`` (a function added after
+    0.1.0, see ``_OPTIONAL``)."""
+    return getattr(lib, name, None) is not None
+
+
+def require(name, what):
+    """Raise ``RuntimeError`` naming the function that ``what`` needs, when
+    the loaded library lacks it."""
+    if not has(name):
+        raise RuntimeError(
+            "%s needs %s, which %s does not export: it is older than this "
+            "binding; rebuild libkvferry (`make build`) from the same kvferry "
+            "version" % (what, name, path))
+
+
+def new_dest():
+    """``kvf_dest_t`` zeroed and sized by the library."""
+    return _new(lib.kvf_dest_init_sized, Dest)
 
 
 def new_layout():

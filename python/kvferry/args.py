@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-__all__ = ["KVPoll", "KVArgs"]
+__all__ = ["KVPoll", "KVArgs", "StateGroup"]
 
 
 class KVPoll(enum.IntEnum):
@@ -24,6 +24,23 @@ class KVPoll(enum.IntEnum):
     WaitingForInput = 2
     Transferring = 3
     Success = 4
+
+
+@dataclass
+class StateGroup:
+    """Typed state buffers (SGLang's ``StateType``; ``kvf_state_group_t``).
+
+    ``type`` names the kind ("mamba", "swa", ...): prefill and decode must
+    register the same types in the same order.  A room names the group by
+    one list of indices, the same indices in each of its buffers (a Mamba
+    group: one slot; a sliding-window group: the window's pages in its own
+    pool).  ``data_ptrs``/``data_lens``/``item_lens`` as for ``KVArgs``'
+    buffers, ``item_lens`` in bytes per index.
+    """
+    type: str
+    data_ptrs: List[Any] = field(default_factory=list)
+    data_lens: Optional[List[int]] = None
+    item_lens: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -53,6 +70,17 @@ class KVArgs:
       ``bytes_per_head`` (per head per token) — MHA only;
       ``total_kv_head_num`` defaults to ``kv_head_num * tp_size``,
       ``bytes_per_head`` to ``kv_item_lens[0] // (page_size * kv_head_num)``.
+      A decode engine may set ``kv_head_num=0``: the three are then taken
+      from its first prefill peer (SGLang's decode side does not know them).
+    * ``kv_tags`` — optional, one ``(layer, role, group)`` per KV buffer:
+      the layer's global index, ``0``/``1`` for K/V (``2`` for MLA's one
+      buffer; larger values for further per-layer buffers) and ``0`` for the
+      model, ``1`` for a draft model sharing its pages.  With tags the
+      buffers may come in any order (SGLang's: every K, then every V, then
+      the draft's); without, they are K, V layer by layer from
+      ``first_layer`` (MLA: one per layer).
+    * ``state_groups`` — optional typed state, a list of ``StateGroup``
+      (instead of ``state_data_ptrs``, not both).
 
     Engine fields: ``engine_rank`` (the tp rank; SGLang's name), ``tp_size``,
     ``pp_rank``/``pp_size``, ``system_dp_rank``/``dp_size``, ``host`` and
@@ -77,6 +105,8 @@ class KVArgs:
     state_data_ptrs: List[Any] = field(default_factory=list)
     state_data_lens: Optional[List[int]] = None
     state_item_lens: List[int] = field(default_factory=list)
+    state_groups: Optional[List[StateGroup]] = None
+    kv_tags: Optional[List[Any]] = None
 
     page_size: int = 0
     kv_dtype: str = "bfloat16"

@@ -17,7 +17,7 @@ import weakref
 from . import _lib
 from ._convert import buffer_address, to_uint
 from ._lib import lib
-from .args import KVArgs
+from .args import KVArgs, StateGroup
 from .errors import KVFerryStateError, check
 
 __all__ = ["KVManager", "BootstrapServer"]
@@ -130,6 +130,57 @@ def _buffers(kind, ptrs, lens, items):
     return arr, len(ptrs), keep, n_items
 
 
+def _tags(tags, nkv):
+    """``kvf_kv_tag_t[]`` from ``KVArgs.kv_tags`` (None: none), and the
+    indices of the model's own (group 0) buffers."""
+    if tags is None:
+        return None, list(range(nkv))
+    tags = list(tags)
+    if len(tags) != nkv:
+        raise ValueError("kv_tags has %d entries but kv_data_ptrs has %d: give one "
+                         "(layer, role, group) per KV buffer" % (len(tags), nkv))
+    arr = (_lib.KVTag * nkv)()
+    seen = {}
+    for i, t in enumerate(tags):
+        try:
+            layer, role, group = t
+        except (TypeError, ValueError):
+            raise TypeError("kv_tags[%d] must be a (layer, role, group) triple, got %r"
+                            % (i, t)) from None
+        key = (to_uint("kv_tags[%d] layer" % i, layer, 32),
+               to_uint("kv_tags[%d] role" % i, role, 16),
+               to_uint("kv_tags[%d] group" % i, group, 16))
+        if key in seen:
+            raise ValueError("kv_tags[%d] = %r names the same buffer as kv_tags[%d]"
+                             % (i, key, seen[key]))
+        seen[key] = i
+        arr[i].layer, arr[i].role, arr[i].group = key
+    main = [i for i in range(nkv) if arr[i].group == 0]
+    if not main:
+        raise ValueError("kv_tags: no buffer of group 0 (the model's own KV)")
+    return arr, main
+
+
+def _state_groups(groups):
+    """``kvf_state_group_t[]`` from a list of ``StateGroup``; also the number
+    of indices each group holds, and what to keep alive."""
+    arr = (_lib.StateGroup * len(groups))()
+    items, keep = [], []
+    for g, sg in enumerate(groups):
+        if not isinstance(sg, StateGroup):
+            raise TypeError("state_groups[%d] must be a kvferry.StateGroup, got %s"
+                            % (g, type(sg).__name__))
+        name = _str("state_groups[%d].type" % g, str(getattr(sg.type, "value", sg.type)))
+        bufs, n, k, nitems = _buffers("state_groups[%d]" % g, sg.data_ptrs,
+                                      sg.data_lens, sg.item_lens)
+        if n == 0:
+            raise ValueError("state_groups[%d] (%s) has no buffers" % (g, name.decode()))
+        arr[g].type, arr[g].num_buffers, arr[g].buffers = name, n, bufs
+        items.append(nitems)
+        keep.append((name, bufs, k))
+    return arr, items, keep
+
+
 def _u32(name, v):
     return to_uint(name, v, 32)
 
@@ -231,33 +282,60 @@ class KVManager(_Closing):
         l.page_size = page_size
         l.kv_dtype = self._dtype
         l.attn = attn
+        tags, main = _tags(a.kv_tags, nkv)
         per_layer = 1 if attn == _lib.ATTN_MLA else 2
-        layers = a.num_layers if a.num_layers is not None else max(nkv // per_layer, 1)
+        if a.num_layers is not None:
+            layers = a.num_layers
+        elif tags is not None:
+            layers = len({tags[i].layer for i in main})
+        else:
+            layers = max(nkv // per_layer, 1)
         l.num_layers = _u32("num_layers", layers)
         l.first_layer = _u32("first_layer", a.first_layer)
         if attn == _lib.ATTN_MHA:
-            heads = _u32("kv_head_num", a.kv_head_num)
+            heads = _u32("kv_head_num", a.kv_head_num or 0)
             if heads == 0:
-                raise ValueError("kv_head_num must be positive for MHA/GQA")
-            total = a.total_kv_head_num if a.total_kv_head_num is not None \
-                else heads * max(a.tp_size, 1)
-            bph = a.bytes_per_head if a.bytes_per_head is not None \
-                else kv[0].item_bytes // (page_size * heads)
-            l.heads_per_rank, l.total_heads = heads, _u32("total_kv_head_num", total)
-            l.bytes_per_head = _u32("bytes_per_head", bph)
-            want = page_size * heads * l.bytes_per_head
-            for i in range(nkv):
-                if kv[i].item_bytes != want:
-                    raise ValueError(
-                        "kv_item_lens[%d] = %d bytes per page, but page_size %d x "
-                        "kv_head_num %d x bytes_per_head %d = %d"
-                        % (i, kv[i].item_bytes, page_size, heads, l.bytes_per_head, want))
+                if self.role != _lib.ROLE_DECODE:
+                    raise ValueError("kv_head_num must be positive for MHA/GQA on a "
+                                     "prefill engine (only a decode engine may leave "
+                                     "it 0, to take it from its prefill peer)")
+                l.heads_per_rank = l.total_heads = l.bytes_per_head = 0
+            else:
+                total = a.total_kv_head_num if a.total_kv_head_num is not None \
+                    else heads * max(a.tp_size, 1)
+                first = kv[main[0]].item_bytes
+                bph = a.bytes_per_head if a.bytes_per_head is not None \
+                    else first // (page_size * heads)
+                l.heads_per_rank, l.total_heads = heads, _u32("total_kv_head_num", total)
+                l.bytes_per_head = _u32("bytes_per_head", bph)
+                want = page_size * heads * l.bytes_per_head
+                for i in main:
+                    if kv[i].item_bytes != want:
+                        raise ValueError(
+                            "kv_item_lens[%d] = %d bytes per page, but page_size %d x "
+                            "kv_head_num %d x bytes_per_head %d = %d"
+                            % (i, kv[i].item_bytes, page_size, heads,
+                               l.bytes_per_head, want))
         l.mem_kind = _lib.MEM_HOST
         l.num_kv, l.kv = nkv, kv
         l.num_aux, l.aux = naux, aux
         l.num_state, l.state = nst, st
+        keep = [keep_kv, keep_aux, keep_st]
+        if tags is not None:
+            l.kv_tags = ctypes.cast(tags, ctypes.c_void_p)
+            keep.append(tags)
+        groups = []
+        if a.state_groups:
+            if nst:
+                raise ValueError("give state buffers either as state_data_ptrs or as "
+                                 "state_groups, not both")
+            garr, groups, gkeep = _state_groups(a.state_groups)
+            l.num_state_groups = len(groups)
+            l.state_groups = ctypes.cast(garr, ctypes.c_void_p)
+            keep.append((garr, gkeep))
+        self.state_group_items = groups
         # The arrays are copied by the library; the memory they point to is not.
-        return l, (keep_kv, keep_aux, keep_st), (npages, nslots, nstate)
+        return l, tuple(keep), (npages, nslots, nstate)
 
     # -- properties -------------------------------------------------------
 

@@ -163,10 +163,9 @@ class KVSender(_Room):
     def init(self, num_kv_indices, aux_index=None):
         """Declare the room: ``num_kv_indices`` KV pages in total and the
         source ``aux_index`` slot (may be None only when no aux buffers are
-        registered).  Once."""
+        registered).  Once.  ``num_kv_indices`` may be 0 (the decode side
+        holds the whole prompt: aux and state move on a last ``send([])``)."""
         n = to_uint("num_kv_indices", num_kv_indices, 32)
-        if n == 0:
-            raise ValueError("num_kv_indices must be positive")
         aux = self._aux(aux_index)
         check(lib.kvf_sender_init(self._live(), n, aux),
               "KVSender.init(room %d)" % self.bootstrap_room,
@@ -201,17 +200,81 @@ class KVSender(_Room):
         elif not isinstance(is_last, bool):
             raise TypeError("is_last must be a bool, got %s" % type(is_last).__name__)
         if state_indices is not None:
-            slots = to_u32_array("state_indices", state_indices, allow_empty=True)
-            check_range("state_indices", slots, self.mgr.num_state_slots or 1,
-                        "state slots")
-            check(lib.kvf_sender_set_state(ptr, as_c_u32(slots), len(slots)),
-                  "KVSender.send(room %d): state_indices" % self.bootstrap_room,
-                  "give one slot per registered state buffer, before the last chunk")
+            self.set_states(state_indices)
         check(lib.kvf_sender_send(ptr, as_c_u32(pages), len(pages), int(is_last)),
               "KVSender.send(room %d)" % self.bootstrap_room,
               "send is allowed after init(), once poll() reached WaitingForInput, "
               "until the last chunk")
         self.curr_idx += len(pages)
+
+
+    def set_states(self, state_indices):
+        """Source state indices, written with the last chunk.  With
+        ``KVArgs.state_groups``: one entry per group, each a list of indices
+        (None or empty: nothing for that group); index k goes to the decode's
+        index k of the same group.  With ``state_data_ptrs``: one slot per
+        state buffer.  Once, before the last chunk."""
+        ptr = self._live()
+        if self.mgr.state_group_items:
+            arr, keep = _state_indices(self.mgr, state_indices)
+            _lib.require("kvf_sender_set_states", "KVSender.set_states (state groups)")
+            check(lib.kvf_sender_set_states(ptr, arr, len(keep)),
+                  "KVSender.set_states(room %d)" % self.bootstrap_room,
+                  "give one index list per state group, before the last chunk")
+            return
+        slots = to_u32_array("state_indices", state_indices, allow_empty=True)
+        check_range("state_indices", slots, self.mgr.num_state_slots or 1,
+                    "state slots")
+        check(lib.kvf_sender_set_state(ptr, as_c_u32(slots), len(slots)),
+              "KVSender.send(room %d): state_indices" % self.bootstrap_room,
+              "give one slot per registered state buffer, before the last chunk")
+
+    def decode_prefix_len(self):
+        """Tokens of the request the decode side already holds (its prefix
+        cache), or None while not every decode rank's destination arrived
+        (``kvf_sender_decode_prefix_len``).  The prefill sends only the rest."""
+        _lib.require("kvf_sender_decode_prefix_len", "KVSender.decode_prefix_len")
+        v = ctypes.c_uint32()
+        st = lib.kvf_sender_decode_prefix_len(self._live(), ctypes.byref(v))
+        if st == _lib.KVF_ERR_AGAIN:
+            return None
+        check(st, "KVSender.decode_prefix_len(room %d)" % self.bootstrap_room)
+        return v.value
+
+    def metric(self):
+        """What the room cost so far: ``{"bytes", "alloc_s", "transfer_s"}``
+        (``kvf_sender_metric``); None when the library has no metrics."""
+        return _metric(self, "kvf_sender_metric")
+
+
+def _metric(room, fn):
+    if not _lib.has(fn) or not room._fin.alive:
+        return None
+    m = _lib.RoomMetric()
+    m.size = ctypes.sizeof(m)
+    check(getattr(lib, fn)(room._ptr, ctypes.byref(m)), fn)
+    return {"bytes": m.bytes, "alloc_s": m.alloc_s, "transfer_s": m.transfer_s}
+
+
+def _state_indices(mgr, state_indices):
+    """``kvf_indices_t[]`` for a manager with state groups: one entry per
+    group (None or empty: nothing); returns the array and the index arrays
+    it points into (keep them alive for the call)."""
+    groups = mgr.state_group_items
+    lists = list(state_indices) if state_indices is not None else []
+    if len(lists) != len(groups):
+        raise ValueError("state_indices has %d entries but this manager registered "
+                         "%d state groups: give one index list (or None) per group"
+                         % (len(lists), len(groups)))
+    arr = (_lib.Indices * max(len(groups), 1))()
+    keep = []
+    for g, v in enumerate(lists):
+        a = to_u32_array("state_indices[%d]" % g, [] if v is None else v,
+                         allow_empty=True)
+        check_range("state_indices[%d]" % g, a, groups[g], "indices of state group %d" % g)
+        arr[g].idx, arr[g].n = as_c_u32(a), len(a)
+        keep.append(a)
+    return arr, keep
 
 
 class KVReceiver(_Room):
@@ -252,6 +315,58 @@ class KVReceiver(_Room):
             return True
         return bool(lib.kvf_receiver_pages_released(self._ptr))
 
+    def set_dest(self, kv_indices, aux_index=None, state_indices=None,
+                 decode_prefix_len=0):
+        """Give the room its destination, once (``kvf_receiver_set_dest``):
+        decode page indices (one per page the prefill sends, in order, no
+        duplicates; may be empty on a full prefix hit), the ``aux_index``
+        slot, ``state_indices`` (with state groups: one index list or None
+        per group; else one slot per state buffer) and ``decode_prefix_len``,
+        the tokens this decode already holds (the prefill sends only the
+        rest, and ``kv_indices`` are the rest's pages).  Allowed in any state
+        before final; SGLang gives it once ``poll()`` showed WaitingForInput."""
+        ptr = self._live()
+        pages = to_u32_array("kv_indices", kv_indices, allow_empty=True)
+        check_range("kv_indices", pages, self.mgr.num_pages, "KV pages")
+        _check_distinct(pages)
+        aux = self._aux(aux_index)
+        prefix = to_uint("decode_prefix_len", decode_prefix_len or 0, 32)
+        if not _lib.has("kvf_receiver_set_dest"):
+            if prefix or not pages or self.mgr.state_group_items:
+                _lib.require("kvf_receiver_set_dest",
+                             "KVReceiver.set_dest with a decode prefix, no pages or "
+                             "state groups")
+            return self.init(pages, aux_index, state_indices)
+        d = _lib.new_dest()
+        d.pages, d.num_pages = as_c_u32(pages), len(pages)
+        d.aux_slot = aux
+        d.decode_prefix_len = prefix
+        keep = None
+        if self.mgr.state_group_items:
+            arr, keep = _state_indices(self.mgr, state_indices)
+            d.states, d.num_states = arr, len(keep)
+        elif state_indices is not None:
+            keep = to_u32_array("state_indices", state_indices, allow_empty=True)
+            if self.mgr.num_state_slots:
+                check_range("state_indices", keep, self.mgr.num_state_slots,
+                            "state slots")
+            arr = (_lib.Indices * max(len(keep), 1))()
+            for i in range(len(keep)):
+                arr[i].idx = ctypes.cast(ctypes.addressof(
+                    (ctypes.c_uint32 * len(keep)).from_buffer(keep)) + 4 * i,
+                    ctypes.POINTER(ctypes.c_uint32))
+                arr[i].n = 1
+            d.states, d.num_states = arr, len(keep)
+        check(lib.kvf_receiver_set_dest(ptr, ctypes.byref(d)),
+              "KVReceiver.set_dest(room %d)" % self.bootstrap_room,
+              "the destination is given once per room, before it is final")
+        del keep
+
+    def metric(self):
+        """What the room cost so far: ``{"bytes", "alloc_s", "transfer_s"}``
+        (``kvf_receiver_metric``); None when the library has no metrics."""
+        return _metric(self, "kvf_receiver_metric")
+
     def init(self, kv_indices, aux_index=None, state_indices=None):
         """Declare the destination: decode page indices (one per prefill page,
         in order, no duplicates), the ``aux_index`` slot (None only without
@@ -260,11 +375,7 @@ class KVReceiver(_Room):
         ptr = self._live()
         pages = to_u32_array("kv_indices", kv_indices)
         check_range("kv_indices", pages, self.mgr.num_pages, "KV pages")
-        if len(set(pages)) != len(pages):
-            seen = set()
-            pos = next(i for i, v in enumerate(pages) if v in seen or seen.add(v))
-            raise ValueError("kv_indices[%d] = %d appears twice: decode pages must "
-                             "be distinct" % (pos, pages[pos]))
+        _check_distinct(pages)
         aux = self._aux(aux_index)
         slots = to_u32_array("state_indices", [] if state_indices is None
                              else state_indices, allow_empty=True)
@@ -274,3 +385,11 @@ class KVReceiver(_Room):
                                     as_c_u32(slots), len(slots)),
               "KVReceiver.init(room %d)" % self.bootstrap_room,
               "init is allowed once per room, with one state slot per state buffer")
+
+
+def _check_distinct(pages):
+    if len(set(pages)) != len(pages):
+        seen = set()
+        pos = next(i for i, v in enumerate(pages) if v in seen or seen.add(v))
+        raise ValueError("kv_indices[%d] = %d appears twice: decode pages must "
+                         "be distinct" % (pos, pages[pos]))
