@@ -1,0 +1,499 @@
+"""One TP rank of a prefill or decode server, driving kvferry.sglang the way
+SGLang's scheduler does (disaggregation/prefill.py and decode.py at
+0094505da741), call for call, for test_sglang.
+
+``python3 _sglang_rank.py '<json config>' FD``: FD is this rank's end of a
+socket pair to the other TP rank of its server: the channel of the MIN
+all-reduce SGLang runs over its attn-TP gloo group
+(``poll_and_all_reduce``).  Both ranks see the same requests in the same
+order and take every decision from reduced values, so their queues stay in
+step, as SGLang's do.
+
+Config: role, tp_rank, tp_size, bootstrap ("host:port"), requests
+([{room, tokens, prefix?, abort?}]), chunk (tokens per prefill chunk),
+state (typed state groups), draft (a draft model's KV), env (set before
+kvferry loads).  Events on stdout, one JSON object a line:
+{"event": "result", "rooms": {room: {...}}} once every request is done;
+then the process waits for a line on stdin before it exits (so that no
+engine goes away under a peer that is still finishing).
+"""
+import json
+import os
+import socket
+import struct
+import sys
+import time
+import types
+
+CFG = json.loads(sys.argv[1])
+os.environ.update(CFG.get("env", {}))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from kvferry import sglang as S  # noqa: E402
+from kvferry.sglang import KVPoll  # noqa: E402
+
+ROLE = CFG["role"]
+TP, TPS = CFG["tp_rank"], CFG["tp_size"]
+PS = 4                      # page_size
+LAYERS = 2
+HEADS = 4                   # KV heads of the model
+HR = HEADS // TPS           # per rank
+D = 8                       # head dim (uint16 elements)
+DRAFT_D = 4
+POOL = 64                   # KV pages per buffer
+AUX_ROWS = 16
+MAMBA_SLOTS, SWA_PAGES, WINDOW = 8, 32, 2 * PS
+DEADLINE = time.monotonic() + 90
+
+
+def emit(**ev):
+    print(json.dumps(ev), flush=True)
+
+
+# ---------------------------------------------------------------------------
+# The MIN all-reduce over the attn-TP group (SGLang: gloo, uint8, ReduceOp.MIN)
+# ---------------------------------------------------------------------------
+
+class Group:
+    def __init__(self, fd):
+        self.sock = socket.socket(fileno=fd) if fd >= 0 else None
+
+    def _recv(self, n):
+        buf = b""
+        while len(buf) < n:
+            chunk = self.sock.recv(n - len(buf))
+            if not chunk:
+                raise RuntimeError("the other TP rank closed the channel")
+            buf += chunk
+        return buf
+
+    def all_reduce_min(self, values):
+        vals = [int(v) for v in values]
+        if self.sock is None:
+            return vals
+        self.sock.sendall(struct.pack("<I", len(vals)) + bytes(vals))
+        n, = struct.unpack("<I", self._recv(4))
+        theirs = self._recv(n)
+        if n != len(vals):
+            raise RuntimeError("all-reduce of %d values against %d: the ranks' queues "
+                               "diverged" % (len(vals), n))
+        return [min(a, b) for a, b in zip(vals, theirs)]
+
+
+def poll_and_all_reduce(pollers, group):
+    return group.all_reduce_min([p.poll() for p in pollers])
+
+
+# ---------------------------------------------------------------------------
+# Pools (what SGLang's memory pools give get_contiguous_buf_infos() and
+# MetadataBuffers.get_buf_infos()) and the byte patterns
+# ---------------------------------------------------------------------------
+
+def pattern(room, tok, code, d):
+    """uint16[len(tok), HR, d]: the KV of tokens ``tok`` of ``room`` in the
+    buffer named ``code``, for this rank's heads."""
+    tok = np.asarray(tok, dtype=np.int64)[:, None, None]
+    head = (TP * HR + np.arange(HR))[None, :, None]
+    e = np.arange(d)[None, None, :]
+    return ((room % 65521) * 7919 + tok * 131 + code * 31 + head * 17 + e * 3) \
+        % 65521
+
+
+def slot_pattern(room, code, n, k=0):
+    return ((np.arange(n) * 13 + (room % 251) * 7 + code * 29 + k * 5) % 251) \
+        .astype(np.uint8)
+
+
+class Pools:
+    def __init__(self):
+        self.k = [np.zeros((POOL * PS, HR, D), np.uint16) for _ in range(LAYERS)]
+        self.v = [np.zeros((POOL * PS, HR, D), np.uint16) for _ in range(LAYERS)]
+        self.kv = self.k + self.v                 # SGLang: every K, then every V
+        self.codes = list(range(2 * LAYERS))
+        if CFG.get("draft"):
+            self.dk = np.zeros((POOL * PS, HR, DRAFT_D), np.uint16)
+            self.dv = np.zeros((POOL * PS, HR, DRAFT_D), np.uint16)
+            self.kv += [self.dk, self.dv]
+            self.codes += [100, 101]
+        self.aux = [np.zeros((AUX_ROWS, 16), np.int32),        # output_ids
+                    np.zeros((AUX_ROWS, 16), np.float32),      # logprobs
+                    np.zeros((AUX_ROWS, 8), np.uint64)]        # bootstrap_room
+        self.state_types, self.state = [], []
+        if CFG.get("state"):
+            self.state_types = [S.StateType.MAMBA, S.StateType.SWA]
+            self.state = [
+                [np.zeros((MAMBA_SLOTS, 48), np.uint8),          # conv state
+                 np.zeros((MAMBA_SLOTS, 96), np.uint8)],         # temporal state
+                [np.zeros((SWA_PAGES, PS * HR * D * 2), np.uint8)
+                 for _ in range(LAYERS)]]                        # SWA K/V pages
+
+    def dims(self, b):
+        return DRAFT_D if self.codes[b] >= 100 else D
+
+    def kv_args(self):
+        a = S.KVArgs()
+        a.engine_rank = TP
+        a.kv_data_ptrs = [b.ctypes.data for b in self.kv]
+        a.kv_data_lens = [b.nbytes for b in self.kv]
+        a.kv_item_lens = [b[0].nbytes * PS for b in self.kv]
+        a.aux_data_ptrs = [b.ctypes.data for b in self.aux]
+        a.aux_data_lens = [b.nbytes for b in self.aux]
+        a.aux_item_lens = [b[0].nbytes for b in self.aux]
+        a.state_types = list(self.state_types)
+        a.state_data_ptrs = [[b.ctypes.data for b in g] for g in self.state]
+        a.state_data_lens = [[b.nbytes for b in g] for g in self.state]
+        a.state_item_lens = [[b[0].nbytes for b in g] for g in self.state]
+        a.state_dim_per_tensor = [[] for _ in self.state]
+        a.page_size = PS
+        a.pp_rank = 0
+        a.system_dp_rank = 0
+        a.gpu_id = 0
+        a.ib_device = None
+        if ROLE == "prefill":
+            a.kv_head_num = HR
+            a.total_kv_head_num = HEADS
+            a.prefill_start_layer = 0
+            a.prefill_end_layer = LAYERS
+        return a
+
+
+def server_args(bootstrap_port):
+    sa = types.SimpleNamespace(
+        host="127.0.0.1", port=30000, disaggregation_bootstrap_port=bootstrap_port,
+        dist_init_addr=None, tp_size=TPS, dp_size=1, pp_size=1,
+        enable_dp_attention=False, load_balance_method="round_robin",
+        kv_cache_dtype="auto", dtype="bfloat16", device="cpu",
+        disaggregation_ib_device=None,
+        speculative_algorithm="EAGLE" if CFG.get("draft") else None)
+    sa.get_hf_config = lambda: types.SimpleNamespace(num_hidden_layers=LAYERS)
+    return sa
+
+
+class Allocator:
+    """Pages (or slots) handed out in a fixed scattered order, the same on
+    both TP ranks of a server."""
+
+    def __init__(self, n, seed):
+        self.free = list(np.random.RandomState(seed).permutation(n))
+
+    def alloc(self, k):
+        if k > len(self.free):
+            return None
+        out, self.free = self.free[:k], self.free[k:]
+        return [int(x) for x in out]
+
+
+def pages_of(tokens):
+    return -(-tokens // PS)
+
+
+# ---------------------------------------------------------------------------
+# Prefill: PrefillBootstrapQueue, forward with chunked prefill, inflight queue
+# ---------------------------------------------------------------------------
+
+class Req:
+    def __init__(self, r):
+        self.room = r["room"]
+        self.tokens = r["tokens"]
+        self.abort = r.get("abort", False)
+        self.prefix = r.get("prefix", 0)
+        self.rid = "req-%d" % self.room
+        self.result = None
+
+
+def prefill_main(group, boot_port):
+    pools = Pools()
+    mgr = S.KVFerryKVManager(pools.kv_args(), S.DisaggregationMode.PREFILL,
+                             server_args(boot_port), False)
+    addr = CFG["bootstrap"]
+    kv_alloc, aux_alloc = Allocator(POOL, 1), Allocator(AUX_ROWS, 2)
+    mamba_alloc, swa_alloc = Allocator(MAMBA_SLOTS, 3), Allocator(SWA_PAGES, 4)
+    reqs = [Req(r) for r in CFG["requests"]]
+    bootstrap_q, running, inflight, done = [], [], [], []
+    for req in reqs:                                  # PrefillBootstrapQueue.add
+        req.sender = S.KVFerryKVSender(mgr=mgr, bootstrap_addr=addr,
+                                       bootstrap_room=req.room, dest_tp_ranks=[TP],
+                                       pp_rank=0)
+        bootstrap_q.append(req)
+    while len(done) < len(reqs):
+        if time.monotonic() > DEADLINE:
+            raise RuntimeError("prefill rank %d: requests not done in time: %s"
+                               % (TP, [(r.room, r.sender.poll()) for r in reqs
+                                       if r not in done]))
+        # pop_bootstrapped
+        polls = poll_and_all_reduce([r.sender for r in bootstrap_q], group)
+        keep = []
+        for req, poll in zip(bootstrap_q, polls):
+            if poll == KVPoll.Bootstrapping:
+                keep.append(req)
+                continue
+            if poll == KVPoll.Failed:
+                req.result = failed(req.sender)
+                done.append(req)
+                continue
+            req.metadata_buffer_index = aux_alloc.alloc(1)[0]
+            decode_prefix_len = req.sender.pop_decode_prefix_len()
+            req.start_send_idx = decode_prefix_len
+            req.decode_prefix_len = decode_prefix_len
+            num_pages = pages_of(req.tokens - decode_prefix_len)
+            req.sender.init(num_pages, req.metadata_buffer_index)
+            # The request's own KV pages (all of the prompt: prefill computes
+            # it whole) and its state.
+            req.pages = kv_alloc.alloc(pages_of(req.tokens))
+            req.req_to_token = np.concatenate(
+                [np.arange(p * PS, (p + 1) * PS) for p in req.pages])[:req.tokens]
+            if pools.state:
+                req.mamba = mamba_alloc.alloc(1)
+                req.swa = swa_alloc.alloc(pages_of(req.tokens))
+            req.filled = 0
+            running.append(req)
+        bootstrap_q = keep
+        # One forward: a chunk of every running request, then send_kv_chunk.
+        still = []
+        for req in running:
+            end = min(req.filled + CFG["chunk"], req.tokens)
+            forward(pools, req, req.filled, end)
+            req.filled = end
+            last = end == req.tokens
+            send_kv_chunk(pools, req, last)
+            if last:
+                inflight.append(req)
+            else:
+                still.append(req)
+        running = still
+        # process_disagg_prefill_inflight_queue
+        polls = poll_and_all_reduce([r.sender for r in inflight], group)
+        keep = []
+        for req, poll in zip(inflight, polls):
+            if poll in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                keep.append(req)
+                continue
+            if poll == KVPoll.Success:
+                req.result = {"state": "Success"}
+                req.sender.clear()
+            else:
+                req.result = failed(req.sender)
+            m = req.sender.get_transfer_metric()
+            req.result["metric"] = [m.transfer_total_bytes, m.alloc_latency_s,
+                                    m.transfer_latency_s]
+            req.result["decode_prefix_len"] = req.decode_prefix_len
+            done.append(req)
+        inflight = keep
+        time.sleep(0.001)
+    return mgr, reqs
+
+
+def forward(pools, req, start, end):
+    """The model writes the KV of tokens [start, end) into the request's
+    pages (and, at the end, its state)."""
+    locs = req.req_to_token[start:end]
+    toks = np.arange(start, end)
+    for b, buf in enumerate(pools.kv):
+        buf[locs] = pattern(req.room, toks, pools.codes[b], pools.dims(b))
+    if end == req.tokens and pools.state:
+        for k, buf in enumerate(pools.state[0]):
+            buf[req.mamba[0]] = slot_pattern(req.room, 1, buf.shape[1], k)
+        for j, p in enumerate(swa_window(req)):
+            for k, buf in enumerate(pools.state[1]):
+                buf[p] = slot_pattern(req.room, 2 + j, buf.shape[1], k)
+
+
+def swa_window(req):
+    """SWA pool pages of the window (the last WINDOW tokens, floored to a
+    page), as SGLang's prefill and decode both compute them."""
+    first = max(req.tokens - WINDOW, 0) // PS
+    return req.swa[first:pages_of(req.tokens)]
+
+
+def send_kv_chunk(pools, req, last_chunk):
+    """SGLang's PrefillMixin.send_kv_chunk."""
+    start_idx = req.start_send_idx
+    end_idx = min(req.filled, req.tokens)
+    if not last_chunk:
+        end_idx = end_idx - end_idx % PS
+    if end_idx < start_idx:
+        return
+    kv_indices = req.req_to_token[start_idx:end_idx]
+    state_indices = None
+    if last_chunk:
+        row = req.metadata_buffer_index                 # set_buf(req)
+        pools.aux[0][row] = np.arange(16) + req.room % 1000
+        pools.aux[1][row] = np.arange(16) * 0.5 + req.room % 7
+        pools.aux[2][row] = 0
+        pools.aux[2][row, 0] = req.room
+        if pools.state:
+            state_indices = [np.array(req.mamba, np.int64), np.array(
+                swa_window(req), np.int64)]
+    page_indices = kv_indices[::PS] // PS
+    if not req.sender.should_send_kv_chunk(len(page_indices), last_chunk):
+        return
+    req.sender.send(page_indices, state_indices)
+    req.start_send_idx = end_idx
+
+
+def failed(h):
+    try:
+        h.failure_exception()
+    except S.KVTransferError as e:
+        return {"state": "Failed", "reason": e.failure_reason,
+                "from_another_rank": e.is_from_another_rank,
+                "type": type(e).__name__, "str": str(e)}
+    return {"state": "Failed", "reason": None, "type": "no exception"}
+
+
+# ---------------------------------------------------------------------------
+# Decode: DecodePreallocQueue, DecodeTransferQueue
+# ---------------------------------------------------------------------------
+
+def decode_main(group, boot_port):
+    pools = Pools()
+    mgr = S.KVFerryKVManager(pools.kv_args(), S.DisaggregationMode.DECODE,
+                             server_args(boot_port), False)
+    addr = CFG["bootstrap"]
+    kv_alloc, aux_alloc = Allocator(POOL, 11), Allocator(AUX_ROWS, 12)
+    mamba_alloc, swa_alloc = Allocator(MAMBA_SLOTS, 13), Allocator(SWA_PAGES, 14)
+    reqs = [Req(r) for r in CFG["requests"]]
+    prealloc, pending, transfer, done = [], [], [], []
+    for req in reqs:                                  # DecodePreallocQueue.add
+        req.receiver = S.KVFerryKVReceiver(mgr=mgr, bootstrap_addr=addr,
+                                           bootstrap_room=req.room)
+        req.waiting_for_input = False
+        info = mgr.prefill_info_table.get(addr)       # _resolve_prefill_dp_rank
+        if info is not None:
+            req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
+        else:
+            pending.append(req)
+        prealloc.append(req)
+    while len(done) < len(reqs):
+        if time.monotonic() > DEADLINE:
+            raise RuntimeError("decode rank %d: requests not done in time: %s"
+                               % (TP, [(r.room, r.receiver.poll()) for r in reqs
+                                       if r not in done]))
+        # pop_preallocated: _resolve_pending_reqs
+        if pending and mgr.try_ensure_parallel_info(addr):
+            info = mgr.prefill_info_table[addr]
+            for req in pending:
+                req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
+            pending = []
+        # _update_handshake_waiters
+        polls = poll_and_all_reduce([r.receiver for r in prealloc], group)
+        keep = []
+        for req, poll in zip(prealloc, polls):
+            if poll == KVPoll.Bootstrapping:
+                keep.append(req)
+            elif poll == KVPoll.WaitingForInput:
+                req.waiting_for_input = True
+                keep.append(req)
+            elif poll == KVPoll.Failed:
+                req.result = failed(req.receiver)
+                req.receiver.clear()
+                req.receiver = None
+                done.append(req)
+            else:
+                raise ValueError("Unexpected poll case: %s" % poll)
+        prealloc = keep
+        # AbortReq for requests still in the prealloc queue
+        for req in prealloc:
+            if req.abort and req.waiting_for_input and not getattr(req, "aborted", 0):
+                req.aborted = True
+                req.receiver.abort()
+        keep = []
+        for req in prealloc:
+            if not req.waiting_for_input or getattr(req, "aborted", False):
+                keep.append(req)
+                continue
+            delta = req.tokens - req.prefix
+            req.pages = kv_alloc.alloc(pages_of(delta))           # _pre_alloc
+            req.metadata_buffer_index = aux_alloc.alloc(1)[0]
+            state_indices = None
+            if pools.state:
+                req.mamba = mamba_alloc.alloc(1)
+                req.swa = swa_alloc.alloc(pages_of(req.tokens))
+                state_indices = [np.array(req.mamba, np.int32),
+                                 np.array(swa_window(req), np.int32)]
+            kv_indices = np.concatenate([np.arange(p * PS, (p + 1) * PS)
+                                         for p in req.pages])[:delta] \
+                if req.pages else np.zeros(0, np.int64)
+            page_indices = (kv_indices[::PS] // PS).astype(np.int32)
+            req.receiver.send_metadata(page_indices, req.metadata_buffer_index,
+                                       state_indices, decode_prefix_len=req.prefix)
+            transfer.append(req)
+        prealloc = keep
+        # pop_transferred, with the metadata gate
+        polls = [r.receiver.poll() for r in transfer]
+        for i, req in enumerate(transfer):
+            if polls[i] == KVPoll.Success and \
+                    pools.aux[2][req.metadata_buffer_index, 0] != req.room:
+                polls[i] = KVPoll.Transferring
+        polls = group.all_reduce_min(polls)
+        keep = []
+        for req, poll in zip(transfer, polls):
+            if poll == KVPoll.Failed:
+                req.result = failed(req.receiver)
+                req.receiver.clear()
+                req.receiver = None
+                done.append(req)
+            elif poll == KVPoll.Success:
+                req.result = {"state": "Success", "bad": verify(pools, req)}
+                req.receiver.clear()
+                req.receiver = None
+                pools.aux[2][req.metadata_buffer_index, 0] = 0
+                done.append(req)
+            else:
+                keep.append(req)
+        transfer = keep
+        time.sleep(0.001)
+    return mgr, reqs
+
+
+def verify(pools, req):
+    """Every byte of the request's destination: KV of tokens [prefix, tokens)
+    in every buffer (draft included), the aux row, the state."""
+    bad = []
+    delta = req.tokens - req.prefix
+    if delta:
+        locs = np.concatenate([np.arange(p * PS, (p + 1) * PS)
+                               for p in req.pages])[:delta]
+        toks = np.arange(req.prefix, req.tokens)
+        for b, buf in enumerate(pools.kv):
+            want = pattern(req.room, toks, pools.codes[b], pools.dims(b))
+            if not np.array_equal(buf[locs], want):
+                bad.append("kv buffer %d" % b)
+    row = req.metadata_buffer_index
+    if not np.array_equal(pools.aux[0][row], np.arange(16) + req.room % 1000) or \
+            not np.array_equal(pools.aux[1][row], np.arange(16) * 0.5 + req.room % 7) \
+            or pools.aux[2][row, 0] != req.room:
+        bad.append("aux row %d" % row)
+    if pools.state:
+        for k, buf in enumerate(pools.state[0]):
+            if not np.array_equal(buf[req.mamba[0]],
+                                  slot_pattern(req.room, 1, buf.shape[1], k)):
+                bad.append("mamba buffer %d" % k)
+        for j, p in enumerate(swa_window(req)):
+            for k, buf in enumerate(pools.state[1]):
+                if not np.array_equal(buf[p], slot_pattern(req.room, 2 + j,
+                                                           buf.shape[1], k)):
+                    bad.append("swa buffer %d page %d" % (k, p))
+    return bad
+
+
+def main():
+    group = Group(int(sys.argv[2]))
+    port = int(CFG["bootstrap"].rsplit(":", 1)[1])
+    mgr, reqs = (prefill_main if ROLE == "prefill" else decode_main)(group, port)
+    emit(event="result", role=ROLE, tp_rank=TP,
+         rooms={str(r.room): r.result for r in reqs})
+    sys.stdin.readline()
+    mgr.teardown()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:
+        import traceback
+        emit(event="error", role=ROLE, tp_rank=TP,
+             message="%s: %s" % (type(e).__name__, e), tb=traceback.format_exc())
+        sys.exit(1)
