@@ -325,9 +325,11 @@ def ferry_args(kv_args, mode, server_args, is_mla_backend, par):
     mla = bool(is_mla_backend)
     tags = _kv_tags(kv_args, server_args, mode, mla, n)
     main = [t[0] for t in tags if t[2] == 0]
+    # SGLang's --kv-cache-dtype; "auto" is the model's dtype (--dtype), so
+    # that "auto" on one side and the same dtype named on the other agree.
     dtype = str(_get(server_args, "kv_cache_dtype", "auto"))
     if dtype == "auto":
-        dtype = "auto:%s" % _get(server_args, "dtype", "auto")
+        dtype = str(_get(server_args, "dtype", "auto"))
     a = _FerryArgs(
         kv_data_ptrs=list(kv_args.kv_data_ptrs), kv_data_lens=list(kv_args.kv_data_lens),
         kv_item_lens=list(kv_args.kv_item_lens), kv_tags=tags,
@@ -562,7 +564,7 @@ class _Room:
         self._error = None               # the KVTransferError raised, once made
         self._metric = None
 
-    def _fail_here(self, reason):
+    def _fail_here(self, reason, level=logging.ERROR):
         """Fail the room from this rank with ``reason`` (the library's room
         is aborted so its peers stop); never raises."""
         if self.conclude_state is not None and self.conclude_state != _Poll.Failed:
@@ -570,7 +572,7 @@ class _Room:
         if self._local_reason is None:
             self._local_reason = reason
             self.kv_mgr.failure_records[self.bootstrap_room] = reason
-        logger.error("kvferry: room %s failed: %s", self.bootstrap_room, reason)
+        logger.log(level, "kvferry: room %s failed: %s", self.bootstrap_room, reason)
         if self._h is not None:
             try:
                 self._h.abort()
@@ -629,7 +631,7 @@ class _Room:
     def abort(self):
         """Fail the room here and on its peers ("Aborted by AbortReq.");
         the next poll() is Failed.  Never raises."""
-        self._fail_here(ABORT_REASON)
+        self._fail_here(ABORT_REASON, logging.INFO)
 
     def clear(self):
         """Release the room (SGLang calls it on every terminal path).

@@ -1,0 +1,286 @@
+"""kvferry.sglang's classes one call at a time, in one process: the names,
+values and signatures SGLang uses, KVArgs -> layout (tags for SGLang's
+buffer order, MLA, draft, kv_layer_ids, typed state), and the rules
+SGLang's schedulers rely on: poll() never past WaitingForInput before
+send_metadata, Bootstrapping before init, send() on a failed room never
+raises, clear() idempotent, failure_exception() raises KVTransferError,
+metrics survive clear()."""
+import ctypes
+import inspect
+import os
+import sys
+import time
+import types
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _util import kvferry  # noqa: E402
+from kvferry import _lib  # noqa: E402
+from kvferry import sglang as S  # noqa: E402
+
+PS, L, H, D = 4, 2, 2, 8
+PAGES = 16
+ROW = H * D * 2                      # bytes per token row
+NEW_API = all(_lib.has(n) for n in ("kvf_receiver_set_dest", "kvf_sender_set_states",
+                                     "kvf_sender_decode_prefix_len"))
+
+
+def kv_args(mode, draft=False, mla=False, state=False, layer_ids=None):
+    """SGLang's KVArgs over ctypes buffers, as its schedulers fill them."""
+    a = S.KVArgs()
+    row = (576 * 2) if mla else ROW
+    n = L if mla else 2 * L
+    bufs = [ctypes.create_string_buffer(PAGES * PS * row) for _ in range(n)]
+    items = [PS * row] * n
+    if draft:
+        extra = 1 if mla else 2
+        bufs += [ctypes.create_string_buffer(PAGES * PS * row // 2)
+                 for _ in range(extra)]
+        items += [PS * row // 2] * extra
+    a._keep = bufs
+    a.kv_data_ptrs = [ctypes.addressof(b) for b in bufs]
+    a.kv_data_lens = [ctypes.sizeof(b) for b in bufs]
+    a.kv_item_lens = items
+    aux = [ctypes.create_string_buffer(8 * 64), ctypes.create_string_buffer(8 * 8)]
+    a._aux = aux
+    a.aux_data_ptrs = [ctypes.addressof(b) for b in aux]
+    a.aux_data_lens = [ctypes.sizeof(b) for b in aux]
+    a.aux_item_lens = [64, 8]
+    a.state_types = []
+    if state:
+        st = [ctypes.create_string_buffer(4 * 32), ctypes.create_string_buffer(4 * 16)]
+        a._st = st
+        a.state_types = [S.StateType.MAMBA]
+        a.state_data_ptrs = [[ctypes.addressof(b) for b in st]]
+        a.state_data_lens = [[ctypes.sizeof(b) for b in st]]
+        a.state_item_lens = [[32, 16]]
+    if layer_ids is not None:
+        a.kv_layer_ids = layer_ids
+    a.page_size = PS
+    a.engine_rank = 0
+    a.pp_rank = 0
+    a.system_dp_rank = 0
+    a.gpu_id = 0
+    if mode == "prefill":
+        if not mla:
+            a.kv_head_num = H
+            a.total_kv_head_num = H
+        a.prefill_start_layer = 0
+        a.prefill_end_layer = L
+    return a
+
+
+def server_args(port=1, **kw):
+    d = dict(host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=1, dp_size=1,
+             pp_size=1, kv_cache_dtype="auto", dtype="bfloat16", device="cpu",
+             load_balance_method="round_robin", speculative_algorithm=None)
+    d.update(kw)
+    return types.SimpleNamespace(**d)
+
+
+def tags(mode, **kw):
+    a = kv_args(mode, **{k: v for k, v in kw.items() if k in ("draft", "mla",
+                                                              "layer_ids")})
+    par = S._parallel(server_args(), a, mode)
+    sa = server_args(**{k: v for k, v in kw.items() if k in ("speculative_algorithm",)})
+    if "layers" in kw:
+        sa.get_hf_config = lambda: types.SimpleNamespace(num_hidden_layers=kw["layers"])
+    return S.ferry_args(a, mode, sa, kw.get("mla", False), par).kv_tags
+
+
+class Vocabulary(unittest.TestCase):
+    """The fallbacks have SGLang's names, values and signatures."""
+
+    def test_kvpoll_values(self):
+        self.assertEqual([S.KVPoll.Failed, S.KVPoll.Bootstrapping,
+                          S.KVPoll.WaitingForInput, S.KVPoll.Transferring,
+                          S.KVPoll.Success], [0, 1, 2, 3, 4])
+
+    def test_state_type_and_mode(self):
+        self.assertEqual(S.StateType("mamba"), S.StateType.MAMBA)
+        self.assertEqual([t.value for t in S.StateType][:4],
+                         ["mamba", "swa", "dsa", "minimax_index_k"])
+        self.assertEqual(S.DisaggregationMode("decode"), S.DisaggregationMode.DECODE)
+
+    def test_transfer_error_and_metric(self):
+        e = S.KVTransferError(7, "boom", is_from_another_rank=True)
+        self.assertEqual((e.bootstrap_room, e.failure_reason, e.is_from_another_rank),
+                         (7, "boom", True))
+        self.assertTrue(str(e).startswith("KVTransferError(bootstrap_room=7): boom"))
+        m = S.KVTransferMetric()
+        self.assertEqual((m.transfer_latency_s, m.alloc_latency_s,
+                          m.transfer_total_bytes), (None, None, None))
+        self.assertEqual(S.KVTransferMetric(1.0, 2.0, 3).transfer_total_bytes, 3)
+
+    def test_signatures(self):
+        def params(f):
+            return list(inspect.signature(f).parameters)[1:]
+        self.assertEqual(params(S.KVFerryKVManager.__init__)[:4],
+                         ["args", "disaggregation_mode", "server_args", "is_mla_backend"])
+        self.assertEqual(params(S.KVFerryKVSender.__init__)[:6],
+                         ["mgr", "bootstrap_addr", "bootstrap_room", "dest_tp_ranks",
+                          "pp_rank", "req_has_disagg_prefill_dp_rank"])
+        self.assertEqual(params(S.KVFerryKVReceiver.__init__)[:3],
+                         ["mgr", "bootstrap_addr", "bootstrap_room"])
+        self.assertEqual(params(S.KVFerryKVReceiver.send_metadata)[:4],
+                         ["kv_indices", "aux_index", "state_indices",
+                          "decode_prefix_len"])
+        self.assertEqual(params(S.KVFerryKVSender.init), ["num_kv_indices", "aux_index"])
+        self.assertEqual(params(S.KVFerryKVBootstrapServer.__init__)[:2], ["host", "port"])
+
+
+class Layout(unittest.TestCase):
+    """SGLang's buffer order becomes tags; the binding needs no reordering."""
+
+    def test_mha_every_k_then_every_v(self):
+        self.assertEqual(tags("prefill"), [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0)])
+        self.assertEqual(tags("decode"), tags("prefill"))
+
+    def test_mla_one_buffer_per_layer(self):
+        self.assertEqual(tags("prefill", mla=True), [(0, 2, 0), (1, 2, 0)])
+
+    def test_draft_appended_as_group_1(self):
+        want = [(0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0), (0, 0, 1), (0, 1, 1)]
+        self.assertEqual(tags("prefill", draft=True, speculative_algorithm="EAGLE"),
+                         want)
+        # Decode has no prefill_end_layer: the model's layer count splits them.
+        self.assertEqual(tags("decode", draft=True, speculative_algorithm="EAGLE",
+                              layers=L), want)
+        with self.assertRaises(ValueError) as cm:
+            tags("decode", draft=True, speculative_algorithm="EAGLE")
+        self.assertIn("draft", str(cm.exception))
+
+    def test_kv_layer_ids(self):
+        self.assertEqual(tags("decode", layer_ids=[3, 7, 3, 7]),
+                         [(3, 0, 0), (7, 0, 0), (3, 1, 0), (7, 1, 0)])
+
+    def test_state_types_become_groups(self):
+        a = kv_args("prefill", state=True)
+        f = S.ferry_args(a, "prefill", server_args(), False,
+                         S._parallel(server_args(), a, "prefill"))
+        self.assertEqual([(g.type, g.item_lens) for g in f.state_groups],
+                         [("mamba", [32, 16])])
+
+    def test_dtype_auto_is_the_model_dtype(self):
+        a = kv_args("prefill")
+        f = S.ferry_args(a, "prefill", server_args(), False,
+                         S._parallel(server_args(), a, "prefill"))
+        self.assertEqual(f.kv_dtype, "bfloat16")
+
+    def test_device_memory_refused(self):
+        with self.assertRaises(RuntimeError) as cm:
+            S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE,
+                               server_args(device="cuda"))
+        self.assertIn("GPU memory registration", str(cm.exception))
+        self.assertIn("--device cpu", str(cm.exception))
+
+
+@unittest.skipUnless(NEW_API, "libkvferry lacks the two-phase receiver API")
+class Rooms(unittest.TestCase):
+    """One prefill and one decode manager in this process."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.boot = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0)
+        cls.addr = "127.0.0.1:%d" % cls.boot.port
+        sa = server_args(cls.boot.port)
+        cls.pa, cls.da = kv_args("prefill", state=True), kv_args("decode", state=True)
+        cls.pm = S.KVFerryKVManager(cls.pa, S.DisaggregationMode.PREFILL, sa, False)
+        cls.dm = S.KVFerryKVManager(cls.da, S.DisaggregationMode.DECODE, sa, False)
+        cls.room = 1000
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.pm.teardown()
+        cls.dm.teardown()
+        cls.boot.close()
+
+    def next_room(self):
+        type(self).room += 1
+        return self.room
+
+    def wait(self, h, states, timeout=20):
+        deadline = time.monotonic() + timeout
+        while h.poll() not in states and time.monotonic() < deadline:
+            time.sleep(0.002)
+        return h.poll()
+
+    def test_registry_info_and_order_of_states(self):
+        deadline = time.monotonic() + 20
+        while not self.dm.try_ensure_parallel_info(self.addr):
+            self.assertLess(time.monotonic(), deadline, "no parallel info")
+            time.sleep(0.01)
+        info = self.dm.prefill_info_table[self.addr]
+        self.assertEqual((info.dp_size, info.attn_tp_size, info.page_size), (1, 1, PS))
+        room = self.next_room()
+        rx = S.KVFerryKVReceiver(self.dm, self.addr, room)
+        tx = S.KVFerryKVSender(self.pm, self.addr, room, [0], 0)
+        self.assertEqual(rx.poll(), S.KVPoll.Bootstrapping)     # before init
+        rx.init(0)
+        self.assertEqual(self.wait(rx, (S.KVPoll.WaitingForInput, S.KVPoll.Failed)),
+                         S.KVPoll.WaitingForInput)
+        self.assertEqual(tx.poll(), S.KVPoll.Bootstrapping)     # no pages yet
+        rx.send_metadata([3, 4], 1, [[2]], decode_prefix_len=0)
+        self.assertEqual(self.wait(tx, (S.KVPoll.WaitingForInput, S.KVPoll.Failed)),
+                         S.KVPoll.WaitingForInput)
+        self.assertEqual(tx.pop_decode_prefix_len(), 0)
+        self.assertEqual(tx.pop_decode_prefix_len(), 0)         # popped: 0 again
+        tx.init(2, 0)
+        self.assertFalse(tx.should_send_kv_chunk(0, False))
+        self.assertTrue(tx.should_send_kv_chunk(0, True))
+        tx.send([5], None, 0)                       # extra positional: tolerated
+        tx.send([6], [[1]], num_kv_tokens=8)        # last: reaches the count
+        self.assertEqual(self.wait(rx, (S.KVPoll.Success, S.KVPoll.Failed)),
+                         S.KVPoll.Success)
+        self.assertEqual(self.wait(tx, (S.KVPoll.Success, S.KVPoll.Failed)),
+                         S.KVPoll.Success)
+        tx.clear()
+        tx.clear()
+        rx.clear()
+        self.assertEqual((tx.poll(), rx.poll()), (S.KVPoll.Success, S.KVPoll.Success))
+        m = tx.get_transfer_metric()                # after clear, as SGLang asks
+        self.assertEqual(m.transfer_total_bytes, 2 * 4 * PS * ROW + 64 + 8 + 32 + 16)
+        self.assertIsNotNone(m.alloc_latency_s)
+
+    def test_failed_room_send_never_raises(self):
+        room = self.next_room()
+        tx = S.KVFerryKVSender(self.pm, self.addr, room, [0], 0)
+        tx.abort()
+        self.assertEqual(tx.poll(), S.KVPoll.Failed)
+        tx.init(3, 0)
+        tx.send([1, 2, 3], [[0]])                   # no exception
+        with self.assertRaises(S.KVTransferError) as cm:
+            tx.failure_exception()
+        self.assertEqual((cm.exception.failure_reason, cm.exception.is_from_another_rank),
+                         (S.ABORT_REASON, False))
+        with self.assertRaises(S.KVTransferError):
+            tx.failure_exception()                  # again: the same error
+        tx.clear()
+        self.assertEqual(tx.poll(), S.KVPoll.Failed)
+
+    def test_refused_metadata_fails_the_room(self):
+        room = self.next_room()
+        rx = S.KVFerryKVReceiver(self.dm, self.addr, room)
+        rx.send_metadata([1], 0)                    # before init: ignored
+        rx.init(0)
+        self.wait(rx, (S.KVPoll.WaitingForInput, S.KVPoll.Failed))
+        rx.send_metadata([1, 1], 0, [[0]])          # a page twice
+        self.assertEqual(rx.poll(), S.KVPoll.Failed)
+        with self.assertRaises(S.KVTransferError) as cm:
+            rx.failure_exception()
+        self.assertIn("appears twice", cm.exception.failure_reason)
+        self.assertFalse(cm.exception.is_from_another_rank)
+        rx.clear()
+
+    def test_abort_before_init(self):
+        rx = S.KVFerryKVReceiver(self.dm, self.addr, self.next_room())
+        rx.abort()
+        self.assertEqual(rx.poll(), S.KVPoll.Failed)
+        rx.init(0)                                  # nothing to start
+        with self.assertRaises(S.KVTransferError) as cm:
+            rx.failure_exception()
+        self.assertEqual(cm.exception.failure_reason, S.ABORT_REASON)
+
+
+if __name__ == "__main__":
+    unittest.main()
