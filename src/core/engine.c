@@ -457,7 +457,8 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
 
     if (eng == NULL || layout == NULL)
         return KVF_ERR_INVALID_PARAM;
-    kvf_status_t st = kvf__layout_copy(&l, layout, err, sizeof(err));
+    kvf_status_t st = kvf__layout_copy(&l, layout, eng->params.role == KVF_ROLE_DECODE, err,
+                                       sizeof(err));
     if (st != KVF_OK) {
         kvf_error("layout rejected: %s", err);
         return st;
@@ -495,8 +496,6 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         eng->kv_item_bytes_sum += l.kv[i].item_bytes;
     for (uint32_t i = 0; i < l.num_aux; i++)
         eng->aux_item_bytes_sum += l.aux[i].item_bytes;
-    for (uint32_t i = 0; i < l.num_state; i++)
-        eng->state_item_bytes_sum += l.state[i].item_bytes;
     eng->registered = 1;
     start_movers(eng);
     if (l.mem_kind == KVF_MEM_CUDA && !have_device_mover(eng)) {
@@ -504,7 +503,7 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         eng->registered = 0;
         kvf__layout_free(&eng->layout);
         memset(&eng->layout, 0, sizeof(eng->layout));
-        eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = eng->state_item_bytes_sum = 0;
+        eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = 0;
         free(eng->reg_bases);
         free(eng->reg_lens);
         eng->reg_bases = NULL;

@@ -65,7 +65,29 @@ typedef struct kvf_layout_int {
     uint32_t        heads_per_rank, total_heads, bytes_per_head;
     uint32_t        num_kv, num_aux, num_state;
     kvf_buffer_t   *kv, *aux, *state;   /* base NULL for a peer's layout */
+    kvf_kv_tag_t   *tags;               /* what kv[i] holds (always set) */
+    /* State groups: group g is state[group_first[g] .. group_first[g+1]);
+     * a layout of plain state buffers has one group per buffer, type "".
+     * Their types, joined by ',' (what HELLO carries). */
+    uint32_t        num_groups;
+    uint32_t       *group_first;        /* num_groups + 1 entries */
+    char           *state_types;
 } kvf_layout_int_t;
+
+/* The state group of state buffer b. */
+static inline uint32_t kvf__group_of(const kvf_layout_int_t *l, uint32_t b)
+{
+    uint32_t g = 0;
+    while (g + 1 < l->num_groups && l->group_first[g + 1] <= b)
+        g++;
+    return g;
+}
+
+/* MHA: bytes per head per token of KV buffer i (each group's own). */
+static inline uint64_t kvf__head_bytes(const kvf_layout_int_t *l, uint32_t i)
+{
+    return l->kv[i].item_bytes / ((uint64_t)l->page_size * l->heads_per_rank);
+}
 
 #define KVF_TOMBS 4096   /* failure records kept for destroyed senders */
 #define KVF_RETIRED 16384 /* room instances of destroyed senders remembered */
@@ -98,7 +120,6 @@ struct kvf_engine {
     kvf_layout_int_t    layout;
     uint64_t            kv_item_bytes_sum;
     uint64_t            aux_item_bytes_sum;
-    uint64_t            state_item_bytes_sum;
     void              **reg_bases;        /* every registered buffer: kv, aux, */
     size_t             *reg_lens;         /* state (what peers may read) */
     size_t              nregs;
@@ -229,12 +250,28 @@ kvf_status_t kvf__engine_params_import(kvf_engine_params_t *dst,
                                        const char *fn, char *err, size_t errlen);
 kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
                                 const char *fn, char *err, size_t errlen);
+kvf_status_t kvf__dest_import(kvf_dest_t *dst, const kvf_dest_t *src, const char *fn,
+                              char *err, size_t errlen);
 
 /* layout.c: validate the caller's layout (read through kvf__layout_import)
  * into l, which owns copies of the buffer arrays. */
 kvf_status_t kvf__layout_copy(kvf_layout_int_t *dst, const kvf_layout_t *src,
-                              char *err, size_t errlen);
+                              int may_omit_heads, char *err, size_t errlen);
 void         kvf__layout_free(kvf_layout_int_t *l);
+/* Write state group g's type into buf ("" for a plain state buffer). */
+void         kvf__group_type(const kvf_layout_int_t *l, uint32_t g, char *buf, size_t len);
+/* A decode layout that left its heads 0 takes them from a prefill peer's
+ * (same model): heads_per_rank from its own TP size.  KVF_OK (also when
+ * it has them), or KVF_ERR_INCOMPATIBLE when its buffers do not hold that
+ * many heads. */
+kvf_status_t kvf__layout_adopt_heads(kvf_layout_int_t *l, int tp_size,
+                                     const kvf_layout_int_t *from, char *err,
+                                     size_t errlen);
+/* Which decode KV buffer each prefill KV buffer goes to, by tag:
+ * dst_of[i] for prefill buffer i.  KVF_ERR_INCOMPATIBLE when one has no
+ * match. */
+kvf_status_t kvf__kv_map(const kvf_layout_int_t *pl, const kvf_layout_int_t *dl,
+                         uint32_t *dst_of, char *err, size_t errlen);
 /* Same model and settings on both sides (page size, dtype, attention,
  * heads, aux, state)?  KVF_OK, or KVF_ERR_INCOMPATIBLE with an
  * SGLang-style message in err. */
