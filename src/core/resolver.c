@@ -3,8 +3,9 @@
  * because those calls block (HTTP with timeouts) and must never run on an
  * application's thread or on the progress thread.
  *
- * Prefill: registers the engine (PUT /route), then again every few seconds
- * so that a restarted registry learns it back.
+ * Prefill: registers the engine (PUT /route: SGLang's full body, every
+ * field from the engine's parameters, layout and bound endpoint), then
+ * again every few seconds so that a restarted registry learns it back.
  * Decode: for each new receiver, finds the prefill rank that serves it
  * (GET /route, cached per registry and per rank; the caches are dropped
  * whenever a peer dies, since a dead peer may have come back elsewhere) and
@@ -337,9 +338,9 @@ void kvf__registration_setup(kvf_engine_t *eng)
 }
 
 /*
- * SGLang's PUT /route body from this engine's configuration (the study of
- * CommonKVManager.register_to_bootstrap in docs/REGISTRY.md):
- * system DP (no DP attention) registers dp as system_dp_* with attention
+ * SGLang's PUT /route body (CommonKVManager.register_to_bootstrap) from
+ * this engine's configuration; docs/REGISTRY.md tables where each field
+ * comes from.  System DP (no DP attention) registers dp as system_dp_* with attention
  * DP 1; DP attention registers it as attn_dp_* with system DP 1.  SGLang
  * sends its scheduler's DP rank as system_dp_rank either way.
  */
