@@ -340,9 +340,9 @@ void kvf__registration_setup(kvf_engine_t *eng)
 /*
  * SGLang's PUT /route body (CommonKVManager.register_to_bootstrap) from
  * this engine's configuration; docs/REGISTRY.md tables where each field
- * comes from.  System DP (no DP attention) registers dp as system_dp_* with attention
- * DP 1; DP attention registers it as attn_dp_* with system DP 1.  SGLang
- * sends its scheduler's DP rank as system_dp_rank either way.
+ * comes from.  System DP (no DP attention) registers dp as system_dp_*
+ * with attention DP 1; DP attention registers it as attn_dp_* with system
+ * DP 1.  SGLang sends its scheduler's DP rank as system_dp_rank either way.
  */
 static kvf_bs_reg_t registration(const kvf_engine_t *eng)
 {
