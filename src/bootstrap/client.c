@@ -327,12 +327,12 @@ kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
         set_err(err, errlen, "bootstrap registration without parameters");
         return KVF_ERR_INVALID_PARAM;
     }
-    /* SGLang's CommonKVManager.register_to_bootstrap() body, key for key;
-     * load_balance_method is left out when NULL ("s*"): SGLang then
-     * assumes "follow_bootstrap_room". */
+    /* SGLang's CommonKVManager.register_to_bootstrap() body, key for key
+     * and in its order; load_balance_method is left out when NULL (SGLang
+     * then assumes "follow_bootstrap_room"). */
     json_t *j = json_pack(
         "{s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:s?, s:i, s:i, "
-        "s:s?, s:s*, s:b, s:o}",
+        "s:s?}",
         "attn_tp_size", reg->attn_tp_size, "attn_tp_rank", reg->attn_tp_rank,
         "attn_cp_size", reg->attn_cp_size, "attn_cp_rank", reg->attn_cp_rank,
         "attn_dp_size", reg->attn_dp_size, "attn_dp_rank", reg->attn_dp_rank,
@@ -340,11 +340,21 @@ kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
         "system_dp_size", reg->system_dp_size,
         "system_dp_rank", reg->system_dp_rank,
         "rank_ip", reg->rank_ip, "rank_port", reg->rank_port,
-        "page_size", reg->page_size, "kv_cache_dtype", reg->kv_cache_dtype,
-        "load_balance_method", reg->load_balance_method,
-        "enable_dsa_cache_layer_split", reg->enable_dsa_cache_layer_split != 0,
-        "prefill_http_port", reg->prefill_http_port > 0
-            ? json_integer(reg->prefill_http_port) : json_null());
+        "page_size", reg->page_size, "kv_cache_dtype", reg->kv_cache_dtype);
+    if (j != NULL &&
+        ((reg->load_balance_method != NULL &&
+          json_object_set_new(j, "load_balance_method",
+                              json_string(reg->load_balance_method)) != 0) ||
+         json_object_set_new(j, "enable_dsa_cache_layer_split",
+                             json_boolean(reg->enable_dsa_cache_layer_split))
+             != 0 ||
+         json_object_set_new(j, "prefill_http_port",
+                             reg->prefill_http_port > 0
+                                 ? json_integer(reg->prefill_http_port)
+                                 : json_null()) != 0)) {
+        json_decref(j);
+        j = NULL;
+    }
     char *body = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
     if (body == NULL) {
