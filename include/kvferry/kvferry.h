@@ -197,6 +197,55 @@ typedef struct kvf_engine_params {
      * (protected mode).  Copied at create.  Default NULL.
      */
     const char *auth_token;
+    /*
+     * What a prefill engine tells its bootstrap registry beyond its
+     * coordinates: the fields of SGLang's PUT /route that SGLang's decode
+     * servers and routers read (docs/REGISTRY.md).  Set them from the
+     * prefill server's real configuration (SGLang's server_args); decode
+     * engines ignore them.
+     */
+    /** Attention context-parallel rank (SGLang's attn_cp_rank), below
+     *  cp_size.  Default 0. */
+    int         cp_rank;
+    /** Attention context-parallel size (SGLang's attn_cp_size).  0 means the
+     *  default: 1.  kvferry's own decode engines take KV from CP rank 0. */
+    int         cp_size;
+    /**
+     * How dp_rank/dp_size are registered.  0 (default): system DP, one
+     * scheduler per DP group (SGLang without --enable-dp-attention):
+     * system_dp_size = dp_size, attn_dp_size = 1.  1: attention DP (SGLang's
+     * --enable-dp-attention): attn_dp_size = dp_size, system_dp_size = 1.
+     * Either way the registry's dp_size and a rank's DP group are dp_size and
+     * dp_rank.
+     */
+    int         dp_attention;
+    /**
+     * The KV cache dtype as the prefill server was told it, e.g. "auto" or
+     * "fp8_e4m3" (SGLang's --kv-cache-dtype): SGLang's decode servers refuse
+     * a prefill server whose string differs from their own.  At most 63
+     * printable characters without spaces.  NULL or "" means the default:
+     * KVF_KV_CACHE_DTYPE, else the layout's kv_dtype.  Copied at create.
+     */
+    const char *kv_cache_dtype;
+    /**
+     * SGLang's --load-balance-method of the prefill server: decode servers
+     * read "follow_bootstrap_room" as "the DP group is bootstrap_room %
+     * dp_size" and anything else as "ask POST /query_dp_ranks".  Same
+     * character rules as kv_cache_dtype.  NULL or "" means the default:
+     * KVF_LOAD_BALANCE_METHOD, else "follow_bootstrap_room" (what SGLang's
+     * prefill servers resolve "auto" and "round_robin" to).  Copied at
+     * create.
+     */
+    const char *load_balance_method;
+    /**
+     * The prefill server's HTTP API port (SGLang's --port), which decode
+     * servers call to have a retracted request recomputed.  0 means the
+     * default: KVF_PREFILL_HTTP_PORT, else not known (registered as null).
+     */
+    int         prefill_http_port;
+    /** 1: the prefill server runs SGLang's --enable-dsa-cache-layer-split
+     *  (decode servers then take KV from every CP rank).  Default 0. */
+    int         dsa_cache_layer_split;
 } kvf_engine_params_t;
 
 /** kvf_engine_params_t as kvferry 0.1.0 has it: the least `size` accepted. */

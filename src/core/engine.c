@@ -101,7 +101,7 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
         kvf_error("room deadlines must be positive");
         return KVF_ERR_INVALID_PARAM;
     }
-    return KVF_OK;
+    return kvf__registration_check(p);
 }
 
 static void stats_cb(void *arg, kvf_engine_stats_t *stats_p)
@@ -223,6 +223,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
     eng->params.faults = NULL;
+    kvf__registration_setup(eng);
     if (params->faults != NULL) {
         st = kvf_faults_parse(params->faults, &eng->faults, err, sizeof(err));
         if (st != KVF_OK) {

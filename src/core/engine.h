@@ -163,6 +163,11 @@ struct kvf_engine {
     kvf_room_t         *rq_head, *rq_tail;
     int                 want_register;
     char               *register_error;
+    /* What the registration sends beyond the coordinates, resolved at
+     * create (kvf__registration_setup); params.kv_cache_dtype and
+     * params.load_balance_method point here or are NULL. */
+    char                reg_dtype[64];    /* "": the layout's kv_dtype */
+    char                reg_lbm[64];
 
     kvf_bootstrap_t    *bootstrap;        /* in-process registry */
     kvf_faults_t       *faults;           /* injected faults, or NULL */
@@ -287,6 +292,12 @@ void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp
                    const kvf_layout_int_t *l);
 
 /* resolver.c */
+/* Check the registration parameters of p (a full-size copy).
+ * @return KVF_OK or KVF_ERR_INVALID_PARAM, logged. */
+kvf_status_t kvf__registration_check(const kvf_engine_params_t *p);
+/* Give eng->params' registration fields their defaults (KVF_* variables)
+ * and copy its strings into eng. */
+void         kvf__registration_setup(kvf_engine_t *eng);
 kvf_status_t kvf__resolver_start(kvf_engine_t *eng);
 void         kvf__resolver_stop(kvf_engine_t *eng);
 void         kvf__resolver_enqueue(kvf_engine_t *eng, kvf_room_t *room);

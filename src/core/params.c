@@ -19,7 +19,7 @@
  * is added.  The assertions catch a new last field that grew the struct,
  * not one that fits in its trailing padding.
  */
-#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, auth_token)
+#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, dsa_cache_layer_split)
 #define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, state_groups)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
