@@ -211,7 +211,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     kvf_map_init(&eng->retired);
 
     st = KVF_ERR_NO_MEMORY;
-    eng->tomb_ring = calloc(KVF_TOMBS, sizeof(uint64_t));
+    eng->tomb_ring = calloc(KVF_TOMBS, sizeof(*eng->tomb_ring));
     eng->retired_ring = calloc(KVF_RETIRED, sizeof(uint64_t));
     eng->host = strdup(params->host);
     eng->transport = strdup(params->transport ? params->transport : "auto");

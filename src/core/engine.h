@@ -132,8 +132,9 @@ struct kvf_engine {
     uint64_t            stash_dropped;    /* entries dropped to stay bounded */
     uint64_t            stash_log_ms, stash_unlogged;
     kvf_map_t           tombs;            /* prefill: room id -> kvf_failure_t* */
-    uint64_t           *tomb_ring;        /* their ids, oldest at tomb_head */
+    struct kvf_tomb_slot *tomb_ring;      /* burials, oldest at tomb_head */
     size_t              tomb_head, ntombs;
+    uint64_t            tomb_seq;         /* burials so far */
     /* Prefill: the room instances (wire.h) that destroyed senders served,
      * the last KVF_RETIRED of them: a late FAIL or request naming one is
      * the old room's, never the next room with the same id. */

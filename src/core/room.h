@@ -125,9 +125,18 @@ typedef struct kvf_stash {
  */
 typedef struct kvf_tomb {
     kvf_failure_t f;               /* first: the record */
+    uint64_t      seq;             /* its burial (engine->tomb_seq) */
     uint32_t      nranks;
     uint32_t      ranks[];
 } kvf_tomb_t;
+
+/* One burial in the ring (engine->tomb_ring): an id buried again has a
+ * newer slot, and its older one, when it falls out, must not take the
+ * newer tomb with it. */
+struct kvf_tomb_slot {
+    uint64_t room;
+    uint64_t seq;
+};
 
 /* room.c */
 void kvf__room_put(kvf_room_t *room);

@@ -918,11 +918,15 @@ void kvf__sender_bury(kvf_room_t *r)
     if (f == NULL)
         return;
     f->f = *r->failure;
+    f->seq = ++eng->tomb_seq;
     f->nranks = r->nlinks;
     for (uint32_t i = 0; i < r->nlinks; i++)
         f->ranks[i] = r->links[i].rank;
-    if (eng->ntombs == KVF_TOMBS) {       /* forget the oldest */
-        free(kvf_map_del(&eng->tombs, eng->tomb_ring[eng->tomb_head]));
+    if (eng->ntombs == KVF_TOMBS) {       /* forget the oldest burial */
+        const struct kvf_tomb_slot *old = &eng->tomb_ring[eng->tomb_head];
+        const kvf_tomb_t *t = kvf_map_get(&eng->tombs, old->room);
+        if (t != NULL && t->seq == old->seq)
+            free(kvf_map_del(&eng->tombs, old->room));
         eng->tomb_head = (eng->tomb_head + 1) % KVF_TOMBS;
         eng->ntombs--;
     }
@@ -931,7 +935,8 @@ void kvf__sender_bury(kvf_room_t *r)
         free(f);
         return;
     }
-    eng->tomb_ring[(eng->tomb_head + eng->ntombs) % KVF_TOMBS] = r->id;
+    eng->tomb_ring[(eng->tomb_head + eng->ntombs) % KVF_TOMBS] =
+        (struct kvf_tomb_slot){r->id, f->seq};
     eng->ntombs++;
 }
 
