@@ -497,9 +497,9 @@ static int kvt_progress(kvt_rank_t *r, kvt_room_t *rm)
 
 /* Is request `index` this rank's?  Decode ranks take every room; a
  * prefill rank only those of its DP group, room % --dp.  Decode receivers
- * pass prefill_dp_rank -1, and the engine picks the same group: the
- * registry has no /register_dp_rank entry for the room, so room % dp_size
- * (docs/GUIDE.md). */
+ * pass prefill_dp_rank -1, and the engine picks the same group: prefill
+ * registers load_balance_method "follow_bootstrap_room" (the default), so
+ * room % dp_size (docs/GUIDE.md). */
 static int kvt_owns(const kvt_rank_t *r, uint32_t index)
 {
     return !r->prefill || r->o.dp == 1 ||

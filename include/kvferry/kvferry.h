@@ -197,6 +197,55 @@ typedef struct kvf_engine_params {
      * (protected mode).  Copied at create.  Default NULL.
      */
     const char *auth_token;
+    /*
+     * What a prefill engine tells its bootstrap registry beyond its
+     * coordinates: the fields of SGLang's PUT /route that SGLang's decode
+     * servers and routers read (docs/REGISTRY.md).  Set them from the
+     * prefill server's real configuration (SGLang's server_args); decode
+     * engines ignore them.
+     */
+    /** Attention context-parallel rank (SGLang's attn_cp_rank), below
+     *  cp_size.  Default 0. */
+    int         cp_rank;
+    /** Attention context-parallel size (SGLang's attn_cp_size).  0 means the
+     *  default: 1.  kvferry's own decode engines take KV from CP rank 0. */
+    int         cp_size;
+    /**
+     * How dp_rank/dp_size are registered.  0 (default): system DP, one
+     * scheduler per DP group (SGLang without --enable-dp-attention):
+     * system_dp_size = dp_size, attn_dp_size = 1.  1: attention DP (SGLang's
+     * --enable-dp-attention): attn_dp_size = dp_size, system_dp_size = 1.
+     * Either way the registry's dp_size and a rank's DP group are dp_size and
+     * dp_rank.
+     */
+    int         dp_attention;
+    /**
+     * The KV cache dtype as the prefill server was told it, e.g. "auto" or
+     * "fp8_e4m3" (SGLang's --kv-cache-dtype): SGLang's decode servers refuse
+     * a prefill server whose string differs from their own.  At most 63
+     * printable characters without spaces.  NULL or "" means the default:
+     * KVF_KV_CACHE_DTYPE, else the layout's kv_dtype.  Copied at create.
+     */
+    const char *kv_cache_dtype;
+    /**
+     * SGLang's --load-balance-method of the prefill server: decode servers
+     * read "follow_bootstrap_room" as "the DP group is bootstrap_room %
+     * dp_size" and anything else as "ask POST /query_dp_ranks".  Same
+     * character rules as kv_cache_dtype.  NULL or "" means the default:
+     * KVF_LOAD_BALANCE_METHOD, else "follow_bootstrap_room" (what SGLang's
+     * prefill servers resolve "auto" and "round_robin" to).  Copied at
+     * create.
+     */
+    const char *load_balance_method;
+    /**
+     * The prefill server's HTTP API port (SGLang's --port), which decode
+     * servers call to have a retracted request recomputed.  0 means the
+     * default: KVF_PREFILL_HTTP_PORT, else not known (registered as null).
+     */
+    int         prefill_http_port;
+    /** 1: the prefill server runs SGLang's --enable-dsa-cache-layer-split
+     *  (decode servers then take KV from every CP rank).  Default 0. */
+    int         dsa_cache_layer_split;
 } kvf_engine_params_t;
 
 /** kvf_engine_params_t as kvferry 0.1.0 has it: the least `size` accepted. */
@@ -291,6 +340,47 @@ typedef struct kvf_buffer {
     size_t item_bytes;     /**< bytes per page (KV) or per slot (aux, state) */
 } kvf_buffer_t;
 
+/** What a KV buffer holds of its layer (kvf_kv_tag_t.role). */
+typedef enum kvf_kv_role {
+    KVF_KV_K  = 0,   /**< keys (MHA/GQA) */
+    KVF_KV_V  = 1,   /**< values (MHA/GQA) */
+    KVF_KV_KV = 2    /**< the layer's one buffer: MLA's latent vector, or K and V together */
+} kvf_kv_role_t;
+
+/**
+ * Which KV buffer this is, so that each prefill buffer finds its decode
+ * buffer whatever order the two sides register them in: a prefill buffer
+ * goes to the decode buffer with the same tag.
+ */
+typedef struct kvf_kv_tag {
+    uint32_t layer;   /**< the layer's global index in its group (0 = the model's first) */
+    uint32_t role;    /**< kvf_kv_role_t; larger values name further per-layer
+                           buffers, the same on both sides */
+    uint32_t group;   /**< 0: the model; 1, 2, ...: another model whose KV lives
+                           in the same pages (a speculative-decoding draft model) */
+} kvf_kv_tag_t;
+
+/**
+ * Typed state (SGLang's StateType): a group of buffers that a room names
+ * by one array of indices, the same indices in each of its buffers.  A
+ * Mamba group names one slot (its conv and temporal state of every layer);
+ * a sliding-window group names the pages of the window in its own pool.
+ * Index k of the prefill's array goes to index k of the decode's, in every
+ * buffer of the group; a room whose two arrays differ in length fails.
+ */
+typedef struct kvf_state_group {
+    const char         *type;         /**< e.g. "mamba", "swa"; both sides register
+                                           the same types in the same order */
+    uint32_t            num_buffers;
+    const kvf_buffer_t *buffers;      /**< item_bytes: bytes per index */
+} kvf_state_group_t;
+
+/** Indices into every buffer of one state group (n may be 0: nothing). */
+typedef struct kvf_indices {
+    const uint32_t *idx;
+    size_t          n;
+} kvf_indices_t;
+
 /**
  * What an engine registers.  KV buffers are typically one K and one V
  * buffer per layer (MHA) or one per layer (MLA); prefill and decode must
@@ -304,18 +394,40 @@ typedef struct kvf_layout {
     const char         *kv_dtype;    /**< e.g. "bfloat16"; required */
     kvf_attn_kind_t     attn;        /**< default KVF_ATTN_MHA */
     uint32_t            num_layers;  /**< model layers on this rank; required */
-    uint32_t            heads_per_rank;  /**< MHA: KV heads on this rank */
-    uint32_t            total_heads;     /**< MHA: KV heads of the model */
-    uint32_t            bytes_per_head;  /**< MHA: bytes per head per token */
+    /**
+     * MHA: KV heads on this rank, of the model, and bytes per head per
+     * token (of group 0; another group's head size is its item_bytes /
+     * (page_size x heads_per_rank)).  A decode engine may leave all three 0
+     * (SGLang's decode side does not know them): they are then taken from
+     * its first prefill peer, heads_per_rank = total_heads / tp_size (1 when
+     * tp_size > total_heads), and checked against item_bytes then.
+     */
+    uint32_t            heads_per_rank;
+    uint32_t            total_heads;
+    uint32_t            bytes_per_head;
     kvf_mem_kind_t      mem_kind;    /**< default KVF_MEM_HOST */
     uint32_t            num_kv;      /**< number of KV buffers */
     const kvf_buffer_t *kv;
     uint32_t            num_aux;     /**< aux buffers (bytes per slot) */
     const kvf_buffer_t *aux;
-    uint32_t            num_state;   /**< optional state buffers (bytes per slot) */
+    uint32_t            num_state;   /**< optional state buffers (bytes per slot), each
+                                          named by one slot; see also state_groups */
     const kvf_buffer_t *state;
     uint32_t            first_layer; /**< global index of this rank's first layer
                                           (a pipeline stage's offset); default 0 */
+    /* ---- added after 0.1.0 (a caller's smaller size gets the default) ---- */
+    /**
+     * kv_tags[i] says what kv[i] holds (num_kv entries).  NULL means the
+     * 0.1.0 order: layer by layer from first_layer, each layer's buffers in
+     * turn (K then V for MHA, role KVF_KV_KV for MLA's one).  With tags the
+     * buffers may come in any order and in several groups; num_layers is
+     * then the number of group-0 layers this rank holds (first_layer up).
+     * Default NULL.
+     */
+    const kvf_kv_tag_t      *kv_tags;
+    /** Typed state buffers, instead of num_state/state (not both).  Default 0. */
+    uint32_t                 num_state_groups;
+    const kvf_state_group_t *state_groups;
     /* Fields added later go here, at the end, so that `size` tells them apart. */
 } kvf_layout_t;
 
@@ -387,20 +499,43 @@ KVF_API kvf_status_t kvf_sender_create(kvf_engine_t *engine,
 
 /**
  * Declare the room's size: `num_pages` KV pages and the source aux slot.
- * Once.  @return KVF_OK, KVF_ERR_STATE (second call),
- * KVF_ERR_OUT_OF_RANGE (aux slot not registered).
+ * Once.  num_pages may be 0 (the decode side holds the whole prompt: only
+ * aux and state move, on a last send() of no pages).  @return KVF_OK,
+ * KVF_ERR_STATE (second call), KVF_ERR_OUT_OF_RANGE (aux slot not
+ * registered).
  */
 KVF_API kvf_status_t kvf_sender_init(kvf_sender_t *sender, uint32_t num_pages,
                                      uint32_t aux_slot);
 
 /**
- * Source state slots (recurrent/SWA state), written on the last chunk.
- * Optional; before the last send.  @return KVF_OK, KVF_ERR_STATE,
- * KVF_ERR_OUT_OF_RANGE, KVF_ERR_INVALID_PARAM (count differs from the
- * number of state buffers).
+ * kvf_sender_set_states() with one slot per state group (a layout of
+ * plain state buffers: one slot per buffer).  n 0: no state.
  */
 KVF_API kvf_status_t kvf_sender_set_state(kvf_sender_t *sender,
                                           const uint32_t *slots, size_t n);
+
+/**
+ * Source state indices, one entry per state group of the layout (or per
+ * state buffer of a layout without groups, each entry one slot), written
+ * on the last chunk: group i's indices go to the decode's indices of the
+ * same group, in order.  Optional; once, before the last send.
+ * @return KVF_OK, KVF_ERR_STATE, KVF_ERR_OUT_OF_RANGE (an index outside
+ * its group's buffers), KVF_ERR_INVALID_PARAM (n differs from the number
+ * of groups).  A group whose count differs from the decode's fails the
+ * room at the last send (no partial state).
+ */
+KVF_API kvf_status_t kvf_sender_set_states(kvf_sender_t *sender,
+                                           const kvf_indices_t *states, size_t n);
+
+/**
+ * The decode's prefix: tokens of the request it already holds (its prefix
+ * cache), told with its destination (kvf_dest_t.decode_prefix_len); the
+ * prefill sends only the rest, so its pages start there.  Known once every
+ * decode rank's destination arrived (the room is WAITING_FOR_INPUT).
+ * @return KVF_OK, KVF_ERR_AGAIN (not yet known).
+ */
+KVF_API kvf_status_t kvf_sender_decode_prefix_len(kvf_sender_t *sender,
+                                                  uint32_t *tokens_p);
 
 /**
  * Send one prefill chunk: `n` source pages, the next `n` of the room.
@@ -438,6 +573,25 @@ KVF_API void kvf_sender_destroy(kvf_sender_t *sender);
 /** The room id. */
 KVF_API uint64_t kvf_sender_room(const kvf_sender_t *sender);
 
+/**
+ * What a room cost, for a scheduler's metrics (SGLang's KVTransferMetric).
+ * Set `size` to sizeof(kvf_room_metric_t) before the call: the library
+ * writes only that much, so the struct may grow.
+ */
+typedef struct kvf_room_metric {
+    size_t   size;
+    uint64_t bytes;        /**< payload bytes of the room this rank sent (prefill) or
+                                placed (decode) so far */
+    double   alloc_s;      /**< seconds from create until the decode pages were known:
+                                every destination arrived (prefill), the
+                                destination was given (decode); 0 until then */
+    double   transfer_s;   /**< seconds from then until the room was final, or until
+                                now while it is not */
+} kvf_room_metric_t;
+
+/** Snapshot a sender's metric.  @return KVF_OK, KVF_ERR_INVALID_PARAM (size). */
+KVF_API kvf_status_t kvf_sender_metric(kvf_sender_t *sender, kvf_room_metric_t *metric);
+
 /* ------------------------------------------------------------------------ */
 /* Receiver (decode side of a room)                                         */
 /* ------------------------------------------------------------------------ */
@@ -446,7 +600,9 @@ KVF_API uint64_t kvf_sender_room(const kvf_sender_t *sender);
  * Create the receiver for `room`, fed by the prefill server whose registry
  * is at `bootstrap_addr`.  The registry lookup and the connection happen on
  * the engine's threads (cached per address and per peer): BOOTSTRAPPING
- * until kvf_receiver_init() and the connection are done.
+ * until its prefill ranks are resolved, connected and found compatible,
+ * then WAITING_FOR_INPUT: the scheduler may now find pages and give them
+ * (kvf_receiver_set_dest); nothing moves before.
  *
  * @param [in] prefill_dp_rank  prefill DP group to use, or -1 for the
  *                              registry's choice / room % dp_size
@@ -459,11 +615,48 @@ KVF_API kvf_status_t kvf_receiver_create(kvf_engine_t *engine,
                                          kvf_receiver_t **receiver_p);
 
 /**
- * Declare the destination: decode page indices (one per prefill page, in
- * order), the aux slot and optional state slots (one per state buffer).
- * Once.  @return KVF_OK, KVF_ERR_STATE (second call),
- * KVF_ERR_OUT_OF_RANGE (an index outside the registered buffers),
- * KVF_ERR_INVALID_PARAM (n == 0, duplicate page, state count mismatch).
+ * A receiver's destination, given in one call (kvf_receiver_set_dest).
+ * Initialise with kvf_dest_init(); grows by the rules of
+ * kvf_engine_params_t.
+ */
+typedef struct kvf_dest {
+    size_t               size;        /**< the caller's sizeof(kvf_dest_t); set by _init */
+    /** Decode pages, one per page the prefill sends, in order; may be 0 pages
+     *  (a full prefix hit: aux and state only). */
+    const uint32_t      *pages;
+    size_t               num_pages;
+    uint32_t             aux_slot;    /**< the destination aux slot */
+    /** One entry per state group (or per legacy state buffer, one slot each),
+     *  or num_states 0: no state. */
+    const kvf_indices_t *states;
+    size_t               num_states;
+    /** Tokens of the request this decode already holds (its prefix cache):
+     *  the prefill sends only the rest (kvf_sender_decode_prefix_len), and
+     *  `pages` are the rest's.  Default 0. */
+    uint32_t             decode_prefix_len;
+} kvf_dest_t;
+
+/** kvf_dest_t as it first shipped: the least `size` accepted. */
+#define KVF_DEST_SIZE_V0 KVF_FIELD_END(kvf_dest_t, decode_prefix_len)
+
+/** Zero `size` bytes of `dest` and set its size (every default is 0). */
+KVF_API void kvf_dest_init_sized(kvf_dest_t *dest, size_t size);
+#define kvf_dest_init(dest) kvf_dest_init_sized((dest), sizeof(*(dest)))
+
+/**
+ * Give the room its destination, once, in any state before final (SGLang
+ * gives it once poll() showed WAITING_FOR_INPUT).  Its requests go to the
+ * prefill ranks as soon as they are connected.  @return KVF_OK,
+ * KVF_ERR_STATE (second call), KVF_ERR_OUT_OF_RANGE (an index outside the
+ * registered buffers), KVF_ERR_INVALID_PARAM (a page or state index twice,
+ * a state count that is not the layout's, a `size` refused).
+ */
+KVF_API kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *receiver,
+                                           const kvf_dest_t *dest);
+
+/**
+ * kvf_receiver_set_dest() with pages, the aux slot and one slot per legacy
+ * state buffer (n_state 0: none), and no decode prefix.
  */
 KVF_API kvf_status_t kvf_receiver_init(kvf_receiver_t *receiver,
                                        const uint32_t *pages, size_t n,
@@ -509,6 +702,10 @@ KVF_API void kvf_receiver_destroy(kvf_receiver_t *receiver);
 
 /** The room id. */
 KVF_API uint64_t kvf_receiver_room(const kvf_receiver_t *receiver);
+
+/** Snapshot a receiver's metric (as kvf_sender_metric). */
+KVF_API kvf_status_t kvf_receiver_metric(kvf_receiver_t *receiver,
+                                         kvf_room_metric_t *metric);
 
 /* ------------------------------------------------------------------------ */
 /* Statistics                                                               */

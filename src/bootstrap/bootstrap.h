@@ -40,21 +40,28 @@ typedef struct kvf_bs_reg {
     const char *rank_ip;
     int         rank_port;
     int         page_size;
+    /* SGLang's --kv-cache-dtype string ("auto", "fp8_e4m3", ...); NULL is
+     * sent as null. */
     const char *kv_cache_dtype;
-    /* e.g. "round_robin"; NULL is not sent, which SGLang (and the
-     * registry) read as "follow_bootstrap_room". */
+    /* e.g. "follow_bootstrap_room"; NULL is not sent, which SGLang (and
+     * the registry) read as "follow_bootstrap_room". */
     const char *load_balance_method;
+    int         enable_dsa_cache_layer_split;   /* sent as a JSON boolean */
+    int         prefill_http_port;  /* 1..65535; 0 is sent as null (unknown) */
 } kvf_bs_reg_t;
 
-/* The server's parallel info: GET /route with every parameter -1. */
+/* The server's parallel info: GET /route with every parameter -1 (the
+ * fields of SGLang's PrefillServerInfo that the server fills). */
 typedef struct kvf_bs_info {
     int  attn_tp_size;
     int  attn_cp_size;
     int  dp_size;
     int  pp_size;
-    int  page_size;
-    char kv_cache_dtype[64];
+    int  page_size;                 /* 0: null */
+    char kv_cache_dtype[64];        /* "": null */
     int  follow_bootstrap_room;
+    int  enable_dsa_cache_layer_split;
+    int  prefill_http_port;         /* 0: null (not known) */
 } kvf_bs_info_t;
 
 /*

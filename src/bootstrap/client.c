@@ -327,6 +327,9 @@ kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
         set_err(err, errlen, "bootstrap registration without parameters");
         return KVF_ERR_INVALID_PARAM;
     }
+    /* SGLang's CommonKVManager.register_to_bootstrap() body, key for key
+     * and in its order; load_balance_method is left out when NULL (SGLang
+     * then assumes "follow_bootstrap_room"). */
     json_t *j = json_pack(
         "{s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:s?, s:i, s:i, "
         "s:s?}",
@@ -338,10 +341,17 @@ kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
         "system_dp_rank", reg->system_dp_rank,
         "rank_ip", reg->rank_ip, "rank_port", reg->rank_port,
         "page_size", reg->page_size, "kv_cache_dtype", reg->kv_cache_dtype);
-    /* Left out when NULL: SGLang then assumes "follow_bootstrap_room". */
-    if (j != NULL && reg->load_balance_method != NULL &&
-        json_object_set_new(j, "load_balance_method",
-                            json_string(reg->load_balance_method)) != 0) {
+    if (j != NULL &&
+        ((reg->load_balance_method != NULL &&
+          json_object_set_new(j, "load_balance_method",
+                              json_string(reg->load_balance_method)) != 0) ||
+         json_object_set_new(j, "enable_dsa_cache_layer_split",
+                             json_boolean(reg->enable_dsa_cache_layer_split))
+             != 0 ||
+         json_object_set_new(j, "prefill_http_port",
+                             reg->prefill_http_port > 0
+                                 ? json_integer(reg->prefill_http_port)
+                                 : json_null()) != 0)) {
         json_decref(j);
         j = NULL;
     }
@@ -437,9 +447,15 @@ kvf_status_t kvf__bs_get_info(const char *addr, unsigned timeout_ms,
 
     kvf_bs_info_t info;
     memset(&info, 0, sizeof(info));
+    /* PrefillServerInfo's fields; those with a default in SGLang's
+     * dataclass may be missing (an older server), any may be null but the
+     * four sizes.  The six decode-side fields and unknown keys are
+     * ignored. */
     json_t *dt = json_object_get(j, "kv_cache_dtype");
     json_t *fb = json_object_get(j, "follow_bootstrap_room");
     json_t *ps = json_object_get(j, "page_size");
+    json_t *dsa = json_object_get(j, "enable_dsa_cache_layer_split");
+    json_t *hp = json_object_get(j, "prefill_http_port");
     st = KVF_ERR_BOOTSTRAP;
     if (get_int(j, "attn_tp_size", &info.attn_tp_size) != 0 ||
         get_int(j, "attn_cp_size", &info.attn_cp_size) != 0 ||
@@ -449,7 +465,11 @@ kvf_status_t kvf__bs_get_info(const char *addr, unsigned timeout_ms,
         (dt != NULL && !json_is_null(dt) &&
          (!json_is_string(dt) ||
           json_string_length(dt) >= sizeof(info.kv_cache_dtype))) ||
-        (fb != NULL && !json_is_boolean(fb))) {
+        (fb != NULL && !json_is_boolean(fb)) ||
+        (dsa != NULL && !json_is_null(dsa) && !json_is_boolean(dsa)) ||
+        (hp != NULL && !json_is_null(hp) &&
+         (get_int(j, "prefill_http_port", &info.prefill_http_port) != 0 ||
+          info.prefill_http_port < 1 || info.prefill_http_port > 65535))) {
         set_err(err, errlen, "bootstrap registry %s sent parallel info without "
                 "the expected fields (GET %s)", addr, target);
     } else {
@@ -457,6 +477,7 @@ kvf_status_t kvf__bs_get_info(const char *addr, unsigned timeout_ms,
             memcpy(info.kv_cache_dtype, json_string_value(dt),
                    json_string_length(dt) + 1);
         info.follow_bootstrap_room = fb == NULL || json_is_true(fb);
+        info.enable_dsa_cache_layer_split = json_is_true(dsa);
         *info_p = info;
         st = KVF_OK;
     }

@@ -10,14 +10,18 @@
  *  - dp_size is attn_dp_size when system_dp_size == 1, else system_dp_size;
  *    the DP coordinate of a rank follows the same rule.
  *  - a missing load_balance_method counts as "follow_bootstrap_room".
- *  - prefill_http_port and enable_dsa_cache_layer_split are echoed in the
- *    parallel info only when the first registration carried them, so older
- *    decode servers (whose PrefillServerInfo lacks them) keep working.
+ *  - the parallel info answers exactly the keys of SGLang's
+ *    PrefillServerInfo, because decode servers build one with
+ *    PrefillServerInfo(**data): a key more or less is a TypeError there.
+ *    The six keys decode fills in itself (target_*, required_*) are null.
+ *  - as SGLang, kv_cache_dtype and prefill_http_port that the first
+ *    registration left null are taken from the first later one that has
+ *    them; every other field of the info is the first registration's.
  *  - SGLang counts every PUT; we count distinct coordinates, so a restarted
  *    rank re-registering does not make the registry "ready" too early.
  *  - stricter than SGLang: 400 (not 500) for bad input, 409 for a rank
- *    whose parallel info differs from the registry's (unless the rule
- *    below lets it replace that info).
+ *    whose parallel info would break transfers (unless the rule below lets
+ *    it replace that info).
  *  - access, as SGLang's bootstrap_auth.py: the mutating routes (PUT
  *    /route, POST /register_dp_rank) need "Authorization: Bearer <token>"
  *    (scheme case-insensitive, token compared in constant time) when the
@@ -26,9 +30,17 @@
  *    refuses every write; we accept loopback clients only (protected mode)
  *    or, with KVF_AUTH=none, anyone.
  *
- * The configuration rule: the parallel info (sizes, page size, dtype) is
- * set by the first registration.  A registration that differs replaces it,
- * dropping every entry of the old configuration, when either
+ * The configuration rule: the parallel info is set by the first
+ * registration.  A registration conflicts with it when it differs in
+ * attn_tp_size, attn_cp_size, dp_size, pp_size or page_size (the shape of
+ * the rank table and what decode computes from it), or names another
+ * concrete kv_cache_dtype ("auto" and null conflict with nothing: what
+ * "auto" resolves to is the model's dtype, which only the engines know,
+ * and their handshake compares the real dtypes).  load_balance_method,
+ * enable_dsa_cache_layer_split and prefill_http_port are server-wide
+ * settings: the first registration's stay, as in SGLang, and never
+ * conflict.  A conflicting registration replaces the info, dropping every
+ * entry of the old configuration, when either
  *  (a) the old configuration holds a registered rank at the newcomer's
  *      (dp, cp, tp, pp): that rank restarted with a new configuration, or
  *  (b) no rank of the old configuration has registered for KVF_BS_STALE_MS:
@@ -91,10 +103,12 @@ struct kvf_registry_state {
     int    have_info;
     int    attn_tp_size, attn_cp_size, dp_size, pp_size, page_size;
     int    dtype_null;
-    char   dtype[64];
+    char   dtype[64];               /* what GET /route answers */
+    char   dtype_concrete[64];      /* the first dtype not "auto" ("": none
+                                       yet), what conflicts are judged by */
     int    follow_bootstrap_room;
-    int    has_http_port, http_port;
-    int    has_dsa, dsa;
+    int    http_port;               /* 0: null (not known) */
+    int    dsa;
     char   first_desc[320];         /* who set the info, for 409 messages */
     rank_entry_t *ranks;            /* [dp][cp][tp][pp] */
     size_t nranks, nregistered;
@@ -380,7 +394,38 @@ static int check_rank(const char *rn, int rank, const char *sn, int size,
     return -1;
 }
 
-/* The first field in which a registration differs from the fixed info. */
+/*
+ * kv_cache_dtype spellings that name one dtype: SGLang's --kv-cache-dtype
+ * choices and torch's names, so that "bf16" next to "bfloat16" is no
+ * conflict.  The first name of a row stands for the row.
+ */
+static const char *const dtype_aliases[][3] = {
+    {"bfloat16", "bf16", NULL},
+    {"float16", "fp16", "half"},
+    {"float32", "fp32", "float"},
+    {"fp8_e4m3", "float8_e4m3fn", NULL},
+    {"fp8_e5m2", "float8_e5m2", NULL},
+};
+
+static const char *dtype_canonical(const char *d)
+{
+    for (size_t i = 0; i < sizeof(dtype_aliases) / sizeof(dtype_aliases[0]);
+         i++)
+        for (int k = 0; k < 3 && dtype_aliases[i][k] != NULL; k++)
+            if (strcasecmp(d, dtype_aliases[i][k]) == 0)
+                return dtype_aliases[i][0];
+    return d;
+}
+
+/* A dtype that says which one it is: not null, not "auto" (which each
+ * engine resolves to its model's dtype, unknown here). */
+static int dtype_is_concrete(int null, const char *d)
+{
+    return !null && strcasecmp(d, "auto") != 0;
+}
+
+/* Why a registration would break transfers under the fixed info (the
+ * configuration rule at the top of the file): 1 and buf, or 0. */
 static int conflict_locked(kvf_registry_state_t *st, const put_fields_t *f,
                            int dp_size, int dtype_null, const char *dtype,
                            char *buf, size_t len)
@@ -399,22 +444,37 @@ static int conflict_locked(kvf_registry_state_t *st, const put_fields_t *f,
             return 1;
         }
     }
-    if (dtype_null != st->dtype_null || strcmp(dtype, st->dtype) != 0) {
+    if (dtype_is_concrete(dtype_null, dtype) && st->dtype_concrete[0] &&
+        strcmp(dtype_canonical(dtype),
+               dtype_canonical(st->dtype_concrete)) != 0) {
         snprintf(buf, len, "kv_cache_dtype=%s, but the registry has "
-                 "kv_cache_dtype=%s", dtype_null ? "null" : dtype,
-                 st->dtype_null ? "null" : st->dtype);
+                 "kv_cache_dtype=%s", dtype, st->dtype_concrete);
         return 1;
     }
     return 0;
 }
 
+/* What a registration adds to an info it does not conflict with: the
+ * first concrete dtype, and (as SGLang) the dtype and HTTP port the info
+ * still has as null. */
+static void merge_info_locked(kvf_registry_state_t *st, int dtype_null,
+                              const char *dtype, int http_port)
+{
+    if (dtype_is_concrete(dtype_null, dtype) && !st->dtype_concrete[0])
+        snprintf(st->dtype_concrete, sizeof(st->dtype_concrete), "%s", dtype);
+    if (st->dtype_null && !dtype_null) {
+        st->dtype_null = 0;
+        snprintf(st->dtype, sizeof(st->dtype), "%s", dtype);
+    }
+    if (st->http_port == 0)
+        st->http_port = http_port;
+}
+
 static void set_info_locked(kvf_registry_state_t *st, const put_fields_t *f,
                             int dp_size, int dtype_null, const char *dtype,
-                            json_t *o)
+                            int http_port, json_t *o)
 {
     json_t *lbm = json_object_get(o, "load_balance_method");
-    json_t *hp = json_object_get(o, "prefill_http_port");
-    json_t *dsa = json_object_get(o, "enable_dsa_cache_layer_split");
 
     st->have_info = 1;
     st->attn_tp_size = f->attn_tp_size;
@@ -422,17 +482,17 @@ static void set_info_locked(kvf_registry_state_t *st, const put_fields_t *f,
     st->dp_size = dp_size;
     st->pp_size = f->pp_size;
     st->page_size = f->page_size;
-    st->dtype_null = dtype_null;
-    snprintf(st->dtype, sizeof(st->dtype), "%s", dtype);
+    st->dtype_null = 1;
+    st->dtype[0] = '\0';
+    st->dtype_concrete[0] = '\0';
+    st->http_port = 0;
+    merge_info_locked(st, dtype_null, dtype, http_port);
+    /* SGLang: data.get("load_balance_method", "follow_bootstrap_room"). */
     st->follow_bootstrap_room =
         lbm == NULL ||
         (json_is_string(lbm) &&
          strcmp(json_string_value(lbm), "follow_bootstrap_room") == 0);
-    st->has_http_port = json_is_integer(hp) && json_integer_value(hp) > 0 &&
-                        json_integer_value(hp) <= 65535;
-    st->http_port = st->has_http_port ? (int)json_integer_value(hp) : 0;
-    st->has_dsa = json_is_boolean(dsa);
-    st->dsa = json_is_true(dsa);
+    st->dsa = json_is_true(json_object_get(o, "enable_dsa_cache_layer_split"));
 }
 
 static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
@@ -458,6 +518,18 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
                    "be a string");
         goto out;
     }
+    json_t *dsa = json_object_get(o, "enable_dsa_cache_layer_split");
+    if (dsa != NULL && !json_is_boolean(dsa) && !json_is_null(dsa)) {
+        reply_text(r, 400, "PUT /route: field \"enable_dsa_cache_layer_split\""
+                   " must be true or false");
+        goto out;
+    }
+    /* Optional, null when the prefill server does not know its HTTP port. */
+    int http_port = 0;
+    json_t *hp = json_object_get(o, "prefill_http_port");
+    if (hp != NULL && !json_is_null(hp) &&
+        field_int(o, "prefill_http_port", 1, 65535, &http_port, r) != 0)
+        goto out;
     /* SGLang uses system DP when it is on (no DP attention), attention DP
      * otherwise; the unused rank carries no meaning and is not checked. */
     int sys_dp = f.system_dp_size > 1;
@@ -538,7 +610,7 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
         st->ranks = ranks;
         st->nranks = total;
         st->nregistered = 0;
-        set_info_locked(st, &f, dp_size, dtype_null, dtype, o);
+        set_info_locked(st, &f, dp_size, dtype_null, dtype, http_port, o);
         if (rule != NULL) {
             st->replaced++;
             kvf_warn("bootstrap registry: prefill rank %s at %s:%d replaces "
@@ -549,6 +621,8 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
         }
         snprintf(st->first_desc, sizeof(st->first_desc), "rank %s at %s:%d",
                  coords, ip, f.rank_port);
+    } else {
+        merge_info_locked(st, dtype_null, dtype, http_port);
     }
     st->info_touched_ms = now;
     rank_entry_t *e = rank_at_locked(st, dp, f.attn_cp_rank, f.attn_tp_rank,
@@ -585,21 +659,23 @@ static void reply_not_ready_locked(kvf_registry_state_t *st, reply_t *r)
                    st->pp_size);
 }
 
+/* dataclasses.asdict(PrefillServerInfo(...)) as SGLang's server builds it:
+ * these keys, no other. */
 static json_t *info_json_locked(kvf_registry_state_t *st)
 {
-    json_t *j = json_pack("{s:i, s:i, s:i, s:i, s:i, s:o, s:b}",
+    return json_pack("{s:i, s:i, s:i, s:i, s:i, s:o, s:b, s:b, s:o, s:n, s:n, "
+                     "s:n, s:n, s:n, s:n}",
         "attn_tp_size", st->attn_tp_size, "attn_cp_size", st->attn_cp_size,
         "dp_size", st->dp_size, "pp_size", st->pp_size,
         "page_size", st->page_size,
         "kv_cache_dtype", st->dtype_null ? json_null() : json_string(st->dtype),
-        "follow_bootstrap_room", st->follow_bootstrap_room);
-    if (j != NULL && st->has_dsa)
-        json_object_set_new(j, "enable_dsa_cache_layer_split",
-                            json_boolean(st->dsa));
-    if (j != NULL && st->has_http_port)
-        json_object_set_new(j, "prefill_http_port",
-                            json_integer(st->http_port));
-    return j;
+        "follow_bootstrap_room", st->follow_bootstrap_room,
+        "enable_dsa_cache_layer_split", st->dsa,
+        "prefill_http_port", st->http_port ? json_integer(st->http_port)
+                                           : json_null(),
+        "target_tp_rank", "target_tp_ranks", "target_cp_ranks",
+        "target_pp_ranks", "required_dst_info_num",
+        "required_prefill_response_num");
 }
 
 static void route_get(kvf_registry_state_t *st, const char *query,

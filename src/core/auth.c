@@ -174,12 +174,28 @@ static void log_refusal(kvf_engine_t *eng, const char *host, const char *why)
 
 int kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa)
 {
-    if (eng->has_token || eng->auth_open || kvf__auth_is_loopback(sa))
-        return 1;
     char host[64], why[512];
     host_of(sa, host, sizeof(host));
-    snprintf(why, sizeof(why), "protected mode: no cluster token is set, so only peers on "
-             "this host (loopback) are accepted; %s", how_to_set);
+    if (!eng->has_token && !eng->auth_open && !kvf__auth_is_loopback(sa)) {
+        snprintf(why, sizeof(why), "protected mode: no cluster token is set, so only peers "
+                 "on this host (loopback) are accepted; %s", how_to_set);
+        log_refusal(eng, host, why);
+        return 0;
+    }
+    unsigned all = 0, here = 0;
+    for (const kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
+        if (p->outbound || p->auth.done || p->state == KVF_PEER_DEAD)
+            continue;
+        all++;
+        here += strcmp(p->remote_host, host) == 0;
+    }
+    if (here < KVF_MAX_UNAUTH_PER_HOST && all < KVF_MAX_UNAUTH)
+        return 1;
+    snprintf(why, sizeof(why), "%u connections %s are still authenticating (at most %d "
+             "from one address and %d in all; each is closed at its handshake deadline)",
+             here < KVF_MAX_UNAUTH_PER_HOST ? all : here,
+             here < KVF_MAX_UNAUTH_PER_HOST ? "in all" : "from that address",
+             KVF_MAX_UNAUTH_PER_HOST, KVF_MAX_UNAUTH);
     log_refusal(eng, host, why);
     return 0;
 }

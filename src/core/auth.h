@@ -24,6 +24,13 @@ typedef struct kvf_auth {
     int            done;       /* the peer's proof checked: it is trusted */
 } kvf_auth_t;
 
+/* Connections still authenticating, at most: from one address, and in
+ * all.  Each is closed at its handshake deadline; past these, new ones
+ * are refused at once, so a flood of idle connections cannot exhaust the
+ * engine's descriptors and memory (docs/SECURITY.md). */
+#define KVF_MAX_UNAUTH_PER_HOST 128
+#define KVF_MAX_UNAUTH          1024
+
 /* Addresses whose refusals were logged recently (in kvf_engine_t). */
 #define KVF_AUTH_LOG_SLOTS 64
 #define KVF_AUTH_LOG_MS    60000   /* one line per address per minute */
@@ -48,7 +55,8 @@ int          kvf__auth_setup(kvf_engine_t *eng, const char *explicit_token,
 int          kvf__auth_is_loopback(const struct sockaddr *sa);
 
 /* Accept: may a connection from `sa` go on to the handshake?  Protected
- * mode refuses all but loopback (counted and logged once per address). */
+ * mode refuses all but loopback, and past the bounds on connections still
+ * authenticating every one is refused (counted, logged once per address). */
 int          kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa);
 
 /* Send our AUTH: the first frame on a new connection, either side. */

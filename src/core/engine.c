@@ -101,7 +101,7 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
         kvf_error("room deadlines must be positive");
         return KVF_ERR_INVALID_PARAM;
     }
-    return KVF_OK;
+    return kvf__registration_check(p);
 }
 
 static void stats_cb(void *arg, kvf_engine_stats_t *stats_p)
@@ -211,7 +211,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     kvf_map_init(&eng->retired);
 
     st = KVF_ERR_NO_MEMORY;
-    eng->tomb_ring = calloc(KVF_TOMBS, sizeof(uint64_t));
+    eng->tomb_ring = calloc(KVF_TOMBS, sizeof(*eng->tomb_ring));
     eng->retired_ring = calloc(KVF_RETIRED, sizeof(uint64_t));
     eng->host = strdup(params->host);
     eng->transport = strdup(params->transport ? params->transport : "auto");
@@ -223,6 +223,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
     eng->params.faults = NULL;
+    kvf__registration_setup(eng);
     if (params->faults != NULL) {
         st = kvf_faults_parse(params->faults, &eng->faults, err, sizeof(err));
         if (st != KVF_OK) {
@@ -457,7 +458,8 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
 
     if (eng == NULL || layout == NULL)
         return KVF_ERR_INVALID_PARAM;
-    kvf_status_t st = kvf__layout_copy(&l, layout, err, sizeof(err));
+    kvf_status_t st = kvf__layout_copy(&l, layout, eng->params.role == KVF_ROLE_DECODE, err,
+                                       sizeof(err));
     if (st != KVF_OK) {
         kvf_error("layout rejected: %s", err);
         return st;
@@ -495,8 +497,6 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         eng->kv_item_bytes_sum += l.kv[i].item_bytes;
     for (uint32_t i = 0; i < l.num_aux; i++)
         eng->aux_item_bytes_sum += l.aux[i].item_bytes;
-    for (uint32_t i = 0; i < l.num_state; i++)
-        eng->state_item_bytes_sum += l.state[i].item_bytes;
     eng->registered = 1;
     start_movers(eng);
     if (l.mem_kind == KVF_MEM_CUDA && !have_device_mover(eng)) {
@@ -504,7 +504,7 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         eng->registered = 0;
         kvf__layout_free(&eng->layout);
         memset(&eng->layout, 0, sizeof(eng->layout));
-        eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = eng->state_item_bytes_sum = 0;
+        eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = 0;
         free(eng->reg_bases);
         free(eng->reg_lens);
         eng->reg_bases = NULL;

@@ -65,7 +65,29 @@ typedef struct kvf_layout_int {
     uint32_t        heads_per_rank, total_heads, bytes_per_head;
     uint32_t        num_kv, num_aux, num_state;
     kvf_buffer_t   *kv, *aux, *state;   /* base NULL for a peer's layout */
+    kvf_kv_tag_t   *tags;               /* what kv[i] holds (always set) */
+    /* State groups: group g is state[group_first[g] .. group_first[g+1]);
+     * a layout of plain state buffers has one group per buffer, type "".
+     * Their types, joined by ',' (what HELLO carries). */
+    uint32_t        num_groups;
+    uint32_t       *group_first;        /* num_groups + 1 entries */
+    char           *state_types;
 } kvf_layout_int_t;
+
+/* The state group of state buffer b. */
+static inline uint32_t kvf__group_of(const kvf_layout_int_t *l, uint32_t b)
+{
+    uint32_t g = 0;
+    while (g + 1 < l->num_groups && l->group_first[g + 1] <= b)
+        g++;
+    return g;
+}
+
+/* MHA: bytes per head per token of KV buffer i (each group's own). */
+static inline uint64_t kvf__head_bytes(const kvf_layout_int_t *l, uint32_t i)
+{
+    return l->kv[i].item_bytes / ((uint64_t)l->page_size * l->heads_per_rank);
+}
 
 #define KVF_TOMBS 4096   /* failure records kept for destroyed senders */
 #define KVF_RETIRED 16384 /* room instances of destroyed senders remembered */
@@ -98,7 +120,6 @@ struct kvf_engine {
     kvf_layout_int_t    layout;
     uint64_t            kv_item_bytes_sum;
     uint64_t            aux_item_bytes_sum;
-    uint64_t            state_item_bytes_sum;
     void              **reg_bases;        /* every registered buffer: kv, aux, */
     size_t             *reg_lens;         /* state (what peers may read) */
     size_t              nregs;
@@ -111,8 +132,9 @@ struct kvf_engine {
     uint64_t            stash_dropped;    /* entries dropped to stay bounded */
     uint64_t            stash_log_ms, stash_unlogged;
     kvf_map_t           tombs;            /* prefill: room id -> kvf_failure_t* */
-    uint64_t           *tomb_ring;        /* their ids, oldest at tomb_head */
+    struct kvf_tomb_slot *tomb_ring;      /* burials, oldest at tomb_head */
     size_t              tomb_head, ntombs;
+    uint64_t            tomb_seq;         /* burials so far */
     /* Prefill: the room instances (wire.h) that destroyed senders served,
      * the last KVF_RETIRED of them: a late FAIL or request naming one is
      * the old room's, never the next room with the same id. */
@@ -142,6 +164,11 @@ struct kvf_engine {
     kvf_room_t         *rq_head, *rq_tail;
     int                 want_register;
     char               *register_error;
+    /* What the registration sends beyond the coordinates, resolved at
+     * create (kvf__registration_setup); params.kv_cache_dtype and
+     * params.load_balance_method point here or are NULL. */
+    char                reg_dtype[64];    /* "": the layout's kv_dtype */
+    char                reg_lbm[64];
 
     kvf_bootstrap_t    *bootstrap;        /* in-process registry */
     kvf_faults_t       *faults;           /* injected faults, or NULL */
@@ -229,12 +256,28 @@ kvf_status_t kvf__engine_params_import(kvf_engine_params_t *dst,
                                        const char *fn, char *err, size_t errlen);
 kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
                                 const char *fn, char *err, size_t errlen);
+kvf_status_t kvf__dest_import(kvf_dest_t *dst, const kvf_dest_t *src, const char *fn,
+                              char *err, size_t errlen);
 
 /* layout.c: validate the caller's layout (read through kvf__layout_import)
  * into l, which owns copies of the buffer arrays. */
 kvf_status_t kvf__layout_copy(kvf_layout_int_t *dst, const kvf_layout_t *src,
-                              char *err, size_t errlen);
+                              int may_omit_heads, char *err, size_t errlen);
 void         kvf__layout_free(kvf_layout_int_t *l);
+/* Write state group g's type into buf ("" for a plain state buffer). */
+void         kvf__group_type(const kvf_layout_int_t *l, uint32_t g, char *buf, size_t len);
+/* A decode layout that left its heads 0 takes them from a prefill peer's
+ * (same model): heads_per_rank from its own TP size.  KVF_OK (also when
+ * it has them), or KVF_ERR_INCOMPATIBLE when its buffers do not hold that
+ * many heads. */
+kvf_status_t kvf__layout_adopt_heads(kvf_layout_int_t *l, int tp_size,
+                                     const kvf_layout_int_t *from, char *err,
+                                     size_t errlen);
+/* Which decode KV buffer each prefill KV buffer goes to, by tag:
+ * dst_of[i] for prefill buffer i.  KVF_ERR_INCOMPATIBLE when one has no
+ * match. */
+kvf_status_t kvf__kv_map(const kvf_layout_int_t *pl, const kvf_layout_int_t *dl,
+                         uint32_t *dst_of, char *err, size_t errlen);
 /* Same model and settings on both sides (page size, dtype, attention,
  * heads, aux, state)?  KVF_OK, or KVF_ERR_INCOMPATIBLE with an
  * SGLang-style message in err. */
@@ -250,6 +293,12 @@ void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp
                    const kvf_layout_int_t *l);
 
 /* resolver.c */
+/* Check the registration parameters of p (a full-size copy).
+ * @return KVF_OK or KVF_ERR_INVALID_PARAM, logged. */
+kvf_status_t kvf__registration_check(const kvf_engine_params_t *p);
+/* Give eng->params' registration fields their defaults (KVF_* variables)
+ * and copy its strings into eng. */
+void         kvf__registration_setup(kvf_engine_t *eng);
 kvf_status_t kvf__resolver_start(kvf_engine_t *eng);
 void         kvf__resolver_stop(kvf_engine_t *eng);
 void         kvf__resolver_enqueue(kvf_engine_t *eng, kvf_room_t *room);

@@ -44,8 +44,206 @@ static kvf_status_t copy_bufs(kvf_buffer_t **dst, const kvf_buffer_t *src,
     return KVF_OK;
 }
 
+static int tag_cmp(const kvf_kv_tag_t *a, const kvf_kv_tag_t *b)
+{
+    if (a->group != b->group)
+        return a->group < b->group ? -1 : 1;
+    if (a->layer != b->layer)
+        return a->layer < b->layer ? -1 : 1;
+    return a->role < b->role ? -1 : a->role > b->role;
+}
+
+/* A buffer's tag with its index, to sort (duplicates, lookups). */
+typedef struct tagged {
+    kvf_kv_tag_t t;
+    uint32_t     i;
+} tagged_t;
+
+static int by_tag(const void *a, const void *b)
+{
+    return tag_cmp(&((const tagged_t *)a)->t, &((const tagged_t *)b)->t);
+}
+
+static tagged_t *sorted_by_tag(const kvf_kv_tag_t *tags, uint32_t n)
+{
+    tagged_t *v = malloc((n ? n : 1) * sizeof(tagged_t));
+    if (v == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < n; i++)
+        v[i] = (tagged_t){tags[i], i};
+    qsort(v, n, sizeof(tagged_t), by_tag);
+    return v;
+}
+
+static const char *role_name(uint32_t role, char *buf, size_t len)
+{
+    static const char *names[] = {"K", "V", "KV"};
+    if (role < 3)
+        return names[role];
+    snprintf(buf, len, "role %u", role);
+    return buf;
+}
+
+/* "layer 3 V" or "layer 0 K of group 1" */
+static const char *tag_name(const kvf_kv_tag_t *t, char *buf, size_t len)
+{
+    char rb[24];
+    const char *r = role_name(t->role, rb, sizeof(rb));
+    if (t->group == 0)
+        snprintf(buf, len, "layer %u %s", t->layer, r);
+    else
+        snprintf(buf, len, "layer %u %s of group %u", t->layer, r, t->group);
+    return buf;
+}
+
+/* The tags: the caller's, checked, or those of the 0.1.0 order. */
+static kvf_status_t copy_tags(kvf_layout_int_t *l, const kvf_kv_tag_t *tags, char *err,
+                              size_t errlen)
+{
+    l->tags = malloc(l->num_kv * sizeof(kvf_kv_tag_t));
+    if (l->tags == NULL)
+        return KVF_ERR_NO_MEMORY;
+    if (tags == NULL) {
+        uint32_t per_layer = l->num_kv / l->num_layers;
+        for (uint32_t i = 0; i < l->num_kv; i++)
+            l->tags[i] = (kvf_kv_tag_t){
+                .layer = l->first_layer + i / per_layer,
+                .role = per_layer == 1 ? KVF_KV_KV : i % per_layer, .group = 0};
+        return KVF_OK;
+    }
+    memcpy(l->tags, tags, l->num_kv * sizeof(kvf_kv_tag_t));
+    for (uint32_t i = 0; i < l->num_kv; i++) {
+        if (tags[i].role > 0xffff || tags[i].group > 0xffff) {
+            snprintf(err, errlen, "KV buffer %u: role %u, group %u: both must be below "
+                     "65536", i, tags[i].role, tags[i].group);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    tagged_t *v = sorted_by_tag(l->tags, l->num_kv);
+    if (v == NULL)
+        return KVF_ERR_NO_MEMORY;
+    for (uint32_t k = 1; k < l->num_kv; k++) {
+        if (tag_cmp(&v[k - 1].t, &v[k].t) == 0) {
+            char tb[64];
+            uint32_t a = v[k - 1].i, b = v[k].i;
+            snprintf(err, errlen, "KV buffers %u and %u have the same tag (%s): each "
+                     "buffer must hold a different layer, role or group",
+                     a < b ? a : b, a < b ? b : a, tag_name(&v[k].t, tb, sizeof(tb)));
+            free(v);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    free(v);
+    return KVF_OK;
+}
+
+/* Flatten the state groups (or the plain state buffers, a group each). */
+static kvf_status_t copy_groups(kvf_layout_int_t *l, const kvf_layout_t *src, char *err,
+                                size_t errlen)
+{
+    uint32_t ng = src->num_state_groups ? src->num_state_groups : src->num_state;
+    size_t types_len = 1;
+
+    if (src->num_state_groups && src->num_state) {
+        snprintf(err, errlen, "give state buffers either as state groups or as plain "
+                 "state buffers (num_state), not both");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (src->num_state_groups && src->state_groups == NULL) {
+        snprintf(err, errlen, "%u state groups declared but the array is NULL",
+                 src->num_state_groups);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    uint64_t total = src->num_state;
+    for (uint32_t g = 0; g < src->num_state_groups; g++) {
+        const kvf_state_group_t *sg = &src->state_groups[g];
+        if (sg->type == NULL || sg->type[0] == '\0' || strlen(sg->type) > 63 ||
+            strchr(sg->type, ',') != NULL || sg->num_buffers == 0 || sg->buffers == NULL) {
+            snprintf(err, errlen, "state group %u: needs a type name (1..63 characters, "
+                     "no ',') and at least one buffer", g);
+            return KVF_ERR_INVALID_PARAM;
+        }
+        total += sg->num_buffers;
+        types_len += strlen(sg->type) + 1;
+    }
+    if (total > 4096) {
+        snprintf(err, errlen, "at most 4096 state buffers");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    l->num_state = (uint32_t)total;
+    l->num_groups = ng;
+    l->group_first = malloc((ng + 1) * sizeof(uint32_t));
+    l->state_types = malloc(types_len + ng);
+    if (l->group_first == NULL || l->state_types == NULL)
+        return KVF_ERR_NO_MEMORY;
+    l->state_types[0] = '\0';
+    if (src->num_state_groups == 0) {
+        for (uint32_t g = 0; g <= ng; g++)
+            l->group_first[g] = g;
+        memset(l->state_types, ',', ng ? ng - 1 : 0);
+        l->state_types[ng ? ng - 1 : 0] = '\0';
+        return copy_bufs(&l->state, src->state, src->num_state, "state", 1, err, errlen);
+    }
+    if (total > 0 && (l->state = malloc(total * sizeof(kvf_buffer_t))) == NULL)
+        return KVF_ERR_NO_MEMORY;
+    uint32_t k = 0;
+    for (uint32_t g = 0; g < ng; g++) {
+        const kvf_state_group_t *sg = &src->state_groups[g];
+        kvf_buffer_t *part;
+        char what[96];
+        snprintf(what, sizeof(what), "state group %u (%s)", g, sg->type);
+        kvf_status_t st = copy_bufs(&part, sg->buffers, sg->num_buffers, what, 1, err, errlen);
+        if (st != KVF_OK)
+            return st;
+        memcpy(l->state + k, part, sg->num_buffers * sizeof(kvf_buffer_t));
+        free(part);
+        l->group_first[g] = k;
+        k += sg->num_buffers;
+        if (g > 0)
+            strcat(l->state_types, ",");
+        strcat(l->state_types, sg->type);
+    }
+    l->group_first[ng] = k;
+    return KVF_OK;
+}
+
+void kvf__group_type(const kvf_layout_int_t *l, uint32_t g, char *buf, size_t len)
+{
+    const char *p = l->state_types ? l->state_types : "";
+    for (uint32_t i = 0; i < g && p != NULL; i++)
+        if ((p = strchr(p, ',')) != NULL)
+            p++;
+    size_t n = p == NULL ? 0 : strcspn(p, ",");
+    snprintf(buf, len, "%.*s", (int)n, p ? p : "");
+}
+
+/* Each buffer holds whole tokens of heads_per_rank heads; group 0's of
+ * bytes_per_head bytes each. */
+static kvf_status_t check_heads(const kvf_layout_int_t *l, char *err, size_t errlen)
+{
+    uint64_t per_token = (uint64_t)l->heads_per_rank * l->bytes_per_head;
+    for (uint32_t i = 0; i < l->num_kv; i++) {
+        uint64_t ib = l->kv[i].item_bytes;
+        if (l->tags[i].group == 0 ? ib != per_token * l->page_size
+                                  : ib % ((uint64_t)l->heads_per_rank * l->page_size) != 0) {
+            char tb[64];
+            snprintf(err, errlen,
+                     "KV buffer %u (%s) has %llu bytes per page, but page_size %u x "
+                     "heads_per_rank %u x bytes_per_head %u = %llu%s", i,
+                     tag_name(&l->tags[i], tb, sizeof(tb)), (unsigned long long)ib,
+                     l->page_size, l->heads_per_rank, l->bytes_per_head,
+                     (unsigned long long)(per_token * l->page_size),
+                     l->tags[i].group == 0 ? ""
+                         : " (another group may have another head size, but the same "
+                           "heads)");
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    return KVF_OK;
+}
+
 kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
-                              char *err, size_t errlen)
+                              int may_omit_heads, char *err, size_t errlen)
 {
     kvf_layout_t full;
     const kvf_layout_t *src = &full;   /* never the caller's: it may be shorter */
@@ -60,7 +258,7 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
                  "(got %u, %u, %u)", src->page_size, src->num_layers, src->num_kv);
         return KVF_ERR_INVALID_PARAM;
     }
-    if (src->num_kv % src->num_layers != 0) {
+    if (src->kv_tags == NULL && src->num_kv % src->num_layers != 0) {
         snprintf(err, errlen, "num_kv (%u) must be a multiple of num_layers (%u): the same "
                  "number of KV buffers for every layer", src->num_kv, src->num_layers);
         return KVF_ERR_INVALID_PARAM;
@@ -74,17 +272,21 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
         snprintf(err, errlen, "unknown attention kind %d", (int)src->attn);
         return KVF_ERR_INVALID_PARAM;
     }
-    if (src->attn == KVF_ATTN_MHA &&
+    int omitted = src->heads_per_rank == 0 && src->total_heads == 0 &&
+                  src->bytes_per_head == 0;
+    if (src->attn == KVF_ATTN_MHA && !(may_omit_heads && omitted) &&
         (src->heads_per_rank == 0 || src->total_heads == 0 || src->bytes_per_head == 0)) {
         snprintf(err, errlen, "MHA/GQA layouts need heads_per_rank, total_heads "
-                 "and bytes_per_head");
+                 "and bytes_per_head%s", may_omit_heads ? " (or all three 0 on a decode "
+                 "engine: taken from the prefill)" : "");
         return KVF_ERR_INVALID_PARAM;
     }
     if (src->mem_kind != KVF_MEM_HOST && src->mem_kind != KVF_MEM_CUDA) {
         snprintf(err, errlen, "unknown memory kind %d", (int)src->mem_kind);
         return KVF_ERR_INVALID_PARAM;
     }
-    if (src->num_kv > 4096 || src->num_aux > 4096 || src->num_state > 4096) {
+    if (src->num_kv > 4096 || src->num_aux > 4096 || src->num_state > 4096 ||
+        src->num_state_groups > 4096) {
         snprintf(err, errlen, "at most 4096 buffers of each kind");
         return KVF_ERR_INVALID_PARAM;
     }
@@ -99,26 +301,21 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
     l->bytes_per_head = src->bytes_per_head;
     l->num_kv = src->num_kv;
     l->num_aux = src->num_aux;
-    l->num_state = src->num_state;
     if ((st = copy_bufs(&l->kv, src->kv, src->num_kv, "KV", 1, err, errlen)) ||
         (st = copy_bufs(&l->aux, src->aux, src->num_aux, "aux", 1, err, errlen)) ||
-        (st = copy_bufs(&l->state, src->state, src->num_state, "state", 1, err, errlen))) {
+        (st = copy_groups(l, src, err, errlen)) ||
+        (st = copy_tags(l, src->kv_tags, err, errlen)) ||
+        (l->attn == KVF_ATTN_MHA && l->heads_per_rank != 0 &&
+         (st = check_heads(l, err, errlen)))) {
         kvf__layout_free(l);
         return st;
     }
-    if (l->attn == KVF_ATTN_MHA) {
-        uint64_t per_token = (uint64_t)l->heads_per_rank * l->bytes_per_head;
-        for (uint32_t i = 0; i < l->num_kv; i++) {
-            if (l->kv[i].item_bytes != per_token * l->page_size) {
-                snprintf(err, errlen,
-                         "KV buffer %u has %zu bytes per page, but page_size %u x "
-                         "heads_per_rank %u x bytes_per_head %u = %llu", i,
-                         l->kv[i].item_bytes, l->page_size, l->heads_per_rank,
-                         l->bytes_per_head,
-                         (unsigned long long)(per_token * l->page_size));
-                kvf__layout_free(l);
-                return KVF_ERR_INVALID_PARAM;
-            }
+    for (uint32_t i = 0; l->heads_per_rank == 0 && i < l->num_kv; i++) {
+        if (l->kv[i].item_bytes % l->page_size != 0) {
+            snprintf(err, errlen, "KV buffer %u has %zu bytes per page, not a multiple of "
+                     "page_size %u", i, l->kv[i].item_bytes, l->page_size);
+            kvf__layout_free(l);
+            return KVF_ERR_INVALID_PARAM;
         }
     }
     return KVF_OK;
@@ -129,7 +326,68 @@ void kvf__layout_free(kvf_layout_int_t *l)
     free(l->kv);
     free(l->aux);
     free(l->state);
+    free(l->tags);
+    free(l->group_first);
+    free(l->state_types);
     l->kv = l->aux = l->state = NULL;
+    l->tags = NULL;
+    l->group_first = NULL;
+    l->state_types = NULL;
+}
+
+kvf_status_t kvf__layout_adopt_heads(kvf_layout_int_t *l, int tp_size,
+                                     const kvf_layout_int_t *from, char *err,
+                                     size_t errlen)
+{
+    if (l->attn != KVF_ATTN_MHA || l->heads_per_rank != 0 || from->attn != KVF_ATTN_MHA ||
+        from->total_heads == 0)
+        return KVF_OK;
+    kvf_layout_int_t t = *l;
+    t.total_heads = from->total_heads;
+    t.bytes_per_head = from->bytes_per_head;
+    t.heads_per_rank = (uint32_t)tp_size > t.total_heads ? 1 : t.total_heads / (uint32_t)tp_size;
+    char why[KVF_REASON_MAX - 160];
+    if (check_heads(&t, why, sizeof(why)) != KVF_OK) {
+        snprintf(err, errlen, "KV head mismatch: the prefill server has %u KV heads of %u "
+                 "bytes, which makes %u per decode rank at TP size %d, but the decode "
+                 "buffers do not hold that: %s", t.total_heads, t.bytes_per_head,
+                 t.heads_per_rank, tp_size, why);
+        return KVF_ERR_INCOMPATIBLE;
+    }
+    l->total_heads = t.total_heads;
+    l->bytes_per_head = t.bytes_per_head;
+    l->heads_per_rank = t.heads_per_rank;
+    return KVF_OK;
+}
+
+kvf_status_t kvf__kv_map(const kvf_layout_int_t *pl, const kvf_layout_int_t *dl,
+                         uint32_t *dst_of, char *err, size_t errlen)
+{
+    tagged_t *v = sorted_by_tag(dl->tags, dl->num_kv);
+    if (v == NULL)
+        return KVF_ERR_NO_MEMORY;
+    for (uint32_t i = 0; i < pl->num_kv; i++) {
+        size_t lo = 0, hi = dl->num_kv;
+        while (lo < hi) {
+            size_t mid = (lo + hi) / 2;
+            if (tag_cmp(&v[mid].t, &pl->tags[i]) < 0)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if (lo == dl->num_kv || tag_cmp(&v[lo].t, &pl->tags[i]) != 0) {
+            char tb[64];
+            snprintf(err, errlen, "KV buffer mismatch: prefill KV buffer %u holds %s, "
+                     "which no decode KV buffer holds. Both servers must serve the same "
+                     "model (and the same draft model, if any).", i,
+                     tag_name(&pl->tags[i], tb, sizeof(tb)));
+            free(v);
+            return KVF_ERR_INCOMPATIBLE;
+        }
+        dst_of[i] = v[lo].i;
+    }
+    free(v);
+    return KVF_OK;
 }
 
 static const char *attn_name(kvf_attn_kind_t a)
@@ -175,20 +433,30 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
     st = kvf__plan_slice(pp, dp, &s, err, errlen);
     if (st == KVF_ERR_NOT_FOUND)
         return KVF_OK;
-    if (st != KVF_OK || s.sliced)
+    if (st != KVF_OK)
         return st;
-    for (uint32_t i = 0; i < pl->num_kv; i++) {
-        const kvf_buffer_t *d = &dl->kv[i + s.dst_buf0];
-        if (pl->kv[i].item_bytes != d->item_bytes) {
+    uint32_t *dst_of = malloc((pl->num_kv ? pl->num_kv : 1) * sizeof(uint32_t));
+    if (dst_of == NULL)
+        return KVF_ERR_NO_MEMORY;
+    st = kvf__kv_map(pl, dl, dst_of, err, errlen);
+    for (uint32_t i = 0; st == KVF_OK && i < pl->num_kv; i++) {
+        const kvf_buffer_t *d = &dl->kv[dst_of[i]];
+        /* Whole pages must be the same size; head slices, the same heads. */
+        int same = s.sliced ? kvf__head_bytes(pl, i) == kvf__head_bytes(dl, dst_of[i])
+                            : pl->kv[i].item_bytes == d->item_bytes;
+        if (!same) {
+            char tb[64];
             snprintf(err, errlen,
-                     "KV bytes-per-page mismatch on buffer %u: prefill server has %zu "
+                     "KV bytes-per-page mismatch on %s: prefill server has %zu "
                      "bytes per page, but decode server has %zu. Check --page-size, the "
                      "KV head count per rank (--tp-size) and the head dimension on both "
-                     "servers.", i, pl->kv[i].item_bytes, d->item_bytes);
-            return KVF_ERR_INCOMPATIBLE;
+                     "servers.", tag_name(&pl->tags[i], tb, sizeof(tb)),
+                     pl->kv[i].item_bytes, d->item_bytes);
+            st = KVF_ERR_INCOMPATIBLE;
         }
     }
-    return KVF_OK;
+    free(dst_of);
+    return st;
 }
 
 kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
@@ -239,11 +507,25 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
             return KVF_ERR_INCOMPATIBLE;
         }
     }
-    if (p->num_state != d->num_state) {
+    if (strcmp(p->state_types, d->state_types) != 0 || p->num_groups != d->num_groups) {
         snprintf(err, errlen,
-                 "State buffer mismatch: prefill server registered %u state buffers, "
-                 "but decode server registered %u.", p->num_state, d->num_state);
+                 "State type mismatch: prefill server registered state [%s] (%u groups), "
+                 "but decode server registered [%s] (%u groups). Both servers must serve "
+                 "the same model with the same state pools.", p->state_types,
+                 p->num_groups, d->state_types, d->num_groups);
         return KVF_ERR_INCOMPATIBLE;
+    }
+    for (uint32_t g = 0; g < p->num_groups; g++) {
+        if (p->group_first[g + 1] != d->group_first[g + 1]) {
+            char t[64];
+            kvf__group_type(p, g, t, sizeof(t));
+            snprintf(err, errlen,
+                     "State buffer mismatch: prefill server registered %u buffers of "
+                     "state group %u (%s), but decode server registered %u.",
+                     p->group_first[g + 1] - p->group_first[g], g, t,
+                     d->group_first[g + 1] - d->group_first[g]);
+            return KVF_ERR_INCOMPATIBLE;
+        }
     }
     for (uint32_t i = 0; i < p->num_state; i++) {
         if (p->state[i].item_bytes != d->state[i].item_bytes) {

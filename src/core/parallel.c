@@ -116,15 +116,6 @@ kvf_status_t kvf__plan_slice(const kvf_par_t *pre, const kvf_par_t *dec,
     kvf_status_t st = kvf__check_pp(pre, dec, err, errlen);
     if (st != KVF_OK)
         return st;
-    if (pre->num_kv % pre->num_layers != 0 || dec->num_kv % dec->num_layers != 0 ||
-        pre->num_kv / pre->num_layers != dec->num_kv / dec->num_layers) {
-        snprintf(err, errlen, "KV buffers per layer differ: prefill registered %u buffers "
-                 "for %u layers, decode %u for %u. Both must register K and V (MHA) or "
-                 "one latent buffer (MLA) per layer.", pre->num_kv, pre->num_layers,
-                 dec->num_kv, dec->num_layers);
-        return KVF_ERR_INCOMPATIBLE;
-    }
-    s->dst_buf0 = (pre->first_layer - dec->first_layer) * (pre->num_kv / pre->num_layers);
     s->sliced = 0;
     s->nheads = s->src_head = s->dst_head = 0;
 

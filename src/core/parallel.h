@@ -41,7 +41,7 @@ typedef struct kvf_par {
     uint32_t        heads_per_rank;   /* MHA */
     uint32_t        num_layers;       /* layers this rank holds */
     uint32_t        first_layer;      /* global index of its first layer */
-    uint32_t        num_kv;           /* KV buffers: num_layers x buffers per layer */
+    uint32_t        num_kv;           /* KV buffers */
 } kvf_par_t;
 
 /* The global heads rank r of TP size T holds: [*first_p, *first_p + *count_p). */
@@ -73,7 +73,6 @@ typedef struct kvf_slice {
     uint32_t nheads;       /* heads per token (sliced) */
     uint32_t src_head;     /* first of them, within the prefill rank's heads */
     uint32_t dst_head;     /* first of them, within the decode rank's heads */
-    uint32_t dst_buf0;     /* decode KV buffer of prefill KV buffer 0 */
 } kvf_slice_t;
 
 /*

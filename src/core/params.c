@@ -19,12 +19,15 @@
  * is added.  The assertions catch a new last field that grew the struct,
  * not one that fits in its trailing padding.
  */
-#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, auth_token)
-#define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, first_layer)
+#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, dsa_cache_layer_split)
+#define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, state_groups)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
 _Static_assert(sizeof(kvf_layout_t) - LAYOUT_KNOWN < _Alignof(kvf_layout_t),
                "LAYOUT_KNOWN must name the last field of kvf_layout_t");
+#define DEST_KNOWN KVF_FIELD_END(kvf_dest_t, decode_prefix_len)
+_Static_assert(sizeof(kvf_dest_t) - DEST_KNOWN < _Alignof(kvf_dest_t),
+               "DEST_KNOWN must name the last field of kvf_dest_t");
 
 /* Larger than any version of these structs will be: a `size` past it is
  * garbage (an uninitialised struct), not a newer header. */
@@ -42,6 +45,8 @@ static const sized_type_t params_type = {
     PARAMS_KNOWN};
 static const sized_type_t layout_type = {
     "kvf_layout_t", "kvf_layout_init", KVF_LAYOUT_SIZE_V0, LAYOUT_KNOWN};
+static const sized_type_t dest_type = {
+    "kvf_dest_t", "kvf_dest_init", KVF_DEST_SIZE_V0, DEST_KNOWN};
 
 /*
  * Write the caller's `size` bytes at dst: the defaults in def (a full
@@ -194,4 +199,24 @@ kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
 {
     return import_sized(dst, sizeof(*dst), src, layout_defaults, &layout_type, fn,
                         err, errlen);
+}
+
+/* Every default of kvf_dest_t is 0. */
+static void dest_defaults(void *dst)
+{
+    memset(dst, 0, sizeof(kvf_dest_t));
+}
+
+void kvf_dest_init_sized(kvf_dest_t *dest, size_t size)
+{
+    kvf_dest_t def;
+
+    dest_defaults(&def);
+    init_sized(dest, size, &def, &dest_type);
+}
+
+kvf_status_t kvf__dest_import(kvf_dest_t *dst, const kvf_dest_t *src, const char *fn,
+                              char *err, size_t errlen)
+{
+    return import_sized(dst, sizeof(*dst), src, dest_defaults, &dest_type, fn, err, errlen);
 }

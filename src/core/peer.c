@@ -95,6 +95,8 @@ static void peer_free(kvf_peer_t *p)
     if (p->conn)
         p->conn->ops->destroy(p->conn);
     kvf__layout_free(&p->layout);
+    free(p->kv_map);
+    free(p->kv_src);
     free(p->incompatible);
     if (p->mep != NULL)
         p->mep->ops->disconnect(p->mep);
@@ -469,14 +471,21 @@ static void send_hello(kvf_peer_t *p)
 {
     kvf_engine_t *eng = p->eng;
     const kvf_layout_int_t *l = &eng->layout;
-    uint32_t nk = l->num_kv, na = l->num_aux, ns = l->num_state;
-    uint64_t *v = calloc(2 * (nk + na + ns) + 1, sizeof(uint64_t));
-    if (v == NULL) {
+    uint32_t nk = l->num_kv, na = l->num_aux, ns = l->num_state, ng = l->num_groups;
+    uint64_t *v = calloc(3 * nk + 2 * (na + ns) + 1, sizeof(uint64_t));
+    uint32_t *gs = calloc(ng + 1, sizeof(uint32_t));
+    if (v == NULL || gs == NULL) {
+        free(v);
+        free(gs);
         kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for HELLO");
         return;
     }
     uint64_t *kb = v, *ki = kb + nk, *ab = ki + nk, *ai = ab + na, *sb = ai + na,
-             *si = sb + ns;
+             *si = sb + ns, *kt = si + ns;
+    for (uint32_t i = 0; i < nk; i++)
+        kt[i] = kvf_wire_tag(l->tags[i].layer, l->tags[i].role, l->tags[i].group);
+    for (uint32_t g = 0; g < ng; g++)
+        gs[g] = l->group_first[g + 1] - l->group_first[g];
     for (uint32_t i = 0; i < nk; i++) {
         kb[i] = l->kv[i].item_bytes;
         ki[i] = l->kv[i].length / l->kv[i].item_bytes;
@@ -518,8 +527,12 @@ static void send_hello(kvf_peer_t *p)
     h->layout.aux_items = (kvf_wire_arr64_t){na, ai, NULL};
     h->layout.state_item_bytes = (kvf_wire_arr64_t){ns, sb, NULL};
     h->layout.state_items = (kvf_wire_arr64_t){ns, si, NULL};
+    h->layout.state_groups = (kvf_wire_arr32_t){ng, gs, NULL};
+    h->layout.state_types = (kvf_wire_str_t){l->state_types, (uint32_t)strlen(l->state_types)};
+    h->layout.kv_tags = (kvf_wire_arr64_t){nk, kt, NULL};
     kvf_status_t st = kvf__peer_send(p, &m);
     free(v);
+    free(gs);
     if (st != KVF_OK) {
         kvf__peer_fail(p, st, "cannot send HELLO: %s", kvf_status_str(st));
         return;
@@ -704,7 +717,8 @@ static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout
     if (w->kv_dtype.len >= sizeof(l->kv_dtype) || w->kv_items.count != w->kv_item_bytes.count ||
         w->aux_items.count != w->aux_item_bytes.count ||
         w->state_items.count != w->state_item_bytes.count || w->attn > KVF_ATTN_MLA ||
-        w->num_layers == 0 || w->kv_items.count == 0 || w->page_size == 0) {
+        w->num_layers == 0 || w->kv_items.count == 0 || w->page_size == 0 ||
+        w->kv_tags.count != w->kv_items.count) {
         snprintf(err, errlen, "malformed layout descriptor in HELLO");
         return KVF_ERR_PROTOCOL;
     }
@@ -744,6 +758,27 @@ static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout
             (*dst[k])[i].length = b * c;
         }
     }
+    /* Tags and state groups (the wire checked that the groups hold every
+     * state buffer). */
+    uint32_t ng = w->state_groups.count;
+    l->tags = malloc(l->num_kv * sizeof(kvf_kv_tag_t));
+    l->group_first = malloc((ng + 1) * sizeof(uint32_t));
+    l->state_types = malloc(w->state_types.len + 1);
+    if (l->tags == NULL || l->group_first == NULL || l->state_types == NULL) {
+        kvf__layout_free(l);
+        return KVF_ERR_NO_MEMORY;
+    }
+    for (uint32_t i = 0; i < l->num_kv; i++) {
+        uint64_t t = kvf_wire_arr64_at(&w->kv_tags, i);
+        l->tags[i] = (kvf_kv_tag_t){(uint32_t)t, (uint32_t)(t >> 32) & 0xffff,
+                                    (uint32_t)(t >> 48)};
+    }
+    l->num_groups = ng;
+    l->group_first[0] = 0;
+    for (uint32_t g = 0; g < ng; g++)
+        l->group_first[g + 1] = l->group_first[g] + kvf_wire_arr32_at(&w->state_groups, g);
+    memcpy(l->state_types, w->state_types.ptr, w->state_types.len);
+    l->state_types[w->state_types.len] = '\0';
     return KVF_OK;
 }
 
@@ -785,15 +820,39 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
     p->checksum = (h->flags & KVF_HELLO_F_CHECKSUM) != 0;
     snprintf(p->addr, sizeof(p->addr), "%.*s", (int)h->addr.len, h->addr.ptr);
 
+    /* A decode layout without heads takes the prefill's (the same model),
+     * on both sides of the pair. */
+    err[0] = '\0';
+    if (p->role == KVF_ROLE_PREFILL)
+        kvf__layout_adopt_heads(&eng->layout, eng->params.tp_size, &p->layout, err,
+                                sizeof(err));
+    else
+        kvf__layout_adopt_heads(&p->layout, p->tp_size, &eng->layout, err, sizeof(err));
     kvf_par_t mine, theirs;
     kvf__par_fill(&mine, eng->params.tp_rank, eng->params.tp_size, eng->params.pp_rank,
                   eng->params.pp_size, &eng->layout);
     kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
-    err[0] = '\0';
-    if (p->role == KVF_ROLE_PREFILL)
-        kvf__pair_check(&p->layout, &theirs, &eng->layout, &mine, err, sizeof(err));
-    else
-        kvf__pair_check(&eng->layout, &mine, &p->layout, &theirs, err, sizeof(err));
+    const kvf_layout_int_t *pl = p->role == KVF_ROLE_PREFILL ? &p->layout : &eng->layout;
+    const kvf_layout_int_t *dl = p->role == KVF_ROLE_PREFILL ? &eng->layout : &p->layout;
+    if (err[0] == '\0' && p->role == KVF_ROLE_PREFILL)
+        kvf__pair_check(pl, &theirs, dl, &mine, err, sizeof(err));
+    else if (err[0] == '\0')
+        kvf__pair_check(pl, &mine, dl, &theirs, err, sizeof(err));
+    /* Which decode buffer each prefill buffer goes to (found by the check
+     * when the pair is compatible). */
+    if (err[0] == '\0' &&
+        ((p->kv_map = malloc(pl->num_kv * sizeof(uint32_t))) == NULL ||
+         kvf__kv_map(pl, dl, p->kv_map, err, sizeof(err)) != KVF_OK) && err[0] == '\0')
+        snprintf(err, sizeof(err), "no memory for the KV buffer map");
+    if (err[0] == '\0' && p->role == KVF_ROLE_PREFILL) {
+        if ((p->kv_src = malloc(dl->num_kv * sizeof(uint32_t))) == NULL) {
+            snprintf(err, sizeof(err), "no memory for the KV buffer map");
+        } else {
+            memset(p->kv_src, 0xff, dl->num_kv * sizeof(uint32_t));
+            for (uint32_t i = 0; i < pl->num_kv; i++)
+                p->kv_src[p->kv_map[i]] = i;
+        }
+    }
     if (err[0] != '\0') {
         p->incompatible = strdup(err);
         kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,

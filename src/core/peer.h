@@ -37,6 +37,10 @@ struct kvf_peer {
     uint64_t          instance_id;
     int               checksum;      /* remote computes checksums */
     kvf_layout_int_t  layout;
+    uint32_t         *kv_map;        /* the decode KV buffer of each prefill KV
+                                        buffer (kvf__kv_map), once compatible */
+    uint32_t         *kv_src;        /* decode side: the reverse, UINT32_MAX for
+                                        a buffer this peer does not write */
     char             *incompatible;  /* set: every room on this pair fails */
     int               hello_done;    /* decode: HELLO seen, XPORT awaited */
     /* Payload path, chosen at the handshake: a mover, or NULL for the

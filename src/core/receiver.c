@@ -21,7 +21,9 @@ void kvf__receiver_free(kvf_receiver_t *rv)
     free(rv->bootstrap_addr);
     free(rv->pages);
     free(rv->sorted_pages);
-    free(rv->state_dst);
+    kvf__states_free(&rv->state_dst);
+    free(rv->state_sorted);
+    free(rv->state_bit0);
 }
 
 kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
@@ -57,86 +59,187 @@ static int cmp_u32(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
+/* A sorted copy of v[0..n); @return the index in it of a value that
+ * appears twice, or n.  *sorted_p NULL without memory. */
+static size_t sort_unique(const uint32_t *v, size_t n, uint32_t *sorted)
+{
+    if (n == 0)
+        return 0;
+    memcpy(sorted, v, n * sizeof(uint32_t));
+    qsort(sorted, n, sizeof(uint32_t), cmp_u32);
+    for (size_t i = 1; i < n; i++)
+        if (sorted[i] == sorted[i - 1])
+            return i;
+    return n;
+}
+
+/* What set_dest builds before it takes the lock. */
+typedef struct dest_copy {
+    uint32_t    *pages, *sorted;
+    kvf_states_t states;
+    uint32_t    *state_sorted;
+    uint64_t    *state_bit0;
+} dest_copy_t;
+
+static void dest_copy_free(dest_copy_t *c)
+{
+    free(c->pages);
+    free(c->sorted);
+    kvf__states_free(&c->states);
+    free(c->state_sorted);
+    free(c->state_bit0);
+}
+
+/* Check d against the layout and copy it.  KVF_OK, or the status of the
+ * refusal (logged). */
+static kvf_status_t dest_copy(kvf_room_t *r, const kvf_dest_t *d, dest_copy_t *c)
+{
+    const kvf_layout_int_t *l = &r->eng->layout;
+    unsigned long long id = r->id;
+    size_t n = d->num_pages, bad;
+
+    memset(c, 0, sizeof(*c));
+    if ((n > 0 && d->pages == NULL) || n > UINT32_MAX) {
+        kvf_error("room %llu: destination of %zu pages at %p", id, n, (void *)d->pages);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if ((bad = first_bad_page(l, d->pages, n)) < n) {
+        kvf_error("room %llu: page %u (index %zu) outside the registered KV buffers "
+                  "(%llu pages)", id, d->pages[bad], bad,
+                  (unsigned long long)min_items(l->kv, l->num_kv));
+        return KVF_ERR_OUT_OF_RANGE;
+    }
+    if (!aux_slot_ok(l, d->aux_slot)) {
+        kvf_error("room %llu: aux slot %u outside the registered aux buffers", id,
+                  d->aux_slot);
+        return KVF_ERR_OUT_OF_RANGE;
+    }
+    if (d->num_states != 0 && (d->num_states != l->num_groups || d->states == NULL)) {
+        kvf_error("room %llu: state indices for %zu groups given, %u state groups "
+                  "registered", id, d->num_states, l->num_groups);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    for (size_t g = 0; g < d->num_states; g++) {
+        if ((d->states[g].n > 0 && d->states[g].idx == NULL) || d->states[g].n > UINT32_MAX) {
+            kvf_error("room %llu: state group %zu: %zu indices at %p", id, g,
+                      d->states[g].n, (const void *)d->states[g].idx);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    c->pages = malloc((n ? n : 1) * sizeof(uint32_t));
+    c->sorted = malloc((n ? n : 1) * sizeof(uint32_t));
+    if (c->pages == NULL || c->sorted == NULL ||
+        kvf__states_set(&c->states, d->states, d->num_states) != KVF_OK ||
+        (c->state_sorted = malloc((c->states.total + 1) * sizeof(uint32_t))) == NULL ||
+        (c->state_bit0 = malloc((c->states.ngroups + 1) * sizeof(uint64_t))) == NULL) {
+        dest_copy_free(c);
+        return KVF_ERR_NO_MEMORY;
+    }
+    if (n > 0)
+        memcpy(c->pages, d->pages, n * sizeof(uint32_t));
+    if ((bad = sort_unique(d->pages, n, c->sorted)) < n) {
+        kvf_error("room %llu: page %u appears twice in the destination", id, c->sorted[bad]);
+        dest_copy_free(c);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    uint32_t k = first_bad_state(l, &c->states);
+    if (k < c->states.total) {
+        kvf_error("room %llu: state index %u (position %u) outside its state group's "
+                  "buffers", id, c->states.idx[k], k);
+        dest_copy_free(c);
+        return KVF_ERR_OUT_OF_RANGE;
+    }
+    /* Each group's indices sorted (every index once), and where its
+     * coverage bits start: after every KV unit and aux buffer. */
+    uint64_t bit = (uint64_t)l->num_kv * n * l->page_size + l->num_aux;
+    for (uint32_t g = 0, at = 0; g < c->states.ngroups; at += c->states.count[g++]) {
+        uint32_t cnt = c->states.count[g];
+        c->state_bit0[g] = bit;
+        bit += (uint64_t)cnt * (l->group_first[g + 1] - l->group_first[g]);
+        if ((bad = sort_unique(c->states.idx + at, cnt, c->state_sorted + at)) < cnt) {
+            char type[64];
+            kvf__group_type(l, g, type, sizeof(type));
+            kvf_error("room %llu: state index %u appears twice in state group %u (%s)",
+                      id, c->state_sorted[at + bad], g, type);
+            dest_copy_free(c);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    c->state_bit0[c->states.ngroups] = bit;
+    return KVF_OK;
+}
+
+kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *rv, const kvf_dest_t *dest)
+{
+    kvf_room_t *r = &rv->room;
+    kvf_engine_t *eng = r->eng;
+    char err[256];
+    kvf_dest_t d;
+    dest_copy_t c;
+
+    if (dest == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    if (kvf__dest_import(&d, dest, "kvf_receiver_set_dest", err, sizeof(err)) != KVF_OK) {
+        kvf_error("%s", err);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    kvf_status_t st = dest_copy(r, &d, &c);
+    if (st != KVF_OK)
+        return st;
+    kvf__lock(eng);
+    if (r->initialized) {
+        kvf_error("room %llu: its destination was given already", (unsigned long long)r->id);
+        st = KVF_ERR_STATE;
+    } else {
+        rv->pages = c.pages;
+        rv->sorted_pages = c.sorted;
+        rv->n_pages = (uint32_t)d.num_pages;
+        r->aux_slot = d.aux_slot;
+        rv->state_dst = c.states;
+        rv->state_sorted = c.state_sorted;
+        rv->state_bit0 = c.state_bit0;
+        rv->decode_prefix = d.decode_prefix_len;
+        r->initialized = 1;
+        memset(&c, 0, sizeof(c));
+        /* The waiting deadline runs from here: the time the scheduler took
+         * to find pages is not the prefill's. */
+        r->t_state_ms = kvf_now_ms();
+        r->t_dest_ms = r->t_state_ms;
+        kvf__receiver_try_request(r);
+    }
+    kvf__unlock(eng);
+    dest_copy_free(&c);
+    if (st == KVF_OK)
+        kvf__engine_wake(eng);
+    return st;
+}
+
 kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t n,
                                uint32_t aux_slot, const uint32_t *state_slots,
                                size_t n_state)
 {
-    kvf_room_t *r = &rv->room;
-    kvf_engine_t *eng = r->eng;
-    const kvf_layout_int_t *l = &eng->layout;
-    unsigned long long id = r->id;
-    size_t bad;
+    kvf_dest_t d;
+    kvf_indices_t *one = NULL;
 
-    if (n == 0 || pages == NULL || n > UINT32_MAX) {
-        kvf_error("room %llu: kvf_receiver_init needs at least one page", id);
-        return KVF_ERR_INVALID_PARAM;
-    }
-    if ((bad = first_bad_page(l, pages, n)) < n) {
-        kvf_error("room %llu: page %u (index %zu) outside the registered KV buffers "
-                  "(%llu pages)", id, pages[bad], bad,
-                  (unsigned long long)min_items(l->kv, l->num_kv));
-        return KVF_ERR_OUT_OF_RANGE;
-    }
-    if (!aux_slot_ok(l, aux_slot)) {
-        kvf_error("room %llu: aux slot %u outside the registered aux buffers", id, aux_slot);
-        return KVF_ERR_OUT_OF_RANGE;
-    }
-    if (n_state != 0 && (n_state != l->num_state || state_slots == NULL)) {
-        kvf_error("room %llu: %zu state slots given, %u state buffers registered", id,
-                  n_state, l->num_state);
-        return KVF_ERR_INVALID_PARAM;
-    }
-    if ((bad = first_bad_state_slot(l, state_slots, n_state)) < n_state) {
-        kvf_error("room %llu: state slot %u outside state buffer %zu", id,
-                  state_slots[bad], bad);
-        return KVF_ERR_OUT_OF_RANGE;
-    }
-    uint32_t *sorted = malloc(n * sizeof(uint32_t));
-    uint32_t *copy = malloc(n * sizeof(uint32_t));
-    uint32_t *st_copy = n_state ? malloc(n_state * sizeof(uint32_t)) : NULL;
-    if (sorted == NULL || copy == NULL || (n_state && st_copy == NULL)) {
-        free(sorted);
-        free(copy);
-        free(st_copy);
-        return KVF_ERR_NO_MEMORY;
-    }
-    memcpy(copy, pages, n * sizeof(uint32_t));
-    memcpy(sorted, pages, n * sizeof(uint32_t));
-    qsort(sorted, n, sizeof(uint32_t), cmp_u32);
-    for (size_t i = 1; i < n; i++) {
-        if (sorted[i] == sorted[i - 1]) {
-            kvf_error("room %llu: page %u appears twice in the destination", id, sorted[i]);
-            free(sorted);
-            free(copy);
-            free(st_copy);
+    kvf_dest_init(&d);
+    d.pages = pages;
+    d.num_pages = n;
+    d.aux_slot = aux_slot;
+    if (n_state > 0) {
+        if (state_slots == NULL || n_state > KVF_WIRE_MAX_BUFS) {
+            kvf_error("room %llu: kvf_receiver_init: %zu state slots at %p",
+                      (unsigned long long)rv->room.id, n_state, (const void *)state_slots);
             return KVF_ERR_INVALID_PARAM;
         }
+        if ((one = malloc(n_state * sizeof(*one))) == NULL)
+            return KVF_ERR_NO_MEMORY;
+        for (size_t i = 0; i < n_state; i++)
+            one[i] = (kvf_indices_t){&state_slots[i], 1};
+        d.states = one;
+        d.num_states = n_state;
     }
-    if (n_state)
-        memcpy(st_copy, state_slots, n_state * sizeof(uint32_t));
-
-    kvf_status_t st = KVF_OK;
-    kvf__lock(eng);
-    if (r->initialized) {
-        kvf_error("room %llu: kvf_receiver_init called twice", id);
-        st = KVF_ERR_STATE;
-    } else {
-        rv->pages = copy;
-        rv->sorted_pages = sorted;
-        rv->n_pages = (uint32_t)n;
-        r->aux_slot = aux_slot;
-        rv->state_dst = st_copy;
-        rv->n_state_dst = (uint32_t)n_state;
-        r->initialized = 1;
-        copy = sorted = st_copy = NULL;
-        kvf__receiver_try_request(r);
-    }
-    kvf__unlock(eng);
-    free(copy);
-    free(sorted);
-    free(st_copy);
-    if (st == KVF_OK)
-        kvf__engine_wake(eng);
+    kvf_status_t st = kvf_receiver_set_dest(rv, &d);
+    free(one);
     return st;
 }
 
@@ -182,6 +285,11 @@ void kvf_receiver_destroy(kvf_receiver_t *rv)
 
 uint64_t kvf_receiver_room(const kvf_receiver_t *rv) { return rv->room.id; }
 
+kvf_status_t kvf_receiver_metric(kvf_receiver_t *rv, kvf_room_metric_t *m)
+{
+    return kvf__room_metric(&rv->room, m);
+}
+
 void kvf__receiver_try_request(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
@@ -189,7 +297,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
     kvf_receiver_t *rv = receiver_of(r);
     char name[128];
 
-    if (!r->initialized || r->nlinks == 0 || room_final(r))
+    if (r->nlinks == 0 || room_final(r))
         return;
     /* Wait for every handshake before judging, so that a refusal reaches
      * every prefill rank of the room. */
@@ -258,6 +366,12 @@ void kvf__receiver_try_request(kvf_room_t *r)
             (p->pp_rank == d->pp_rank && p->tp_rank < d->tp_rank))
             designated = (int)i;
     }
+    /* Resolved, connected and compatible: the scheduler may now give the
+     * room its pages (SGLang allocates them only then). */
+    if (!r->initialized) {
+        kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
+        return;
+    }
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_link_t *lk = &r->links[i];
         kvf_peer_t *p = lk->peer;
@@ -288,27 +402,30 @@ void kvf__receiver_try_request(kvf_room_t *r)
             }
             m.u.room_req.expected_receivers = (uint32_t)n;
             m.u.room_req.pages = (kvf_wire_arr32_t){rv->n_pages, rv->pages, NULL};
-            if (state)
-                m.u.room_req.state_slots =
-                    (kvf_wire_arr32_t){rv->n_state_dst, rv->state_dst, NULL};
+            if (state) {
+                m.u.room_req.state_counts = (kvf_wire_arr32_t){rv->state_dst.ngroups,
+                                                               rv->state_dst.count, NULL};
+                m.u.room_req.state_idx = (kvf_wire_arr32_t){rv->state_dst.total,
+                                                            rv->state_dst.idx, NULL};
+            }
             for (uint32_t b = 0; b < p->layout.num_kv; b++)
                 per_page += lk->slice.sliced
                     ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
-                          eng->layout.bytes_per_head
+                          kvf__head_bytes(&p->layout, b)
                     : p->layout.kv[b].item_bytes;
         }
         /* A resumed link starts over: the prefill rank resends everything. */
+        m.u.room_req.decode_prefix_len = rv->decode_prefix;
         lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
-            (state && rv->n_state_dst ? eng->state_item_bytes_sum : 0);
+            (state ? states_bytes(&eng->layout, &rv->state_dst) : 0);
         lk->bytes = 0;
         /* What this peer may write, each unit once (cover_mark). */
         lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-        lk->n_state = state ? rv->n_state_dst : 0;
+        lk->sends_state = state && rv->state_dst.ngroups > 0;
         free(lk->cover);
         lk->cover = NULL;
         if (!lk->idle) {
-            uint64_t bits = (uint64_t)eng->layout.num_kv * rv->n_pages * eng->layout.page_size +
-                            eng->layout.num_aux + eng->layout.num_state;
+            uint64_t bits = rv->state_bit0[rv->state_dst.ngroups];
             if ((lk->cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
                 kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to track room %llu's "
                                "%llu destination units", (unsigned long long)r->id,
@@ -316,7 +433,9 @@ void kvf__receiver_try_request(kvf_room_t *r)
                 return;
             }
         }
-        lk->done = lk->idle;
+        /* Nothing owed (a zero-page room's link that carries neither aux
+         * nor state): the prefill rank treats it as idle too. */
+        lk->done = lk->idle || lk->expected == 0;
         if (lk->hash == NULL && !lk->idle && want_checksum(eng, p))
             lk->hash = XXH3_createState();
         if (lk->hash)
@@ -330,6 +449,29 @@ void kvf__receiver_try_request(kvf_room_t *r)
         lk->req_sent = 1;
     }
     kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
+}
+
+/* Where state group g's indices start in the receiver's arrays. */
+static uint32_t group_at(const kvf_receiver_t *rv, uint32_t g)
+{
+    uint32_t at = 0;
+    for (uint32_t i = 0; i < g; i++)
+        at += rv->state_dst.count[i];
+    return at;
+}
+
+/* The position of `v` in sorted[0..n) (it is there: seg_target checked). */
+static uint64_t sorted_index(const uint32_t *sorted, size_t n, uint64_t v)
+{
+    size_t lo = 0, hi = n;
+    while (lo + 1 < hi) {
+        size_t mid = (lo + hi) / 2;
+        if (sorted[mid] <= v)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
 }
 
 /*
@@ -371,12 +513,22 @@ static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
                  (unsigned long long)(s->offset + span), s->buf);
         return NULL;
     }
+    if (s->kind == KVF_BUF_STATE && s->buf < l->num_state && rv->state_dst.ngroups > 0) {
+        /* Whole items, each one of the group's destination indices. */
+        b = &l->state[s->buf];
+        uint32_t g = kvf__group_of(l, s->buf), at = group_at(rv, g);
+        uint64_t first = s->offset / b->item_bytes;
+        uint64_t last = (s->offset + span - 1) / b->item_bytes;
+        if (kvf__pages_contain(rv->state_sorted + at, rv->state_dst.count[g], first, last))
+            return (uint8_t *)b->base + s->offset;
+        snprintf(err, errlen, "bytes [%llu, %llu) of state buffer %u are outside the "
+                 "state indices the room declared", (unsigned long long)s->offset,
+                 (unsigned long long)(s->offset + span), s->buf);
+        return NULL;
+    }
     if (s->kind == KVF_BUF_AUX && s->buf < l->num_aux) {
         b = &l->aux[s->buf];
         lo = (uint64_t)r->aux_slot * b->item_bytes;
-    } else if (s->kind == KVF_BUF_STATE && s->buf < rv->n_state_dst) {
-        b = &l->state[s->buf];
-        lo = (uint64_t)rv->state_dst[s->buf] * b->item_bytes;
     } else {
         snprintf(err, errlen, "segment names %s buffer %u, which this room does not have",
                  s->kind == KVF_BUF_KV ? "KV" : s->kind == KVF_BUF_AUX ? "aux" : "state",
@@ -386,10 +538,9 @@ static uint8_t *seg_target(kvf_room_t *r, const kvf_wire_seg_t *s, char *err,
     hi = lo + b->item_bytes;
     if (s->offset >= lo && s->offset <= hi && span <= hi - s->offset)
         return (uint8_t *)b->base + s->offset;
-    snprintf(err, errlen, "bytes [%llu, %llu) of %s buffer %u are outside the room's "
+    snprintf(err, errlen, "bytes [%llu, %llu) of aux buffer %u are outside the room's "
              "slot [%llu, %llu)", (unsigned long long)s->offset,
-             (unsigned long long)(s->offset + span),
-             s->kind == KVF_BUF_AUX ? "aux" : "state", s->buf, (unsigned long long)lo,
+             (unsigned long long)(s->offset + span), s->buf, (unsigned long long)lo,
              (unsigned long long)hi);
     return NULL;
 }
@@ -402,21 +553,6 @@ static int cover_set(uint8_t *c, uint64_t i)
         return 0;
     c[i >> 3] |= m;
     return 1;
-}
-
-/* The index of declared page `page` in the room's sorted pages (it is
- * declared: seg_target checked). */
-static uint64_t page_index(const kvf_receiver_t *rv, uint64_t page)
-{
-    size_t lo = 0, hi = rv->n_pages;
-    while (lo + 1 < hi) {
-        size_t mid = (lo + hi) / 2;
-        if (rv->sorted_pages[mid] <= page)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    return lo;
 }
 
 /*
@@ -444,9 +580,10 @@ static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, ch
         const kvf_buffer_t *b = &l->kv[s->buf];
         uint64_t tok = b->item_bytes / ps;
         const kvf_slice_t *sl = &lk->slice;
-        uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * l->bytes_per_head : 0;
-        uint64_t want = sl->sliced ? (uint64_t)sl->nheads * l->bytes_per_head : 0;
-        if (s->buf < sl->dst_buf0 || s->buf - sl->dst_buf0 >= lk->peer->layout.num_kv) {
+        uint64_t bph = sl->sliced ? kvf__head_bytes(l, s->buf) : 0;
+        uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * bph : 0;
+        uint64_t want = sl->sliced ? (uint64_t)sl->nheads * bph : 0;
+        if (lk->peer->kv_src == NULL || lk->peer->kv_src[s->buf] == UINT32_MAX) {
             snprintf(err, errlen, "KV buffer %u holds layers this peer does not send to "
                      "this rank", s->buf);
             return 0;
@@ -461,7 +598,7 @@ static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, ch
                 return 0;
             }
             uint64_t t0 = off / tok, n = want ? 1 : s->len / tok;
-            uint64_t first = t0 / ps, idx0 = page_index(rv, first);
+            uint64_t first = t0 / ps, idx0 = sorted_index(rv->sorted_pages, rv->n_pages, first);
             for (uint64_t t = t0; t < t0 + n; t++) {
                 /* Consecutive pages: seg_target found them all declared. */
                 uint64_t idx = idx0 + (t / ps - first);
@@ -479,22 +616,47 @@ static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, ch
         }
         return 1;
     }
-    int aux = s->kind == KVF_BUF_AUX;
-    const kvf_buffer_t *b = aux ? &l->aux[s->buf] : &l->state[s->buf];
-    uint64_t slot = aux ? r->aux_slot : rv->state_dst[s->buf];
-    if (aux ? lk->aux_slot == KVF_NO_SLOT : lk->n_state == 0) {
-        snprintf(err, errlen, "this peer does not send the room's %s", aux ? "aux" : "state");
+    if (s->kind == KVF_BUF_STATE) {
+        const kvf_buffer_t *b = &l->state[s->buf];
+        uint32_t g = kvf__group_of(l, s->buf), at = group_at(rv, g);
+        uint32_t cnt = rv->state_dst.count[g];
+        if (!lk->sends_state) {
+            snprintf(err, errlen, "this peer does not send the room's state");
+            return 0;
+        }
+        if (pieces != 1 || s->offset % b->item_bytes != 0 || s->len % b->item_bytes != 0) {
+            snprintf(err, errlen, "bytes [%llu, %llu) of state buffer %u are not whole "
+                     "items", (unsigned long long)s->offset,
+                     (unsigned long long)(s->offset + s->len), s->buf);
+            return 0;
+        }
+        uint64_t first = s->offset / b->item_bytes, n = s->len / b->item_bytes;
+        uint64_t bit0 = rv->state_bit0[g] + (uint64_t)(s->buf - l->group_first[g]) * cnt;
+        for (uint64_t it = first; it < first + n; it++) {
+            if (!cover_set(lk->cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
+                snprintf(err, errlen, "item %llu of state buffer %u is written a second "
+                         "time: each destination byte is placed once",
+                         (unsigned long long)it, s->buf);
+                return 0;
+            }
+        }
+        return 1;
+    }
+    const kvf_buffer_t *b = &l->aux[s->buf];
+    if (lk->aux_slot == KVF_NO_SLOT) {
+        snprintf(err, errlen, "this peer does not send the room's aux");
         return 0;
     }
-    if (pieces != 1 || s->offset != slot * b->item_bytes || s->len != b->item_bytes) {
-        snprintf(err, errlen, "bytes [%llu, %llu) of %s buffer %u are not its whole slot",
+    if (pieces != 1 || s->offset != (uint64_t)r->aux_slot * b->item_bytes ||
+        s->len != b->item_bytes) {
+        snprintf(err, errlen, "bytes [%llu, %llu) of aux buffer %u are not its whole slot",
                  (unsigned long long)s->offset, (unsigned long long)(s->offset + s->len),
-                 aux ? "aux" : "state", s->buf);
+                 s->buf);
         return 0;
     }
-    if (!cover_set(lk->cover, nkv + (aux ? 0 : l->num_aux) + s->buf)) {
-        snprintf(err, errlen, "%s buffer %u's slot is written a second time: each "
-                 "destination byte is placed once", aux ? "aux" : "state", s->buf);
+    if (!cover_set(lk->cover, nkv + s->buf)) {
+        snprintf(err, errlen, "aux buffer %u's slot is written a second time: each "
+                 "destination byte is placed once", s->buf);
         return 0;
     }
     return 1;

@@ -3,8 +3,9 @@
  * because those calls block (HTTP with timeouts) and must never run on an
  * application's thread or on the progress thread.
  *
- * Prefill: registers the engine (PUT /route), then again every few seconds
- * so that a restarted registry learns it back.
+ * Prefill: registers the engine (PUT /route: SGLang's full body, every
+ * field from the engine's parameters, layout and bound endpoint), then
+ * again every few seconds so that a restarted registry learns it back.
  * Decode: for each new receiver, finds the prefill rank that serves it
  * (GET /route, cached per registry and per rank; the caches are dropped
  * whenever a peer dies, since a dead peer may have come back elsewhere) and
@@ -235,21 +236,141 @@ static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
     kvf__engine_wake(eng);
 }
 
+/* ------------------------------------------------------------------------ */
+/* The registration                                                         */
+/* ------------------------------------------------------------------------ */
+
+#define DEFAULT_LBM "follow_bootstrap_room"
+
+/* What the registry accepts as a string field: 1..63 printable characters
+ * without spaces (routes.c's field_str). */
+static int reg_string_ok(const char *s)
+{
+    size_t n = 0;
+    for (; s[n] != '\0'; n++)
+        if (s[n] <= ' ' || s[n] >= 0x7f)
+            return 0;
+    return n > 0 && n < 64;
+}
+
+static int check_flag(const char *name, int v)
+{
+    if (v == 0 || v == 1)
+        return 1;
+    kvf_error("invalid %s %d: 0 or 1", name, v);
+    return 0;
+}
+
+kvf_status_t kvf__registration_check(const kvf_engine_params_t *p)
+{
+    int cp_size = p->cp_size ? p->cp_size : 1;
+    const struct { const char *name, *v; } strs[] = {
+        {"kv_cache_dtype", p->kv_cache_dtype},
+        {"load_balance_method", p->load_balance_method},
+    };
+
+    if (cp_size < 1 || p->cp_rank < 0 || p->cp_rank >= cp_size) {
+        kvf_error("invalid cp: rank %d of size %d (need 0 <= rank < size; "
+                  "size 0 means 1)", p->cp_rank, p->cp_size);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (!check_flag("dp_attention", p->dp_attention) ||
+        !check_flag("dsa_cache_layer_split", p->dsa_cache_layer_split))
+        return KVF_ERR_INVALID_PARAM;
+    for (size_t i = 0; i < sizeof(strs) / sizeof(strs[0]); i++) {
+        if (strs[i].v != NULL && strs[i].v[0] != '\0' &&
+            !reg_string_ok(strs[i].v)) {
+            kvf_error("invalid %s \"%.80s\": 1 to 63 printable characters "
+                      "without spaces", strs[i].name, strs[i].v);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    if (p->prefill_http_port < 0 || p->prefill_http_port > 65535) {
+        kvf_error("invalid prefill_http_port %d: 1..65535, or 0 for none",
+                  p->prefill_http_port);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    return KVF_OK;
+}
+
+/* A string parameter, else its variable (a bad value is ignored, said so),
+ * into buf; "" when neither is set. */
+static void reg_string(const char *param, const char *var, char *buf, size_t len)
+{
+    const char *v = param;
+
+    if (v == NULL || v[0] == '\0') {
+        v = getenv(var);
+        if (v != NULL && v[0] != '\0' && !reg_string_ok(v)) {
+            kvf_warn("ignoring %s=%.80s: expected 1 to 63 printable characters "
+                     "without spaces", var, v);
+            v = NULL;
+        }
+    }
+    snprintf(buf, len, "%s", v ? v : "");
+}
+
+void kvf__registration_setup(kvf_engine_t *eng)
+{
+    kvf_engine_params_t *p = &eng->params;
+
+    if (p->cp_size == 0)
+        p->cp_size = 1;
+    reg_string(p->kv_cache_dtype, "KVF_KV_CACHE_DTYPE", eng->reg_dtype,
+               sizeof(eng->reg_dtype));
+    reg_string(p->load_balance_method, "KVF_LOAD_BALANCE_METHOD", eng->reg_lbm,
+               sizeof(eng->reg_lbm));
+    if (eng->reg_lbm[0] == '\0')
+        snprintf(eng->reg_lbm, sizeof(eng->reg_lbm), "%s", DEFAULT_LBM);
+    /* The caller's strings are not kept: only the copies. */
+    p->kv_cache_dtype = eng->reg_dtype[0] ? eng->reg_dtype : NULL;
+    p->load_balance_method = eng->reg_lbm;
+    const char *hp = getenv("KVF_PREFILL_HTTP_PORT");
+    if (p->prefill_http_port == 0 && hp != NULL && hp[0] != '\0') {
+        char *end;
+        long v = strtol(hp, &end, 10);
+        if (*end != '\0' || v < 1 || v > 65535)
+            kvf_warn("ignoring KVF_PREFILL_HTTP_PORT=%.80s: expected a port "
+                     "(1..65535)", hp);
+        else
+            p->prefill_http_port = (int)v;
+    }
+}
+
+/*
+ * SGLang's PUT /route body (CommonKVManager.register_to_bootstrap) from
+ * this engine's configuration; docs/REGISTRY.md tables where each field
+ * comes from.  System DP (no DP attention) registers dp as system_dp_*
+ * with attention DP 1; DP attention registers it as attn_dp_* with system
+ * DP 1.  SGLang sends its scheduler's DP rank as system_dp_rank either way.
+ */
+static kvf_bs_reg_t registration(const kvf_engine_t *eng)
+{
+    const kvf_engine_params_t *p = &eng->params;
+    int attn_dp = p->dp_attention;
+
+    return (kvf_bs_reg_t){
+        .attn_tp_size = p->tp_size, .attn_tp_rank = p->tp_rank,
+        .attn_cp_size = p->cp_size, .attn_cp_rank = p->cp_rank,
+        .attn_dp_size = attn_dp ? p->dp_size : 1,
+        .attn_dp_rank = attn_dp ? p->dp_rank : 0,
+        .pp_size = p->pp_size, .pp_rank = p->pp_rank,
+        .system_dp_size = attn_dp ? 1 : p->dp_size,
+        .system_dp_rank = p->dp_rank,
+        .rank_ip = eng->host, .rank_port = eng->port,
+        .page_size = (int)eng->layout.page_size,
+        .kv_cache_dtype = eng->reg_dtype[0] ? eng->reg_dtype : eng->layout.kv_dtype,
+        .load_balance_method = eng->reg_lbm,
+        .enable_dsa_cache_layer_split = p->dsa_cache_layer_split,
+        .prefill_http_port = p->prefill_http_port,
+    };
+}
+
 static void do_register(kvf_engine_t *eng)
 {
     const kvf_engine_params_t *p = &eng->params;
     char err[KVF_REASON_MAX];
-    kvf_bs_reg_t reg = {
-        .attn_tp_size = p->tp_size, .attn_tp_rank = p->tp_rank,
-        .attn_cp_size = 1, .attn_cp_rank = 0,
-        .attn_dp_size = p->dp_size, .attn_dp_rank = p->dp_rank,
-        .pp_size = p->pp_size, .pp_rank = p->pp_rank,
-        .system_dp_size = p->dp_size, .system_dp_rank = p->dp_rank,
-        .rank_ip = eng->host, .rank_port = eng->port,
-        .page_size = (int)eng->layout.page_size,
-        .kv_cache_dtype = eng->layout.kv_dtype,
-        .load_balance_method = "round_robin",
-    };
+    kvf_bs_reg_t reg = registration(eng);
     /* eng->token is set at create and never changes: no lock needed. */
     kvf_status_t st = kvf__bs_register_auth(eng->bootstrap_addr, &reg,
                                             eng->has_token ? eng->token : NULL,

@@ -26,12 +26,65 @@
 /* Lifetime                                                                  */
 /* ------------------------------------------------------------------------ */
 
+kvf_status_t kvf__states_set(kvf_states_t *s, const kvf_indices_t *in, size_t n)
+{
+    uint64_t total = 0;
+
+    memset(s, 0, sizeof(*s));
+    for (size_t g = 0; g < n; g++)
+        total += in[g].n;
+    if (n == 0)
+        return KVF_OK;
+    s->count = malloc(n * sizeof(uint32_t));
+    s->idx = malloc((total ? total : 1) * sizeof(uint32_t));
+    if (s->count == NULL || s->idx == NULL) {
+        kvf__states_free(s);
+        return KVF_ERR_NO_MEMORY;
+    }
+    s->ngroups = (uint32_t)n;
+    for (size_t g = 0; g < n; g++) {
+        s->count[g] = (uint32_t)in[g].n;
+        if (in[g].n > 0)
+            memcpy(s->idx + s->total, in[g].idx, in[g].n * sizeof(uint32_t));
+        s->total += (uint32_t)in[g].n;
+    }
+    return KVF_OK;
+}
+
+kvf_status_t kvf__states_from_wire(kvf_states_t *s, const kvf_wire_arr32_t *counts,
+                                   const kvf_wire_arr32_t *idx)
+{
+    memset(s, 0, sizeof(*s));
+    if (counts->count == 0)
+        return KVF_OK;
+    s->count = malloc(counts->count * sizeof(uint32_t));
+    s->idx = malloc((idx->count ? idx->count : 1) * sizeof(uint32_t));
+    if (s->count == NULL || s->idx == NULL) {
+        kvf__states_free(s);
+        return KVF_ERR_NO_MEMORY;
+    }
+    s->ngroups = counts->count;
+    s->total = idx->count;
+    for (uint32_t g = 0; g < counts->count; g++)
+        s->count[g] = kvf_wire_arr32_at(counts, g);
+    for (uint32_t i = 0; i < idx->count; i++)
+        s->idx[i] = kvf_wire_arr32_at(idx, i);
+    return KVF_OK;
+}
+
+void kvf__states_free(kvf_states_t *s)
+{
+    free(s->count);
+    free(s->idx);
+    memset(s, 0, sizeof(*s));
+}
+
 static void link_free(kvf_link_t *l)
 {
     if (l->peer)
         kvf__peer_put(l->peer);
     free(l->pages);
-    free(l->state_slots);
+    kvf__states_free(&l->state);
     free(l->cover);
     if (l->hash)
         XXH3_freeState(l->hash);
@@ -78,8 +131,12 @@ void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
     r->t_state_ms = kvf_now_ms();
     /* Release: a poller that sees SUCCESS also sees the bytes in place. */
     atomic_store_explicit(&r->state, (int)s, memory_order_release);
-    if (s == KVF_POLL_SUCCESS)
+    if (s == KVF_POLL_WAITING_FOR_INPUT && r->side == KVF_ROLE_PREFILL)
+        r->t_dest_ms = r->t_state_ms;    /* every decode rank's pages arrived */
+    if (s == KVF_POLL_SUCCESS) {
+        r->t_final_ms = r->t_state_ms;
         stats_final(r->eng, s, KVF_OK);
+    }
 }
 
 /* ------------------------------------------------------------------------ */
@@ -176,6 +233,7 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
     r->failure = f;
     r->t_state_ms = kvf_now_ms();
     atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
+    r->t_final_ms = kvf_now_ms();
     stats_final(r->eng, KVF_POLL_FAILED, f->status);
     kvf_info("room %llu failed on %s rank %d%s: %s", (unsigned long long)r->id,
              kvf_role_name(r->side), r->eng->params.tp_rank,
@@ -308,7 +366,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
     r->side = side;
     r->refs = 1;
     r->attached = 1;
-    r->t_state_ms = kvf_now_ms();
+    r->t_state_ms = r->t_create_ms = kvf_now_ms();
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
     if (side == KVF_ROLE_DECODE) {
         /* Fresh per receiver: what every frame of this room will name. */
@@ -711,4 +769,24 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
     }
     /* Destinations whose sender never came. */
     kvf__stash_expire(eng, now);
+}
+
+kvf_status_t kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m)
+{
+    if (m == NULL || m->size < KVF_FIELD_END(kvf_room_metric_t, transfer_s)) {
+        kvf_error("kvf_*_metric: set metric->size to sizeof(kvf_room_metric_t)");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    kvf_room_metric_t v = {.size = m->size};
+    kvf__lock(r->eng);
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        v.bytes += r->links[i].bytes;
+    if (r->t_dest_ms != 0) {
+        uint64_t end = r->t_final_ms ? r->t_final_ms : kvf_now_ms();
+        v.alloc_s = (double)kvf_elapsed_ms(r->t_dest_ms, r->t_create_ms) / 1000.0;
+        v.transfer_s = (double)kvf_elapsed_ms(end, r->t_dest_ms) / 1000.0;
+    }
+    kvf__unlock(r->eng);
+    memcpy(m, &v, m->size < sizeof(v) ? m->size : sizeof(v));
+    return KVF_OK;
 }

@@ -14,6 +14,17 @@
  */
 #define KVF_NO_SLOT UINT32_MAX   /* ROOM_REQ aux_slot: another prefill rank sends aux */
 
+/*
+ * A room's state indices on one side: count[g] indices for state group g,
+ * every group's in group order in idx.  ngroups 0: the room moves no state.
+ */
+typedef struct kvf_states {
+    uint32_t  ngroups;
+    uint32_t *count;
+    uint32_t *idx;
+    uint32_t  total;       /* sum of count */
+} kvf_states_t;
+
 typedef struct kvf_link {
     kvf_peer_t    *peer;
     uint32_t       rank;          /* the peer's tp rank */
@@ -24,8 +35,10 @@ typedef struct kvf_link {
     uint32_t      *pages;         /* sender: decode pages (n_pages) */
     uint32_t       n_pages;
     uint32_t       aux_slot;
-    uint32_t      *state_slots;   /* sender: decode state slots */
-    uint32_t       n_state;
+    uint32_t       prefix;        /* sender: the decode's prefix (tokens) */
+    int            sends_state;   /* receiver: this peer sends the room's state */
+    kvf_states_t   state;         /* sender: decode state indices (this link's:
+                                     none unless it carries the room's state) */
     uint64_t       bytes;         /* sender: queued; receiver: placed */
     uint64_t       expected;      /* receiver: bytes this peer must place */
     int            req_sent;      /* receiver: ROOM_REQ sent */
@@ -65,6 +78,8 @@ struct kvf_room {
     int              attached;    /* the application handle is live */
     int              initialized;
     uint64_t         t_state_ms;  /* entered the state, or last progress */
+    /* For kvf_*_metric: created, decode pages known, final (0: not yet). */
+    uint64_t         t_create_ms, t_dest_ms, t_final_ms;
     kvf_failure_t   *failure;     /* first root cause, or NULL */
     int              failure_consumed;
     kvf_room_t      *prev, *next; /* engine->rooms list (attached rooms) */
@@ -110,9 +125,18 @@ typedef struct kvf_stash {
  */
 typedef struct kvf_tomb {
     kvf_failure_t f;               /* first: the record */
+    uint64_t      seq;             /* its burial (engine->tomb_seq) */
     uint32_t      nranks;
     uint32_t      ranks[];
 } kvf_tomb_t;
+
+/* One burial in the ring (engine->tomb_ring): an id buried again has a
+ * newer slot, and its older one, when it falls out, must not take the
+ * newer tomb with it. */
+struct kvf_tomb_slot {
+    uint64_t room;
+    uint64_t seq;
+};
 
 /* room.c */
 void kvf__room_put(kvf_room_t *room);
@@ -167,8 +191,8 @@ struct kvf_sender {
     uint32_t    num_pages;       /* declared by kvf_sender_init */
     uint32_t    pages_sent;
     uint32_t   *src_pages;       /* source pages sent so far (for resends) */
-    uint32_t   *state_src;       /* source state slots, or NULL */
-    uint32_t    n_state_src;
+    kvf_states_t state_src;      /* source state indices (kvf_sender_set_states) */
+    uint32_t    decode_prefix;   /* tokens, as the destinations say */
     int         last_sent;
 };
 
@@ -181,8 +205,12 @@ struct kvf_receiver {
     uint32_t   *sorted_pages;    /* the same, ascending */
     uint32_t    n_pages;
     uint64_t    ok_first, ok_last; /* last page range found declared */
-    uint32_t   *state_dst;
-    uint32_t    n_state_dst;
+    kvf_states_t state_dst;      /* destination state indices */
+    /* Per group, its indices ascending (as state_dst.idx) and the first
+     * coverage bit of its first buffer (cover_mark). */
+    uint32_t   *state_sorted;
+    uint64_t   *state_bit0;
+    uint32_t    decode_prefix;
     kvf_room_t *rq_next;         /* resolver queue */
 };
 
@@ -256,14 +284,41 @@ static inline int aux_slot_ok(const kvf_layout_int_t *l, uint32_t slot)
     return l->num_aux == 0 || slot < min_items(l->aux, l->num_aux);
 }
 
-/* The index of the first of slots[0..n) outside its state buffer of l, or
- * n (n must be l->num_state). */
-static inline size_t first_bad_state_slot(const kvf_layout_int_t *l, const uint32_t *slots,
-                                          size_t n)
+/* The items every buffer of state group g of l has. */
+static inline uint64_t group_items(const kvf_layout_int_t *l, uint32_t g)
 {
-    for (size_t i = 0; i < n; i++)
-        if (slots[i] >= l->state[i].length / l->state[i].item_bytes)
-            return i;
+    return min_items(l->state + l->group_first[g], l->group_first[g + 1] - l->group_first[g]);
+}
+
+/* Bytes one index of state group g moves: one item of each of its buffers. */
+static inline uint64_t group_item_bytes(const kvf_layout_int_t *l, uint32_t g)
+{
+    uint64_t n = 0;
+    for (uint32_t b = l->group_first[g]; b < l->group_first[g + 1]; b++)
+        n += l->state[b].item_bytes;
+    return n;
+}
+
+/* The first index of s (position in s->idx) outside its group's buffers
+ * in l, or s->total (s->ngroups must be l->num_groups). */
+static inline uint32_t first_bad_state(const kvf_layout_int_t *l, const kvf_states_t *s)
+{
+    uint32_t k = 0;
+    for (uint32_t g = 0; g < s->ngroups; g++) {
+        uint64_t items = group_items(l, g);
+        for (uint32_t i = 0; i < s->count[g]; i++, k++)
+            if (s->idx[k] >= items)
+                return k;
+    }
+    return s->total;
+}
+
+/* The payload bytes the state indices s move. */
+static inline uint64_t states_bytes(const kvf_layout_int_t *l, const kvf_states_t *s)
+{
+    uint64_t n = 0;
+    for (uint32_t g = 0; g < s->ngroups; g++)
+        n += (uint64_t)s->count[g] * group_item_bytes(l, g);
     return n;
 }
 
@@ -281,6 +336,12 @@ static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
 }
 
 /* room.c */
+/* Copy n per-group index arrays into s (n 0: none).  KVF_ERR_NO_MEMORY. */
+kvf_status_t   kvf__states_set(kvf_states_t *s, const kvf_indices_t *in, size_t n);
+/* The same from a ROOM_REQ's arrays (checked by the wire). */
+kvf_status_t   kvf__states_from_wire(kvf_states_t *s, const kvf_wire_arr32_t *counts,
+                                     const kvf_wire_arr32_t *idx);
+void           kvf__states_free(kvf_states_t *s);
 kvf_status_t   kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
                                 kvf_room_t **room_p);
 void           kvf__room_destroy(kvf_room_t *r);
@@ -290,6 +351,8 @@ void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_s
                                 const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
+/* kvf_sender_metric / kvf_receiver_metric. */
+kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
 /* Tell `to` the room failed (its record), if the connection is up. */
 void           kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
 void           kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,

@@ -27,8 +27,14 @@ typedef struct chunk_put {
     uint32_t    link;
     uint32_t    nruns, run, buf;
     uint32_t    page, tok;    /* sliced: position inside the current run */
-    uint32_t    extra;        /* aux then state segments, on the last chunk */
+    uint32_t    extra;        /* aux segments, on the last chunk */
     int         last;
+    /* The last chunk's state: runs of (source, destination) indices per
+     * group, group g's at sruns[srun_first[g] .. srun_first[g+1]), sent
+     * for every buffer of the group in turn; sb, sr: the next one. */
+    kvf_run_t  *sruns;
+    uint32_t   *srun_first;
+    uint32_t    sb, sr;
     kvf_run_t   runs[];
 } chunk_put_t;
 
@@ -53,7 +59,7 @@ static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *
         return 0;
     const kvf_run_t *run = &c->runs[c->run];
     const uint8_t *base = l->kv[c->buf].base;
-    uint32_t dbuf = c->buf + sl->dst_buf0;
+    uint32_t dbuf = c->peer->kv_map[c->buf];
     if (!sl->sliced) {
         size_t ib = l->kv[c->buf].item_bytes;
         *seg = (kvf_wire_seg_t){.kind = KVF_BUF_KV, .buf = dbuf,
@@ -63,7 +69,7 @@ static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *
         c->run++;
         return 1;
     }
-    uint64_t ps = l->page_size, bph = l->bytes_per_head;
+    uint64_t ps = l->page_size, bph = kvf__head_bytes(l, c->buf);
     uint64_t sts = l->heads_per_rank * bph, dts = lk->peer->layout.heads_per_rank * bph;
     uint64_t stok = ((uint64_t)run->src + c->page) * ps + c->tok;
     uint64_t dtok = ((uint64_t)run->dst + c->page) * ps + c->tok;
@@ -89,6 +95,28 @@ static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *
     return 1;
 }
 
+/* The next state segment of the last chunk: a run of indices of one
+ * buffer of a group.  @return 0 at the end. */
+static int next_state(chunk_put_t *c, const kvf_layout_int_t *l, kvf_wire_seg_t *seg,
+                      const void **src)
+{
+    while (c->sruns != NULL && c->sb < l->num_state) {
+        uint32_t g = kvf__group_of(l, c->sb);
+        if (c->sr < c->srun_first[g + 1] - c->srun_first[g]) {
+            const kvf_run_t *run = &c->sruns[c->srun_first[g] + c->sr++];
+            size_t ib = l->state[c->sb].item_bytes;
+            *seg = (kvf_wire_seg_t){.kind = KVF_BUF_STATE, .buf = c->sb,
+                                    .offset = (uint64_t)run->dst * ib,
+                                    .len = (uint32_t)(run->count * ib), .count = 1};
+            *src = (const uint8_t *)l->state[c->sb].base + (size_t)run->src * ib;
+            return 1;
+        }
+        c->sb++;          /* the next buffer: its group's runs from the first */
+        c->sr = 0;
+    }
+    return 0;
+}
+
 static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
 {
     chunk_put_t *c = (chunk_put_t *)put;
@@ -108,16 +136,7 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
                                 .offset = (uint64_t)lk->aux_slot * ib,
                                 .len = (uint32_t)ib, .count = 1};
         *src = (const uint8_t *)l->aux[i].base + (size_t)r->aux_slot * ib;
-    } else if (c->last && lk->n_state > 0 && c->extra < l->num_aux + l->num_state) {
-        if (c->extra < l->num_aux)
-            c->extra = l->num_aux;
-        uint32_t i = c->extra++ - l->num_aux;
-        size_t ib = l->state[i].item_bytes;
-        *seg = (kvf_wire_seg_t){.kind = KVF_BUF_STATE, .buf = i,
-                                .offset = (uint64_t)lk->state_slots[i] * ib,
-                                .len = (uint32_t)ib, .count = 1};
-        *src = (const uint8_t *)l->state[i].base + (size_t)sender_of(r)->state_src[i] * ib;
-    } else {
+    } else if (!next_state(c, l, seg, src)) {
         return 0;
     }
     uint64_t bytes = kvf_wire_seg_bytes(seg);
@@ -171,6 +190,8 @@ static void chunk_complete(kvf_put_t *put, kvf_status_t st)
     }
     kvf__peer_put(c->peer);
     kvf__room_put(r);
+    free(c->sruns);
+    free(c->srun_first);
     free(c);
 }
 
@@ -193,6 +214,34 @@ static int chunk_live(kvf_put_t *put)
     return r->attached && !room_final(r);
 }
 
+/* The last chunk's state runs: the sender's indices of each group to the
+ * link's (as many of each: kvf_sender_send checked). */
+static kvf_status_t plan_state(chunk_put_t *c, kvf_room_t *r, const kvf_link_t *lk)
+{
+    const kvf_layout_int_t *l = &r->eng->layout;
+    const kvf_states_t *src = &sender_of(r)->state_src, *dst = &lk->state;
+    c->sruns = malloc((dst->total ? dst->total : 1) * sizeof(kvf_run_t));
+    c->srun_first = malloc((dst->ngroups + 1) * sizeof(uint32_t));
+    if (c->sruns == NULL || c->srun_first == NULL) {
+        free(c->sruns);
+        free(c->srun_first);
+        return KVF_ERR_NO_MEMORY;
+    }
+    uint32_t at = 0, nr = 0;
+    for (uint32_t g = 0; g < dst->ngroups; g++) {
+        uint64_t max_ib = 1;
+        for (uint32_t b = l->group_first[g]; b < l->group_first[g + 1]; b++)
+            max_ib = l->state[b].item_bytes > max_ib ? l->state[b].item_bytes : max_ib;
+        c->srun_first[g] = nr;
+        if (dst->count[g] > 0)
+            nr += (uint32_t)kvf__plan_runs(src->idx + at, dst->idx + at, dst->count[g],
+                                           (uint32_t)(MAX_RUN_BYTES / max_ib), c->sruns + nr);
+        at += dst->count[g];
+    }
+    c->srun_first[dst->ngroups] = nr;
+    return KVF_OK;
+}
+
 /* Queue src[i] -> the link's destination page dst_off + i, i < n. */
 static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *pages,
                                 uint32_t dst_off, size_t n, int last)
@@ -206,8 +255,9 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
         if (r->eng->layout.kv[i].item_bytes > max_ib)
             max_ib = r->eng->layout.kv[i].item_bytes;
     memset(c, 0, sizeof(*c));
-    c->nruns = (uint32_t)kvf__plan_runs(pages, lk->pages + dst_off, n,
-                                        (uint32_t)(MAX_RUN_BYTES / max_ib), c->runs);
+    c->nruns = n == 0 ? 0 : (uint32_t)kvf__plan_runs(pages, lk->pages + dst_off, n,
+                                                     (uint32_t)(MAX_RUN_BYTES / max_ib),
+                                                     c->runs);
     c->put.next = chunk_next;
     c->put.complete = chunk_complete;
     c->put.busy = chunk_busy;
@@ -216,6 +266,10 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     c->put.instance = lk->instance;
     c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
     c->put.by_ref = kvf__peer_pulls(lk->peer);
+    if (last && lk->state.ngroups > 0 && plan_state(c, r, lk) != KVF_OK) {
+        free(c);
+        return KVF_ERR_NO_MEMORY;
+    }
     c->room = r;
     c->peer = lk->peer;
     c->link = li;
@@ -304,7 +358,9 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
                   r->eng->params.pp_rank, r->eng->params.pp_size, &r->eng->layout);
     kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
     kvf_status_t st = kvf__plan_slice(&mine, &theirs, &dst->slice, err, sizeof(err));
-    dst->idle = dst->n_pages == 0;
+    /* Owes nothing: no pages, and neither aux nor state (the receiver
+     * marks such a link done from the same request). */
+    dst->idle = dst->n_pages == 0 && dst->aux_slot == KVF_NO_SLOT && dst->state.ngroups == 0;
     if (st == KVF_ERR_NOT_FOUND ? !dst->idle : st != KVF_OK) {
         kvf__room_fail(r, st == KVF_ERR_NOT_FOUND ? KVF_ERR_BAD_INDICES : st,
                        "%s asked for room %llu's KV from prefill rank %d, which %s", name,
@@ -328,12 +384,23 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     p->refs++;
     if (!lk->idle && want_checksum(r->eng, p) && (lk->hash = XXH3_createState()) != NULL)
         XXH3_64bits_reset(lk->hash);
-    if (r->nlinks == r->expected_links)
+    if (lk->prefix != r->links[0].prefix) {
+        /* The prefill sends the rest of one prefix: the ranks must agree. */
+        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "decode ranks disagree on room %llu's "
+                       "cached prefix: %s holds %u tokens, %s %u",
+                       (unsigned long long)r->id, name, lk->prefix,
+                       kvf__peer_name(r->links[0].peer, (char[128]){0}, 128),
+                       r->links[0].prefix);
+        return;
+    }
+    if (r->nlinks == r->expected_links) {
+        sender_of(r)->decode_prefix = lk->prefix;
         kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
+    }
     return;
 out:
     free(dst->pages);
-    free(dst->state_slots);
+    kvf__states_free(&dst->state);
     memset(dst, 0, sizeof(*dst));
 }
 
@@ -455,7 +522,7 @@ static void stash_apply(kvf_room_t *r)
 void kvf__sender_free(kvf_sender_t *s)
 {
     free(s->src_pages);
-    free(s->state_src);
+    kvf__states_free(&s->state_src);
 }
 
 /* Out of the engine's FIFO (no-op if it is not in it). */
@@ -483,7 +550,7 @@ void kvf__stash_free(kvf_stash_t *s)
         kvf_stash_t *n = s->next;
         stash_unqueue(s->peer->eng, s);
         free(s->link.pages);
-        free(s->link.state_slots);
+        kvf__states_free(&s->link.state);
         free(s->failure);
         kvf__peer_put(s->peer);
         free(s);
@@ -576,16 +643,13 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
     if (r->initialized) {
         kvf_error("room %llu: kvf_sender_init called twice", (unsigned long long)r->id);
         st = KVF_ERR_STATE;
-    } else if (num_pages == 0) {
-        kvf_error("room %llu: num_pages must be positive", (unsigned long long)r->id);
-        st = KVF_ERR_INVALID_PARAM;
     } else if (!aux_slot_ok(l, aux_slot)) {
         kvf_error("room %llu: aux slot %u outside the registered aux buffers (%llu slots)",
                   (unsigned long long)r->id, aux_slot,
                   (unsigned long long)min_items(l->aux, l->num_aux));
         st = KVF_ERR_OUT_OF_RANGE;
     } else {
-        s->src_pages = malloc(num_pages * sizeof(uint32_t));
+        s->src_pages = malloc((num_pages ? num_pages : 1) * sizeof(uint32_t));
         if (s->src_pages == NULL) {
             kvf__unlock(eng);
             return KVF_ERR_NO_MEMORY;
@@ -608,37 +672,105 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
     return st;
 }
 
-kvf_status_t kvf_sender_set_state(kvf_sender_t *s, const uint32_t *slots, size_t n)
+kvf_status_t kvf_sender_set_states(kvf_sender_t *s, const kvf_indices_t *states, size_t n)
 {
     kvf_room_t *r = &s->room;
     const kvf_layout_int_t *l = &r->eng->layout;
+    unsigned long long id = r->id;
+    kvf_states_t st_src;
     kvf_status_t st = KVF_OK;
 
-    if (n != l->num_state || (n > 0 && slots == NULL)) {
-        kvf_error("room %llu: %zu state slots given, %u state buffers registered",
-                  (unsigned long long)r->id, n, l->num_state);
+    if (n != l->num_groups || (n > 0 && states == NULL)) {
+        kvf_error("room %llu: state indices for %zu groups given, %u state groups "
+                  "registered", id, n, l->num_groups);
         return KVF_ERR_INVALID_PARAM;
     }
-    size_t bad = first_bad_state_slot(l, slots, n);
-    if (bad < n) {
-        kvf_error("room %llu: state slot %u outside state buffer %zu",
-                  (unsigned long long)r->id, slots[bad], bad);
+    for (size_t g = 0; g < n; g++) {
+        if ((states[g].n > 0 && states[g].idx == NULL) || states[g].n > UINT32_MAX) {
+            kvf_error("room %llu: state group %zu: %zu indices at %p", id, g, states[g].n,
+                      (const void *)states[g].idx);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    if (kvf__states_set(&st_src, states, n) != KVF_OK)
+        return KVF_ERR_NO_MEMORY;
+    uint32_t bad = first_bad_state(l, &st_src);
+    if (bad < st_src.total) {
+        kvf_error("room %llu: state index %u (position %u) outside its state group's "
+                  "buffers", id, st_src.idx[bad], bad);
+        kvf__states_free(&st_src);
         return KVF_ERR_OUT_OF_RANGE;
     }
     kvf__lock(r->eng);
-    if (s->last_sent || s->state_src != NULL) {
+    if (s->last_sent || s->state_src.ngroups > 0) {
+        kvf_error("room %llu: state indices %s", id, s->last_sent
+                  ? "given after the last chunk" : "given twice");
         st = KVF_ERR_STATE;
-    } else if (n > 0) {
-        s->state_src = malloc(n * sizeof(uint32_t));
-        if (s->state_src == NULL)
-            st = KVF_ERR_NO_MEMORY;
-        else {
-            memcpy(s->state_src, slots, n * sizeof(uint32_t));
-            s->n_state_src = (uint32_t)n;
-        }
+    } else {
+        s->state_src = st_src;
+        memset(&st_src, 0, sizeof(st_src));
+    }
+    kvf__unlock(r->eng);
+    kvf__states_free(&st_src);
+    return st;
+}
+
+/* One slot per state group (a layout of plain state buffers: one each). */
+kvf_status_t kvf_sender_set_state(kvf_sender_t *s, const uint32_t *slots, size_t n)
+{
+    if (n == 0)
+        return KVF_OK;
+    kvf_indices_t *one = slots && n <= KVF_WIRE_MAX_BUFS ? malloc(n * sizeof(*one)) : NULL;
+    if (one == NULL) {
+        kvf_error("room %llu: kvf_sender_set_state: %zu slots at %p",
+                  (unsigned long long)s->room.id, n, (const void *)slots);
+        return slots && n <= KVF_WIRE_MAX_BUFS ? KVF_ERR_NO_MEMORY : KVF_ERR_INVALID_PARAM;
+    }
+    for (size_t i = 0; i < n; i++)
+        one[i] = (kvf_indices_t){&slots[i], 1};
+    kvf_status_t st = kvf_sender_set_states(s, one, n);
+    free(one);
+    return st;
+}
+
+kvf_status_t kvf_sender_decode_prefix_len(kvf_sender_t *s, uint32_t *tokens_p)
+{
+    kvf_room_t *r = &s->room;
+    kvf_status_t st = KVF_ERR_AGAIN;
+    kvf__lock(r->eng);
+    if (r->nlinks == r->expected_links && r->nlinks > 0 &&
+        room_state(r) >= KVF_POLL_WAITING_FOR_INPUT) {
+        *tokens_p = s->decode_prefix;
+        st = KVF_OK;
     }
     kvf__unlock(r->eng);
     return st;
+}
+
+/*
+ * The link that carries the room's state wants as many indices of each
+ * group as the sender has: otherwise the room fails (no partial state).
+ * @return 0 when it failed.
+ */
+static int state_counts_agree(kvf_room_t *r)
+{
+    const kvf_states_t *src = &sender_of(r)->state_src;
+    char name[128], type[64];
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        const kvf_states_t *dst = &r->links[i].state;
+        for (uint32_t g = 0; g < dst->ngroups; g++) {
+            if (src->count[g] == dst->count[g])
+                continue;
+            kvf__group_type(&r->eng->layout, g, type, sizeof(type));
+            kvf__room_fail(r, KVF_ERR_BAD_INDICES, "room %llu: state group %u (%s): the "
+                           "prefill gave %u indices, %s expects %u",
+                           (unsigned long long)r->id, g, type, src->count[g],
+                           kvf__peer_name(r->links[i].peer, name, sizeof(name)),
+                           dst->count[g]);
+            return 0;
+        }
+    }
+    return 1;
 }
 
 kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
@@ -679,18 +811,23 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
         why = "an empty chunk that is not the last";
         st = KVF_ERR_INVALID_PARAM;
     } else {
-        for (uint32_t i = 0; i < r->nlinks && r->links[i].n_state > 0 && is_last; i++) {
-            if (s->n_state_src == 0) {
-                why = "the decode side declared state slots: call kvf_sender_set_state "
+        for (uint32_t i = 0; i < r->nlinks && r->links[i].state.ngroups > 0 && is_last; i++) {
+            if (s->state_src.ngroups == 0) {
+                why = "the decode side declared state indices: call kvf_sender_set_states "
                       "before the last chunk";
                 st = KVF_ERR_STATE;
                 break;
             }
         }
     }
+    if (why == NULL && is_last && !state_counts_agree(r)) {
+        kvf__unlock(eng);
+        return KVF_OK;     /* the room failed, with the reason; the call did not */
+    }
     if (why == NULL) {
         st = KVF_OK;
-        memcpy(s->src_pages + s->pages_sent, pages, n * sizeof(uint32_t));
+        if (n > 0)
+            memcpy(s->src_pages + s->pages_sent, pages, n * sizeof(uint32_t));
         for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++) {
             kvf_link_t *lk = &r->links[i];
             if (lk->idle)            /* nothing to send: done with the last chunk */
@@ -733,7 +870,13 @@ void kvf_sender_destroy(kvf_sender_t *s)
         kvf__room_destroy(&s->room);
 }
 
+
 uint64_t kvf_sender_room(const kvf_sender_t *s) { return s->room.id; }
+
+kvf_status_t kvf_sender_metric(kvf_sender_t *s, kvf_room_metric_t *m)
+{
+    return kvf__room_metric(&s->room, m);
+}
 
 void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
                              const kvf_msg_done_ack_t *m)
@@ -775,11 +918,15 @@ void kvf__sender_bury(kvf_room_t *r)
     if (f == NULL)
         return;
     f->f = *r->failure;
+    f->seq = ++eng->tomb_seq;
     f->nranks = r->nlinks;
     for (uint32_t i = 0; i < r->nlinks; i++)
         f->ranks[i] = r->links[i].rank;
-    if (eng->ntombs == KVF_TOMBS) {       /* forget the oldest */
-        free(kvf_map_del(&eng->tombs, eng->tomb_ring[eng->tomb_head]));
+    if (eng->ntombs == KVF_TOMBS) {       /* forget the oldest burial */
+        const struct kvf_tomb_slot *old = &eng->tomb_ring[eng->tomb_head];
+        const kvf_tomb_t *t = kvf_map_get(&eng->tombs, old->room);
+        if (t != NULL && t->seq == old->seq)
+            free(kvf_map_del(&eng->tombs, old->room));
         eng->tomb_head = (eng->tomb_head + 1) % KVF_TOMBS;
         eng->ntombs--;
     }
@@ -788,7 +935,8 @@ void kvf__sender_bury(kvf_room_t *r)
         free(f);
         return;
     }
-    eng->tomb_ring[(eng->tomb_head + eng->ntombs) % KVF_TOMBS] = r->id;
+    eng->tomb_ring[(eng->tomb_head + eng->ntombs) % KVF_TOMBS] =
+        (struct kvf_tomb_slot){r->id, f->seq};
     eng->ntombs++;
 }
 
@@ -828,7 +976,8 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_
     s->instance = instance;
     s->room = room;
     s->bytes = sizeof(*s) + (size_t)s->link.n_pages * sizeof(uint32_t) +
-               (size_t)s->link.n_state * sizeof(uint32_t) + (f ? sizeof(*f) : 0);
+               ((size_t)s->link.state.ngroups + s->link.state.total) * sizeof(uint32_t) +
+               (f ? sizeof(*f) : 0);
     /* Bounded engine-wide: whoever sends messages for rooms that never
      * come must not grow this process (docs/SECURITY.md). */
     while (eng->stash_oldest != NULL && (eng->stash_count >= KVF_STASH_MAX ||
@@ -923,28 +1072,25 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     lk.rank = m->dst_rank;
     lk.n_pages = m->pages.count;
     lk.aux_slot = m->aux_slot;
-    lk.n_state = m->state_slots.count;
+    lk.prefix = m->decode_prefix_len;
     lk.pages = malloc((lk.n_pages ? lk.n_pages : 1) * sizeof(uint32_t));
-    lk.state_slots = lk.n_state ? malloc(lk.n_state * sizeof(uint32_t)) : NULL;
-    if (lk.pages == NULL || (lk.n_state && lk.state_slots == NULL)) {
+    if (lk.pages == NULL ||
+        kvf__states_from_wire(&lk.state, &m->state_counts, &m->state_idx) != KVF_OK) {
         free(lk.pages);
-        free(lk.state_slots);
         kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a room destination");
         return;
     }
     for (uint32_t i = 0; i < lk.n_pages; i++)
         lk.pages[i] = kvf_wire_arr32_at(&m->pages, i);
-    for (uint32_t i = 0; i < lk.n_state; i++)
-        lk.state_slots[i] = kvf_wire_arr32_at(&m->state_slots, i);
     /* Against the decode rank's own layout, as its HELLO described it. */
     if (m->aux_slot != KVF_NO_SLOT && !aux_slot_ok(pl, m->aux_slot))
         bad = "aux slot outside its registered aux buffers";
-    else if (lk.n_state != 0 && lk.n_state != pl->num_state)
-        bad = "state slot count differs from its state buffers";
+    else if (lk.state.ngroups != 0 && lk.state.ngroups != pl->num_groups)
+        bad = "a state group count that differs from its state groups";
     else if (first_bad_page(pl, lk.pages, lk.n_pages) < lk.n_pages)
         bad = "a page outside its registered KV buffers";
-    else if (first_bad_state_slot(pl, lk.state_slots, lk.n_state) < lk.n_state)
-        bad = "a state slot outside its state buffers";
+    else if (lk.state.ngroups != 0 && first_bad_state(pl, &lk.state) < lk.state.total)
+        bad = "a state index outside its state buffers";
 
     char name[128];
     kvf__peer_name(p, name, sizeof(name));
@@ -972,5 +1118,5 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
         take_request(r, p, &lk, m->expected_receivers, m->attempt, f);
     }
     free(lk.pages);
-    free(lk.state_slots);
+    kvf__states_free(&lk.state);
 }

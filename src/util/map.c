@@ -50,6 +50,14 @@ static kvf_status_t grow(kvf_map_t *m)
 
 kvf_status_t kvf_map_put(kvf_map_t *m, uint64_t key, void *val)
 {
+    /* Replacing a value never allocates (callers rely on it). */
+    for (size_t i = m->cap ? slot_of(m, key) : 0; m->cap && m->slots[i].val != NULL;
+         i = (i + 1) & (m->cap - 1)) {
+        if (m->slots[i].key == key) {
+            m->slots[i].val = val;
+            return KVF_OK;
+        }
+    }
     if ((m->count + 1) * 4 > m->cap * 3 && grow(m) != KVF_OK)
         return KVF_ERR_NO_MEMORY;
     for (size_t i = slot_of(m, key);; i = (i + 1) & (m->cap - 1)) {

@@ -25,7 +25,8 @@ typedef struct kvf_map {
 void         kvf_map_init(kvf_map_t *m);
 void         kvf_map_free(kvf_map_t *m);
 void        *kvf_map_get(const kvf_map_t *m, uint64_t key);
-/* Insert or replace; val must not be NULL. */
+/* Insert or replace; val must not be NULL.  Replacing never allocates (never
+ * fails). */
 kvf_status_t kvf_map_put(kvf_map_t *m, uint64_t key, void *val);
 /* @return the removed value, or NULL. */
 void        *kvf_map_del(kvf_map_t *m, uint64_t key);

@@ -189,6 +189,21 @@ static bool kvf_wire_check_layout(const kvf_wire_layout_t *l, char *err,
             return false;
         }
     }
+    if (!KVF_WIRE_CHECK_ARR(&l->state_groups, KVF_WIRE_MAX_BUFS, "state_groups") ||
+        !KVF_WIRE_CHECK_ARR(&l->kv_tags, KVF_WIRE_MAX_BUFS, "kv_tags") ||
+        !kvf_wire_check_str(&l->state_types, what, "state_types", err, errlen))
+        return false;
+    uint64_t in_groups = 0;
+    for (uint32_t g = 0; g < l->state_groups.count; g++)
+        in_groups += kvf_wire_arr32_at(&l->state_groups, g);
+    if (in_groups != l->state_item_bytes.count ||
+        (l->kv_tags.count != 0 && l->kv_tags.count != l->kv_item_bytes.count)) {
+        kvf_wire_errf(err, errlen, "HELLO: layout has %llu state buffers in groups for "
+                      "%u state buffers, %u KV tags for %u KV buffers",
+                      (unsigned long long)in_groups, l->state_item_bytes.count,
+                      l->kv_tags.count, l->kv_item_bytes.count);
+        return false;
+    }
     return true;
 }
 
@@ -309,6 +324,20 @@ static bool kvf_wire_check_data(const kvf_msg_data_t *d, uint32_t *pieces_p,
     return true;
 }
 
+/* ROOM_REQ: the per-group counts add up to the indices given. */
+static bool kvf_wire_check_state_idx(const kvf_msg_room_req_t *r, char *err, size_t errlen)
+{
+    uint64_t sum = 0;
+    for (uint32_t g = 0; g < r->state_counts.count; g++)
+        sum += kvf_wire_arr32_at(&r->state_counts, g);
+    if (sum != r->state_idx.count) {
+        kvf_wire_errf(err, errlen, "ROOM_REQ: state groups count %llu indices, %u given",
+                      (unsigned long long)sum, r->state_idx.count);
+        return false;
+    }
+    return true;
+}
+
 static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
                            size_t errlen)
 {
@@ -319,8 +348,10 @@ static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
         return kvf_wire_check_hello(&m->u.hello, err, errlen);
     case KVF_MSG_ROOM_REQ:
         return KVF_WIRE_CHECK_ARR(&m->u.room_req.pages, UINT32_MAX, "page") &&
-               KVF_WIRE_CHECK_ARR(&m->u.room_req.state_slots,
-                                  KVF_WIRE_MAX_BUFS, "state slot");
+               KVF_WIRE_CHECK_ARR(&m->u.room_req.state_counts, KVF_WIRE_MAX_BUFS,
+                                  "state group") &&
+               KVF_WIRE_CHECK_ARR(&m->u.room_req.state_idx, UINT32_MAX, "state index") &&
+               kvf_wire_check_state_idx(&m->u.room_req, err, errlen);
     case KVF_MSG_DATA:
         return kvf_wire_check_data(&m->u.data, pieces_p, err, errlen);
     case KVF_MSG_DATA_REF:
@@ -509,6 +540,9 @@ static void kvf_wire_wr_hello(kvf_wire_wr_t *w, const kvf_msg_hello_t *h)
     kvf_wire_wr_arr64(w, &l->aux_items);
     kvf_wire_wr_arr64(w, &l->state_item_bytes);
     kvf_wire_wr_arr64(w, &l->state_items);
+    kvf_wire_wr_arr32(w, &l->state_groups);
+    kvf_wire_wr_str(w, &l->state_types);
+    kvf_wire_wr_arr64(w, &l->kv_tags);
 }
 
 static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_data_t *d)
@@ -550,8 +584,10 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         kvf_wire_wr_u32(w, m->u.room_req.expected_receivers);
         kvf_wire_wr_u32(w, m->u.room_req.aux_slot);
         kvf_wire_wr_arr32(w, &m->u.room_req.pages);
-        kvf_wire_wr_arr32(w, &m->u.room_req.state_slots);
+        kvf_wire_wr_arr32(w, &m->u.room_req.state_counts);
+        kvf_wire_wr_arr32(w, &m->u.room_req.state_idx);
         kvf_wire_wr_u32(w, m->u.room_req.attempt);
+        kvf_wire_wr_u32(w, m->u.room_req.decode_prefix_len);
         break;
     case KVF_MSG_DATA:
         kvf_wire_wr_data(w, &m->u.data);
@@ -859,6 +895,9 @@ static void kvf_wire_rd_hello(kvf_wire_rd_t *rd, kvf_msg_hello_t *h)
     kvf_wire_rd_arr64(rd, &l->aux_items, "aux_items");
     kvf_wire_rd_arr64(rd, &l->state_item_bytes, "state_item_bytes");
     kvf_wire_rd_arr64(rd, &l->state_items, "state_items");
+    kvf_wire_rd_arr32(rd, &l->state_groups, KVF_WIRE_MAX_BUFS, "state_groups");
+    kvf_wire_rd_str(rd, &l->state_types, "state_types");
+    kvf_wire_rd_arr64(rd, &l->kv_tags, "kv_tags");
 }
 
 static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
@@ -875,9 +914,10 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         r->expected_receivers = kvf_wire_rd_u32(rd, "expected_receivers");
         r->aux_slot           = kvf_wire_rd_u32(rd, "aux_slot");
         kvf_wire_rd_arr32(rd, &r->pages, UINT32_MAX, "page");
-        kvf_wire_rd_arr32(rd, &r->state_slots, KVF_WIRE_MAX_BUFS,
-                          "state slot");
+        kvf_wire_rd_arr32(rd, &r->state_counts, KVF_WIRE_MAX_BUFS, "state group");
+        kvf_wire_rd_arr32(rd, &r->state_idx, UINT32_MAX, "state index");
         r->attempt            = kvf_wire_rd_u32(rd, "attempt");
+        r->decode_prefix_len  = kvf_wire_rd_u32(rd, "decode_prefix_len");
         break;
     }
     case KVF_MSG_DATA:

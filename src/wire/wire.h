@@ -49,7 +49,8 @@
 #include "util/buf.h"
 
 #define KVF_WIRE_MAGIC      0x5946564bu /* "KVFY" as little-endian bytes */
-#define KVF_WIRE_VERSION    2          /* 2: AUTH / AUTH_PROOF first */
+#define KVF_WIRE_VERSION    3          /* 2: AUTH / AUTH_PROOF first; 3: typed
+                                          state, KV tags, decode prefix */
 #define KVF_WIRE_NONCE_LEN  32
 #define KVF_WIRE_MAC_LEN    32         /* HMAC-SHA256 */
 #define KVF_WIRE_AUTH_LEN   (4 + 2 + 1 + 1 + 8 + 4 + KVF_WIRE_NONCE_LEN)
@@ -126,7 +127,21 @@ typedef struct kvf_wire_layout {
     kvf_wire_arr64_t aux_items;       /* slots per aux buffer */
     kvf_wire_arr64_t state_item_bytes;
     kvf_wire_arr64_t state_items;
+    /* Typed state: buffers per group, in order (their sum is the number of
+     * state buffers), and the groups' types joined by ','. */
+    kvf_wire_arr32_t state_groups;
+    kvf_wire_str_t   state_types;
+    /* One tag per KV buffer (kvf_wire_tag()): what it holds. */
+    kvf_wire_arr64_t kv_tags;
 } kvf_wire_layout_t;
+
+/* A KV buffer's tag as HELLO carries it: layer, role and group (kvferry.h
+ * kvf_kv_tag_t); role and group below 2^16. */
+static inline uint64_t kvf_wire_tag(uint32_t layer, uint32_t role, uint32_t group)
+{
+    return (uint64_t)layer | (uint64_t)(role & 0xffffu) << 32 |
+           (uint64_t)(group & 0xffffu) << 48;
+}
 
 #define KVF_HELLO_F_CHECKSUM 0x1u      /* sender computes XXH3 checksums */
 
@@ -173,8 +188,12 @@ typedef struct kvf_msg_room_req {
     uint32_t         expected_receivers;  /* decode ranks this sender feeds */
     uint32_t         aux_slot;
     kvf_wire_arr32_t pages;               /* decode page indices, in order */
-    kvf_wire_arr32_t state_slots;         /* one per state buffer */
+    /* State indices: state_counts[g] of them for state group g, all groups'
+     * in order in state_idx (no groups: nothing for state). */
+    kvf_wire_arr32_t state_counts;
+    kvf_wire_arr32_t state_idx;
     uint32_t         attempt;             /* 0; n: resumed after n reconnects */
+    uint32_t         decode_prefix_len;   /* tokens the decode holds already */
 } kvf_msg_room_req_t;
 
 typedef struct kvf_wire_seg {

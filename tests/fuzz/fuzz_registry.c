@@ -12,10 +12,12 @@
  * 4 s per request, so the stale-configuration rule is reached too.
  *
  * Besides the sanitizers, the oracle checks that every answer has a known
- * status, a body, and valid JSON whenever it says application/json; and
- * the access rule: with the token, a mutating request without exactly
- * "Bearer FUZZ_TOKEN" (scheme in any case) gets 401, one with it never
- * does; in protected mode, a remote mutating request gets 403.
+ * status, a body, and valid JSON whenever it says application/json; that
+ * GET /route answers have exactly the keys of SGLang's PrefillServerInfo
+ * or PrefillRankInfo; and the access rule: with the token, a mutating
+ * request without exactly "Bearer FUZZ_TOKEN" (scheme in any case) gets
+ * 401, one with it never does; in protected mode, a remote mutating
+ * request gets 403.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -125,6 +127,17 @@ static void run_one(kvf_registry_state_t *st, int with_token, int loopback,
         json_t *j = json_loads(resp, 0, &err);
         if (j == NULL) {
             fprintf(stderr, "invalid JSON answer: %s\n", resp);
+            abort();
+        }
+        /* GET /route answers SGLang's shapes exactly: decode servers do
+         * PrefillServerInfo(**data) / PrefillRankInfo(**data). */
+        if (strcmp(path, "/route") == 0 && status == 200 &&
+            !(json_object_size(j) == 15 &&
+              json_object_get(j, "required_prefill_response_num")) &&
+            !(json_object_size(j) == 2 && json_object_get(j, "rank_ip") &&
+              json_object_get(j, "rank_port"))) {
+            fprintf(stderr, "GET /route answered neither PrefillServerInfo "
+                    "nor PrefillRankInfo: %s\n", resp);
             abort();
         }
         json_decref(j);

@@ -60,7 +60,10 @@ static bool fz_hello_eq(const kvf_msg_hello_t *a, const kvf_msg_hello_t *b)
            fz_arr64_eq(&x->aux_item_bytes, &y->aux_item_bytes) &&
            fz_arr64_eq(&x->aux_items, &y->aux_items) &&
            fz_arr64_eq(&x->state_item_bytes, &y->state_item_bytes) &&
-           fz_arr64_eq(&x->state_items, &y->state_items);
+           fz_arr64_eq(&x->state_items, &y->state_items) &&
+           fz_arr32_eq(&x->state_groups, &y->state_groups) &&
+           fz_str_eq(x->state_types, y->state_types) &&
+           fz_arr64_eq(&x->kv_tags, &y->kv_tags);
 }
 
 static bool fz_data_eq(const kvf_msg_data_t *a, const kvf_msg_data_t *b)
@@ -106,9 +109,11 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
                    b->u.room_req.expected_receivers &&
                a->u.room_req.aux_slot == b->u.room_req.aux_slot &&
                fz_arr32_eq(&a->u.room_req.pages, &b->u.room_req.pages) &&
-               fz_arr32_eq(&a->u.room_req.state_slots,
-                           &b->u.room_req.state_slots) &&
-               a->u.room_req.attempt == b->u.room_req.attempt;
+               fz_arr32_eq(&a->u.room_req.state_counts,
+                           &b->u.room_req.state_counts) &&
+               fz_arr32_eq(&a->u.room_req.state_idx, &b->u.room_req.state_idx) &&
+               a->u.room_req.attempt == b->u.room_req.attempt &&
+               a->u.room_req.decode_prefix_len == b->u.room_req.decode_prefix_len;
     case KVF_MSG_DATA:
         return fz_data_eq(&a->u.data, &b->u.data);
     case KVF_MSG_DONE:

@@ -99,11 +99,22 @@ static void test_init_writes_only_size(void)
         }
         /* A field added after 0.1.0 gets its default when the size holds
          * it; past the fields the library knows: zeroed, never garbage. */
-        const size_t known = KVF_FIELD_END(kvf_engine_params_t, auth_token);
+        const size_t known = KVF_FIELD_END(kvf_engine_params_t, dsa_cache_layer_split);
+        const kvf_engine_params_t *ip = (const kvf_engine_params_t *)s.b;
         if (psizes[i] >= KVF_FIELD_END(kvf_engine_params_t, handshake_timeout_ms))
-            CHECK_EQ_INT(((kvf_engine_params_t *)s.b)->handshake_timeout_ms, 5000);
-        if (psizes[i] >= known)
-            CHECK(((kvf_engine_params_t *)s.b)->auth_token == NULL);
+            CHECK_EQ_INT(ip->handshake_timeout_ms, 5000);
+        if (psizes[i] >= KVF_FIELD_END(kvf_engine_params_t, auth_token))
+            CHECK(ip->auth_token == NULL);
+        /* The registration fields default to 0/NULL ("the default"). */
+        if (psizes[i] >= known) {
+            CHECK_EQ_INT(ip->cp_rank, 0);
+            CHECK_EQ_INT(ip->cp_size, 0);
+            CHECK_EQ_INT(ip->dp_attention, 0);
+            CHECK(ip->kv_cache_dtype == NULL);
+            CHECK(ip->load_balance_method == NULL);
+            CHECK_EQ_INT(ip->prefill_http_port, 0);
+            CHECK_EQ_INT(ip->dsa_cache_layer_split, 0);
+        }
         for (size_t j = known; j < psizes[i]; j++)
             CHECK_EQ_INT(s.b[j], 0);
     }
@@ -147,6 +158,7 @@ static void test_v0_params_create(void)
      * the engine must take their defaults, not the canaries. */
     CHECK(KVF_ENGINE_PARAMS_SIZE_V0 <= offsetof(kvf_engine_params_t, handshake_timeout_ms));
     CHECK(KVF_ENGINE_PARAMS_SIZE_V0 <= offsetof(kvf_engine_params_t, auth_token));
+    CHECK(KVF_ENGINE_PARAMS_SIZE_V0 <= offsetof(kvf_engine_params_t, cp_rank));
     scratch_t *g = malloc(sizeof(*g));
     kvf_engine_params_t *p = (kvf_engine_params_t *)g->b;
 

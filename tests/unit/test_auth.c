@@ -781,7 +781,7 @@ static void test_version1_peer(void)
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_VERSION);
     CHECK_STR_CONTAINS(f.reason, "peer speaks kvferry wire protocol version 1, this build "
-                                 "speaks version 2");
+                                 "speaks version 3");
     /* And what it got from us: an AUTH, which it refuses as type 11. */
     uint8_t h[8];
     CHECK(wp_read(fd, h, sizeof(h), 5000) && h[4] == KVF_MSG_AUTH);
@@ -835,6 +835,49 @@ static void test_protected_mode(void)
     kvf_engine_destroy(s.eng);
 }
 
+/*
+ * A flood of connections that never authenticate: past the bound from one
+ * address, new ones are closed at once (no AUTH sent, counted as
+ * refusals); once the idle ones reach their handshake deadline and are
+ * closed, connections are admitted again.
+ */
+static void test_unauthenticated_flood_bounded(void)
+{
+    static int fds[KVF_MAX_UNAUTH_PER_HOST];
+    uint8_t body[1 << 12];
+    kvf_msg_t m;
+    kvf_engine_params_t p;
+    kvf_engine_t *eng;
+    clear_env();
+    kvf_engine_params_init(&p);
+    p.role = KVF_ROLE_DECODE;
+    p.auth_token = "alpha";
+    p.handshake_timeout_ms = 1000;
+    CHECK_EQ_INT(kvf_engine_create(&p, &eng), KVF_OK);
+    int port = port_of(eng);
+
+    for (int i = 0; i < KVF_MAX_UNAUTH_PER_HOST; i++) {
+        fds[i] = dial(port);
+        CHECK(fds[i] >= 0 && wp_recv(fds[i], &m, body, sizeof(body), 5000) == KVF_MSG_AUTH);
+    }
+    uint64_t before = kvf_engine_auth_refused(eng);
+    int extra = dial(port);
+    CHECK(extra >= 0 && wp_closed(extra, 5000));
+    close(extra);
+    CHECK_EQ_INT(kvf_engine_auth_refused(eng), before + 1);
+    /* The engine closes the idle ones at their deadline (EOF here). */
+    int closed = 0;
+    for (int i = 0; i < KVF_MAX_UNAUTH_PER_HOST; i++) {
+        closed += wp_closed(fds[i], 5000);
+        close(fds[i]);
+    }
+    CHECK_EQ_INT(closed, KVF_MAX_UNAUTH_PER_HOST);
+    int again = dial(port);
+    CHECK(again >= 0 && wp_recv(again, &m, body, sizeof(body), 5000) == KVF_MSG_AUTH);
+    close(again);
+    kvf_engine_destroy(eng);
+}
+
 KVF_TEST_MAIN(
     KVF_CASE(test_mac_context),
     KVF_CASE(test_wrong_token_refused),
@@ -845,5 +888,6 @@ KVF_TEST_MAIN(
     KVF_CASE(test_shm_handout),
     KVF_CASE(test_ucx_rkey_put_over_tcp),
     KVF_CASE(test_version1_peer),
-    KVF_CASE(test_protected_mode)
+    KVF_CASE(test_protected_mode),
+    KVF_CASE(test_unauthenticated_flood_bounded)
 )

@@ -13,10 +13,12 @@
 #include <unistd.h>
 
 #include <curl/curl.h>
+#include <jansson.h>
 
 #include "bootstrap/bootstrap.h"
 #include "util/time.h"
 
+#include "kvf_http_capture.h"
 #include "kvf_test.h"
 
 #define TMO 3000u
@@ -271,7 +273,12 @@ static void test_register_until_ready(void)
               "target_tp_rank=-1&target_pp_rank=-1", NULL, 200,
               "{\"attn_tp_size\":2,\"attn_cp_size\":1,\"dp_size\":1,"
               "\"pp_size\":1,\"page_size\":64,\"kv_cache_dtype\":\"bfloat16\","
-              "\"follow_bootstrap_room\":false}");
+              "\"follow_bootstrap_room\":false,"
+              "\"enable_dsa_cache_layer_split\":false,"
+              "\"prefill_http_port\":null,\"target_tp_rank\":null,"
+              "\"target_tp_ranks\":null,\"target_cp_ranks\":null,"
+              "\"target_pp_ranks\":null,\"required_dst_info_num\":null,"
+              "\"required_prefill_response_num\":null}");
 
     CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 1, 0, TMO, ip, sizeof(ip),
                                   &port, err, sizeof(err)), KVF_OK);
@@ -462,7 +469,7 @@ static void test_dp_layouts(void)
         return;
     }
     /* System DP (no DP attention): dp_size and the coordinate come from
-     * system_dp_*; SGLang's optional fields are echoed when sent. */
+     * system_dp_*; SGLang's optional fields are echoed. */
     const char *fmt = "{\"attn_tp_size\":1,\"attn_tp_rank\":0,"
         "\"attn_cp_size\":1,\"attn_cp_rank\":0,\"attn_dp_size\":1,"
         "\"attn_dp_rank\":0,\"pp_size\":1,\"pp_rank\":0,\"system_dp_size\":2,"
@@ -479,12 +486,14 @@ static void test_dp_layouts(void)
               "\"dp_size\":2,\"pp_size\":1,\"page_size\":16,"
               "\"kv_cache_dtype\":null,\"follow_bootstrap_room\":true,"
               "\"enable_dsa_cache_layer_split\":false,"
-              "\"prefill_http_port\":30000}");
+              "\"prefill_http_port\":30000,\"target_tp_rank\":null,");
     CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
                  KVF_OK);
     CHECK_EQ_INT(info.dp_size, 2);
     CHECK_EQ_INT(info.follow_bootstrap_room, 1);
     CHECK(info.kv_cache_dtype[0] == '\0');
+    CHECK_EQ_INT(info.prefill_http_port, 30000);
+    CHECK_EQ_INT(info.enable_dsa_cache_layer_split, 0);
     CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 1, 0, 0, 0, TMO, ip, sizeof(ip),
                                   &port, err, sizeof(err)), KVF_OK);
     CHECK(strcmp(ip, "::1") == 0);
@@ -524,6 +533,366 @@ static void test_dp_layouts(void)
     CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
                  KVF_OK);
     CHECK_EQ_INT(info.follow_bootstrap_room, 1);
+    kvf_bootstrap_destroy(s.bs);
+}
+
+/* ------------------------------------------------------------------------ */
+/* SGLang's fields, exactly                                                 */
+/* ------------------------------------------------------------------------ */
+
+/* The keys of SGLang's PUT /route body (CommonKVManager.register_to_bootstrap)
+ * and of its PrefillServerInfo dataclass, in its order. */
+static const char *const PUT_KEYS[] = {
+    "attn_tp_size", "attn_tp_rank", "attn_cp_size", "attn_cp_rank",
+    "attn_dp_size", "attn_dp_rank", "pp_size", "pp_rank", "system_dp_size",
+    "system_dp_rank", "rank_ip", "rank_port", "page_size", "kv_cache_dtype",
+    "load_balance_method", "enable_dsa_cache_layer_split",
+    "prefill_http_port"};
+static const char *const INFO_KEYS[] = {
+    "attn_tp_size", "attn_cp_size", "dp_size", "pp_size", "page_size",
+    "kv_cache_dtype", "follow_bootstrap_room", "enable_dsa_cache_layer_split",
+    "prefill_http_port", "target_tp_rank", "target_tp_ranks",
+    "target_cp_ranks", "target_pp_ranks", "required_dst_info_num",
+    "required_prefill_response_num"};
+#define NKEYS(a) (sizeof(a) / sizeof((a)[0]))
+
+/* o has exactly these keys (no more, none missing), in this order. */
+static int exact_keys(json_t *o, const char *const *keys, size_t n)
+{
+    const char *k;
+    json_t *v;
+    size_t i = 0;
+
+    if (!json_is_object(o) || json_object_size(o) != n) {
+        fprintf(stderr, "  %zu keys, want %zu\n",
+                json_is_object(o) ? json_object_size(o) : 0, n);
+        return 0;
+    }
+    json_object_foreach(o, k, v) {
+        if (strcmp(k, keys[i]) != 0) {
+            fprintf(stderr, "  key %zu is \"%s\", want \"%s\"\n", i, k,
+                    keys[i]);
+            return 0;
+        }
+        i++;
+    }
+    return 1;
+}
+
+static int jint(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    return json_is_integer(v) ? (int)json_integer_value(v) : -12345;
+}
+
+static const char *jstr(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    return json_is_string(v) ? json_string_value(v) : "(not a string)";
+}
+
+/* GET /route with all four parameters -1, as JSON (NULL unless 200). */
+static json_t *get_info_json(const srv_t *s)
+{
+    raw_resp_t r = raw(s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank="
+                       "-1&target_tp_rank=-1&target_pp_rank=-1", NULL, 0, 0);
+    json_t *j = r.status == 200 ? json_loads(r.body, 0, NULL) : NULL;
+    if (r.status != 200)
+        fprintf(stderr, "  GET /route: %ld %s\n", r.status,
+                r.body ? r.body : "");
+    free(r.body);
+    return j;
+}
+
+/* A registration with every field away from its default: CP 2, DP
+ * attention 3 groups, PP 2, dtype "auto", a load-balance method that is
+ * not follow_bootstrap_room, the DSA split on, an HTTP port. */
+static kvf_bs_reg_t mkfull(int cp_rank, int dp_rank, int pp_rank, int port)
+{
+    kvf_bs_reg_t r = {
+        .attn_tp_size = 1, .attn_tp_rank = 0,
+        .attn_cp_size = 2, .attn_cp_rank = cp_rank,
+        .attn_dp_size = 3, .attn_dp_rank = dp_rank,
+        .pp_size = 2, .pp_rank = pp_rank,
+        .system_dp_size = 1, .system_dp_rank = dp_rank,
+        .rank_ip = "127.0.0.1", .rank_port = port,
+        .page_size = 32, .kv_cache_dtype = "auto",
+        .load_balance_method = "total_requests",
+        .enable_dsa_cache_layer_split = 1, .prefill_http_port = 30123,
+    };
+    return r;
+}
+
+static void test_registration_fields(void)
+{
+    capture_t cap;
+    srv_t s;
+    char err[512] = "";
+
+    /* What the client sends: SGLang's body, key for key, and the token. */
+    if (capture_start(&cap) != 0) {
+        CHECK(!"capture server start");
+        return;
+    }
+    kvf_bs_reg_t full = mkfull(1, 2, 1, 17005);
+    CHECK_EQ_INT(kvf__bs_register_auth(cap.addr, &full, "tok-123", TMO, err,
+                                       sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(capture_count(&cap), 1);
+    CHECK(strcmp(cap.method, "PUT") == 0);
+    CHECK(strcmp(cap.target, "/route") == 0);
+    CHECK(strcmp(cap.authorization, "Bearer tok-123") == 0);
+    json_t *b = json_loads(cap.body, 0, NULL);
+    CHECK(exact_keys(b, PUT_KEYS, NKEYS(PUT_KEYS)));
+    CHECK_EQ_INT(jint(b, "attn_cp_size"), 2);
+    CHECK_EQ_INT(jint(b, "attn_cp_rank"), 1);
+    CHECK_EQ_INT(jint(b, "attn_dp_size"), 3);
+    CHECK_EQ_INT(jint(b, "attn_dp_rank"), 2);
+    CHECK_EQ_INT(jint(b, "pp_size"), 2);
+    CHECK_EQ_INT(jint(b, "pp_rank"), 1);
+    CHECK_EQ_INT(jint(b, "system_dp_size"), 1);
+    CHECK_EQ_INT(jint(b, "system_dp_rank"), 2);
+    CHECK_EQ_INT(jint(b, "rank_port"), 17005);
+    CHECK_EQ_INT(jint(b, "page_size"), 32);
+    CHECK(strcmp(jstr(b, "kv_cache_dtype"), "auto") == 0);
+    CHECK(strcmp(jstr(b, "load_balance_method"), "total_requests") == 0);
+    CHECK(json_is_true(json_object_get(b, "enable_dsa_cache_layer_split")));
+    CHECK_EQ_INT(jint(b, "prefill_http_port"), 30123);
+    json_decref(b);
+    /* Unknown values travel as null, never as a made-up number. */
+    kvf_bs_reg_t bare = mkreg(1, 0, 17000);
+    bare.kv_cache_dtype = NULL;
+    CHECK_EQ_INT(kvf__bs_register_auth(cap.addr, &bare, "tok-123", TMO, err,
+                                       sizeof(err)), KVF_OK);
+    b = json_loads(cap.body, 0, NULL);
+    CHECK(exact_keys(b, PUT_KEYS, NKEYS(PUT_KEYS)));
+    CHECK(json_is_null(json_object_get(b, "prefill_http_port")));
+    CHECK(json_is_null(json_object_get(b, "kv_cache_dtype")));
+    CHECK(json_is_false(json_object_get(b, "enable_dsa_cache_layer_split")));
+    json_decref(b);
+    capture_stop(&cap);
+
+    /* What the registry keeps and answers: every rank of CP 2 x DP 3 x
+     * PP 2, then PrefillServerInfo's keys exactly, with these values. */
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    int port = 17100;
+    for (int dp = 0; dp < 3; dp++)
+        for (int cp = 0; cp < 2; cp++)
+            for (int pp = 0; pp < 2; pp++) {
+                kvf_bs_reg_t r = mkfull(cp, dp, pp, port++);
+                put_reg(&s, &r, KVF_OK);
+            }
+    json_t *j = get_info_json(&s);
+    CHECK(exact_keys(j, INFO_KEYS, NKEYS(INFO_KEYS)));
+    CHECK_EQ_INT(jint(j, "attn_tp_size"), 1);
+    CHECK_EQ_INT(jint(j, "attn_cp_size"), 2);
+    CHECK_EQ_INT(jint(j, "dp_size"), 3);
+    CHECK_EQ_INT(jint(j, "pp_size"), 2);
+    CHECK_EQ_INT(jint(j, "page_size"), 32);
+    CHECK(strcmp(jstr(j, "kv_cache_dtype"), "auto") == 0);
+    CHECK(json_is_false(json_object_get(j, "follow_bootstrap_room")));
+    CHECK(json_is_true(json_object_get(j, "enable_dsa_cache_layer_split")));
+    CHECK_EQ_INT(jint(j, "prefill_http_port"), 30123);
+    for (size_t i = 9; i < NKEYS(INFO_KEYS); i++)
+        CHECK(json_is_null(json_object_get(j, INFO_KEYS[i])));
+    json_decref(j);
+    /* The C decode side reads the same answer. */
+    kvf_bs_info_t info;
+    CHECK_EQ_INT(kvf__bs_get_info(s.addr, TMO, &info, err, sizeof(err)),
+                 KVF_OK);
+    CHECK_EQ_INT(info.attn_cp_size, 2);
+    CHECK_EQ_INT(info.dp_size, 3);
+    CHECK_EQ_INT(info.pp_size, 2);
+    CHECK_EQ_INT(info.follow_bootstrap_room, 0);
+    CHECK_EQ_INT(info.enable_dsa_cache_layer_split, 1);
+    CHECK_EQ_INT(info.prefill_http_port, 30123);
+    CHECK(strcmp(info.kv_cache_dtype, "auto") == 0);
+    /* Each rank is kept at its (dp, cp, tp, pp). */
+    char ip[64];
+    int rp = 0;
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 2, 1, 0, 1, TMO, ip, sizeof(ip),
+                                  &rp, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(rp, 17100 + 2 * 4 + 1 * 2 + 1);
+    RAW_CHECK(&s, "GET", "/metrics", NULL, 200,
+              "kvferry_registry_ranks_registered 12\n");
+    kvf_bootstrap_destroy(s.bs);
+}
+
+/* PUT /route with this kv_cache_dtype (NULL: null) for tp rank `tp` of 4. */
+static int put_dtype(const srv_t *s, int tp, const char *dtype, char *err,
+                     size_t errlen)
+{
+    kvf_bs_reg_t r = mkreg(4, tp, 17200 + tp);
+    r.kv_cache_dtype = dtype;
+    return (int)kvf__bs_register(s->addr, &r, TMO, err, errlen);
+}
+
+static void test_dtype_auto(void)
+{
+    srv_t s;
+    char err[512] = "";
+    json_t *j;
+
+    /* "auto" beside "auto", beside the dtype it may resolve to, and
+     * spellings of one dtype: none is refused; the first one's string is
+     * what decode servers compare with their own --kv-cache-dtype. */
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    CHECK_EQ_INT(put_dtype(&s, 0, "auto", err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(put_dtype(&s, 1, "auto", err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(put_dtype(&s, 2, "bfloat16", err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(put_dtype(&s, 3, "bf16", err, sizeof(err)), KVF_OK);
+    j = get_info_json(&s);
+    CHECK(strcmp(jstr(j, "kv_cache_dtype"), "auto") == 0);
+    json_decref(j);
+    /* Once a concrete dtype is known, another concrete one would break
+     * the transfers of one of them: 409, naming both. */
+    RAW_CHECK(&s, "GET", "/metrics", NULL, 200,
+              "kvferry_registry_ranks_registered 4\n");
+    kvf_bootstrap_destroy(s.bs);
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    CHECK_EQ_INT(put_dtype(&s, 0, "auto", err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(put_dtype(&s, 1, "bfloat16", err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(put_dtype(&s, 2, "fp8_e4m3", err, sizeof(err)),
+                 KVF_ERR_BOOTSTRAP);
+    CHECK_STR_CONTAINS(err, "answered 409");
+    CHECK_STR_CONTAINS(err, "kv_cache_dtype=fp8_e4m3, but the registry has "
+                       "kv_cache_dtype=bfloat16");
+    CHECK_EQ_INT(put_dtype(&s, 2, NULL, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(put_dtype(&s, 3, "AUTO", err, sizeof(err)), KVF_OK);
+    kvf_bootstrap_destroy(s.bs);
+
+    /* A first registration without a dtype (null): SGLang takes the first
+     * one a later rank names. */
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    for (int tp = 0; tp < 4; tp++)
+        CHECK_EQ_INT(put_dtype(&s, tp, tp == 0 ? NULL : "auto", err,
+                               sizeof(err)), KVF_OK);
+    j = get_info_json(&s);
+    CHECK(strcmp(jstr(j, "kv_cache_dtype"), "auto") == 0);
+    json_decref(j);
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_reregistration(void)
+{
+    srv_t s;
+    char err[512] = "", ip[64];
+    int port = 0;
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    /* The same registration again and again (engines re-register every
+     * 5 s): always 200, counted once. */
+    kvf_bs_reg_t r0 = mkfull(0, 0, 0, 17300);
+    for (int i = 0; i < 5; i++)
+        put_reg(&s, &r0, KVF_OK);
+    RAW_CHECK(&s, "GET", "/metrics", NULL, 200,
+              "kvferry_registry_ranks_registered 1\n");
+    /* Server-wide settings that differ never refuse a rank: the first
+     * registration's stay, as in SGLang. */
+    kvf_bs_reg_t r1 = mkfull(1, 0, 0, 17301);
+    r1.load_balance_method = "follow_bootstrap_room";
+    r1.prefill_http_port = 30999;
+    r1.enable_dsa_cache_layer_split = 0;
+    put_reg(&s, &r1, KVF_OK);
+    /* The same slot naming a dtype where it said "auto": no conflict, the
+     * rank still counts once. */
+    r0.kv_cache_dtype = "fp8_e5m2";
+    put_reg(&s, &r0, KVF_OK);
+    RAW_CHECK(&s, "GET", "/metrics", NULL, 200,
+              "kvferry_registry_ranks_registered 2\n");
+    /* The same slot with another page size (a restart): it replaces the
+     * configuration, no 409. */
+    r0.page_size = 16;
+    r0.rank_port = 17400;
+    put_reg(&s, &r0, KVF_OK);
+    CHECK_EQ_INT(kvf__bs_get_rank(s.addr, 0, 0, 0, 0, TMO, ip, sizeof(ip),
+                                  &port, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(port, 17400);
+    RAW_CHECK(&s, "GET", "/metrics", NULL, 200,
+              "kvferry_registry_config_replaced_total 1\n");
+    /* ... and re-registering it once more, the same: still 200. */
+    put_reg(&s, &r0, KVF_OK);
+    RAW_CHECK(&s, "GET", "/metrics", NULL, 200,
+              "kvferry_registry_ranks_registered 1\n");
+    kvf_bootstrap_destroy(s.bs);
+
+    /* Without replacement: settings of the first registration stay. */
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    kvf_bs_reg_t a = mkreg(2, 0, 17500), b = mkreg(2, 1, 17501);
+    a.prefill_http_port = 30001;
+    b.prefill_http_port = 30002;
+    b.load_balance_method = "follow_bootstrap_room";
+    b.enable_dsa_cache_layer_split = 1;
+    put_reg(&s, &a, KVF_OK);
+    put_reg(&s, &b, KVF_OK);
+    put_reg(&s, &b, KVF_OK);
+    json_t *j = get_info_json(&s);
+    CHECK(exact_keys(j, INFO_KEYS, NKEYS(INFO_KEYS)));
+    CHECK_EQ_INT(jint(j, "prefill_http_port"), 30001);
+    CHECK(json_is_false(json_object_get(j, "follow_bootstrap_room")));
+    CHECK(json_is_false(json_object_get(j, "enable_dsa_cache_layer_split")));
+    json_decref(j);
+    kvf_bootstrap_destroy(s.bs);
+}
+
+static void test_sglang_bodies(void)
+{
+    srv_t s;
+
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    /* SGLang's own body as its prefill sends it, then the optional
+     * fields' bad values. */
+    const char *fmt = "{\"attn_tp_size\":1,\"attn_tp_rank\":0,"
+        "\"attn_cp_size\":1,\"attn_cp_rank\":0,\"attn_dp_size\":1,"
+        "\"attn_dp_rank\":0,\"pp_size\":1,\"pp_rank\":0,\"system_dp_size\":1,"
+        "\"system_dp_rank\":0,\"rank_ip\":\"10.1.2.3\",\"rank_port\":41000,"
+        "\"page_size\":1,\"kv_cache_dtype\":\"auto\","
+        "\"load_balance_method\":\"follow_bootstrap_room\","
+        "\"enable_dsa_cache_layer_split\":%s,\"prefill_http_port\":%s}";
+    char body[768];
+    snprintf(body, sizeof(body), fmt, "1", "30000");
+    RAW_CHECK(&s, "PUT", "/route", body, 400,
+              "\"enable_dsa_cache_layer_split\" must be true or false");
+    snprintf(body, sizeof(body), fmt, "false", "\"30000\"");
+    RAW_CHECK(&s, "PUT", "/route", body, 400,
+              "\"prefill_http_port\" must be an integer");
+    snprintf(body, sizeof(body), fmt, "false", "70000");
+    RAW_CHECK(&s, "PUT", "/route", body, 400,
+              "\"prefill_http_port\" is 70000, outside 1..65535");
+    snprintf(body, sizeof(body), fmt, "false", "null");
+    RAW_CHECK(&s, "PUT", "/route", body, 200, "OK");
+    json_t *j = get_info_json(&s);
+    CHECK(exact_keys(j, INFO_KEYS, NKEYS(INFO_KEYS)));
+    CHECK(json_is_null(json_object_get(j, "prefill_http_port")));
+    CHECK(json_is_true(json_object_get(j, "follow_bootstrap_room")));
+    json_decref(j);
+    /* A later rank's HTTP port fills the unknown one, as SGLang does. */
+    snprintf(body, sizeof(body), fmt, "false", "30000");
+    RAW_CHECK(&s, "PUT", "/route", body, 200, "OK");
+    j = get_info_json(&s);
+    CHECK_EQ_INT(jint(j, "prefill_http_port"), 30000);
+    json_decref(j);
     kvf_bootstrap_destroy(s.bs);
 }
 
@@ -811,6 +1180,10 @@ KVF_TEST_MAIN(KVF_CASE(test_split_addr),
               KVF_CASE(test_bad_bodies),
               KVF_CASE(test_conflict_and_reregister),
               KVF_CASE(test_dp_layouts),
+              KVF_CASE(test_registration_fields),
+              KVF_CASE(test_dtype_auto),
+              KVF_CASE(test_reregistration),
+              KVF_CASE(test_sglang_bodies),
               KVF_CASE(test_dp_rooms),
               KVF_CASE(test_room_eviction),
               KVF_CASE(test_metrics),

@@ -603,11 +603,13 @@ static void fake_send(fake_peer_t *f, const kvf_msg_t *m, const uint8_t *payload
  * rank 0 of TP HEADS / heads. */
 static void fake_hello(fake_peer_t *f, kvf_role_t role, uint32_t heads)
 {
-    uint64_t kb[NKV], ki[NKV], ab = AUX_B, ai = SLOTS, sb = 8, si = SLOTS;
+    uint64_t kb[NKV], ki[NKV], kt[NKV], ab = AUX_B, ai = SLOTS, sb = 8, si = SLOTS;
+    uint32_t one = 1;
     char addr[32];
     for (int i = 0; i < NKV; i++) {
         kb[i] = (uint64_t)PAGE * heads * HEAD_B;
         ki[i] = PAGES;
+        kt[i] = kvf_wire_tag((uint32_t)i / 2, (uint32_t)i % 2, 0);   /* K, V per layer */
     }
     snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
     kvf_msg_t m = {.type = KVF_MSG_HELLO};
@@ -632,6 +634,8 @@ static void fake_hello(fake_peer_t *f, kvf_role_t role, uint32_t heads)
     h->layout.aux_items = (kvf_wire_arr64_t){1, &ai, NULL};
     h->layout.state_item_bytes = (kvf_wire_arr64_t){1, &sb, NULL};
     h->layout.state_items = (kvf_wire_arr64_t){1, &si, NULL};
+    h->layout.state_groups = (kvf_wire_arr32_t){1, &one, NULL};   /* a plain state buffer */
+    h->layout.kv_tags = (kvf_wire_arr64_t){NKV, kt, NULL};
     fake_send(f, &m, NULL, 0);
 }
 
@@ -888,7 +892,9 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     req.u.room_req.expected_receivers = 1;
     req.u.room_req.aux_slot = 1;
     req.u.room_req.pages = (kvf_wire_arr32_t){1, &dpage, NULL};
-    req.u.room_req.state_slots = (kvf_wire_arr32_t){1, &dstate, NULL};
+    uint32_t one_state = 1;
+    req.u.room_req.state_counts = (kvf_wire_arr32_t){1, &one_state, NULL};
+    req.u.room_req.state_idx = (kvf_wire_arr32_t){1, &dstate, NULL};
     fake_send(f, &req, NULL, 0);
 
     uint32_t spage = 20, sstate = 4;

@@ -133,7 +133,7 @@ static void test_pipeline(void)
     dec.num_layers = 32;
     dec.num_kv = 64;
     CHECK_EQ_INT(kvf__plan_slice(&pre, &dec, &s, err, sizeof(err)), KVF_OK);
-    CHECK_EQ_INT(s.dst_buf0, 32);
+    CHECK_EQ_INT(s.sliced, 0);
     /* decode PP 4 against prefill PP 2 is refused */
     dec.pp_size = 4;
     CHECK_EQ_INT(kvf__plan_slice(&pre, &dec, &s, err, sizeof(err)), KVF_ERR_INCOMPATIBLE);

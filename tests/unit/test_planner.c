@@ -82,6 +82,20 @@ static void test_map(void)
     CHECK_EQ_INT(bad, 0);
     CHECK_EQ_INT(m.count, N / 2);
     kvf_map_free(&m);
+
+    /* Full up to the growth threshold: replacing a value must not grow
+     * the table (a caller swapping a chain head relies on it never
+     * failing); inserting a new key does. */
+    kvf_map_init(&m);
+    for (int i = 0; m.cap == 0 || (m.count + 1) * 4 <= m.cap * 3; i++)
+        CHECK_EQ_INT(kvf_map_put(&m, (uint64_t)i, &vals[i]), 0);
+    size_t cap = m.cap;
+    CHECK_EQ_INT(kvf_map_put(&m, 0, &vals[1]), 0);
+    CHECK_EQ_INT(m.cap, cap);
+    CHECK(kvf_map_get(&m, 0) == &vals[1]);
+    CHECK_EQ_INT(kvf_map_put(&m, 99999, &vals[2]), 0);
+    CHECK(m.cap > cap);
+    kvf_map_free(&m);
 }
 
 KVF_TEST_MAIN(KVF_CASE(test_contiguous_is_one_run),

@@ -26,11 +26,13 @@
 #include <unistd.h>
 
 #include <curl/curl.h>
+#include <jansson.h>
 
 #include "bootstrap/bootstrap.h"
 #include "util/time.h"
 #include "util/token.h"
 
+#include "kvf_http_capture.h"
 #include "kvf_test.h"
 
 #define TMO   3000u
@@ -845,10 +847,256 @@ static void test_engine_registers_with_token(void)
     clear_env();
 }
 
+/* ------------------------------------------------------------------------ */
+/* What an engine registers                                                 */
+/* ------------------------------------------------------------------------ */
+
+typedef struct reg_engine {
+    kvf_engine_t *eng;
+    uint8_t      *kv, *aux;
+} reg_engine_t;
+
+/* A prefill engine (p's registration fields, tp 2 rank 1) registering
+ * with the registry at p->bootstrap_addr once its layout is in. */
+static int reg_engine_start(reg_engine_t *e, kvf_engine_params_t *p)
+{
+    enum { PAGES = 8, PAGE_B = 256 };
+
+    memset(e, 0, sizeof(*e));
+    p->role = KVF_ROLE_PREFILL;
+    p->tp_size = 2;
+    p->tp_rank = 1;
+    if (kvf_engine_create(p, &e->eng) != KVF_OK)
+        return -1;
+    e->kv = calloc(2 * PAGES, PAGE_B);
+    e->aux = calloc(4, 16);
+    kvf_buffer_t b[2] = {{e->kv, PAGES * PAGE_B, PAGE_B},
+                         {e->kv + PAGES * PAGE_B, PAGES * PAGE_B, PAGE_B}};
+    kvf_buffer_t a = {e->aux, 64, 16};
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = 4;
+    l.kv_dtype = "bfloat16";
+    l.num_layers = 1;
+    l.heads_per_rank = 2;
+    l.total_heads = 4;
+    l.bytes_per_head = 32;
+    l.num_kv = 2;
+    l.kv = b;
+    l.num_aux = 1;
+    l.aux = &a;
+    return kvf_engine_register_layout(e->eng, &l) == KVF_OK ? 0 : -1;
+}
+
+static void reg_engine_stop(reg_engine_t *e)
+{
+    kvf_engine_destroy(e->eng);
+    free(e->kv);
+    free(e->aux);
+}
+
+/* The body of the engine's first PUT /route (10 s at most), or NULL. */
+static json_t *first_registration(capture_t *cap)
+{
+    uint64_t until = kvf_now_ms() + 10000;
+    while (capture_count(cap) == 0 && kvf_now_ms() < until)
+        usleep(10000);
+    pthread_mutex_lock(&cap->lock);
+    json_t *j = cap->count ? json_loads(cap->body, 0, NULL) : NULL;
+    pthread_mutex_unlock(&cap->lock);
+    return j;
+}
+
+static int ji(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    return json_is_integer(v) ? (int)json_integer_value(v) : -12345;
+}
+
+static const char *js(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    return json_is_string(v) ? json_string_value(v) : "(not a string)";
+}
+
+static void test_engine_registration_fields(void)
+{
+    static const char *const REG_VARS[] = {
+        "KVF_KV_CACHE_DTYPE", "KVF_LOAD_BALANCE_METHOD",
+        "KVF_PREFILL_HTTP_PORT"};
+    capture_t cap;
+    reg_engine_t e;
+    kvf_engine_params_t p;
+    char addr[80];
+
+    clear_env();
+    for (size_t i = 0; i < 3; i++)
+        unsetenv(REG_VARS[i]);
+
+    /* Every field set away from its default: each one arrives, with the
+     * cluster token. */
+    if (capture_start(&cap) != 0) {
+        CHECK(!"capture server start");
+        return;
+    }
+    kvf_engine_params_init(&p);
+    p.bootstrap_addr = cap.addr;
+    p.auth_token = TOKEN;
+    p.pp_size = 2;
+    p.pp_rank = 1;
+    p.dp_size = 3;
+    p.dp_rank = 2;
+    p.dp_attention = 1;
+    p.cp_size = 2;
+    p.cp_rank = 1;
+    p.kv_cache_dtype = "auto";
+    p.load_balance_method = "total_requests";
+    p.prefill_http_port = 30123;
+    p.dsa_cache_layer_split = 1;
+    CHECK_EQ_INT(reg_engine_start(&e, &p), 0);
+    json_t *b = first_registration(&cap);
+    CHECK(b != NULL);
+    CHECK(strcmp(cap.authorization, "Bearer " TOKEN) == 0);
+    CHECK_EQ_INT(json_object_size(b), 17);
+    CHECK_EQ_INT(ji(b, "attn_tp_size"), 2);
+    CHECK_EQ_INT(ji(b, "attn_tp_rank"), 1);
+    CHECK_EQ_INT(ji(b, "attn_cp_size"), 2);
+    CHECK_EQ_INT(ji(b, "attn_cp_rank"), 1);
+    CHECK_EQ_INT(ji(b, "attn_dp_size"), 3);
+    CHECK_EQ_INT(ji(b, "attn_dp_rank"), 2);
+    CHECK_EQ_INT(ji(b, "system_dp_size"), 1);
+    CHECK_EQ_INT(ji(b, "system_dp_rank"), 2);
+    CHECK_EQ_INT(ji(b, "pp_size"), 2);
+    CHECK_EQ_INT(ji(b, "pp_rank"), 1);
+    CHECK_EQ_INT(ji(b, "page_size"), 4);
+    CHECK(strcmp(js(b, "kv_cache_dtype"), "auto") == 0);
+    CHECK(strcmp(js(b, "load_balance_method"), "total_requests") == 0);
+    CHECK(json_is_true(json_object_get(b, "enable_dsa_cache_layer_split")));
+    CHECK_EQ_INT(ji(b, "prefill_http_port"), 30123);
+    CHECK_EQ_INT(kvf_engine_address(e.eng, addr, sizeof(addr)), KVF_OK);
+    char want[80];
+    snprintf(want, sizeof(want), "%s:%d", js(b, "rank_ip"),
+             ji(b, "rank_port"));
+    CHECK(strcmp(want, addr) == 0);
+    json_decref(b);
+    reg_engine_stop(&e);
+    capture_stop(&cap);
+
+    /* The defaults: system DP, CP 1, the layout's dtype, SGLang's
+     * prefill-side default method, no HTTP port, no token to send. */
+    if (capture_start(&cap) != 0) {
+        CHECK(!"capture server start");
+        return;
+    }
+    kvf_engine_params_init(&p);
+    p.bootstrap_addr = cap.addr;
+    p.dp_size = 2;
+    p.dp_rank = 1;
+    CHECK_EQ_INT(reg_engine_start(&e, &p), 0);
+    b = first_registration(&cap);
+    CHECK(b != NULL);
+    CHECK(cap.authorization[0] == '\0');
+    CHECK_EQ_INT(json_object_size(b), 17);
+    CHECK_EQ_INT(ji(b, "attn_cp_size"), 1);
+    CHECK_EQ_INT(ji(b, "attn_cp_rank"), 0);
+    CHECK_EQ_INT(ji(b, "attn_dp_size"), 1);
+    CHECK_EQ_INT(ji(b, "attn_dp_rank"), 0);
+    CHECK_EQ_INT(ji(b, "system_dp_size"), 2);
+    CHECK_EQ_INT(ji(b, "system_dp_rank"), 1);
+    CHECK(strcmp(js(b, "kv_cache_dtype"), "bfloat16") == 0);
+    CHECK(strcmp(js(b, "load_balance_method"), "follow_bootstrap_room") == 0);
+    CHECK(json_is_false(json_object_get(b, "enable_dsa_cache_layer_split")));
+    CHECK(json_is_null(json_object_get(b, "prefill_http_port")));
+    json_decref(b);
+    reg_engine_stop(&e);
+    capture_stop(&cap);
+
+    /* The variables stand in for unset parameters. */
+    if (capture_start(&cap) != 0) {
+        CHECK(!"capture server start");
+        return;
+    }
+    setenv("KVF_KV_CACHE_DTYPE", "fp8_e4m3", 1);
+    setenv("KVF_LOAD_BALANCE_METHOD", "round_robin", 1);
+    setenv("KVF_PREFILL_HTTP_PORT", "31000", 1);
+    kvf_engine_params_init(&p);
+    p.bootstrap_addr = cap.addr;
+    CHECK_EQ_INT(reg_engine_start(&e, &p), 0);
+    b = first_registration(&cap);
+    CHECK(b != NULL);
+    CHECK(strcmp(js(b, "kv_cache_dtype"), "fp8_e4m3") == 0);
+    CHECK(strcmp(js(b, "load_balance_method"), "round_robin") == 0);
+    CHECK_EQ_INT(ji(b, "prefill_http_port"), 31000);
+    json_decref(b);
+    reg_engine_stop(&e);
+    capture_stop(&cap);
+    for (size_t i = 0; i < 3; i++)
+        unsetenv(REG_VARS[i]);
+
+    /* Bad registration parameters are refused at create, by name. */
+    const struct { int cp_rank, cp_size, dp_attention, http; const char *dt;
+                   const char *what; } bad[] = {
+        {2, 2, 0, 0, NULL, "invalid cp"},
+        {1, 0, 0, 0, NULL, "invalid cp"},
+        {0, 0, 2, 0, NULL, "invalid dp_attention"},
+        {0, 0, 0, 65536, NULL, "invalid prefill_http_port"},
+        {0, 0, 0, 0, "fp8 e4m3", "invalid kv_cache_dtype"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        kvf_engine_t *eng = NULL;
+        kvf_engine_params_init(&p);
+        p.bootstrap_addr = "127.0.0.1:1";
+        p.cp_rank = bad[i].cp_rank;
+        p.cp_size = bad[i].cp_size;
+        p.dp_attention = bad[i].dp_attention;
+        p.prefill_http_port = bad[i].http;
+        p.kv_cache_dtype = bad[i].dt;
+        CHECK_EQ_INT(kvf_engine_create(&p, &eng), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(kvf_last_error(), bad[i].what);
+    }
+}
+
+/* Registry side: SGLang's full body needs the token once the registry has
+ * one, and a refused one changes nothing. */
+static void test_full_registration_needs_token(void)
+{
+    srv_t s;
+    char body[768];
+
+    clear_env();
+    if (srv_start(&s, TOKEN) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    snprintf(body, sizeof(body), "{\"attn_tp_size\":1,\"attn_tp_rank\":0,"
+             "\"attn_cp_size\":1,\"attn_cp_rank\":0,\"attn_dp_size\":1,"
+             "\"attn_dp_rank\":0,\"pp_size\":1,\"pp_rank\":0,"
+             "\"system_dp_size\":1,\"system_dp_rank\":0,\"rank_ip\":"
+             "\"127.0.0.1\",\"rank_port\":41000,\"page_size\":16,"
+             "\"kv_cache_dtype\":\"auto\",\"load_balance_method\":"
+             "\"follow_bootstrap_room\",\"enable_dsa_cache_layer_split\":"
+             "false,\"prefill_http_port\":30000}");
+    RAW_CHECK(s.addr, "PUT", "/route", body, NULL, 401, "Unauthorized");
+    RAW_CHECK(s.addr, "PUT", "/route", body, "Bearer not-" TOKEN, 401,
+              "does not match");
+    RAW_CHECK(s.addr, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, NULL, 503,
+              "no prefill rank has registered");
+    RAW_CHECK(s.addr, "PUT", "/route", body, "Bearer " TOKEN, 200, "OK");
+    RAW_CHECK(s.addr, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, NULL, 200,
+              "\"kv_cache_dtype\":\"auto\",\"follow_bootstrap_room\":true,"
+              "\"enable_dsa_cache_layer_split\":false,"
+              "\"prefill_http_port\":30000,");
+    kvf_bootstrap_destroy(s.bs);
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_token_load),
               KVF_CASE(test_stranger_is_refused),
               KVF_CASE(test_protected_mode),
               KVF_CASE(test_config_replacement),
               KVF_CASE(test_query_limits),
               KVF_CASE(test_idle_connections_and_flood),
-              KVF_CASE(test_engine_registers_with_token))
+              KVF_CASE(test_engine_registers_with_token),
+              KVF_CASE(test_engine_registration_fields),
+              KVF_CASE(test_full_registration_needs_token))

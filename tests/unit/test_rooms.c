@@ -163,11 +163,12 @@ static void fake_send(fake_t *f, const kvf_msg_t *m, const uint8_t *payload, siz
 /* The layout side_init registers, as rank 0 of TP 1. */
 static void fake_hello(fake_t *f, kvf_role_t role)
 {
-    uint64_t kb[NKV], ki[NKV], ab = AUX_B, ai = SLOTS;
+    uint64_t kb[NKV], ki[NKV], kt[NKV], ab = AUX_B, ai = SLOTS;
     char addr[32];
     for (int i = 0; i < NKV; i++) {
         kb[i] = PAGE_B;
         ki[i] = PAGES;
+        kt[i] = kvf_wire_tag((uint32_t)i / 2, (uint32_t)i % 2, 0);   /* K, V per layer */
     }
     snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
     kvf_msg_t m = {.type = KVF_MSG_HELLO};
@@ -189,6 +190,7 @@ static void fake_hello(fake_t *f, kvf_role_t role)
     h->layout.kv_items = (kvf_wire_arr64_t){NKV, ki, NULL};
     h->layout.aux_item_bytes = (kvf_wire_arr64_t){1, &ab, NULL};
     h->layout.aux_items = (kvf_wire_arr64_t){1, &ai, NULL};
+    h->layout.kv_tags = (kvf_wire_arr64_t){NKV, kt, NULL};
     fake_send(f, &m, NULL, 0);
 }
 

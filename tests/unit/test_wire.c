@@ -37,6 +37,13 @@ static const uint64_t st_bytes[]  = { 1ull << 33, 12 };
 static const uint64_t st_items[]  = { 3, BIG64 };
 static const uint32_t pages[]     = { 0, 7, 8, 9, BIG32, 42 };
 static const uint32_t slots[]     = { 3, BIG32 };
+static const uint32_t st_counts[] = { 1, 1 };            /* two state groups */
+static const uint32_t groups[]    = { 2 };               /* one group of 2 buffers */
+static const uint64_t tags[]      = { 0x0000000000000007ull, 0x0000000100000007ull,
+                                      0x0001000200000000ull, 0xffffffff00000009ull };
+/* What HELLO's layout carries after state_items: state_groups (1), the
+ * types ("mamba") and kv_tags (4), each with its count. */
+#define HELLO_TAIL ((4 + 4) + (4 + 5) + (4 + 4 * 8))
 static const kvf_wire_seg_t segs[] = {
     { KVF_BUF_KV, 0, 0, 4096, 1, 0, 0 },
     { KVF_BUF_KV, 77, 6000000000ull, 1u << 31, 1, 0, 0 },
@@ -74,6 +81,9 @@ static kvf_msg_t sample_hello(void)
     h->layout.aux_items = (kvf_wire_arr64_t){ 1, aux_items, NULL };
     h->layout.state_item_bytes = (kvf_wire_arr64_t){ 2, st_bytes, NULL };
     h->layout.state_items = (kvf_wire_arr64_t){ 2, st_items, NULL };
+    h->layout.state_groups = (kvf_wire_arr32_t){ 1, groups, NULL };
+    h->layout.state_types = str_of("mamba");
+    h->layout.kv_tags = (kvf_wire_arr64_t){ 4, tags, NULL };
     return m;
 }
 
@@ -88,8 +98,10 @@ static kvf_msg_t sample_room_req(void)
     m.u.room_req.expected_receivers = 4;
     m.u.room_req.aux_slot = BIG32;
     m.u.room_req.pages = (kvf_wire_arr32_t){ 6, pages, NULL };
-    m.u.room_req.state_slots = (kvf_wire_arr32_t){ 2, slots, NULL };
+    m.u.room_req.state_counts = (kvf_wire_arr32_t){ 2, st_counts, NULL };
+    m.u.room_req.state_idx = (kvf_wire_arr32_t){ 2, slots, NULL };
     m.u.room_req.attempt = 3;
+    m.u.room_req.decode_prefix_len = 77;
     return m;
 }
 
@@ -286,6 +298,10 @@ static void test_roundtrip_hello(void)
     check_arr64(&h->layout.aux_items, &m.u.hello.layout.aux_items);
     check_arr64(&h->layout.state_item_bytes, &m.u.hello.layout.state_item_bytes);
     check_arr64(&h->layout.state_items, &m.u.hello.layout.state_items);
+    check_arr32(&h->layout.state_groups, &m.u.hello.layout.state_groups);
+    CHECK(h->layout.state_types.len == 5 &&
+          memcmp(h->layout.state_types.ptr, "mamba", 5) == 0);
+    check_arr64(&h->layout.kv_tags, &m.u.hello.layout.kv_tags);
     /* decoded strings point into the body: no copy */
     CHECK(h->addr.ptr > (const char *)b.data &&
           h->addr.ptr < (const char *)b.data + b.len);
@@ -304,17 +320,27 @@ static void test_roundtrip_room_req(void)
     CHECK_EQ_INT(d.u.room_req.expected_receivers, 4);
     CHECK(d.u.room_req.aux_slot == BIG32);
     check_arr32(&d.u.room_req.pages, &m.u.room_req.pages);
-    check_arr32(&d.u.room_req.state_slots, &m.u.room_req.state_slots);
+    check_arr32(&d.u.room_req.state_counts, &m.u.room_req.state_counts);
+    check_arr32(&d.u.room_req.state_idx, &m.u.room_req.state_idx);
     CHECK_EQ_INT(d.u.room_req.attempt, 3);
+    CHECK_EQ_INT(d.u.room_req.decode_prefix_len, 77);
     CHECK(d.u.room_req.instance == 0xa1a2a3a4a5a6a7a8ull);
     kvf_buf_free(&b);
 
     /* empty arrays */
     m.u.room_req.pages = (kvf_wire_arr32_t){ 0, NULL, NULL };
-    m.u.room_req.state_slots = (kvf_wire_arr32_t){ 0, NULL, NULL };
+    m.u.room_req.state_counts = (kvf_wire_arr32_t){ 0, NULL, NULL };
+    m.u.room_req.state_idx = (kvf_wire_arr32_t){ 0, NULL, NULL };
     CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
     CHECK_EQ_INT(d.u.room_req.pages.count, 0);
-    CHECK_EQ_INT(d.u.room_req.state_slots.count, 0);
+    CHECK_EQ_INT(d.u.room_req.state_counts.count, 0);
+    kvf_buf_free(&b);
+
+    /* group counts that do not add up to the indices given */
+    m = sample_room_req();
+    static const uint32_t three[] = { 1, 2 };
+    m.u.room_req.state_counts = (kvf_wire_arr32_t){ 2, three, NULL };
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
     kvf_buf_free(&b);
 }
 
@@ -446,7 +472,7 @@ static void test_golden_bytes(void)
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
     static const uint8_t auth_head[] = {
         52, 0, 0, 0, KVF_MSG_AUTH, 0, 0, 0,
-        'K', 'V', 'F', 'Y', 2, 0, 1, KVF_AUTH_F_TOKEN,
+        'K', 'V', 'F', 'Y', 3, 0, 1, KVF_AUTH_F_TOKEN,
     };
     CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + KVF_WIRE_AUTH_LEN);
     CHECK(memcmp(b.data, auth_head, sizeof(auth_head)) == 0);
@@ -665,12 +691,12 @@ static void test_limits_rejected(void)
         CHECK_STR_CONTAINS(err, "exceeds body (12 bytes left)");
     }
 
-    /* ROOM_REQ: too many state slots */
+    /* ROOM_REQ: too many state groups */
     w.n = 0;
     b64(&w, 1); b64(&w, 0x1d); b32(&w, 0); b32(&w, 1); b32(&w, 0);
     b32(&w, 0); b32(&w, KVF_WIRE_MAX_BUFS + 1); bfill(&w, 4 * (KVF_WIRE_MAX_BUFS + 1));
     CHECK_EQ_INT(decode_bld(KVF_MSG_ROOM_REQ, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "ROOM_REQ: state slot count 4097 exceeds limit 4096");
+    CHECK_STR_CONTAINS(err, "ROOM_REQ: state group count 4097 exceeds limit 4096");
 
     /* DATA: too many segments */
     w.n = 0;
@@ -683,16 +709,16 @@ static void test_limits_rejected(void)
     kvf_buf_t b;
     kvf_buf_init(&b);
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
-    /* state_items is last: 2 items (16 bytes) preceded by its count */
-    size_t off = b.len - 16 - 4;
+    /* kv_tags is last: 4 items (32 bytes) preceded by its count */
+    size_t off = b.len - 32 - 4;
     kvf_put_u32(b.data + off, KVF_WIRE_MAX_BUFS + 1);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, b.data + 8, b.len - 8, &m, err,
                              sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "HELLO: state_items count 4097 exceeds limit 4096");
-    kvf_put_u32(b.data + off, 3);
+    CHECK_STR_CONTAINS(err, "HELLO: kv_tags count 4097 exceeds limit 4096");
+    kvf_put_u32(b.data + off, 5);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, b.data + 8, b.len - 8, &m, err,
                              sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "HELLO: state_items count 3 exceeds body (16 bytes left)");
+    CHECK_STR_CONTAINS(err, "HELLO: kv_tags count 5 exceeds body (32 bytes left)");
     kvf_buf_free(&b);
 }
 
@@ -1030,7 +1056,7 @@ static void test_value_rules(void)
     kvf_buf_init(&b);
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
     /* aux_items (1 item) sits before state_item_bytes (2) and state_items (2) */
-    size_t aux_off = b.len - (4 + 16) * 2 - (4 + 8);
+    size_t aux_off = b.len - HELLO_TAIL - (4 + 16) * 2 - (4 + 8);
     CHECK_EQ_INT(kvf_get_u32(b.data + aux_off), 1);
     static uint8_t patched[4096];
     memcpy(patched, b.data, aux_off);
@@ -1057,17 +1083,17 @@ static void test_version_mismatch(void)
     kvf_put_u16(body + 4, 1);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
     CHECK_STR_CONTAINS(err, "HELLO: peer speaks kvferry wire protocol version 1, this "
-                            "build speaks version 2");
+                            "build speaks version 3");
     kvf_put_u16(body + 4, 0);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 0, this build speaks version 2");
+    CHECK_STR_CONTAINS(err, "version 0, this build speaks version 3");
     kvf_put_u16(body + 4, KVF_WIRE_VERSION);
 
     /* A future version with a different body is still a version mismatch. */
     w.n = 0;
     b32(&w, KVF_WIRE_MAGIC); b16(&w, 7); bfill(&w, 3);
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 7, this build speaks version 2");
+    CHECK_STR_CONTAINS(err, "version 7, this build speaks version 3");
     w.n = 6;
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
     w.n = 5;
@@ -1091,14 +1117,14 @@ static void test_version_mismatch(void)
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
     body = b.data + KVF_WIRE_HDR_LEN;
     len = b.len - KVF_WIRE_HDR_LEN;
-    kvf_put_u16(body + 4, 3);
+    kvf_put_u16(body + 4, 4);
     CHECK_EQ_INT(decode_copy(KVF_MSG_AUTH, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "AUTH: peer speaks kvferry wire protocol version 3, this "
-                            "build speaks version 2");
+    CHECK_STR_CONTAINS(err, "AUTH: peer speaks kvferry wire protocol version 4, this "
+                            "build speaks version 3");
     w.n = 0;
     b32(&w, KVF_WIRE_MAGIC); b16(&w, 9);
     CHECK_EQ_INT(decode_bld(KVF_MSG_AUTH, &w, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 9, this build speaks version 2");
+    CHECK_STR_CONTAINS(err, "version 9, this build speaks version 3");
     kvf_buf_free(&b);
 }
 
@@ -1146,7 +1172,10 @@ static void test_encode_refuses(void)
     m.u.hello.layout.kv_item_bytes = m.u.hello.layout.kv_items;
     REFUSE(m);
     m.u.hello.layout.kv_items.count = m.u.hello.layout.kv_item_bytes.count = KVF_WIRE_MAX_BUFS;
+    m.u.hello.layout.kv_tags = (kvf_wire_arr64_t){ KVF_WIRE_MAX_BUFS, many64, NULL };
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
+    m = sample_hello(); m.u.hello.layout.kv_tags.count = 3; REFUSE(m);
+    m = sample_hello(); m.u.hello.layout.state_groups.count = 0; REFUSE(m);
     m = sample_hello(); m.u.hello.layout.kv_items.count = 3; REFUSE(m);
     m = sample_hello(); m.u.hello.layout.aux_items.native = NULL; REFUSE(m);
 
@@ -1169,14 +1198,16 @@ static void test_encode_refuses(void)
 
     static uint32_t many32[KVF_WIRE_MAX_BUFS + 1];
     m = sample_room_req();
-    m.u.room_req.state_slots = (kvf_wire_arr32_t){ KVF_WIRE_MAX_BUFS + 1, many32, NULL };
+    m.u.room_req.state_counts = (kvf_wire_arr32_t){ KVF_WIRE_MAX_BUFS + 1, many32, NULL };
+    m.u.room_req.state_idx.count = 0;
     REFUSE(m);
 
     /* a page list that would make the body exceed KVF_WIRE_MAX_BODY */
-    uint32_t fit = (KVF_WIRE_MAX_BODY - 40) / 4;   /* 40: ROOM_REQ's fixed fields */
+    uint32_t fit = (KVF_WIRE_MAX_BODY - 48) / 4;   /* 48: ROOM_REQ's fixed fields */
     uint32_t *big = calloc((size_t)fit + 1, sizeof(uint32_t));
     m = sample_room_req();
-    m.u.room_req.state_slots.count = 0;
+    m.u.room_req.state_counts.count = 0;
+    m.u.room_req.state_idx.count = 0;
     m.u.room_req.pages = (kvf_wire_arr32_t){ fit + 1, big, NULL };
     REFUSE(m);
     m.u.room_req.pages.count = UINT32_MAX;   /* never read: size refused first */
