@@ -77,6 +77,14 @@ class EngineParams(Structure):
         ("faults", c_char_p),
         ("handshake_timeout_ms", c_uint),
         ("auth_token", c_char_p),
+        # registration fields (SGLang's PUT /route), added after the token
+        ("cp_rank", c_int),
+        ("cp_size", c_int),
+        ("dp_attention", c_int),
+        ("kv_cache_dtype", c_char_p),
+        ("load_balance_method", c_char_p),
+        ("prefill_http_port", c_int),
+        ("dsa_cache_layer_split", c_int),
     ]
 
 

@@ -92,7 +92,16 @@ class KVArgs:
     injection spec for testing failure handling, as ``KVF_FAULTS``),
     ``auth_token`` (the cluster token every engine of the deployment holds;
     ``None`` takes ``KVF_AUTH_TOKEN``, ``KVF_AUTH_TOKEN_FILE`` or
-    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, see docs/SECURITY.md).  ``None`` keeps the
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, see docs/SECURITY.md).
+
+    Registration fields (prefill; what SGLang's decode servers and routers
+    read from the registry): ``cp_rank``/``cp_size`` (attention context
+    parallelism), ``dp_attention`` (the DP group is an attention-DP group),
+    ``kv_cache_dtype`` (SGLang's ``--kv-cache-dtype`` string, default the
+    layout's ``kv_dtype``), ``load_balance_method`` (default
+    ``"follow_bootstrap_room"``), ``prefill_http_port`` (SGLang's ``--port``),
+    ``dsa_cache_layer_split``.  They need a library that has them (set to
+    non-defaults on an older one, the engine is refused).  ``None`` keeps the
     library default, which honours the ``KVF_*`` environment variables
     (``KVF_HEARTBEAT_TIMEOUT_MS`` and so on; see docs/GUIDE.md).
     """
@@ -136,6 +145,15 @@ class KVArgs:
     heartbeat_timeout_ms: Optional[int] = None
     faults: Optional[str] = None
     auth_token: Optional[str] = field(default=None, repr=False)
+    # What a prefill engine tells its registry beyond its coordinates
+    # (SGLang's PUT /route fields; decode engines ignore them).
+    cp_rank: int = 0
+    cp_size: int = 1
+    dp_attention: bool = False
+    kv_cache_dtype: Optional[str] = None
+    load_balance_method: Optional[str] = None
+    prefill_http_port: Optional[int] = None
+    dsa_cache_layer_split: bool = False
 
     def replace(self, **changes):
         """A copy with some fields changed (``dataclasses.replace``)."""

@@ -251,6 +251,17 @@ class KVManager(_Closing):
             p.faults = _str("faults", a.faults)
         if a.auth_token is not None:
             p.auth_token = _str("auth_token", a.auth_token)
+        p.cp_rank = _int("cp_rank", a.cp_rank)
+        if a.cp_size != 1:
+            p.cp_size = _int("cp_size", a.cp_size)
+        p.dp_attention = 1 if a.dp_attention else 0
+        if a.kv_cache_dtype is not None:
+            p.kv_cache_dtype = _str("kv_cache_dtype", a.kv_cache_dtype)
+        if a.load_balance_method is not None:
+            p.load_balance_method = _str("load_balance_method", a.load_balance_method)
+        if a.prefill_http_port is not None:
+            p.prefill_http_port = to_uint("prefill_http_port", a.prefill_http_port, 16)
+        p.dsa_cache_layer_split = 1 if a.dsa_cache_layer_split else 0
         for f in ("bootstrap_timeout_ms", "waiting_timeout_ms", "transfer_timeout_ms",
                   "heartbeat_interval_ms", "heartbeat_timeout_ms"):
             v = getattr(a, f)

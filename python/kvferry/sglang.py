@@ -345,7 +345,14 @@ def ferry_args(kv_args, mode, server_args, is_mla_backend, par):
         pp_size=int(_get(server_args, "pp_size", 1)),
         system_dp_rank=par["attn_dp_rank"] if par["attn_dp_size"] > 1
         else int(_get(kv_args, "system_dp_rank", 0)),
-        dp_size=int(_get(server_args, "dp_size", 1)))
+        dp_size=int(_get(server_args, "dp_size", 1)),
+        cp_rank=par["attn_cp_rank"], cp_size=par["attn_cp_size"],
+        dp_attention=par["attn_dp_size"] > 1,
+        kv_cache_dtype=str(_get(server_args, "kv_cache_dtype", "auto")),
+        load_balance_method=_get(server_args, "load_balance_method", None),
+        prefill_http_port=_get(server_args, "port", None),
+        dsa_cache_layer_split=bool(_get(server_args, "enable_dsa_cache_layer_split",
+                                        False)))
     if not mla:
         heads = getattr(kv_args, "kv_head_num", None)
         if heads:                       # prefill; SGLang's decode leaves them out
@@ -461,17 +468,12 @@ class KVFerryKVManager(BaseKVManager):
         self._lock = threading.Lock()
         self._pending_info = {}                 # addr -> thread fetching /route
         self._dp_jobs = None
-        # SGLang: prefill CP ranks other than 0 move nothing (decode pulls
-        # from CP rank 0): their senders conclude locally.
-        self.is_dummy_cp_rank = self.mode == "prefill" and self.attn_cp_rank != 0 and \
-            os.environ.get("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "") \
-            .lower() not in ("1", "true")
-        if self.attn_cp_size > 1 and not self.is_dummy_cp_rank and self.mode == "prefill":
-            logger.warning("kvferry: attn CP %d: only CP rank 0 registers and sends",
-                           self.attn_cp_size)
-        self.engine = None
-        if self.is_dummy_cp_rank:
-            return
+        # Prefill CP ranks other than 0 move nothing (kvferry's decode
+        # engines take KV from CP rank 0): their senders conclude locally,
+        # as SGLang's dummy CP ranks do.
+        self.is_dummy_cp_rank = self.mode == "prefill" and self.attn_cp_rank != 0
+        # Every rank registers (the registry is ready once dp x cp x tp x pp
+        # did); kvferry's decode engines take KV from CP rank 0 only.
         _check_host_memory(args, server_args, self.mode)
         self.ferry_args = ferry_args(args, self.mode, server_args, is_mla_backend, par)
         self.engine = KVManager(self.ferry_args, self.mode)

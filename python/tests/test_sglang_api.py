@@ -71,7 +71,8 @@ def kv_args(mode, draft=False, mla=False, state=False, layer_ids=None):
 
 
 def server_args(port=1, **kw):
-    d = dict(host="127.0.0.1", disaggregation_bootstrap_port=port, tp_size=1, dp_size=1,
+    d = dict(host="127.0.0.1", port=30001, disaggregation_bootstrap_port=port,
+             tp_size=1, dp_size=1,
              pp_size=1, kv_cache_dtype="auto", dtype="bfloat16", device="cpu",
              load_balance_method="round_robin", speculative_algorithm=None)
     d.update(kw)
@@ -212,6 +213,10 @@ class Rooms(unittest.TestCase):
             time.sleep(0.01)
         info = self.dm.prefill_info_table[self.addr]
         self.assertEqual((info.dp_size, info.attn_tp_size, info.page_size), (1, 1, PS))
+        # Registered from the server's real configuration: SGLang's own
+        # --kv-cache-dtype string, --load-balance-method and --port.
+        self.assertEqual((info.kv_cache_dtype, info.follow_bootstrap_room,
+                          info.prefill_http_port), ("auto", False, 30001))
         room = self.next_room()
         rx = S.KVFerryKVReceiver(self.dm, self.addr, room)
         tx = S.KVFerryKVSender(self.pm, self.addr, room, [0], 0)
