@@ -568,10 +568,13 @@ class _Room:
 
     def _fail_here(self, reason, level=logging.ERROR):
         """Fail the room from this rank with ``reason`` (the library's room
-        is aborted so its peers stop); never raises."""
-        if self.conclude_state is not None and self.conclude_state != _Poll.Failed:
-            return
-        if self._local_reason is None:
+        is aborted so its peers stop); never raises.  Also after Success:
+        SGLang's backends fail an aborted room whatever its state, and the
+        scheduler then aborts the request."""
+        if self._h is not None and self.conclude_state is None and \
+                self._h.poll() == _Poll.Failed:
+            self.conclude_state = _Poll.Failed      # the first root cause wins
+        if self._local_reason is None and self.conclude_state != _Poll.Failed:
             self._local_reason = reason
             self.kv_mgr.failure_records[self.bootstrap_room] = reason
         logger.log(level, "kvferry: room %s failed: %s", self.bootstrap_room, reason)

@@ -247,6 +247,30 @@ class Rooms(unittest.TestCase):
         self.assertEqual(m.transfer_total_bytes, 2 * 4 * PS * ROW + 64 + 8 + 32 + 16)
         self.assertIsNotNone(m.alloc_latency_s)
 
+    def test_abort_after_success_fails_the_room(self):
+        """SGLang's AbortReq on a room already done still aborts it."""
+        room = self.next_room()
+        rx = S.KVFerryKVReceiver(self.dm, self.addr, room)
+        tx = S.KVFerryKVSender(self.pm, self.addr, room, [0], 0)
+        rx.init(0)
+        self.wait(rx, (S.KVPoll.WaitingForInput, S.KVPoll.Failed))
+        rx.send_metadata([], 2, [None], decode_prefix_len=8)      # full prefix hit
+        self.assertEqual(self.wait(tx, (S.KVPoll.WaitingForInput, S.KVPoll.Failed)),
+                         S.KVPoll.WaitingForInput)
+        self.assertEqual(tx.pop_decode_prefix_len(), 8)
+        tx.init(0, 1)
+        tx.send([], [None])
+        self.assertEqual(self.wait(rx, (S.KVPoll.Success, S.KVPoll.Failed)),
+                         S.KVPoll.Success)
+        rx.abort()
+        self.assertEqual(rx.poll(), S.KVPoll.Failed)
+        with self.assertRaises(S.KVTransferError) as cm:
+            rx.failure_exception()
+        self.assertEqual(cm.exception.failure_reason, S.ABORT_REASON)
+        self.assertEqual(self.wait(tx, (S.KVPoll.Success, S.KVPoll.Failed)),
+                         S.KVPoll.Success)
+        tx.clear()
+
     def test_failed_room_send_never_raises(self):
         room = self.next_room()
         tx = S.KVFerryKVSender(self.pm, self.addr, room, [0], 0)
