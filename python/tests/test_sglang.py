@@ -8,7 +8,10 @@ sent) and a full prefix hit (init(0), zero pages); typed state (a
 mamba-like slot and a swa-like page list); a draft model's KV; one rank
 failing a room (a corrupted byte under checksums, on prefill rank 0): every
 rank raises KVTransferError, with the true reason where the rank could
-know it and the right is_from_another_rank; an abort on decode.
+know it and the right is_from_another_rank; an abort on decode.  Beyond
+the 2 + 2 ranks: prefill TP 2 into decode TP 1 and TP 1 into TP 2, and the
+failing room with TP 2 into TP 1, where the library links every rank to
+the one that saw the root cause, so every rank raises the true reason.
 """
 import json
 import os
@@ -43,35 +46,38 @@ ROOM = 2 ** 63 + 11                    # ids past 2^63 on purpose
 class Cluster:
     """A registry, two prefill ranks and two decode ranks."""
 
-    def __init__(self, requests, chunk=8, env=None, prefill_env=None, **layout):
+    def __init__(self, requests, chunk=8, env=None, prefill_env=None, tp=(2, 2),
+                 **layout):
         self.boot = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0)
         self.addr = "127.0.0.1:%d" % self.boot.port
         self.procs, self.events = [], queue.Queue()
-        pairs = [socket.socketpair() for _ in range(2)]
+        pairs = [socket.socketpair() if n == 2 else None for n in tp]
         penv = dict(os.environ)
         penv["PYTHONPATH"] = os.pathsep.join(
             [os.path.dirname(HERE)] + [p for p in penv.get("PYTHONPATH", "").split(
                 os.pathsep) if p])
         try:
-            for side, pair in zip(("prefill", "decode"), pairs):
-                for rank in range(2):
+            for side, pair, size in zip(("prefill", "decode"), pairs, tp):
+                for rank in range(size):
                     e = dict(env or {})
                     if side == "prefill":
                         e.update((prefill_env or {}).get(rank, {}))
-                    cfg = dict(layout, role=side, tp_rank=rank, tp_size=2,
+                    cfg = dict(layout, role=side, tp_rank=rank, tp_size=size,
                                bootstrap=self.addr, requests=requests, chunk=chunk,
                                env=e)
-                    fd = pair[rank].fileno()
+                    fd = pair[rank].fileno() if pair is not None else -1
                     p = subprocess.Popen(
                         [sys.executable, os.path.join(HERE, "_sglang_rank.py"),
-                         json.dumps(cfg), str(fd)], pass_fds=(fd,), env=penv,
-                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                         json.dumps(cfg), str(fd)], pass_fds=(fd,) if fd >= 0 else (),
+                        env=penv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        text=True)
                     self.procs.append(p)
                     threading.Thread(target=self._read, args=(p,), daemon=True).start()
         finally:
-            for a, b in pairs:
-                a.close()
-                b.close()
+            for pair in pairs:
+                for sock in pair or ():
+                    sock.close()
+        self.ranks = sum(tp)
 
     def _read(self, p):
         for line in p.stdout:
@@ -82,9 +88,9 @@ class Cluster:
         self.events.put({"event": "eof", "rc": p.wait()})
 
     def results(self):
-        """{(role, tp_rank): {room: result}} once all four ranks reported."""
+        """{(role, tp_rank): {room: result}} once every rank reported."""
         out, deadline = {}, time.monotonic() + TIMEOUT
-        while len(out) < 4:
+        while len(out) < self.ranks:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AssertionError("ranks did not finish in %ds; have %s"
@@ -138,7 +144,7 @@ class SGLangScheduler(unittest.TestCase):
         return self.cluster.results()
 
     def assertAllSucceeded(self, res, rooms):
-        for rank in RANKS:
+        for rank in res:
             for room in rooms:
                 r = res[rank][room]
                 self.assertEqual(r["state"], "Success", (rank, room, r))
@@ -219,6 +225,42 @@ class SGLangScheduler(unittest.TestCase):
             self.assertTrue(S.UNKNOWN_REASON in r["reason"] or
                             "aborted by the application on %s rank 1" % other
                             in r["reason"], (rank, r))
+
+    def test_different_tp_sizes(self):
+        """Prefill TP 2 into decode TP 1 (each prefill rank's heads into one
+        decode rank's pages, which learnt its head count from the prefill
+        side) and TP 1 into TP 2 (one prefill rank's heads cut per decode
+        rank)."""
+        reqs = [{"room": ROOM + i, "tokens": t} for i, t in enumerate([3, 21])]
+        for tp in ((2, 1), (1, 2)):
+            with self.subTest(tp=tp):
+                res = self.run_cluster(reqs, chunk=8, tp=tp)
+                self.assertEqual(len(res), sum(tp))
+                self.assertAllSucceeded(res, [r["room"] for r in reqs])
+                self.cluster.close()
+                self.cluster = None
+
+    def test_one_rank_fails_a_room_all_linked(self):
+        """Prefill TP 2 into decode TP 1: the decode rank is linked to both
+        prefill ranks and tells both the root cause.  Prefill rank 1 gets
+        it unless its own share was acknowledged before (its room is then
+        final, Success, and only its scheduler's all-reduce fails it)."""
+        big = ROOM
+        res = self.run_cluster([{"room": big, "tokens": 40}], chunk=16, tp=(2, 1),
+                               env={"KVF_CHECKSUM": "1"},
+                               prefill_env={0: {"KVF_FAULTS": "corrupt@2048"}})
+        root = res[("decode", 0)][big]
+        self.assertEqual(root["state"], "Failed", root)
+        self.assertIn("checksum mismatch", root["reason"])
+        self.assertFalse(root["from_another_rank"])
+        r = res[("prefill", 0)][big]
+        self.assertEqual((r["state"], r["reason"], r["from_another_rank"]),
+                         ("Failed", root["reason"], True), r)
+        r = res[("prefill", 1)][big]
+        self.assertEqual((r["state"], r["from_another_rank"]), ("Failed", True), r)
+        if r["reason"] != root["reason"]:
+            self.assertIn(S.UNKNOWN_REASON, r["reason"])
+            self.assertIn("this rank's room was Success", r["reason"])
 
     def test_abort_in_prealloc_queue(self):
         """AbortReq on decode while the room waits for pages: both decode
