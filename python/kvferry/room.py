@@ -7,6 +7,7 @@ in C), and on ``KVPoll.Failed`` ``failure_exception()`` raises the room's
 ``close()`` (also on garbage collection or when its manager closes);
 closing a live room aborts it on every rank.
 """
+import array
 import ctypes
 import weakref
 
@@ -346,16 +347,15 @@ class KVReceiver(_Room):
             arr, keep = _state_indices(self.mgr, state_indices)
             d.states, d.num_states = arr, len(keep)
         elif state_indices is not None:
-            keep = to_u32_array("state_indices", state_indices, allow_empty=True)
+            # Legacy state buffers: one slot each, as one index per entry.
+            slots = to_u32_array("state_indices", state_indices, allow_empty=True)
             if self.mgr.num_state_slots:
-                check_range("state_indices", keep, self.mgr.num_state_slots,
+                check_range("state_indices", slots, self.mgr.num_state_slots,
                             "state slots")
+            keep = [array.array("I", [v]) for v in slots]
             arr = (_lib.Indices * max(len(keep), 1))()
-            for i in range(len(keep)):
-                arr[i].idx = ctypes.cast(ctypes.addressof(
-                    (ctypes.c_uint32 * len(keep)).from_buffer(keep)) + 4 * i,
-                    ctypes.POINTER(ctypes.c_uint32))
-                arr[i].n = 1
+            for i, one in enumerate(keep):
+                arr[i].idx, arr[i].n = as_c_u32(one), 1
             d.states, d.num_states = arr, len(keep)
         check(lib.kvf_receiver_set_dest(ptr, ctypes.byref(d)),
               "KVReceiver.set_dest(room %d)" % self.bootstrap_room,

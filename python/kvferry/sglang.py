@@ -31,6 +31,7 @@ SGLang's own ``KVPoll``, ``KVArgs``, ``StateType``, ``DisaggregationMode``,
 importable; otherwise fallbacks with the same names, values and
 constructor signatures (so the classes are testable without SGLang).
 """
+import ctypes
 import dataclasses
 import enum
 import json
@@ -163,6 +164,10 @@ class PrefillServerInfo:
 
 
 UNKNOWN_REASON = "Failed due to an unknown reason from another rank"
+# What SGLang's call order needs of the library beyond 0.1.0: the
+# destination after WaitingForInput, typed state, the decode prefix.
+_NEEDS = ("kvf_receiver_set_dest", "kvf_sender_set_states",
+          "kvf_sender_decode_prefix_len")
 ABORT_REASON = "Aborted by AbortReq."
 _FINAL = (_Poll.Success, _Poll.Failed)
 
@@ -213,11 +218,9 @@ def _device_pointer(ptr):
     """True when ``ptr`` is CUDA device memory: asks the CUDA driver, when
     the process has it loaded already (never loads it)."""
     try:
-        cuda = __import__("ctypes").CDLL("libcuda.so.1",
-                                         mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        cuda = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
         return False
-    import ctypes
     kind = ctypes.c_uint(0)
     # CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2; CU_MEMORYTYPE_DEVICE = 2
     rc = cuda.cuPointerGetAttribute(ctypes.byref(kind), 2, ctypes.c_uint64(ptr))
@@ -472,9 +475,11 @@ class KVFerryKVManager(BaseKVManager):
         # engines take KV from CP rank 0): their senders conclude locally,
         # as SGLang's dummy CP ranks do.
         self.is_dummy_cp_rank = self.mode == "prefill" and self.attn_cp_rank != 0
+        _check_host_memory(args, server_args, self.mode)
+        for fn in _NEEDS:
+            _lib.require(fn, "kvferry as SGLang's transfer backend")
         # Every rank registers (the registry is ready once dp x cp x tp x pp
         # did); kvferry's decode engines take KV from CP rank 0 only.
-        _check_host_memory(args, server_args, self.mode)
         self.ferry_args = ferry_args(args, self.mode, server_args, is_mla_backend, par)
         self.engine = KVManager(self.ferry_args, self.mode)
 

@@ -179,6 +179,14 @@ def _patch_new_files(patch):
     return out
 
 
+sys.path.insert(0, os.path.dirname(HERE))
+from kvferry import _lib  # noqa: E402
+from kvferry.sglang import _NEEDS  # noqa: E402
+
+MISSING = [n for n in _NEEDS if not _lib.has(n)]
+
+
+@unittest.skipIf(MISSING, "libkvferry lacks %s" % ", ".join(MISSING))
 class WithSGLang(unittest.TestCase):
 
     def test_takes_sglangs_types_and_the_patch_imports(self):
