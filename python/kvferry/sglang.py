@@ -364,12 +364,29 @@ def ferry_args(kv_args, mode, server_args, is_mla_backend, par):
             a.total_kv_head_num = int(total) if total else None
         else:
             a.kv_head_num = 0           # taken from the prefill peer
+    for var, field in (("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "bootstrap_timeout_ms"),
+                       ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "waiting_timeout_ms")):
+        ms = _env_seconds_ms(var)
+        if ms is not None:
+            setattr(a, field, ms)
     host = _advertise_host(server_args)
     if host is not None:
         a.host = host
     if mode == "prefill":
         a.bootstrap_addr = bootstrap_addr(server_args)
     return a
+
+
+def _env_seconds_ms(var):
+    """SGLang's deadline variables (seconds) as kvferry's milliseconds, when
+    set; kvferry's own KVF_*_MS variables are the library's defaults."""
+    v = os.environ.get(var)
+    if not v:
+        return None
+    try:
+        return max(int(float(v) * 1000), 1)
+    except ValueError:
+        raise ValueError("%s=%r is not a number of seconds" % (var, v)) from None
 
 
 def _advertise_host(server_args):

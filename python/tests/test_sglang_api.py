@@ -168,6 +168,23 @@ class Layout(unittest.TestCase):
                          S._parallel(server_args(), a, "prefill"))
         self.assertEqual(f.kv_dtype, "bfloat16")
 
+    def test_sglang_deadlines(self):
+        a = kv_args("prefill")
+        env = {"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "12",
+               "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "0.5"}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            f = S.ferry_args(a, "prefill", server_args(), False,
+                             S._parallel(server_args(), a, "prefill"))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        self.assertEqual((f.bootstrap_timeout_ms, f.waiting_timeout_ms), (12000, 500))
+
     def test_device_memory_refused(self):
         with self.assertRaises(RuntimeError) as cm:
             S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE,
