@@ -39,8 +39,9 @@ TP, TPS = CFG["tp_rank"], CFG["tp_size"]
 PS = 4                      # page_size
 LAYERS = 2
 HEADS = 4                   # KV heads of the model
-HR = HEADS // TPS           # per rank
-D = 8                       # head dim (uint16 elements)
+MLA = bool(CFG.get("mla"))  # one latent buffer per layer, the same on every rank
+HR = 1 if MLA else HEADS // TPS     # KV heads per rank
+D = 36 if MLA else 8        # head dim (uint16 elements); MLA: the latent width
 DRAFT_D = 4
 POOL = 64                   # KV pages per buffer
 AUX_ROWS = 16
@@ -95,7 +96,7 @@ def pattern(room, tok, code, d):
     """uint16[len(tok), HR, d]: the KV of tokens ``tok`` of ``room`` in the
     buffer named ``code``, for this rank's heads."""
     tok = np.asarray(tok, dtype=np.int64)[:, None, None]
-    head = (TP * HR + np.arange(HR))[None, :, None]
+    head = (np.arange(HR) if MLA else TP * HR + np.arange(HR))[None, :, None]
     e = np.arange(d)[None, None, :]
     return ((room % 65521) * 7919 + tok * 131 + code * 31 + head * 17 + e * 3) \
         % 65521
@@ -109,9 +110,10 @@ def slot_pattern(room, code, n, k=0):
 class Pools:
     def __init__(self):
         self.k = [np.zeros((POOL * PS, HR, D), np.uint16) for _ in range(LAYERS)]
-        self.v = [np.zeros((POOL * PS, HR, D), np.uint16) for _ in range(LAYERS)]
+        self.v = [] if MLA else [np.zeros((POOL * PS, HR, D), np.uint16)
+                                 for _ in range(LAYERS)]
         self.kv = self.k + self.v                 # SGLang: every K, then every V
-        self.codes = list(range(2 * LAYERS))
+        self.codes = list(range(len(self.kv)))
         if CFG.get("draft"):
             self.dk = np.zeros((POOL * PS, HR, DRAFT_D), np.uint16)
             self.dv = np.zeros((POOL * PS, HR, DRAFT_D), np.uint16)
@@ -151,9 +153,10 @@ class Pools:
         a.system_dp_rank = 0
         a.gpu_id = 0
         a.ib_device = None
-        if ROLE == "prefill":
+        if ROLE == "prefill" and not MLA:
             a.kv_head_num = HR
             a.total_kv_head_num = HEADS
+        if ROLE == "prefill":
             a.prefill_start_layer = 0
             a.prefill_end_layer = LAYERS
         return a
@@ -206,7 +209,7 @@ class Req:
 def prefill_main(group, boot_port):
     pools = Pools()
     mgr = S.KVFerryKVManager(pools.kv_args(), S.DisaggregationMode.PREFILL,
-                             server_args(boot_port), False)
+                             server_args(boot_port), MLA)
     addr = CFG["bootstrap"]
     kv_alloc, aux_alloc = Allocator(POOL, 1), Allocator(AUX_ROWS, 2)
     mamba_alloc, swa_alloc = Allocator(MAMBA_SLOTS, 3), Allocator(SWA_PAGES, 4)
@@ -350,7 +353,7 @@ def failed(h):
 def decode_main(group, boot_port):
     pools = Pools()
     mgr = S.KVFerryKVManager(pools.kv_args(), S.DisaggregationMode.DECODE,
-                             server_args(boot_port), False)
+                             server_args(boot_port), MLA)
     addr = CFG["bootstrap"]
     kv_alloc, aux_alloc = Allocator(POOL, 11), Allocator(AUX_ROWS, 12)
     mamba_alloc, swa_alloc = Allocator(MAMBA_SLOTS, 13), Allocator(SWA_PAGES, 14)

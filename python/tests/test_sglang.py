@@ -240,6 +240,18 @@ class SGLangScheduler(unittest.TestCase):
                 self.cluster.close()
                 self.cluster = None
 
+    def test_mla(self):
+        """MLA (is_mla_backend): one latent buffer per layer, the whole of it
+        on every rank, for TP 2 into 2, 2 into 1 and 1 into 2."""
+        reqs = [{"room": ROOM + i, "tokens": t} for i, t in enumerate([7, 18])]
+        for tp in ((2, 2), (2, 1), (1, 2)):
+            with self.subTest(tp=tp):
+                res = self.run_cluster(reqs, chunk=8, tp=tp, mla=True)
+                self.assertEqual(len(res), sum(tp))
+                self.assertAllSucceeded(res, [r["room"] for r in reqs])
+                self.cluster.close()
+                self.cluster = None
+
     def test_one_rank_fails_a_room_all_linked(self):
         """Prefill TP 2 into decode TP 1: the decode rank is linked to both
         prefill ranks and tells both the root cause.  Prefill rank 1 gets
