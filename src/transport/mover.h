@@ -79,7 +79,8 @@ typedef struct kvf_mover_params {
     void *const    *bases;      /* every registered buffer (kv, aux, state) */
     const size_t   *lens;
     size_t          n;
-    kvf_mem_kind_t  mem_kind;
+    kvf_mem_kind_t  mem_kind;   /* KVF_MEM_CUDA when any buffer is device memory */
+    const kvf_mem_kind_t *kinds; /* each buffer's */
     int             by_name;    /* asked for by name, not by "auto" */
 } kvf_mover_params_t;
 

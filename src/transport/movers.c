@@ -8,7 +8,11 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "transport/copier.h"
 #include "transport/mover.h"
+#ifdef KVF_HAVE_CUDA
+#include "transport/cuda/cuda.h"
+#endif
 #include "transport/shm/shm.h"
 #include "transport/tcp/tcp.h"
 #include "transport/ucx/ucx.h"
@@ -33,6 +37,12 @@ const kvf_mover_ops_t *const kvf_movers[] = {
 #endif
     NULL
 };
+
+#ifdef KVF_HAVE_CUDA
+const kvf_copier_ops_t *const kvf_copier_ops = &kvf_cuda_copier;
+#else
+const kvf_copier_ops_t *const kvf_copier_ops = NULL;
+#endif
 
 /* Required ops, checked once (a new mover that forgot one fails loudly in
  * every test run, not in production). */
@@ -135,12 +145,16 @@ void kvf_movers_count_peer(kvf_engine_stats_t *st, const kvf_mover_ops_t *ops)
 
 const char *kvf_movers_device_hint(void)
 {
-#ifdef KVF_HAVE_UCX
-    return "device memory moves only over the ucx transport, which is not usable here: "
-           "allow --transport ucx (or auto), and use a UCX with its CUDA module "
-           "(`ucx_info -d` lists cuda_copy/cuda_ipc)";
+#if defined(KVF_HAVE_CUDA)
+    return "device memory moves through the copier of this build's CUDA support, or "
+           "over ucx with a UCX that has its CUDA module";
+#elif defined(KVF_HAVE_UCX)
+    return "this build has no CUDA support (rebuild with the CUDA toolkit installed, "
+           "-DKVF_CUDA=ON), and ucx is not usable for it here: allow --transport ucx (or "
+           "auto), with a UCX that has its CUDA module (`ucx_info -d` lists "
+           "cuda_copy/cuda_ipc)";
 #else
-    return "device memory moves only over the ucx transport, and this build has none: "
-           "install UCX (libucx-dev) and rebuild, or register host memory";
+    return "this build has no CUDA support and no ucx: rebuild with the CUDA toolkit "
+           "installed (-DKVF_CUDA=ON), or register host memory";
 #endif
 }

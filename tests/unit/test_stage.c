@@ -1,0 +1,256 @@
+/*
+ * The staged tcp path (core/stage.h): KV in device memory crosses the
+ * stream through pinned bounce buffers and the copier, pipelined, on both
+ * sides; mixed pairs (device prefill, host decode and the reverse) stage
+ * on the device side only.  Run here against the fake CUDA driver
+ * (unit/fake), whose "device memory" is host memory it was told about and
+ * whose copies are memcpy: the code under test is the real copier and
+ * staging, only the driver differs.  Byte for byte, with checksums; a copy
+ * that fails mid-pipeline fails the room on both sides; a room aborted
+ * while a copy into its pages is in flight holds its pages until it ends.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvf_fake_cuda.h"
+#include "kvf_test.h"
+#include "kvferry/kvferry.h"
+
+#define LAYERS 2
+#define NKV    (2 * LAYERS)
+#define PAGE   16                 /* tokens per page */
+#define HEAD_B 256
+#define PAGE_B (PAGE * HEAD_B)    /* one head: 4 KiB pages */
+#define PAGES  2048               /* 8 MiB per buffer: the ring turns over */
+#define AUX_B  16
+
+static fake_cuda_t fake;
+
+typedef struct side {
+    kvf_engine_t *eng;
+    uint8_t      *kv[NKV];
+    uint8_t      *aux;
+} side_t;
+
+static void side_init(side_t *s, kvf_role_t role, const char *bs, int kv_device)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = role;
+    p.bootstrap_addr = bs;
+    p.host_bootstrap = role == KVF_ROLE_PREFILL;
+    p.transport = "tcp";
+    p.checksum = 1;
+    p.transfer_timeout_ms = 10000;
+    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
+    kvf_buffer_t kv[NKV], aux;
+    for (int i = 0; i < NKV; i++) {
+        s->kv[i] = calloc(PAGES, PAGE_B);
+        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)PAGES * PAGE_B, PAGE_B};
+        if (kv_device)
+            fake.add(s->kv[i], (size_t)PAGES * PAGE_B, 0);
+    }
+    s->aux = calloc(8, AUX_B);
+    aux = (kvf_buffer_t){s->aux, 8 * AUX_B, AUX_B};
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = PAGE;
+    l.kv_dtype = "bfloat16";
+    l.num_layers = LAYERS;
+    l.heads_per_rank = l.total_heads = 1;
+    l.bytes_per_head = HEAD_B;
+    l.num_kv = NKV;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;               /* host memory, as SGLang's */
+    l.mem_kind = kv_device ? KVF_MEM_CUDA : KVF_MEM_HOST;
+    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
+}
+
+static void side_fini(side_t *s)
+{
+    kvf_engine_destroy(s->eng);
+    for (int i = 0; i < NKV; i++)
+        free(s->kv[i]);
+    free(s->aux);
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static int final(kvf_poll_t p)
+{
+    return p == KVF_POLL_SUCCESS || p == KVF_POLL_FAILED;
+}
+
+static void wait_final(kvf_sender_t *s, kvf_receiver_t *r)
+{
+    for (int i = 0; i < 20000 && !(final(kvf_sender_poll(s)) && final(kvf_receiver_poll(r)));
+         i++)
+        sleep_ms(1);
+}
+
+/* A room of n scattered pages (every other source page, destinations
+ * reversed in runs), n_chunks chunks; pages filled with a pattern. */
+typedef struct room {
+    kvf_sender_t   *s;
+    kvf_receiver_t *r;
+    uint32_t       *src, *dst;
+    uint32_t        n;
+} room_t;
+
+static void room_start(room_t *m, side_t *pre, side_t *dec, const char *bs, uint64_t id,
+                       uint32_t n)
+{
+    m->n = n;
+    m->src = malloc(n * sizeof(uint32_t));
+    m->dst = malloc(n * sizeof(uint32_t));
+    for (uint32_t i = 0; i < n; i++) {
+        m->src[i] = (i * 2) % PAGES;
+        m->dst[i] = (i / 8) * 8 + 7 - i % 8;     /* runs of 8, each reversed */
+    }
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre->kv[b][i] = (uint8_t)(i * 7 + b * 13 + id);
+    memcpy(pre->aux + 3 * AUX_B, "room-tag-0000001", AUX_B);
+    CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, id, &m->s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec->eng, bs, id, -1, &m->r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(m->r, m->dst, n, 2, NULL, 0), KVF_OK);
+    for (int i = 0; i < 10000 && kvf_sender_poll(m->s) < KVF_POLL_WAITING_FOR_INPUT; i++)
+        sleep_ms(1);
+    CHECK_EQ_INT(kvf_sender_init(m->s, n, 3), KVF_OK);
+    uint32_t half = n / 2;
+    CHECK_EQ_INT(kvf_sender_send(m->s, m->src, half, 0), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(m->s, m->src + half, n - half, 1), KVF_OK);
+}
+
+static int room_bytes_equal(const room_t *m, const side_t *pre, const side_t *dec)
+{
+    for (int b = 0; b < NKV; b++)
+        for (uint32_t i = 0; i < m->n; i++)
+            if (memcmp(dec->kv[b] + (size_t)m->dst[i] * PAGE_B,
+                       pre->kv[b] + (size_t)m->src[i] * PAGE_B, PAGE_B) != 0)
+                return 0;
+    return memcmp(dec->aux + 2 * AUX_B, "room-tag-0000001", AUX_B) == 0;
+}
+
+static void room_end(room_t *m)
+{
+    kvf_sender_destroy(m->s);
+    kvf_receiver_destroy(m->r);
+    free(m->src);
+    free(m->dst);
+}
+
+/* One room per pairing; copied bytes show which side staged. */
+static void pair_room(int pre_device, int dec_device)
+{
+    side_t pre, dec;
+    char bs[64];
+    room_t m;
+    const uint32_t n = 1024;   /* 16 MiB of KV: the ring of 4 slots turns over */
+
+    fake.reset();
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", pre_device);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, dec_device);
+    room_start(&m, &pre, &dec, bs, 7, n);
+    wait_final(m.s, m.r);
+    CHECK_EQ_INT(kvf_sender_poll(m.s), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_SUCCESS);
+    CHECK(room_bytes_equal(&m, &pre, &dec));
+    uint64_t kv = (uint64_t)n * PAGE_B * NKV;
+    CHECK_EQ_INT(fake.copied(), kv * (uint64_t)(pre_device + dec_device));
+    CHECK_EQ_INT(dec.kv[0][(size_t)(n + 100) * PAGE_B], 0);   /* nothing else touched */
+    room_end(&m);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_device_to_device(void) { pair_room(1, 1); }
+static void test_device_to_host(void) { pair_room(1, 0); }
+static void test_host_to_device(void) { pair_room(0, 1); }
+
+/* A copy fails halfway through the room: both sides fail it, neither
+ * shows SUCCESS, and the reason says what failed. */
+static void test_copy_fails_mid_pipeline(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    room_t m;
+    kvf_failure_t f;
+
+    fake.reset();
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 1);
+    fake.fail_after(8u << 20);
+    room_start(&m, &pre, &dec, bs, 8, 1024);
+    wait_final(m.s, m.r);
+    CHECK_EQ_INT(kvf_sender_poll(m.s), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_FAILED);
+    CHECK(kvf_receiver_pages_released(m.r));
+    CHECK_EQ_INT(kvf_receiver_failure(m.r, &f), KVF_OK);
+    CHECK_STR_CONTAINS(f.reason, "fake copy failure");
+    room_end(&m);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/* Aborted while a copy into its pages is in flight: the room shows
+ * TRANSFERRING and keeps its pages until the copy ends. */
+static void test_pages_held_until_copies_end(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    room_t m;
+
+    fake.reset();
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 1);    /* only decode copies */
+    fake.delay_ms(800);
+    room_start(&m, &pre, &dec, bs, 9, 64);
+    for (int i = 0; i < 10000 && fake.copied() == 0; i++)
+        sleep_ms(1);
+    CHECK(fake.copied() > 0);                     /* a copy is in flight */
+    kvf_receiver_abort(m.r);
+    sleep_ms(100);
+    CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_TRANSFERRING);
+    CHECK(!kvf_receiver_pages_released(m.r));
+    for (int i = 0; i < 10000 && !final(kvf_receiver_poll(m.r)); i++)
+        sleep_ms(1);
+    CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_FAILED);
+    CHECK(kvf_receiver_pages_released(m.r));
+    fake.delay_ms(0);
+    room_end(&m);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+int main(int argc, char **argv)
+{
+#ifndef KVF_HAVE_CUDA
+    (void)argc, (void)argv;
+    printf("skipped: this build has no cuda component (no CUDA toolkit found)\n");
+    return 77;
+#else
+    if (!fake_cuda_load(&fake)) {
+        printf("cannot load the fake CUDA driver %s: %s\n", KVF_FAKE_CUDA, dlerror());
+        return 1;
+    }
+    kvf_test_case_t cases[] = {
+        KVF_CASE(test_device_to_device),
+        KVF_CASE(test_device_to_host),
+        KVF_CASE(test_host_to_device),
+        KVF_CASE(test_copy_fails_mid_pipeline),
+        KVF_CASE(test_pages_held_until_copies_end),
+    };
+    return kvf_test_run(cases, sizeof(cases) / sizeof(cases[0]), argc, argv);
+#endif
+}
