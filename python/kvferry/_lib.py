@@ -46,6 +46,7 @@ ROLE_DECODE = 1
 ATTN_MHA = 0
 ATTN_MLA = 1
 MEM_HOST = 0
+MEM_CUDA = 1
 
 
 class EngineParams(Structure):
@@ -104,6 +105,13 @@ class Layout(Structure):
         ("num_state", c_uint32),
         ("state", POINTER(Buffer)),
         ("first_layer", c_uint32),
+        # added after 0.1.0 (the library reads only `size` bytes)
+        ("kv_tags", c_void_p),
+        ("num_state_groups", c_uint32),
+        ("state_groups", c_void_p),
+        ("aux_mem_kind", c_int),
+        ("state_mem_kind", c_int),
+        ("cuda_device", c_int),
     ]
 
 

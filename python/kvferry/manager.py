@@ -15,7 +15,7 @@ import threading
 import weakref
 
 from . import _lib
-from ._convert import buffer_address, to_uint
+from ._convert import buffer_address, buffer_memory, to_uint
 from ._lib import lib
 from .args import KVArgs
 from .errors import KVFerryStateError, check
@@ -114,8 +114,10 @@ def _buffers(kind, ptrs, lens, items):
                          % (kind, len(items), kind, len(ptrs)))
     arr = (_lib.Buffer * max(len(ptrs), 1))()
     keep = []
+    mems = set()
     for i, p in enumerate(ptrs):
         name = "%s_data_ptrs[%d]" % (kind, i)
+        mems.add(buffer_memory(p))
         ln = None if lens is None else to_uint("%s_data_lens[%d]" % (kind, i),
                                                 lens[i], 64)
         addr, length, k = buffer_address(name, p, ln, "%s_data_lens[%d]" % (kind, i))
@@ -127,7 +129,11 @@ def _buffers(kind, ptrs, lens, items):
         arr[i].base, arr[i].length, arr[i].item_bytes = addr, length, item
         keep.append(k)
     n_items = min((b.length // b.item_bytes for b in arr[:len(ptrs)]), default=0)
-    return arr, len(ptrs), keep, n_items
+    if len(mems) > 1:
+        raise ValueError("%s_data_ptrs mixes memories (%s): every buffer of a family "
+                         "must be host memory, or memory of one CUDA device"
+                         % (kind, ", ".join(sorted("%s:%s" % m for m in mems))))
+    return arr, len(ptrs), keep, n_items, (mems.pop() if mems else ("host", None))
 
 
 def _u32(name, v):
@@ -209,12 +215,12 @@ class KVManager(_Closing):
 
     def _layout(self, a):
         l = _lib.new_layout()
-        kv, nkv, keep_kv, npages = _buffers("kv", a.kv_data_ptrs, a.kv_data_lens,
-                                            a.kv_item_lens)
-        aux, naux, keep_aux, nslots = _buffers("aux", a.aux_data_ptrs, a.aux_data_lens,
-                                               a.aux_item_lens)
-        st, nst, keep_st, nstate = _buffers("state", a.state_data_ptrs,
-                                            a.state_data_lens, a.state_item_lens)
+        kv, nkv, keep_kv, npages, kv_mem = _buffers("kv", a.kv_data_ptrs, a.kv_data_lens,
+                                                    a.kv_item_lens)
+        aux, naux, keep_aux, nslots, aux_mem = _buffers("aux", a.aux_data_ptrs,
+                                                        a.aux_data_lens, a.aux_item_lens)
+        st, nst, keep_st, nstate, st_mem = _buffers("state", a.state_data_ptrs,
+                                                    a.state_data_lens, a.state_item_lens)
         if nkv == 0:
             raise ValueError("kv_data_ptrs is empty: register at least one KV buffer")
         page_size = _u32("page_size", a.page_size)
@@ -252,7 +258,16 @@ class KVManager(_Closing):
                         "kv_item_lens[%d] = %d bytes per page, but page_size %d x "
                         "kv_head_num %d x bytes_per_head %d = %d"
                         % (i, kv[i].item_bytes, page_size, heads, l.bytes_per_head, want))
-        l.mem_kind = _lib.MEM_HOST
+        # Each family's memory, as its buffers say (buffer_memory); one GPU.
+        kinds = {"host": _lib.MEM_HOST, "cuda": _lib.MEM_CUDA}
+        l.mem_kind = kinds[kv_mem[0]]
+        l.aux_mem_kind = kinds[aux_mem[0]]
+        l.state_mem_kind = kinds[st_mem[0]]
+        ordinals = {m[1] for m in (kv_mem, aux_mem, st_mem) if m[0] == "cuda"}
+        if len(ordinals) > 1:
+            raise ValueError("the buffers are on CUDA devices %s: one engine registers the "
+                             "memory of one GPU" % sorted(ordinals))
+        l.cuda_device = ordinals.pop() if ordinals else 0
         l.num_kv, l.kv = nkv, kv
         l.num_aux, l.aux = naux, aux
         l.num_state, l.state = nst, st
