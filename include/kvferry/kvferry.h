@@ -159,10 +159,11 @@ typedef struct kvf_engine_params {
      */
     int         host_bootstrap;
     /**
-     * "auto" (shm with peers on this host, else ucx when built and both
-     * sides have it, else tcp), "tcp", "shm" or "ucx" (a preference: tcp
-     * when it cannot be used, said once in the log).  Default "auto"
-     * (KVF_TRANSPORT).
+     * "auto" (on this host cuda when both sides' KV is GPU memory, else
+     * shm; else ucx when built and both sides have it; else tcp, GPU
+     * memory staged through pinned host memory), "tcp", "shm", "ucx" or
+     * "cuda" (a preference: tcp when it cannot be used, said once in the
+     * log).  Default "auto" (KVF_TRANSPORT).
      */
     const char *transport;
     int         checksum;      /**< 1: XXH3 end-to-end checksums; default 0 (KVF_CHECKSUM) */

@@ -447,6 +447,7 @@ static void start_movers(kvf_engine_t *eng)
         .n = eng->nregs,
         .mem_kind = device_memory(&eng->layout) ? KVF_MEM_CUDA : KVF_MEM_HOST,
         .kinds = eng->reg_kinds,
+        .cuda_device = eng->layout.cuda_device,
         .by_name = strcmp(eng->transport, "auto") != 0,
     };
     kvf_movers_check();

@@ -207,6 +207,18 @@ static void chunk_hash(kvf_put_t *put, const void *p, size_t n)
         XXH3_64bits_update(lk->hash, p, n);
 }
 
+/* A staged put's copy failed: the room fails with what the copier said. */
+static void chunk_stage_failed(kvf_put_t *put, kvf_status_t st, const char *why)
+{
+    chunk_put_t *c = (chunk_put_t *)put;
+    kvf_room_t *r = c->room;
+    if (c->peer == r->links[c->link].peer && !room_final(r))
+        kvf__room_fail(r, st, "staging room %llu's device memory for the stream failed: %s",
+                       (unsigned long long)r->id, why);
+}
+
+static const kvf_stage_cbs_t chunk_stage_cbs = {chunk_hash, chunk_stage_failed};
+
 /* The stream reads this chunk's pages with the lock released: the room
  * keeps them (a destroy waits for the call to end, room.h `reads`). */
 static void chunk_busy(kvf_put_t *put, int busy)
@@ -294,7 +306,7 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     if (!put->by_ref && kvf__stages(r->eng)) {
         /* Pushed from device memory: through bounce buffers (stage.h). */
         c->staged = 1;
-        if ((put = kvf__stage_put(r->eng, &c->put, chunk_hash)) == NULL) {
+        if ((put = kvf__stage_put(r->eng, &c->put, &chunk_stage_cbs)) == NULL) {
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to stage a chunk of room %llu",
                            (unsigned long long)r->id);
             c->put.complete(&c->put, KVF_ERR_NO_MEMORY);

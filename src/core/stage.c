@@ -101,7 +101,6 @@ typedef struct slot {
     kvf_copy_t      cp;          /* first: what the copier hands back */
     stage_put_t    *sp;
     slot_state_t    state;
-    kvf_status_t    st;          /* the copy's outcome */
     uint8_t        *buf;
     size_t          cap, bytes;
     uint32_t        nsegs, yielded, pieces;
@@ -113,7 +112,7 @@ struct stage_put {
     kvf_put_t      put;          /* first: what the connection sees */
     kvf_put_t     *inner;
     kvf_engine_t  *eng;
-    void         (*hash)(kvf_put_t *inner, const void *p, size_t n);
+    const kvf_stage_cbs_t *cbs;
     slot_t         slots[SLOTS];
     int            ready;        /* slots set up */
     uint32_t       head, tail;   /* yielding slots[head]; filling slots[tail] */
@@ -154,11 +153,9 @@ static void slot_copied(kvf_copy_t *cp, kvf_status_t st, const char *err)
     sp->eng->copies_inflight--;
     sp->inner->busy(sp->inner, 0);     /* its pages are no longer read */
     s->state = SLOT_READY;
-    if (st != KVF_OK) {
-        kvf_error("staging a frame to host memory failed: %s", err ? err : "");
-        s->st = st;
-        if (sp->stop == KVF_OK)
-            sp->stop = st;
+    if (st != KVF_OK && sp->stop == KVF_OK) {
+        sp->stop = st;
+        sp->cbs->fail(sp->inner, st, err ? err : kvf_status_str(st));
     }
     if (sp->completed && sp->copying == 0)
         stage_free(sp);
@@ -215,7 +212,6 @@ static int fill_one(stage_put_t *sp)
         return 0;
     s->nsegs = s->yielded = s->pieces = 0;
     s->bytes = 0;
-    s->st = KVF_OK;
     while (s->nsegs < SLOT_SEGS && s->pieces < SLOT_PIECES && s->bytes < SLOT_BYTES) {
         kvf_wire_seg_t seg;
         const uint8_t *src;
@@ -300,8 +296,8 @@ static int fill_one(stage_put_t *sp)
         eng->copies_inflight++;
         sp->inner->busy(sp->inner, 1);   /* the copy reads the room's pages */
     } else {
-        kvf_error("staging a frame to host memory failed: %s", err);
         sp->stop = KVF_ERR_IO;
+        sp->cbs->fail(sp->inner, KVF_ERR_IO, err);
         return 0;
     }
     sp->tail = (sp->tail + 1) % SLOTS;
@@ -336,8 +332,8 @@ static int stage_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
         uint32_t i = s->yielded++;
         *seg = s->segs[i];
         *src = s->srcs[i];
-        for (uint32_t k = 0; sp->hash != NULL && k < kvf_wire_seg_pieces(seg); k++)
-            sp->hash(sp->inner, s->srcs[i] + (size_t)k * seg->src_stride, seg->len);
+        for (uint32_t k = 0; k < kvf_wire_seg_pieces(seg); k++)
+            sp->cbs->hash(sp->inner, s->srcs[i] + (size_t)k * seg->src_stride, seg->len);
         sp->frame_open = 1;
         return 1;
     }
@@ -385,8 +381,7 @@ static int stage_live(kvf_put_t *put)
     return sp->inner->live == NULL || sp->inner->live(sp->inner);
 }
 
-kvf_put_t *kvf__stage_put(kvf_engine_t *eng, kvf_put_t *inner,
-                          void (*hash)(kvf_put_t *inner, const void *p, size_t n))
+kvf_put_t *kvf__stage_put(kvf_engine_t *eng, kvf_put_t *inner, const kvf_stage_cbs_t *cbs)
 {
     stage_put_t *sp = calloc(1, sizeof(*sp));
     if (sp == NULL)
@@ -400,6 +395,6 @@ kvf_put_t *kvf__stage_put(kvf_engine_t *eng, kvf_put_t *inner,
     sp->put.qnext = NULL;
     sp->inner = inner;
     sp->eng = eng;
-    sp->hash = hash;
+    sp->cbs = cbs;
     return &sp->put;
 }

@@ -31,16 +31,21 @@ int kvf__stages(const kvf_engine_t *eng);
 /* Is a segment of buffer kind `kind` (KVF_BUF_*) in device memory here? */
 int kvf__seg_on_device(const kvf_engine_t *eng, uint8_t kind);
 
+/* What a staged put tells the owner of the put it wraps. */
+typedef struct kvf_stage_cbs {
+    /* Each yielded piece's bytes, in payload order (the bounce copy). */
+    void (*hash)(kvf_put_t *inner, const void *p, size_t n);
+    /* A copy failed: why (before the put completes with the status). */
+    void (*fail)(kvf_put_t *inner, kvf_status_t st, const char *why);
+} kvf_stage_cbs_t;
+
 /*
  * Wrap `inner` (a put whose source may be device memory) into a staged
- * put; `hash(inner, p, n)` is called on each yielded piece's bytes in
- * payload order (the bounce copy; NULL: no checksum).  Completing the
- * wrapper completes inner, once no copy of it is in flight.
- * @return the wrapper, or NULL (no memory: queue inner as it is only if
- * it has no device segment, so the caller fails the chunk).
+ * put.  Completing the wrapper completes inner, once no copy of it is in
+ * flight.  @return the wrapper, or NULL (no memory: the caller fails the
+ * chunk).
  */
-kvf_put_t *kvf__stage_put(kvf_engine_t *eng, kvf_put_t *inner,
-                          void (*hash)(kvf_put_t *inner, const void *p, size_t n));
+kvf_put_t *kvf__stage_put(kvf_engine_t *eng, kvf_put_t *inner, const kvf_stage_cbs_t *cbs);
 
 /* Pinned bounce buffers, pooled per engine: at least len bytes (*cap_p
  * gets the real size), or NULL.  Progress thread, engine lock held. */

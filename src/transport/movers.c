@@ -31,6 +31,9 @@ const char *kvf_stream_name(void)
 
 /* In the order "auto" prefers them: same-host memory first, then ucx. */
 const kvf_mover_ops_t *const kvf_movers[] = {
+#ifdef KVF_HAVE_CUDA
+    &kvf_cuda_mover,       /* device memory on this host (shm takes host memory only) */
+#endif
     &kvf_shm_mover,
 #ifdef KVF_HAVE_UCX
     &kvf_ucx_mover,

@@ -17,6 +17,9 @@
 #include "kvf_fake_cuda.h"
 #include "kvf_test.h"
 #include "kvferry/kvferry.h"
+#ifdef KVF_HAVE_CUDA
+#include "transport/cuda/cuda.h"
+#endif
 
 #define LAYERS 2
 #define NKV    (2 * LAYERS)
@@ -27,6 +30,7 @@
 #define AUX_B  16
 
 static fake_cuda_t fake;
+static const char *transport = "tcp";    /* of the next side_init */
 
 typedef struct side {
     kvf_engine_t *eng;
@@ -41,7 +45,7 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, int kv_device)
     p.role = role;
     p.bootstrap_addr = bs;
     p.host_bootstrap = role == KVF_ROLE_PREFILL;
-    p.transport = "tcp";
+    p.transport = transport;
     p.checksum = 1;
     p.transfer_timeout_ms = 10000;
     CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
@@ -176,9 +180,11 @@ static void test_device_to_device(void) { pair_room(1, 1); }
 static void test_device_to_host(void) { pair_room(1, 0); }
 static void test_host_to_device(void) { pair_room(0, 1); }
 
-/* A copy fails halfway through the room: both sides fail it, neither
- * shows SUCCESS, and the reason says what failed. */
-static void test_copy_fails_mid_pipeline(void)
+/* A copy fails halfway through the room (the prefill's, or the
+ * decode's): both sides fail it, neither shows SUCCESS, the pages are
+ * released, and the reason says what failed, on the side that saw it and
+ * as the other side learned it. */
+static void copy_fails(int pre_device, int dec_device)
 {
     side_t pre, dec;
     char bs[64];
@@ -186,9 +192,9 @@ static void test_copy_fails_mid_pipeline(void)
     kvf_failure_t f;
 
     fake.reset();
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", pre_device);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 1);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, dec_device);
     fake.fail_after(8u << 20);
     room_start(&m, &pre, &dec, bs, 8, 1024);
     wait_final(m.s, m.r);
@@ -197,10 +203,17 @@ static void test_copy_fails_mid_pipeline(void)
     CHECK(kvf_receiver_pages_released(m.r));
     CHECK_EQ_INT(kvf_receiver_failure(m.r, &f), KVF_OK);
     CHECK_STR_CONTAINS(f.reason, "fake copy failure");
+    CHECK_EQ_INT(f.from_another_rank, pre_device);
+    CHECK_EQ_INT(kvf_sender_failure(m.s, &f), KVF_OK);
+    CHECK_STR_CONTAINS(f.reason, "fake copy failure");
+    CHECK_EQ_INT(f.from_another_rank, !pre_device);
     room_end(&m);
     side_fini(&dec);
     side_fini(&pre);
 }
+
+static void test_prefill_copy_fails_mid_pipeline(void) { copy_fails(1, 0); }
+static void test_decode_copy_fails_mid_pipeline(void) { copy_fails(0, 1); }
 
 /* Aborted while a copy into its pages is in flight: the room shows
  * TRANSFERRING and keeps its pages until the copy ends. */
@@ -233,6 +246,97 @@ static void test_pages_held_until_copies_end(void)
     side_fini(&pre);
 }
 
+#ifdef KVF_HAVE_CUDA
+/* Same host, device to device: the cuda mover pulls through IPC (the fake
+ * maps this process's own handles), no staging, no bounce copy. */
+static void test_ipc_device_to_device(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    room_t m;
+    const uint32_t n = 512;
+
+    fake.reset();
+    transport = "cuda";
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 1);
+    transport = "tcp";
+    room_start(&m, &pre, &dec, bs, 11, n);
+    wait_final(m.s, m.r);
+    CHECK_EQ_INT(kvf_sender_poll(m.s), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_SUCCESS);
+    CHECK(room_bytes_equal(&m, &pre, &dec));        /* aux too: process_vm_readv */
+    CHECK_EQ_INT(fake.copied(), (uint64_t)n * PAGE_B * NKV);   /* once, device to device */
+    CHECK(strcmp(kvf_engine_transport(dec.eng), "cuda") == 0);
+    room_end(&m);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/* A decode engine's cuda mover refuses offers it cannot use, saying why;
+ * the pair then goes over the stream. */
+static void test_ipc_offer_refused(void)
+{
+    static uint8_t buf[4096];
+    void *bases[1] = {buf};
+    size_t lens[1] = {sizeof(buf)};
+    kvf_mem_kind_t kinds[1] = {KVF_MEM_CUDA};
+    kvf_mover_params_t mp = {.role = KVF_ROLE_PREFILL, .bases = bases, .lens = lens, .n = 1,
+                             .mem_kind = KVF_MEM_CUDA, .kinds = kinds};
+    kvf_mover_t *pm, *dm;
+    kvf_mover_ep_t *ep;
+    kvf_buf_t offer;
+    char why[256];
+
+    fake.reset();
+    fake.add(buf, sizeof(buf), 0);
+    CHECK_EQ_INT(kvf_cuda_mover.create(&mp, &pm, why, sizeof(why)), KVF_OK);
+    mp.role = KVF_ROLE_DECODE;
+    CHECK_EQ_INT(kvf_cuda_mover.create(&mp, &dm, why, sizeof(why)), KVF_OK);
+    kvf_buf_init(&offer);
+    kvf_mover_peer_t peer = {.pid = 1};
+    CHECK_EQ_INT(kvf_cuda_mover.pack(pm, &peer, &offer), KVF_OK);
+
+    CHECK_EQ_INT(kvf_cuda_mover.connect(dm, offer.data, offer.len - 1, &ep, why, sizeof(why)),
+                 KVF_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(why, "malformed cuda offer");
+    offer.data[8] ^= 1;                   /* another boot id: another host */
+    CHECK_EQ_INT(kvf_cuda_mover.connect(dm, offer.data, offer.len, &ep, why, sizeof(why)),
+                 KVF_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(why, "another host");
+    offer.data[8] ^= 1;
+    CHECK_EQ_INT(kvf_cuda_mover.connect(pm, offer.data, offer.len, &ep, why, sizeof(why)),
+                 KVF_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(why, "a prefill engine does not read");
+    /* another process's handles (the fake's carry a pid): not ours to open */
+    offer.data[48 + 28] ^= 0x40;
+    CHECK_EQ_INT(kvf_cuda_mover.connect(dm, offer.data, offer.len, &ep, why, sizeof(why)),
+                 KVF_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(why, "cannot open the prefill engine's device memory");
+
+    offer.data[48 + 28] ^= 0x40;
+    CHECK_EQ_INT(kvf_cuda_mover.connect(dm, offer.data, offer.len, &ep, why, sizeof(why)),
+                 KVF_OK);
+    /* A source outside what the prefill registered is refused before a copy. */
+    uint8_t local[16];
+    struct iovec l = {local, sizeof(local)}, r = {buf + sizeof(buf) - 8, sizeof(local)};
+    kvf_mover_read_t rd = {NULL};
+    CHECK_EQ_INT(kvf_cuda_mover.read(ep, &rd, &l, &r, 1, 1000, why, sizeof(why)),
+                 KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(why, "outside every region it registered");
+    kvf_cuda_mover.disconnect(ep);
+    kvf_buf_free(&offer);
+    kvf_cuda_mover.destroy(dm);
+    kvf_cuda_mover.destroy(pm);
+    /* Host KV: the mover is not for it. */
+    kinds[0] = KVF_MEM_HOST;
+    mp.mem_kind = KVF_MEM_HOST;
+    CHECK_EQ_INT(kvf_cuda_mover.create(&mp, &dm, why, sizeof(why)), KVF_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(why, "host memory");
+}
+#endif
+
 int main(int argc, char **argv)
 {
 #ifndef KVF_HAVE_CUDA
@@ -248,8 +352,11 @@ int main(int argc, char **argv)
         KVF_CASE(test_device_to_device),
         KVF_CASE(test_device_to_host),
         KVF_CASE(test_host_to_device),
-        KVF_CASE(test_copy_fails_mid_pipeline),
+        KVF_CASE(test_prefill_copy_fails_mid_pipeline),
+        KVF_CASE(test_decode_copy_fails_mid_pipeline),
         KVF_CASE(test_pages_held_until_copies_end),
+        KVF_CASE(test_ipc_device_to_device),
+        KVF_CASE(test_ipc_offer_refused),
     };
     return kvf_test_run(cases, sizeof(cases) / sizeof(cases[0]), argc, argv);
 #endif

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #define NOT_READY 600
 #define UNKNOWN   999
@@ -139,3 +140,56 @@ int cuMemcpyAsync(unsigned long long dst, unsigned long long src, size_t n, void
 int cuLaunchHostFunc(void *s, void (*fn)(void *), void *arg) { (void)s; fn(arg); return 0; }
 int cuMemHostAlloc(void **p, size_t n, unsigned flags) { (void)flags; *p = malloc(n); return *p ? 0 : 2; }
 int cuMemFreeHost(void *p) { free(p); return 0; }
+
+/* IPC within one process (tests run both engines in one): a handle is the
+ * allocation's pid and base, and opening one of this process's maps it
+ * where it is.  Another process's handle fails, as it would without a GPU. */
+int cuMemGetAddressRange_v2(unsigned long long *base, size_t *size, unsigned long long p)
+{
+    int ok = 0;
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < nranges; i++)
+        if ((uintptr_t)p >= ranges[i].base && (uintptr_t)p - ranges[i].base < ranges[i].len) {
+            *base = ranges[i].base;
+            *size = ranges[i].len;
+            ok = 1;
+        }
+    pthread_mutex_unlock(&mu);
+    return ok ? 0 : 1;
+}
+
+typedef struct { char reserved[64]; } handle_t;
+
+int cuIpcGetMemHandle(handle_t *h, unsigned long long p)
+{
+    uint64_t pid = (uint64_t)getpid();
+    memset(h, 0, sizeof(*h));
+    memcpy(h->reserved, &pid, 8);
+    memcpy(h->reserved + 8, &p, 8);
+    return 0;
+}
+
+int cuIpcOpenMemHandle_v2(unsigned long long *p, handle_t h, unsigned flags)
+{
+    uint64_t pid;
+    (void)flags;
+    memcpy(&pid, h.reserved, 8);
+    if (pid != (uint64_t)getpid())
+        return 201;    /* CUDA_ERROR_INVALID_CONTEXT */
+    memcpy(p, h.reserved + 8, 8);
+    return 0;
+}
+
+int cuIpcCloseMemHandle(unsigned long long p) { (void)p; return 0; }
+
+int cuMemcpyBatchAsync_v2(unsigned long long *dsts, unsigned long long *srcs, size_t *sizes,
+                          size_t count, void *attrs, size_t *idxs, size_t nattrs, void *s)
+{
+    (void)attrs, (void)idxs, (void)nattrs;
+    for (size_t i = 0; i < count; i++) {
+        int r = cuMemcpyAsync(dsts[i], srcs[i], sizes[i], s);
+        if (r != 0)
+            return r;
+    }
+    return 0;
+}
