@@ -15,6 +15,10 @@
 #
 #   timeout 900 tests/gpu/run.sh            (results under $OUT, or build-gpu/out)
 #
+# tests/gpu/debs is not committed (git ignores it): prepare it here with
+# prepare-debs.sh and carry it to the GPU machine with the tree (about 45
+# MB without gcc).
+#
 # Safe to run once as one command: every step has its own timeout, every
 # process it starts is killed on exit, nothing is fetched from a network,
 # and a step that fails is reported and the next one still runs.  Debian
@@ -49,23 +53,21 @@ if ls "$root"/tests/gpu/debs/*.deb >/dev/null 2>&1; then
     triplet=$(gcc -dumpmachine 2>/dev/null || echo x86_64-linux-gnu)
     export PKG_CONFIG_SYSROOT_DIR=$prefix
     export PKG_CONFIG_PATH=$prefix/usr/lib/$triplet/pkgconfig:$prefix/usr/share/pkgconfig
-    # Tools from the prefix only where the system has none.
-    mkdir -p "$work/bin"
-    for t in cmake make pkg-config pkgconf gcc cc; do
-        command -v "$t" >/dev/null || { [ -x "$prefix/usr/bin/$t" ] &&
-            ln -sf "$prefix/usr/bin/$t" "$work/bin/$t"; }
-    done
-    [ -e "$work/bin/pkg-config" ] || { command -v pkg-config >/dev/null ||
-        ln -sf "$prefix/usr/bin/pkgconf" "$work/bin/pkg-config"; }
-    export PATH=$PATH:$work/bin
+    # Tools from the prefix only where the system has none: it comes last
+    # on the PATH (and is called by its own path, so gcc and cmake find
+    # their libexec and modules beside it).
+    export PATH=$PATH:$prefix/usr/bin
     # Libraries: only those the dynamic linker cannot find already.
     mkdir -p "$work/lib"
+    have=$(ldconfig -p 2>/dev/null | awk 'NR > 1 {print $1}')
     for f in "$prefix"/usr/lib/"$triplet"/lib*.so.*; do
         b=$(basename "$f")
-        ldconfig -p 2>/dev/null | grep -q " $b " || ln -sf "$f" "$work/lib/$b"
+        [[ $b =~ \.so\.[0-9]+$ ]] || continue        # sonames only
+        grep -qxF "$b" <<<"$have" || ln -sf "$f" "$work/lib/$b"
     done
     export LD_LIBRARY_PATH=$work/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    echo "prefix: $(ls "$work/lib" | wc -l) libraries, tools: $(ls "$work/bin" | tr '\n' ' ')"
+    echo "prefix: $(ls "$work/lib" | wc -l) libraries the system lacks;" \
+         "tools: $(for t in cmake make pkg-config gcc; do printf '%s=%s ' $t "$(command -v $t)"; done)"
 else
     echo "no tests/gpu/debs: using the system's packages"
 fi
