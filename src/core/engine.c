@@ -399,12 +399,6 @@ int kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops)
     return strcmp(eng->transport, ops->name) == 0;
 }
 
-static int device_memory(const kvf_layout_int_t *l)
-{
-    return l->mem_kind == KVF_MEM_CUDA || l->aux_mem == KVF_MEM_CUDA ||
-           l->state_mem == KVF_MEM_CUDA;
-}
-
 /*
  * Device memory moves over tcp through the copier (stage.h), which starts
  * with the layout like the movers.  @return KVF_OK, or why not in err.
@@ -445,7 +439,7 @@ static void start_movers(kvf_engine_t *eng)
         .bases = eng->reg_bases,
         .lens = eng->reg_lens,
         .n = eng->nregs,
-        .mem_kind = device_memory(&eng->layout) ? KVF_MEM_CUDA : KVF_MEM_HOST,
+        .mem_kind = kvf__layout_on_device(&eng->layout) ? KVF_MEM_CUDA : KVF_MEM_HOST,
         .kinds = eng->reg_kinds,
         .cuda_device = eng->layout.cuda_device,
         .by_name = strcmp(eng->transport, "auto") != 0,
@@ -569,13 +563,13 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
     for (uint32_t i = 0; i < l.num_aux; i++)
         eng->aux_item_bytes_sum += l.aux[i].item_bytes;
     eng->registered = 1;
-    if (device_memory(&l) && start_copier(eng, err, sizeof(err)) != KVF_OK) {
+    if (kvf__layout_on_device(&l) && start_copier(eng, err, sizeof(err)) != KVF_OK) {
         /* Without staging, device memory still moves over a mover that
          * carries it (ucx with CUDA). */
         kvf_info("no staging of device memory over tcp: %s", err);
     }
     start_movers(eng);
-    if (device_memory(&l) && eng->copier == NULL && !have_device_mover(eng)) {
+    if (kvf__layout_on_device(&l) && eng->copier == NULL && !have_device_mover(eng)) {
         /* Device memory has no other way to move: refuse now, not per room. */
         for (int i = 0; i < KVF_MAX_MOVERS; i++)
             if (eng->movers[i] != NULL) {

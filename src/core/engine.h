@@ -282,6 +282,8 @@ void         kvf__group_type(const kvf_layout_int_t *l, uint32_t g, char *buf, s
 enum { KVF_FAMILY_KV = 0, KVF_FAMILY_AUX = 1, KVF_FAMILY_STATE = 2 };
 const char    *kvf__family_name(int family);          /* "KV", "aux", "state" */
 kvf_mem_kind_t kvf__family_mem(const kvf_layout_int_t *l, int family);
+/* Is any family device memory? */
+int            kvf__layout_on_device(const kvf_layout_int_t *l);
 /* Every buffer is the memory its family declares (the CUDA driver says);
  * why not in err.  @return KVF_OK, KVF_ERR_INVALID_PARAM (a mismatch),
  * KVF_ERR_UNSUPPORTED (CUDA memory declared and no driver). */

@@ -351,6 +351,12 @@ kvf_mem_kind_t kvf__family_mem(const kvf_layout_int_t *l, int family)
                                                                            : l->state_mem;
 }
 
+int kvf__layout_on_device(const kvf_layout_int_t *l)
+{
+    return l->mem_kind == KVF_MEM_CUDA || l->aux_mem == KVF_MEM_CUDA ||
+           l->state_mem == KVF_MEM_CUDA;
+}
+
 /* "KV buffer 3 (layer 1 V)", "aux buffer 0", "state buffer 2 (mamba)" */
 static const char *buffer_name(const kvf_layout_int_t *l, int family, uint32_t i, char *buf,
                                size_t len)

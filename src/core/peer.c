@@ -363,10 +363,8 @@ static int try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, int i, char *why,
 static void check_device_memory(kvf_peer_t *p)
 {
     const kvf_layout_int_t *mine = &p->eng->layout;
-    int device = mine->mem_kind == KVF_MEM_CUDA || mine->aux_mem == KVF_MEM_CUDA ||
-                 mine->state_mem == KVF_MEM_CUDA;
     if ((p->mover != NULL && p->mover->device_memory) || p->incompatible != NULL ||
-        !device || (p->mover == NULL && kvf__stages(p->eng)))
+        !kvf__layout_on_device(mine) || (p->mover == NULL && kvf__stages(p->eng)))
         return;
     char why[KVF_REASON_MAX];
     snprintf(why, sizeof(why), "KV cache in device memory cannot move over %s between "

@@ -768,6 +768,11 @@ static int stage_targets(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t
             ndev += cnt;
         }
     }
+    if (p->rx_bounce != NULL) {
+        /* A frame its connection cut short left it (on_data_end never came). */
+        kvf__bounce_put(eng, p->rx_bounce, p->rx_bounce_cap);
+        p->rx_bounce = NULL;
+    }
     if (ndev == 0)
         return 1;
     if (p->rx_dev_cap < ndev) {
@@ -875,7 +880,6 @@ static void read_started(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, kvf_read_
     p->read_bytes += rd->bytes;
     p->eng->reads_inflight++;
 }
-
 
 /* One finished read: its bytes count (or its failure fails the room), and
  * a DONE that waited for it is checked. */
