@@ -189,7 +189,8 @@ const char  *kvf_stream_name(void);
  */
 void kvf_fault_wrap_ep(kvf_faults_t *faults, kvf_mover_ep_t **ep_p);
 
-/* What to do when device memory is registered and no mover carries it. */
+/* What to do when device memory is registered, cannot be staged, and no
+ * mover carries it: what ucx would need. */
 const char *kvf_movers_device_hint(void);
 
 #endif /* KVF_TRANSPORT_MOVER_H */

@@ -148,16 +148,10 @@ void kvf_movers_count_peer(kvf_engine_stats_t *st, const kvf_mover_ops_t *ops)
 
 const char *kvf_movers_device_hint(void)
 {
-#if defined(KVF_HAVE_CUDA)
-    return "device memory moves through the copier of this build's CUDA support, or "
-           "over ucx with a UCX that has its CUDA module";
-#elif defined(KVF_HAVE_UCX)
-    return "this build has no CUDA support (rebuild with the CUDA toolkit installed, "
-           "-DKVF_CUDA=ON), and ucx is not usable for it here: allow --transport ucx (or "
-           "auto), with a UCX that has its CUDA module (`ucx_info -d` lists "
-           "cuda_copy/cuda_ipc)";
+#ifdef KVF_HAVE_UCX
+    return "ucx carries it only with a UCX that has its CUDA module (`ucx_info -d` lists "
+           "cuda_copy/cuda_ipc) and --transport ucx or auto";
 #else
-    return "this build has no CUDA support and no ucx: rebuild with the CUDA toolkit "
-           "installed (-DKVF_CUDA=ON), or register host memory";
+    return "this build has no ucx transport either";
 #endif
 }
