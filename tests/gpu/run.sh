@@ -2,10 +2,10 @@
 # The device check: on a machine with one NVIDIA GPU, CUDA and PyTorch,
 # and no package registry, build kvferry and run, in about five minutes:
 #
-#   1. the build (the cuda component on), the unit tests of the CUDA code
-#      (test_memkind, test_stage: their logic, against the fake driver)
-#      and the Python memory tests (with torch here: a CUDA tensor
-#      registers, against the real driver);
+#   1. the build (the cuda component on); test_cuda (the real driver's
+#      pointer kinds, a staged room in device memory); test_memkind and
+#      test_stage (their logic, on the fake driver); the Python memory
+#      tests (with torch here: a CUDA tensor registers);
 #   2. two processes on the GPU, rooms over the cuda mover (IPC), checked
 #      byte for byte on the device, at 64 KiB and 4 KiB segments;
 #   3. GPU to host and host to GPU (staged tcp, one side), and staged tcp
@@ -82,8 +82,8 @@ lib=$work/build/libkvferry.so
 [ -f "$lib" ] || { echo "no library: stopping"; exit 1; }
 export KVFERRY_LIBRARY=$lib
 
-step "unit tests (fake driver) and the real driver's pointer check"
-for t in test_memkind test_stage; do
+step "unit tests: test_cuda on the real GPU, the others on the fake driver"
+for t in test_cuda test_memkind test_stage; do
     timeout 120 "$work/build/tests/$t" >"$out/$t.log" 2>&1 || fail "$t (see $t.log)"
     tail -n 1 "$out/$t.log"
 done
