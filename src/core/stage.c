@@ -117,12 +117,11 @@ struct stage_put {
     int            ready;        /* slots set up */
     uint32_t       head, tail;   /* yielding slots[head]; filling slots[tail] */
     int            copying;      /* slots whose copy is in flight */
-    int            frame_open;   /* a segment was yielded since the last sent() */
     int            inner_end;
     kvf_status_t   stop;         /* the room failed or a copy did: stop with it */
     int            completed;    /* the connection completed us; inner waits for copies */
     kvf_status_t   complete_st;
-    int            has_carry;    /* a strided segment's rest, for the next slot */
+    int            has_carry;    /* a segment, or a strided one's rest, for the next slot */
     kvf_wire_seg_t carry;
     const uint8_t *carry_src;
     struct iovec  *dst, *src;    /* scratch for one slot's copy */
@@ -197,14 +196,17 @@ static int inner_next(stage_put_t *sp, kvf_wire_seg_t *seg, const uint8_t **src)
 }
 
 /*
- * Fill slots[tail] with whole segments (a strided one cut between pieces
- * where it would not fit), up to one frame, and start its copy.
- * @return 1 a slot was filled, 0 nothing more to fill now.
+ * Fill slots[tail] with whole segments, up to one frame of payload (a
+ * strided segment is cut between pieces where it would not fit, so that
+ * the connection never cuts one itself and carries a rest across frames),
+ * and start the copy of its device pieces.  @return 1 a slot was filled,
+ * 0 nothing more to fill now.
  */
 static int fill_one(stage_put_t *sp)
 {
     slot_t *s = &sp->slots[sp->tail];
     kvf_engine_t *eng = sp->eng;
+    uint64_t payload = 0;
     uint32_t ncp = 0;
     char err[256];
 
@@ -212,7 +214,7 @@ static int fill_one(stage_put_t *sp)
         return 0;
     s->nsegs = s->yielded = s->pieces = 0;
     s->bytes = 0;
-    while (s->nsegs < SLOT_SEGS && s->pieces < SLOT_PIECES && s->bytes < SLOT_BYTES) {
+    while (s->nsegs < SLOT_SEGS && s->pieces < SLOT_PIECES && payload < SLOT_BYTES) {
         kvf_wire_seg_t seg;
         const uint8_t *src;
         int rc = inner_next(sp, &seg, &src);
@@ -224,26 +226,14 @@ static int fill_one(stage_put_t *sp)
             sp->inner_end = 1;
             break;
         }
-        uint32_t cnt = kvf_wire_seg_pieces(&seg);
-        if (!kvf__seg_on_device(eng, seg.kind)) {
-            /* Host memory goes as it is; it fits in the frame all the same. */
-            if (s->pieces + cnt > SLOT_PIECES && s->nsegs > 0) {
-                sp->carry = seg, sp->carry_src = src, sp->has_carry = 1;
-                break;
-            }
-            s->segs[s->nsegs] = seg;
-            s->srcs[s->nsegs++] = src;
-            s->pieces += cnt;
-            continue;
-        }
-        uint64_t room = SLOT_BYTES - s->bytes, bytes = (uint64_t)cnt * seg.len;
-        uint32_t fit = cnt;
+        uint32_t cnt = kvf_wire_seg_pieces(&seg), fit = cnt;
+        uint64_t room = SLOT_BYTES - payload;
         if (cnt > 1) {
             uint64_t by_bytes = room / seg.len;
             fit = SLOT_PIECES - s->pieces;
             fit = by_bytes < fit ? (uint32_t)by_bytes : fit;
             fit = fit > cnt ? cnt : fit;
-        } else if (bytes > room) {
+        } else if (seg.len > room) {
             fit = 0;
         }
         if (fit == 0 && s->nsegs > 0) {
@@ -260,27 +250,32 @@ static int fill_one(stage_put_t *sp)
             sp->has_carry = 1;
             seg.count = fit;
         }
-        uint64_t need = s->bytes + (uint64_t)fit * seg.len;
-        if (need > s->cap) {
-            /* Only an oversized segment alone in its slot gets here once
-             * the slot has its frame-sized buffer. */
-            if (s->buf != NULL)
-                kvf__bounce_put(eng, s->buf, s->cap);
-            s->buf = kvf__bounce_get(eng, need, &s->cap);
-            if (s->buf == NULL) {
-                sp->stop = KVF_ERR_NO_MEMORY;
-                break;
+        const uint8_t *from = src;    /* what the connection sends from */
+        if (kvf__seg_on_device(eng, seg.kind)) {
+            uint64_t need = s->bytes + (uint64_t)fit * seg.len;
+            if (need > s->cap) {
+                /* The first use, or an oversized segment alone in its slot. */
+                if (s->buf != NULL)
+                    kvf__bounce_put(eng, s->buf, s->cap);
+                s->buf = kvf__bounce_get(eng, need, &s->cap);
+                if (s->buf == NULL) {
+                    sp->stop = KVF_ERR_NO_MEMORY;
+                    break;
+                }
             }
+            for (uint32_t k = 0; k < fit; k++) {
+                sp->dst[ncp] = (struct iovec){s->buf + s->bytes + (size_t)k * seg.len,
+                                              seg.len};
+                sp->src[ncp++] = (struct iovec){(void *)(src + (size_t)k * seg.src_stride),
+                                                seg.len};
+            }
+            from = s->buf + s->bytes;
+            seg.src_stride = seg.len;    /* contiguous in the bounce buffer */
+            s->bytes += (uint64_t)fit * seg.len;
         }
-        for (uint32_t k = 0; k < fit; k++) {
-            sp->dst[ncp] = (struct iovec){s->buf + s->bytes + (size_t)k * seg.len, seg.len};
-            sp->src[ncp++] = (struct iovec){(void *)(src + (size_t)k * seg.src_stride),
-                                            seg.len};
-        }
-        seg.src_stride = seg.len;    /* contiguous in the bounce buffer */
         s->segs[s->nsegs] = seg;
-        s->srcs[s->nsegs++] = s->buf + s->bytes;
-        s->bytes += (uint64_t)fit * seg.len;
+        s->srcs[s->nsegs++] = from;
+        payload += (uint64_t)fit * seg.len;
         s->pieces += fit;
         if (fit < cnt)
             break;
@@ -288,7 +283,7 @@ static int fill_one(stage_put_t *sp)
     if (s->nsegs == 0 || sp->stop != KVF_OK)
         return 0;      /* a stop drops what this slot collected: never sent */
     if (ncp == 0) {
-        s->state = SLOT_READY;
+        s->state = SLOT_READY;     /* host memory only */
     } else if (eng->copier_ops->copy(eng->copier, &s->cp, sp->dst, sp->src, ncp, err,
                                      sizeof(err)) == KVF_OK) {
         s->state = SLOT_COPYING;
@@ -334,7 +329,6 @@ static int stage_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
         *src = s->srcs[i];
         for (uint32_t k = 0; k < kvf_wire_seg_pieces(seg); k++)
             sp->cbs->hash(sp->inner, s->srcs[i] + (size_t)k * seg->src_stride, seg->len);
-        sp->frame_open = 1;
         return 1;
     }
     if (s->state == SLOT_FREE && sp->inner_end)
@@ -346,7 +340,6 @@ static int stage_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
 static void stage_sent(kvf_put_t *put)
 {
     stage_put_t *sp = (stage_put_t *)put;
-    sp->frame_open = 0;
     for (int k = 0; k < SLOTS; k++) {
         slot_t *s = &sp->slots[sp->head];
         if (s->state != SLOT_READY || s->yielded < s->nsegs || s->nsegs == 0)

@@ -30,11 +30,15 @@
 
 static fake_cuda_t fake;
 static const char *transport = "tcp";    /* of the next side_init */
+static int heads = 1, tp_rank = 0, tp_size = 1;   /* of the next side_init */
+
+#define STATE_B (64 << 10)        /* a Mamba-like state slot */
 
 typedef struct side {
     kvf_engine_t *eng;
     uint8_t      *kv[NKV];
     uint8_t      *aux;
+    uint8_t      *state;
 } side_t;
 
 static void side_init(side_t *s, kvf_role_t role, const char *bs, int kv_device)
@@ -47,28 +51,40 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, int kv_device)
     p.transport = transport;
     p.checksum = 1;
     p.transfer_timeout_ms = 10000;
+    p.tp_rank = tp_rank;
+    p.tp_size = tp_size;
     CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
     kvf_buffer_t kv[NKV], aux;
+    size_t page_b = (size_t)PAGE_B * heads;
     for (int i = 0; i < NKV; i++) {
-        s->kv[i] = calloc(PAGES, PAGE_B);
-        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)PAGES * PAGE_B, PAGE_B};
+        s->kv[i] = calloc(PAGES, page_b);
+        kv[i] = (kvf_buffer_t){s->kv[i], PAGES * page_b, page_b};
         if (kv_device)
-            fake.add(s->kv[i], (size_t)PAGES * PAGE_B, 0);
+            fake.add(s->kv[i], PAGES * page_b, 0);
     }
     s->aux = calloc(8, AUX_B);
     aux = (kvf_buffer_t){s->aux, 8 * AUX_B, AUX_B};
+    s->state = calloc(8, STATE_B);
+    kvf_buffer_t st = {s->state, 8 * STATE_B, STATE_B};
+    kvf_state_group_t group = {"mamba", 1, &st};
+    if (kv_device)
+        fake.add(s->state, 8 * STATE_B, 0);
     kvf_layout_t l;
     kvf_layout_init(&l);
     l.page_size = PAGE;
     l.kv_dtype = "bfloat16";
     l.num_layers = LAYERS;
-    l.heads_per_rank = l.total_heads = 1;
+    l.heads_per_rank = (uint32_t)heads;
+    l.total_heads = (uint32_t)(heads * tp_size);
     l.bytes_per_head = HEAD_B;
     l.num_kv = NKV;
     l.kv = kv;
     l.num_aux = 1;
     l.aux = &aux;               /* host memory, as SGLang's */
+    l.num_state_groups = 1;
+    l.state_groups = &group;
     l.mem_kind = kv_device ? KVF_MEM_CUDA : KVF_MEM_HOST;
+    l.state_mem_kind = l.mem_kind;   /* on the GPU with the KV, as SGLang's */
     CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
 }
 
@@ -78,6 +94,7 @@ static void side_fini(side_t *s)
     for (int i = 0; i < NKV; i++)
         free(s->kv[i]);
     free(s->aux);
+    free(s->state);
 }
 
 static void sleep_ms(int ms)
@@ -121,12 +138,24 @@ static void room_start(room_t *m, side_t *pre, side_t *dec, const char *bs, uint
         for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
             pre->kv[b][i] = (uint8_t)(i * 7 + b * 13 + id);
     memcpy(pre->aux + 3 * AUX_B, "room-tag-0000001", AUX_B);
+    for (size_t i = 0; i < STATE_B; i++)
+        pre->state[5 * STATE_B + i] = (uint8_t)(i * 3 + id);
+    uint32_t sst = 5, dst_state = 1;
+    kvf_indices_t src_states = {&sst, 1}, dst_states = {&dst_state, 1};
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, id, &m->s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec->eng, bs, id, -1, &m->r), KVF_OK);
-    CHECK_EQ_INT(kvf_receiver_init(m->r, m->dst, n, 2, NULL, 0), KVF_OK);
+    kvf_dest_t d;
+    kvf_dest_init(&d);
+    d.pages = m->dst;
+    d.num_pages = n;
+    d.aux_slot = 2;
+    d.states = &dst_states;
+    d.num_states = 1;
+    CHECK_EQ_INT(kvf_receiver_set_dest(m->r, &d), KVF_OK);
     for (int i = 0; i < 10000 && kvf_sender_poll(m->s) < KVF_POLL_WAITING_FOR_INPUT; i++)
         sleep_ms(1);
     CHECK_EQ_INT(kvf_sender_init(m->s, n, 3), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_set_states(m->s, &src_states, 1), KVF_OK);
     uint32_t half = n / 2;
     CHECK_EQ_INT(kvf_sender_send(m->s, m->src, half, 0), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(m->s, m->src + half, n - half, 1), KVF_OK);
@@ -139,7 +168,8 @@ static int room_bytes_equal(const room_t *m, const side_t *pre, const side_t *de
             if (memcmp(dec->kv[b] + (size_t)m->dst[i] * PAGE_B,
                        pre->kv[b] + (size_t)m->src[i] * PAGE_B, PAGE_B) != 0)
                 return 0;
-    return memcmp(dec->aux + 2 * AUX_B, "room-tag-0000001", AUX_B) == 0;
+    return memcmp(dec->aux + 2 * AUX_B, "room-tag-0000001", AUX_B) == 0 &&
+           memcmp(dec->state + 1 * STATE_B, pre->state + 5 * STATE_B, STATE_B) == 0;
 }
 
 static void room_end(room_t *m)
@@ -167,8 +197,8 @@ static void pair_room(int pre_device, int dec_device)
     CHECK_EQ_INT(kvf_sender_poll(m.s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_SUCCESS);
     CHECK(room_bytes_equal(&m, &pre, &dec));
-    uint64_t kv = (uint64_t)n * PAGE_B * NKV;
-    CHECK_EQ_INT(fake.copied(), kv * (uint64_t)(pre_device + dec_device));
+    uint64_t dev = (uint64_t)n * PAGE_B * NKV + STATE_B;   /* the aux is host memory */
+    CHECK_EQ_INT(fake.copied(), dev * (uint64_t)(pre_device + dec_device));
     CHECK_EQ_INT(dec.kv[0][(size_t)(n + 100) * PAGE_B], 0);   /* nothing else touched */
     room_end(&m);
     side_fini(&dec);
@@ -178,6 +208,76 @@ static void pair_room(int pre_device, int dec_device)
 static void test_device_to_device(void) { pair_room(1, 1); }
 static void test_device_to_host(void) { pair_room(1, 0); }
 static void test_host_to_device(void) { pair_room(0, 1); }
+
+/* TP 1 -> TP 2: each decode rank takes one of the two heads, a strided
+ * segment per page run (a piece per token), cut between pieces where a
+ * slot is full; both decode ranks stage, the prefill too. */
+static void test_tp_sliced_staged(void)
+{
+    side_t pre, dec[2];
+    char bs[64];
+    const uint32_t n = 1024;
+    uint32_t *src = malloc(n * sizeof(uint32_t)), *dst = malloc(n * sizeof(uint32_t));
+    kvf_sender_t *s;
+    kvf_receiver_t *r[2];
+
+    fake.reset();
+    heads = 2;
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    heads = 1;
+    tp_size = 2;
+    for (int t = 0; t < 2; t++) {
+        tp_rank = t;
+        side_init(&dec[t], KVF_ROLE_DECODE, NULL, 1);
+    }
+    tp_rank = 0;
+    tp_size = 1;
+    for (uint32_t i = 0; i < n; i++) {
+        /* Pages one by one (a strided segment of 16 pieces each), then a
+         * run of 512 pages on both sides: one segment of 8192 pieces,
+         * which a slot that holds some already cannot take whole. */
+        src[i] = i < n / 2 ? (3 * i) % PAGES : i + n / 2;
+        dst[i] = i < n / 2 ? i * 2 : i + n / 2;
+    }
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B * 2; i++)
+            pre.kv[b][i] = (uint8_t)(i * 7 + b * 13 + i / 4093);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 21, &s), KVF_OK);
+    for (int t = 0; t < 2; t++) {
+        CHECK_EQ_INT(kvf_receiver_create(dec[t].eng, bs, 21, -1, &r[t]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[t], dst, n, 2, NULL, 0), KVF_OK);
+    }
+    for (int i = 0; i < 10000 && kvf_sender_poll(s) < KVF_POLL_WAITING_FOR_INPUT; i++)
+        sleep_ms(1);
+    CHECK_EQ_INT(kvf_sender_init(s, n, 3), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src, n, 1), KVF_OK);
+    for (int i = 0; i < 20000 && !(final(kvf_sender_poll(s)) && final(kvf_receiver_poll(r[0])) &&
+                                   final(kvf_receiver_poll(r[1]))); i++)
+        sleep_ms(1);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
+    int same = 1;
+    for (int t = 0; t < 2; t++) {
+        CHECK_EQ_INT(kvf_receiver_poll(r[t]), KVF_POLL_SUCCESS);
+        for (int b = 0; b < NKV; b++)
+            for (uint32_t i = 0; i < n; i++)
+                for (uint32_t k = 0; k < PAGE; k++)
+                    same &= memcmp(dec[t].kv[b] + (size_t)dst[i] * PAGE_B + (size_t)k * HEAD_B,
+                                   pre.kv[b] + (size_t)src[i] * PAGE_B * 2 +
+                                       ((size_t)k * 2 + t) * HEAD_B, HEAD_B) == 0;
+        kvf_receiver_destroy(r[t]);
+    }
+    CHECK(same);
+    /* Each byte copied twice: out of the prefill, into one decode rank. */
+    CHECK_EQ_INT(fake.copied(), 2ull * n * PAGE_B * 2 * NKV);
+    kvf_sender_destroy(s);
+    side_fini(&dec[1]);
+    side_fini(&dec[0]);
+    side_fini(&pre);
+    heads = 1;
+    free(src);
+    free(dst);
+}
 
 /* A copy fails halfway through the room (the prefill's, or the
  * decode's): both sides fail it, neither shows SUCCESS, the pages are
@@ -265,7 +365,7 @@ static void test_ipc_device_to_device(void)
     CHECK_EQ_INT(kvf_sender_poll(m.s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_SUCCESS);
     CHECK(room_bytes_equal(&m, &pre, &dec));        /* aux too: process_vm_readv */
-    CHECK_EQ_INT(fake.copied(), (uint64_t)n * PAGE_B * NKV);   /* once, device to device */
+    CHECK_EQ_INT(fake.copied(), (uint64_t)n * PAGE_B * NKV + STATE_B);   /* once, D2D */
     CHECK(strcmp(kvf_engine_transport(dec.eng), "cuda") == 0);
     room_end(&m);
     side_fini(&dec);
@@ -344,6 +444,7 @@ int main(int argc, char **argv)
         KVF_CASE(test_device_to_device),
         KVF_CASE(test_device_to_host),
         KVF_CASE(test_host_to_device),
+        KVF_CASE(test_tp_sliced_staged),
         KVF_CASE(test_prefill_copy_fails_mid_pipeline),
         KVF_CASE(test_decode_copy_fails_mid_pipeline),
         KVF_CASE(test_pages_held_until_copies_end),
