@@ -234,11 +234,12 @@ static void test_tp_sliced_staged(void)
     tp_rank = 0;
     tp_size = 1;
     for (uint32_t i = 0; i < n; i++) {
-        /* Pages one by one (a strided segment of 16 pieces each), then a
-         * run of 512 pages on both sides: one segment of 8192 pieces,
-         * which a slot that holds some already cannot take whole. */
-        src[i] = i < n / 2 ? (3 * i) % PAGES : i + n / 2;
-        dst[i] = i < n / 2 ? i * 2 : i + n / 2;
+        /* 300 pages one by one (a strided segment of 16 pieces each per
+         * buffer: slots of 512 segments, then 176), then runs of pages on
+         * both sides: segments of up to 8192 pieces, which the slot that
+         * holds the last 176 cannot take whole. */
+        src[i] = i < 300 ? (3 * i) % PAGES : i + n / 2;
+        dst[i] = i < 300 ? i * 2 : i + n / 2;
     }
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < (size_t)PAGES * PAGE_B * 2; i++)
