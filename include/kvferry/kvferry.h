@@ -159,10 +159,11 @@ typedef struct kvf_engine_params {
      */
     int         host_bootstrap;
     /**
-     * "auto" (shm with peers on this host, else ucx when built and both
-     * sides have it, else tcp), "tcp", "shm" or "ucx" (a preference: tcp
-     * when it cannot be used, said once in the log).  Default "auto"
-     * (KVF_TRANSPORT).
+     * "auto" (on this host cuda when both sides' KV is GPU memory, else
+     * shm; else ucx when built and both sides have it; else tcp, GPU
+     * memory staged through pinned host memory), "tcp", "shm", "ucx" or
+     * "cuda" (a preference: tcp when it cannot be used, said once in the
+     * log).  Default "auto" (KVF_TRANSPORT).
      */
     const char *transport;
     int         checksum;      /**< 1: XXH3 end-to-end checksums; default 0 (KVF_CHECKSUM) */
@@ -328,9 +329,22 @@ typedef enum kvf_attn_kind {
     KVF_ATTN_MLA = 1    /**< MLA: every rank holds the full latent vector */
 } kvf_attn_kind_t;
 
+/**
+ * What memory a family of buffers is (kvf_layout_t: mem_kind for KV,
+ * aux_mem_kind, state_mem_kind).  Registration asks the CUDA driver, when
+ * one is installed, what each buffer really is, and refuses a buffer that
+ * is not what its family declares.
+ */
 typedef enum kvf_mem_kind {
-    KVF_MEM_HOST = 0,   /**< ordinary host memory */
-    KVF_MEM_CUDA = 1    /**< device memory: reserved for the UCX transport */
+    KVF_MEM_HOST = 0,   /**< host memory (pageable or pinned) */
+    /**
+     * Device memory of CUDA device kvf_layout_t.cuda_device.  Moved by the
+     * cuda mover between two processes on one host (CUDA IPC), staged
+     * through pinned host buffers over tcp between hosts or with a host-
+     * memory peer, or by ucx when its build has CUDA support.  Needs a
+     * kvferry built with CUDA (KVF_CUDA) and the CUDA driver at run time.
+     */
+    KVF_MEM_CUDA = 1
 } kvf_mem_kind_t;
 
 /** One registered buffer: `length` bytes at `base`, cut into items. */
@@ -405,7 +419,9 @@ typedef struct kvf_layout {
     uint32_t            heads_per_rank;
     uint32_t            total_heads;
     uint32_t            bytes_per_head;
-    kvf_mem_kind_t      mem_kind;    /**< default KVF_MEM_HOST */
+    kvf_mem_kind_t      mem_kind;    /**< the KV buffers' memory; default KVF_MEM_HOST
+                                          (a caller whose `size` ends before
+                                          aux_mem_kind: every buffer's) */
     uint32_t            num_kv;      /**< number of KV buffers */
     const kvf_buffer_t *kv;
     uint32_t            num_aux;     /**< aux buffers (bytes per slot) */
@@ -428,6 +444,16 @@ typedef struct kvf_layout {
     /** Typed state buffers, instead of num_state/state (not both).  Default 0. */
     uint32_t                 num_state_groups;
     const kvf_state_group_t *state_groups;
+    /**
+     * The aux and the state buffers' memory, each family its own (SGLang:
+     * KV and Mamba state on the GPU, aux in host memory).  Default
+     * KVF_MEM_HOST.
+     */
+    kvf_mem_kind_t           aux_mem_kind;
+    kvf_mem_kind_t           state_mem_kind;
+    /** The CUDA device ordinal of every KVF_MEM_CUDA buffer (one GPU per
+     *  rank).  Default 0. */
+    int                      cuda_device;
     /* Fields added later go here, at the end, so that `size` tells them apart. */
 } kvf_layout_t;
 

@@ -143,6 +143,26 @@ def to_uint(name, value, bits=32):
     return v
 
 
+def buffer_memory(obj):
+    """``("cuda", ordinal)`` for device memory, ``("host", None)`` otherwise.
+
+    Device memory is what says so: a ``.device`` of type ``cuda`` (torch
+    tensors; the ordinal is its index) or a ``__cuda_array_interface__``
+    (CuPy, Numba; ordinal from ``.device`` when it has one, else 0).  An
+    integer address says nothing: it is declared host memory, and the
+    library refuses it at registration if the CUDA driver says otherwise,
+    without ever reading it.
+    """
+    dev = getattr(obj, "device", None)
+    if getattr(dev, "type", None) == "cuda":
+        idx = getattr(dev, "index", None)
+        return "cuda", 0 if idx is None else int(idx)
+    if hasattr(obj, "__cuda_array_interface__"):
+        idx = getattr(dev, "id", getattr(dev, "index", None))
+        return "cuda", 0 if idx is None else int(idx)
+    return "host", None
+
+
 def buffer_address(name, obj, length=None, lens_name="*_data_lens"):
     """Resolve a buffer to ``(address, length, keepalive)``.
 
@@ -163,6 +183,15 @@ def buffer_address(name, obj, length=None, lens_name="*_data_lens"):
             raise ValueError("%s is an integer address: give its length in %s"
                          % (name, lens_name))
         return obj, length, None
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None and not (hasattr(obj, "data_ptr") and callable(obj.data_ptr)):
+        addr = int(cai["data"][0])
+        if length is None:
+            n = 1
+            for d in cai["shape"]:
+                n *= int(d)
+            length = n * int(cai["typestr"][2:])
+        return addr, length, obj
     if hasattr(obj, "data_ptr") and callable(obj.data_ptr):
         addr = obj.data_ptr()
         if length is None:

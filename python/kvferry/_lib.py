@@ -120,6 +120,9 @@ class Layout(Structure):
         ("kv_tags", c_void_p),              # const kvf_kv_tag_t *
         ("num_state_groups", c_uint32),
         ("state_groups", c_void_p),         # const kvf_state_group_t *
+        ("aux_mem_kind", c_int),
+        ("state_mem_kind", c_int),
+        ("cuda_device", c_int),
     ]
 
 

@@ -15,7 +15,7 @@ import threading
 import weakref
 
 from . import _lib
-from ._convert import buffer_address, to_uint
+from ._convert import buffer_address, buffer_memory, to_uint
 from ._lib import lib
 from .args import KVArgs, StateGroup
 from .errors import KVFerryStateError, check
@@ -114,8 +114,10 @@ def _buffers(kind, ptrs, lens, items):
                          % (kind, len(items), kind, len(ptrs)))
     arr = (_lib.Buffer * max(len(ptrs), 1))()
     keep = []
+    mems = set()
     for i, p in enumerate(ptrs):
         name = "%s_data_ptrs[%d]" % (kind, i)
+        mems.add(buffer_memory(p))
         ln = None if lens is None else to_uint("%s_data_lens[%d]" % (kind, i),
                                                 lens[i], 64)
         addr, length, k = buffer_address(name, p, ln, "%s_data_lens[%d]" % (kind, i))
@@ -127,7 +129,11 @@ def _buffers(kind, ptrs, lens, items):
         arr[i].base, arr[i].length, arr[i].item_bytes = addr, length, item
         keep.append(k)
     n_items = min((b.length // b.item_bytes for b in arr[:len(ptrs)]), default=0)
-    return arr, len(ptrs), keep, n_items
+    if len(mems) > 1:
+        raise ValueError("%s_data_ptrs mixes memories (%s): every buffer of a family "
+                         "must be host memory, or memory of one CUDA device"
+                         % (kind, ", ".join(sorted("%s:%s" % m for m in mems))))
+    return arr, len(ptrs), keep, n_items, (mems.pop() if mems else ("host", None))
 
 
 def _tags(tags, nkv):
@@ -163,22 +169,28 @@ def _tags(tags, nkv):
 
 def _state_groups(groups):
     """``kvf_state_group_t[]`` from a list of ``StateGroup``; also the number
-    of indices each group holds, and what to keep alive."""
+    of indices each group holds, what to keep alive, and the groups' memory
+    (one kind for all of them, as for any family)."""
     arr = (_lib.StateGroup * len(groups))()
-    items, keep = [], []
+    items, keep, mems = [], [], set()
     for g, sg in enumerate(groups):
         if not isinstance(sg, StateGroup):
             raise TypeError("state_groups[%d] must be a kvferry.StateGroup, got %s"
                             % (g, type(sg).__name__))
         name = _str("state_groups[%d].type" % g, str(getattr(sg.type, "value", sg.type)))
-        bufs, n, k, nitems = _buffers("state_groups[%d]" % g, sg.data_ptrs,
-                                      sg.data_lens, sg.item_lens)
+        bufs, n, k, nitems, mem = _buffers("state_groups[%d]" % g, sg.data_ptrs,
+                                           sg.data_lens, sg.item_lens)
+        mems.add(mem)
         if n == 0:
             raise ValueError("state_groups[%d] (%s) has no buffers" % (g, name.decode()))
         arr[g].type, arr[g].num_buffers, arr[g].buffers = name, n, bufs
         items.append(nitems)
         keep.append((name, bufs, k))
-    return arr, items, keep
+    if len(mems) > 1:
+        raise ValueError("state_groups mix memories (%s): every state buffer must be host "
+                         "memory, or memory of one CUDA device"
+                         % ", ".join(sorted("%s:%s" % m for m in mems)))
+    return arr, items, keep, (mems.pop() if mems else ("host", None))
 
 
 def _u32(name, v):
@@ -271,12 +283,12 @@ class KVManager(_Closing):
 
     def _layout(self, a):
         l = _lib.new_layout()
-        kv, nkv, keep_kv, npages = _buffers("kv", a.kv_data_ptrs, a.kv_data_lens,
-                                            a.kv_item_lens)
-        aux, naux, keep_aux, nslots = _buffers("aux", a.aux_data_ptrs, a.aux_data_lens,
-                                               a.aux_item_lens)
-        st, nst, keep_st, nstate = _buffers("state", a.state_data_ptrs,
-                                            a.state_data_lens, a.state_item_lens)
+        kv, nkv, keep_kv, npages, kv_mem = _buffers("kv", a.kv_data_ptrs, a.kv_data_lens,
+                                                    a.kv_item_lens)
+        aux, naux, keep_aux, nslots, aux_mem = _buffers("aux", a.aux_data_ptrs,
+                                                        a.aux_data_lens, a.aux_item_lens)
+        st, nst, keep_st, nstate, st_mem = _buffers("state", a.state_data_ptrs,
+                                                    a.state_data_lens, a.state_item_lens)
         if nkv == 0:
             raise ValueError("kv_data_ptrs is empty: register at least one KV buffer")
         page_size = _u32("page_size", a.page_size)
@@ -327,24 +339,34 @@ class KVManager(_Closing):
                             "kv_head_num %d x bytes_per_head %d = %d"
                             % (i, kv[i].item_bytes, page_size, heads,
                                l.bytes_per_head, want))
-        l.mem_kind = _lib.MEM_HOST
-        l.num_kv, l.kv = nkv, kv
-        l.num_aux, l.aux = naux, aux
-        l.num_state, l.state = nst, st
-        keep = [keep_kv, keep_aux, keep_st]
-        if tags is not None:
-            l.kv_tags = ctypes.cast(tags, ctypes.c_void_p)
-            keep.append(tags)
+        group_keep = None
         groups = []
         if a.state_groups:
             if nst:
                 raise ValueError("give state buffers either as state_data_ptrs or as "
                                  "state_groups, not both")
-            garr, groups, gkeep = _state_groups(a.state_groups)
+            garr, groups, gkeep, st_mem = _state_groups(a.state_groups)
             l.num_state_groups = len(groups)
             l.state_groups = ctypes.cast(garr, ctypes.c_void_p)
-            keep.append((garr, gkeep))
+            group_keep = (garr, gkeep)
         self.state_group_items = groups
+        # Each family's memory, as its buffers say (buffer_memory); one GPU.
+        kinds = {"host": _lib.MEM_HOST, "cuda": _lib.MEM_CUDA}
+        l.mem_kind = kinds[kv_mem[0]]
+        l.aux_mem_kind = kinds[aux_mem[0]]
+        l.state_mem_kind = kinds[st_mem[0]]
+        ordinals = {m[1] for m in (kv_mem, aux_mem, st_mem) if m[0] == "cuda"}
+        if len(ordinals) > 1:
+            raise ValueError("the buffers are on CUDA devices %s: one engine registers the "
+                             "memory of one GPU" % sorted(ordinals))
+        l.cuda_device = ordinals.pop() if ordinals else 0
+        l.num_kv, l.kv = nkv, kv
+        l.num_aux, l.aux = naux, aux
+        l.num_state, l.state = nst, st
+        keep = [keep_kv, keep_aux, keep_st, group_keep]
+        if tags is not None:
+            l.kv_tags = ctypes.cast(tags, ctypes.c_void_p)
+            keep.append(tags)
         # The arrays are copied by the library; the memory they point to is not.
         return l, tuple(keep), (npages, nslots, nstate)
 

@@ -20,6 +20,8 @@
 
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
+#include "core/stage.h"
+#include "transport/copier.h"
 #include "transport/mover.h"
 #include "util/log.h"
 #include "util/time.h"
@@ -147,6 +149,11 @@ static void engine_free(kvf_engine_t *eng)
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         if (eng->movers[i] != NULL)
             eng->movers[i]->ops->destroy(eng->movers[i]);   /* after the peers' endpoints */
+    if (eng->copier != NULL) {
+        eng->copier_ops->drain(eng->copier);
+        kvf__bounce_free_all(eng);
+        eng->copier_ops->destroy(eng->copier);
+    }
     int fds[] = {eng->epfd, eng->wakefd, eng->listenfd};
     for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++)
         if (fds[i] >= 0)
@@ -154,6 +161,7 @@ static void engine_free(kvf_engine_t *eng)
     kvf__layout_free(&eng->layout);
     free(eng->reg_bases);
     free(eng->reg_lens);
+    free(eng->reg_kinds);
     kvf_faults_free(eng->faults);
     free(eng->tomb_ring);
     free(eng->retired_ring);
@@ -199,6 +207,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     eng->epfd = eng->wakefd = eng->listenfd = -1;
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
+    eng->ev_copier = KVF_EV_COPIER;
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
     pthread_mutex_init(&eng->lock, NULL);
@@ -330,6 +339,10 @@ void kvf_engine_destroy(kvf_engine_t *eng)
             eng->movers[i]->ops->destroy(eng->movers[i]);
             eng->movers[i] = NULL;
         }
+    /* Then the copier: the staged copies still in flight end and are
+     * handed back (their puts complete, their reads are taken in). */
+    if (eng->copier != NULL)
+        eng->copier_ops->drain(eng->copier);
     kvf__receiver_reads_done(eng);
     kvf__peers_free(eng);
     for (size_t i = 0; i < eng->stash.cap; i++)
@@ -387,6 +400,33 @@ int kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops)
 }
 
 /*
+ * Device memory moves over tcp through the copier (stage.h), which starts
+ * with the layout like the movers.  @return KVF_OK, or why not in err.
+ */
+static kvf_status_t start_copier(kvf_engine_t *eng, char *err, size_t errlen)
+{
+    if (kvf_copier_ops == NULL) {
+        snprintf(err, errlen, "this kvferry was built without CUDA (configure with the "
+                 "CUDA toolkit installed, or -DKVF_CUDA=ON)");
+        return KVF_ERR_UNSUPPORTED;
+    }
+    kvf_status_t st = kvf_copier_ops->create(eng->layout.cuda_device, &eng->copier, err,
+                                             errlen);
+    if (st != KVF_OK)
+        return st;
+    eng->copier_ops = kvf_copier_ops;
+    int fd = kvf_copier_ops->fd(eng->copier);
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_copier};
+    if (fd >= 0 && epoll_ctl(eng->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
+        snprintf(err, errlen, "epoll_ctl: %s", strerror(errno));
+        kvf_copier_ops->destroy(eng->copier);
+        eng->copier = NULL;
+        return KVF_ERR_IO;
+    }
+    return KVF_OK;
+}
+
+/*
  * Movers need the registered buffers (to register them with the backend,
  * or to name them in offers), so they start with the layout.  One that
  * cannot start leaves its peers to the others: say why once.
@@ -399,7 +439,9 @@ static void start_movers(kvf_engine_t *eng)
         .bases = eng->reg_bases,
         .lens = eng->reg_lens,
         .n = eng->nregs,
-        .mem_kind = eng->layout.mem_kind,
+        .mem_kind = kvf__layout_on_device(&eng->layout) ? KVF_MEM_CUDA : KVF_MEM_HOST,
+        .kinds = eng->reg_kinds,
+        .cuda_device = eng->layout.cuda_device,
         .by_name = strcmp(eng->transport, "auto") != 0,
     };
     kvf_movers_check();
@@ -451,6 +493,22 @@ static int have_device_mover(const kvf_engine_t *eng)
     return 0;
 }
 
+/* Undo a registration that cannot stand (under the lock). */
+static void unregister(kvf_engine_t *eng)
+{
+    eng->registered = 0;
+    kvf__layout_free(&eng->layout);
+    memset(&eng->layout, 0, sizeof(eng->layout));
+    eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = 0;
+    free(eng->reg_bases);
+    free(eng->reg_lens);
+    free(eng->reg_kinds);
+    eng->reg_bases = NULL;
+    eng->reg_lens = NULL;
+    eng->reg_kinds = NULL;
+    eng->nregs = 0;
+}
+
 kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *layout)
 {
     char err[448];     /* "layout rejected: " + err fits kvf_last_error() */
@@ -460,6 +518,8 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         return KVF_ERR_INVALID_PARAM;
     kvf_status_t st = kvf__layout_copy(&l, layout, eng->params.role == KVF_ROLE_DECODE, err,
                                        sizeof(err));
+    if (st == KVF_OK && (st = kvf__layout_check_memory(&l, err, sizeof(err))) != KVF_OK)
+        kvf__layout_free(&l);
     if (st != KVF_OK) {
         kvf_error("layout rejected: %s", err);
         return st;
@@ -467,9 +527,11 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
     size_t nregs = (size_t)l.num_kv + l.num_aux + l.num_state, k = 0;
     void **bases = malloc(nregs * sizeof(void *));
     size_t *lens = malloc(nregs * sizeof(size_t));
-    if (bases == NULL || lens == NULL) {
+    kvf_mem_kind_t *kinds = malloc(nregs * sizeof(kvf_mem_kind_t));
+    if (bases == NULL || lens == NULL || kinds == NULL) {
         free(bases);
         free(lens);
+        free(kinds);
         kvf__layout_free(&l);
         return KVF_ERR_NO_MEMORY;
     }
@@ -479,6 +541,7 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         for (uint32_t i = 0; i < cnt[f]; i++, k++) {
             bases[k] = all[f][i].base;
             lens[k] = all[f][i].length;
+            kinds[k] = kvf__family_mem(&l, f);
         }
     kvf__lock(eng);
     if (eng->registered) {
@@ -486,32 +549,36 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         kvf__layout_free(&l);
         free(bases);
         free(lens);
+        free(kinds);
         kvf_error("layout already registered on this engine");
         return KVF_ERR_STATE;
     }
     eng->layout = l;
     eng->reg_bases = bases;
     eng->reg_lens = lens;
+    eng->reg_kinds = kinds;
     eng->nregs = nregs;
     for (uint32_t i = 0; i < l.num_kv; i++)
         eng->kv_item_bytes_sum += l.kv[i].item_bytes;
     for (uint32_t i = 0; i < l.num_aux; i++)
         eng->aux_item_bytes_sum += l.aux[i].item_bytes;
     eng->registered = 1;
+    if (kvf__layout_on_device(&l) && start_copier(eng, err, sizeof(err)) != KVF_OK) {
+        /* Without staging, device memory still moves over a mover that
+         * carries it (ucx with CUDA). */
+        kvf_info("no staging of device memory over tcp: %s", err);
+    }
     start_movers(eng);
-    if (l.mem_kind == KVF_MEM_CUDA && !have_device_mover(eng)) {
+    if (kvf__layout_on_device(&l) && eng->copier == NULL && !have_device_mover(eng)) {
         /* Device memory has no other way to move: refuse now, not per room. */
-        eng->registered = 0;
-        kvf__layout_free(&eng->layout);
-        memset(&eng->layout, 0, sizeof(eng->layout));
-        eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = 0;
-        free(eng->reg_bases);
-        free(eng->reg_lens);
-        eng->reg_bases = NULL;
-        eng->reg_lens = NULL;
-        eng->nregs = 0;
+        for (int i = 0; i < KVF_MAX_MOVERS; i++)
+            if (eng->movers[i] != NULL) {
+                eng->movers[i]->ops->destroy(eng->movers[i]);
+                eng->movers[i] = NULL;
+            }
+        unregister(eng);
         kvf__unlock(eng);
-        kvf_error("%s", kvf_movers_device_hint());
+        kvf_error("device memory cannot move here: %s; %s", err, kvf_movers_device_hint());
         return KVF_ERR_UNSUPPORTED;
     }
     if (eng->params.role == KVF_ROLE_PREFILL) {
@@ -707,6 +774,8 @@ static void *progress_main(void *arg)
                 accept_all(eng);
             } else if (*kind == KVF_EV_MOVER) {
                 progress_mover(eng, ((kvf_mover_ev_t *)kind)->index);
+            } else if (*kind == KVF_EV_COPIER) {
+                kvf__engine_progress_copier(eng);
             } else if (*kind == KVF_EV_WAKE) {
                 uint64_t v;
                 if (read(eng->wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
@@ -727,6 +796,10 @@ static void *progress_main(void *arg)
             if (eng->movers[i] != NULL &&
                 (eng->reads_inflight > 0 || eng->movers[i]->ops->fd(eng->movers[i]) < 0))
                 progress_mover(eng, i);
+        /* Copies may end without the copier's fd saying so (a driver
+         * without host functions): ask while any is in flight. */
+        if (eng->copier != NULL && (eng->copies_inflight > 0 || eng->reads_inflight > 0))
+            kvf__engine_progress_copier(eng);
         more |= peers_pending(eng);   /* windows the reads just reopened */
         tick_if_due(eng, &next_tick);
     }

@@ -46,7 +46,7 @@ typedef struct kvf_room kvf_room_t;
 
 /* What epoll's data.ptr points at. */
 typedef enum {
-    KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_MOVER
+    KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_MOVER, KVF_EV_COPIER
 } kvf_ev_kind_t;
 
 /* epoll data for a mover's fd: which one. */
@@ -60,7 +60,9 @@ typedef struct kvf_layout_int {
     uint32_t        page_size;
     char            kv_dtype[64];
     kvf_attn_kind_t attn;
-    kvf_mem_kind_t  mem_kind;
+    kvf_mem_kind_t  mem_kind;           /* the KV buffers' (what HELLO carries) */
+    kvf_mem_kind_t  aux_mem, state_mem; /* the aux and state buffers' */
+    int             cuda_device;
     uint32_t        num_layers, first_layer;
     uint32_t        heads_per_rank, total_heads, bytes_per_head;
     uint32_t        num_kv, num_aux, num_state;
@@ -122,6 +124,7 @@ struct kvf_engine {
     uint64_t            aux_item_bytes_sum;
     void              **reg_bases;        /* every registered buffer: kv, aux, */
     size_t             *reg_lens;         /* state (what peers may read) */
+    kvf_mem_kind_t     *reg_kinds;        /* and what memory each is */
     size_t              nregs;
 
     kvf_map_t           rooms_by_id;      /* attached rooms */
@@ -157,6 +160,16 @@ struct kvf_engine {
     uint32_t            reads_inflight;
     struct kvf_read    *reads_done, **reads_done_tail;
     pthread_cond_t      reads_cond;
+
+    /* Staging (stage.h): the copier, when this engine has device memory,
+     * the staged puts' copies in flight (a staged receive's are reads),
+     * and the pool of pinned bounce buffers. */
+    const struct kvf_copier_ops *copier_ops;
+    struct kvf_copier  *copier;
+    kvf_ev_kind_t       ev_copier;
+    uint32_t            copies_inflight;
+    struct kvf_bounce  *bounce_free;
+    uint32_t            bounce_pooled;
 
     /* resolver thread */
     pthread_t           resolver_thread;
@@ -266,6 +279,16 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *dst, const kvf_layout_t *src,
 void         kvf__layout_free(kvf_layout_int_t *l);
 /* Write state group g's type into buf ("" for a plain state buffer). */
 void         kvf__group_type(const kvf_layout_int_t *l, uint32_t g, char *buf, size_t len);
+/* Buffer families, in the order of registration (reg_bases). */
+enum { KVF_FAMILY_KV = 0, KVF_FAMILY_AUX = 1, KVF_FAMILY_STATE = 2 };
+const char    *kvf__family_name(int family);          /* "KV", "aux", "state" */
+kvf_mem_kind_t kvf__family_mem(const kvf_layout_int_t *l, int family);
+/* Is any family device memory? */
+int            kvf__layout_on_device(const kvf_layout_int_t *l);
+/* Every buffer is the memory its family declares (the CUDA driver says);
+ * why not in err.  @return KVF_OK, KVF_ERR_INVALID_PARAM (a mismatch),
+ * KVF_ERR_UNSUPPORTED (CUDA memory declared and no driver). */
+kvf_status_t   kvf__layout_check_memory(const kvf_layout_int_t *l, char *err, size_t errlen);
 /* A decode layout that left its heads 0 takes them from a prefill peer's
  * (same model): heads_per_rank from its own TP size.  KVF_OK (also when
  * it has them), or KVF_ERR_INCOMPATIBLE when its buffers do not hold that

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "core/engine.h"
+#include "util/cudrv.h"
 
 static kvf_status_t copy_bufs(kvf_buffer_t **dst, const kvf_buffer_t *src,
                               uint32_t n, const char *what, int need_items,
@@ -281,8 +282,22 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
                  "engine: taken from the prefill)" : "");
         return KVF_ERR_INVALID_PARAM;
     }
-    if (src->mem_kind != KVF_MEM_HOST && src->mem_kind != KVF_MEM_CUDA) {
-        snprintf(err, errlen, "unknown memory kind %d", (int)src->mem_kind);
+    /* A caller from before the per-family kinds declared one for all. */
+    if (caller->size < KVF_FIELD_END(kvf_layout_t, aux_mem_kind))
+        full.aux_mem_kind = full.mem_kind;
+    if (caller->size < KVF_FIELD_END(kvf_layout_t, state_mem_kind))
+        full.state_mem_kind = full.mem_kind;
+    const kvf_mem_kind_t kinds[3] = {src->mem_kind, src->aux_mem_kind, src->state_mem_kind};
+    for (int f = 0; f < 3; f++) {
+        if (kinds[f] != KVF_MEM_HOST && kinds[f] != KVF_MEM_CUDA) {
+            snprintf(err, errlen, "unknown memory kind %d for the %s buffers", (int)kinds[f],
+                     kvf__family_name(f));
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    if (src->cuda_device < 0) {
+        snprintf(err, errlen, "cuda_device %d: a CUDA device ordinal is 0 or more",
+                 src->cuda_device);
         return KVF_ERR_INVALID_PARAM;
     }
     if (src->num_kv > 4096 || src->num_aux > 4096 || src->num_state > 4096 ||
@@ -294,6 +309,9 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
     strcpy(l->kv_dtype, src->kv_dtype);
     l->attn = src->attn;
     l->mem_kind = src->mem_kind;
+    l->aux_mem = src->aux_mem_kind;
+    l->state_mem = src->state_mem_kind;
+    l->cuda_device = src->cuda_device;
     l->num_layers = src->num_layers;
     l->first_layer = src->first_layer;
     l->heads_per_rank = src->heads_per_rank;
@@ -316,6 +334,104 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
                      "page_size %u", i, l->kv[i].item_bytes, l->page_size);
             kvf__layout_free(l);
             return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    return KVF_OK;
+}
+
+const char *kvf__family_name(int family)
+{
+    static const char *names[] = {"KV", "aux", "state"};
+    return family >= 0 && family < 3 ? names[family] : "?";
+}
+
+kvf_mem_kind_t kvf__family_mem(const kvf_layout_int_t *l, int family)
+{
+    return family == KVF_FAMILY_KV ? l->mem_kind : family == KVF_FAMILY_AUX ? l->aux_mem
+                                                                           : l->state_mem;
+}
+
+int kvf__layout_on_device(const kvf_layout_int_t *l)
+{
+    return l->mem_kind == KVF_MEM_CUDA || l->aux_mem == KVF_MEM_CUDA ||
+           l->state_mem == KVF_MEM_CUDA;
+}
+
+/* "KV buffer 3 (layer 1 V)", "aux buffer 0", "state buffer 2 (mamba)" */
+static const char *buffer_name(const kvf_layout_int_t *l, int family, uint32_t i, char *buf,
+                               size_t len)
+{
+    char tb[64] = "";
+    if (family == KVF_FAMILY_KV) {
+        snprintf(buf, len, "KV buffer %u (%s)", i, tag_name(&l->tags[i], tb, sizeof(tb)));
+        return buf;
+    }
+    if (family == KVF_FAMILY_STATE)
+        kvf__group_type(l, kvf__group_of(l, i), tb, sizeof(tb));
+    snprintf(buf, len, "%s buffer %u%s%s%s", kvf__family_name(family), i, tb[0] ? " (" : "",
+             tb, tb[0] ? ")" : "");
+    return buf;
+}
+
+/*
+ * Is every buffer what its family declares?  A CUDA-declared buffer needs
+ * the driver to say it is device memory of cuda_device; a host-declared
+ * one is asked about only when a driver is installed (a device pointer
+ * declared as host would be dereferenced by the host paths).
+ */
+kvf_status_t kvf__layout_check_memory(const kvf_layout_int_t *l, char *err, size_t errlen)
+{
+    const kvf_buffer_t *bufs[3] = {l->kv, l->aux, l->state};
+    const uint32_t n[3] = {l->num_kv, l->num_aux, l->num_state};
+    char name[128], why[256];
+    int any_cuda = l->mem_kind == KVF_MEM_CUDA || l->aux_mem == KVF_MEM_CUDA ||
+                   l->state_mem == KVF_MEM_CUDA;
+    int driver = kvf_cudrv(why, sizeof(why)) != NULL;
+
+    if (any_cuda && !driver) {
+        snprintf(err, errlen, "the layout declares CUDA device memory, but there is no "
+                 "usable CUDA driver in this process (%s): run where the NVIDIA driver is "
+                 "installed, or register host memory", why);
+        return KVF_ERR_UNSUPPORTED;
+    }
+    for (int f = 0; driver && f < 3; f++) {
+        kvf_mem_kind_t want = kvf__family_mem(l, f);
+        for (uint32_t i = 0; i < n[f]; i++) {
+            const kvf_buffer_t *b = &bufs[f][i];
+            kvf_ptr_kind_t kind;
+            int ord;
+            if (kvf_cudrv_ptr_kind(b->base, b->length, &kind, &ord, why, sizeof(why)) !=
+                KVF_OK) {
+                snprintf(err, errlen, "cannot tell what memory %s is: %s",
+                         buffer_name(l, f, i, name, sizeof(name)), why);
+                return KVF_ERR_UNSUPPORTED;
+            }
+            buffer_name(l, f, i, name, sizeof(name));
+            if (kind == KVF_PTR_MIXED) {
+                snprintf(err, errlen, "%s at %p (%zu bytes) spans different memory: its "
+                         "first and last bytes are not in one allocation", name, b->base,
+                         b->length);
+                return KVF_ERR_INVALID_PARAM;
+            }
+            if (want == KVF_MEM_CUDA && kind == KVF_PTR_HOST) {
+                snprintf(err, errlen, "%s at %p is host memory, but the layout says CUDA "
+                         "device %d", name, b->base, l->cuda_device);
+                return KVF_ERR_INVALID_PARAM;
+            }
+            if (want == KVF_MEM_CUDA && ord != l->cuda_device) {
+                snprintf(err, errlen, "%s at %p is memory of CUDA device %d, but the "
+                         "layout says CUDA device %d (cuda_device)", name, b->base, ord,
+                         l->cuda_device);
+                return KVF_ERR_INVALID_PARAM;
+            }
+            if (want == KVF_MEM_HOST && kind == KVF_PTR_DEVICE) {
+                snprintf(err, errlen, "%s at %p is memory of CUDA device %d, but the "
+                         "layout says host memory: declare its family KVF_MEM_CUDA "
+                         "(%s) and cuda_device %d", name, b->base, ord,
+                         f == KVF_FAMILY_KV ? "mem_kind" : f == KVF_FAMILY_AUX
+                             ? "aux_mem_kind" : "state_mem_kind", ord);
+                return KVF_ERR_INVALID_PARAM;
+            }
         }
     }
     return KVF_OK;

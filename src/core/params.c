@@ -20,7 +20,7 @@
  * not one that fits in its trailing padding.
  */
 #define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, dsa_cache_layer_split)
-#define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, state_groups)
+#define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, cuda_device)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
 _Static_assert(sizeof(kvf_layout_t) - LAYOUT_KNOWN < _Alignof(kvf_layout_t),

@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "core/room.h"
+#include "core/stage.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -101,6 +102,10 @@ static void peer_free(kvf_peer_t *p)
     if (p->mep != NULL)
         p->mep->ops->disconnect(p->mep);
     free(p->ref_tgt);
+    if (p->rx_bounce != NULL)
+        kvf__bounce_put(p->eng, p->rx_bounce, p->rx_bounce_cap);
+    free(p->rx_dev);
+    free(p->rx_bnc);
     free(p);
 }
 
@@ -351,13 +356,15 @@ static int try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, int i, char *why,
     return 1;
 }
 
-/* Device memory moves only over a mover that carries it: any other choice
- * makes the pair fail its rooms with this reason. */
+/* Device memory moves over a mover that carries it, or over the stream
+ * through this engine's copier (stage.h); each side sees to its own
+ * memory.  Any other choice makes the pair fail its rooms with this
+ * reason. */
 static void check_device_memory(kvf_peer_t *p)
 {
     const kvf_layout_int_t *mine = &p->eng->layout;
     if ((p->mover != NULL && p->mover->device_memory) || p->incompatible != NULL ||
-        (mine->mem_kind != KVF_MEM_CUDA && p->layout.mem_kind != KVF_MEM_CUDA))
+        !kvf__layout_on_device(mine) || (p->mover == NULL && kvf__stages(p->eng)))
         return;
     char why[KVF_REASON_MAX];
     snprintf(why, sizeof(why), "KV cache in device memory cannot move over %s between "

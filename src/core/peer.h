@@ -60,6 +60,14 @@ struct kvf_peer {
     kvf_room_t       *rx_room;
     struct kvf_link  *rx_link;
     kvf_room_t       *rx_pinned;     /* rx_room, while the stream writes into it */
+    /* A staged DATA frame (stage.h): its device pieces land in rx_bounce
+     * first, rx_dev[i] <- rx_bnc[i] is copied once the frame is in. */
+    uint64_t          rx_payload;    /* the current frame's payload bytes */
+    void             *rx_bounce;
+    size_t            rx_bounce_cap;
+    uint64_t          rx_dev_bytes;
+    uint32_t          rx_ndev, rx_dev_cap;
+    struct iovec     *rx_dev, *rx_bnc;
     uint64_t          handshake_until_ms; /* READY by then, or closed */
     uint64_t          last_hb_ms;
     uint64_t          grace_until_ms; /* no liveness verdict before (own stall) */

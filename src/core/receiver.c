@@ -13,6 +13,8 @@
 #include <string.h>
 
 #include "core/room.h"
+#include "core/stage.h"
+#include "transport/copier.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -746,6 +748,66 @@ static uint32_t ref_pieces(const kvf_msg_data_t *d, const kvf_rx_target_t *t,
     return k;
 }
 
+/*
+ * A staging engine (stage.h): the frame's pieces in device memory are
+ * received into a bounce buffer instead, and remembered (rx_dev <- rx_bnc)
+ * for the copy that follows the frame.  @return 0: no memory.
+ */
+static int stage_targets(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+{
+    kvf_engine_t *eng = p->eng;
+    uint64_t dev = 0;
+    uint32_t k = 0, ndev = 0;
+
+    for (uint32_t i = 0; i < d->nseg; i++) {
+        kvf_wire_seg_t s;
+        kvf_wire_seg_at(d, i, &s);
+        uint32_t cnt = kvf_wire_seg_pieces(&s);
+        if (kvf__seg_on_device(eng, s.kind)) {
+            dev += (uint64_t)cnt * s.len;
+            ndev += cnt;
+        }
+    }
+    if (p->rx_bounce != NULL) {
+        /* A frame its connection cut short left it (on_data_end never came). */
+        kvf__bounce_put(eng, p->rx_bounce, p->rx_bounce_cap);
+        p->rx_bounce = NULL;
+    }
+    if (ndev == 0)
+        return 1;
+    if (p->rx_dev_cap < ndev) {
+        struct iovec *a = realloc(p->rx_dev, (size_t)ndev * sizeof(*a));
+        if (a != NULL)
+            p->rx_dev = a;
+        struct iovec *b = realloc(p->rx_bnc, (size_t)ndev * sizeof(*b));
+        if (b != NULL)
+            p->rx_bnc = b;
+        if (a == NULL || b == NULL)
+            return 0;
+        p->rx_dev_cap = ndev;
+    }
+    if ((p->rx_bounce = kvf__bounce_get(eng, dev, &p->rx_bounce_cap)) == NULL)
+        return 0;
+    uint8_t *at = p->rx_bounce;
+    ndev = 0;
+    for (uint32_t i = 0; i < d->nseg; i++) {
+        kvf_wire_seg_t s;
+        kvf_wire_seg_at(d, i, &s);
+        int on_dev = kvf__seg_on_device(eng, s.kind);
+        for (uint32_t j = 0; j < kvf_wire_seg_pieces(&s) && k < d->npieces; j++, k++) {
+            if (!on_dev)
+                continue;
+            p->rx_dev[ndev] = (struct iovec){t[k].dst, t[k].len};
+            p->rx_bnc[ndev++] = (struct iovec){at, t[k].len};
+            t[k].dst = at;
+            at += t[k].len;
+        }
+    }
+    p->rx_ndev = ndev;
+    p->rx_dev_bytes = dev;
+    return 1;
+}
+
 void kvf__receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
 {
     kvf_room_t *r = NULL;
@@ -755,9 +817,18 @@ void kvf__receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target
     p->rx_link = NULL;
     if (lk == NULL)
         return;
+    if (kvf__stages(p->eng) && !stage_targets(p, d, t)) {
+        for (uint32_t k = 0; k < d->npieces; k++)
+            t[k].dst = NULL;
+        kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no pinned host memory to stage %llu bytes "
+                       "for room %llu", (unsigned long long)d->payload_len,
+                       (unsigned long long)r->id);
+        return;
+    }
     r->refs++;
     p->rx_room = r;
     p->rx_link = lk;
+    p->rx_payload = d->payload_len;
 }
 
 /*
@@ -775,6 +846,8 @@ typedef struct kvf_read {
     uint32_t         n;
     kvf_status_t     st;
     char             err[160];
+    void            *bounce;     /* a staged frame's copy: from here (hashed already) */
+    size_t           bounce_cap;
     struct kvf_read *next;       /* eng->reads_done */
     struct iovec     iov[];      /* local[n], then remote[n] */
 } kvf_read_t;
@@ -797,6 +870,17 @@ static void read_done(kvf_mover_read_t *base, kvf_status_t st, const char *err)
 static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_t bytes,
                        int has_checksum, uint64_t checksum);
 
+/* A read's accounting once it started (mover or copier alike). */
+static void read_started(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, kvf_read_t *rd)
+{
+    r->refs++;
+    p->refs++;
+    lk->reads++;
+    atomic_fetch_add_explicit(&r->reads, 1, memory_order_relaxed);
+    p->read_bytes += rd->bytes;
+    p->eng->reads_inflight++;
+}
+
 /* One finished read: its bytes count (or its failure fails the room), and
  * a DONE that waited for it is checked. */
 static void read_finish(kvf_read_t *rd)
@@ -818,12 +902,15 @@ static void read_finish(kvf_read_t *rd)
          * the same, since it could still write into the pages. */
     } else if (rd->st == KVF_OK) {
         if (!room_final(r)) {
-            for (uint32_t i = 0; lk->hash != NULL && i < rd->n; i++)
+            for (uint32_t i = 0; lk->hash != NULL && rd->bounce == NULL && i < rd->n; i++)
                 XXH3_64bits_update(lk->hash, local[i].iov_base, local[i].iov_len);
             lk->bytes += rd->bytes;
             eng->stats.bytes_received += rd->bytes;
             r->t_state_ms = kvf_now_ms();
         }
+    } else if (rd->bounce != NULL) {
+        kvf__room_fail(r, rd->st, "staging the bytes from %s into device memory failed: "
+                       "%s", kvf__peer_name(p, name, sizeof(name)), rd->err);
     } else {
         kvf__room_fail(r, rd->st, "%s transfer from %s failed: %s", p->mover->name,
                        kvf__peer_name(p, name, sizeof(name)), rd->err);
@@ -840,6 +927,8 @@ static void read_finish(kvf_read_t *rd)
             check_done(lk->peer, r, lk, lk->done_bytes, lk->done_has_checksum,
                        lk->done_checksum);
     }
+    if (rd->bounce != NULL)
+        kvf__bounce_put(eng, rd->bounce, rd->bounce_cap);
     kvf__room_put(r);
     kvf__peer_put(p);
     free(rd);
@@ -883,6 +972,7 @@ void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
                        (unsigned long long)d->payload_len, (unsigned long long)r->id);
         return;
     }
+    rd->bounce = NULL;
     struct iovec *local = rd->iov, *remote = rd->iov + d->npieces;
     uint32_t n = ref_pieces(d, t, local, remote);
     rd->base.done = read_done;
@@ -897,12 +987,7 @@ void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
                       : p->mep->ops->read(p->mep, &rd->base, local, remote, n,
                                        eng->params.heartbeat_timeout_ms, err, sizeof(err));
     if (st == KVF_OK) {
-        r->refs++;
-        p->refs++;
-        lk->reads++;
-        atomic_fetch_add_explicit(&r->reads, 1, memory_order_relaxed);
-        p->read_bytes += rd->bytes;
-        eng->reads_inflight++;
+        read_started(p, r, lk, rd);
         return;
     }
     free(rd);
@@ -926,11 +1011,61 @@ void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
         kvf__peer_fail(p, st, "%s endpoint failed: %s", via, err);
 }
 
+/*
+ * A staged frame is in its bounce buffer: copy its device pieces into the
+ * pages, as a read (the bytes count, and the pages stay held, until the
+ * copier hands it back).  A frame cut short (its room went away) or a
+ * room no longer live copies nothing.  @return the bytes now in flight.
+ */
+static uint64_t stage_copy(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_t placed)
+{
+    kvf_engine_t *eng = p->eng;
+    void *bounce = p->rx_bounce;
+    uint64_t bytes = p->rx_dev_bytes;
+    char err[256], name[128];
+
+    p->rx_bounce = NULL;
+    p->rx_dev_bytes = 0;
+    if (placed != p->rx_payload || room_final(r)) {
+        kvf__bounce_put(eng, bounce, p->rx_bounce_cap);
+        return bytes < placed ? bytes : placed;
+    }
+    kvf_read_t *rd = calloc(1, sizeof(*rd) + 2 * (size_t)p->rx_ndev * sizeof(struct iovec));
+    kvf_status_t st = KVF_ERR_NO_MEMORY;
+    snprintf(err, sizeof(err), "out of memory");
+    if (rd != NULL) {
+        memcpy(rd->iov, p->rx_dev, p->rx_ndev * sizeof(struct iovec));
+        memcpy(rd->iov + p->rx_ndev, p->rx_bnc, p->rx_ndev * sizeof(struct iovec));
+        rd->base.done = read_done;
+        rd->eng = eng;
+        rd->room = r;
+        rd->peer = p;
+        rd->link = (uint32_t)(lk - r->links);
+        rd->bytes = bytes;
+        rd->n = p->rx_ndev;
+        rd->bounce = bounce;
+        rd->bounce_cap = p->rx_bounce_cap;
+        st = eng->copier_ops->copy(eng->copier, &rd->base, rd->iov, rd->iov + rd->n, rd->n,
+                                   err, sizeof(err));
+    }
+    if (st == KVF_OK) {
+        read_started(p, r, lk, rd);
+        return bytes;
+    }
+    free(rd);
+    kvf__bounce_put(eng, bounce, p->rx_bounce_cap);
+    kvf__room_fail(r, st, "staging the bytes from %s into device memory failed: %s",
+                   kvf__peer_name(p, name, sizeof(name)), err);
+    return bytes;
+}
+
 void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
 {
     kvf_room_t *r = p->rx_room;
     if (r == NULL)
         return;
+    if (p->rx_bounce != NULL)
+        placed -= stage_copy(p, r, p->rx_link, placed);   /* those count when copied */
     p->rx_link->bytes += placed;
     p->eng->stats.bytes_received += placed;
     r->t_state_ms = kvf_now_ms();

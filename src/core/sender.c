@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "core/room.h"
+#include "core/stage.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -29,6 +30,7 @@ typedef struct chunk_put {
     uint32_t    page, tok;    /* sliced: position inside the current run */
     uint32_t    extra;        /* aux segments, on the last chunk */
     int         last;
+    int         staged;       /* wrapped by a staged put, which hashes the bytes */
     /* The last chunk's state: runs of (source, destination) indices per
      * group, group g's at sruns[srun_first[g] .. srun_first[g+1]), sent
      * for every buffer of the group in turn; sb, sr: the next one. */
@@ -145,7 +147,7 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     r->t_state_ms = eng->now_ms;     /* per segment: the progress thread's clock */
     /* Piece by piece, in payload order: what the receiver hashes as it
      * places them (a strided segment's source is not one range). */
-    for (uint32_t k = 0; lk->hash && k < kvf_wire_seg_pieces(seg); k++)
+    for (uint32_t k = 0; lk->hash && !c->staged && k < kvf_wire_seg_pieces(seg); k++)
         XXH3_64bits_update(lk->hash, (const uint8_t *)*src + (size_t)k * seg->src_stride,
                            seg->len);
     return 1;
@@ -194,6 +196,28 @@ static void chunk_complete(kvf_put_t *put, kvf_status_t st)
     free(c->srun_first);
     free(c);
 }
+
+/* A staged put hashes the host copy of the bytes (the pages may be device
+ * memory), in the same payload order. */
+static void chunk_hash(kvf_put_t *put, const void *p, size_t n)
+{
+    chunk_put_t *c = (chunk_put_t *)put;
+    kvf_link_t *lk = &c->room->links[c->link];
+    if (lk->hash != NULL)
+        XXH3_64bits_update(lk->hash, p, n);
+}
+
+/* A staged put's copy failed: the room fails with what the copier said. */
+static void chunk_stage_failed(kvf_put_t *put, kvf_status_t st, const char *why)
+{
+    chunk_put_t *c = (chunk_put_t *)put;
+    kvf_room_t *r = c->room;
+    if (c->peer == r->links[c->link].peer && !room_final(r))
+        kvf__room_fail(r, st, "staging room %llu's device memory for the stream failed: %s",
+                       (unsigned long long)r->id, why);
+}
+
+static const kvf_stage_cbs_t chunk_stage_cbs = {chunk_hash, chunk_stage_failed};
 
 /* The stream reads this chunk's pages with the lock released: the room
  * keeps them (a destroy waits for the call to end, room.h `reads`). */
@@ -278,7 +302,18 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     lk->peer->refs++;
     if (last)
         lk->last_queued = 1;
-    kvf__peer_put_data(lk->peer, &c->put);
+    kvf_put_t *put = &c->put;
+    if (!put->by_ref && kvf__stages(r->eng)) {
+        /* Pushed from device memory: through bounce buffers (stage.h). */
+        c->staged = 1;
+        if ((put = kvf__stage_put(r->eng, &c->put, &chunk_stage_cbs)) == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to stage a chunk of room %llu",
+                           (unsigned long long)r->id);
+            c->put.complete(&c->put, KVF_ERR_NO_MEMORY);
+            return KVF_OK;
+        }
+    }
+    kvf__peer_put_data(lk->peer, put);
     return KVF_OK;
 }
 

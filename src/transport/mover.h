@@ -79,13 +79,18 @@ typedef struct kvf_mover_params {
     void *const    *bases;      /* every registered buffer (kv, aux, state) */
     const size_t   *lens;
     size_t          n;
-    kvf_mem_kind_t  mem_kind;
+    kvf_mem_kind_t  mem_kind;   /* KVF_MEM_CUDA when any buffer is device memory */
+    const kvf_mem_kind_t *kinds; /* each buffer's */
+    int             cuda_device; /* of the KVF_MEM_CUDA ones */
     int             by_name;    /* asked for by name, not by "auto" */
 } kvf_mover_params_t;
 
 struct kvf_mover_ops {
     const char *name;           /* in offers, logs, metrics, `transport` */
     int         device_memory;  /* may carry KVF_MEM_CUDA buffers */
+    /* Its bytes never pass through host memory: the pair does not checksum
+     * them (byte counts still hold). */
+    int         no_host_checksum;
     /* May "auto" use it?  NULL: yes.  (A mover that can bring its process
      * down when a peer dies is used only when asked for by name.) */
     int          (*auto_ok)(void);
@@ -184,7 +189,8 @@ const char  *kvf_stream_name(void);
  */
 void kvf_fault_wrap_ep(kvf_faults_t *faults, kvf_mover_ep_t **ep_p);
 
-/* What to do when device memory is registered and no mover carries it. */
+/* What to do when device memory is registered, cannot be staged, and no
+ * mover carries it: what ucx would need. */
 const char *kvf_movers_device_hint(void);
 
 #endif /* KVF_TRANSPORT_MOVER_H */

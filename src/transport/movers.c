@@ -8,7 +8,11 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "transport/copier.h"
 #include "transport/mover.h"
+#ifdef KVF_HAVE_CUDA
+#include "transport/cuda/cuda.h"
+#endif
 #include "transport/shm/shm.h"
 #include "transport/tcp/tcp.h"
 #include "transport/ucx/ucx.h"
@@ -27,12 +31,21 @@ const char *kvf_stream_name(void)
 
 /* In the order "auto" prefers them: same-host memory first, then ucx. */
 const kvf_mover_ops_t *const kvf_movers[] = {
+#ifdef KVF_HAVE_CUDA
+    &kvf_cuda_mover,       /* device memory on this host (shm takes host memory only) */
+#endif
     &kvf_shm_mover,
 #ifdef KVF_HAVE_UCX
     &kvf_ucx_mover,
 #endif
     NULL
 };
+
+#ifdef KVF_HAVE_CUDA
+const kvf_copier_ops_t *const kvf_copier_ops = &kvf_cuda_copier;
+#else
+const kvf_copier_ops_t *const kvf_copier_ops = NULL;
+#endif
 
 /* Required ops, checked once (a new mover that forgot one fails loudly in
  * every test run, not in production). */
@@ -136,11 +149,9 @@ void kvf_movers_count_peer(kvf_engine_stats_t *st, const kvf_mover_ops_t *ops)
 const char *kvf_movers_device_hint(void)
 {
 #ifdef KVF_HAVE_UCX
-    return "device memory moves only over the ucx transport, which is not usable here: "
-           "allow --transport ucx (or auto), and use a UCX with its CUDA module "
-           "(`ucx_info -d` lists cuda_copy/cuda_ipc)";
+    return "ucx carries it only with a UCX that has its CUDA module (`ucx_info -d` lists "
+           "cuda_copy/cuda_ipc) and --transport ucx or auto";
 #else
-    return "device memory moves only over the ucx transport, and this build has none: "
-           "install UCX (libucx-dev) and rebuild, or register host memory";
+    return "this build has no ucx transport either";
 #endif
 }

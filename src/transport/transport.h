@@ -32,12 +32,18 @@
 
 typedef struct kvf_put kvf_put_t;
 
+/* put->next: nothing more is ready now (see there). */
+#define KVF_PUT_WAIT 2
+
 struct kvf_put {
     /*
      * Produce the next segment: its destination in *seg and its source in
      * *src (a strided segment's pieces are seg->src_stride apart from
      * there; the transport may cut it between pieces across frames).
-     * @return 1 when a segment was produced, 0 at the end, or a negative
+     * @return 1 when a segment was produced, 0 at the end, KVF_PUT_WAIT
+     * when nothing more is ready now (the transport ends the frame it is
+     * building there and asks again on a later flush: a staged put whose
+     * next bytes are still being copied, core/stage.h), or a negative
      * kvf_status_t when the put must stop (its room failed).
      */
     int  (*next)(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src);
@@ -51,6 +57,9 @@ struct kvf_put {
      * failed or was destroyed): what is left of a frame already started
      * goes out as zeros.  May be NULL: always. */
     int  (*live)(kvf_put_t *put);
+    /* A frame of this put has been written whole: the sources of the
+     * segments it yielded before are no longer read.  May be NULL. */
+    void (*sent)(kvf_put_t *put);
     uint64_t   room;
     uint64_t   instance;   /* the receiver's room instance (wire.h) */
     uint32_t   src_rank;

@@ -46,26 +46,33 @@ static int kvf_test_failures_;   /* failed CHECKs in the current case */
 
 typedef struct { const char *name; kvf_test_fn_t fn; } kvf_test_case_t;
 
+/* Run the cases (only the one named by argv[1], if any); prints a line
+ * per case and the totals.  @return main's exit status. */
+static inline int kvf_test_run(const kvf_test_case_t *cases, size_t n, int argc, char **argv)
+{
+    int passed = 0, failed = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (argc > 1 && strcmp(argv[1], cases[i].name) != 0)
+            continue;
+        kvf_test_failures_ = 0;
+        cases[i].fn();
+        if (kvf_test_failures_) {
+            printf("FAIL %s\n", cases[i].name);
+            failed++;
+        } else {
+            printf("ok   %s\n", cases[i].name);
+            passed++;
+        }
+    }
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed ? 1 : 0;
+}
+
 #define KVF_TEST_MAIN(...)                                                     \
     int main(int argc, char **argv)                                            \
     {                                                                          \
         kvf_test_case_t cases[] = {__VA_ARGS__};                               \
-        int passed = 0, failed = 0;                                            \
-        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {       \
-            if (argc > 1 && strcmp(argv[1], cases[i].name) != 0)               \
-                continue;                                                      \
-            kvf_test_failures_ = 0;                                            \
-            cases[i].fn();                                                     \
-            if (kvf_test_failures_) {                                          \
-                printf("FAIL %s\n", cases[i].name);                            \
-                failed++;                                                      \
-            } else {                                                           \
-                printf("ok   %s\n", cases[i].name);                            \
-                passed++;                                                      \
-            }                                                                  \
-        }                                                                      \
-        printf("%d passed, %d failed\n", passed, failed);                      \
-        return failed ? 1 : 0;                                                 \
+        return kvf_test_run(cases, sizeof(cases) / sizeof(cases[0]), argc, argv); \
     }
 
 #define KVF_CASE(fn) { #fn, fn }

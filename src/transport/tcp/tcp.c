@@ -73,6 +73,7 @@ struct kvf_tcp_conn {
     kvf_put_t               *q_head, *q_tail;
     kvf_put_t               *cur_put;       /* producing the current frame */
     int                      cur_put_ended;
+    int                      cur_put_waiting;  /* its next said KVF_PUT_WAIT, frame empty */
     int                      frame_active;
     kvf_buf_t                frame;         /* current DATA header + body */
     struct iovec            *iov;           /* header, then one per piece */
@@ -438,6 +439,10 @@ static int build_frame(kvf_tcp_conn_t *c)
             c->cur_put_ended = 1;
             break;
         }
+        if (rc == KVF_PUT_WAIT) {
+            c->cur_put_waiting = n == 0;   /* nothing to send: stop flushing it */
+            break;
+        }
         uint32_t cnt = kvf_wire_seg_pieces(s);
         if (cnt > 1) {
             uint64_t fit = (TCP_FRAME_BYTES - payload + s->len - 1) / s->len;
@@ -468,6 +473,8 @@ static int build_frame(kvf_tcp_conn_t *c)
         pieces += cnt;
         n++;
     }
+    if (st == KVF_OK && n == 0 && c->cur_put_waiting)
+        return 0;
     if (st == KVF_OK && n == 0) {
         c->cur_put = NULL;
         p->complete(p, KVF_OK);
@@ -614,6 +621,8 @@ static void tcp_flush(kvf_conn_t *base)
             if (c->iov_i < c->iov_n)
                 continue;
             c->frame_active = 0;
+            if (c->cur_put != NULL && c->cur_put->sent != NULL)
+                c->cur_put->sent(c->cur_put);
             if (c->cur_put_ended) {
                 kvf_put_t *p = c->cur_put;
                 c->cur_put = NULL;
@@ -652,6 +661,10 @@ static void tcp_flush(kvf_conn_t *base)
         if (c->cur_put == NULL)
             break;
         build_frame(c);
+        if (c->cur_put_waiting) {
+            c->cur_put_waiting = 0;   /* asked again on the next flush */
+            break;
+        }
     }
     update_events(c);
 }

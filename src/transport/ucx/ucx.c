@@ -780,7 +780,7 @@ static kvf_status_t mv_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, ch
     if (st != KVF_OK)
         return st;
     for (size_t i = 0; i < p->n; i++) {
-        st = kvf_ucx_register(u, p->bases[i], p->lens[i], p->mem_kind, err, errlen);
+        st = kvf_ucx_register(u, p->bases[i], p->lens[i], p->kinds[i], err, errlen);
         if (st != KVF_OK) {
             kvf_ucx_destroy(u);
             return st;
