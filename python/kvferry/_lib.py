@@ -73,6 +73,7 @@ class EngineParams(Structure):
         ("faults", c_char_p),
         ("handshake_timeout_ms", c_uint),
         ("auth_token", c_char_p),
+        ("streams", c_uint),
     ]
 
 

@@ -64,7 +64,9 @@ class KVArgs:
     injection spec for testing failure handling, as ``KVF_FAULTS``),
     ``auth_token`` (the cluster token every engine of the deployment holds;
     ``None`` takes ``KVF_AUTH_TOKEN``, ``KVF_AUTH_TOKEN_FILE`` or
-    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, see docs/SECURITY.md).  ``None`` keeps the
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, see docs/SECURITY.md),
+    ``streams`` (tcp connections and progress threads per peer pair, 1..8,
+    see docs/GUIDE.md).  ``None`` keeps the
     library default, which honours the ``KVF_*`` environment variables
     (``KVF_HEARTBEAT_TIMEOUT_MS`` and so on; see docs/GUIDE.md).
     """
@@ -106,6 +108,7 @@ class KVArgs:
     heartbeat_timeout_ms: Optional[int] = None
     faults: Optional[str] = None
     auth_token: Optional[str] = field(default=None, repr=False)
+    streams: Optional[int] = None
 
     def replace(self, **changes):
         """A copy with some fields changed (``dataclasses.replace``)."""

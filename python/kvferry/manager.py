@@ -200,6 +200,8 @@ class KVManager(_Closing):
             p.faults = _str("faults", a.faults)
         if a.auth_token is not None:
             p.auth_token = _str("auth_token", a.auth_token)
+        if a.streams is not None:
+            p.streams = _u32("streams", a.streams)
         for f in ("bootstrap_timeout_ms", "waiting_timeout_ms", "transfer_timeout_ms",
                   "heartbeat_interval_ms", "heartbeat_timeout_ms"):
             v = getattr(a, f)

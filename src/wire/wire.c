@@ -406,9 +406,9 @@ static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
                           "decode (1)", m->u.auth.role);
             return false;
         }
-        if (m->u.auth.flags & ~KVF_AUTH_F_TOKEN) {
+        if (m->u.auth.flags & ~(KVF_AUTH_F_TOKEN | KVF_AUTH_F_JOIN)) {
             kvf_wire_errf(err, errlen, "AUTH: unknown flags 0x%02x",
-                          m->u.auth.flags & ~KVF_AUTH_F_TOKEN);
+                          m->u.auth.flags & ~(KVF_AUTH_F_TOKEN | KVF_AUTH_F_JOIN));
             return false;
         }
         return true;

@@ -315,6 +315,8 @@ typedef struct kvf_msg_fail {
  * peer of another version is named as such whichever frame it led with.
  */
 #define KVF_AUTH_F_TOKEN 0x1u          /* the sender has a token configured */
+#define KVF_AUTH_F_JOIN  0x2u          /* connector: this connection is an extra
+                                          stream, a JOIN follows the proofs */
 
 typedef struct kvf_msg_auth {
     uint32_t magic;                    /* KVF_WIRE_MAGIC */

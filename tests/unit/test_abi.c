@@ -99,11 +99,13 @@ static void test_init_writes_only_size(void)
         }
         /* A field added after 0.1.0 gets its default when the size holds
          * it; past the fields the library knows: zeroed, never garbage. */
-        const size_t known = KVF_FIELD_END(kvf_engine_params_t, auth_token);
+        const size_t known = KVF_FIELD_END(kvf_engine_params_t, streams);
         if (psizes[i] >= KVF_FIELD_END(kvf_engine_params_t, handshake_timeout_ms))
             CHECK_EQ_INT(((kvf_engine_params_t *)s.b)->handshake_timeout_ms, 5000);
-        if (psizes[i] >= known)
+        if (psizes[i] >= known) {
             CHECK(((kvf_engine_params_t *)s.b)->auth_token == NULL);
+            CHECK_EQ_INT(((kvf_engine_params_t *)s.b)->streams, 0);
+        }
         for (size_t j = known; j < psizes[i]; j++)
             CHECK_EQ_INT(s.b[j], 0);
     }

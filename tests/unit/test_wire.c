@@ -1185,10 +1185,10 @@ static void test_encode_refuses(void)
     } while (0)
 
     CHECK_EQ_INT(kvf_wire_encode(&b, NULL), KVF_ERR_INVALID_PARAM);
-    m = sample_heartbeat(); m.type = (kvf_msg_type_t)13; REFUSE(m);
+    m = sample_heartbeat(); m.type = (kvf_msg_type_t)14; REFUSE(m);
     m = sample_auth(); m.u.auth.version = 1; REFUSE(m);
     m = sample_auth(); m.u.auth.role = 2; REFUSE(m);
-    m = sample_auth(); m.u.auth.flags = 2; REFUSE(m);
+    m = sample_auth(); m.u.auth.flags = 4; REFUSE(m);
     m = sample_heartbeat(); m.type = (kvf_msg_type_t)0; REFUSE(m);
 
     m = sample_fail(KVF_MSG_FAIL);

@@ -260,6 +260,18 @@ static kvf_status_t tcp_connect(const char *host, int port, const kvf_conn_env_t
     return st;
 }
 
+static kvf_status_t tcp_rebind(kvf_conn_t *base, const kvf_conn_env_t *env)
+{
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
+    struct epoll_event ev = {.events = c->ep_events, .data.ptr = env->ep_data};
+    if (c->dead || epoll_ctl(env->epfd, EPOLL_CTL_ADD, c->fd, &ev) != 0)
+        return KVF_ERR_IO;
+    epoll_ctl(c->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    c->epfd = env->epfd;
+    c->ep_data = env->ep_data;
+    return KVF_OK;
+}
+
 static kvf_status_t tcp_accept(int fd, const kvf_conn_env_t *env,
                                const kvf_conn_handler_t *h, void *arg,
                                kvf_conn_t **conn_p)
@@ -968,6 +980,7 @@ const kvf_transport_ops_t kvf_tcp_ops = {
     .flush = tcp_flush,
     .shutdown = tcp_shutdown,
     .destroy = tcp_destroy,
+    .rebind = tcp_rebind,
     .last_rx = tcp_last_rx,
     .last_tx = tcp_last_tx,
     .idle = tcp_idle,
