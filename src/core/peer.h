@@ -73,6 +73,7 @@ struct kvf_peer {
     int               dial_port;
     kvf_peer_t       *primary;
     unsigned          stream;
+    int               streams_offered; /* prefill: its XPORT offer named a cookie */
     int               joining;       /* prefill: announced a JOIN (AUTH flag) */
     int               move_pending;  /* prefill: JOIN taken, moves to its lane */
     int               close_pending; /* failed off its lane: the lane closes it */

@@ -44,6 +44,7 @@ int kvf__streams_offer(kvf_peer_t *p, uint8_t *blob, kvf_wire_xport_t *e)
         return 0;
     kvf_put_u32(blob, p->eng->nlanes);
     memcpy(blob + 4, p->cookie, KVF_WIRE_COOKIE_LEN);
+    p->streams_offered = 1;
     *e = (kvf_wire_xport_t){{KVF_WIRE_STREAMS_NAME, (uint32_t)strlen(KVF_WIRE_STREAMS_NAME)},
                             blob, KVF_WIRE_STREAMS_OFFER};
     return 1;
@@ -76,6 +77,14 @@ kvf_status_t kvf__streams_answer(kvf_peer_t *p, const kvf_wire_xport_t *e, char 
                  "were offered", n, e->blob_len, p->eng->nlanes < 2 ? 0 : p->eng->nlanes);
         return KVF_ERR_PROTOCOL;
     }
+    /* Streams may join before this answer is read (another connection):
+     * none beyond what it asks for. */
+    for (unsigned k = n; k < KVF_MAX_STREAMS; k++)
+        if (p->streams[k] != NULL) {
+            snprintf(err, len, "decode engine asked for %u streams after stream %u joined",
+                     n, k);
+            return KVF_ERR_PROTOCOL;
+        }
     p->nstreams = n;
     return KVF_OK;
 }
@@ -196,10 +205,13 @@ void kvf__stream_on_join(kvf_peer_t *j, const kvf_msg_join_t *m)
                     "(a peer's first stream, or a second JOIN)");
         return;
     }
+    /* The peer's XPORT answer, on its own connection, may not have been
+     * read yet: any live peer that was offered streams, up to the offer
+     * (kvf__streams_answer refuses streams beyond the answer). */
     kvf_peer_t *p = NULL;
     for (kvf_peer_t *q = eng->peers; q != NULL && p == NULL; q = q->next)
-        if (q != j && q->primary == NULL && !q->outbound && q->nstreams > 1 &&
-            q->state == KVF_PEER_READY &&
+        if (q != j && q->primary == NULL && q->streams_offered && q->auth.done &&
+            q->state != KVF_PEER_DEAD &&
             CRYPTO_memcmp(q->cookie, m->cookie, KVF_WIRE_COOKIE_LEN) == 0)
             p = q;
     if (p == NULL) {
@@ -207,14 +219,15 @@ void kvf__stream_on_join(kvf_peer_t *j, const kvf_msg_join_t *m)
         return;
     }
     kvf__peer_name(p, name, sizeof(name));
-    if (p->instance_id != j->auth.theirs.instance_id) {
+    if (p->auth.theirs.instance_id != j->auth.theirs.instance_id) {
         refuse_join(j, "it authenticated as engine instance %016llx, but the cookie is %s's",
                     (unsigned long long)j->auth.theirs.instance_id, name);
         return;
     }
-    if (m->stream >= p->nstreams || p->streams[m->stream] != NULL) {
+    unsigned most = p->nstreams > 1 ? p->nstreams : eng->nlanes;
+    if (m->stream >= most || p->streams[m->stream] != NULL) {
         refuse_join(j, "stream %u of %s is %s", m->stream, name,
-                    m->stream >= p->nstreams ? "beyond the streams agreed" : "taken");
+                    m->stream >= most ? "beyond the streams agreed" : "taken");
         return;
     }
     /* Reserved now (a second JOIN for the index is refused); attached to
@@ -223,10 +236,7 @@ void kvf__stream_on_join(kvf_peer_t *j, const kvf_msg_join_t *m)
     j->refs++;                     /* the slot's */
     j->primary = p;
     j->stream = m->stream;
-    j->role = p->role;
-    j->tp_rank = p->tp_rank;
-    j->instance_id = p->instance_id;
-    snprintf(j->addr, sizeof(j->addr), "%s", p->addr);
+    j->role = KVF_ROLE_DECODE;     /* what it may send: nothing a decode rank may not */
     j->move_pending = 1;
 }
 
