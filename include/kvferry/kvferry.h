@@ -203,9 +203,8 @@ typedef struct kvf_engine_params {
      * this engine, so that one large room uses more than one core.  A
      * pair uses the smaller of its two engines' settings (1 with a peer
      * whose build has no streams); shm and ucx peers use one (shm copies
-     * on its own threads, KVF_SHM_COPIERS).  1..8; 0 means the default
-     * (KVF_STREAMS, else 1 on a machine with at most 2 CPUs, else
-     * min(4, CPUs / 2)).
+     * on its own threads, KVF_SHM_COPIERS).  1..8; 0 means the default:
+     * KVF_STREAMS, else a quarter of the CPUs, at least 1 and at most 4.
      */
     unsigned    streams;
 } kvf_engine_params_t;

@@ -159,12 +159,11 @@ unsigned kvf__streams_default(void)
             return (unsigned)x;
         kvf_warn("ignoring KVF_STREAMS=%s: expected 1..%d", v, KVF_MAX_STREAMS);
     }
-    /* A lane is a thread that wants a core of its own: none to spare on
-     * a 2-CPU machine; beyond 4 the link, not the cores, is the limit. */
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    if (n <= 2)
-        return 1;
-    return n / 2 < 4 ? (unsigned)(n / 2) : 4;
+    /* A lane is a thread that wants a core of its own, beside the
+     * scheduler's and the other engines' of the host (one per GPU): a
+     * quarter of the CPUs, 1 to 4 (docs/GUIDE.md, Streams, measured). */
+    long n = sysconf(_SC_NPROCESSORS_ONLN) / 4;
+    return n < 1 ? 1 : n > 4 ? 4 : (unsigned)n;
 }
 
 void kvf_engine_params_init_sized(kvf_engine_params_t *p, size_t size)
