@@ -221,7 +221,7 @@ def perftest(t):
         if x is None: problems.append(f"ucx_perftest {t} round {i}: no result")
         v.append(x)
     return v
-if ucx:
+if ucx and not only:
     put("ucp_get", perftest("ucp_get")); put("ucp_put_bw", perftest("ucp_put_bw"))
 
 runs = {}
@@ -260,6 +260,9 @@ if only:   # that case alone: its row, and nothing of the cases that did not run
           f"goal >= 0.9x: {'met' if x / y >= 0.9 else 'MISSED'}")
     for p in problems:
         print("problem: " + p)
+    if out:
+        json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
+                  open(out, "w"), indent=1)
     sys.exit(1 if problems else 0)
 put("contiguous", col("contiguous", lambda d: d["gbps"], "tcp"))
 put("contiguous_cpu", [d["cpu_s_per_gb"] if d else None for d in runs["contiguous"]])
