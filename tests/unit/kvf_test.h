@@ -46,13 +46,22 @@ static int kvf_test_failures_;   /* failed CHECKs in the current case */
 
 typedef struct { const char *name; kvf_test_fn_t fn; } kvf_test_case_t;
 
+/* No arguments: every case; otherwise the cases named. */
+static inline int kvf_test_selected_(int argc, char **argv, const char *name)
+{
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], name) == 0)
+            return 1;
+    return argc <= 1;
+}
+
 #define KVF_TEST_MAIN(...)                                                     \
     int main(int argc, char **argv)                                            \
     {                                                                          \
         kvf_test_case_t cases[] = {__VA_ARGS__};                               \
         int passed = 0, failed = 0;                                            \
         for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {       \
-            if (argc > 1 && strcmp(argv[1], cases[i].name) != 0)               \
+            if (!kvf_test_selected_(argc, argv, cases[i].name))                \
                 continue;                                                      \
             kvf_test_failures_ = 0;                                            \
             cases[i].fn();                                                     \

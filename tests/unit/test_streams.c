@@ -42,6 +42,10 @@ typedef struct side {
     uint8_t      *state;
 } side_t;
 
+/* Engine settings of the next side_init (a case changes them). */
+static const char *next_faults;
+static unsigned next_transfer_ms = 5000, next_hb_interval_ms = 500, next_hb_timeout_ms = 2500;
+
 static void side_init(side_t *s, kvf_role_t role, const char *bs, unsigned streams,
                       unsigned handshake_ms)
 {
@@ -51,7 +55,10 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, unsigned strea
     p.bootstrap_addr = bs;
     p.host_bootstrap = role == KVF_ROLE_PREFILL;
     p.bootstrap_timeout_ms = 5000;
-    p.transfer_timeout_ms = 5000;
+    p.transfer_timeout_ms = next_transfer_ms;
+    p.heartbeat_interval_ms = next_hb_interval_ms;
+    p.heartbeat_timeout_ms = next_hb_timeout_ms;
+    p.faults = next_faults;
     p.handshake_timeout_ms = handshake_ms;
     p.transport = "tcp";
     p.checksum = 1;
@@ -233,6 +240,60 @@ static void test_smaller_setting_wins(void)
             CHECK((kvf_engine_stream_bytes(dec.eng, k) > 0) == (k < want));
             CHECK((kvf_engine_stream_bytes(pre.eng, k) > 0) == (k < want));
         }
+        side_fini(&dec);
+        side_fini(&pre);
+    }
+}
+
+/*
+ * One stream stops sending mid-room (stall, longer than every deadline):
+ * whichever stream it is, the room fails on both sides well before the
+ * stall ends.  The first stream stalled: its heartbeats stop, and the
+ * peer is dead; another: the first one's heartbeats go on, and the
+ * room's transfer deadline catches the silence of the one that owes data.
+ */
+static void test_stalled_stream_fails_the_room(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    uint32_t pages[PAGES];
+    for (int round = 0; round < 2; round++) {
+        next_faults = round == 0 ? "stall@40000:10000" : "stall@300000:10000";
+        next_transfer_ms = 1500;
+        next_hb_interval_ms = 100;
+        next_hb_timeout_ms = 600;
+        side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 2, 0);
+        next_faults = NULL;
+        CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+        side_init(&dec, KVF_ROLE_DECODE, NULL, 2, 0);
+        next_transfer_ms = 5000;
+        next_hb_interval_ms = 500;
+        next_hb_timeout_ms = 2500;
+        for (uint32_t i = 0; i < PAGES; i++)
+            pages[i] = i;
+        kvf_sender_t *s;
+        kvf_receiver_t *r;
+        uint32_t slot = 0;
+        CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 500, &s), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 500, -1, &r), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r, pages, PAGES, 1, &slot, 1), KVF_OK);
+        CHECK_EQ_INT(send_wait(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s, PAGES, 1), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_set_state(s, &slot, 1), KVF_OK);
+        uint64_t t0 = kvf_now_ms();
+        CHECK_EQ_INT(kvf_sender_send(s, pages, PAGES, 1), KVF_OK);
+        CHECK_EQ_INT(recv_wait(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+        CHECK_EQ_INT(send_wait(s, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+        CHECK(kvf_now_ms() - t0 < 6000);           /* the stall lasts 10 s */
+        kvf_failure_t f;
+        CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+        fprintf(stderr, "  stalled stream, round %d: %s: %s\n", round,
+                kvf_status_name(f.status), f.reason);
+        CHECK(f.status == KVF_ERR_PEER_TIMEOUT || f.status == KVF_ERR_TIMED_OUT);
+        if (f.status == KVF_ERR_PEER_TIMEOUT)
+            CHECK_STR_CONTAINS(f.reason, "heartbeat timeout");
+        kvf_sender_destroy(s);
+        kvf_receiver_destroy(r);
         side_fini(&dec);
         side_fini(&pre);
     }
@@ -448,5 +509,6 @@ static void test_joins_refused(void)
 KVF_TEST_MAIN(
     KVF_CASE(test_two_streams),
     KVF_CASE(test_smaller_setting_wins),
+    KVF_CASE(test_stalled_stream_fails_the_room),
     KVF_CASE(test_joins_refused)
 )
