@@ -579,8 +579,8 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
     /* With KVF_FAULTS set, every connection goes through the fault transport. */
     kvf_status_t st = eng->faults
-        ? kvf_fault_connect(eng->faults, kvf_control_ops, host, port, &env, &kvf__peer_handler, p,
-                            &p->conn)
+        ? kvf_fault_connect(eng->faults, kvf_control_ops, host, port, &env,
+                            &kvf__peer_handler, p, &p->conn)
         : kvf_control_ops->connect(host, port, &env, &kvf__peer_handler, p, &p->conn);
     if (st != KVF_OK) {
         /* Dead from the start: rooms that link it fail right away. */
@@ -603,7 +603,8 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
     snprintf(p->addr, sizeof(p->addr), "%s (not authenticated)", host);
     kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
     kvf_status_t st = eng->faults
-        ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &kvf__peer_handler, p, &p->conn)
+        ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &kvf__peer_handler, p,
+                           &p->conn)
         : kvf_control_ops->accept(fd, &env, &kvf__peer_handler, p, &p->conn);
     if (st != KVF_OK) {
         close(fd);
@@ -886,7 +887,7 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
         kvf__auth_refuse(p, "%s before authenticating", kvf_wire_type_name((uint8_t)msg->type));
         return;
     }
-    if (p->primary != NULL && !p->move_pending) {
+    if (p->primary != NULL) {
         kvf__stream_on_msg(p, msg);
         return;
     }
@@ -916,15 +917,12 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
     }
     if (msg->type == KVF_MSG_HEARTBEAT)
         return;
-    if (msg->type == KVF_MSG_DONE && msg->u.done.streams != (p->nstreams > 1 ? p->nstreams : 0)) {
-        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DONE for stream %u of %u, but %u stream%s "
-                       "agreed", msg->u.done.stream, msg->u.done.streams, p->nstreams,
-                       p->nstreams > 1 ? "s were" : " was");
-        return;
-    }
-    if (msg->type == KVF_MSG_DONE && msg->u.done.stream != 0) {
-        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DONE for stream %u on stream 0",
-                       msg->u.done.stream);
+    /* Stream 0's DONE: its stream fields exactly when streams were agreed. */
+    if (msg->type == KVF_MSG_DONE &&
+        (msg->u.done.stream != 0 ||
+         msg->u.done.streams != (p->nstreams > 1 ? p->nstreams : 0))) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DONE for stream %u of %u on stream 0 of a "
+                       "pair with %u", msg->u.done.stream, msg->u.done.streams, p->nstreams);
         return;
     }
     if (msg->type == KVF_MSG_ROOM_REQ && kvf__peer_nstreams(p) != p->nstreams) {

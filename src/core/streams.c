@@ -196,11 +196,14 @@ void kvf__stream_on_join(kvf_peer_t *j, const kvf_msg_join_t *m)
     kvf_engine_t *eng = j->eng;
     char name[128];
 
-    if (j->primary != NULL) {      /* decode: our stream's answer */
-        join_answered(j, m);
+    if (j->outbound) {             /* decode: our stream's answer */
+        if (j->primary != NULL)
+            join_answered(j, m);
+        else
+            kvf__peer_fail(j, KVF_ERR_PROTOCOL, "JOIN on the first stream");
         return;
     }
-    if (!j->joining || j->move_pending) {
+    if (!j->joining) {
         refuse_join(j, "JOIN on a connection that did not announce one in its AUTH "
                     "(a peer's first stream, or a second JOIN)");
         return;
@@ -234,6 +237,7 @@ void kvf__stream_on_join(kvf_peer_t *j, const kvf_msg_join_t *m)
      * lane k after this pass, when lane 0 no longer holds the connection. */
     p->streams[m->stream] = j;
     j->refs++;                     /* the slot's */
+    j->joining = 0;
     j->primary = p;
     j->stream = m->stream;
     j->role = KVF_ROLE_DECODE;     /* what it may send: nothing a decode rank may not */
@@ -294,6 +298,11 @@ void kvf__streams_move(kvf_engine_t *eng)
 void kvf__stream_on_msg(kvf_peer_t *s, const kvf_msg_t *msg)
 {
     kvf_peer_t *p = s->primary;
+    if (s->move_pending) {         /* prefill: nothing may follow its JOIN yet */
+        kvf__peer_fail(s, KVF_ERR_PROTOCOL, "%s before stream %u's JOIN was answered",
+                       kvf_wire_type_name((uint8_t)msg->type), s->stream);
+        return;
+    }
     switch (msg->type) {
     case KVF_MSG_JOIN:
         kvf__stream_on_join(s, &msg->u.join);
