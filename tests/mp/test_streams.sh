@@ -6,7 +6,8 @@
 #   2. SIGKILL of the prefill rank mid-room: every room of the batch fails
 #      on the decode side with the true reason (the prefill rank's
 #      connection lost, on whichever stream saw it first), within 5 s, and
-#      the survivors then serve fresh rooms (fault_check.py);
+#      the survivors then serve fresh rooms (fault_check.py); the same for
+#      a killed decode rank, whose rooms fail on the prefill side naming it;
 #   3. a reset injected into the payload mid-room: the room resumes over
 #      new streams, or fails with the reset as its reason.
 set -euo pipefail
@@ -41,6 +42,20 @@ for f in dec:
     if "prefill rank 0" not in r or "connection lost" not in r:
         sys.exit("FAIL: decode failure without the true reason: %r" % r)
 print("ok: %d decode-side failures name the lost prefill connection" % len(dec))
+PY
+
+fault_run kill-decode@mid --transport tcp --streams 2
+python3 - "$FAULT_TMP/out.json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+pre = [f for f in d["failures"] if f["side"] == "prefill" and not f.get("from_another_rank")]
+if not pre:
+    sys.exit("FAIL: no room failed first-hand on the prefill side after the decode was killed")
+for f in pre:
+    r = f["reason"]
+    if "decode rank 0" not in r:
+        sys.exit("FAIL: prefill failure without the true reason: %r" % r)
+print("ok: %d prefill-side failures name the lost decode rank" % len(pre))
 PY
 
 fault_run reset@mid --transport tcp --streams 2
