@@ -14,12 +14,14 @@
 #   issue 5    shm contiguous vs memcpy (and with two copier threads);
 #              ucx (UCX_TLS=tcp) vs ucp_get
 #   issue 11   the same targets tightened, plus every application call's
-#              latency idle and while 1 GiB rooms stream (--call-latency)
+#              latency idle and while 1 GiB rooms stream (--call-latency);
+#              TCP contiguous over --streams N vs iperf3 -P N (N = STREAMS)
 # then (PROFILE=1, the default when perf works) a short perf profile of the
 # rank processes of a TCP and a shm contiguous run.
 #
 # Usage: make build && bash bench/baselines.sh     (about 5 minutes, 127.0.0.1 only)
 #   REPEATS=5 PROFILE=0 KVFERRY=build/kvferry OUT=/tmp/bench.json bash bench/baselines.sh
+#   ONLY=streams bash bench/baselines.sh   (just the N-stream case and its iperf3 -P N)
 # Installs nothing: `make deps` installs iperf3, python3 and ucx-utils.
 set -euo pipefail
 
@@ -29,6 +31,8 @@ REPEATS=${REPEATS:-3}
 IPERF_SECONDS=${IPERF_SECONDS:-5}
 UCX_MSG=${UCX_MSG:-4194304}    # kvferry's get size: segments are at most 4 MiB
 PROFILE=${PROFILE:-1}
+STREAMS=${STREAMS:-2}          # the N of --streams N and iperf3 -P N
+ONLY=${ONLY:-}                 # "streams": that case alone
 OUT=${OUT:-}
 TMP=$(mktemp -d /tmp/kvferry-bench.XXXXXX)
 PIDS=()
@@ -68,12 +72,14 @@ if command -v ucx_perftest >/dev/null; then UCX=1; else
     note "ucx_perftest not found (Debian package ucx-utils): UCX cases skipped"
 fi
 
-iperf() {   # round
+iperf() {   # round [parallel streams]
     local port; port=$(free_port)
+    local par=${2:-1} out="$TMP/iperf3.$1.json"
+    [ "$par" = 1 ] || out="$TMP/iperf3p.$1.json"
     iperf3 -s -1 -B 127.0.0.1 -p "$port" >/dev/null 2>&1 &
     PIDS+=($!)
     sleep 0.5   # until it listens (a probe connection would be its one test)
-    iperf3 -c 127.0.0.1 -p "$port" -t "$IPERF_SECONDS" -J > "$TMP/iperf3.$1.json"
+    iperf3 -c 127.0.0.1 -p "$port" -t "$IPERF_SECONDS" -P "$par" -J > "$out"
     wait "${PIDS[-1]}" 2>/dev/null || true
 }
 perftest() {   # test, round.  -e: endpoints with peer error handling, as kvferry's
@@ -95,6 +101,12 @@ kvf() {   # name, round, kvferry bench options
 LLAMA=(--model llama3-8b --page-size 64 --tokens 8192)
 QWEN=(--model qwen2.5-7b --page-size 64 --tokens 8192 --concurrency 2 --requests 16)
 for i in $(seq "$REPEATS"); do
+    # issue 11: N streams per pair against N iperf3 streams, side by side
+    note "round $i/$REPEATS: iperf3 -P $STREAMS ${IPERF_SECONDS}s, kvferry --streams $STREAMS"
+    iperf "$i" "$STREAMS"
+    kvf streams "$i" --transport tcp "${LLAMA[@]}" --pattern contiguous --concurrency 2 \
+        --requests 12 --streams "$STREAMS"
+    [ "$ONLY" = streams ] && continue
     note "round $i/$REPEATS: memcpy 1 GiB (median of 5), iperf3 ${IPERF_SECONDS}s"
     "$KVFERRY" bench --memcpy --mib 1024 --repeats 5 > "$TMP/memcpy.$i.json"
     iperf "$i"
@@ -155,7 +167,9 @@ profile() {   # name, seconds to wait (pool population, first rooms), kvferry be
             --percent-limit 1 2>/dev/null | sed '/^$/d' | head -8
     done > "$TMP/profile.$name.txt"
 }
-if [ "$PROFILE" = 1 ] && command -v perf >/dev/null &&
+if [ "$ONLY" = streams ]; then
+    :
+elif [ "$PROFILE" = 1 ] && command -v perf >/dev/null &&
    perf record -q -o /dev/null -- true >/dev/null 2>&1; then
     # A profile that goes wrong must not cost the figures: report without it.
     ( profile tcp 2 --transport tcp "${LLAMA[@]}" --pattern contiguous --concurrency 2 --requests 16 ) ||
@@ -167,9 +181,10 @@ elif [ "$PROFILE" = 1 ]; then
 fi
 
 # --- report ----------------------------------------------------------------
-python3 - "$TMP" "$REPEATS" "$UCX" "$OUT" "$UCX_MSG" <<'PY'
+python3 - "$TMP" "$REPEATS" "$UCX" "$OUT" "$UCX_MSG" "$STREAMS" "$ONLY" <<'PY'
 import glob, json, os, statistics, sys
 tmp, reps, ucx, out, ucx_msg = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", sys.argv[4], int(sys.argv[5])
+nstreams, only = int(sys.argv[6]), sys.argv[7]
 med = statistics.median
 load = lambda p: json.load(open(p))
 machine = load(f"{tmp}/machine.json")
@@ -180,15 +195,20 @@ problems = []
 def put(name, vals):
     fig[name] = vals
 
-put("memcpy", [load(f"{tmp}/memcpy.{i}.json")["memcpy_gbps"] for i in R])
-ipg, ipc = [], []
-for i in R:
-    e = load(f"{tmp}/iperf3.{i}.json")["end"]
-    r = e["sum_received"]; u = e["cpu_utilization_percent"]
-    # client (host) + server (remote) CPU, percent of one CPU over the run
-    ipg.append(r["bytes"] / r["seconds"] / 1e9)
-    ipc.append((u["host_total"] + u["remote_total"]) / 100.0 * r["seconds"] / (r["bytes"] / 1e9))
-put("iperf3", ipg); put("iperf3_cpu", ipc)
+def iperf3(name):
+    g, c = [], []
+    for i in R:
+        e = load(f"{tmp}/{name}.{i}.json")["end"]
+        r = e["sum_received"]; u = e["cpu_utilization_percent"]
+        # client (host) + server (remote) CPU, percent of one CPU over the run
+        g.append(r["bytes"] / r["seconds"] / 1e9)
+        c.append((u["host_total"] + u["remote_total"]) / 100.0 * r["seconds"] / (r["bytes"] / 1e9))
+    return g, c
+put("iperf3_p", iperf3("iperf3p")[0])
+if not only:
+    put("memcpy", [load(f"{tmp}/memcpy.{i}.json")["memcpy_gbps"] for i in R])
+    ipg, ipc = iperf3("iperf3")
+    put("iperf3", ipg); put("iperf3_cpu", ipc)
 
 def perftest(t):
     v = []
@@ -201,7 +221,7 @@ def perftest(t):
         if x is None: problems.append(f"ucx_perftest {t} round {i}: no result")
         v.append(x)
     return v
-if ucx:
+if ucx and not only:
     put("ucp_get", perftest("ucp_get")); put("ucp_put_bw", perftest("ucp_put_bw"))
 
 runs = {}
@@ -225,6 +245,25 @@ def kvf(name, transport=None):
 def col(name, f, transport=None):
     return [f(d) if d else None for d in kvf(name, transport)]
 
+put("streams", col("streams", lambda d: d["gbps"], "tcp"))
+for d in runs["streams"]:
+    if d and d.get("config", {}).get("streams") != nstreams:
+        problems.append(f"streams: ran with --streams {d.get('config', {}).get('streams')}")
+if only:   # that case alone: its row, and nothing of the cases that did not run
+    pairs = [(x, y) for x, y in zip(fig["streams"], fig["iperf3_p"]) if x is not None and y]
+    x, y = med(v for v, _ in pairs), med(v for _, v in pairs)
+    rs = [a / b for a, b in pairs]
+    print(f"machine: {machine['nproc']} CPUs, {machine['cpu']}, Linux {machine['kernel']}; "
+          f"commit {machine['commit'][:12]}; medians of {reps} rounds")
+    print(f"11 TCP contiguous --streams {nstreams} / iperf3 -P {nstreams}: kvferry {x:.4g} GB/s, "
+          f"iperf3 {y:.4g} GB/s, ratio {x / y:.3f} (per round {min(rs):.2f}-{max(rs):.2f}), "
+          f"goal >= 0.9x: {'met' if x / y >= 0.9 else 'MISSED'}")
+    for p in problems:
+        print("problem: " + p)
+    if out:
+        json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
+                  open(out, "w"), indent=1)
+    sys.exit(1 if problems else 0)
 put("contiguous", col("contiguous", lambda d: d["gbps"], "tcp"))
 put("contiguous_cpu", [d["cpu_s_per_gb"] if d else None for d in runs["contiguous"]])
 put("scattered", col("scattered", lambda d: d["gbps"], "tcp"))
@@ -274,6 +313,8 @@ def abs_row(issue, what, a, limit, goal, below):
 
 ratio_row(6, "TCP llama3-8b contiguous p64: GB/s / iperf3", "contiguous", "iperf3", ">= 0.9x", lo=0.9)
 ratio_row(11, "TCP scattered p1: GB/s / contiguous", "scattered", "contiguous", ">= 0.7x", lo=0.7)
+ratio_row(11, f"TCP contiguous --streams {nstreams} / iperf3 -P {nstreams}", "streams", "iperf3_p",
+          ">= 0.9x", lo=0.9)
 abs_row(11, "small rooms (tiny, 64 in flight): rooms/s", "small_rps", 40000, ">= 40000", ">=")
 abs_row(11, "small rooms: p99 ms", "small_p99", 2.0, "< 2 ms", "<")
 abs_row(6, "10k in flight: bytes per room (worse side)", "inflight_bytes", 2048, "<= 2048 B", "<=")
@@ -295,7 +336,8 @@ print(f"machine: {machine['nproc']} CPUs, {machine['cpu']}, {machine['mem_gib']}
       + (f" (+{machine['engine_dirty_files']} changed files in src/ include/)" if machine['engine_dirty_files'] else "")
       + f"; medians of {reps} rounds")
 b = [f"memcpy {m('memcpy'):.2f} GB/s ({spread('memcpy')})",
-     f"iperf3 {m('iperf3'):.3f} GB/s ({spread('iperf3')}) at {m('iperf3_cpu'):.3f} CPU s/GB"]
+     f"iperf3 {m('iperf3'):.3f} GB/s ({spread('iperf3')}) at {m('iperf3_cpu'):.3f} CPU s/GB",
+     f"iperf3 -P {nstreams} {m('iperf3_p'):.3f} GB/s ({spread('iperf3_p')})"]
 if ucx:
     b.append(f"ucp_get {m('ucp_get') or 0:.3f} GB/s ({spread('ucp_get')}), "
              f"ucp_put_bw {m('ucp_put_bw') or 0:.3f} GB/s ({spread('ucp_put_bw')}), "
@@ -317,7 +359,7 @@ def key(name, k):
     v = [d[k] for d in runs.get(name, []) if d]
     return med(v) if v else 0
 print("also (medians):")
-for name in ["contiguous", "scattered", "small", "tp11_tcp", "tp12_tcp", "tp11_shm", "tp12_shm", "shm", "shm2"] + (["ucx"] if ucx else []):
+for name in ["contiguous", "streams", "scattered", "small", "tp11_tcp", "tp12_tcp", "tp11_shm", "tp12_shm", "shm", "shm2"] + (["ucx"] if ucx else []):
     if not runs.get(name): continue
     print(f"  {name:10} {key(name, 'gbps'):7.3f} GB/s ({spread(name) if name in fig else '-'}), "
           f"{key(name, 'rooms_per_s'):9.1f} rooms/s, p50 {key(name, 'p50_ms'):8.2f} ms, p99 {key(name, 'p99_ms'):8.2f} ms, "

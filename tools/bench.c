@@ -276,6 +276,8 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
         "decode_tp", (int)p->decode_tp, "checksum", p->checksum,
         "verify", p->verify,
         "transport", o->transport[0] ? o->transport : "unknown"));
+    json_object_set_new(json_object_get(out, "config"), "streams",
+                        json_integer((json_int_t)p->streams));
     json_object_set_new(out, "prefill_bytes", json_integer((json_int_t)prefill_bytes));
     json_object_set_new(out, "registry_auth", json_string(
         o->registry_auth[0] ? o->registry_auth : "unknown"));

@@ -83,6 +83,9 @@ static const kvt_opt_t kvt_opt_table[] = {
       "enable end-to-end XXH3 checksums in the engine" },
     { "transport", KVT_STR, OFF(transport), ALL, 0, "NAME",
       "engine transport: auto, tcp, shm or ucx (default: engine default, KVF_TRANSPORT)" },
+    { "streams", KVT_U32, OFF(streams), ALL, 0, "N",
+      "tcp streams (connections, progress threads) per peer pair, 1..8 (0: the engine's "
+      "default, KVF_STREAMS)" },
     { "contiguous", KVT_FLAG, OFF(contiguous), KVT_IN_DEMO | KVT_IN_RANK | KVT_FORWARD,
       0, NULL, "give decode contiguous pages instead of randomly scattered ones" },
     { "pattern", KVT_STR, OFF(pattern), KVT_IN_BENCH, 0, "contiguous|scattered",

@@ -33,6 +33,7 @@ typedef struct kvt_opts {
     uint32_t    timeout;           /**< seconds */
     int         checksum;
     const char *transport;         /**< NULL: the engine's default */
+    uint32_t    streams;           /**< tcp streams per peer pair; 0: the engine's default */
     int         contiguous;        /**< decode pages contiguous, not scattered */
     int         json;
     /* bench */

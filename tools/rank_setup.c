@@ -72,6 +72,7 @@ int kvt_rank_setup_engine(kvt_rank_t *r)
         p.transport = r->o.transport;
     if (r->o.checksum)
         p.checksum = 1;
+    p.streams = r->o.streams;
     if (r->o.faults)
         p.faults = r->o.faults;   /* the demo's --fault reset|corrupt|badaddr */
     kvf_status_t st = kvf_engine_create(&p, &r->eng);

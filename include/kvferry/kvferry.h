@@ -247,6 +247,16 @@ typedef struct kvf_engine_params {
     /** 1: the prefill server runs SGLang's --enable-dsa-cache-layer-split
      *  (decode servers then take KV from every CP rank).  Default 0. */
     int         dsa_cache_layer_split;
+    /**
+     * Streams per peer pair for tcp payload: one connection each, every
+     * one authenticated, and one progress thread (lane) per stream in
+     * this engine, so that one large room uses more than one core.  A
+     * pair uses the smaller of its two engines' settings (1 with a peer
+     * whose build has no streams); shm and ucx peers use one (shm copies
+     * on its own threads, KVF_SHM_COPIERS).  1..8; 0 means the default:
+     * KVF_STREAMS, else a quarter of the CPUs, at least 1 and at most 4.
+     */
+    unsigned    streams;
 } kvf_engine_params_t;
 
 /** kvf_engine_params_t as kvferry 0.1.0 has it: the least `size` accepted. */
@@ -763,6 +773,19 @@ KVF_API void kvf_engine_stats(kvf_engine_t *engine, kvf_engine_stats_t *stats_p)
  * overrun callers built against this header's older versions.)  Any thread.
  */
 KVF_API uint64_t kvf_engine_auth_refused(kvf_engine_t *engine);
+
+/**
+ * Streams per peer pair this engine takes (kvf_engine_params_t.streams,
+ * resolved: 1..8).  Any thread.
+ */
+KVF_API unsigned kvf_engine_streams(const kvf_engine_t *engine);
+
+/**
+ * Payload bytes this engine moved over stream index `stream` of its peers
+ * since it started, sent (prefill) or placed (decode); 0 for an index of
+ * 8 or more.  Stream 0 is each peer's first connection.  Any thread.
+ */
+KVF_API uint64_t kvf_engine_stream_bytes(kvf_engine_t *engine, unsigned stream);
 
 /**
  * Room messages this engine dropped since it started because they came

@@ -85,6 +85,7 @@ class EngineParams(Structure):
         ("load_balance_method", c_char_p),
         ("prefill_http_port", c_int),
         ("dsa_cache_layer_split", c_int),
+        ("streams", c_uint),
     ]
 
 

@@ -92,7 +92,9 @@ class KVArgs:
     injection spec for testing failure handling, as ``KVF_FAULTS``),
     ``auth_token`` (the cluster token every engine of the deployment holds;
     ``None`` takes ``KVF_AUTH_TOKEN``, ``KVF_AUTH_TOKEN_FILE`` or
-    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, see docs/SECURITY.md).
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, see docs/SECURITY.md),
+    ``streams`` (tcp connections and progress threads per peer pair, 1..8,
+    see docs/GUIDE.md).
 
     Registration fields (prefill; what SGLang's decode servers and routers
     read from the registry): ``cp_rank``/``cp_size`` (attention context
@@ -154,6 +156,7 @@ class KVArgs:
     load_balance_method: Optional[str] = None
     prefill_http_port: Optional[int] = None
     dsa_cache_layer_split: bool = False
+    streams: Optional[int] = None
 
     def replace(self, **changes):
         """A copy with some fields changed (``dataclasses.replace``)."""

@@ -274,6 +274,8 @@ class KVManager(_Closing):
         if a.prefill_http_port is not None:
             p.prefill_http_port = to_uint("prefill_http_port", a.prefill_http_port, 16)
         p.dsa_cache_layer_split = 1 if a.dsa_cache_layer_split else 0
+        if a.streams is not None:
+            p.streams = _u32("streams", a.streams)
         for f in ("bootstrap_timeout_ms", "waiting_timeout_ms", "transfer_timeout_ms",
                   "heartbeat_interval_ms", "heartbeat_timeout_ms"):
             v = getattr(a, f)

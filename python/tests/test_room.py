@@ -125,6 +125,31 @@ class RoomEndToEnd(unittest.TestCase):
             wrong.close()
             good.close()
 
+    def test_streams_in_engine_args(self):
+        """streams= reaches the engine: two streams per pair move a room
+        byte for byte; a count the engine does not take is refused."""
+        self.mgr = kvferry.KVManager(make_args(4, host_bootstrap=True,
+                                               bootstrap_addr="127.0.0.1:0", streams=2,
+                                               checksum=True), "prefill")
+        boot = self.mgr.bootstrap_addr
+        dec = kvferry.KVManager(make_args(4, streams=2), "decode")
+        try:
+            tx = kvferry.KVSender(self.mgr, boot, 9)
+            rx = kvferry.KVReceiver(dec, boot, 9)
+            rx.init([5, 6, 7, 8], 1)
+            self.assertEqual(wait_state(tx, (KVPoll.WaitingForInput, KVPoll.Failed)),
+                             KVPoll.WaitingForInput, self._why(tx))
+            fill_room(self.mgr, 9, [1, 2, 3, 4], 2)
+            tx.init(4, 2)
+            tx.send([1, 2, 3, 4], is_last=True)
+            self.assertEqual(wait_state(tx, FINAL), KVPoll.Success, self._why(tx))
+            self.assertEqual(wait_state(rx, FINAL), KVPoll.Success, self._why(rx))
+            self.assertEqual(verify_room(dec, 9, [5, 6, 7, 8], 1), [])
+        finally:
+            dec.close()
+        with self.assertRaises(kvferry.KVFerryError):
+            kvferry.KVManager(make_args(4, streams=9), "decode")
+
     @staticmethod
     def _why(h):
         if h.poll() != KVPoll.Failed:

@@ -222,7 +222,7 @@ void kvf__auth_start(kvf_peer_t *p)
     a->magic = KVF_WIRE_MAGIC;
     a->version = KVF_WIRE_VERSION;
     a->role = (uint8_t)eng->params.role;
-    a->flags = eng->has_token ? KVF_AUTH_F_TOKEN : 0;
+    a->flags = (eng->has_token ? KVF_AUTH_F_TOKEN : 0) | (p->primary ? KVF_AUTH_F_JOIN : 0);
     a->instance_id = eng->instance_id;
     a->pid = (uint32_t)getpid();
     ssize_t got;

@@ -1,8 +1,9 @@
 /*
  * Engine: parameters, creation, layout registration and the progress
- * thread.  The progress thread is one epoll loop over the control
- * listener, a wake-up eventfd and every peer's stream, plus a 50 ms tick
- * for heartbeats and room deadlines.
+ * threads.  Lane 0's is one epoll loop over the control listener, a
+ * wake-up eventfd, every peer's first stream and the movers, plus a 50 ms
+ * tick for heartbeats and room deadlines; lane k >= 1's loops over its
+ * own eventfd and stream k of every peer (streams.c).
  */
 #include <arpa/inet.h>
 #include <errno.h>
@@ -32,6 +33,7 @@
 
 _Thread_local const kvf_engine_t *kvf__lock_held;
 _Thread_local const kvf_engine_t *kvf__io_owner;
+_Thread_local unsigned kvf__io_lane;
 
 void kvf__engine_io_unlock(void *arg)
 {
@@ -46,11 +48,16 @@ void kvf__engine_io_lock(void *arg)
     kvf__lock_held = eng;
 }
 
-void kvf__engine_wake(kvf_engine_t *eng)
+void kvf__lane_wake(kvf_engine_t *eng, unsigned lane)
 {
     uint64_t one = 1;
-    if (write(eng->wakefd, &one, sizeof(one)) < 0 && errno != EAGAIN)
+    if (write(eng->lanes[lane].wakefd, &one, sizeof(one)) < 0 && errno != EAGAIN)
         kvf_warn("eventfd write: %m");
+}
+
+void kvf__engine_wake(kvf_engine_t *eng)
+{
+    kvf__lane_wake(eng, 0);
 }
 
 static int check_rank(const char *what, int rank, int size)
@@ -103,6 +110,11 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
         kvf_error("room deadlines must be positive");
         return KVF_ERR_INVALID_PARAM;
     }
+    if (p->streams > KVF_MAX_STREAMS) {
+        kvf_error("invalid streams %u (1..%d, or 0 for the default)", p->streams,
+                  KVF_MAX_STREAMS);
+        return KVF_ERR_INVALID_PARAM;
+    }
     return kvf__registration_check(p);
 }
 
@@ -142,6 +154,7 @@ static kvf_status_t start_bootstrap(kvf_engine_t *eng)
 }
 
 static void *progress_main(void *arg);
+static void *lane_main(void *arg);
 
 /* What create made and destroy unmakes last: descriptors, strings, locks. */
 static void engine_free(kvf_engine_t *eng)
@@ -158,6 +171,12 @@ static void engine_free(kvf_engine_t *eng)
     for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++)
         if (fds[i] >= 0)
             close(fds[i]);
+    for (unsigned k = 1; k < KVF_MAX_STREAMS; k++) {
+        if (eng->lanes[k].epfd >= 0)
+            close(eng->lanes[k].epfd);
+        if (eng->lanes[k].wakefd >= 0)
+            close(eng->lanes[k].wakefd);
+    }
     kvf__layout_free(&eng->layout);
     free(eng->reg_bases);
     free(eng->reg_lens);
@@ -205,6 +224,12 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     if (eng->params.handshake_timeout_ms == 0)
         eng->params.handshake_timeout_ms = KVF_HANDSHAKE_TIMEOUT_MS;
     eng->epfd = eng->wakefd = eng->listenfd = -1;
+    if (eng->params.streams == 0)
+        eng->params.streams = kvf__streams_default();
+    eng->nlanes = eng->params.streams;
+    for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
+        eng->lanes[k] = (kvf_lane_t){.eng = eng, .index = k, .epfd = -1, .wakefd = -1,
+                                     .ev_wake = KVF_EV_WAKE};
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
     eng->ev_copier = KVF_EV_COPIER;
@@ -276,6 +301,19 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
         kvf_error("epoll_ctl: %m");
         goto err;
     }
+    eng->lanes[0].epfd = eng->epfd;
+    eng->lanes[0].wakefd = eng->wakefd;
+    for (unsigned k = 1; k < eng->nlanes; k++) {
+        kvf_lane_t *ln = &eng->lanes[k];
+        ln->epfd = epoll_create1(EPOLL_CLOEXEC);
+        ln->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        struct epoll_event lev = {.events = EPOLLIN, .data.ptr = &ln->ev_wake};
+        if (ln->epfd < 0 || ln->wakefd < 0 ||
+            epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->wakefd, &lev) != 0) {
+            kvf_error("epoll/eventfd for lane %u: %m", k);
+            goto err;
+        }
+    }
     if (params->host_bootstrap && (st = start_bootstrap(eng)) != KVF_OK)
         goto err;
     eng->params.bootstrap_addr = eng->bootstrap_addr;
@@ -289,9 +327,18 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
         st = KVF_ERR_NO_MEMORY;
         goto err;
     }
-    kvf_info("%s engine tp %d/%d at %s (instance %016llx)",
+    for (unsigned k = 1; k < eng->nlanes; k++) {
+        if (pthread_create(&eng->lanes[k].thread, NULL, lane_main, &eng->lanes[k]) != 0) {
+            kvf_error("cannot start progress thread %u; this engine uses %u streams", k, k);
+            eng->nlanes = k;
+            break;
+        }
+        eng->lanes[k].started = 1;
+    }
+    kvf_info("%s engine tp %d/%d at %s (instance %016llx, %u stream%s per peer)",
              kvf_role_name(params->role), params->tp_rank, params->tp_size,
-             eng->addr, (unsigned long long)eng->instance_id);
+             eng->addr, (unsigned long long)eng->instance_id, eng->nlanes,
+             eng->nlanes > 1 ? "s" : "");
     *engine_p = eng;
     return KVF_OK;
 
@@ -310,9 +357,15 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     eng->stopping = 1;
     pthread_cond_broadcast(&eng->resolver_cond);
     kvf__unlock(eng);
-    kvf__engine_wake(eng);
+    for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
+        if (k == 0 || eng->lanes[k].started)
+            kvf__lane_wake(eng, k);
     pthread_join(eng->progress_thread, NULL);
+    for (unsigned k = 1; k < KVF_MAX_STREAMS; k++)
+        if (eng->lanes[k].started)
+            pthread_join(eng->lanes[k].thread, NULL);
     kvf__io_owner = eng;   /* the connections are this thread's now */
+    kvf__io_lane = KVF_LANE_ALL;
     kvf__resolver_stop(eng);
     /* The registry's thread reads engine stats: stop it before anything
      * it could read is freed. */
@@ -328,6 +381,8 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     while (eng->peers != NULL) {
         kvf_peer_t *p = eng->peers;
         kvf__peer_fail(p, KVF_ERR_CONN_RESET, "engine destroyed");
+        kvf__peer_close_pending(p);
+        kvf__streams_release(p);
         eng->peers = p->next;
         p->next = NULL;
         kvf__peer_put(p);
@@ -349,6 +404,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
         kvf__stash_free(eng->stash.slots[i].val);
     kvf__unlock(eng);
     kvf__io_owner = NULL;
+    kvf__io_lane = 0;
     kvf_map_free(&eng->stash);
     for (size_t i = 0; i < eng->tombs.cap; i++)
         free(eng->tombs.slots[i].val);
@@ -623,6 +679,21 @@ uint64_t kvf_engine_room_msgs_dropped(kvf_engine_t *eng)
     return n;
 }
 
+uint64_t kvf_engine_stream_bytes(kvf_engine_t *eng, unsigned stream)
+{
+    if (eng == NULL || stream >= KVF_MAX_STREAMS)
+        return 0;
+    kvf__lock(eng);
+    uint64_t n = eng->stream_bytes[stream];
+    kvf__unlock(eng);
+    return n;
+}
+
+unsigned kvf_engine_streams(const kvf_engine_t *eng)
+{
+    return eng->nlanes;
+}
+
 uint64_t kvf_engine_stash_dropped(kvf_engine_t *eng)
 {
     kvf__lock(eng);
@@ -687,7 +758,9 @@ static int peers_pending(const kvf_engine_t *eng)
 /* Hand the connections what other threads queued, and send. */
 static void flush_peers(kvf_engine_t *eng)
 {
+    kvf__streams_move(eng);
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
+        kvf__peer_close_pending(p);
         kvf__peer_outbox_drain(p);
         if (p->conn != NULL && p->state != KVF_PEER_DEAD)
             p->conn->ops->flush(p->conn);
@@ -742,6 +815,47 @@ static void yield_to_callers(kvf_engine_t *eng)
     }
 }
 
+/*
+ * Lane k >= 1: epoll over its eventfd and stream k of every peer.  Its
+ * timeout is the tick's, for a stream that lane 0 closed while this one
+ * slept; the deadlines are lane 0's.
+ */
+static void *lane_main(void *arg)
+{
+    kvf_lane_t *ln = arg;
+    kvf_engine_t *eng = ln->eng;
+    struct epoll_event evs[64];
+    int more = 0;
+
+    kvf__io_owner = eng;
+    kvf__io_lane = ln->index;
+    pthread_mutex_lock(&eng->lock);
+    kvf__lock_held = eng;
+    while (!eng->stopping) {
+        kvf__unlock(eng);
+        yield_to_callers(eng);
+        int n = epoll_wait(ln->epfd, evs, 64, more ? 0 : TICK_MS);
+        pthread_mutex_lock(&eng->lock);
+        kvf__lock_held = eng;
+        if (n < 0 && errno != EINTR) {
+            kvf_error("epoll_wait (lane %u): %m", ln->index);
+            break;
+        }
+        for (int i = 0; i < n; i++) {
+            if (evs[i].data.ptr == &ln->ev_wake) {
+                uint64_t v;
+                if (read(ln->wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+                    kvf_warn("eventfd read: %m");
+            } else {
+                kvf__lane_event(ln, evs[i].data.ptr, evs[i].events);
+            }
+        }
+        more = kvf__lane_pass(ln);
+    }
+    kvf__unlock(eng);
+    return NULL;
+}
+
 static void *progress_main(void *arg)
 {
     kvf_engine_t *eng = arg;
@@ -750,6 +864,7 @@ static void *progress_main(void *arg)
     int more = 0;      /* connections have buffered messages left */
 
     kvf__io_owner = eng;
+    kvf__io_lane = 0;
     pthread_mutex_lock(&eng->lock);
     kvf__lock_held = eng;
     while (!eng->stopping) {

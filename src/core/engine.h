@@ -9,9 +9,12 @@
  *     - application threads, in the public calls: they change room state
  *       and queue work, then wake the progress thread (eventfd); they never
  *       touch a socket;
- *     - the progress thread: epoll over the listener, the eventfd and every
- *       peer's stream; it holds the lock while it handles events (all I/O is
- *       non-blocking, so that is bounded) and releases it in epoll_wait;
+ *     - the progress threads, one per lane (kvf_lane_t): lane 0 runs epoll
+ *       over the listener, its eventfd, every peer's first stream and the
+ *       movers, and the ticks; lane k >= 1 over its eventfd and stream k of
+ *       every peer (peer.h, streams).  Each holds the lock while it handles
+ *       events (all I/O is non-blocking, so that is bounded) and releases
+ *       it in epoll_wait and around payload system calls;
  *     - the resolver thread: blocking registry HTTP calls, with the lock
  *       released; it takes the lock only to post results.
  *
@@ -48,6 +51,24 @@ typedef struct kvf_room kvf_room_t;
 typedef enum {
     KVF_EV_LISTENER, KVF_EV_WAKE, KVF_EV_PEER, KVF_EV_MOVER, KVF_EV_COPIER
 } kvf_ev_kind_t;
+
+#define KVF_MAX_STREAMS KVF_WIRE_MAX_STREAMS   /* streams per peer, lanes per engine */
+
+/*
+ * A lane: a progress thread and its epoll instance.  Lane 0 is the
+ * engine's progress thread (its epfd and wakefd are the engine's);
+ * lane k >= 1 owns stream k of every peer: only it calls that stream's
+ * connection ops.  Other threads queue work in the stream's outbox and
+ * wake the lane (kvf__lane_wake).
+ */
+typedef struct kvf_lane {
+    kvf_engine_t  *eng;
+    unsigned       index;
+    int            epfd, wakefd;
+    kvf_ev_kind_t  ev_wake;          /* KVF_EV_WAKE */
+    pthread_t      thread;           /* lanes >= 1 */
+    int            started;
+} kvf_lane_t;
 
 /* epoll data for a mover's fd: which one. */
 typedef struct kvf_mover_ev {
@@ -117,6 +138,9 @@ struct kvf_engine {
     pthread_t           progress_thread;
     int                 stopping;
     uint64_t            now_ms;           /* progress thread's clock, per wake-up */
+    unsigned            nlanes;           /* params.streams, resolved */
+    kvf_lane_t          lanes[KVF_MAX_STREAMS];
+    uint64_t            stream_bytes[KVF_MAX_STREAMS]; /* payload per stream index */
 
     int                 registered;       /* layout registered */
     kvf_layout_int_t    layout;
@@ -205,16 +229,25 @@ struct kvf_engine {
 extern _Thread_local const kvf_engine_t *kvf__lock_held;
 
 /*
- * The thread that owns an engine's connections: its progress thread, and
- * the thread tearing it down once that is gone.  Only it calls connection
- * ops (they let the lock go around their system calls); other threads
- * queue what they send (kvf__peer_send, kvf__peer_put_data).
+ * The threads that own an engine's connections: its lanes (kvf__io_lane
+ * says which), and the thread tearing it down once they are gone (every
+ * lane, KVF_LANE_ALL).  Only a connection's lane calls its ops (they let
+ * the lock go around their system calls); other threads queue what they
+ * send (kvf__peer_send, kvf__peer_put_data).  kvf__owns_io: lane 0, which
+ * also owns the listener, the movers, the ticks and freeing peers.
  */
+#define KVF_LANE_ALL (~0u)
 extern _Thread_local const kvf_engine_t *kvf__io_owner;
+extern _Thread_local unsigned kvf__io_lane;
+
+static inline int kvf__owns_lane(const kvf_engine_t *eng, unsigned lane)
+{
+    return kvf__io_owner == eng && (kvf__io_lane == lane || kvf__io_lane == KVF_LANE_ALL);
+}
 
 static inline int kvf__owns_io(const kvf_engine_t *eng)
 {
-    return kvf__io_owner == eng;
+    return kvf__owns_lane(eng, 0);
 }
 
 /*
@@ -251,7 +284,8 @@ static inline int kvf__cond_timedwait(kvf_engine_t *eng, pthread_cond_t *cond,
 #define KVF_ASSERT_LOCKED(eng) assert(kvf__lock_held == (eng))
 
 /* engine.c */
-void kvf__engine_wake(kvf_engine_t *eng);
+void kvf__engine_wake(kvf_engine_t *eng);      /* lane 0 */
+void kvf__lane_wake(kvf_engine_t *eng, unsigned lane);
 /* What a connection calls around its system calls (kvf_conn_env_t). */
 void kvf__engine_io_unlock(void *eng);
 void kvf__engine_io_lock(void *eng);
@@ -271,6 +305,8 @@ kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
                                 const char *fn, char *err, size_t errlen);
 kvf_status_t kvf__dest_import(kvf_dest_t *dst, const kvf_dest_t *src, const char *fn,
                               char *err, size_t errlen);
+/* params.streams 0: KVF_STREAMS, else what the machine's CPUs allow. */
+unsigned     kvf__streams_default(void);
 
 /* layout.c: validate the caller's layout (read through kvf__layout_import)
  * into l, which owns copies of the buffer arrays. */

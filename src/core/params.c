@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "core/engine.h"
 #include "util/log.h"
@@ -19,7 +20,7 @@
  * is added.  The assertions catch a new last field that grew the struct,
  * not one that fits in its trailing padding.
  */
-#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, dsa_cache_layer_split)
+#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, streams)
 #define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, cuda_device)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
@@ -150,6 +151,24 @@ static void params_defaults(void *dst)
     p->heartbeat_timeout_ms = env_ms("KVF_HEARTBEAT_TIMEOUT_MS", 2500);
     p->faults = (v = getenv("KVF_FAULTS")) != NULL && *v != '\0' ? v : NULL;
     p->handshake_timeout_ms = env_ms("KVF_HANDSHAKE_TIMEOUT_MS", KVF_HANDSHAKE_TIMEOUT_MS);
+    p->streams = 0;                    /* kvf__streams_default() at create */
+}
+
+unsigned kvf__streams_default(void)
+{
+    const char *v = getenv("KVF_STREAMS");
+    if (v != NULL && *v != '\0') {
+        char *end;
+        unsigned long x = strtoul(v, &end, 10);
+        if (*end == '\0' && x >= 1 && x <= KVF_MAX_STREAMS)
+            return (unsigned)x;
+        kvf_warn("ignoring KVF_STREAMS=%s: expected 1..%d", v, KVF_MAX_STREAMS);
+    }
+    /* A lane is a thread that wants a core of its own, beside the
+     * scheduler's and the other engines' of the host (one per GPU): a
+     * quarter of the CPUs, 1 to 4 (docs/GUIDE.md, Streams, measured). */
+    long n = sysconf(_SC_NPROCESSORS_ONLN) / 4;
+    return n < 1 ? 1 : n > 4 ? 4 : (unsigned)n;
 }
 
 void kvf_engine_params_init_sized(kvf_engine_params_t *p, size_t size)

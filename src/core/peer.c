@@ -36,7 +36,7 @@ static void on_placed(void *arg, const uint8_t *p, size_t n);
 static void on_data_end(void *arg, uint64_t placed);
 static void on_close(void *arg, kvf_status_t st, const char *reason);
 
-static const kvf_conn_handler_t handler = {
+const kvf_conn_handler_t kvf__peer_handler = {
     .on_connected = on_connected,
     .on_msg = on_msg,
     .on_data = on_data,
@@ -70,6 +70,7 @@ static kvf_peer_t *peer_new(kvf_engine_t *eng)
     p->refs = 1;                        /* engine->peers */
     p->last_hb_ms = kvf_now_ms();
     p->handshake_until_ms = p->last_hb_ms + eng->params.handshake_timeout_ms;
+    p->nstreams = 1;
     p->next = eng->peers;
     eng->peers = p;
     return p;
@@ -92,7 +93,9 @@ static void peer_free(kvf_peer_t *p)
         free(q);
     }
     /* Nothing waits in an outbox here: the peer was dead, or drained, by
-     * the time its last reference went (kvf__peer_outbox_drain). */
+     * the time its last reference went (kvf__peer_outbox_drain).  Its
+     * streams' lanes let go of them before it could go (peers_tick). */
+    assert(!kvf__streams_held(p));
     if (p->conn)
         p->conn->ops->destroy(p->conn);
     kvf__layout_free(&p->layout);
@@ -141,12 +144,15 @@ void kvf__peers_free(kvf_engine_t *eng)
 void kvf__peer_outbox_drain(kvf_peer_t *p)
 {
     KVF_ASSERT_LOCKED(p->eng);
-    assert(kvf__owns_io(p->eng));
+    assert(kvf__owns_lane(p->eng, p->lane) || (p->out_head == NULL && p->conn == NULL) ||
+           (kvf__owns_io(p->eng) && p->state == KVF_PEER_DEAD && p->refs == 0));
     while (p->out_head != NULL) {
         kvf_outq_t *q = p->out_head;
         if ((p->out_head = q->next) == NULL)
             p->out_tail = NULL;
-        int up = p->state != KVF_PEER_DEAD && p->conn != NULL;
+        /* A peer that failed on another thread still sends what it queued
+         * first (the FAILs of its rooms): kvf__peer_close_pending. */
+        int up = (p->state != KVF_PEER_DEAD || p->close_pending) && p->conn != NULL;
         if (q->put != NULL) {
             if (up)
                 p->conn->ops->put(p->conn, q->put);
@@ -175,7 +181,7 @@ static void outbox_add(kvf_peer_t *p, kvf_outq_t *q)
     else
         p->out_head = q;
     p->out_tail = q;
-    kvf__engine_wake(p->eng);
+    kvf__lane_wake(p->eng, p->lane);
 }
 
 kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
@@ -183,7 +189,7 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
     KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_DEAD || p->conn == NULL)
         return KVF_ERR_CONN_RESET;
-    if (!kvf__owns_io(p->eng)) {
+    if (!kvf__owns_lane(p->eng, p->lane)) {
         kvf_buf_t b;
         kvf_buf_init(&b);
         kvf_status_t st = kvf_wire_encode(&b, msg);
@@ -200,7 +206,7 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
     kvf__peer_outbox_drain(p);   /* what others queued goes first */
     kvf_status_t st = p->conn->ops->send_msg(p->conn, msg);
     if (st == KVF_OK)
-        kvf__engine_wake(p->eng);
+        kvf__lane_wake(p->eng, p->lane);
     return st;
 }
 
@@ -248,7 +254,7 @@ void kvf__peer_put_data(kvf_peer_t *p, kvf_put_t *put)
         put->complete(put, KVF_ERR_CONN_RESET);
         return;
     }
-    if (!kvf__owns_io(p->eng)) {
+    if (!kvf__owns_lane(p->eng, p->lane)) {
         kvf_outq_t *q = malloc(sizeof(*q));
         if (q == NULL) {
             put->complete(put, KVF_ERR_NO_MEMORY);
@@ -261,7 +267,7 @@ void kvf__peer_put_data(kvf_peer_t *p, kvf_put_t *put)
     }
     kvf__peer_outbox_drain(p);
     p->conn->ops->put(p->conn, put);
-    kvf__engine_wake(p->eng);
+    kvf__lane_wake(p->eng, p->lane);
 }
 
 /* The XPORT entry that carries capability bits (wire.h, KVF_WIRE_CAPS_NAME). */
@@ -272,10 +278,9 @@ static kvf_wire_xport_t caps_entry(uint8_t *blob, uint32_t caps)
                               blob, KVF_WIRE_CAPS_LEN};
 }
 
-static int is_caps(const kvf_wire_xport_t *e)
+static int is_entry(const kvf_wire_xport_t *e, const char *name)
 {
-    return e->name.len == strlen(KVF_WIRE_CAPS_NAME) &&
-           memcmp(e->name.ptr, KVF_WIRE_CAPS_NAME, e->name.len) == 0;
+    return e->name.len == strlen(name) && memcmp(e->name.ptr, name, e->name.len) == 0;
 }
 
 /* Prefill: what a decode engine may pull payload with, besides the stream:
@@ -305,6 +310,9 @@ static void send_offers(kvf_peer_t *p)
     }
     if (x->count < KVF_WIRE_MAX_XPORTS)
         x->x[x->count++] = caps_entry(caps, KVF_CAPS_KNOWN);
+    uint8_t streams[KVF_WIRE_STREAMS_OFFER];
+    if (x->count < KVF_WIRE_MAX_XPORTS && kvf__streams_offer(p, streams, &x->x[x->count]))
+        x->count++;
     kvf_status_t st = kvf__peer_send(p, &m);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         kvf_buf_free(&blobs[i]);
@@ -329,8 +337,7 @@ static const char *path_name(const kvf_mover_ops_t *ops)
 static const kvf_wire_xport_t *find_offer(const kvf_msg_xport_t *x, const char *name)
 {
     for (uint32_t i = 0; i < x->count; i++)
-        if (x->x[i].name.len == strlen(name) &&
-            memcmp(x->x[i].name.ptr, name, x->x[i].name.len) == 0)
+        if (is_entry(&x->x[i], name))
             return &x->x[i];
     return NULL;
 }
@@ -414,6 +421,13 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         if (p->caps != 0)
             m.u.xport.x[m.u.xport.count++] = caps_entry(caps, p->caps);
     }
+    /* Several streams only for payload in the stream (tcp). */
+    uint8_t streams[KVF_WIRE_STREAMS_ANSWER];
+    if (chosen == NULL)
+        p->nstreams = kvf__streams_accept(p, find_offer(x, KVF_WIRE_STREAMS_NAME), streams,
+                                          &m.u.xport.x[m.u.xport.count]);
+    if (p->nstreams > 1)
+        m.u.xport.count++;
     kvf_status_t st = kvf__peer_send(p, &m);
     if (st != KVF_OK) {
         kvf__peer_fail(p, st, "cannot send XPORT: %s", kvf_status_str(st));
@@ -421,6 +435,11 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
     }
     use_mover(p, chosen);
     check_device_memory(p);
+    if (p->nstreams > 1) {
+        /* READY once every stream has joined (streams.c). */
+        kvf__streams_open(p);
+        return;
+    }
     p->state = KVF_PEER_READY;
     kvf__rooms_peer_ready(eng, p);
 }
@@ -436,16 +455,19 @@ static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         choose_xport(p, x);
         return;
     }
-    /* The answer: at most one transport, and the capabilities accepted. */
-    const kvf_wire_xport_t *choice = NULL, *caps = NULL;
+    /* The answer: at most one transport, the capabilities accepted, and
+     * the streams wanted. */
+    const kvf_wire_xport_t *choice = NULL, *caps = NULL, *streams = NULL;
+    int twice = 0;
     for (uint32_t i = 0; i < x->count; i++) {
-        const kvf_wire_xport_t **slot = is_caps(&x->x[i]) ? &caps : &choice;
-        if (*slot != NULL)
-            choice = caps = &x->x[i];   /* a second of either: refused below */
-        else
-            *slot = &x->x[i];
+        const kvf_wire_xport_t **slot =
+            is_entry(&x->x[i], KVF_WIRE_CAPS_NAME)      ? &caps
+            : is_entry(&x->x[i], KVF_WIRE_STREAMS_NAME) ? &streams
+                                                        : &choice;
+        twice |= *slot != NULL;      /* a second of any: refused below */
+        *slot = &x->x[i];
     }
-    if (p->state != KVF_PEER_READY || (choice != NULL && choice == caps)) {
+    if (p->state != KVF_PEER_READY || twice || (streams != NULL && p->nstreams > 1)) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "XPORT out of order or with several choices");
         return;
     }
@@ -458,6 +480,13 @@ static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
             return;
         }
         p->caps = bits;
+    }
+    char err[160];
+    if (streams != NULL && (choice != NULL || kvf__streams_answer(p, streams, err,
+                                                                  sizeof(err)) != KVF_OK)) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "%s", choice != NULL ? "decode engine asked "
+                       "for streams beside a transport that pulls" : err);
+        return;
     }
     const kvf_mover_ops_t *ops = NULL;
     if (choice != NULL) {
@@ -565,12 +594,14 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     p->tp_rank = tp_rank;
     p->state = KVF_PEER_CONNECTING;
     snprintf(p->addr, sizeof(p->addr), "%s", addr);
+    snprintf(p->dial_host, sizeof(p->dial_host), "%s", host);
+    p->dial_port = port;
     kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
     /* With KVF_FAULTS set, every connection goes through the fault transport. */
     kvf_status_t st = eng->faults
-        ? kvf_fault_connect(eng->faults, kvf_control_ops, host, port, &env, &handler, p,
-                            &p->conn)
-        : kvf_control_ops->connect(host, port, &env, &handler, p, &p->conn);
+        ? kvf_fault_connect(eng->faults, kvf_control_ops, host, port, &env,
+                            &kvf__peer_handler, p, &p->conn)
+        : kvf_control_ops->connect(host, port, &env, &kvf__peer_handler, p, &p->conn);
     if (st != KVF_OK) {
         /* Dead from the start: rooms that link it fail right away. */
         p->state = KVF_PEER_DEAD;
@@ -592,8 +623,9 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
     snprintf(p->addr, sizeof(p->addr), "%s (not authenticated)", host);
     kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
     kvf_status_t st = eng->faults
-        ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &handler, p, &p->conn)
-        : kvf_control_ops->accept(fd, &env, &handler, p, &p->conn);
+        ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &kvf__peer_handler, p,
+                           &p->conn)
+        : kvf_control_ops->accept(fd, &env, &kvf__peer_handler, p, &p->conn);
     if (st != KVF_OK) {
         close(fd);
         p->state = KVF_PEER_DEAD;
@@ -605,6 +637,14 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
 void kvf__peer_authenticated(kvf_peer_t *p)
 {
     p->state = KVF_PEER_HANDSHAKE;
+    if (p->primary != NULL) {            /* decode: our extra stream */
+        kvf__stream_authenticated(p);
+        return;
+    }
+    if (!p->outbound && (p->auth.theirs.flags & KVF_AUTH_F_JOIN)) {
+        p->joining = 1;                  /* no HELLO: its JOIN comes next */
+        return;
+    }
     send_hello(p);
     if (p->lingering) {
         /* Its rooms failed while it was stopped: it learns why now, then
@@ -623,14 +663,24 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_DEAD)
         return;
-    if (p->lingering)
-        goto close;
-    /* What other threads queued goes first, while the stream is up (and
-     * a put in the outbox holds a reference to this peer). */
-    kvf__peer_outbox_drain(p);
     va_start(ap, fmt);
     vsnprintf(why, sizeof(why), fmt, ap);
     va_end(ap);
+    if (p->primary != NULL) {
+        /* A stream: its failure is the peer's, with every stream of it. */
+        kvf_peer_t *m = p->primary;
+        if (m->streams[p->stream] == p && m->state != KVF_PEER_DEAD)
+            kvf__peer_fail(m, st, "stream %u of %u: %s", p->stream, m->nstreams, why);
+        kvf__streams_close(m);
+        return;
+    }
+    if (p->lingering)
+        goto close;
+    /* What other threads queued goes first, while the stream is up (and
+     * a put in the outbox holds a reference to this peer); off its lane,
+     * the lane sends it before it closes (kvf__peer_close_pending). */
+    if (kvf__owns_lane(p->eng, p->lane))
+        kvf__peer_outbox_drain(p);
     kvf__peer_name(p, name, sizeof(name));
     p->eng->peer_generation++;
     snprintf(reason, sizeof(reason), "%s: %s", name, why);
@@ -669,6 +719,21 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     }
 close:
     p->state = KVF_PEER_DEAD;
+    kvf__streams_close(p);
+    p->close_pending = 1;
+    if (kvf__owns_lane(p->eng, p->lane))
+        kvf__peer_close_pending(p);
+    else
+        kvf__lane_wake(p->eng, p->lane);
+}
+
+void kvf__peer_close_pending(kvf_peer_t *p)
+{
+    assert(kvf__owns_lane(p->eng, p->lane));
+    if (!p->close_pending)
+        return;
+    kvf__peer_outbox_drain(p);             /* still up: what it queued goes */
+    p->close_pending = 0;
     if (p->conn) {
         p->conn->ops->flush(p->conn);      /* best effort, never blocks */
         p->conn->ops->shutdown(p->conn);
@@ -888,6 +953,18 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
         kvf__auth_refuse(p, "%s before authenticating", kvf_wire_type_name((uint8_t)msg->type));
         return;
     }
+    if (p->primary != NULL) {
+        kvf__stream_on_msg(p, msg);
+        return;
+    }
+    if (msg->type == KVF_MSG_JOIN || p->joining) {
+        if (msg->type == KVF_MSG_JOIN)
+            kvf__stream_on_join(p, &msg->u.join);
+        else
+            kvf__peer_fail(p, KVF_ERR_PROTOCOL, "%s on a connection that announced a "
+                           "JOIN", kvf_wire_type_name((uint8_t)msg->type));
+        return;
+    }
     if (msg->type == KVF_MSG_HELLO) {
         on_hello(p, &msg->u.hello);
         return;
@@ -896,6 +973,9 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
         on_xport(p, &msg->u.xport);
         return;
     }
+    /* A decode engine's peer waits for its streams to join, READY after. */
+    if (msg->type == KVF_MSG_HEARTBEAT && p->hello_done)
+        return;
     if (p->state != KVF_PEER_READY) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "%s before HELLO",
                        kvf_wire_type_name((uint8_t)msg->type));
@@ -903,6 +983,19 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
     }
     if (msg->type == KVF_MSG_HEARTBEAT)
         return;
+    /* Stream 0's DONE: its stream fields exactly when streams were agreed. */
+    if (msg->type == KVF_MSG_DONE &&
+        (msg->u.done.stream != 0 ||
+         msg->u.done.streams != (p->nstreams > 1 ? p->nstreams : 0))) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DONE for stream %u of %u on stream 0 of a "
+                       "pair with %u", msg->u.done.stream, msg->u.done.streams, p->nstreams);
+        return;
+    }
+    if (msg->type == KVF_MSG_ROOM_REQ && kvf__peer_nstreams(p) != p->nstreams) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "ROOM_REQ before its %u streams joined",
+                       p->nstreams);
+        return;
+    }
     if (msg->type == KVF_MSG_DATA_REF) {
         if (p->role != KVF_ROLE_PREFILL ||
             !kvf__peer_pulls(p)) {
@@ -923,7 +1016,8 @@ static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
         kvf__auth_refuse(p, "DATA before authenticating");
         return;
     }
-    if (p->state != KVF_PEER_READY || p->role != KVF_ROLE_PREFILL) {
+    if (p->state != KVF_PEER_READY || p->role != KVF_ROLE_PREFILL ||
+        kvf__peer_main(p)->state != KVF_PEER_READY) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA from a peer that may not send it");
         return;
     }
@@ -968,8 +1062,8 @@ int kvf__peer_rx_ready(const kvf_peer_t *p)
 static void on_placed(void *arg, const uint8_t *ptr, size_t n)
 {
     kvf_peer_t *p = arg;
-    if (p->rx_link != NULL && p->rx_link->hash != NULL)
-        XXH3_64bits_update(p->rx_link->hash, ptr, n);
+    if (p->rx_link != NULL && p->rx_link->hash[p->stream] != NULL)
+        XXH3_64bits_update(p->rx_link->hash[p->stream], ptr, n);
 }
 
 static void on_data_end(void *arg, uint64_t placed)
@@ -1027,10 +1121,12 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
                 kvf_debug("heartbeat to %s not queued", kvf__peer_name(p, name, sizeof(name)));
         }
     }
-    /* Unlink dead peers; their memory lives on while rooms reference it. */
+    /* Unlink dead peers, once their streams' lanes let go of them; their
+     * memory lives on while rooms reference it. */
     for (kvf_peer_t **pp = &eng->peers; *pp != NULL;) {
         kvf_peer_t *p = *pp;
-        if (p->state == KVF_PEER_DEAD) {
+        kvf__peer_close_pending(p);
+        if (p->state == KVF_PEER_DEAD && !kvf__streams_held(p)) {
             *pp = p->next;
             p->next = NULL;
             kvf__peer_put(p);

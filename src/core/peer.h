@@ -1,6 +1,13 @@
 /*
  * Peers, internal: one per connection to another engine (peer.c), its
  * handshake, transport choice and liveness.
+ *
+ * Streams (streams.c): a pair that agreed on n > 1 streams has n
+ * connections.  The first is the peer itself (owned by lane 0, in
+ * engine->peers, carrying the control messages); stream k >= 1 is a
+ * kvf_peer_t of its own in peer->streams[k], owned by lane k, whose
+ * `primary` is the peer: it carries DATA frames and its own DONE, and its
+ * failure is the peer's.  Rooms only ever name the primary.
  */
 #ifndef KVF_CORE_PEER_H
 #define KVF_CORE_PEER_H
@@ -56,6 +63,24 @@ struct kvf_peer {
      * owner hands it to the connection (kvf__peer_outbox_drain). */
     struct kvf_outq  *out_head, *out_tail;
     kvf_peer_t       *free_next;     /* engine->peers_free */
+    /* Streams (streams.c).  lane: the lane that owns conn (0 but for a
+     * stream k >= 1, once it is attached).  A primary: nstreams agreed in
+     * XPORT (1 without), streams[1..nstreams) (a reference each), joined
+     * (attached ones), the cookie its joins name, and where to dial them
+     * (decode).  A stream: its primary and index. */
+    unsigned          lane;
+    unsigned          nstreams;
+    kvf_peer_t       *streams[KVF_MAX_STREAMS];
+    unsigned          joined;
+    uint8_t           cookie[KVF_WIRE_COOKIE_LEN];
+    char              dial_host[64];
+    int               dial_port;
+    kvf_peer_t       *primary;
+    unsigned          stream;
+    int               streams_offered; /* prefill: its XPORT offer named a cookie */
+    int               joining;       /* prefill: announced a JOIN (AUTH flag) */
+    int               move_pending;  /* prefill: JOIN taken, moves to its lane */
+    int               close_pending; /* failed off its lane: the lane closes it */
     /* Current inbound DATA frame (decode side). */
     kvf_room_t       *rx_room;
     struct kvf_link  *rx_link;
@@ -80,6 +105,27 @@ struct kvf_peer {
 static inline int kvf__peer_pulls(const kvf_peer_t *p)
 {
     return p->mover != NULL;
+}
+
+/* The peer a connection belongs to: itself, or a stream's primary. */
+static inline kvf_peer_t *kvf__peer_main(kvf_peer_t *p)
+{
+    return p->primary != NULL ? p->primary : p;
+}
+
+/* Stream k of a peer (0: itself), attached and owned by its lane, or NULL. */
+static inline kvf_peer_t *kvf__peer_stream(kvf_peer_t *p, unsigned k)
+{
+    if (k == 0)
+        return p;
+    kvf_peer_t *s = k < KVF_MAX_STREAMS ? p->streams[k] : NULL;
+    return s != NULL && s->lane == k ? s : NULL;
+}
+
+/* Streams a room's payload toward this peer is spread over now. */
+static inline unsigned kvf__peer_nstreams(const kvf_peer_t *p)
+{
+    return p->state == KVF_PEER_READY && p->joined + 1 == p->nstreams ? p->nstreams : 1;
 }
 
 /* Bytes of DATA_REF reads one peer may have in flight: beyond it, its
@@ -112,6 +158,46 @@ void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
 void         kvf__peer_outbox_drain(kvf_peer_t *peer);
 /* Owner thread: free the peers whose last reference went elsewhere. */
 void         kvf__peers_free(kvf_engine_t *eng);
+/* Owner lane: close a peer whose failure came from another thread. */
+void         kvf__peer_close_pending(kvf_peer_t *peer);
+/* A peer of this engine's own: the connection handler every peer uses. */
+extern const kvf_conn_handler_t kvf__peer_handler;
+
+/* streams.c */
+/* Prefill: the XPORT entry offering streams (none when this engine has
+ * one lane); @return 1 when *e was filled (blob: KVF_WIRE_STREAMS_OFFER
+ * bytes). */
+int          kvf__streams_offer(kvf_peer_t *p, uint8_t *blob, kvf_wire_xport_t *e);
+/* Decode: the prefill offered streams (entry o, or NULL): how many to use
+ * (1: none); fills the answer entry when > 1. */
+unsigned     kvf__streams_accept(kvf_peer_t *p, const kvf_wire_xport_t *o, uint8_t *blob,
+                                 kvf_wire_xport_t *answer);
+/* Prefill: the decode engine's answer; KVF_OK or KVF_ERR_PROTOCOL (err). */
+kvf_status_t kvf__streams_answer(kvf_peer_t *p, const kvf_wire_xport_t *e, char *err,
+                                 size_t len);
+/* Decode: open streams 1..nstreams-1 of a peer whose XPORT answer is out. */
+void         kvf__streams_open(kvf_peer_t *p);
+/* A JOIN: on a prefill's inbound connection, or a decode's stream's answer. */
+void         kvf__stream_on_join(kvf_peer_t *p, const kvf_msg_join_t *m);
+/* A message on stream k >= 1 (after authentication). */
+void         kvf__stream_on_msg(kvf_peer_t *s, const kvf_msg_t *msg);
+/* A stream authenticated: send its JOIN (decode). */
+void         kvf__stream_authenticated(kvf_peer_t *s);
+/* The peer failed: every stream of it goes too (closed on its lane). */
+void         kvf__streams_close(kvf_peer_t *p);
+/* Teardown (every lane owned, no callback on the stack): let go of every
+ * stream of p now. */
+void         kvf__streams_release(kvf_peer_t *p);
+/* 1 while a dead peer still has streams its lanes have not let go of. */
+int          kvf__streams_held(const kvf_peer_t *p);
+/* Lane 0, after its events: attach the streams whose JOIN was taken. */
+void         kvf__streams_move(kvf_engine_t *eng);
+/* Lane k >= 1: one pass over stream k of every peer; @return 1 when a
+ * connection has messages left. */
+int          kvf__lane_pass(kvf_lane_t *lane);
+/* Lane k >= 1: epoll said `events` for data.ptr `ptr`. */
+void         kvf__lane_event(kvf_lane_t *lane, void *ptr, uint32_t events);
+
 /* "decode rank 1 (127.0.0.1:4000)" */
 const char  *kvf__peer_name(const kvf_peer_t *peer, char *buf, size_t len);
 

@@ -420,7 +420,6 @@ void kvf__receiver_try_request(kvf_room_t *r)
         m.u.room_req.decode_prefix_len = rv->decode_prefix;
         lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
             (state ? states_bytes(&eng->layout, &rv->state_dst) : 0);
-        lk->bytes = 0;
         /* What this peer may write, each unit once (cover_mark). */
         lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
         lk->sends_state = state && rv->state_dst.ngroups > 0;
@@ -438,10 +437,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
         /* Nothing owed (a zero-page room's link that carries neither aux
          * nor state): the prefill rank treats it as idle too. */
         lk->done = lk->idle || lk->expected == 0;
-        if (lk->hash == NULL && !lk->idle && want_checksum(eng, p))
-            lk->hash = XXH3_createState();
-        if (lk->hash)
-            XXH3_64bits_reset(lk->hash);
+        kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(eng, p));
         kvf_status_t st = kvf__peer_send(p, &m);
         if (st != KVF_OK) {
             kvf__room_fail(r, st, "cannot send the room's destination to %s: %s",
@@ -683,7 +679,7 @@ static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
                   (unsigned long long)d->payload_len, (unsigned long long)d->room);
         return NULL;
     }
-    kvf_link_t *lk = link_of(r, p);
+    kvf_link_t *lk = link_of(r, kvf__peer_main(p));
     if (lk == NULL || !lk->req_sent) {
         kvf__room_dropped(p, "DATA", d->room, d->instance, "the room did not ask this "
                           "peer for any; its bytes were discarded");
@@ -867,8 +863,8 @@ static void read_done(kvf_mover_read_t *base, kvf_status_t st, const char *err)
     eng->reads_done_tail = &rd->next;
 }
 
-static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_t bytes,
-                       int has_checksum, uint64_t checksum);
+static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
+                       uint64_t bytes, int has_checksum, uint64_t checksum);
 
 /* A read's accounting once it started (mover or copier alike). */
 static void read_started(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, kvf_read_t *rd)
@@ -902,9 +898,10 @@ static void read_finish(kvf_read_t *rd)
          * the same, since it could still write into the pages. */
     } else if (rd->st == KVF_OK) {
         if (!room_final(r)) {
-            for (uint32_t i = 0; lk->hash != NULL && rd->bounce == NULL && i < rd->n; i++)
-                XXH3_64bits_update(lk->hash, local[i].iov_base, local[i].iov_len);
+            for (uint32_t i = 0; lk->hash[0] != NULL && rd->bounce == NULL && i < rd->n; i++)
+                XXH3_64bits_update(lk->hash[0], local[i].iov_base, local[i].iov_len);
             lk->bytes += rd->bytes;
+            lk->stream_bytes[0] += rd->bytes;
             eng->stats.bytes_received += rd->bytes;
             r->t_state_ms = kvf_now_ms();
         }
@@ -924,7 +921,7 @@ static void read_finish(kvf_read_t *rd)
     if (lk->reads == 0 && lk->done_waiting) {
         lk->done_waiting = 0;
         if (!room_final(r))
-            check_done(lk->peer, r, lk, lk->done_bytes, lk->done_has_checksum,
+            check_done(lk->peer, r, lk, 0, lk->done_bytes, lk->done_has_checksum,
                        lk->done_checksum);
     }
     if (rd->bounce != NULL)
@@ -1067,7 +1064,9 @@ void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
     if (p->rx_bounce != NULL)
         placed -= stage_copy(p, r, p->rx_link, placed);   /* those count when copied */
     p->rx_link->bytes += placed;
+    p->rx_link->stream_bytes[p->stream] += placed;
     p->eng->stats.bytes_received += placed;
+    p->eng->stream_bytes[p->stream] += placed;
     r->t_state_ms = kvf_now_ms();
     p->rx_room = NULL;
     p->rx_link = NULL;
@@ -1077,9 +1076,11 @@ void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
 void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
 {
     kvf_link_t *lk = link_of(r, p);
+    uint32_t k = m->stream;        /* 0 without streams */
     char name[128];
 
-    if (lk == NULL || lk->done || lk->confirming || lk->done_waiting) {
+    if (lk == NULL || lk->done || lk->confirming || lk->done_waiting ||
+        (lk->ends & (1u << k))) {
         kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent %s DONE for room %llu",
                        kvf__peer_name(p, name, sizeof(name)),
                        lk ? "a second" : "an unexpected", (unsigned long long)r->id);
@@ -1087,41 +1088,57 @@ void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m
     }
     if (lk->reads > 0) {
         /* The DONE follows the frames in the stream, but their bytes are
-         * still being read: judge once they are in. */
+         * still being read: judge once they are in (pulled: one stream). */
         lk->done_waiting = 1;
         lk->done_bytes = m->bytes;
         lk->done_has_checksum = m->has_checksum;
         lk->done_checksum = m->checksum;
         return;
     }
-    check_done(p, r, lk, m->bytes, m->has_checksum, m->checksum);
+    check_done(p, r, lk, k, m->bytes, m->has_checksum, m->checksum);
 }
 
-/* A DONE with every byte before it in place: compare counts and checksums,
- * and answer. */
-static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_t bytes,
-                       int has_checksum, uint64_t checksum)
+/*
+ * The DONE of stream k with every byte of that stream before it in place:
+ * compare its count and checksum with what came on that stream.  Once
+ * every stream's DONE has checked, the link's total must be what the room
+ * expects (each unit was counted once, cover_mark): then answer.
+ */
+static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
+                       uint64_t bytes, int has_checksum, uint64_t checksum)
 {
-    char name[128];
+    char name[128], on[48] = "";
     kvf__peer_name(p, name, sizeof(name));
+    if (lk->nstreams > 1)
+        snprintf(on, sizeof(on), " on stream %u of %u", k, lk->nstreams);
 
-    if (bytes != lk->expected || lk->bytes != lk->expected) {
-        kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s: it reported "
-                       "%llu bytes, %llu were placed, room %llu expects %llu", name,
-                       (unsigned long long)bytes, (unsigned long long)lk->bytes,
+    if (bytes != lk->stream_bytes[k] || (lk->nstreams == 1 && bytes != lk->expected)) {
+        kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s%s: it reported "
+                       "%llu bytes, %llu were placed, room %llu expects %llu", name, on,
+                       (unsigned long long)bytes, (unsigned long long)lk->stream_bytes[k],
                        (unsigned long long)r->id, (unsigned long long)lk->expected);
         return;
     }
-    if (lk->hash != NULL) {
-        uint64_t got = XXH3_64bits_digest(lk->hash);
+    if (lk->hash[k] != NULL) {
+        uint64_t got = XXH3_64bits_digest(lk->hash[k]);
         if (!has_checksum || got != checksum) {
             kvf__room_fail(r, KVF_ERR_CHECKSUM, "checksum mismatch on the %llu bytes "
-                           "from %s: sender %s%016llx, receiver %016llx",
-                           (unsigned long long)lk->bytes, name,
+                           "from %s%s: sender %s%016llx, receiver %016llx",
+                           (unsigned long long)lk->stream_bytes[k], name, on,
                            has_checksum ? "" : "sent none, ",
                            (unsigned long long)checksum, (unsigned long long)got);
             return;
         }
+    }
+    lk->ends |= 1u << k;
+    if (lk->ends != (1u << lk->nstreams) - 1)
+        return;                    /* other streams' DONEs to come */
+    if (lk->bytes != lk->expected) {
+        kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s: its %u streams "
+                       "carried %llu bytes, room %llu expects %llu", name, lk->nstreams,
+                       (unsigned long long)lk->bytes, (unsigned long long)r->id,
+                       (unsigned long long)lk->expected);
+        return;
     }
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = r->id;

@@ -86,8 +86,27 @@ static void link_free(kvf_link_t *l)
     free(l->pages);
     kvf__states_free(&l->state);
     free(l->cover);
-    if (l->hash)
-        XXH3_freeState(l->hash);
+    for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
+        if (l->hash[k])
+            XXH3_freeState(l->hash[k]);
+}
+
+void kvf__link_streams_reset(kvf_link_t *lk, uint32_t n, int hash)
+{
+    lk->nstreams = n;
+    lk->ends = 0;
+    lk->bytes = 0;
+    for (uint32_t k = 0; k < KVF_MAX_STREAMS; k++) {
+        lk->stream_bytes[k] = 0;
+        if (k < n && hash && lk->hash[k] == NULL)
+            lk->hash[k] = XXH3_createState();
+        if (lk->hash[k] != NULL && (k >= n || !hash)) {
+            XXH3_freeState(lk->hash[k]);
+            lk->hash[k] = NULL;
+        }
+        if (lk->hash[k] != NULL)
+            XXH3_64bits_reset(lk->hash[k]);
+    }
 }
 
 void kvf__room_put(kvf_room_t *r)

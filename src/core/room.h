@@ -47,7 +47,14 @@ typedef struct kvf_link {
     int            last_queued;   /* sender: the last chunk's put is queued */
     int            broken;        /* its connection broke; a reconnect may resume it */
     uint64_t       resume_instance; /* receiver: the peer instance to resume with */
-    XXH3_state_t  *hash;          /* checksum of this peer's bytes, or NULL */
+    /* Per stream of the peer (streams.c; one without): the bytes queued
+     * (sender) or placed (receiver) on it, their checksum in that
+     * stream's order (or NULL), and, receiver, the streams whose DONE
+     * checked (a bit each); lk->bytes is their sum. */
+    uint32_t       nstreams;
+    uint32_t       ends;
+    uint64_t       stream_bytes[KVF_MAX_STREAMS];
+    XXH3_state_t  *hash[KVF_MAX_STREAMS];
     /* Receiver: exact coverage, one bit per destination unit this peer
      * writes, set when a segment naming it is accepted: per (KV buffer,
      * page index, token) of the room, then per aux buffer, then per state
@@ -337,6 +344,11 @@ static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
         return 0;
     return eng->params.checksum || p->checksum;
 }
+
+/* room.c: start a link's tallies over n streams afresh, lk->bytes
+ * included, with a checksum per stream when `hash` (a stream without
+ * memory for one goes without: the receiver fails the room on it). */
+void kvf__link_streams_reset(kvf_link_t *lk, uint32_t n, int hash);
 
 /* room.c */
 /* Copy n per-group index arrays into s (n 0: none).  KVF_ERR_NO_MEMORY. */

@@ -2,11 +2,13 @@
  * Sender: the prefill side of a room.
  *
  * A sender collects one destination (ROOM_REQ) per decode rank it feeds,
- * then turns each send() chunk into one put per destination, produced
- * lazily segment by segment (whole page runs, or per-token head slices
- * when the TP sizes differ); after the last chunk's put completes it sends
- * DONE with the byte count, and reaches SUCCESS when every destination has
- * acknowledged.  A destination that arrives before its sender is stashed.
+ * then turns each send() chunk into one put per destination and stream,
+ * produced lazily segment by segment (whole page runs, or per-token head
+ * slices when the TP sizes differ); with several streams each gets its
+ * share of every chunk's pages (spread_runs).  After the last chunk's put
+ * completes on a stream, that stream carries its DONE with its byte count
+ * (and checksum), and the sender reaches SUCCESS when every destination
+ * has acknowledged.  A destination that arrives before its sender is stashed.
  * A decode rank that reconnects resumes its destination: everything queued
  * so far is sent again (writes are idempotent).
  */
@@ -24,7 +26,8 @@
 typedef struct chunk_put {
     kvf_put_t   put;
     kvf_room_t *room;
-    kvf_peer_t *peer;         /* the connection it was queued on */
+    kvf_peer_t *peer;         /* the peer it was queued to */
+    uint32_t    stream;       /* on this stream of it */
     uint32_t    link;
     uint32_t    nruns, run, buf;
     uint32_t    page, tok;    /* sliced: position inside the current run */
@@ -131,45 +134,56 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
         return r->failure ? r->failure->status : KVF_ERR_ABORTED;
     if (next_kv(c, l, lk, seg, src)) {
         /* produced */
-    } else if (c->last && lk->aux_slot != KVF_NO_SLOT && c->extra < l->num_aux) {
+    } else if (c->last && c->stream == 0 && lk->aux_slot != KVF_NO_SLOT &&
+               c->extra < l->num_aux) {
         uint32_t i = c->extra++;
         size_t ib = l->aux[i].item_bytes;
         *seg = (kvf_wire_seg_t){.kind = KVF_BUF_AUX, .buf = i,
                                 .offset = (uint64_t)lk->aux_slot * ib,
                                 .len = (uint32_t)ib, .count = 1};
         *src = (const uint8_t *)l->aux[i].base + (size_t)r->aux_slot * ib;
-    } else if (!next_state(c, l, seg, src)) {
+    } else if (c->stream != 0 || !next_state(c, l, seg, src)) {
         return 0;
     }
     uint64_t bytes = kvf_wire_seg_bytes(seg);
+    XXH3_state_t *hash = lk->hash[c->stream];
     lk->bytes += bytes;
+    lk->stream_bytes[c->stream] += bytes;
     eng->stats.bytes_sent += bytes;
-    r->t_state_ms = eng->now_ms;     /* per segment: the progress thread's clock */
+    eng->stream_bytes[c->stream] += bytes;
+    r->t_state_ms = kvf_now_ms();    /* per segment (lanes >= 1 have no now_ms) */
     /* Piece by piece, in payload order: what the receiver hashes as it
      * places them (a strided segment's source is not one range). */
-    for (uint32_t k = 0; lk->hash && !c->staged && k < kvf_wire_seg_pieces(seg); k++)
-        XXH3_64bits_update(lk->hash, (const uint8_t *)*src + (size_t)k * seg->src_stride,
+    for (uint32_t k = 0; hash && !c->staged && k < kvf_wire_seg_pieces(seg); k++)
+        XXH3_64bits_update(hash, (const uint8_t *)*src + (size_t)k * seg->src_stride,
                            seg->len);
     return 1;
 }
 
-static void send_done(kvf_room_t *r, kvf_link_t *lk)
+/* Stream k's end: its bytes and checksum, behind its last DATA frame. */
+static void send_done(kvf_room_t *r, kvf_link_t *lk, uint32_t k)
 {
+    kvf_peer_t *s = kvf__peer_stream(lk->peer, k);
     kvf_msg_t m = {.type = KVF_MSG_DONE};
     m.u.done.room = r->id;
     m.u.done.instance = lk->instance;
     m.u.done.src_rank = (uint32_t)r->eng->params.tp_rank;
-    m.u.done.bytes = lk->bytes;
-    if (lk->hash) {
+    m.u.done.bytes = lk->stream_bytes[k];
+    if (lk->hash[k]) {
         m.u.done.has_checksum = 1;
-        m.u.done.checksum = XXH3_64bits_digest(lk->hash);
+        m.u.done.checksum = XXH3_64bits_digest(lk->hash[k]);
     }
-    kvf__peer_send(lk->peer, &m);
+    if (lk->nstreams > 1) {
+        m.u.done.stream = k;
+        m.u.done.streams = lk->nstreams;
+    }
+    if (s != NULL)                 /* else the peer is failing: no DONE */
+        kvf__peer_send(s, &m);
 }
 
 /*
- * Puts on one connection complete in order, so when the last chunk's put
- * completes, everything before it is in the stream too: DONE may follow.
+ * Puts on one stream complete in order, so when the last chunk's put
+ * completes, everything before it is in the stream too: its DONE may follow.
  * A put from a connection the link has since left (a resumed link) is
  * stale: its outcome no longer matters.
  */
@@ -188,7 +202,7 @@ static void chunk_complete(kvf_put_t *put, kvf_status_t st)
                            kvf__peer_name(lk->peer, name, sizeof(name)),
                            kvf_status_str(st));
     } else if (c->last) {
-        send_done(r, lk);
+        send_done(r, lk, c->stream);
     }
     kvf__peer_put(c->peer);
     kvf__room_put(r);
@@ -203,8 +217,8 @@ static void chunk_hash(kvf_put_t *put, const void *p, size_t n)
 {
     chunk_put_t *c = (chunk_put_t *)put;
     kvf_link_t *lk = &c->room->links[c->link];
-    if (lk->hash != NULL)
-        XXH3_64bits_update(lk->hash, p, n);
+    if (lk->hash[c->stream] != NULL)
+        XXH3_64bits_update(lk->hash[c->stream], p, n);
 }
 
 /* A staged put's copy failed: the room fails with what the copier said. */
@@ -266,54 +280,111 @@ static kvf_status_t plan_state(chunk_put_t *c, kvf_room_t *r, const kvf_link_t *
     return KVF_OK;
 }
 
-/* Queue src[i] -> the link's destination page dst_off + i, i < n. */
+/*
+ * Spread a chunk's page runs over ns streams, balanced by pages (every
+ * page carries the same bytes toward a link, whatever its slice): a run
+ * of at least ns pages is cut into ns parts, a shorter one goes whole to
+ * the stream with the fewest pages so far.
+ */
+static void spread_runs(const kvf_run_t *runs, size_t nruns, chunk_put_t **c, uint32_t ns)
+{
+    uint64_t load[KVF_MAX_STREAMS] = {0};
+    for (size_t i = 0; i < nruns; i++) {
+        const kvf_run_t *run = &runs[i];
+        if (run->count >= ns) {
+            uint32_t off = 0;
+            for (uint32_t k = 0; k < ns; k++) {
+                uint32_t cnt = run->count / ns + (k < run->count % ns);
+                c[k]->runs[c[k]->nruns++] = (kvf_run_t){run->src + off, run->dst + off, cnt};
+                load[k] += cnt;
+                off += cnt;
+            }
+            continue;
+        }
+        uint32_t least = 0;
+        for (uint32_t k = 1; k < ns; k++)
+            if (load[k] < load[least])
+                least = k;
+        c[least]->runs[c[least]->nruns++] = *run;
+        load[least] += run->count;
+    }
+}
+
+/* Queue src[i] -> the link's destination page dst_off + i, i < n: one put
+ * per stream of the link. */
 static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *pages,
                                 uint32_t dst_off, size_t n, int last)
 {
     kvf_link_t *lk = &r->links[li];
-    chunk_put_t *c = malloc(sizeof(*c) + n * sizeof(kvf_run_t));
-    if (c == NULL)
+    uint32_t ns = lk->nstreams > 1 ? lk->nstreams : 1;
+    chunk_put_t *c[KVF_MAX_STREAMS] = {0};
+    kvf_run_t *plan = ns > 1 ? malloc((n ? n : 1) * sizeof(kvf_run_t)) : NULL;
+    int ok = ns == 1 || plan != NULL;
+    for (uint32_t k = 0; k < ns && ok; k++)
+        ok = (c[k] = calloc(1, sizeof(chunk_put_t) + n * sizeof(kvf_run_t))) != NULL;
+    if (!ok) {
+        for (uint32_t k = 0; k < ns; k++)
+            free(c[k]);
+        free(plan);
         return KVF_ERR_NO_MEMORY;
+    }
     uint64_t max_ib = 1;
     for (uint32_t i = 0; i < r->eng->layout.num_kv; i++)
         if (r->eng->layout.kv[i].item_bytes > max_ib)
             max_ib = r->eng->layout.kv[i].item_bytes;
-    memset(c, 0, sizeof(*c));
-    c->nruns = n == 0 ? 0 : (uint32_t)kvf__plan_runs(pages, lk->pages + dst_off, n,
-                                                     (uint32_t)(MAX_RUN_BYTES / max_ib),
-                                                     c->runs);
-    c->put.next = chunk_next;
-    c->put.complete = chunk_complete;
-    c->put.busy = chunk_busy;
-    c->put.live = chunk_live;
-    c->put.room = r->id;
-    c->put.instance = lk->instance;
-    c->put.src_rank = (uint32_t)r->eng->params.tp_rank;
-    c->put.by_ref = kvf__peer_pulls(lk->peer);
-    if (last && lk->state.ngroups > 0 && plan_state(c, r, lk) != KVF_OK) {
-        free(c);
+    uint32_t max_pages = (uint32_t)(MAX_RUN_BYTES / max_ib);
+    if (n == 0) {
+        /* nothing but the last chunk's aux and state */
+    } else if (ns == 1) {
+        c[0]->nruns = (uint32_t)kvf__plan_runs(pages, lk->pages + dst_off, n, max_pages,
+                                               c[0]->runs);
+    } else {
+        size_t nr = kvf__plan_runs(pages, lk->pages + dst_off, n, max_pages, plan);
+        spread_runs(plan, nr, c, ns);
+    }
+    free(plan);
+    /* Aux and state ride on stream 0. */
+    if (last && lk->state.ngroups > 0 && plan_state(c[0], r, lk) != KVF_OK) {
+        for (uint32_t k = 0; k < ns; k++)
+            free(c[k]);
         return KVF_ERR_NO_MEMORY;
     }
-    c->room = r;
-    c->peer = lk->peer;
-    c->link = li;
-    c->last = last;
-    r->refs++;
-    lk->peer->refs++;
     if (last)
         lk->last_queued = 1;
-    kvf_put_t *put = &c->put;
-    if (!put->by_ref && kvf__stages(r->eng)) {
-        /* Pushed from device memory: through bounce buffers (stage.h). */
-        c->staged = 1;
-        if ((put = kvf__stage_put(r->eng, &c->put, &chunk_stage_cbs)) == NULL) {
-            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to stage a chunk of room %llu",
-                           (unsigned long long)r->id);
-            c->put.complete(&c->put, KVF_ERR_NO_MEMORY);
-            return KVF_OK;
+    for (uint32_t k = 0; k < ns; k++) {
+        c[k]->put.next = chunk_next;
+        c[k]->put.complete = chunk_complete;
+        c[k]->put.busy = chunk_busy;
+        c[k]->put.live = chunk_live;
+        c[k]->put.room = r->id;
+        c[k]->put.instance = lk->instance;
+        c[k]->put.src_rank = (uint32_t)r->eng->params.tp_rank;
+        c[k]->put.by_ref = kvf__peer_pulls(lk->peer);
+        c[k]->room = r;
+        c[k]->peer = lk->peer;
+        c[k]->stream = k;
+        c[k]->link = li;
+        c[k]->last = last;
+        r->refs++;
+        lk->peer->refs++;
+        kvf_put_t *put = &c[k]->put;
+        if (!put->by_ref && kvf__stages(r->eng)) {
+            /* Pushed from device memory: through bounce buffers (stage.h). */
+            c[k]->staged = 1;
+            if ((put = kvf__stage_put(r->eng, &c[k]->put, &chunk_stage_cbs)) == NULL) {
+                kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to stage a chunk of room "
+                               "%llu", (unsigned long long)r->id);
+                c[k]->put.complete(&c[k]->put, KVF_ERR_NO_MEMORY);
+                continue;
+            }
         }
+        /* A stream gone means the peer is failing: its put completes reset. */
+        kvf_peer_t *s = kvf__peer_stream(lk->peer, k);
+        if (s != NULL)
+            kvf__peer_put_data(s, put);
+        else
+            put->complete(put, KVF_ERR_CONN_RESET);
     }
-    kvf__peer_put_data(lk->peer, put);
     return KVF_OK;
 }
 
@@ -417,8 +488,7 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     memset(dst, 0, sizeof(*dst));
     lk->peer = p;
     p->refs++;
-    if (!lk->idle && want_checksum(r->eng, p) && (lk->hash = XXH3_createState()) != NULL)
-        XXH3_64bits_reset(lk->hash);
+    kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     if (lk->prefix != r->links[0].prefix) {
         /* The prefill sends the rest of one prefix: the ranks must agree. */
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "decode ranks disagree on room %llu's "
@@ -1073,11 +1143,9 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     lk->peer = p;
     p->refs++;
     lk->broken = 0;
-    lk->bytes = 0;
     lk->done = 0;
     lk->last_queued = 0;
-    if (lk->hash)
-        XXH3_64bits_reset(lk->hash);
+    kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     r->t_state_ms = kvf_now_ms();
     if (snd->pages_sent > 0 || snd->last_sent) {
         kvf_status_t st = queue_chunk(r, li, snd->src_pages, 0, snd->pages_sent,

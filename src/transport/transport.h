@@ -157,6 +157,13 @@ struct kvf_transport_ops {
     void         (*put)(kvf_conn_t *c, kvf_put_t *put);
     /* Move queued bytes as far as the network takes them. */
     void         (*flush)(kvf_conn_t *c);
+    /* Move the connection to another thread's epoll instance (env's epfd
+     * and ep_data; the lock functions stay): called by its current owner
+     * between two handle() calls, after which only the thread of the new
+     * epfd touches it.  Buffered input stays buffered (pending() says so).
+     * KVF_OK, or KVF_ERR_IO (epoll_ctl failed: the connection is as it
+     * was). */
+    kvf_status_t (*rebind)(kvf_conn_t *c, const kvf_conn_env_t *env);
     /* Periodic tick (timers of the backend).  May be NULL. */
     void         (*tick)(kvf_conn_t *c, uint64_t now_ms);
     /* Close now: queued puts complete with KVF_ERR_CONN_RESET; no on_close. */

@@ -37,11 +37,12 @@ static const char *const kvf_wire_type_names[] = {
     [KVF_MSG_DATA_REF]  = "DATA_REF",
     [KVF_MSG_AUTH]      = "AUTH",
     [KVF_MSG_AUTH_PROOF] = "AUTH_PROOF",
+    [KVF_MSG_JOIN]      = "JOIN",
 };
 
 static bool kvf_wire_type_valid(unsigned type)
 {
-    return type >= KVF_MSG_HELLO && type <= KVF_MSG_AUTH_PROOF;
+    return type >= KVF_MSG_HELLO && type <= KVF_MSG_JOIN;
 }
 
 const char *kvf_wire_type_name(uint8_t type)
@@ -384,6 +385,19 @@ static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
                           m->u.done.has_checksum);
             return false;
         }
+        if (m->u.done.streams > KVF_WIRE_MAX_STREAMS ||
+            (m->u.done.streams > 0 && m->u.done.stream >= m->u.done.streams)) {
+            kvf_wire_errf(err, errlen, "DONE: stream %u of %u (at most %u streams)",
+                          m->u.done.stream, m->u.done.streams, KVF_WIRE_MAX_STREAMS);
+            return false;
+        }
+        return true;
+    case KVF_MSG_JOIN:
+        if (m->u.join.stream == 0 || m->u.join.stream >= KVF_WIRE_MAX_STREAMS) {
+            kvf_wire_errf(err, errlen, "JOIN: stream %u, not 1..%u", m->u.join.stream,
+                          KVF_WIRE_MAX_STREAMS - 1);
+            return false;
+        }
         return true;
     case KVF_MSG_DONE_ACK:
         if (m->u.done_ack.status > 0) {
@@ -423,9 +437,9 @@ static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
                           "decode (1)", m->u.auth.role);
             return false;
         }
-        if (m->u.auth.flags & ~KVF_AUTH_F_TOKEN) {
+        if (m->u.auth.flags & ~(KVF_AUTH_F_TOKEN | KVF_AUTH_F_JOIN)) {
             kvf_wire_errf(err, errlen, "AUTH: unknown flags 0x%02x",
-                          m->u.auth.flags & ~KVF_AUTH_F_TOKEN);
+                          m->u.auth.flags & ~(KVF_AUTH_F_TOKEN | KVF_AUTH_F_JOIN));
             return false;
         }
         return true;
@@ -612,6 +626,10 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         kvf_wire_wr_u64(w, m->u.done.bytes);
         kvf_wire_wr_u8(w, m->u.done.has_checksum);
         kvf_wire_wr_u64(w, m->u.done.checksum);
+        if (m->u.done.streams > 0) {
+            kvf_wire_wr_u32(w, m->u.done.stream);
+            kvf_wire_wr_u32(w, m->u.done.streams);
+        }
         break;
     case KVF_MSG_DONE_ACK:
         kvf_wire_wr_u64(w, m->u.done_ack.room);
@@ -644,6 +662,10 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         break;
     case KVF_MSG_AUTH_PROOF:
         kvf_wire_wr_bytes(w, m->u.proof.mac, KVF_WIRE_MAC_LEN);
+        break;
+    case KVF_MSG_JOIN:
+        kvf_wire_wr_bytes(w, m->u.join.cookie, KVF_WIRE_COOKIE_LEN);
+        kvf_wire_wr_u32(w, m->u.join.stream);
         break;
     }
 }
@@ -959,6 +981,12 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         m->u.done.bytes        = kvf_wire_rd_u64(rd, "bytes");
         m->u.done.has_checksum = kvf_wire_rd_u8(rd, "has_checksum");
         m->u.done.checksum     = kvf_wire_rd_u64(rd, "checksum");
+        if (rd->left == 8) {      /* the optional stream fields; else trailing */
+            m->u.done.stream   = kvf_wire_rd_u32(rd, "stream");
+            m->u.done.streams  = kvf_wire_rd_u32(rd, "streams");
+            if (m->u.done.streams == 0)
+                kvf_wire_rd_fail(rd, "streams is 0 (omit both fields instead)");
+        }
         break;
     case KVF_MSG_DONE_ACK:
         m->u.done_ack.room   = kvf_wire_rd_u64(rd, "room");
@@ -997,6 +1025,13 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         const uint8_t *mac = kvf_wire_rd_take(rd, KVF_WIRE_MAC_LEN, "mac");
         if (mac != NULL)
             memcpy(m->u.proof.mac, mac, KVF_WIRE_MAC_LEN);
+        break;
+    }
+    case KVF_MSG_JOIN: {
+        const uint8_t *c = kvf_wire_rd_take(rd, KVF_WIRE_COOKIE_LEN, "cookie");
+        if (c != NULL)
+            memcpy(m->u.join.cookie, c, KVF_WIRE_COOKIE_LEN);
+        m->u.join.stream = kvf_wire_rd_u32(rd, "stream");
         break;
     }
     }

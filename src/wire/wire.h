@@ -50,7 +50,7 @@
 
 #define KVF_WIRE_MAGIC      0x5946564bu /* "KVFY" as little-endian bytes */
 #define KVF_WIRE_VERSION    3          /* 2: AUTH / AUTH_PROOF first; 3: typed
-                                          state, KV tags, decode prefix */
+                                          state, KV tags, decode prefix, JOIN */
 #define KVF_WIRE_NONCE_LEN  32
 #define KVF_WIRE_MAC_LEN    32         /* HMAC-SHA256 */
 #define KVF_WIRE_AUTH_LEN   (4 + 2 + 1 + 1 + 8 + 4 + KVF_WIRE_NONCE_LEN)
@@ -78,7 +78,8 @@ typedef enum kvf_msg_type {
     KVF_MSG_XPORT     = 9,    /* transport offers (prefill) / choice (decode) */
     KVF_MSG_DATA_REF  = 10,   /* DATA without payload: source addresses to pull */
     KVF_MSG_AUTH      = 11,   /* first frame: identity and a fresh nonce */
-    KVF_MSG_AUTH_PROOF = 12   /* HMAC proving the sender holds the token */
+    KVF_MSG_AUTH_PROOF = 12,  /* HMAC proving the sender holds the token */
+    KVF_MSG_JOIN      = 13    /* an extra stream names the peer it joins */
 } kvf_msg_type_t;
 
 /* Which registered buffer family a DATA segment targets. */
@@ -156,6 +157,21 @@ static inline uint64_t kvf_wire_tag(uint32_t layer, uint32_t role, uint32_t grou
 #define KVF_WIRE_CAPS_LEN   4
 #define KVF_CAP_STRIDED     0x1u       /* DATA / DATA_REF with strided segments */
 #define KVF_CAPS_KNOWN      KVF_CAP_STRIDED
+
+/*
+ * Streams: a pair may move payload over several connections.  The prefill
+ * rank's XPORT offer holds an entry named KVF_WIRE_STREAMS_NAME whose blob
+ * is u32 the most streams it takes, then the peer's join cookie
+ * (KVF_WIRE_COOKIE_LEN random bytes); a decode rank that wants n >= 2 of
+ * them answers with an entry of the same name holding u32 n, then opens
+ * streams 1..n-1, each authenticated and then naming the peer by its
+ * cookie in a JOIN.  Older decode ranks skip the entry: one stream.
+ */
+#define KVF_WIRE_STREAMS_NAME  "streams"
+#define KVF_WIRE_COOKIE_LEN    32
+#define KVF_WIRE_STREAMS_OFFER (4 + KVF_WIRE_COOKIE_LEN)
+#define KVF_WIRE_STREAMS_ANSWER 4
+#define KVF_WIRE_MAX_STREAMS   8
 
 typedef struct kvf_msg_hello {
     uint32_t          magic;          /* KVF_WIRE_MAGIC */
@@ -286,6 +302,11 @@ typedef struct kvf_msg_done {
     uint64_t bytes;        /* payload bytes this sender wrote for the room */
     uint8_t  has_checksum;
     uint64_t checksum;     /* XXH3-64 over those bytes, in write order */
+    /* A pair with several streams: this DONE ends stream `stream` of
+     * `streams`, and bytes and checksum are that stream's.  streams 0:
+     * the fields are absent (one stream; the 37-byte body). */
+    uint32_t stream;
+    uint32_t streams;
 } kvf_msg_done_t;
 
 /* Decode -> prefill: the data is in decode memory (status KVF_OK) or not. */
@@ -313,6 +334,8 @@ typedef struct kvf_msg_fail {
  * peer of another version is named as such whichever frame it led with.
  */
 #define KVF_AUTH_F_TOKEN 0x1u          /* the sender has a token configured */
+#define KVF_AUTH_F_JOIN  0x2u          /* connector: this connection is an extra
+                                          stream, a JOIN follows the proofs */
 
 typedef struct kvf_msg_auth {
     uint32_t magic;                    /* KVF_WIRE_MAGIC */
@@ -327,6 +350,14 @@ typedef struct kvf_msg_auth {
 typedef struct kvf_msg_auth_proof {
     uint8_t mac[KVF_WIRE_MAC_LEN];
 } kvf_msg_auth_proof_t;
+
+/* Decode -> prefill on a new, authenticated connection: attach it as
+ * stream `stream` of the peer this cookie was given to.  Prefill ->
+ * decode, the same frame: attached. */
+typedef struct kvf_msg_join {
+    uint8_t  cookie[KVF_WIRE_COOKIE_LEN];
+    uint32_t stream;       /* 1 .. KVF_WIRE_MAX_STREAMS - 1 */
+} kvf_msg_join_t;
 
 typedef struct kvf_msg_heartbeat {
     uint64_t seq;
@@ -346,6 +377,7 @@ typedef struct kvf_msg {
         kvf_msg_xport_t     xport;
         kvf_msg_auth_t      auth;
         kvf_msg_auth_proof_t proof;
+        kvf_msg_join_t      join;
     } u;
 } kvf_msg_t;
 

@@ -122,7 +122,9 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
                a->u.done.src_rank == b->u.done.src_rank &&
                a->u.done.bytes == b->u.done.bytes &&
                a->u.done.has_checksum == b->u.done.has_checksum &&
-               a->u.done.checksum == b->u.done.checksum;
+               a->u.done.checksum == b->u.done.checksum &&
+               a->u.done.stream == b->u.done.stream &&
+               a->u.done.streams == b->u.done.streams;
     case KVF_MSG_DONE_ACK:
         return a->u.done_ack.room == b->u.done_ack.room &&
                a->u.done_ack.instance == b->u.done_ack.instance &&
@@ -150,6 +152,9 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
                memcmp(a->u.auth.nonce, b->u.auth.nonce, KVF_WIRE_NONCE_LEN) == 0;
     case KVF_MSG_AUTH_PROOF:
         return memcmp(a->u.proof.mac, b->u.proof.mac, KVF_WIRE_MAC_LEN) == 0;
+    case KVF_MSG_JOIN:
+        return memcmp(a->u.join.cookie, b->u.join.cookie, KVF_WIRE_COOKIE_LEN) == 0 &&
+               a->u.join.stream == b->u.join.stream;
     case KVF_MSG_DATA_REF:
         if (!fz_data_eq(&a->u.data, &b->u.data) ||
             a->u.data.src_addrs.count != b->u.data.src_addrs.count)

@@ -46,13 +46,22 @@ static int kvf_test_failures_;   /* failed CHECKs in the current case */
 
 typedef struct { const char *name; kvf_test_fn_t fn; } kvf_test_case_t;
 
-/* Run the cases (only the one named by argv[1], if any); prints a line
+/* No arguments: every case; otherwise the cases named. */
+static inline int kvf_test_selected_(int argc, char **argv, const char *name)
+{
+    for (int i = 1; i < argc; i++)
+        if (strcmp(argv[i], name) == 0)
+            return 1;
+    return argc <= 1;
+}
+
+/* Run the cases (every one, or those named in argv); prints a line
  * per case and the totals.  @return main's exit status. */
 static inline int kvf_test_run(const kvf_test_case_t *cases, size_t n, int argc, char **argv)
 {
     int passed = 0, failed = 0;
     for (size_t i = 0; i < n; i++) {
-        if (argc > 1 && strcmp(argv[1], cases[i].name) != 0)
+        if (!kvf_test_selected_(argc, argv, cases[i].name))
             continue;
         kvf_test_failures_ = 0;
         cases[i].fn();

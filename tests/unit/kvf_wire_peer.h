@@ -110,11 +110,13 @@ static inline kvf_msg_t wp_auth_msg(kvf_role_t role, const char *token)
  * first).  theirs_p: the peer's AUTH.  @return 1 once both proofs
  * checked; 0 if the peer's proof is wrong or the connection ended.
  */
-static inline int wp_authenticate(int fd, const char *token, kvf_role_t role, int connected,
-                                  kvf_msg_auth_t *theirs_p)
+static inline int wp_authenticate_flags(int fd, const char *token, kvf_role_t role,
+                                        int connected, uint8_t flags,
+                                        kvf_msg_auth_t *theirs_p)
 {
     uint8_t body[256];
     kvf_msg_t mine = wp_auth_msg(role, token), m, proof = {.type = KVF_MSG_AUTH_PROOF};
+    mine.u.auth.flags |= flags;
     uint8_t want[KVF_WIRE_MAC_LEN];
     if (!wp_send(fd, &mine, NULL, 0) ||
         wp_recv(fd, &m, body, sizeof(body), 5000) != KVF_MSG_AUTH)
@@ -132,6 +134,13 @@ static inline int wp_authenticate(int fd, const char *token, kvf_role_t role, in
     if (theirs_p != NULL)
         *theirs_p = theirs;
     return 1;
+}
+
+/* The same, with no extra AUTH flags (KVF_AUTH_F_JOIN: an extra stream). */
+static inline int wp_authenticate(int fd, const char *token, kvf_role_t role, int connected,
+                                  kvf_msg_auth_t *theirs_p)
+{
+    return wp_authenticate_flags(fd, token, role, connected, 0, theirs_p);
 }
 
 #endif /* KVF_WIRE_PEER_H */

@@ -519,8 +519,75 @@ static void test_type_names(void)
     CHECK(strcmp(kvf_wire_type_name(KVF_MSG_DATA_REF), "DATA_REF") == 0);
     CHECK(strcmp(kvf_wire_type_name(KVF_MSG_AUTH), "AUTH") == 0);
     CHECK(strcmp(kvf_wire_type_name(KVF_MSG_AUTH_PROOF), "AUTH_PROOF") == 0);
-    CHECK(strcmp(kvf_wire_type_name(13), "UNKNOWN") == 0);
+    CHECK(strcmp(kvf_wire_type_name(KVF_MSG_JOIN), "JOIN") == 0);
+    CHECK(strcmp(kvf_wire_type_name(14), "UNKNOWN") == 0);
     CHECK(strcmp(kvf_wire_type_name(255), "UNKNOWN") == 0);
+}
+
+/* A stream's end marker: DONE with the optional stream fields, and JOIN. */
+static void test_streams(void)
+{
+    kvf_msg_t m = sample_done(), d;
+    kvf_buf_t b;
+    char err[256];
+
+    /* Without the fields: the 37-byte body, decoded as streams 0. */
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 37);
+    CHECK_EQ_INT(d.u.done.streams, 0);
+    kvf_buf_free(&b);
+    /* With them: u32 stream, u32 streams after the checksum. */
+    m.u.done.stream = 1;
+    m.u.done.streams = 2;
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 45);
+    CHECK_EQ_INT(kvf_get_u32(b.data), 45);
+    CHECK_EQ_INT(kvf_get_u32(b.data + KVF_WIRE_HDR_LEN + 37), 1);
+    CHECK_EQ_INT(kvf_get_u32(b.data + KVF_WIRE_HDR_LEN + 41), 2);
+    CHECK_EQ_INT(d.u.done.stream, 1);
+    CHECK_EQ_INT(d.u.done.streams, 2);
+    CHECK(d.u.done.checksum == 0xfedcba9876543210ull);
+    /* Cut inside the fields: refused (trailing bytes), never half-read. */
+    for (size_t cut = 38; cut < 45; cut++)
+        CHECK_EQ_INT(decode_copy(KVF_MSG_DONE, b.data + KVF_WIRE_HDR_LEN, cut, &d, err,
+                                 sizeof(err)), KVF_ERR_PROTOCOL);
+    /* streams 0 with the fields present, a stream past the count, too many. */
+    uint32_t bad[][2] = {{0, 0}, {2, 2}, {0, KVF_WIRE_MAX_STREAMS + 1}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        kvf_put_u32(b.data + KVF_WIRE_HDR_LEN + 37, bad[i][0]);
+        kvf_put_u32(b.data + KVF_WIRE_HDR_LEN + 41, bad[i][1]);
+        CHECK_EQ_INT(decode_copy(KVF_MSG_DONE, b.data + KVF_WIRE_HDR_LEN, 45, &d, err,
+                                 sizeof(err)), KVF_ERR_PROTOCOL);
+        CHECK_STR_CONTAINS(err, "DONE: stream");
+    }
+    m.u.done.stream = 2;
+    kvf_buf_free(&b);
+    kvf_buf_init(&b);
+    CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_ERR_INVALID_PARAM);
+    kvf_buf_free(&b);
+
+    /* JOIN: the 32-byte cookie, then u32 stream (1..7). */
+    kvf_msg_t j = {.type = KVF_MSG_JOIN};
+    for (int i = 0; i < KVF_WIRE_COOKIE_LEN; i++)
+        j.u.join.cookie[i] = (uint8_t)(0x40 + i);
+    j.u.join.stream = 3;
+    CHECK_EQ_INT(encode_decode(&j, &b, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + 36);
+    CHECK_EQ_INT(b.data[4], KVF_MSG_JOIN);
+    CHECK_EQ_INT(b.data[KVF_WIRE_HDR_LEN], 0x40);
+    CHECK_EQ_INT(kvf_get_u32(b.data + KVF_WIRE_HDR_LEN + 32), 3);
+    CHECK(memcmp(d.u.join.cookie, j.u.join.cookie, KVF_WIRE_COOKIE_LEN) == 0);
+    CHECK_EQ_INT(d.u.join.stream, 3);
+    uint32_t bad_idx[] = {0, KVF_WIRE_MAX_STREAMS};
+    for (size_t i = 0; i < 2; i++) {
+        kvf_put_u32(b.data + KVF_WIRE_HDR_LEN + 32, bad_idx[i]);
+        CHECK_EQ_INT(decode_copy(KVF_MSG_JOIN, b.data + KVF_WIRE_HDR_LEN, 36, &d, err,
+                                 sizeof(err)), KVF_ERR_PROTOCOL);
+        CHECK_STR_CONTAINS(err, "JOIN: stream");
+    }
+    CHECK_EQ_INT(decode_copy(KVF_MSG_JOIN, b.data + KVF_WIRE_HDR_LEN, 35, &d, err,
+                             sizeof(err)), KVF_ERR_PROTOCOL);
+    kvf_buf_free(&b);
 }
 
 static void test_header_errors(void)
@@ -542,9 +609,9 @@ static void test_header_errors(void)
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "unknown message type 0");
     CHECK_EQ_INT(hdr.length, 777);   /* untouched on error */
-    h[4] = 13;
+    h[4] = 14;
     CHECK_EQ_INT(kvf_wire_parse_header(h, &hdr, err, sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "unknown message type 13");
+    CHECK_STR_CONTAINS(err, "unknown message type 14");
 
     /* The strided flag, on DATA and DATA_REF only. */
     h[4] = KVF_MSG_DATA; h[5] = KVF_WIRE_F_STRIDED;
@@ -1144,10 +1211,10 @@ static void test_encode_refuses(void)
     } while (0)
 
     CHECK_EQ_INT(kvf_wire_encode(&b, NULL), KVF_ERR_INVALID_PARAM);
-    m = sample_heartbeat(); m.type = (kvf_msg_type_t)13; REFUSE(m);
+    m = sample_heartbeat(); m.type = (kvf_msg_type_t)14; REFUSE(m);
     m = sample_auth(); m.u.auth.version = 1; REFUSE(m);
     m = sample_auth(); m.u.auth.role = 2; REFUSE(m);
-    m = sample_auth(); m.u.auth.flags = 2; REFUSE(m);
+    m = sample_auth(); m.u.auth.flags = 4; REFUSE(m);
     m = sample_heartbeat(); m.type = (kvf_msg_type_t)0; REFUSE(m);
 
     m = sample_fail(KVF_MSG_FAIL);
@@ -1321,6 +1388,7 @@ KVF_TEST_MAIN(
     KVF_CASE(test_roundtrip_fail_abort),
     KVF_CASE(test_golden_bytes),
     KVF_CASE(test_type_names),
+    KVF_CASE(test_streams),
     KVF_CASE(test_header_errors),
     KVF_CASE(test_decode_rejects_bad_header_values),
     KVF_CASE(test_truncation_every_offset),

@@ -402,6 +402,12 @@ static void fault_tick(kvf_conn_t *c, uint64_t now)
         fc->inner->ops->tick(fc->inner, now);
 }
 
+static kvf_status_t fault_rebind(kvf_conn_t *c, const kvf_conn_env_t *env)
+{
+    fault_conn_t *fc = (fault_conn_t *)c;
+    return fc->inner->ops->rebind ? fc->inner->ops->rebind(fc->inner, env) : KVF_ERR_IO;
+}
+
 static void fault_shutdown(kvf_conn_t *c)
 {
     fault_conn_t *fc = (fault_conn_t *)c;
@@ -449,6 +455,7 @@ static const kvf_transport_ops_t fault_ops = {
     .put = fault_put,
     .flush = fault_flush,
     .tick = fault_tick,
+    .rebind = fault_rebind,
     .shutdown = fault_shutdown,
     .destroy = fault_destroy,
     .last_rx = fault_last_rx,

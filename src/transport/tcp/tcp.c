@@ -28,7 +28,7 @@
 #define TCP_FRAME_SEGS    1023              /* segments per DATA frame */
 #define TCP_FRAME_PIECES  KVF_WIRE_MAX_PIECES  /* pieces (strided segments) per frame */
 #define TCP_FRAME_BYTES   (4u << 20)        /* payload per DATA frame */
-#define TCP_IOV_MAX       1024              /* iovecs per writev (Linux UIO_MAXIOV) */
+#define TCP_IOV_MAX       1024              /* iovecs per sendmsg (Linux UIO_MAXIOV) */
 #define TCP_RX_BUF        (256u << 10)
 #define TCP_RX_IOV        1024              /* targets per readv() */
 #define TCP_PASS_BYTES    (1u << 20)        /* bytes one event moves, per
@@ -259,6 +259,18 @@ static kvf_status_t tcp_connect(const char *host, int port, const kvf_conn_env_t
     if (st != KVF_OK)
         close(fd);
     return st;
+}
+
+static kvf_status_t tcp_rebind(kvf_conn_t *base, const kvf_conn_env_t *env)
+{
+    kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
+    struct epoll_event ev = {.events = c->ep_events, .data.ptr = env->ep_data};
+    if (c->dead || epoll_ctl(env->epfd, EPOLL_CTL_ADD, c->fd, &ev) != 0)
+        return KVF_ERR_IO;
+    epoll_ctl(c->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    c->epfd = env->epfd;
+    c->ep_data = env->ep_data;
+    return KVF_OK;
 }
 
 static kvf_status_t tcp_accept(int fd, const kvf_conn_env_t *env,
@@ -599,8 +611,12 @@ static void tcp_flush(kvf_conn_t *base)
             kvf_put_t *src = c->cur_put;   /* the frame's source pages: pinned */
             if (src != NULL && src->busy != NULL)
                 src->busy(src, 1);
+            /* sendmsg, not writev: a peer that closed gives EPIPE, never
+             * a SIGPIPE to the application (one stream of a failing peer
+             * may still be written while the peer closes the others). */
+            struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)cnt};
             io_begin(c);
-            ssize_t n = writev(c->fd, v, cnt);
+            ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
             int werr = errno;
             io_end(c);
             if (src != NULL && src->busy != NULL)
@@ -981,6 +997,7 @@ const kvf_transport_ops_t kvf_tcp_ops = {
     .flush = tcp_flush,
     .shutdown = tcp_shutdown,
     .destroy = tcp_destroy,
+    .rebind = tcp_rebind,
     .last_rx = tcp_last_rx,
     .last_tx = tcp_last_tx,
     .idle = tcp_idle,
