@@ -571,6 +571,27 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
             st = KVF_ERR_INCOMPATIBLE;
         }
     }
+    /* Stage to stage, the prefill's buffers must be all of the decode's:
+     * a decode buffer no prefill buffer goes to would stay unwritten (a
+     * draft model only one side has). */
+    if (st == KVF_OK && pp->pp_size == dp->pp_size) {
+        uint8_t *hit = calloc(dl->num_kv ? dl->num_kv : 1, 1);
+        if (hit == NULL)
+            st = KVF_ERR_NO_MEMORY;
+        for (uint32_t i = 0; hit != NULL && i < pl->num_kv; i++)
+            hit[dst_of[i]] = 1;
+        for (uint32_t j = 0; hit != NULL && st == KVF_OK && j < dl->num_kv; j++) {
+            if (!hit[j]) {
+                char tb[64];
+                snprintf(err, errlen, "KV buffer mismatch: decode KV buffer %u holds %s, "
+                         "which no prefill KV buffer holds. Both servers must serve the "
+                         "same model (and the same draft model, if any).", j,
+                         tag_name(&dl->tags[j], tb, sizeof(tb)));
+                st = KVF_ERR_INCOMPATIBLE;
+            }
+        }
+        free(hit);
+    }
     free(dst_of);
     return st;
 }

@@ -18,7 +18,7 @@ kvf_status_t kvf__check_tp(const char *side, uint32_t H, int T, uint32_t heads_p
                            char *err, size_t errlen)
 {
     uint32_t t = (uint32_t)T;
-    if (T < 1 || (t <= H && H % t != 0) || (t > H && t % H != 0)) {
+    if (T < 1 || H == 0 || (t <= H && H % t != 0) || (t > H && t % H != 0)) {
         snprintf(err, errlen, "KV heads not divisible: the model's %u KV heads cannot be "
                  "split over the %s server's tp_size=%d; use a TP size that divides %u "
                  "or is a multiple of it.", H, side, T, H);

@@ -488,6 +488,12 @@ static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
                        "for streams beside a transport that pulls" : err);
         return;
     }
+    if (streams == NULL && kvf__streams_held(p)) {
+        /* Streams joined (on their own connections) that it now does not ask for. */
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "decode engine asked for one stream after "
+                       "others joined");
+        return;
+    }
     const kvf_mover_ops_t *ops = NULL;
     if (choice != NULL) {
         ops = kvf_mover_find(choice->name.ptr, choice->name.len);
@@ -892,20 +898,29 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
     p->checksum = (h->flags & KVF_HELLO_F_CHECKSUM) != 0;
     snprintf(p->addr, sizeof(p->addr), "%.*s", (int)h->addr.len, h->addr.ptr);
 
+    /* A prefill says its heads; only a decode may leave them to the other. */
+    if (p->role == KVF_ROLE_PREFILL && p->layout.attn == KVF_ATTN_MHA &&
+        (p->layout.heads_per_rank == 0 || p->layout.total_heads == 0 ||
+         p->layout.bytes_per_head == 0)) {
+        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "HELLO of an MHA prefill layout without its "
+                       "KV heads");
+        return;
+    }
     /* A decode layout without heads takes the prefill's (the same model),
-     * on both sides of the pair. */
+     * on both sides of the pair; our own only once the pair is found
+     * compatible, so that a stray prefill of another model cannot set it. */
     err[0] = '\0';
+    kvf_layout_int_t own = eng->layout;   /* shallow: only the heads may change */
     if (p->role == KVF_ROLE_PREFILL)
-        kvf__layout_adopt_heads(&eng->layout, eng->params.tp_size, &p->layout, err,
-                                sizeof(err));
+        kvf__layout_adopt_heads(&own, eng->params.tp_size, &p->layout, err, sizeof(err));
     else
         kvf__layout_adopt_heads(&p->layout, p->tp_size, &eng->layout, err, sizeof(err));
     kvf_par_t mine, theirs;
     kvf__par_fill(&mine, eng->params.tp_rank, eng->params.tp_size, eng->params.pp_rank,
-                  eng->params.pp_size, &eng->layout);
+                  eng->params.pp_size, &own);
     kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
-    const kvf_layout_int_t *pl = p->role == KVF_ROLE_PREFILL ? &p->layout : &eng->layout;
-    const kvf_layout_int_t *dl = p->role == KVF_ROLE_PREFILL ? &eng->layout : &p->layout;
+    const kvf_layout_int_t *pl = p->role == KVF_ROLE_PREFILL ? &p->layout : &own;
+    const kvf_layout_int_t *dl = p->role == KVF_ROLE_PREFILL ? &own : &p->layout;
     if (err[0] == '\0' && p->role == KVF_ROLE_PREFILL)
         kvf__pair_check(pl, &theirs, dl, &mine, err, sizeof(err));
     else if (err[0] == '\0')
@@ -929,6 +944,10 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
         p->incompatible = strdup(err);
         kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
                   p->addr, err);
+    } else {
+        eng->layout.heads_per_rank = own.heads_per_rank;   /* adopted, or as they were */
+        eng->layout.total_heads = own.total_heads;
+        eng->layout.bytes_per_head = own.bytes_per_head;
     }
     kvf_info("%s rank %d at %s connected (instance %016llx)", kvf_role_name(p->role),
              p->tp_rank, p->addr, (unsigned long long)p->instance_id);

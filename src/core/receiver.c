@@ -292,6 +292,50 @@ kvf_status_t kvf_receiver_metric(kvf_receiver_t *rv, kvf_room_metric_t *m)
     return kvf__room_metric(&rv->room, m);
 }
 
+/*
+ * The resolver chose the room's prefill ranks by the model's heads; a
+ * decode layout that left them to the prefill had them guessed (resolver.c,
+ * targets).  Now that they are known: is every stage's set of linked TP
+ * ranks the one they call for?  @return 1, or 0 with the reason in err.
+ */
+static int links_match_heads(kvf_room_t *r, char *err, size_t errlen)
+{
+    const kvf_engine_t *eng = r->eng;
+    const kvf_layout_int_t *l = &eng->layout;
+    if (l->attn != KVF_ATTN_MHA)
+        return 1;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        const kvf_peer_t *p = r->links[i].peer;
+        int want[2 * KVF_MAX_SOURCES], nw, have = 0;
+        nw = kvf__sources(l->attn, l->total_heads, p->tp_size, eng->params.tp_size,
+                          eng->params.tp_rank, want);
+        nw += kvf__idle_sources(l->attn, l->total_heads, p->tp_size, eng->params.tp_size,
+                                eng->params.tp_rank, want + nw);
+        for (uint32_t j = 0; j < r->nlinks; j++) {
+            const kvf_peer_t *q = r->links[j].peer;
+            if (q->pp_rank != p->pp_rank)
+                continue;
+            int found = 0;
+            for (int k = 0; k < nw; k++)
+                found |= want[k] == q->tp_rank;
+            if (!found)
+                break;
+            have++;
+        }
+        if (have != nw) {
+            snprintf(err, errlen, "room %llu: with %u KV heads over prefill TP %d and "
+                     "decode TP %d, decode rank %d needs %d prefill ranks of stage %d, but "
+                     "was linked to others: its layout left the KV heads to the prefill, "
+                     "which works when both TP sizes divide the heads; give this decode "
+                     "engine its heads (kvf_layout_t heads_per_rank, total_heads, "
+                     "bytes_per_head)", (unsigned long long)r->id, l->total_heads,
+                     p->tp_size, eng->params.tp_size, eng->params.tp_rank, nw, p->pp_rank);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 void kvf__receiver_try_request(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
@@ -344,6 +388,11 @@ void kvf__receiver_try_request(kvf_room_t *r)
             return;
         }
     }
+    char why[KVF_REASON_MAX];
+    if (!links_match_heads(r, why, sizeof(why))) {
+        kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", why);
+        return;
+    }
     /* Which links carry data, which one also carries aux and state (the
      * last pipeline stage's lowest TP rank), and how many bytes each owes. */
     kvf_par_t mine, theirs;
@@ -378,10 +427,14 @@ void kvf__receiver_try_request(kvf_room_t *r)
         kvf_link_t *lk = &r->links[i];
         kvf_peer_t *p = lk->peer;
         /* Aux holds the first output token, which only the last pipeline
-         * stage has: a decode stage paired with an earlier one gets none. */
-        int state = (int)i == designated;
-        int aux = state && (eng->params.pp_size == 1 ||
-                            eng->params.pp_rank == eng->params.pp_size - 1);
+         * stage has: a decode stage paired with an earlier one gets none.
+         * A link is named aux and state only where there is some to move,
+         * so that "owes nothing" reads the same on both sides (no pages, no
+         * aux slot, no state groups: sender.c, add_destination). */
+        int designee = (int)i == designated;
+        int state = designee && rv->state_dst.total > 0;
+        int aux = designee && eng->layout.num_aux > 0 &&
+                  (eng->params.pp_size == 1 || eng->params.pp_rank == eng->params.pp_size - 1);
         if (lk->req_sent)
             continue;
         kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
@@ -436,7 +489,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
         }
         /* Nothing owed (a zero-page room's link that carries neither aux
          * nor state): the prefill rank treats it as idle too. */
-        lk->done = lk->idle || lk->expected == 0;
+        lk->done = lk->idle || (rv->n_pages == 0 && !aux && !state);
         kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(eng, p));
         kvf_status_t st = kvf__peer_send(p, &m);
         if (st != KVF_OK) {
@@ -447,6 +500,8 @@ void kvf__receiver_try_request(kvf_room_t *r)
         lk->req_sent = 1;
     }
     kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
+    if (all_done(r))          /* every link owes nothing: no DONE will come */
+        kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
 /* Where state group g's indices start in the receiver's arrays. */

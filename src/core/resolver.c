@@ -109,23 +109,41 @@ static int pick_dp(const kvf_bs_info_t *info, const char *addr, uint64_t room,
     return (int)(room % (uint64_t)info->dp_size);
 }
 
+static uint32_t gcd_u32(uint32_t a, uint32_t b)
+{
+    while (b != 0) {
+        uint32_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
 /*
  * The prefill ranks a decode rank talks to for a room: for each pipeline
  * stage it takes layers from (its own stage, or every stage when the
  * decode side has PP 1), the TP ranks that hold its heads (parallel.h)
  * plus the idle ones it must tell about the room.  An unsupported PP
  * pairing still links its own stage, so the handshake can refuse it on
- * both sides.
+ * both sides.  `heads`: the model's KV heads as the engine knew them when
+ * the room was taken (0: its layout leaves them to the prefill, whose
+ * HELLO has not come yet): then the ranks are those of as many heads as
+ * both TP sizes divide evenly, which is right for every model without
+ * head replication, and kvf__receiver_try_request checks the guess once
+ * the heads are known.
  */
-static int targets(const kvf_engine_t *eng, const kvf_bs_info_t *info, int *tp, int *pp)
+static int targets(const kvf_engine_t *eng, uint32_t heads, const kvf_bs_info_t *info,
+                   int *tp, int *pp)
 {
     const kvf_engine_params_t *p = &eng->params;
     const kvf_layout_int_t *l = &eng->layout;
     int src[KVF_MAX_SOURCES], idle[KVF_MAX_SOURCES], n = 0;
-    int ns = kvf__sources(l->attn, l->total_heads, info->attn_tp_size, p->tp_size,
-                          p->tp_rank, src);
-    int ni = kvf__idle_sources(l->attn, l->total_heads, info->attn_tp_size, p->tp_size,
-                               p->tp_rank, idle);
+    uint32_t P = (uint32_t)info->attn_tp_size, D = (uint32_t)p->tp_size;
+    if (l->attn == KVF_ATTN_MHA && heads == 0)
+        heads = P / gcd_u32(P, D) * D;          /* lcm: at most 4096 x 65536 */
+    int ns = kvf__sources(l->attn, heads, info->attn_tp_size, p->tp_size, p->tp_rank, src);
+    int ni = kvf__idle_sources(l->attn, heads, info->attn_tp_size, p->tp_size, p->tp_rank,
+                               idle);
     int s0 = 0, s1 = info->pp_size;
     if (p->pp_size != 1 || info->pp_size == 1) {
         s0 = p->pp_rank % info->pp_size;
@@ -166,8 +184,8 @@ static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, int pp,
     return 1;
 }
 
-static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, const char *addr,
-                         uint64_t room, int dp_req, result_t *out)
+static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads,
+                         const char *addr, uint64_t room, int dp_req, result_t *out)
 {
     const kvf_bs_info_t *info = get_info(rs, addr, out);
     int tp[MAX_TARGETS], pp[MAX_TARGETS];
@@ -185,7 +203,7 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, const char *ad
     int dp = pick_dp(info, addr, room, dp_req, out);
     if (dp < 0)
         return;
-    int n = targets(eng, info, tp, pp);
+    int n = targets(eng, heads, info, tp, pp);
     for (int i = 0; i < n; i++) {
         out->t[i].rank = tp[i];
         if (!lookup_rank(rs, addr, dp, tp[i], pp[i], out->t[i].ip, sizeof(out->t[i].ip),
@@ -440,12 +458,13 @@ static void *resolver_main(void *arg)
                 char *addr = strdup(receiver_of(r)->bootstrap_addr);
                 uint64_t id = r->id;
                 int dp = receiver_of(r)->dp_rank;
+                uint32_t heads = eng->layout.total_heads;   /* a peer's HELLO may set it */
                 kvf__unlock(eng);
                 if (addr == NULL) {
                     res.res = RES_FATAL;
                     res.status = KVF_ERR_NO_MEMORY;
                 } else {
-                    resolve_room(rs, eng, addr, id, dp, &res);
+                    resolve_room(rs, eng, heads, addr, id, dp, &res);
                 }
                 free(addr);
                 kvf__lock(eng);

@@ -527,6 +527,12 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     char name[128];
 
     if (slot != NULL && slot->instance == req->instance) {
+        if (attempt > 0 && bad != NULL && !room_final(r)) {
+            /* Resumed from a peer, or with a request, that cannot work. */
+            kvf__room_fail_record(r, bad, NULL, 0);
+            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+            return;
+        }
         if (attempt > 0)
             resume(r, p, slot, req);
         else if (room_state(r) == KVF_POLL_FAILED)
@@ -1198,7 +1204,14 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     char name[128];
     kvf__peer_name(p, name, sizeof(name));
     kvf_failure_t *f = NULL;
-    if ((bad != NULL || p->incompatible != NULL) && (f = malloc(sizeof(*f))) != NULL) {
+    if ((bad != NULL || p->incompatible != NULL) && (f = malloc(sizeof(*f))) == NULL) {
+        /* Without the record the request would pass for a valid one. */
+        free(lk.pages);
+        kvf__states_free(&lk.state);
+        kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory to refuse a room destination");
+        return;
+    }
+    if (f != NULL) {
         if (bad)
             kvf__failure_set(f, eng, KVF_ERR_BAD_INDICES, "%s sent a destination for "
                              "room %llu with %s", name, (unsigned long long)m->room, bad);

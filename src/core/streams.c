@@ -34,12 +34,15 @@
 #include <openssl/crypto.h>
 
 #include "core/room.h"
+#include "core/stage.h"
 #include "util/log.h"
 #include "util/time.h"
 
 int kvf__streams_offer(kvf_peer_t *p, uint8_t *blob, kvf_wire_xport_t *e)
 {
-    if (p->eng->nlanes < 2 ||
+    /* Staged rooms (device memory over tcp) keep to one stream: the bounce
+     * buffers and their reads are per connection (stage.h). */
+    if (p->eng->nlanes < 2 || kvf__stages(p->eng) ||
         getrandom(p->cookie, sizeof(p->cookie), 0) != (ssize_t)sizeof(p->cookie))
         return 0;
     kvf_put_u32(blob, p->eng->nlanes);
@@ -53,7 +56,7 @@ int kvf__streams_offer(kvf_peer_t *p, uint8_t *blob, kvf_wire_xport_t *e)
 unsigned kvf__streams_accept(kvf_peer_t *p, const kvf_wire_xport_t *o, uint8_t *blob,
                              kvf_wire_xport_t *answer)
 {
-    if (o == NULL || o->blob_len != KVF_WIRE_STREAMS_OFFER)
+    if (o == NULL || o->blob_len != KVF_WIRE_STREAMS_OFFER || kvf__stages(p->eng))
         return 1;
     unsigned n = kvf_get_u32(o->blob);
     if (n > p->eng->nlanes)

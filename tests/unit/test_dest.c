@@ -264,6 +264,42 @@ static void test_zero_page_room(void)
     side_free(&pre);
 }
 
+/* Nothing to move at all (no pages, no aux buffers, no state): both
+ * sides count the link done; no DONE is owed, none is awaited. */
+static void test_room_that_owes_nothing(void)
+{
+    side_t pre = {0}, dec = {0};
+    kvf_buffer_t kv[2];
+    side_t *sides[2] = {&pre, &dec};
+    for (int k = 0; k < 2; k++) {
+        sides[k]->eng = engine(k ? KVF_ROLE_DECODE : KVF_ROLE_PREFILL, 0, 1, 0, 1,
+                               k ? NULL : "127.0.0.1:0", !k);
+        if (k == 0)
+            CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)),
+                         KVF_OK);
+        kv[0] = kv_buf(sides[k], PAGE * 2 * HEAD_B, !k);
+        kv[1] = kv_buf(sides[k], PAGE * 2 * HEAD_B, !k);
+        kvf_layout_t l = mha(1, 2, 2);
+        l.num_kv = 2;
+        l.kv = kv;
+        CHECK_EQ_INT(kvf_engine_register_layout(sides[k]->eng, &l), KVF_OK);
+    }
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs_addr, 70, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 70, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, NULL, 0, 0, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(wait_poll(rpoll, r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 0, 0), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, NULL, 0, 1), KVF_OK);
+    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    side_free(&dec);
+    side_free(&pre);
+}
+
 /* Two typed groups: "mamba" (two buffers, one slot) and "swa" (one
  * buffer, a list of pages). */
 static void typed_side(side_t *s, kvf_role_t role, const char *bs, int host, int fill,
@@ -466,6 +502,21 @@ static void test_tagged_buffers_and_draft(void)
     side_free(&dec);
     side_free(&pre);
 
+    /* Nor can a decode with a draft model take a prefill's without one:
+     * its draft pages would never be written. */
+    tagged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1, ptags, 4);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
+    tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, dtags, 6);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 32, -1, &r), KVF_OK);
+    CHECK_EQ_INT(wait_poll(rpoll, r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_INCOMPATIBLE);
+    CHECK_STR_CONTAINS(f.reason, "decode KV buffer 4 holds layer 0 V of group 1, which no "
+                                 "prefill KV buffer holds");
+    kvf_receiver_destroy(r);
+    side_free(&dec);
+    side_free(&pre);
+
     /* Two buffers with one tag are refused at registration. */
     static const kvf_kv_tag_t twice[4] = {
         {0, KVF_KV_K, 0}, {1, KVF_KV_K, 0}, {0, KVF_KV_V, 0}, {1, KVF_KV_K, 0}};
@@ -631,9 +682,93 @@ static void test_decode_heads_from_prefill(void)
     side_free(&pre);
 }
 
+/*
+ * Four prefill ranks (TP 4, a head each) into two decode ranks (TP 2, two
+ * heads each) that left their heads to the prefill: before a HELLO tells
+ * the heads, each decode rank must already link the two prefill ranks that
+ * hold its heads (the resolver's guess), and each token's heads come one
+ * from each of them.
+ */
+static void test_decode_heads_guessed_before_hello(void)
+{
+    enum { P = 4, D = 2, H = 4 };
+    side_t pre[P], dec[D];
+    kvf_buffer_t kv[2], aux;
+    kvf_layout_t l;
+    memset(pre, 0, sizeof(pre));
+    memset(dec, 0, sizeof(dec));
+    for (int p = 0; p < P; p++) {
+        pre[p].eng = engine(KVF_ROLE_PREFILL, p, P, 0, 1, p ? bs_addr : "127.0.0.1:0", !p);
+        if (p == 0)
+            CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre[0].eng, bs_addr, sizeof(bs_addr)),
+                         KVF_OK);
+        for (int b = 0; b < 2; b++) {
+            kv[b] = kv_buf(&pre[p], PAGE * (H / P) * HEAD_B, 1);
+            for (size_t i = 0; i < PAGES * pre[p].kv_page[b]; i++)
+                pre[p].kv[b][i] = pat(10 * p + b, i);   /* differ between ranks */
+        }
+        aux = aux_buf(&pre[p], 1);
+        l = mha(1, H / P, H);
+        l.num_kv = 2;
+        l.kv = kv;
+        l.num_aux = 1;
+        l.aux = &aux;
+        CHECK_EQ_INT(kvf_engine_register_layout(pre[p].eng, &l), KVF_OK);
+    }
+    for (int d = 0; d < D; d++) {
+        dec[d].eng = engine(KVF_ROLE_DECODE, d, D, 0, 1, NULL, 0);
+        kv[0] = kv_buf(&dec[d], PAGE * (H / D) * HEAD_B, 0);
+        kv[1] = kv_buf(&dec[d], PAGE * (H / D) * HEAD_B, 0);
+        aux = aux_buf(&dec[d], 0);
+        l = mha(1, 0, 0);
+        l.num_kv = 2;
+        l.kv = kv;
+        l.num_aux = 1;
+        l.aux = &aux;
+        CHECK_EQ_INT(kvf_engine_register_layout(dec[d].eng, &l), KVF_OK);
+    }
+    uint32_t src = 5, dst = 17;
+    kvf_sender_t *s[P];
+    kvf_receiver_t *r[D];
+    for (int p = 0; p < P; p++)
+        CHECK_EQ_INT(kvf_sender_create(pre[p].eng, bs_addr, 60, &s[p]), KVF_OK);
+    for (int d = 0; d < D; d++) {
+        CHECK_EQ_INT(kvf_receiver_create(dec[d].eng, bs_addr, 60, -1, &r[d]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[d], &dst, 1, 3, NULL, 0), KVF_OK);
+    }
+    for (int p = 0; p < P; p++) {
+        CHECK_EQ_INT(wait_poll(spoll, s[p], KVF_POLL_WAITING_FOR_INPUT),
+                     KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s[p], 1, 0), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send(s[p], &src, 1, 1), KVF_OK);
+    }
+    wait_final(s, P, r, D);
+    for (int d = 0; d < D; d++) {
+        CHECK_EQ_INT(kvf_receiver_poll(r[d]), KVF_POLL_SUCCESS);
+        for (int b = 0; b < 2; b++)
+            for (int t = 0; t < PAGE; t++)
+                for (int h = 0; h < H / D; h++) {  /* its head h: prefill rank 2d + h's */
+                    int p = d * (H / D) + h;
+                    CHECK(memcmp(dec[d].kv[b] + (dst * PAGE + t) * (H / D) * HEAD_B +
+                                     h * HEAD_B,
+                                 pre[p].kv[b] + (src * PAGE + t) * HEAD_B, HEAD_B) == 0);
+                }
+    }
+    for (int p = 0; p < P; p++)
+        kvf_sender_destroy(s[p]);
+    for (int d = 0; d < D; d++) {
+        kvf_receiver_destroy(r[d]);
+        side_free(&dec[d]);
+    }
+    for (int p = P - 1; p >= 0; p--)
+        side_free(&pre[p]);
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_waiting_before_pages_and_prefix),
               KVF_CASE(test_zero_page_room),
+              KVF_CASE(test_room_that_owes_nothing),
               KVF_CASE(test_typed_state_groups),
               KVF_CASE(test_tagged_buffers_and_draft),
               KVF_CASE(test_pipeline_stages_by_tag),
-              KVF_CASE(test_decode_heads_from_prefill))
+              KVF_CASE(test_decode_heads_from_prefill),
+              KVF_CASE(test_decode_heads_guessed_before_hello))

@@ -415,6 +415,13 @@ static void test_ipc_offer_refused(void)
     CHECK_STR_CONTAINS(why, "cannot open the prefill engine's device memory");
 
     offer.data[48 + 28] ^= 0x40;
+    /* An offset past the allocation the handle opens: never read. */
+    uint64_t off = kvf_get_u64(offer.data + 48 + 20);
+    kvf_put_u64(offer.data + 48 + 20, off + sizeof(buf));
+    CHECK_EQ_INT(kvf_cuda_mover.connect(dm, offer.data, offer.len, &ep, why, sizeof(why)),
+                 KVF_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(why, "outside the 4096-byte allocation its handle opens");
+    kvf_put_u64(offer.data + 48 + 20, off);
     CHECK_EQ_INT(kvf_cuda_mover.connect(dm, offer.data, offer.len, &ep, why, sizeof(why)),
                  KVF_OK);
     /* A source outside what the prefill registered is refused before a copy. */

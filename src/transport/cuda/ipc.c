@@ -143,6 +143,7 @@ static kvf_status_t cuda_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, 
     m->nown = p->n;
     m->dev = p->cuda_device;
     kvf_status_t st = kvf_cuda_context(m->dev, &m->d, &m->ctx, err, errlen);
+    int have_ctx = st == KVF_OK;
     if (st == KVF_OK && (m->d->IpcGetMemHandle == NULL || m->d->IpcOpenMemHandle == NULL ||
                          m->d->IpcCloseMemHandle == NULL || m->d->MemGetAddressRange == NULL)) {
         snprintf(err, errlen, "the CUDA driver has no IPC entries");
@@ -151,6 +152,8 @@ static kvf_status_t cuda_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, 
     if (st == KVF_OK && p->role == KVF_ROLE_DECODE)
         st = kvf_cuda_copier.create(m->dev, &m->copier, err, errlen);
     if (st != KVF_OK) {
+        if (have_ctx)      /* the context kvf_cuda_context retained */
+            m->d->DevicePrimaryCtxRelease(m->dev);
         free(m->own);
         free(m);
         return st;
@@ -315,6 +318,19 @@ static kvf_status_t cuda_connect(kvf_mover_t *base, const uint8_t *blob, size_t 
             snprintf(why, whylen, "cannot open the prefill engine's device memory (pid %d): "
                      "%s", (int)ep->pid, kvf_cudrv_strerror(res, b, sizeof(b)));
             r->mapped = 0;
+            ep_free(ep);
+            return KVF_ERR_UNSUPPORTED;
+        }
+        /* The offer's offset and length are the prefill's word: reads stay
+         * inside the allocation the handle opened, whatever it says. */
+        cu_ptr_t abase;
+        size_t asize;
+        if (m->d->MemGetAddressRange(&abase, &asize, r->mapped) != 0 || abase != r->mapped ||
+            r->offset > asize || r->len > asize - r->offset) {
+            snprintf(why, whylen, "the prefill engine (pid %d) offered device region %zu at "
+                     "offset %llu, %llu bytes long, outside the %zu-byte allocation its "
+                     "handle opens", (int)ep->pid, i, (unsigned long long)r->offset,
+                     (unsigned long long)r->len, asize);
             ep_free(ep);
             return KVF_ERR_UNSUPPORTED;
         }
