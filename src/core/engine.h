@@ -344,10 +344,11 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *prefill,
                                const kvf_layout_int_t *decode,
                                char *err, size_t errlen);
 /* Can this prefill rank and this decode rank work together (the model
- * check above, TP and PP pairing, page sizes of the buffers it writes)? */
+ * check above, TP and PP pairing, page sizes of the buffers it writes)?
+ * Fills dst_of (pl->num_kv entries) as kvf__kv_map does. */
 kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
                              const kvf_layout_int_t *dl, const kvf_par_t *dp,
-                             char *err, size_t errlen);
+                             uint32_t *dst_of, char *err, size_t errlen);
 void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp_size,
                    const kvf_layout_int_t *l);
 

@@ -534,7 +534,7 @@ void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp
  */
 kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
                              const kvf_layout_int_t *dl, const kvf_par_t *dp,
-                             char *err, size_t errlen)
+                             uint32_t *dst_of, char *err, size_t errlen)
 {
     kvf_status_t st = kvf__layout_check(pl, dl, err, errlen);
     if (st != KVF_OK)
@@ -547,13 +547,10 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
         return st;
     kvf_slice_t s;
     st = kvf__plan_slice(pp, dp, &s, err, errlen);
-    if (st == KVF_ERR_NOT_FOUND)
-        return KVF_OK;
+    if (st == KVF_ERR_NOT_FOUND)     /* it feeds nothing here: no sizes to compare */
+        return kvf__kv_map(pl, dl, dst_of, err, errlen);
     if (st != KVF_OK)
         return st;
-    uint32_t *dst_of = malloc((pl->num_kv ? pl->num_kv : 1) * sizeof(uint32_t));
-    if (dst_of == NULL)
-        return KVF_ERR_NO_MEMORY;
     st = kvf__kv_map(pl, dl, dst_of, err, errlen);
     for (uint32_t i = 0; st == KVF_OK && i < pl->num_kv; i++) {
         const kvf_buffer_t *d = &dl->kv[dst_of[i]];
@@ -592,7 +589,6 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
         }
         free(hit);
     }
-    free(dst_of);
     return st;
 }
 

@@ -921,16 +921,14 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
     kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
     const kvf_layout_int_t *pl = p->role == KVF_ROLE_PREFILL ? &p->layout : &own;
     const kvf_layout_int_t *dl = p->role == KVF_ROLE_PREFILL ? &own : &p->layout;
-    if (err[0] == '\0' && p->role == KVF_ROLE_PREFILL)
-        kvf__pair_check(pl, &theirs, dl, &mine, err, sizeof(err));
-    else if (err[0] == '\0')
-        kvf__pair_check(pl, &mine, dl, &theirs, err, sizeof(err));
-    /* Which decode buffer each prefill buffer goes to (found by the check
-     * when the pair is compatible). */
-    if (err[0] == '\0' &&
-        ((p->kv_map = malloc(pl->num_kv * sizeof(uint32_t))) == NULL ||
-         kvf__kv_map(pl, dl, p->kv_map, err, sizeof(err)) != KVF_OK) && err[0] == '\0')
+    /* The check also finds which decode buffer each prefill buffer goes to. */
+    if (err[0] == '\0' && (p->kv_map = malloc(pl->num_kv * sizeof(uint32_t))) == NULL)
         snprintf(err, sizeof(err), "no memory for the KV buffer map");
+    if (err[0] == '\0' &&
+        kvf__pair_check(pl, p->role == KVF_ROLE_PREFILL ? &theirs : &mine, dl,
+                        p->role == KVF_ROLE_PREFILL ? &mine : &theirs, p->kv_map, err,
+                        sizeof(err)) != KVF_OK && err[0] == '\0')
+        snprintf(err, sizeof(err), "no memory to check the pair");
     if (err[0] == '\0' && p->role == KVF_ROLE_PREFILL) {
         if ((p->kv_src = malloc(dl->num_kv * sizeof(uint32_t))) == NULL) {
             snprintf(err, sizeof(err), "no memory for the KV buffer map");
