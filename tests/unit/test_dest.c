@@ -38,6 +38,11 @@ static void sleep_ms(int ms)
     nanosleep(&ts, NULL);
 }
 
+/* The registry of the last engine created with host_bs. */
+static char bs_addr[64];
+
+/* An engine over tcp with checksums; one that hosts the registry records
+ * its address in bs_addr. */
 static kvf_engine_t *engine(kvf_role_t role, int tp_rank, int tp_size, int pp_rank,
                             int pp_size, const char *bs, int host_bs)
 {
@@ -55,6 +60,8 @@ static kvf_engine_t *engine(kvf_role_t role, int tp_rank, int tp_size, int pp_ra
     p.checksum = 1;
     p.bootstrap_timeout_ms = 5000;
     CHECK_EQ_INT(kvf_engine_create(&p, &e), KVF_OK);
+    if (host_bs)
+        CHECK_EQ_INT(kvf_engine_bootstrap_addr(e, bs_addr, sizeof(bs_addr)), KVF_OK);
     return e;
 }
 
@@ -160,13 +167,11 @@ static void wait_final(kvf_sender_t **s, int ns, kvf_receiver_t **r, int nr)
         wait_poll(rpoll, r[i], KVF_POLL_SUCCESS);
 }
 
-static char bs_addr[64];
 
 static void test_waiting_before_pages_and_prefix(void)
 {
     side_t pre = {0}, dec = {0};
     plain_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
     plain_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0);
 
     kvf_sender_t *s;
@@ -234,7 +239,6 @@ static void test_zero_page_room(void)
 {
     side_t pre = {0}, dec = {0};
     plain_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
     plain_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0);
 
     kvf_sender_t *s;
@@ -274,9 +278,6 @@ static void test_room_that_owes_nothing(void)
     for (int k = 0; k < 2; k++) {
         sides[k]->eng = engine(k ? KVF_ROLE_DECODE : KVF_ROLE_PREFILL, 0, 1, 0, 1,
                                k ? NULL : "127.0.0.1:0", !k);
-        if (k == 0)
-            CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)),
-                         KVF_OK);
         kv[0] = kv_buf(sides[k], PAGE * 2 * HEAD_B, !k);
         kv[1] = kv_buf(sides[k], PAGE * 2 * HEAD_B, !k);
         kvf_layout_t l = mha(1, 2, 2);
@@ -340,7 +341,6 @@ static void test_typed_state_groups(void)
 {
     side_t pre = {0}, dec = {0};
     typed_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1, "mamba", "swa");
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
     typed_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, "mamba", "swa");
 
     uint32_t page_d = 5, page_s = 6;
@@ -462,7 +462,6 @@ static void test_tagged_buffers_and_draft(void)
         {0, KVF_KV_V, 1}, {0, KVF_KV_K, 1}};
     side_t pre = {0}, dec = {0};
     tagged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1, ptags, 6);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
     tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, dtags, 6);
 
     uint32_t src[2] = {3, 4}, dst[2] = {17, 2};
@@ -505,7 +504,6 @@ static void test_tagged_buffers_and_draft(void)
     /* Nor can a decode with a draft model take a prefill's without one:
      * its draft pages would never be written. */
     tagged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1, ptags, 4);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
     tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, dtags, 6);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 32, -1, &r), KVF_OK);
     CHECK_EQ_INT(wait_poll(rpoll, r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
@@ -568,7 +566,6 @@ static void test_pipeline_stages_by_tag(void)
 {
     side_t p0 = {0}, p1 = {0}, dec = {0};
     stage_side(&p0, KVF_ROLE_PREFILL, 0, 2, 0, 2, "127.0.0.1:0", 1);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(p0.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
     stage_side(&p1, KVF_ROLE_PREFILL, 1, 2, 2, 2, bs_addr, 0);
     stage_side(&dec, KVF_ROLE_DECODE, 0, 1, 0, 4, NULL, 0);
 
@@ -630,7 +627,6 @@ static void test_decode_heads_from_prefill(void)
     side_free(&x);
 
     pre.eng = engine(KVF_ROLE_PREFILL, 0, 1, 0, 1, "127.0.0.1:0", 1);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
     kv[0] = kv_buf(&pre, PAGE * 2 * HEAD_B, 1);
     kv[1] = kv_buf(&pre, PAGE * 2 * HEAD_B, 1);
     aux = aux_buf(&pre, 1);
@@ -699,9 +695,6 @@ static void test_decode_heads_guessed_before_hello(void)
     memset(dec, 0, sizeof(dec));
     for (int p = 0; p < P; p++) {
         pre[p].eng = engine(KVF_ROLE_PREFILL, p, P, 0, 1, p ? bs_addr : "127.0.0.1:0", !p);
-        if (p == 0)
-            CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre[0].eng, bs_addr, sizeof(bs_addr)),
-                         KVF_OK);
         for (int b = 0; b < 2; b++) {
             kv[b] = kv_buf(&pre[p], PAGE * (H / P) * HEAD_B, 1);
             for (size_t i = 0; i < PAGES * pre[p].kv_page[b]; i++)
