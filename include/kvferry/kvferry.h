@@ -148,8 +148,10 @@ typedef struct kvf_engine_params {
     const char *host;          /**< address to bind and advertise; default "127.0.0.1" (KVF_HOST) */
     int         port;          /**< control port; default 0 = any free port */
     /**
-     * Prefill: the registry this engine registers with, "host:port".
-     * Decode: unused (each receiver names its own).  Default NULL.
+     * Prefill: the registry this engine registers with, "host:port"; NULL:
+     * none, decode engines reach this one by its descriptor
+     * (kvf_engine_descriptor, kvf_receiver_create_remote).  Decode: unused
+     * (each receiver names its own).  Default NULL.
      */
     const char *bootstrap_addr;
     /**
@@ -329,6 +331,28 @@ KVF_API const char *kvf_engine_transport(const kvf_engine_t *engine);
 
 /** The engine's 64-bit instance id: random, new at every kvf_engine_create. */
 KVF_API uint64_t kvf_engine_instance_id(const kvf_engine_t *engine);
+
+/** The most bytes kvf_engine_descriptor() writes, its NUL included. */
+#define KVF_DESCRIPTOR_MAX 512
+
+/**
+ * The engine's descriptor: what a decode engine needs to reach this
+ * engine without a registry (kvf_receiver_create_remote), as one line of
+ * printable ASCII without quotes or backslashes, so that it travels as a
+ * JSON string (vLLM's kv_transfer_params).  It names the engine's
+ * instance, its control address, role, parallel coordinates and a
+ * summary of its layout; docs/PROTOCOL.md gives the format.  Treat it as
+ * opaque: it is checked again by the handshake, never trusted instead of
+ * it.  Any thread, once the layout is registered.
+ *
+ * @return KVF_OK, KVF_ERR_STATE (no layout registered yet),
+ *         KVF_ERR_INVALID_PARAM (buf NULL or len below what it needs;
+ *         KVF_DESCRIPTOR_MAX always suffices), KVF_ERR_UNSUPPORTED (a
+ *         kv_dtype of other characters than letters, digits, '_', '-'
+ *         and '.').
+ */
+KVF_API kvf_status_t kvf_engine_descriptor(const kvf_engine_t *engine, char *buf,
+                                           size_t len);
 
 /* ------------------------------------------------------------------------ */
 /* Layout                                                                   */
@@ -629,6 +653,88 @@ typedef struct kvf_room_metric {
 KVF_API kvf_status_t kvf_sender_metric(kvf_sender_t *sender, kvf_room_metric_t *metric);
 
 /* ------------------------------------------------------------------------ */
+/* Held rooms and request ids (vLLM: prefill computes first, decode reads)  */
+/* ------------------------------------------------------------------------ */
+
+/**
+ * A room id and instance for an application's request id, computed the
+ * same way on every host: XXH3-128 of the request id's bytes, seed 0;
+ * `room` is its low 64 bits, `instance` its high 64 bits (1 where those
+ * are 0, since 0 means "any").  A prefill holds the room under the
+ * instance (kvf_hold_t.instance) and a decode names both
+ * (kvf_remote_t): two request ids whose rooms collide then differ in
+ * their instance, and a reader of the one is refused by the other
+ * (KVF_ERR_ROOM_CONFLICT) instead of reading its bytes.
+ */
+typedef struct kvf_room_key {
+    uint64_t room;
+    uint64_t instance;
+} kvf_room_key_t;
+
+/** The room key of `len` bytes of request id (any bytes; len may be 0). */
+KVF_API kvf_room_key_t kvf_room_key(const void *request_id, size_t len);
+
+/**
+ * How a sender holds its pages for readers that come later
+ * (kvf_sender_create_held).  Initialise with kvf_hold_init(); grows by the
+ * rules of kvf_engine_params_t.
+ */
+typedef struct kvf_hold {
+    size_t   size;        /**< the caller's sizeof(kvf_hold_t); set by _init */
+    /**
+     * Milliseconds, from kvf_sender_create_held, within which every decode
+     * rank that reads the room must have asked for it.  0 means the
+     * default: KVF_LEASE_MS, else 480000 (vLLM's abort timeout).
+     */
+    unsigned lease_ms;
+    /**
+     * The instance a reader must name (kvf_remote_t.instance), usually
+     * kvf_room_key()'s: a reader naming another one is refused.  0: the
+     * room takes any reader.
+     */
+    uint64_t instance;
+} kvf_hold_t;
+
+/** kvf_hold_t as it first shipped: the least `size` accepted. */
+#define KVF_HOLD_SIZE_V0 KVF_FIELD_END(kvf_hold_t, instance)
+
+/** Zero `size` bytes of `hold` and set its size (every default is 0). */
+KVF_API void kvf_hold_init_sized(kvf_hold_t *hold, size_t size);
+#define kvf_hold_init(hold) kvf_hold_init_sized((hold), sizeof(*(hold)))
+
+/**
+ * Create a sender that holds its pages for readers that come later: the
+ * prefill side computes first and gives all its pages before any decode
+ * rank has asked (vLLM's flow).  As kvf_sender_create, except:
+ *
+ *  - kvf_sender_send() is accepted while the room is still BOOTSTRAPPING:
+ *    the pages are kept (unchanged until the room is final, as always)
+ *    and move once every decode rank that reads the room has asked.  From
+ *    there the room goes on as any other: SUCCESS when every reader has
+ *    all its bytes, checked; FAILED with the reason otherwise, on both
+ *    sides.
+ *  - The lease: when it ends with a reader missing (none asked, or fewer
+ *    than the readers announced), the room fails with
+ *    KVF_ERR_LEASE_EXPIRED and its pages may be reused at once.  The
+ *    bootstrap deadline does not apply; once every reader asked, the
+ *    waiting and transfer deadlines do, as usual.  A reader that gives up
+ *    after asking (aborts) fails the room at once.
+ *  - A reader that names an instance other than hold->instance is
+ *    refused (KVF_ERR_ROOM_CONFLICT on its side); the room goes on.
+ *  - A reader's destination may hold fewer pages: with a decode prefix
+ *    (kvf_dest_t.decode_prefix_len, a whole number of pages) its pages are
+ *    the sender's from that page on, and it may stop before the sender's
+ *    last page.  (A room that is not held keeps the rule that both sides
+ *    name the same pages, the prefill's starting at the prefix.)
+ *
+ * @return as kvf_sender_create, and KVF_ERR_INVALID_PARAM (hold NULL or
+ *         its `size` refused).
+ */
+KVF_API kvf_status_t kvf_sender_create_held(kvf_engine_t *engine, uint64_t room,
+                                            const kvf_hold_t *hold,
+                                            kvf_sender_t **sender_p);
+
+/* ------------------------------------------------------------------------ */
 /* Receiver (decode side of a room)                                         */
 /* ------------------------------------------------------------------------ */
 
@@ -742,6 +848,53 @@ KVF_API uint64_t kvf_receiver_room(const kvf_receiver_t *receiver);
 /** Snapshot a receiver's metric (as kvf_sender_metric). */
 KVF_API kvf_status_t kvf_receiver_metric(kvf_receiver_t *receiver,
                                          kvf_room_metric_t *metric);
+
+/**
+ * A room held by a prefill server that this decode rank reaches without
+ * a registry (kvf_receiver_create_remote).  Initialise with
+ * kvf_remote_init(); grows by the rules of kvf_engine_params_t.
+ */
+typedef struct kvf_remote {
+    size_t              size;         /**< the caller's sizeof(kvf_remote_t); set by _init */
+    uint64_t            room;         /**< the room id the prefill holds */
+    /** The instance it holds the room under (kvf_hold_t.instance); 0: any. */
+    uint64_t            instance;
+    /**
+     * Descriptors (kvf_engine_descriptor) of the prefill server's ranks,
+     * in any order: every TP rank of its DP group (and every pipeline
+     * stage), or at least the ranks this decode rank reads from.  Copied.
+     */
+    const char *const  *descriptors;
+    size_t              num_descriptors;
+} kvf_remote_t;
+
+/** kvf_remote_t as it first shipped: the least `size` accepted. */
+#define KVF_REMOTE_SIZE_V0 KVF_FIELD_END(kvf_remote_t, num_descriptors)
+
+/** Zero `size` bytes of `remote` and set its size (every default is 0). */
+KVF_API void kvf_remote_init_sized(kvf_remote_t *remote, size_t size);
+#define kvf_remote_init(remote) kvf_remote_init_sized((remote), sizeof(*(remote)))
+
+/**
+ * Create the receiver for a room that prefill ranks described by their
+ * descriptors hold (kvf_sender_create_held): as kvf_receiver_create, but the
+ * ranks come from the descriptors instead of a registry.  The engine
+ * picks the ranks it reads from, connects (the handshake checks each one
+ * is the engine instance its descriptor names: a prefill that restarted
+ * since fails the room with KVF_ERR_PEER_RESTARTED), and the room is
+ * WAITING_FOR_INPUT once they are connected and compatible; then
+ * kvf_receiver_set_dest() makes it read.
+ *
+ * @return KVF_OK, KVF_ERR_STATE (no layout), KVF_ERR_ROOM_IN_USE (a live
+ *         receiver has this room id on this engine: two requests whose
+ *         rooms collide), KVF_ERR_INVALID_PARAM (a malformed descriptor,
+ *         one that is not a prefill engine's, descriptors that disagree,
+ *         or none for a rank this decode rank needs; the log says which),
+ *         KVF_ERR_NO_MEMORY.
+ */
+KVF_API kvf_status_t kvf_receiver_create_remote(kvf_engine_t *engine,
+                                                const kvf_remote_t *remote,
+                                                kvf_receiver_t **receiver_p);
 
 /* ------------------------------------------------------------------------ */
 /* Statistics                                                               */

@@ -35,6 +35,7 @@
     X(KVF_ERR_CHECKSUM,       -24,  "checksum mismatch")                       \
     X(KVF_ERR_ROOM_CONFLICT,  -25,  "room id reused while the room is live")   \
     X(KVF_ERR_BOOTSTRAP,      -26,  "bootstrap registry lookup failed")        \
+    X(KVF_ERR_LEASE_EXPIRED,  -27,  "held room's lease ended before its readers came") \
     /* peer level */                                                           \
     X(KVF_ERR_CONN_RESET,     -40,  "connection to peer lost")                 \
     X(KVF_ERR_UNREACHABLE,    -41,  "peer unreachable")                        \

@@ -89,10 +89,6 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
         kvf_error("host_bootstrap needs role prefill and a bootstrap_addr to listen on");
         return KVF_ERR_INVALID_PARAM;
     }
-    if (p->role == KVF_ROLE_PREFILL && p->bootstrap_addr == NULL) {
-        kvf_error("a prefill engine needs bootstrap_addr (the registry host:port)");
-        return KVF_ERR_INVALID_PARAM;
-    }
     if (p->transport != NULL && strcmp(p->transport, "auto") != 0 &&
         strcmp(p->transport, kvf_stream_name()) != 0 &&
         kvf_mover_find(p->transport, strlen(p->transport)) == NULL) {
@@ -637,7 +633,8 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         kvf_error("device memory cannot move here: %s; %s", err, kvf_movers_device_hint());
         return KVF_ERR_UNSUPPORTED;
     }
-    if (eng->params.role == KVF_ROLE_PREFILL) {
+    if (eng->params.role == KVF_ROLE_PREFILL && eng->bootstrap_addr != NULL) {
+        /* (Without a registry, decode engines reach it by its descriptor.) */
         eng->want_register = 1;
         pthread_cond_broadcast(&eng->resolver_cond);
     }

@@ -305,8 +305,15 @@ kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
                                 const char *fn, char *err, size_t errlen);
 kvf_status_t kvf__dest_import(kvf_dest_t *dst, const kvf_dest_t *src, const char *fn,
                               char *err, size_t errlen);
+kvf_status_t kvf__hold_import(kvf_hold_t *dst, const kvf_hold_t *src, const char *fn,
+                              char *err, size_t errlen);
+kvf_status_t kvf__remote_import(kvf_remote_t *dst, const kvf_remote_t *src, const char *fn,
+                                char *err, size_t errlen);
 /* params.streams 0: KVF_STREAMS, else what the machine's CPUs allow. */
 unsigned     kvf__streams_default(void);
+/* A held room's lease when kvf_hold_t leaves it 0: KVF_LEASE_MS, else
+ * 480000. */
+unsigned     kvf__lease_default(void);
 
 /* layout.c: validate the caller's layout (read through kvf__layout_import)
  * into l, which owns copies of the buffer arrays. */

@@ -30,6 +30,13 @@ _Static_assert(sizeof(kvf_layout_t) - LAYOUT_KNOWN < _Alignof(kvf_layout_t),
 _Static_assert(sizeof(kvf_dest_t) - DEST_KNOWN < _Alignof(kvf_dest_t),
                "DEST_KNOWN must name the last field of kvf_dest_t");
 
+#define HOLD_KNOWN KVF_FIELD_END(kvf_hold_t, instance)
+_Static_assert(sizeof(kvf_hold_t) - HOLD_KNOWN < _Alignof(kvf_hold_t),
+               "HOLD_KNOWN must name the last field of kvf_hold_t");
+#define REMOTE_KNOWN KVF_FIELD_END(kvf_remote_t, num_descriptors)
+_Static_assert(sizeof(kvf_remote_t) - REMOTE_KNOWN < _Alignof(kvf_remote_t),
+               "REMOTE_KNOWN must name the last field of kvf_remote_t");
+
 /* Larger than any version of these structs will be: a `size` past it is
  * garbage (an uninitialised struct), not a newer header. */
 #define SIZE_SANE 4096
@@ -48,6 +55,10 @@ static const sized_type_t layout_type = {
     "kvf_layout_t", "kvf_layout_init", KVF_LAYOUT_SIZE_V0, LAYOUT_KNOWN};
 static const sized_type_t dest_type = {
     "kvf_dest_t", "kvf_dest_init", KVF_DEST_SIZE_V0, DEST_KNOWN};
+static const sized_type_t hold_type = {
+    "kvf_hold_t", "kvf_hold_init", KVF_HOLD_SIZE_V0, HOLD_KNOWN};
+static const sized_type_t remote_type = {
+    "kvf_remote_t", "kvf_remote_init", KVF_REMOTE_SIZE_V0, REMOTE_KNOWN};
 
 /*
  * Write the caller's `size` bytes at dst: the defaults in def (a full
@@ -154,6 +165,11 @@ static void params_defaults(void *dst)
     p->streams = 0;                    /* kvf__streams_default() at create */
 }
 
+unsigned kvf__lease_default(void)
+{
+    return env_ms("KVF_LEASE_MS", 480000);
+}
+
 unsigned kvf__streams_default(void)
 {
     const char *v = getenv("KVF_STREAMS");
@@ -238,4 +254,45 @@ kvf_status_t kvf__dest_import(kvf_dest_t *dst, const kvf_dest_t *src, const char
                               char *err, size_t errlen)
 {
     return import_sized(dst, sizeof(*dst), src, dest_defaults, &dest_type, fn, err, errlen);
+}
+
+/* Every default of kvf_hold_t and kvf_remote_t is 0 (the lease's is
+ * resolved where it is used). */
+static void hold_defaults(void *dst)
+{
+    memset(dst, 0, sizeof(kvf_hold_t));
+}
+
+static void remote_defaults(void *dst)
+{
+    memset(dst, 0, sizeof(kvf_remote_t));
+}
+
+void kvf_hold_init_sized(kvf_hold_t *hold, size_t size)
+{
+    kvf_hold_t def;
+
+    hold_defaults(&def);
+    init_sized(hold, size, &def, &hold_type);
+}
+
+kvf_status_t kvf__hold_import(kvf_hold_t *dst, const kvf_hold_t *src, const char *fn,
+                              char *err, size_t errlen)
+{
+    return import_sized(dst, sizeof(*dst), src, hold_defaults, &hold_type, fn, err, errlen);
+}
+
+void kvf_remote_init_sized(kvf_remote_t *remote, size_t size)
+{
+    kvf_remote_t def;
+
+    remote_defaults(&def);
+    init_sized(remote, size, &def, &remote_type);
+}
+
+kvf_status_t kvf__remote_import(kvf_remote_t *dst, const kvf_remote_t *src, const char *fn,
+                                char *err, size_t errlen)
+{
+    return import_sized(dst, sizeof(*dst), src, remote_defaults, &remote_type, fn, err,
+                        errlen);
 }

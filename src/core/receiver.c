@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/descriptor.h"
 #include "core/room.h"
 #include "core/stage.h"
 #include "transport/copier.h"
@@ -49,6 +50,138 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory");
         else
             kvf__resolver_enqueue(eng, r);
+        *receiver_p = (kvf_receiver_t *)r;
+    }
+    kvf__unlock(eng);
+    return st;
+}
+
+void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
+{
+    kvf_engine_t *eng = r->eng;
+    r->links = calloc((size_t)n, sizeof(kvf_link_t));
+    if (r->links == NULL) {
+        kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for the room's links");
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        kvf_peer_t *p = kvf__peer_get(eng, t[i].host, t[i].port, t[i].rank);
+        if (p == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for a peer");
+            return;
+        }
+        r->links[i].peer = p;
+        r->links[i].rank = (uint32_t)t[i].rank;
+        r->links[i].want_instance = t[i].instance;
+        p->refs++;
+        r->nlinks++;
+    }
+    r->expected_links = r->nlinks;
+    kvf__receiver_try_request(r);
+    kvf__engine_wake(eng);
+}
+
+/*
+ * The prefill ranks of a remote room, from their descriptors: every one a
+ * prefill engine's, of one server (TP and PP sizes, DP group, page size,
+ * dtype, attention, heads alike), each rank once; then the ranks this
+ * engine reads from, each of which must be among them.
+ */
+static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *rm,
+                                   kvf_target_t *t, int *n_p)
+{
+    kvf_descriptor_t *d = calloc(rm->num_descriptors ? rm->num_descriptors : 1, sizeof(*d));
+    char err[256];
+    kvf_status_t st = KVF_OK;
+    size_t i, j;
+
+    if (d == NULL)
+        return KVF_ERR_NO_MEMORY;
+    for (i = 0; i < rm->num_descriptors && st == KVF_OK; i++) {
+        if ((st = kvf__descriptor_parse(rm->descriptors[i], &d[i], err, sizeof(err))) != KVF_OK)
+            kvf_error("kvf_receiver_create_remote: descriptor %zu: %s", i, err);
+        else if (d[i].role != KVF_ROLE_PREFILL)
+            kvf_error("kvf_receiver_create_remote: descriptor %zu is a decode engine's (%s)",
+                      i, d[i].addr);
+        else if (d[i].tp_size != d[0].tp_size || d[i].pp_size != d[0].pp_size ||
+                 d[i].dp_rank != d[0].dp_rank || d[i].page_size != d[0].page_size ||
+                 strcmp(d[i].dtype, d[0].dtype) != 0 || d[i].attn != d[0].attn ||
+                 d[i].total_heads != d[0].total_heads)
+            kvf_error("kvf_receiver_create_remote: descriptors %zu (%s) and 0 (%s) are not "
+                      "of one prefill server: its TP and PP sizes, DP group and layout "
+                      "differ", i, d[i].addr, d[0].addr);
+        else
+            continue;
+        st = KVF_ERR_INVALID_PARAM;
+    }
+    for (i = 0; i < rm->num_descriptors && st == KVF_OK; i++) {
+        for (j = 0; j < i; j++) {
+            if (d[j].tp_rank == d[i].tp_rank && d[j].pp_rank == d[i].pp_rank) {
+                kvf_error("kvf_receiver_create_remote: descriptors %zu and %zu both name "
+                          "prefill rank tp %d pp %d", j, i, d[i].tp_rank, d[i].pp_rank);
+                st = KVF_ERR_INVALID_PARAM;
+                break;
+            }
+        }
+    }
+    int tp[KVF_MAX_TARGETS], pp[KVF_MAX_TARGETS], n = 0;
+    if (st == KVF_OK) {
+        uint32_t heads = eng->layout.total_heads ? eng->layout.total_heads : d[0].total_heads;
+        n = kvf__receiver_targets(eng, heads, d[0].tp_size, d[0].pp_size, tp, pp);
+    }
+    for (int k = 0; k < n && st == KVF_OK; k++) {
+        for (i = 0; i < rm->num_descriptors; i++)
+            if (d[i].tp_rank == tp[k] && d[i].pp_rank == pp[k])
+                break;
+        if (i == rm->num_descriptors) {
+            kvf_error("kvf_receiver_create_remote: decode rank %d reads room %llu from "
+                      "prefill rank tp %d pp %d (of TP %d, PP %d), and no descriptor names "
+                      "it", eng->params.tp_rank, (unsigned long long)rm->room, tp[k], pp[k],
+                      d[0].tp_size, d[0].pp_size);
+            st = KVF_ERR_INVALID_PARAM;
+            break;
+        }
+        snprintf(t[k].host, sizeof(t[k].host), "%s", d[i].host);
+        t[k].port = d[i].port;
+        t[k].rank = d[i].tp_rank;
+        t[k].instance = d[i].instance;
+    }
+    free(d);
+    *n_p = n;
+    return st;
+}
+
+kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *remote,
+                                        kvf_receiver_t **receiver_p)
+{
+    kvf_remote_t rm;
+    kvf_target_t t[KVF_MAX_TARGETS];
+    kvf_room_t *r;
+    char err[KVF_REASON_MAX];
+    int n = 0;
+
+    if (eng == NULL || remote == NULL || receiver_p == NULL) {
+        kvf_error("kvf_receiver_create_remote: need an engine, a remote room and a result");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (kvf__remote_import(&rm, remote, "kvf_receiver_create_remote", err,
+                           sizeof(err)) != KVF_OK) {
+        kvf_error("%s", err);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (rm.num_descriptors == 0 || rm.descriptors == NULL) {
+        kvf_error("kvf_receiver_create_remote: no descriptors of the prefill ranks");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    kvf__lock(eng);
+    kvf_status_t st = eng->registered ? remote_targets(eng, &rm, t, &n) : KVF_OK;
+    if (st == KVF_OK)
+        st = kvf__room_create(eng, KVF_ROLE_DECODE, rm.room, &r);
+    if (st == KVF_OK) {
+        kvf_receiver_t *rv = receiver_of(r);
+        rv->dp_rank = -1;
+        rv->sender_instance = rm.instance;
+        kvf__receiver_link(r, t, n);
         *receiver_p = (kvf_receiver_t *)r;
     }
     kvf__unlock(eng);
@@ -371,6 +504,15 @@ void kvf__receiver_try_request(kvf_room_t *r)
         }
         if (p->state != KVF_PEER_READY)
             return;
+        if (r->links[i].want_instance != 0 && r->links[i].want_instance != p->instance_id) {
+            kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s is engine instance %016llx, but "
+                           "room %llu's descriptor names instance %016llx: the prefill "
+                           "engine restarted since it held the room, which is gone",
+                           kvf__peer_name(p, name, sizeof(name)),
+                           (unsigned long long)p->instance_id, (unsigned long long)r->id,
+                           (unsigned long long)r->links[i].want_instance);
+            return;
+        }
         if (r->links[i].resume_instance != 0 &&
             r->links[i].resume_instance != p->instance_id) {
             kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s restarted (instance %016llx, "
@@ -443,6 +585,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
         m.u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
         m.u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
         m.u.room_req.attempt = lk->resume_instance ? r->retries : 0;
+        m.u.room_req.sender_instance = rv->sender_instance;
         uint64_t per_page = 0;
         if (lk->idle) {
             /* Tell it the room exists; it owes nothing. */

@@ -50,18 +50,12 @@ typedef struct resolver {
 
 typedef enum { RES_OK, RES_RETRY, RES_FATAL } res_t;
 
-#define MAX_TARGETS 64
-
 typedef struct result {
     res_t        res;
     kvf_status_t status;
     char         err[KVF_REASON_MAX - 64];
     int          ntargets;
-    struct {
-        char ip[64];
-        int  port;
-        int  rank;
-    } t[MAX_TARGETS];
+    kvf_target_t t[KVF_MAX_TARGETS];
 } result_t;
 
 static const kvf_bs_info_t *get_info(resolver_t *rs, const char *addr, result_t *out)
@@ -120,7 +114,8 @@ static uint32_t gcd_u32(uint32_t a, uint32_t b)
 }
 
 /*
- * The prefill ranks a decode rank talks to for a room: for each pipeline
+ * kvf__receiver_targets (room.h): the prefill ranks a decode rank talks to
+ * for a room: for each pipeline
  * stage it takes layers from (its own stage, or every stage when the
  * decode side has PP 1), the TP ranks that hold its heads (parallel.h)
  * plus the idle ones it must tell about the room.  An unsupported PP
@@ -132,25 +127,24 @@ static uint32_t gcd_u32(uint32_t a, uint32_t b)
  * head replication, and kvf__receiver_try_request checks the guess once
  * the heads are known.
  */
-static int targets(const kvf_engine_t *eng, uint32_t heads, const kvf_bs_info_t *info,
-                   int *tp, int *pp)
+int kvf__receiver_targets(const kvf_engine_t *eng, uint32_t heads, int prefill_tp,
+                          int prefill_pp, int *tp, int *pp)
 {
     const kvf_engine_params_t *p = &eng->params;
     const kvf_layout_int_t *l = &eng->layout;
     int src[KVF_MAX_SOURCES], idle[KVF_MAX_SOURCES], n = 0;
-    uint32_t P = (uint32_t)info->attn_tp_size, D = (uint32_t)p->tp_size;
+    uint32_t P = (uint32_t)prefill_tp, D = (uint32_t)p->tp_size;
     if (l->attn == KVF_ATTN_MHA && heads == 0)
         heads = P / gcd_u32(P, D) * D;          /* lcm: at most 4096 x 65536 */
-    int ns = kvf__sources(l->attn, heads, info->attn_tp_size, p->tp_size, p->tp_rank, src);
-    int ni = kvf__idle_sources(l->attn, heads, info->attn_tp_size, p->tp_size, p->tp_rank,
-                               idle);
-    int s0 = 0, s1 = info->pp_size;
-    if (p->pp_size != 1 || info->pp_size == 1) {
-        s0 = p->pp_rank % info->pp_size;
+    int ns = kvf__sources(l->attn, heads, prefill_tp, p->tp_size, p->tp_rank, src);
+    int ni = kvf__idle_sources(l->attn, heads, prefill_tp, p->tp_size, p->tp_rank, idle);
+    int s0 = 0, s1 = prefill_pp;
+    if (p->pp_size != 1 || prefill_pp == 1) {
+        s0 = p->pp_rank % prefill_pp;
         s1 = s0 + 1;
     }
     for (int s = s0; s < s1; s++) {
-        for (int i = 0; i < ns + ni && n < MAX_TARGETS; i++) {
+        for (int i = 0; i < ns + ni && n < KVF_MAX_TARGETS; i++) {
             tp[n] = i < ns ? src[i] : idle[i - ns];
             pp[n++] = s;
         }
@@ -188,7 +182,7 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
                          const char *addr, uint64_t room, int dp_req, result_t *out)
 {
     const kvf_bs_info_t *info = get_info(rs, addr, out);
-    int tp[MAX_TARGETS], pp[MAX_TARGETS];
+    int tp[KVF_MAX_TARGETS], pp[KVF_MAX_TARGETS];
 
     if (info == NULL)
         return;
@@ -203,10 +197,10 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
     int dp = pick_dp(info, addr, room, dp_req, out);
     if (dp < 0)
         return;
-    int n = targets(eng, heads, info, tp, pp);
+    int n = kvf__receiver_targets(eng, heads, info->attn_tp_size, info->pp_size, tp, pp);
     for (int i = 0; i < n; i++) {
         out->t[i].rank = tp[i];
-        if (!lookup_rank(rs, addr, dp, tp[i], pp[i], out->t[i].ip, sizeof(out->t[i].ip),
+        if (!lookup_rank(rs, addr, dp, tp[i], pp[i], out->t[i].host, sizeof(out->t[i].host),
                          &out->t[i].port, out)) {
             out->res = RES_RETRY;
             return;
@@ -233,25 +227,7 @@ static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
     }
     free(r->last_err);       /* a registry hiccup that resolved is no cause */
     r->last_err = NULL;
-    r->links = calloc((size_t)res->ntargets, sizeof(kvf_link_t));
-    if (r->links == NULL) {
-        kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for the room's links");
-        return;
-    }
-    for (int i = 0; i < res->ntargets; i++) {
-        kvf_peer_t *p = kvf__peer_get(eng, res->t[i].ip, res->t[i].port, res->t[i].rank);
-        if (p == NULL) {
-            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for a peer");
-            return;
-        }
-        r->links[i].peer = p;
-        r->links[i].rank = (uint32_t)res->t[i].rank;
-        p->refs++;
-        r->nlinks++;
-    }
-    r->expected_links = r->nlinks;
-    kvf__receiver_try_request(r);
-    kvf__engine_wake(eng);
+    kvf__receiver_link(r, res->t, res->ntargets);
 }
 
 /* ------------------------------------------------------------------------ */

@@ -775,6 +775,11 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
                                pr->heartbeat_timeout_ms / 1000.0);
         }
         kvf_poll_t s = room_state(r);
+        if (s == KVF_POLL_BOOTSTRAPPING && r->side == KVF_ROLE_PREFILL &&
+            sender_of(r)->held) {
+            kvf__sender_lease_tick(r, now);     /* the lease, not the bootstrap deadline */
+            continue;
+        }
         unsigned limit = s == KVF_POLL_BOOTSTRAPPING ? pr->bootstrap_timeout_ms
                        : s == KVF_POLL_WAITING_FOR_INPUT ? pr->waiting_timeout_ms
                        : s == KVF_POLL_TRANSFERRING ? pr->transfer_timeout_ms : 0;

@@ -47,6 +47,10 @@ typedef struct kvf_link {
     int            last_queued;   /* sender: the last chunk's put is queued */
     int            broken;        /* its connection broke; a reconnect may resume it */
     uint64_t       resume_instance; /* receiver: the peer instance to resume with */
+    /* Receiver: the prefill engine instance its descriptor names
+     * (kvf_receiver_create_remote), 0 without one.  Sender: the held
+     * room's instance the reader named (ROOM_REQ sender_instance). */
+    uint64_t       want_instance;
     /* Per stream of the peer (streams.c; one without): the bytes queued
      * (sender) or placed (receiver) on it, their checksum in that
      * stream's order (or NULL), and, receiver, the streams whose DONE
@@ -201,6 +205,12 @@ struct kvf_sender {
     kvf_states_t state_src;      /* source state indices (kvf_sender_set_states) */
     uint32_t    decode_prefix;   /* tokens, as the destinations say */
     int         last_sent;
+    /* Held (kvf_sender_create_held): sends are kept until every reader
+     * asked, within the lease from t_create_ms; a reader must name
+     * hold_instance when it is not 0. */
+    int         held;
+    unsigned    lease_ms;
+    uint64_t    hold_instance;
 };
 
 /* The decode side of a room: where its bytes may land. */
@@ -218,6 +228,7 @@ struct kvf_receiver {
     uint32_t   *state_sorted;
     uint64_t   *state_bit0;
     uint32_t    decode_prefix;
+    uint64_t    sender_instance; /* the held room's instance to ask for (0: any) */
     kvf_room_t *rq_next;         /* resolver queue */
 };
 
@@ -403,7 +414,30 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
 void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
                            uint32_t expected, kvf_failure_t *f);
 
+/* Prefill: fail a held room whose lease ended with a reader missing. */
+void kvf__sender_lease_tick(kvf_room_t *r, uint64_t now);
+
+/* A prefill rank a receiver reads from. */
+#define KVF_MAX_TARGETS 64
+typedef struct kvf_target {
+    char     host[64];
+    int      port;
+    int      rank;              /* its tp rank */
+    uint64_t instance;          /* the engine instance it must be, or 0 */
+} kvf_target_t;
+
+/* resolver.c: the prefill ranks (tp[i], pp[i]) that decode engine `eng`
+ * reads a room from, of a prefill server of TP size prefill_tp and PP
+ * size prefill_pp; `heads` the model's KV heads as the engine knows them
+ * (0: guessed, kvf__receiver_try_request checks).  @return how many, at
+ * most KVF_MAX_TARGETS. */
+int  kvf__receiver_targets(const kvf_engine_t *eng, uint32_t heads, int prefill_tp,
+                           int prefill_pp, int *tp, int *pp);
+
 /* receiver.c */
+/* Link a resolved receiver to the n prefill ranks it reads from, and go
+ * on with it (a failure fails the room). */
+void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n);
 /* Free what only a receiver holds (its room is being freed). */
 void kvf__receiver_free(kvf_receiver_t *rv);
 void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m);

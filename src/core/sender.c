@@ -389,6 +389,66 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
 }
 
 /*
+ * Queue the room's pages [first, first + n) (source pages pages[0..n)) to
+ * link li, as far as its destination takes them: a held room's reader
+ * takes the held pages from its prefix's page on (as many as it has
+ * pages), any other destination the room's pages one for one.
+ */
+static kvf_status_t queue_pages(kvf_room_t *r, uint32_t li, const uint32_t *pages,
+                                uint32_t first, size_t n, int last)
+{
+    const kvf_link_t *lk = &r->links[li];
+    uint64_t skip = sender_of(r)->held ? lk->prefix / r->eng->layout.page_size : 0;
+    uint64_t lo = first > skip ? first : skip;
+    uint64_t hi = (uint64_t)first + n;
+    if (hi > skip + lk->n_pages)
+        hi = skip + lk->n_pages;
+    if (lo >= hi) {
+        /* None of these pages for it: only the last chunk's aux and state. */
+        return last ? queue_chunk(r, li, pages, 0, 0, 1) : KVF_OK;
+    }
+    return queue_chunk(r, li, pages + (lo - first), (uint32_t)(lo - skip), hi - lo, last);
+}
+
+/*
+ * Does a destination fit the pages this sender declared?  @return NULL,
+ * or why not (in why).  A held room's reader takes its pages from its
+ * prefix's page on; any other destination names exactly the room's.
+ */
+static const char *dest_misfit(const kvf_room_t *r, const kvf_link_t *lk, char *why,
+                               size_t len)
+{
+    const kvf_sender_t *s = (const kvf_sender_t *)r;
+    uint32_t ps = r->eng->layout.page_size;
+    char name[128];
+
+    if (lk->idle)
+        return NULL;
+    kvf__peer_name(lk->peer, name, sizeof(name));
+    if (s->held && lk->prefix % ps != 0) {
+        snprintf(why, len, "%s holds %u tokens of room %llu already, not a whole number "
+                 "of %u-token pages: a held room's reader takes whole pages",
+                 name, lk->prefix, (unsigned long long)r->id, ps);
+        return why;
+    }
+    if (!r->initialized)
+        return NULL;
+    if (s->held && (uint64_t)lk->prefix / ps + lk->n_pages > s->num_pages) {
+        snprintf(why, len, "%s asked for %u pages of room %llu from page %u on, but the "
+                 "prefill side holds %u (kvf_sender_init num_pages)", name, lk->n_pages,
+                 (unsigned long long)r->id, lk->prefix / ps, s->num_pages);
+        return why;
+    }
+    if (!s->held && lk->n_pages != s->num_pages) {
+        snprintf(why, len, "%s declared %u pages for room %llu, but the prefill side "
+                 "declared %u (kvf_sender_init num_pages)", name, lk->n_pages,
+                 (unsigned long long)r->id, s->num_pages);
+        return why;
+    }
+    return NULL;
+}
+
+/*
  * Tell `p` that its request (room instance `inst`) was refused, with the
  * reason, so that its receiver fails at once; the room itself goes on.
  */
@@ -416,6 +476,35 @@ static kvf_link_t *slot_of(kvf_room_t *r, uint32_t rank)
         if (r->links[i].rank == rank)
             return &r->links[i];
     return NULL;
+}
+
+static int state_counts_agree(kvf_room_t *r);
+static void queue_all(kvf_room_t *r, const uint32_t *pages, uint32_t first, size_t n,
+                      int last);
+
+/*
+ * Every reader of a held room asked: what the application sent so far
+ * moves now, to all of them, and the room goes on as any other.
+ */
+static void release_held(kvf_room_t *r)
+{
+    kvf_sender_t *s = sender_of(r);
+    if (s->pages_sent == 0 && !s->last_sent)
+        return;              /* nothing given yet: sends go out as they come */
+    if (s->last_sent) {
+        for (uint32_t i = 0; i < r->nlinks; i++) {
+            if (r->links[i].state.ngroups > 0 && s->state_src.ngroups == 0) {
+                kvf__room_fail(r, KVF_ERR_BAD_INDICES, "room %llu: the decode side "
+                               "declared state indices, and the prefill sent its last "
+                               "chunk without any (kvf_sender_set_states)",
+                               (unsigned long long)r->id);
+                return;
+            }
+        }
+        if (!state_counts_agree(r))
+            return;
+    }
+    queue_all(r, s->src_pages, 0, s->pages_sent, s->last_sent);
 }
 
 /* A decode rank's destination for a live sender, for a slot not bound
@@ -475,11 +564,10 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
         kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
         goto out;
     }
-    if (r->initialized && !dst->idle && dst->n_pages != sender_of(r)->num_pages) {
-        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s declared %u pages for room %llu, "
-                       "but the prefill side declared %u (kvf_sender_init num_pages)",
-                       name, dst->n_pages, (unsigned long long)r->id,
-                       sender_of(r)->num_pages);
+    char why[KVF_REASON_MAX - 64];
+    dst->peer = p;
+    if (dest_misfit(r, dst, why, sizeof(why)) != NULL) {
+        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s", why);
         kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
         goto out;
     }
@@ -501,6 +589,8 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     if (r->nlinks == r->expected_links) {
         sender_of(r)->decode_prefix = lk->prefix;
         kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
+        if (sender_of(r)->held)
+            release_held(r);
     }
     return;
 out:
@@ -510,6 +600,35 @@ out:
 }
 
 static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t *req);
+
+/*
+ * A reader that names a held room's instance reads only that room: a
+ * sender that holds the room under another one, or does not hold it,
+ * refuses it (two request ids whose rooms collide, or a stale request).
+ * @return 1 when the request may go on.
+ */
+static int instance_ok(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
+{
+    const kvf_sender_t *s = (const kvf_sender_t *)r;
+    char name[128];
+    if (req->want_instance == 0 || (s->held && (s->hold_instance == 0 ||
+                                                s->hold_instance == req->want_instance)))
+        return 1;
+    kvf__peer_name(p, name, sizeof(name));
+    if (s->held)
+        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu held "
+               "under instance %016llx, but prefill rank %d holds it under instance "
+               "%016llx: two request ids with one room id, or a stale request; refused",
+               name, (unsigned long long)r->id, (unsigned long long)req->want_instance,
+               r->eng->params.tp_rank, (unsigned long long)s->hold_instance);
+    else
+        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu held "
+               "under instance %016llx, but prefill rank %d does not hold that room (its "
+               "sender was not created with kvf_sender_create_held); refused", name,
+               (unsigned long long)r->id, (unsigned long long)req->want_instance,
+               r->eng->params.tp_rank);
+    return 0;
+}
 
 /*
  * A request (req, whose pages are moved or freed by the callee's callers)
@@ -540,6 +659,10 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
         else
             kvf__room_dropped(p, "ROOM_REQ", r->id, req->instance,
                               "a second request of the same room instance");
+        free(bad);
+        return;
+    }
+    if (!instance_ok(r, p, req)) {
         free(bad);
         return;
     }
@@ -723,24 +846,53 @@ void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
     }
 }
 
-kvf_status_t kvf_sender_create(kvf_engine_t *eng, const char *bootstrap_addr,
-                               uint64_t room, kvf_sender_t **sender_p)
+/* Create a sender, held when `hold` is not NULL (imported). */
+static kvf_status_t create(kvf_engine_t *eng, uint64_t room, const kvf_hold_t *hold,
+                           kvf_sender_t **sender_p)
 {
     kvf_room_t *r;
-    if (eng == NULL || sender_p == NULL)
-        return KVF_ERR_INVALID_PARAM;
     kvf__lock(eng);
     kvf_status_t st = kvf__room_create(eng, KVF_ROLE_PREFILL, room, &r);
     if (st == KVF_OK) {
-        if (bootstrap_addr && eng->bootstrap_addr &&
-            strcmp(bootstrap_addr, eng->bootstrap_addr) != 0)
-            kvf_debug("room %llu: bootstrap address %s differs from the engine's %s",
-                      (unsigned long long)room, bootstrap_addr, eng->bootstrap_addr);
+        if (hold != NULL) {
+            kvf_sender_t *s = sender_of(r);
+            s->held = 1;
+            s->lease_ms = hold->lease_ms ? hold->lease_ms : kvf__lease_default();
+            s->hold_instance = hold->instance;
+        }
+        /* Destinations that came first bind now, under the hold's rules. */
         stash_apply(r);
         *sender_p = (kvf_sender_t *)r;
     }
     kvf__unlock(eng);
     return st;
+}
+
+kvf_status_t kvf_sender_create(kvf_engine_t *eng, const char *bootstrap_addr,
+                               uint64_t room, kvf_sender_t **sender_p)
+{
+    if (eng == NULL || sender_p == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    if (bootstrap_addr && eng->bootstrap_addr && strcmp(bootstrap_addr, eng->bootstrap_addr) != 0)
+        kvf_debug("room %llu: bootstrap address %s differs from the engine's %s",
+                  (unsigned long long)room, bootstrap_addr, eng->bootstrap_addr);
+    return create(eng, room, NULL, sender_p);
+}
+
+kvf_status_t kvf_sender_create_held(kvf_engine_t *eng, uint64_t room, const kvf_hold_t *hold,
+                                    kvf_sender_t **sender_p)
+{
+    kvf_hold_t h;
+    char err[KVF_REASON_MAX];
+    if (eng == NULL || hold == NULL || sender_p == NULL) {
+        kvf_error("kvf_sender_create_held: need an engine, a hold and a result");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (kvf__hold_import(&h, hold, "kvf_sender_create_held", err, sizeof(err)) != KVF_OK) {
+        kvf_error("%s", err);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    return create(eng, room, &h, sender_p);
 }
 
 kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_slot)
@@ -769,12 +921,9 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
         r->aux_slot = aux_slot;
         r->initialized = 1;
         for (uint32_t i = 0; i < r->nlinks; i++) {
-            char name[128];
-            if (!r->links[i].idle && r->links[i].n_pages != num_pages) {
-                kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s declared %u pages for room "
-                               "%llu, but the prefill side declared %u",
-                               kvf__peer_name(r->links[i].peer, name, sizeof(name)),
-                               r->links[i].n_pages, (unsigned long long)r->id, num_pages);
+            char why[KVF_REASON_MAX - 64];
+            if (dest_misfit(r, &r->links[i], why, sizeof(why)) != NULL) {
+                kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s", why);
                 break;
             }
         }
@@ -910,7 +1059,7 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
         why = "the last chunk was already sent";
     else if (state == KVF_POLL_FAILED)
         why = "the room failed";
-    else if (state < KVF_POLL_WAITING_FOR_INPUT)
+    else if (state < KVF_POLL_WAITING_FOR_INPUT && !s->held)
         why = "the room is still Bootstrapping (poll until WaitingForInput)";
     else if (n > s->num_pages - s->pages_sent) {
         why = "more pages than kvf_sender_init declared";
@@ -936,25 +1085,16 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
         return KVF_OK;     /* the room failed, with the reason; the call did not */
     }
     if (why == NULL) {
+        uint32_t first = s->pages_sent;
         st = KVF_OK;
         if (n > 0)
-            memcpy(s->src_pages + s->pages_sent, pages, n * sizeof(uint32_t));
-        for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++) {
-            kvf_link_t *lk = &r->links[i];
-            if (lk->idle)            /* nothing to send: done with the last chunk */
-                lk->done = is_last;
-            else if (!lk->broken)    /* a resumed link gets it all again */
-                st = queue_chunk(r, i, pages, s->pages_sent, n, is_last);
-        }
-        if (st != KVF_OK) {
-            kvf__room_fail(r, st, "cannot queue chunk: %s", kvf_status_str(st));
-        } else {
-            s->pages_sent += (uint32_t)n;
-            s->last_sent = is_last;
-            kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
-            if (all_done(r))
-                kvf__room_set_state(r, KVF_POLL_SUCCESS);
-        }
+            memcpy(s->src_pages + first, pages, n * sizeof(uint32_t));
+        s->pages_sent += (uint32_t)n;
+        s->last_sent = is_last;
+        /* A held room that some reader has not asked for yet keeps them
+         * (release_held). */
+        if (state >= KVF_POLL_WAITING_FOR_INPUT)
+            queue_all(r, s->src_pages + first, first, n, is_last);
     } else {
         kvf_error("room %llu: send of %zu pages (pages %u..%zu of %u%s) refused: %s",
                   (unsigned long long)r->id, n, s->pages_sent, s->pages_sent + n,
@@ -964,6 +1104,49 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
     if (st == KVF_OK)
         kvf__engine_wake(eng);
     return st;
+}
+
+/*
+ * Queue pages [first, first + n) of the room (source pages pages[0..n)) to
+ * every link: a link that owes nothing is done with the last chunk, a
+ * broken one gets it all again when it resumes.  The room is then
+ * TRANSFERRING, or SUCCESS when nothing is owed.
+ */
+static void queue_all(kvf_room_t *r, const uint32_t *pages, uint32_t first, size_t n,
+                      int last)
+{
+    kvf_status_t st = KVF_OK;
+    for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++) {
+        kvf_link_t *lk = &r->links[i];
+        if (lk->idle)
+            lk->done = last;
+        else if (!lk->broken)
+            st = queue_pages(r, i, pages, first, n, last);
+    }
+    if (st != KVF_OK) {
+        kvf__room_fail(r, st, "cannot queue chunk: %s", kvf_status_str(st));
+        return;
+    }
+    kvf__room_set_state(r, KVF_POLL_TRANSFERRING);
+    if (all_done(r))
+        kvf__room_set_state(r, KVF_POLL_SUCCESS);
+}
+
+void kvf__sender_lease_tick(kvf_room_t *r, uint64_t now)
+{
+    kvf_sender_t *s = sender_of(r);
+    uint64_t held = kvf_elapsed_ms(now, r->t_create_ms);
+    if (held < s->lease_ms)
+        return;
+    if (r->nlinks == 0)
+        kvf__room_fail(r, KVF_ERR_LEASE_EXPIRED, "room %llu: its lease ended %.1f s after "
+                       "it was held, and no decode rank asked for it; its pages are free",
+                       (unsigned long long)r->id, (double)held / 1000.0);
+    else
+        kvf__room_fail(r, KVF_ERR_LEASE_EXPIRED, "room %llu: its lease ended %.1f s after "
+                       "it was held, with %u of its %u readers asking; its pages are free",
+                       (unsigned long long)r->id, (double)held / 1000.0, r->nlinks,
+                       r->expected_links);
 }
 
 kvf_poll_t kvf_sender_poll(const kvf_sender_t *s) { return room_state(&s->room); }
@@ -1153,8 +1336,10 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     lk->last_queued = 0;
     kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     r->t_state_ms = kvf_now_ms();
-    if (snd->pages_sent > 0 || snd->last_sent) {
-        kvf_status_t st = queue_chunk(r, li, snd->src_pages, 0, snd->pages_sent,
+    /* (A held room that is still waiting for readers keeps its pages.) */
+    if ((snd->pages_sent > 0 || snd->last_sent) &&
+        room_state(r) >= KVF_POLL_WAITING_FOR_INPUT) {
+        kvf_status_t st = queue_pages(r, li, snd->src_pages, 0, snd->pages_sent,
                                       snd->last_sent);
         if (st != KVF_OK)
             kvf__room_fail(r, st, "cannot queue the resend: %s", kvf_status_str(st));
@@ -1182,6 +1367,7 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     lk.n_pages = m->pages.count;
     lk.aux_slot = m->aux_slot;
     lk.prefix = m->decode_prefix_len;
+    lk.want_instance = m->sender_instance;
     lk.pages = malloc((lk.n_pages ? lk.n_pages : 1) * sizeof(uint32_t));
     if (lk.pages == NULL ||
         kvf__states_from_wire(&lk.state, &m->state_counts, &m->state_idx) != KVF_OK) {

@@ -602,6 +602,7 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         kvf_wire_wr_arr32(w, &m->u.room_req.state_idx);
         kvf_wire_wr_u32(w, m->u.room_req.attempt);
         kvf_wire_wr_u32(w, m->u.room_req.decode_prefix_len);
+        kvf_wire_wr_u64(w, m->u.room_req.sender_instance);
         break;
     case KVF_MSG_DATA:
         kvf_wire_wr_data(w, &m->u.data);
@@ -940,6 +941,7 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         kvf_wire_rd_arr32(rd, &r->state_idx, UINT32_MAX, "state index");
         r->attempt            = kvf_wire_rd_u32(rd, "attempt");
         r->decode_prefix_len  = kvf_wire_rd_u32(rd, "decode_prefix_len");
+        r->sender_instance    = kvf_wire_rd_u64(rd, "sender_instance");
         break;
     }
     case KVF_MSG_DATA:

@@ -49,8 +49,9 @@
 #include "util/buf.h"
 
 #define KVF_WIRE_MAGIC      0x5946564bu /* "KVFY" as little-endian bytes */
-#define KVF_WIRE_VERSION    3          /* 2: AUTH / AUTH_PROOF first; 3: typed
-                                          state, KV tags, decode prefix, JOIN */
+#define KVF_WIRE_VERSION    4          /* 2: AUTH / AUTH_PROOF first; 3: typed
+                                          state, KV tags, decode prefix, JOIN;
+                                          4: the held room's instance in ROOM_REQ */
 #define KVF_WIRE_NONCE_LEN  32
 #define KVF_WIRE_MAC_LEN    32         /* HMAC-SHA256 */
 #define KVF_WIRE_AUTH_LEN   (4 + 2 + 1 + 1 + 8 + 4 + KVF_WIRE_NONCE_LEN)
@@ -210,6 +211,10 @@ typedef struct kvf_msg_room_req {
     kvf_wire_arr32_t state_idx;
     uint32_t         attempt;             /* 0; n: resumed after n reconnects */
     uint32_t         decode_prefix_len;   /* tokens the decode holds already */
+    /* The held room's instance this reader wants (kvf_hold_t.instance,
+     * from kvf_remote_t): a sender holding the room under another one
+     * refuses it.  0: the reader takes the room's sender, whatever it is. */
+    uint64_t         sender_instance;
 } kvf_msg_room_req_t;
 
 typedef struct kvf_wire_seg {

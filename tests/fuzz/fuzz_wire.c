@@ -113,7 +113,8 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
                            &b->u.room_req.state_counts) &&
                fz_arr32_eq(&a->u.room_req.state_idx, &b->u.room_req.state_idx) &&
                a->u.room_req.attempt == b->u.room_req.attempt &&
-               a->u.room_req.decode_prefix_len == b->u.room_req.decode_prefix_len;
+               a->u.room_req.decode_prefix_len == b->u.room_req.decode_prefix_len &&
+               a->u.room_req.sender_instance == b->u.room_req.sender_instance;
     case KVF_MSG_DATA:
         return fz_data_eq(&a->u.data, &b->u.data);
     case KVF_MSG_DONE:

@@ -102,6 +102,7 @@ static kvf_msg_t sample_room_req(void)
     m.u.room_req.state_idx = (kvf_wire_arr32_t){ 2, slots, NULL };
     m.u.room_req.attempt = 3;
     m.u.room_req.decode_prefix_len = 77;
+    m.u.room_req.sender_instance = 0x1122334455667788ull;
     return m;
 }
 
@@ -324,6 +325,7 @@ static void test_roundtrip_room_req(void)
     check_arr32(&d.u.room_req.state_idx, &m.u.room_req.state_idx);
     CHECK_EQ_INT(d.u.room_req.attempt, 3);
     CHECK_EQ_INT(d.u.room_req.decode_prefix_len, 77);
+    CHECK_EQ_INT(d.u.room_req.sender_instance == 0x1122334455667788ull, 1);
     CHECK(d.u.room_req.instance == 0xa1a2a3a4a5a6a7a8ull);
     kvf_buf_free(&b);
 
@@ -472,7 +474,7 @@ static void test_golden_bytes(void)
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
     static const uint8_t auth_head[] = {
         52, 0, 0, 0, KVF_MSG_AUTH, 0, 0, 0,
-        'K', 'V', 'F', 'Y', 3, 0, 1, KVF_AUTH_F_TOKEN,
+        'K', 'V', 'F', 'Y', 4, 0, 1, KVF_AUTH_F_TOKEN,
     };
     CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + KVF_WIRE_AUTH_LEN);
     CHECK(memcmp(b.data, auth_head, sizeof(auth_head)) == 0);
@@ -1150,17 +1152,17 @@ static void test_version_mismatch(void)
     kvf_put_u16(body + 4, 1);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
     CHECK_STR_CONTAINS(err, "HELLO: peer speaks kvferry wire protocol version 1, this "
-                            "build speaks version 3");
+                            "build speaks version 4");
     kvf_put_u16(body + 4, 0);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 0, this build speaks version 3");
+    CHECK_STR_CONTAINS(err, "version 0, this build speaks version 4");
     kvf_put_u16(body + 4, KVF_WIRE_VERSION);
 
     /* A future version with a different body is still a version mismatch. */
     w.n = 0;
     b32(&w, KVF_WIRE_MAGIC); b16(&w, 7); bfill(&w, 3);
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 7, this build speaks version 3");
+    CHECK_STR_CONTAINS(err, "version 7, this build speaks version 4");
     w.n = 6;
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
     w.n = 5;
@@ -1184,14 +1186,14 @@ static void test_version_mismatch(void)
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
     body = b.data + KVF_WIRE_HDR_LEN;
     len = b.len - KVF_WIRE_HDR_LEN;
-    kvf_put_u16(body + 4, 4);
+    kvf_put_u16(body + 4, 5);
     CHECK_EQ_INT(decode_copy(KVF_MSG_AUTH, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "AUTH: peer speaks kvferry wire protocol version 4, this "
-                            "build speaks version 3");
+    CHECK_STR_CONTAINS(err, "AUTH: peer speaks kvferry wire protocol version 5, this "
+                            "build speaks version 4");
     w.n = 0;
     b32(&w, KVF_WIRE_MAGIC); b16(&w, 9);
     CHECK_EQ_INT(decode_bld(KVF_MSG_AUTH, &w, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 9, this build speaks version 3");
+    CHECK_STR_CONTAINS(err, "version 9, this build speaks version 4");
     kvf_buf_free(&b);
 }
 
@@ -1270,7 +1272,7 @@ static void test_encode_refuses(void)
     REFUSE(m);
 
     /* a page list that would make the body exceed KVF_WIRE_MAX_BODY */
-    uint32_t fit = (KVF_WIRE_MAX_BODY - 48) / 4;   /* 48: ROOM_REQ's fixed fields */
+    uint32_t fit = (KVF_WIRE_MAX_BODY - 56) / 4;   /* 56: ROOM_REQ's fixed fields */
     uint32_t *big = calloc((size_t)fit + 1, sizeof(uint32_t));
     m = sample_room_req();
     m.u.room_req.state_counts.count = 0;

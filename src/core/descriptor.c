@@ -1,0 +1,213 @@
+/*
+ * Engine descriptors: what a decode engine needs to reach a prefill
+ * engine without a registry (vLLM's flow carries them in its
+ * kv_transfer_params), and room keys for an application's request ids.
+ *
+ * A descriptor is one line of text, so that it travels as a JSON string:
+ *
+ *   kvf1 id=<16 hex> addr=<host:port> role=prefill|decode tp=<rank>/<size>
+ *        pp=<rank>/<size> dp=<rank>/<size> page=<tokens> dtype=<name>
+ *        attn=mha|mla heads=<model's KV heads>
+ *
+ * (one line; fields separated by one space).  A reader takes the fields in
+ * any order, needs each of these once and skips fields it does not know,
+ * so that later versions may add some.  Nothing in it is trusted beyond
+ * picking the ranks to dial: the handshake checks each peer is the engine
+ * instance its descriptor names, and the layouts, as for any peer.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <xxhash.h>
+
+#include "bootstrap/bootstrap.h"
+#include "core/descriptor.h"
+#include "core/engine.h"
+#include "util/log.h"
+
+static int dtype_ok(const char *v);
+
+kvf_room_key_t kvf_room_key(const void *request_id, size_t len)
+{
+    XXH128_hash_t h = XXH3_128bits(len ? request_id : "", len);
+    kvf_room_key_t k = {h.low64, h.high64 ? h.high64 : 1};
+    return k;
+}
+
+kvf_status_t kvf_engine_descriptor(const kvf_engine_t *eng, char *buf, size_t len)
+{
+    if (eng == NULL || buf == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    /* The layout is written once, under the lock, before `registered`;
+     * the fields read here never change afterwards. */
+    kvf__lock((kvf_engine_t *)eng);
+    int registered = eng->registered;
+    kvf__unlock((kvf_engine_t *)eng);
+    if (!registered) {
+        kvf_error("kvf_engine_descriptor: register the engine's layout first");
+        return KVF_ERR_STATE;
+    }
+    const kvf_engine_params_t *p = &eng->params;
+    const kvf_layout_int_t *l = &eng->layout;
+    if (!dtype_ok(l->kv_dtype)) {
+        kvf_error("kvf_engine_descriptor: the layout's kv_dtype \"%s\" has characters a "
+                  "descriptor cannot carry (letters, digits, '_', '-', '.')", l->kv_dtype);
+        return KVF_ERR_UNSUPPORTED;
+    }
+    int n = snprintf(buf, len, "kvf1 id=%016llx addr=%s role=%s tp=%d/%d pp=%d/%d "
+                     "dp=%d/%d page=%u dtype=%s attn=%s heads=%u",
+                     (unsigned long long)eng->instance_id, eng->addr,
+                     kvf_role_name(p->role), p->tp_rank, p->tp_size, p->pp_rank,
+                     p->pp_size, p->dp_rank, p->dp_size, l->page_size, l->kv_dtype,
+                     l->attn == KVF_ATTN_MLA ? "mla" : "mha", l->total_heads);
+    if (n < 0 || (size_t)n >= len) {
+        kvf_error("kvf_engine_descriptor: %zu bytes given, %d needed (KVF_DESCRIPTOR_MAX "
+                  "always suffices)", len, n + 1);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    return KVF_OK;
+}
+
+/* "r/n" with 0 <= r < n <= max. */
+static int parse_coord(const char *v, int max, int *rank, int *size)
+{
+    char *end;
+    long r = strtol(v, &end, 10);
+    if (end == v || *end != '/' || v[0] == '-' || v[0] == '+')
+        return 0;
+    const char *s = end + 1;
+    long n = strtol(s, &end, 10);
+    if (end == s || *end != '\0' || s[0] == '-' || s[0] == '+' || n < 1 || n > max ||
+        r >= n)
+        return 0;
+    *rank = (int)r;
+    *size = (int)n;
+    return 1;
+}
+
+static int parse_u32(const char *v, uint32_t max, uint32_t *out)
+{
+    char *end;
+    if (v[0] < '0' || v[0] > '9')
+        return 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (*end != '\0' || x > max)
+        return 0;
+    *out = (uint32_t)x;
+    return 1;
+}
+
+/* The dtype's characters (layout.c accepts any printable name; a
+ * descriptor carries only what stays a plain JSON string). */
+static int dtype_ok(const char *v)
+{
+    size_t n = strlen(v);
+    if (n == 0 || n >= sizeof(((kvf_descriptor_t *)0)->dtype))
+        return 0;
+    for (const char *c = v; *c; c++)
+        if (!((*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') ||
+              (*c >= '0' && *c <= '9') || *c == '_' || *c == '-' || *c == '.'))
+            return 0;
+    return 1;
+}
+
+enum { F_ID, F_ADDR, F_ROLE, F_TP, F_PP, F_DP, F_PAGE, F_DTYPE, F_ATTN, F_HEADS, F_COUNT };
+static const char *const field_names[F_COUNT] = {
+    "id", "addr", "role", "tp", "pp", "dp", "page", "dtype", "attn", "heads"};
+
+static int parse_field(kvf_descriptor_t *d, int f, const char *v)
+{
+    char *end;
+    switch (f) {
+    case F_ID:
+        if (strlen(v) != 16 || strspn(v, "0123456789abcdef") != 16)
+            return 0;
+        d->instance = strtoull(v, &end, 16);
+        return d->instance != 0;
+    case F_ADDR:
+        if (strlen(v) >= sizeof(d->addr) ||
+            kvf__split_addr(v, d->host, sizeof(d->host), &d->port) != KVF_OK || d->port == 0)
+            return 0;
+        memcpy(d->addr, v, strlen(v) + 1);
+        return 1;
+    case F_ROLE:
+        if (strcmp(v, "prefill") != 0 && strcmp(v, "decode") != 0)
+            return 0;
+        d->role = v[0] == 'p' ? KVF_ROLE_PREFILL : KVF_ROLE_DECODE;
+        return 1;
+    case F_TP:
+        return parse_coord(v, 4096, &d->tp_rank, &d->tp_size);
+    case F_PP:
+        return parse_coord(v, 1024, &d->pp_rank, &d->pp_size);
+    case F_DP:
+        return parse_coord(v, 65536, &d->dp_rank, &d->dp_size);
+    case F_PAGE:
+        return parse_u32(v, UINT32_MAX, &d->page_size) && d->page_size > 0;
+    case F_DTYPE:
+        if (!dtype_ok(v))
+            return 0;
+        memcpy(d->dtype, v, strlen(v) + 1);
+        return 1;
+    case F_ATTN:
+        if (strcmp(v, "mha") != 0 && strcmp(v, "mla") != 0)
+            return 0;
+        d->attn = v[1] == 'h' ? KVF_ATTN_MHA : KVF_ATTN_MLA;
+        return 1;
+    case F_HEADS:
+        return parse_u32(v, 65536, &d->total_heads);
+    }
+    return 0;
+}
+
+kvf_status_t kvf__descriptor_parse(const char *text, kvf_descriptor_t *d, char *err,
+                                   size_t errlen)
+{
+    char line[KVF_DESCRIPTOR_MAX];
+    unsigned seen = 0;
+
+    memset(d, 0, sizeof(*d));
+    if (text == NULL || strnlen(text, sizeof(line)) == sizeof(line)) {
+        snprintf(err, errlen, "%s", text == NULL ? "a NULL descriptor"
+                 : "a descriptor longer than KVF_DESCRIPTOR_MAX");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    memcpy(line, text, strlen(text) + 1);
+    if (strncmp(line, "kvf1 ", 5) != 0) {
+        snprintf(err, errlen, "not a kvferry descriptor (it starts \"%.8s\", not \"kvf1 \")",
+                 line);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    for (char *tok = line + 5, *next; tok != NULL && *tok != '\0'; tok = next) {
+        next = strchr(tok, ' ');
+        if (next != NULL)
+            *next++ = '\0';
+        char *eq = strchr(tok, '=');
+        if (eq == NULL) {
+            snprintf(err, errlen, "field \"%.32s\" has no '='", tok);
+            return KVF_ERR_INVALID_PARAM;
+        }
+        *eq = '\0';
+        int f = 0;
+        while (f < F_COUNT && strcmp(tok, field_names[f]) != 0)
+            f++;
+        if (f == F_COUNT)
+            continue;                    /* a later version's field */
+        if (seen & (1u << f)) {
+            snprintf(err, errlen, "field %s given twice", tok);
+            return KVF_ERR_INVALID_PARAM;
+        }
+        if (!parse_field(d, f, eq + 1)) {
+            snprintf(err, errlen, "field %s=\"%.64s\" is not valid", tok, eq + 1);
+            return KVF_ERR_INVALID_PARAM;
+        }
+        seen |= 1u << f;
+    }
+    for (int f = 0; f < F_COUNT; f++) {
+        if (!(seen & (1u << f))) {
+            snprintf(err, errlen, "field %s is missing", field_names[f]);
+            return KVF_ERR_INVALID_PARAM;
+        }
+    }
+    return KVF_OK;
+}

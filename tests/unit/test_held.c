@@ -1,0 +1,562 @@
+/*
+ * Held rooms (vLLM's flow), between real engines over loopback: a prefill
+ * sender that is given all its pages before any decode rank asked, and
+ * decode receivers that reach it by its engines' descriptors, without a
+ * registry, then read.  Every byte is checked, per head and token, for
+ * TP 1 -> 1, 1 -> 2 and 2 -> 1, over tcp and shm; the lease ends rooms
+ * nobody read, or read only in part; a reader naming another request's
+ * instance is refused and the room goes on; a reader with a cached prefix
+ * takes the rest; a restarted prefill is told apart from the one its
+ * descriptor names; descriptors and room keys themselves.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvferry/kvferry.h"
+#include "unit/kvf_test.h"
+
+#define PAGE   4           /* tokens per page */
+#define PAGES  16
+#define HEADS  4           /* the model's KV heads */
+#define HEAD_B 8           /* bytes per head per token */
+#define NKV    4           /* 2 layers, K and V */
+#define AUX_B  16
+#define SLOTS  4
+#define MAXR   2
+
+typedef struct rank {
+    kvf_engine_t *eng;
+    uint8_t      *kv[NKV];
+    uint8_t      *aux;
+    int           tp_rank, tp_size;
+    char          desc[KVF_DESCRIPTOR_MAX];
+} rank_t;
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+static size_t page_bytes(int tp_size)
+{
+    return (size_t)PAGE * (HEADS / tp_size) * HEAD_B;
+}
+
+/* Byte k of global head g of token t of source page pg of KV buffer b. */
+static uint8_t pat(int b, uint32_t pg, uint32_t t, uint32_t g, uint32_t k)
+{
+    return (uint8_t)(b * 131 + pg * 17 + t * 5 + g * 29 + k * 3 + 1);
+}
+
+/* A rank with NKV buffers of NHD pages and one aux buffer; a prefill
+ * rank's pages hold pat(), its aux slot s the byte 0x40 + s. */
+static void rank_up(rank_t *r, kvf_role_t role, int tp_rank, int tp_size, const char *transport,
+                    int port)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = role;
+    p.tp_rank = tp_rank;
+    p.tp_size = tp_size;
+    p.port = port;
+    p.transport = transport;
+    p.checksum = 1;
+    p.bootstrap_timeout_ms = 5000;
+    r->tp_rank = tp_rank;
+    r->tp_size = tp_size;
+    CHECK_EQ_INT(kvf_engine_create(&p, &r->eng), KVF_OK);
+
+    uint32_t hpr = HEADS / (uint32_t)tp_size;
+    size_t pb = page_bytes(tp_size);
+    kvf_buffer_t kv[NKV], aux;
+    for (int b = 0; b < NKV; b++) {
+        CHECK_EQ_INT(kvf_mem_alloc(PAGES * pb, (void **)&r->kv[b]), KVF_OK);
+        for (uint32_t pg = 0; role == KVF_ROLE_PREFILL && pg < PAGES; pg++)
+            for (uint32_t t = 0; t < PAGE; t++)
+                for (uint32_t h = 0; h < hpr; h++)
+                    for (uint32_t k = 0; k < HEAD_B; k++)
+                        r->kv[b][pg * pb + (t * hpr + h) * HEAD_B + k] =
+                            pat(b, pg, t, (uint32_t)tp_rank * hpr + h, k);
+        kv[b] = (kvf_buffer_t){r->kv[b], PAGES * pb, pb};
+    }
+    r->aux = calloc(SLOTS, AUX_B);
+    for (int s = 0; role == KVF_ROLE_PREFILL && s < SLOTS; s++)
+        memset(r->aux + s * AUX_B, 0x40 + s, AUX_B);
+    aux = (kvf_buffer_t){r->aux, SLOTS * AUX_B, AUX_B};
+
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = PAGE;
+    l.kv_dtype = "bfloat16";
+    l.num_layers = NKV / 2;
+    l.heads_per_rank = hpr;
+    l.total_heads = HEADS;
+    l.bytes_per_head = HEAD_B;
+    l.num_kv = NKV;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;
+    CHECK_EQ_INT(kvf_engine_register_layout(r->eng, &l), KVF_OK);
+    CHECK_EQ_INT(kvf_engine_descriptor(r->eng, r->desc, sizeof(r->desc)), KVF_OK);
+}
+
+static void rank_down(rank_t *r)
+{
+    if (r->eng != NULL)
+        kvf_engine_destroy(r->eng);
+    for (int b = 0; b < NKV; b++)
+        kvf_mem_free(r->kv[b]);
+    free(r->aux);
+    memset(r, 0, sizeof(*r));
+}
+
+/* Every poll state reached within 10 s, or the last one seen. */
+static kvf_poll_t wait_s(kvf_sender_t *s, kvf_poll_t want)
+{
+    kvf_poll_t p = kvf_sender_poll(s);
+    for (int i = 0; i < 10000 && p < want && p != KVF_POLL_FAILED; i++) {
+        sleep_ms(1);
+        p = kvf_sender_poll(s);
+    }
+    return p;
+}
+
+static kvf_poll_t wait_r(kvf_receiver_t *r, kvf_poll_t want)
+{
+    kvf_poll_t p = kvf_receiver_poll(r);
+    for (int i = 0; i < 10000 && p < want && p != KVF_POLL_FAILED; i++) {
+        sleep_ms(1);
+        p = kvf_receiver_poll(r);
+    }
+    return p;
+}
+
+/* Hold room `key` on every prefill rank: pages src[0..n) and aux slot 1,
+ * given at once, before any reader. */
+static void hold_all(rank_t *pre, int np, kvf_room_key_t key, unsigned lease_ms,
+                     const uint32_t *src, size_t n, kvf_sender_t **s)
+{
+    kvf_hold_t h;
+    kvf_hold_init(&h);
+    h.lease_ms = lease_ms;
+    h.instance = key.instance;
+    for (int i = 0; i < np; i++) {
+        CHECK_EQ_INT(kvf_sender_create_held(pre[i].eng, key.room, &h, &s[i]), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_init(s[i], (uint32_t)n, 1), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send(s[i], src, n, 1), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_poll(s[i]), KVF_POLL_BOOTSTRAPPING);
+    }
+}
+
+/* A reader on decode rank `dec` of the room the np prefill ranks hold. */
+static kvf_receiver_t *reader(rank_t *dec, rank_t *pre, int np, uint64_t room,
+                              uint64_t instance)
+{
+    const char *descs[MAXR];
+    kvf_receiver_t *r = NULL;
+    for (int i = 0; i < np; i++)
+        descs[i] = pre[i].desc;
+    kvf_remote_t rm;
+    kvf_remote_init(&rm);
+    rm.room = room;
+    rm.instance = instance;
+    rm.descriptors = descs;
+    rm.num_descriptors = (size_t)np;
+    CHECK_EQ_INT(kvf_receiver_create_remote(dec->eng, &rm, &r), KVF_OK);
+    return r;
+}
+
+static void give_dest(kvf_receiver_t *r, const uint32_t *dst, size_t n, uint32_t prefix)
+{
+    kvf_dest_t d;
+    kvf_dest_init(&d);
+    d.pages = dst;
+    d.num_pages = n;
+    d.aux_slot = 2;
+    d.decode_prefix_len = prefix;
+    CHECK_EQ_INT(wait_r(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_receiver_set_dest(r, &d), KVF_OK);
+}
+
+/* Decode rank `dec` holds, in dst[j], the heads of its TP rank of source
+ * page src[skip + j], every token and byte; and aux slot 1's bytes in
+ * its slot 2. */
+static int placed_ok(const rank_t *dec, const uint32_t *src, size_t skip, const uint32_t *dst,
+                     size_t n)
+{
+    uint32_t hpr = HEADS / (uint32_t)dec->tp_size;
+    size_t pb = page_bytes(dec->tp_size);
+    for (int b = 0; b < NKV; b++)
+        for (size_t j = 0; j < n; j++)
+            for (uint32_t t = 0; t < PAGE; t++)
+                for (uint32_t h = 0; h < hpr; h++)
+                    for (uint32_t k = 0; k < HEAD_B; k++) {
+                        uint8_t got = dec->kv[b][dst[j] * pb + (t * hpr + h) * HEAD_B + k];
+                        uint32_t g = (uint32_t)dec->tp_rank * hpr + h;
+                        if (got != pat(b, src[skip + j], t, g, k)) {
+                            fprintf(stderr, "  buffer %d dest page %u token %u head %u byte "
+                                    "%u: %u, want %u\n", b, dst[j], t, g, k, got,
+                                    pat(b, src[skip + j], t, g, k));
+                            return 0;
+                        }
+                    }
+    for (int i = 0; i < AUX_B; i++)
+        if (dec->aux[2 * AUX_B + i] != 0x41)
+            return 0;
+    return 1;
+}
+
+/* P prefill ranks hold a room; D decode ranks read it; every byte checked. */
+static void held_case(int np, int nd, const char *transport)
+{
+    rank_t pre[MAXR] = {0}, dec[MAXR] = {0};
+    kvf_sender_t *s[MAXR];
+    kvf_receiver_t *r[MAXR];
+    uint32_t src[5] = {3, 4, 5, 11, 0}, dst[5] = {7, 1, 2, 3, 15};
+    kvf_room_key_t key = kvf_room_key("cmpl-held-1", 11);
+
+    for (int i = 0; i < np; i++)
+        rank_up(&pre[i], KVF_ROLE_PREFILL, i, np, transport, 0);
+    for (int i = 0; i < nd; i++)
+        rank_up(&dec[i], KVF_ROLE_DECODE, i, nd, transport, 0);
+    hold_all(pre, np, key, 10000, src, 5, s);
+    for (int i = 0; i < nd; i++)
+        r[i] = reader(&dec[i], pre, np, key.room, key.instance);
+    for (int i = 0; i < nd; i++)
+        give_dest(r[i], dst, 5, 0);
+    for (int i = 0; i < np; i++)
+        CHECK_EQ_INT(wait_s(s[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    for (int i = 0; i < nd; i++) {
+        CHECK_EQ_INT(wait_r(r[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+        CHECK(placed_ok(&dec[i], src, 0, dst, 5));
+    }
+    for (int i = 0; i < np; i++)
+        kvf_sender_destroy(s[i]);
+    for (int i = 0; i < nd; i++)
+        kvf_receiver_destroy(r[i]);
+    for (int i = 0; i < nd; i++)
+        rank_down(&dec[i]);
+    for (int i = 0; i < np; i++)
+        rank_down(&pre[i]);
+}
+
+static void test_held_tcp(void)
+{
+    held_case(1, 1, "tcp");
+    held_case(1, 2, "tcp");
+    held_case(2, 1, "tcp");
+}
+
+static void test_held_shm(void)
+{
+    held_case(1, 1, "shm");
+    held_case(1, 2, "shm");
+    held_case(2, 1, "shm");
+}
+
+static void failed_with(kvf_poll_t state, kvf_status_t got, kvf_status_t want,
+                        const kvf_failure_t *f, const char *part)
+{
+    CHECK_EQ_INT(state, KVF_POLL_FAILED);
+    CHECK_EQ_INT(got, KVF_OK);
+    CHECK_EQ_INT(f->status, want);
+    CHECK_STR_CONTAINS(f->reason, part);
+}
+
+/* No reader within the lease: the room fails, its pages free. */
+static void test_lease_expires_unread(void)
+{
+    rank_t pre = {0};
+    kvf_sender_t *s;
+    kvf_failure_t f;
+    uint32_t src[2] = {1, 2};
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    hold_all(&pre, 1, kvf_room_key("never-read", 10), 200, src, 2, &s);
+    kvf_poll_t st = wait_s(s, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_LEASE_EXPIRED, &f,
+                "no decode rank asked for it");
+    CHECK_EQ_INT(f.from_another_rank, 0);
+    kvf_sender_destroy(s);
+    rank_down(&pre);
+}
+
+/* TP 1 -> 2, one decode rank never asks: the lease ends the room on the
+ * prefill and, through it, on the decode rank that did ask. */
+static void test_lease_expires_half_read(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    kvf_failure_t f;
+    uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
+    kvf_room_key_t key = kvf_room_key("half-read", 9);
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 2, "tcp", 0);
+    hold_all(&pre, 1, key, 500, src, 2, &s);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(r, dst, 2, 0);
+    kvf_poll_t st = wait_s(s, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_LEASE_EXPIRED, &f,
+                "with 1 of its 2 readers asking");
+    st = wait_r(r, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_LEASE_EXPIRED, &f, "lease ended");
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    CHECK_EQ_INT(f.origin_side, KVF_ROLE_PREFILL);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* A reader naming another request's instance (two request ids, one room
+ * id) is refused; the held room goes on and serves its own reader. */
+static void test_other_instance_refused(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *bad, *good;
+    kvf_failure_t f;
+    uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
+    kvf_room_key_t key = kvf_room_key("req-a", 5), other = kvf_room_key("req-b", 5);
+    CHECK(key.instance != other.instance);
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    hold_all(&pre, 1, key, 10000, src, 2, &s);
+
+    bad = reader(&dec, &pre, 1, key.room, other.instance);
+    /* The same room id twice on one decode engine: refused at create. */
+    kvf_remote_t rm;
+    const char *d0 = pre.desc;
+    kvf_receiver_t *twice = NULL;
+    kvf_remote_init(&rm);
+    rm.room = key.room;
+    rm.descriptors = &d0;
+    rm.num_descriptors = 1;
+    CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &twice), KVF_ERR_ROOM_IN_USE);
+    give_dest(bad, dst, 2, 0);
+    kvf_poll_t st = wait_r(bad, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
+                "holds it under instance");
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+    kvf_receiver_destroy(bad);
+
+    good = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(good, dst, 2, 0);
+    CHECK_EQ_INT(wait_s(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_r(good, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK(placed_ok(&dec, src, 0, dst, 2));
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(good);
+
+    /* A room that is not held refuses a reader that names an instance. */
+    kvf_sender_t *plain;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, NULL, 99, &plain), KVF_OK);
+    bad = reader(&dec, &pre, 1, 99, key.instance);
+    give_dest(bad, dst, 2, 0);
+    st = wait_r(bad, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
+                "does not hold that room");
+    kvf_receiver_destroy(bad);
+    kvf_sender_destroy(plain);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* A reader that holds a prefix takes the held pages after it; one whose
+ * prefix is not whole pages fails the room on both sides. */
+static void test_reader_prefix(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    kvf_failure_t f;
+    uint32_t src[6] = {9, 8, 7, 6, 5, 4}, dst[3] = {0, 1, 2};
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+
+    kvf_room_key_t key = kvf_room_key("prefix", 6);
+    hold_all(&pre, 1, key, 10000, src, 6, &s);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(r, dst, 3, 2 * PAGE);        /* holds pages 0-1: takes 2, 3, 4 */
+    CHECK_EQ_INT(wait_s(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_r(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK(placed_ok(&dec, src, 2, dst, 3));
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+
+    key = kvf_room_key("prefix-bad", 10);
+    hold_all(&pre, 1, key, 10000, src, 6, &s);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(r, dst, 3, PAGE + 1);
+    kvf_poll_t st = wait_s(s, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_BAD_INDICES, &f,
+                "not a whole number of 4-token pages");
+    st = wait_r(r, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_BAD_INDICES, &f, "whole pages");
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+
+    key = kvf_room_key("prefix-long", 11);
+    hold_all(&pre, 1, key, 10000, src, 6, &s);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(r, dst, 3, 4 * PAGE);        /* pages 4, 5, 6 of 6 */
+    st = wait_s(s, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_BAD_INDICES, &f,
+                "from page 4 on, but the prefill side holds 6");
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* A reader that gives up after asking fails the held room at once. */
+static void test_reader_abort(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    kvf_failure_t f;
+    uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
+    kvf_room_key_t key = kvf_room_key("abort", 5);
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 2, "tcp", 0);      /* the other rank never asks */
+    hold_all(&pre, 1, key, 60000, src, 2, &s);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(r, dst, 2, 0);
+    /* The ABORT follows the request on the one connection: the prefill
+     * has the reader bound when it comes. */
+    kvf_receiver_abort(r);
+    kvf_poll_t st = wait_s(s, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "");
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* The prefill restarted on the same port: its descriptor's instance is
+ * gone, and the reader says so instead of asking the new engine. */
+static void test_restarted_prefill(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_receiver_t *r;
+    kvf_failure_t f;
+    char addr[KVF_ADDR_MAX], old_desc[KVF_DESCRIPTOR_MAX];
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
+    int port = atoi(strrchr(addr, ':') + 1);
+    memcpy(old_desc, pre.desc, sizeof(old_desc));
+    rank_down(&pre);
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", port);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    memcpy(pre.desc, old_desc, sizeof(old_desc));
+    r = reader(&dec, &pre, 1, 5, 0);
+    kvf_poll_t st = wait_r(r, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_PEER_RESTARTED, &f,
+                "the prefill engine restarted since it held the room");
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* What a malformed or foreign descriptor list gets: a refused call. */
+static void test_descriptors(void)
+{
+    rank_t pre = {0}, dec = {0};
+    char buf[KVF_DESCRIPTOR_MAX], addr[KVF_ADDR_MAX];
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 2, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
+    CHECK_STR_CONTAINS(pre.desc, "kvf1 id=");
+    CHECK_STR_CONTAINS(pre.desc, addr);
+    CHECK_STR_CONTAINS(pre.desc, " role=prefill tp=0/2 pp=0/1 dp=0/1 page=4 dtype=bfloat16 "
+                       "attn=mha heads=4");
+    CHECK(strchr(pre.desc, '"') == NULL && strchr(pre.desc, '\\') == NULL);
+    CHECK_EQ_INT(kvf_engine_descriptor(pre.eng, buf, 20), KVF_ERR_INVALID_PARAM);
+
+    const char *bad[] = {
+        "",
+        "kvf2 id=0123456789abcdef",
+        "kvf1 id=0123456789abcdef addr=127.0.0.1:1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha",                           /* no heads */
+        "kvf1 id=0123456789abcdef id=0123456789abcdef addr=127.0.0.1:1 role=prefill "
+        "tp=0/2 pp=0/1 dp=0/1 page=4 dtype=bfloat16 attn=mha heads=4",  /* twice */
+        "kvf1 id=0000000000000000 addr=127.0.0.1:1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha heads=4",                   /* id 0 */
+        "kvf1 id=0123456789abcdef addr=127.0.0.1:1 role=prefill tp=2/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha heads=4",                   /* rank >= size */
+        "kvf1 id=0123456789abcdef addr=127.0.0.1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha heads=4",                   /* no port */
+        "kvf1 id=0123456789abcdef addr=127.0.0.1:1 role=decode tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha heads=4",                   /* a decode's */
+        "kvf1 id=0123456789abcdef addr=127.0.0.1:1 role=prefill tp=0/-2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha heads=4",
+        "kvf1 id=0123456789abcdef addr=127.0.0.1:1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bf\"16 attn=mha heads=4",
+        "kvf1 id=0123456789abcdef addr=127.0.0.1:1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=gqa heads=4",
+    };
+    kvf_receiver_t *r = NULL;
+    kvf_remote_t rm;
+    kvf_remote_init(&rm);
+    rm.room = 1;
+    rm.num_descriptors = 1;
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        rm.descriptors = &bad[i];
+        CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_INVALID_PARAM);
+    }
+    /* TP 2 -> 1 reads both prefill ranks: one descriptor is not enough,
+     * nor the same one twice. */
+    const char *one[2] = {pre.desc, pre.desc};
+    rm.descriptors = one;
+    CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "no descriptor names it");
+    rm.num_descriptors = 2;
+    CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "both name prefill rank tp 0 pp 0");
+    rm.num_descriptors = 0;
+    CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_INVALID_PARAM);
+    /* A later version's field is skipped. */
+    snprintf(buf, sizeof(buf), "%s future=1", pre.desc);
+    const char *two[2] = {buf, NULL};
+    rank_t pre1 = {0};
+    rank_up(&pre1, KVF_ROLE_PREFILL, 1, 2, "tcp", 0);
+    two[1] = pre1.desc;
+    rm.descriptors = two;
+    rm.num_descriptors = 2;
+    CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_OK);
+    kvf_receiver_destroy(r);
+    rank_down(&pre1);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* The documented function: XXH3-128 of the bytes, low half the room,
+ * high half the instance.  Pinned, since both sides compute it. */
+static void test_room_key(void)
+{
+    kvf_room_key_t a = kvf_room_key("cmpl-1234", 9), b = kvf_room_key("cmpl-1234", 9);
+    kvf_room_key_t c = kvf_room_key("cmpl-1235", 9);
+    CHECK(a.room == b.room && a.instance == b.instance);
+    CHECK(a.room != c.room && a.instance != c.instance);
+    CHECK(kvf_room_key("", 0).instance != 0);
+    CHECK(kvf_room_key(NULL, 0).room == kvf_room_key("", 0).room);
+    kvf_room_key_t abc = kvf_room_key("abc", 3);
+    CHECK(abc.room == 0x78af5f94892f3950ull && abc.instance == 0x06b05ab6733a6185ull);
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
+              KVF_CASE(test_held_shm),
+              KVF_CASE(test_lease_expires_unread),
+              KVF_CASE(test_lease_expires_half_read),
+              KVF_CASE(test_other_instance_refused),
+              KVF_CASE(test_reader_prefix),
+              KVF_CASE(test_reader_abort),
+              KVF_CASE(test_restarted_prefill),
+              KVF_CASE(test_descriptors),
+              KVF_CASE(test_room_key))
