@@ -3,12 +3,12 @@
  *
  * A sender collects one destination (ROOM_REQ) per decode rank it feeds,
  * then turns each send() chunk into one put per destination and stream,
- * produced lazily segment by segment (whole page runs, or head slices of
- * each token (NHD pages) or of each page (HND) when the TP sizes differ); with several streams each gets its
- * share of every chunk's pages (spread_runs).  After the last chunk's put
- * completes on a stream, that stream carries its DONE with its byte count
- * (and checksum), and the sender reaches SUCCESS when every destination
- * has acknowledged.  A destination that arrives before its sender is stashed.
+ * produced lazily segment by segment (whole page runs, or, when the TP
+ * sizes differ, head slices of each token of NHD pages or of each HND
+ * page); with several streams each gets its share of every chunk's pages
+ * (spread_runs).  After the last chunk's put completes on a stream, that
+ * stream carries its DONE with its byte count (and checksum), and the
+ * sender reaches SUCCESS when every destination has acknowledged.  A destination that arrives before its sender is stashed.
  * A decode rank that reconnects resumes its destination: everything queued
  * so far is sent again (writes are idempotent).
  */
