@@ -135,6 +135,11 @@ typedef struct kvf_wire_layout {
     kvf_wire_str_t   state_types;
     /* One tag per KV buffer (kvf_wire_tag()): what it holds. */
     kvf_wire_arr64_t kv_tags;
+    /* kvf_kv_order_t of the KV pages.  Optional on the wire, last in the
+     * body: a HELLO carries it only when it is not 0 (NHD), so that an NHD
+     * layout's HELLO is the one builds before the field send, and one
+     * without it reads as NHD. */
+    uint8_t          kv_order;
 } kvf_wire_layout_t;
 
 /* A KV buffer's tag as HELLO carries it: layer, role and group (kvferry.h

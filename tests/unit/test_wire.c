@@ -309,6 +309,54 @@ static void test_roundtrip_hello(void)
     kvf_buf_free(&b);
 }
 
+/*
+ * HELLO's KV page order: an optional last field, present only when not NHD,
+ * so that an NHD layout's HELLO is byte for byte the one builds before it
+ * send, and one without it reads as NHD.
+ */
+static void test_hello_kv_order(void)
+{
+    kvf_msg_t m = sample_hello(), d;
+    kvf_buf_t nhd, hnd;
+    char err[256];
+
+    CHECK_EQ_INT(encode_decode(&m, &nhd, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(d.u.hello.layout.kv_order, 0);
+    m.u.hello.layout.kv_order = 1;               /* KVF_KV_HND */
+    CHECK_EQ_INT(encode_decode(&m, &hnd, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(d.u.hello.layout.kv_order, 1);
+    /* The same bytes, and one more: the order, last. */
+    CHECK_EQ_INT(hnd.len, nhd.len + 1);
+    CHECK(memcmp(hnd.data + KVF_WIRE_HDR_LEN, nhd.data + KVF_WIRE_HDR_LEN,
+                 nhd.len - KVF_WIRE_HDR_LEN) == 0);
+    CHECK_EQ_INT(hnd.data[hnd.len - 1], 1);
+
+    uint8_t *body = hnd.data + KVF_WIRE_HDR_LEN;
+    size_t len = hnd.len - KVF_WIRE_HDR_LEN;
+    body[len - 1] = 0;
+    CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "HELLO: kv_order 0 (NHD) is sent by omitting the field");
+    body[len - 1] = 2;
+    CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "HELLO: layout has unknown KV page order 2");
+    /* Anything after it is trailing. */
+    static uint8_t longer[4096];
+    CHECK(len + 1 <= sizeof(longer));
+    memcpy(longer, body, len);
+    longer[len - 1] = 1;
+    longer[len] = 1;
+    CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, longer, len + 1, &d, err, sizeof(err)),
+                 KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "trailing bytes");
+    kvf_buf_free(&hnd);
+    kvf_buf_free(&nhd);
+
+    m.u.hello.layout.kv_order = 2;               /* would not decode */
+    kvf_buf_init(&hnd);
+    CHECK_EQ_INT(kvf_wire_encode(&hnd, &m), KVF_ERR_INVALID_PARAM);
+    kvf_buf_free(&hnd);
+}
+
 static void test_roundtrip_room_req(void)
 {
     kvf_msg_t m = sample_room_req(), d;
@@ -1384,6 +1432,7 @@ static void test_roundtrip_xport_data_ref(void)
 KVF_TEST_MAIN(
     KVF_CASE(test_roundtrip_xport_data_ref),
     KVF_CASE(test_roundtrip_hello),
+    KVF_CASE(test_hello_kv_order),
     KVF_CASE(test_roundtrip_room_req),
     KVF_CASE(test_roundtrip_data),
     KVF_CASE(test_roundtrip_small),
