@@ -558,8 +558,7 @@ static void kvf_wire_wr_hello(kvf_wire_wr_t *w, const kvf_msg_hello_t *h)
     kvf_wire_wr_arr32(w, &l->state_groups);
     kvf_wire_wr_str(w, &l->state_types);
     kvf_wire_wr_arr64(w, &l->kv_tags);
-    if (l->kv_order != 0)         /* optional: absent means NHD */
-        kvf_wire_wr_u8(w, l->kv_order);
+    kvf_wire_wr_u8(w, l->kv_order);
 }
 
 static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_data_t *d)
@@ -924,11 +923,7 @@ static void kvf_wire_rd_hello(kvf_wire_rd_t *rd, kvf_msg_hello_t *h)
     kvf_wire_rd_arr32(rd, &l->state_groups, KVF_WIRE_MAX_BUFS, "state_groups");
     kvf_wire_rd_str(rd, &l->state_types, "state_types");
     kvf_wire_rd_arr64(rd, &l->kv_tags, "kv_tags");
-    if (rd->left == 1) {          /* the optional KV page order; else trailing */
-        l->kv_order = kvf_wire_rd_u8(rd, "kv_order");
-        if (l->kv_order == 0)
-            kvf_wire_rd_fail(rd, "kv_order 0 (NHD) is sent by omitting the field");
-    }
+    l->kv_order = kvf_wire_rd_u8(rd, "kv_order");
 }
 
 static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
