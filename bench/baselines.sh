@@ -10,7 +10,8 @@
 #              ucx_perftest ucp_get and ucp_put_bw, UCX_TLS=tcp, -e, 4 MiB
 #   issue 6    TCP llama3-8b contiguous page 64 / scattered page 1; small
 #              rooms (tiny, 64 in flight); 10,000 rooms in flight
-#   issue 4    qwen2.5-7b prefill TP 1 -> decode TP 2 vs TP 1 -> 1 (tcp, shm)
+#   issue 4    qwen2.5-7b prefill TP 1 -> decode TP 2 vs TP 1 -> 1 (tcp, shm),
+#              and TP 1 -> 2 with head-major pages (--kv-order hnd, issue 15)
 #   issue 5    shm contiguous vs memcpy (and with two copier threads);
 #              ucx (UCX_TLS=tcp) vs ucp_get
 #   issue 11   the same targets tightened, plus every application call's
@@ -126,6 +127,8 @@ for i in $(seq "$REPEATS"); do
     for t in tcp shm; do
         kvf "tp11_$t" "$i" --transport "$t" "${QWEN[@]}" --prefill-tp 1 --decode-tp 1
         kvf "tp12_$t" "$i" --transport "$t" "${QWEN[@]}" --prefill-tp 1 --decode-tp 2
+        kvf "tp12h_$t" "$i" --transport "$t" "${QWEN[@]}" --prefill-tp 1 --decode-tp 2 \
+            --kv-order hnd
     done
     # issue 5: shm vs memcpy; ucx vs ucx_perftest (UCX_TLS=tcp: see docs/BENCHMARKS.md)
     kvf shm "$i" --transport shm "${LLAMA[@]}" --pattern contiguous --concurrency 4 --requests 16
@@ -283,6 +286,7 @@ put("calls_max", [d["worst_max_ms_under_load"] for d in calls])
 for t in ("tcp", "shm"):
     put(f"tp11_{t}", col(f"tp11_{t}", lambda d: d["gbps"], t))
     put(f"tp12_{t}", col(f"tp12_{t}", lambda d: d["gbps"], t))
+    put(f"tp12h_{t}", col(f"tp12h_{t}", lambda d: d["gbps"], t))
 put("shm", col("shm", lambda d: d["gbps"], "shm"))
 put("shm2", col("shm2", lambda d: d["gbps"], "shm"))
 if ucx:
@@ -322,6 +326,8 @@ abs_row(6, "10k in flight: one poll pass, ms", "inflight_poll", 1.0, "< 1 ms", "
 ratio_row(6, "CPU s/GB both sides (contiguous) / iperf3", "contiguous_cpu", "iperf3_cpu", "<= 1.2x", hi=1.2)
 ratio_row(11, "qwen2.5-7b TP 1->2 / TP 1->1, tcp", "tp12_tcp", "tp11_tcp", ">= 0.6x", lo=0.6)
 ratio_row(11, "qwen2.5-7b TP 1->2 / TP 1->1, shm", "tp12_shm", "tp11_shm", ">= 0.6x", lo=0.6)
+ratio_row(15, "qwen2.5-7b TP 1->2 HND / TP 1->1, tcp", "tp12h_tcp", "tp11_tcp", "(HND pages)")
+ratio_row(15, "qwen2.5-7b TP 1->2 HND / TP 1->1, shm", "tp12h_shm", "tp11_shm", "(HND pages)")
 abs_row(11, "calls under load: worst p99 / idle p99", "calls_ratio", 3.0, "<= 3x", "<=")
 abs_row(11, "calls under load: worst max, ms", "calls_max", 1.0, "<= 1 ms", "<=")
 ratio_row(5, "shm contiguous (4 in flight) / memcpy", "shm", "memcpy", ">= 0.8x", lo=0.8)
@@ -359,7 +365,7 @@ def key(name, k):
     v = [d[k] for d in runs.get(name, []) if d]
     return med(v) if v else 0
 print("also (medians):")
-for name in ["contiguous", "streams", "scattered", "small", "tp11_tcp", "tp12_tcp", "tp11_shm", "tp12_shm", "shm", "shm2"] + (["ucx"] if ucx else []):
+for name in ["contiguous", "streams", "scattered", "small", "tp11_tcp", "tp12_tcp", "tp12h_tcp", "tp11_shm", "tp12_shm", "tp12h_shm", "shm", "shm2"] + (["ucx"] if ucx else []):
     if not runs.get(name): continue
     print(f"  {name:10} {key(name, 'gbps'):7.3f} GB/s ({spread(name) if name in fig else '-'}), "
           f"{key(name, 'rooms_per_s'):9.1f} rooms/s, p50 {key(name, 'p50_ms'):8.2f} ms, p99 {key(name, 'p99_ms'):8.2f} ms, "
