@@ -84,7 +84,7 @@ static void init_sized(void *dst, size_t size, const void *def, const sized_type
  * caller's bytes, and only those this library knows; dst->size is then
  * the full size.  A caller's struct that lacks some fields gets the
  * defaults from `defaults` first (only then: it reads the environment,
- * and may warn about it, as init already did).
+ * and may warn about it, as init already did); NULL: every default is 0.
  */
 static kvf_status_t import_sized(void *dst, size_t dst_size, const void *src,
                                  void (*defaults)(void *), const sized_type_t *t,
@@ -122,7 +122,7 @@ static kvf_status_t import_sized(void *dst, size_t dst_size, const void *src,
         }
     }
     memset(dst, 0, dst_size);
-    if (size < t->known)
+    if (size < t->known && defaults != NULL)
         defaults(dst);
     memcpy(dst, src, size < t->known ? size : t->known);
     memcpy(dst, &dst_size, sizeof(size_t));
@@ -210,18 +210,15 @@ kvf_status_t kvf__engine_params_import(kvf_engine_params_t *dst,
                         err, errlen);
 }
 
-/* Every default of kvf_layout_t is 0. */
-static void layout_defaults(void *dst)
-{
-    memset(dst, 0, sizeof(kvf_layout_t));
-}
+/*
+ * The structs whose every default is 0 (kvf_layout_t, kvf_dest_t,
+ * kvf_hold_t, kvf_remote_t; a lease of 0 is resolved where it is used).
+ */
+static const unsigned char zeros[SIZE_SANE];
 
 void kvf_layout_init_sized(kvf_layout_t *layout, size_t size)
 {
-    kvf_layout_t def;
-
-    layout_defaults(&def);
-    init_sized(layout, size, &def, &layout_type);
+    init_sized(layout, size, zeros, &layout_type);
 }
 
 void (kvf_layout_init)(kvf_layout_t *layout)
@@ -232,67 +229,38 @@ void (kvf_layout_init)(kvf_layout_t *layout)
 kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
                                 const char *fn, char *err, size_t errlen)
 {
-    return import_sized(dst, sizeof(*dst), src, layout_defaults, &layout_type, fn,
-                        err, errlen);
-}
-
-/* Every default of kvf_dest_t is 0. */
-static void dest_defaults(void *dst)
-{
-    memset(dst, 0, sizeof(kvf_dest_t));
+    return import_sized(dst, sizeof(*dst), src, NULL, &layout_type, fn, err, errlen);
 }
 
 void kvf_dest_init_sized(kvf_dest_t *dest, size_t size)
 {
-    kvf_dest_t def;
-
-    dest_defaults(&def);
-    init_sized(dest, size, &def, &dest_type);
+    init_sized(dest, size, zeros, &dest_type);
 }
 
 kvf_status_t kvf__dest_import(kvf_dest_t *dst, const kvf_dest_t *src, const char *fn,
                               char *err, size_t errlen)
 {
-    return import_sized(dst, sizeof(*dst), src, dest_defaults, &dest_type, fn, err, errlen);
-}
-
-/* Every default of kvf_hold_t and kvf_remote_t is 0 (the lease's is
- * resolved where it is used). */
-static void hold_defaults(void *dst)
-{
-    memset(dst, 0, sizeof(kvf_hold_t));
-}
-
-static void remote_defaults(void *dst)
-{
-    memset(dst, 0, sizeof(kvf_remote_t));
+    return import_sized(dst, sizeof(*dst), src, NULL, &dest_type, fn, err, errlen);
 }
 
 void kvf_hold_init_sized(kvf_hold_t *hold, size_t size)
 {
-    kvf_hold_t def;
-
-    hold_defaults(&def);
-    init_sized(hold, size, &def, &hold_type);
+    init_sized(hold, size, zeros, &hold_type);
 }
 
 kvf_status_t kvf__hold_import(kvf_hold_t *dst, const kvf_hold_t *src, const char *fn,
                               char *err, size_t errlen)
 {
-    return import_sized(dst, sizeof(*dst), src, hold_defaults, &hold_type, fn, err, errlen);
+    return import_sized(dst, sizeof(*dst), src, NULL, &hold_type, fn, err, errlen);
 }
 
 void kvf_remote_init_sized(kvf_remote_t *remote, size_t size)
 {
-    kvf_remote_t def;
-
-    remote_defaults(&def);
-    init_sized(remote, size, &def, &remote_type);
+    init_sized(remote, size, zeros, &remote_type);
 }
 
 kvf_status_t kvf__remote_import(kvf_remote_t *dst, const kvf_remote_t *src, const char *fn,
                                 char *err, size_t errlen)
 {
-    return import_sized(dst, sizeof(*dst), src, remote_defaults, &remote_type, fn, err,
-                        errlen);
+    return import_sized(dst, sizeof(*dst), src, NULL, &remote_type, fn, err, errlen);
 }
