@@ -68,6 +68,27 @@ static inline int wp_recv(int fd, kvf_msg_t *m, uint8_t *body, size_t cap,
     return hdr.type;
 }
 
+/* The next frame of `type`, the others skipped (a DATA frame's payload,
+ * at most 64 KiB, read and dropped), decoded into m as wp_recv does.
+ * @return 1, or 0 (EOF, timeout, garbage, a larger payload). */
+static inline int wp_expect(int fd, uint8_t type, kvf_msg_t *m, uint8_t *body, size_t cap,
+                            unsigned timeout_ms)
+{
+    for (;;) {
+        int t = wp_recv(fd, m, body, cap, timeout_ms);
+        if (t == 0)
+            return 0;
+        if (t == KVF_MSG_DATA) {
+            static uint8_t sink[1 << 16];
+            if (m->u.data.payload_len > sizeof(sink) ||
+                !wp_read(fd, sink, m->u.data.payload_len, timeout_ms))
+                return 0;
+        }
+        if (t == type)
+            return 1;
+    }
+}
+
 /* Send one frame (and a DATA payload).  @return 1 if all of it went. */
 static inline int wp_send(int fd, const kvf_msg_t *m, const uint8_t *payload, size_t n)
 {

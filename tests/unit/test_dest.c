@@ -13,6 +13,7 @@
 #include <time.h>
 
 #include "kvferry/kvferry.h"
+#include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
 
 #define PAGE   4
@@ -31,12 +32,6 @@ typedef struct side {
     size_t        st_item[MAXBUF];
     int           nkv, nst;
 } side_t;
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
 
 /* The registry of the last engine created with host_bs. */
 static char bs_addr[64];
@@ -146,27 +141,13 @@ static void plain_side(side_t *s, kvf_role_t role, const char *bs, int host, int
     CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
 }
 
-static kvf_poll_t wait_poll(kvf_poll_t (*poll)(const void *), const void *h, kvf_poll_t want)
-{
-    kvf_poll_t p = poll(h);
-    for (int i = 0; i < 10000 && p < want && p != KVF_POLL_FAILED; i++) {
-        sleep_ms(1);
-        p = poll(h);
-    }
-    return p;
-}
-
-static kvf_poll_t spoll(const void *h) { return kvf_sender_poll(h); }
-static kvf_poll_t rpoll(const void *h) { return kvf_receiver_poll(h); }
-
-static void wait_final(kvf_sender_t **s, int ns, kvf_receiver_t **r, int nr)
+static void wait_all(kvf_sender_t **s, int ns, kvf_receiver_t **r, int nr)
 {
     for (int i = 0; i < ns; i++)
-        wait_poll(spoll, s[i], KVF_POLL_SUCCESS);
+        wait_sender(s[i], KVF_POLL_SUCCESS);
     for (int i = 0; i < nr; i++)
-        wait_poll(rpoll, r[i], KVF_POLL_SUCCESS);
+        wait_receiver(r[i], KVF_POLL_SUCCESS);
 }
-
 
 static void test_waiting_before_pages_and_prefix(void)
 {
@@ -180,7 +161,7 @@ static void test_waiting_before_pages_and_prefix(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs_addr, 7, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 7, -1, &r), KVF_OK);
     /* Resolved and connected, no pages yet: SGLang allocates only now. */
-    CHECK_EQ_INT(wait_poll(rpoll, r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
     CHECK_EQ_INT(kvf_sender_decode_prefix_len(s, &tokens), KVF_ERR_AGAIN);
     CHECK_EQ_INT(tokens, 99);
@@ -200,7 +181,7 @@ static void test_waiting_before_pages_and_prefix(void)
     CHECK_EQ_INT(kvf_receiver_set_dest(r, &small), KVF_ERR_INVALID_PARAM);
     CHECK_EQ_INT(kvf_receiver_set_dest(r, &d), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_set_dest(r, &d), KVF_ERR_STATE);
-    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_decode_prefix_len(s, &tokens), KVF_OK);
     CHECK_EQ_INT(tokens, 8);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_WAITING_FOR_INPUT);
@@ -208,7 +189,7 @@ static void test_waiting_before_pages_and_prefix(void)
     CHECK_EQ_INT(kvf_sender_init(s, 3, 5), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_state(s, &st_src, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, 3, 1), KVF_OK);
-    wait_final(&s, 1, &r, 1);
+    wait_all(&s, 1, &r, 1);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     size_t pb = pre.kv_page[0];
@@ -247,12 +228,12 @@ static void test_zero_page_room(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs_addr, 11, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 11, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, NULL, 0, 1, &st_dst, 1), KVF_OK);
-    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 0, 4), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_state(s, &st_src, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, NULL, 0, 0), KVF_ERR_INVALID_PARAM);
     CHECK_EQ_INT(kvf_sender_send(s, NULL, 0, 1), KVF_OK);
-    wait_final(&s, 1, &r, 1);
+    wait_all(&s, 1, &r, 1);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     CHECK(memcmp(dec.aux + 1 * AUX_B, pre.aux + 4 * AUX_B, AUX_B) == 0);
@@ -290,11 +271,11 @@ static void test_room_that_owes_nothing(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs_addr, 70, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 70, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, NULL, 0, 0, NULL, 0), KVF_OK);
-    CHECK_EQ_INT(wait_poll(rpoll, r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 0, 0), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, NULL, 0, 1), KVF_OK);
-    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
     side_free(&dec);
@@ -369,13 +350,13 @@ static void test_typed_state_groups(void)
 
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs_addr, 20, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_set_dest(r, &d), KVF_OK);
-    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 0), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_states(s, ss, 1), KVF_ERR_INVALID_PARAM);
     CHECK_EQ_INT(kvf_sender_set_states(s, ss, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_states(s, ss, 2), KVF_ERR_STATE);
     CHECK_EQ_INT(kvf_sender_send(s, &page_s, 1, 1), KVF_OK);
-    wait_final(&s, 1, &r, 1);
+    wait_all(&s, 1, &r, 1);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     for (int b = 0; b < 2; b++)   /* mamba: slot 1 -> 3 in both buffers */
@@ -395,12 +376,12 @@ static void test_typed_state_groups(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs_addr, 21, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 21, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_set_dest(r, &d), KVF_OK);
-    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 0), KVF_OK);
     ss[1].n = 3;
     CHECK_EQ_INT(kvf_sender_set_states(s, ss, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &page_s, 1, 1), KVF_OK);
-    wait_final(&s, 1, &r, 1);
+    wait_all(&s, 1, &r, 1);
     failed_with(kvf_sender_poll(s), kvf_sender_failure(s, &fs), KVF_OK, fs.reason,
                 "state group 1 (swa): the prefill gave 3 indices");
     failed_with(kvf_receiver_poll(r), kvf_receiver_failure(r, &fr), KVF_OK, fr.reason,
@@ -414,7 +395,7 @@ static void test_typed_state_groups(void)
     /* A decode with the same pools in another order is another model. */
     typed_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, "swa", "mamba");
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 22, -1, &r), KVF_OK);
-    CHECK_EQ_INT(wait_poll(rpoll, r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r, &fr), KVF_OK);
     CHECK_EQ_INT(fr.status, KVF_ERR_INCOMPATIBLE);
     CHECK_STR_CONTAINS(fr.reason, "State type mismatch: prefill server registered state "
@@ -470,10 +451,10 @@ static void test_tagged_buffers_and_draft(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs_addr, 30, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 30, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
-    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 2, 0), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, 2, 1), KVF_OK);
-    wait_final(&s, 1, &r, 1);
+    wait_all(&s, 1, &r, 1);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     for (int j = 0; j < 6; j++) {
         int i = 0;
@@ -492,7 +473,7 @@ static void test_tagged_buffers_and_draft(void)
     tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, dtags, 4);
     kvf_failure_t f;
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 31, -1, &r), KVF_OK);
-    CHECK_EQ_INT(wait_poll(rpoll, r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_INCOMPATIBLE);
     CHECK_STR_CONTAINS(f.reason, "prefill KV buffer 4 holds layer 0 K of group 1, which no "
@@ -506,7 +487,7 @@ static void test_tagged_buffers_and_draft(void)
     tagged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1, ptags, 4);
     tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, dtags, 6);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 32, -1, &r), KVF_OK);
-    CHECK_EQ_INT(wait_poll(rpoll, r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_INCOMPATIBLE);
     CHECK_STR_CONTAINS(f.reason, "decode KV buffer 4 holds layer 0 V of group 1, which no "
@@ -577,12 +558,12 @@ static void test_pipeline_stages_by_tag(void)
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 40, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 6, NULL, 0), KVF_OK);
     for (int k = 0; k < 2; k++) {
-        CHECK_EQ_INT(wait_poll(spoll, s[k], KVF_POLL_WAITING_FOR_INPUT),
+        CHECK_EQ_INT(wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT),
                      KVF_POLL_WAITING_FOR_INPUT);
         CHECK_EQ_INT(kvf_sender_init(s[k], 2, 3), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s[k], src, 2, 1), KVF_OK);
     }
-    wait_final(s, 2, &r, 1);
+    wait_all(s, 2, &r, 1);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     /* Decode buffer j holds layer j % 4, K for j < 4. */
     for (int j = 0; j < 8; j++) {
@@ -656,10 +637,10 @@ static void test_decode_heads_from_prefill(void)
         CHECK_EQ_INT(kvf_receiver_create(dec[d].eng, bs_addr, 50, -1, &r[d]), KVF_OK);
         CHECK_EQ_INT(kvf_receiver_init(r[d], &dst[d], 1, 1, NULL, 0), KVF_OK);
     }
-    CHECK_EQ_INT(wait_poll(spoll, s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &src, 1, 1), KVF_OK);
-    wait_final(&s, 1, r, 2);
+    wait_all(&s, 1, r, 2);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     for (int d = 0; d < 2; d++) {
         CHECK_EQ_INT(kvf_receiver_poll(r[d]), KVF_POLL_SUCCESS);
@@ -730,12 +711,12 @@ static void test_decode_heads_guessed_before_hello(void)
         CHECK_EQ_INT(kvf_receiver_init(r[d], &dst, 1, 3, NULL, 0), KVF_OK);
     }
     for (int p = 0; p < P; p++) {
-        CHECK_EQ_INT(wait_poll(spoll, s[p], KVF_POLL_WAITING_FOR_INPUT),
+        CHECK_EQ_INT(wait_sender(s[p], KVF_POLL_WAITING_FOR_INPUT),
                      KVF_POLL_WAITING_FOR_INPUT);
         CHECK_EQ_INT(kvf_sender_init(s[p], 1, 0), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s[p], &src, 1, 1), KVF_OK);
     }
-    wait_final(s, P, r, D);
+    wait_all(s, P, r, D);
     for (int d = 0; d < D; d++) {
         CHECK_EQ_INT(kvf_receiver_poll(r[d]), KVF_POLL_SUCCESS);
         for (int b = 0; b < 2; b++)

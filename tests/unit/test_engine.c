@@ -17,6 +17,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "kvferry/kvferry.h"
+#include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
 #include "unit/kvf_wire_peer.h"
 #include "util/time.h"
@@ -105,32 +106,6 @@ static void side_fini(side_t *s)
     free(s->state);
 }
 
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-/* Poll both until final or 10 s. */
-static void wait_final(kvf_sender_t *s, kvf_receiver_t *r)
-{
-    for (int i = 0; i < 10000; i++) {
-        kvf_poll_t a = s ? kvf_sender_poll(s) : KVF_POLL_SUCCESS;
-        kvf_poll_t b = r ? kvf_receiver_poll(r) : KVF_POLL_SUCCESS;
-        if ((a == KVF_POLL_SUCCESS || a == KVF_POLL_FAILED) &&
-            (b == KVF_POLL_SUCCESS || b == KVF_POLL_FAILED))
-            return;
-        sleep_ms(1);
-    }
-}
-
-static void wait_state(kvf_sender_t *s, kvf_poll_t want)
-{
-    for (int i = 0; i < 10000 && kvf_sender_poll(s) < want &&
-                    kvf_sender_poll(s) != KVF_POLL_FAILED; i++)
-        sleep_ms(1);
-}
-
 static void pair_up(side_t *pre, side_t *dec, uint32_t dec_page, const char *dec_dtype,
                     char *bs, size_t bslen)
 {
@@ -160,7 +135,7 @@ static void test_one_room(void)
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 42, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 6, 2, &dst_state, 1), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 6, 2, &dst_state, 1), KVF_ERR_STATE);
-    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 6, 3), KVF_OK);
     CHECK_EQ_INT(kvf_sender_init(s, 6, 3), KVF_ERR_STATE);
@@ -240,7 +215,7 @@ static void test_abort_propagates(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 9, &s), KVF_ERR_ROOM_IN_USE);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 9, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
-    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_receiver_pages_released(r), 0);
     kvf_receiver_abort(r);
     wait_final(s, r);
@@ -311,7 +286,7 @@ static void faulty_room(const char *pre_faults, const char *dec_faults, int chec
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 77, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 77, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, PAGES, 1, NULL, 0), KVF_OK);
-    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, PAGES, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, PAGES / 2, 0), KVF_OK);
     /* A fault in the first chunk may already have failed the room. */
@@ -380,7 +355,7 @@ static void first_room_fails_alone(const char *pre_faults, const char *dec_fault
         CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, room + (uint64_t)k, -1, &r[k]),
                      KVF_OK);
         CHECK_EQ_INT(kvf_receiver_init(r[k], pages, PAGES, 1, NULL, 0), KVF_OK);
-        wait_state(s[k], KVF_POLL_WAITING_FOR_INPUT);
+        wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT);
         CHECK_EQ_INT(kvf_sender_init(s[k], PAGES, 1), KVF_OK);
         kvf_status_t st = kvf_sender_send(s[k], pages, PAGES, 1);
         CHECK(st == KVF_OK || (k == 0 && st == KVF_ERR_STATE));
@@ -457,7 +432,7 @@ static void test_failed_room_keeps_pages_until_reads_end(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 97, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 97, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, pages, PAGES, 1, NULL, 0), KVF_OK);
-    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, PAGES, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, pages, PAGES, 1), KVF_OK);
     /* The first DATA_REF makes the room TRANSFERRING, and its read is held. */
@@ -674,21 +649,10 @@ static int all_zero(const uint8_t *p, size_t n)
     return 1;
 }
 
-static kvf_poll_t wait_receiver(kvf_receiver_t *r)
-{
-    for (int i = 0; i < 5000; i++) {
-        kvf_poll_t st = kvf_receiver_poll(r);
-        if (st == KVF_POLL_SUCCESS || st == KVF_POLL_FAILED)
-            return st;
-        sleep_ms(1);
-    }
-    return kvf_receiver_poll(r);
-}
-
 static void check_refused(kvf_receiver_t *r, kvf_status_t status, const char *why)
 {
     kvf_failure_t f;
-    CHECK_EQ_INT(wait_receiver(r), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, status);
     CHECK_STR_CONTAINS(f.reason, why);
@@ -768,7 +732,7 @@ static void test_hostile_strided_segments(void)
     done.u.done.instance = fake_inst[100 + R_GOOD];
     done.u.done.bytes = NKV * PAGE_B + AUX_B + 8;
     fake_send(f, &done, NULL, 0);
-    CHECK_EQ_INT(wait_receiver(r[R_GOOD]), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r[R_GOOD], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < PAGE_B; i++)
             if (dec.kv[b][page[R_GOOD] * PAGE_B + i] != (uint8_t)((b * PAGE_B + i) * 31 + 7)) {
@@ -899,7 +863,7 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
 
     uint32_t spage = 20, sstate = 4;
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
-    wait_state(s, KVF_POLL_WAITING_FOR_INPUT);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 6), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_state(s, &sstate, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);

@@ -16,6 +16,7 @@
 #include <time.h>
 
 #include "kvferry/kvferry.h"
+#include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
 
 #define PAGE   4           /* tokens per page */
@@ -37,12 +38,6 @@ typedef struct rank {
 
 /* The bootstrap deadline of the next engines made (rank_up). */
 static unsigned bootstrap_ms = 5000;
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
 
 static size_t page_bytes(int tp_size)
 {
@@ -117,27 +112,6 @@ static void rank_down(rank_t *r)
     memset(r, 0, sizeof(*r));
 }
 
-/* Every poll state reached within 10 s, or the last one seen. */
-static kvf_poll_t wait_s(kvf_sender_t *s, kvf_poll_t want)
-{
-    kvf_poll_t p = kvf_sender_poll(s);
-    for (int i = 0; i < 10000 && p < want && p != KVF_POLL_FAILED; i++) {
-        sleep_ms(1);
-        p = kvf_sender_poll(s);
-    }
-    return p;
-}
-
-static kvf_poll_t wait_r(kvf_receiver_t *r, kvf_poll_t want)
-{
-    kvf_poll_t p = kvf_receiver_poll(r);
-    for (int i = 0; i < 10000 && p < want && p != KVF_POLL_FAILED; i++) {
-        sleep_ms(1);
-        p = kvf_receiver_poll(r);
-    }
-    return p;
-}
-
 /* Hold room `key` on every prefill rank: pages src[0..n) and aux slot 1,
  * given at once, before any reader. */
 static void hold_all(rank_t *pre, int np, kvf_room_key_t key, unsigned lease_ms,
@@ -181,7 +155,7 @@ static void give_dest(kvf_receiver_t *r, const uint32_t *dst, size_t n, uint32_t
     d.num_pages = n;
     d.aux_slot = 2;
     d.decode_prefix_len = prefix;
-    CHECK_EQ_INT(wait_r(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_receiver_set_dest(r, &d), KVF_OK);
 }
 
@@ -232,9 +206,9 @@ static void held_case(int np, int nd, const char *transport)
     for (int i = 0; i < nd; i++)
         give_dest(r[i], dst, 5, 0);
     for (int i = 0; i < np; i++)
-        CHECK_EQ_INT(wait_s(s[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(wait_sender(s[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     for (int i = 0; i < nd; i++) {
-        CHECK_EQ_INT(wait_r(r[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(wait_receiver(r[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
         CHECK(placed_ok(&dec[i], src, 0, dst, 5));
     }
     for (int i = 0; i < np; i++)
@@ -279,7 +253,7 @@ static void test_lease_expires_unread(void)
     uint32_t src[2] = {1, 2};
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
     hold_all(&pre, 1, kvf_room_key("never-read", 10), 200, src, 2, &s);
-    kvf_poll_t st = wait_s(s, KVF_POLL_SUCCESS);
+    kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
     failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_LEASE_EXPIRED, &f,
                 "no decode rank asked for it");
     CHECK_EQ_INT(f.from_another_rank, 0);
@@ -302,10 +276,10 @@ static void test_lease_expires_half_read(void)
     hold_all(&pre, 1, key, 500, src, 2, &s);
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 2, 0);
-    kvf_poll_t st = wait_s(s, KVF_POLL_SUCCESS);
+    kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
     failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_LEASE_EXPIRED, &f,
                 "with 1 of its 2 readers asking");
-    st = wait_r(r, KVF_POLL_SUCCESS);
+    st = wait_receiver(r, KVF_POLL_SUCCESS);
     failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_LEASE_EXPIRED, &f, "lease ended");
     CHECK_EQ_INT(f.from_another_rank, 1);
     CHECK_EQ_INT(f.origin_side, KVF_ROLE_PREFILL);
@@ -341,7 +315,7 @@ static void test_other_instance_refused(void)
     rm.num_descriptors = 1;
     CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &twice), KVF_ERR_ROOM_IN_USE);
     give_dest(bad, dst, 2, 0);
-    kvf_poll_t st = wait_r(bad, KVF_POLL_SUCCESS);
+    kvf_poll_t st = wait_receiver(bad, KVF_POLL_SUCCESS);
     failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
                 "holds it under instance");
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
@@ -349,8 +323,8 @@ static void test_other_instance_refused(void)
 
     good = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(good, dst, 2, 0);
-    CHECK_EQ_INT(wait_s(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(wait_r(good, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(good, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(placed_ok(&dec, src, 0, dst, 2));
     kvf_sender_destroy(s);
     kvf_receiver_destroy(good);
@@ -360,7 +334,7 @@ static void test_other_instance_refused(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, NULL, 99, &plain), KVF_OK);
     bad = reader(&dec, &pre, 1, 99, key.instance);
     give_dest(bad, dst, 2, 0);
-    st = wait_r(bad, KVF_POLL_SUCCESS);
+    st = wait_receiver(bad, KVF_POLL_SUCCESS);
     failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
                 "does not hold that room");
     kvf_receiver_destroy(bad);
@@ -385,8 +359,8 @@ static void test_reader_prefix(void)
     hold_all(&pre, 1, key, 10000, src, 6, &s);
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 3, 2 * PAGE);        /* holds pages 0-1: takes 2, 3, 4 */
-    CHECK_EQ_INT(wait_s(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(wait_r(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(placed_ok(&dec, src, 2, dst, 3));
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
@@ -395,10 +369,10 @@ static void test_reader_prefix(void)
     hold_all(&pre, 1, key, 10000, src, 6, &s);
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 3, PAGE + 1);
-    kvf_poll_t st = wait_s(s, KVF_POLL_SUCCESS);
+    kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
     failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_BAD_INDICES, &f,
                 "not a whole number of 4-token pages");
-    st = wait_r(r, KVF_POLL_SUCCESS);
+    st = wait_receiver(r, KVF_POLL_SUCCESS);
     failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_BAD_INDICES, &f, "whole pages");
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
@@ -407,7 +381,7 @@ static void test_reader_prefix(void)
     hold_all(&pre, 1, key, 10000, src, 6, &s);
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 3, 4 * PAGE);        /* pages 4, 5, 6 of 6 */
-    st = wait_s(s, KVF_POLL_SUCCESS);
+    st = wait_sender(s, KVF_POLL_SUCCESS);
     failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_BAD_INDICES, &f,
                 "from page 4 on, but the prefill side holds 6");
     kvf_sender_destroy(s);
@@ -433,7 +407,7 @@ static void test_reader_abort(void)
     /* The ABORT follows the request on the one connection: the prefill
      * has the reader bound when it comes. */
     kvf_receiver_abort(r);
-    kvf_poll_t st = wait_s(s, KVF_POLL_SUCCESS);
+    kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
     failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "");
     CHECK_EQ_INT(f.from_another_rank, 1);
     kvf_sender_destroy(s);
@@ -459,7 +433,7 @@ static void test_restarted_prefill(void)
     rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
     memcpy(pre.desc, old_desc, sizeof(old_desc));
     r = reader(&dec, &pre, 1, 5, 0);
-    kvf_poll_t st = wait_r(r, KVF_POLL_SUCCESS);
+    kvf_poll_t st = wait_receiver(r, KVF_POLL_SUCCESS);
     failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_PEER_RESTARTED, &f,
                 "the prefill engine restarted since it held the room");
     kvf_receiver_destroy(r);
@@ -481,7 +455,7 @@ static void test_room_never_held(void)
     rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
     r = reader(&dec, &pre, 1, 12345, 0);
     give_dest(r, dst, 2, 0);
-    kvf_poll_t st = wait_r(r, KVF_POLL_SUCCESS);
+    kvf_poll_t st = wait_receiver(r, KVF_POLL_SUCCESS);
     failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_TIMED_OUT, &f,
                 "had no sender for room 12345");
     CHECK_EQ_INT(f.from_another_rank, 1);

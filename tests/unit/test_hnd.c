@@ -30,6 +30,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
 #include "kvferry/kvferry.h"
+#include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
 #include "unit/kvf_wire_peer.h"
 #include "wire/wire.h"
@@ -44,34 +45,6 @@
 #define AUX_B  16
 #define SLOTS  8
 #define MAXTP  4
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-static int is_final(kvf_poll_t s) { return s == KVF_POLL_SUCCESS || s == KVF_POLL_FAILED; }
-
-static kvf_poll_t wait_tx(kvf_sender_t *s, kvf_poll_t want)
-{
-    kvf_poll_t p = kvf_sender_poll(s);
-    for (int i = 0; i < 10000 && p < want && p != KVF_POLL_FAILED; i++) {
-        sleep_ms(1);
-        p = kvf_sender_poll(s);
-    }
-    return p;
-}
-
-static kvf_poll_t wait_rx(kvf_receiver_t *r)
-{
-    kvf_poll_t p = kvf_receiver_poll(r);
-    for (int i = 0; i < 10000 && !is_final(p); i++) {
-        sleep_ms(1);
-        p = kvf_receiver_poll(r);
-    }
-    return p;
-}
 
 /* ---- the logical KV and where a page order puts it -------------------- */
 
@@ -252,14 +225,14 @@ static void tp_room(int P, int D, uint32_t H, kvf_kv_order_t pre_order,
         CHECK_EQ_INT(kvf_receiver_init(r[d], dst_pages, NPAGES, 5, NULL, 0), KVF_OK);
     }
     for (int p = 0; p < P; p++) {
-        if (wait_tx(s[p], KVF_POLL_WAITING_FOR_INPUT) != KVF_POLL_WAITING_FOR_INPUT)
+        if (wait_sender(s[p], KVF_POLL_WAITING_FOR_INPUT) != KVF_POLL_WAITING_FOR_INPUT)
             continue;
         CHECK_EQ_INT(kvf_sender_init(s[p], NPAGES, 3), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s[p], src_pages, 4, 0), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s[p], src_pages + 4, NPAGES - 4, 1), KVF_OK);
     }
     for (int p = 0; p < P; p++) {
-        kvf_poll_t st = wait_tx(s[p], KVF_POLL_SUCCESS);
+        kvf_poll_t st = wait_sender(s[p], KVF_POLL_SUCCESS);
         CHECK_EQ_INT(st, want_ok ? KVF_POLL_SUCCESS : KVF_POLL_FAILED);
         if (!want_ok && kvf_sender_failure(s[p], &f) == KVF_OK) {
             CHECK_EQ_INT(f.status, KVF_ERR_INCOMPATIBLE);
@@ -267,7 +240,7 @@ static void tp_room(int P, int D, uint32_t H, kvf_kv_order_t pre_order,
         }
     }
     for (int d = 0; d < D; d++) {
-        kvf_poll_t st = wait_rx(r[d]);
+        kvf_poll_t st = wait_receiver(r[d], KVF_POLL_SUCCESS);
         CHECK_EQ_INT(st, want_ok ? KVF_POLL_SUCCESS : KVF_POLL_FAILED);
         if (want_ok) {
             CHECK_EQ_INT(check_decode(&dec[d], dec_order, H ? NKV : LAYERS), 0);
@@ -381,27 +354,17 @@ typedef struct fake {
     uint8_t  body[1 << 16];
 } fake_t;
 
-/* The next frame of `type` (others skipped, DATA payload included); a
- * ROOM_REQ is remembered. */
+/* The next frame of `type` (others skipped); a ROOM_REQ's instance and
+ * aux slot are remembered. */
 static int fake_expect(fake_t *f, uint8_t type, kvf_msg_t *m)
 {
-    for (;;) {
-        int t = wp_recv(f->fd, m, f->body, sizeof(f->body), 5000);
-        if (t == 0)
-            return 0;
-        if (t == KVF_MSG_DATA) {
-            static uint8_t sink[1 << 16];
-            CHECK(m->u.data.payload_len <= sizeof(sink));
-            if (!wp_read(f->fd, sink, m->u.data.payload_len, 5000))
-                return 0;
-        }
-        if (t == KVF_MSG_ROOM_REQ) {
-            f->inst[m->u.room_req.room % 256] = m->u.room_req.instance;
-            f->aux_slot[m->u.room_req.room % 256] = m->u.room_req.aux_slot;
-        }
-        if (t == type)
-            return 1;
+    if (!wp_expect(f->fd, type, m, f->body, sizeof(f->body), 5000))
+        return 0;
+    if (type == KVF_MSG_ROOM_REQ) {
+        f->inst[m->u.room_req.room % 256] = m->u.room_req.instance;
+        f->aux_slot[m->u.room_req.room % 256] = m->u.room_req.aux_slot;
     }
+    return 1;
 }
 
 /* An HND layout of NKV buffers, f's heads, as rank tp_rank of tp_size. */
@@ -501,7 +464,7 @@ static void fake_decode_room(side_t *pre, uint64_t room, uint32_t accept, fake_r
     CHECK(wp_send(f->fd, &req, NULL, 0));
 
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs_addr, room, &s), KVF_OK);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, NPAGES, 0), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src_pages, NPAGES, 1), KVF_OK);
     for (;;) {
@@ -543,7 +506,7 @@ static void fake_decode_room(side_t *pre, uint64_t room, uint32_t accept, fake_r
     ack.u.done_ack.instance = 0x1257a9ce0000ull + room;
     ack.u.done_ack.bytes = rx->bytes;
     CHECK(wp_send(f->fd, &ack, NULL, 0));
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     kvf_sender_destroy(s);
     close(f->fd);
     free(f);
@@ -677,7 +640,7 @@ static void check_refused(kvf_receiver_t *r, kvf_status_t status, const char *wh
                           const char *why2)
 {
     kvf_failure_t f;
-    CHECK_EQ_INT(wait_rx(r), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, status);
     CHECK_STR_CONTAINS(f.reason, why);
@@ -747,7 +710,7 @@ static void test_hostile_hnd_segments(void)
             link_bytes[k] += kvf_wire_seg_bytes(&good[i]);
         fake_done(f[k], 40 + R_GOOD, link_bytes[k]);
     }
-    CHECK_EQ_INT(wait_rx(r[R_GOOD]), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r[R_GOOD], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     /* Rank k's payload: buffer after buffer, page after page, its head's
      * PAGE tokens each, at head k of the page. */
     size_t bad = 0;

@@ -21,6 +21,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
 #include "kvferry/kvferry.h"
+#include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
 #include "unit/kvf_wire_peer.h"
 #include "util/time.h"
@@ -85,37 +86,6 @@ static void side_fini(side_t *s)
     free(s->aux);
 }
 
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-static int is_final(kvf_poll_t s) { return s == KVF_POLL_SUCCESS || s == KVF_POLL_FAILED; }
-
-/* Poll until final (or at least `want`), 10 s at most. */
-static kvf_poll_t wait_rx(kvf_receiver_t *r, kvf_poll_t want)
-{
-    for (int i = 0; i < 10000; i++) {
-        kvf_poll_t s = kvf_receiver_poll(r);
-        if (is_final(s) || s >= want)
-            return s;
-        sleep_ms(1);
-    }
-    return kvf_receiver_poll(r);
-}
-
-static kvf_poll_t wait_tx(kvf_sender_t *t, kvf_poll_t want)
-{
-    for (int i = 0; i < 10000; i++) {
-        kvf_poll_t s = kvf_sender_poll(t);
-        if (is_final(s) || s >= want)
-            return s;
-        sleep_ms(1);
-    }
-    return kvf_sender_poll(t);
-}
-
 /* Room messages an engine dropped as not its rooms' (room.c). */
 static uint64_t dropped(kvf_engine_t *eng) { return kvf_engine_room_msgs_dropped(eng); }
 
@@ -140,19 +110,7 @@ typedef struct fake {
 /* The next frame of `type` (others, heartbeats among them, skipped). */
 static int fake_expect(fake_t *f, uint8_t type, kvf_msg_t *m)
 {
-    for (;;) {
-        int t = wp_recv(f->fd, m, f->body, sizeof(f->body), 5000);
-        if (t == 0)
-            return 0;
-        if (t == KVF_MSG_DATA) {    /* skip its payload */
-            static uint8_t sink[1 << 16];
-            CHECK(m->u.data.payload_len <= sizeof(sink));
-            if (!wp_read(f->fd, sink, m->u.data.payload_len, 5000))
-                return 0;
-        }
-        if (t == type)
-            return 1;
-    }
+    return wp_expect(f->fd, type, m, f->body, sizeof(f->body), 5000);
 }
 
 static void fake_send(fake_t *f, const kvf_msg_t *m, const uint8_t *payload, size_t n)
@@ -376,7 +334,7 @@ static void test_receiver_takes_only_its_peer_and_instance(void)
     fake_prefill_accept(b);
     CHECK(fake_expect(b, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 2);
     CHECK(m.u.room_req.instance != 0 && m.u.room_req.instance != inst1);
-    CHECK_EQ_INT(wait_rx(r1, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_receiver(r1, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
 
     /* B is not room 1's peer, whatever instance it names. */
     uint64_t before = dropped(dec.eng);
@@ -393,7 +351,7 @@ static void test_receiver_takes_only_its_peer_and_instance(void)
     fake_send(a, &fail, NULL, 0);
     /* Room 2's own frames from B, after all of that: B is room 2's peer. */
     fake_room_data(b, 2, m.u.room_req.instance, p2, 2, 2, 1);
-    CHECK_EQ_INT(wait_rx(r2, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r2, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(room_bytes_are(&dec, p2, 2, 2));
     CHECK(wait_dropped(dec.eng, before + 7));
     CHECK_EQ_INT(kvf_receiver_poll(r1), KVF_POLL_WAITING_FOR_INPUT);
@@ -401,7 +359,7 @@ static void test_receiver_takes_only_its_peer_and_instance(void)
 
     /* And room 1 gets its own bytes from its own peer. */
     fake_room_data(a, 1, inst1, p1, 1, 1, 1);
-    CHECK_EQ_INT(wait_rx(r1, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r1, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(room_bytes_are(&dec, p1, 1, 1));
     CHECK(fake_expect(a, KVF_MSG_DONE_ACK, &m) && m.u.done_ack.room == 1 &&
           m.u.done_ack.instance == inst1 && m.u.done_ack.status == KVF_OK);
@@ -460,7 +418,7 @@ static void test_reused_id_gets_only_its_own_frames(void)
     kvf_msg_t fail = fail_msg(7, old, "the old room 7 timed out");
     fake_send(a, &fail, NULL, 0);
     fake_room_data(a, 7, fresh, page, 3, 1, 1);
-    CHECK_EQ_INT(wait_rx(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(room_bytes_are(&dec, page, 3, 1));
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_ERR_AGAIN);
     kvf_engine_stats_t st;
@@ -508,18 +466,18 @@ static void test_reused_id_real_engines(void)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 77, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 77, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, &dst, 1, 0, NULL, 0), KVF_OK);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &src1, 1, 1), KVF_OK);   /* held 300 ms */
     kvf_sender_abort(s);
-    CHECK_EQ_INT(wait_rx(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
 
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 77, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, &dst, 1, 0, NULL, 0), KVF_OK);
-    CHECK_EQ_INT(wait_rx(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     /* Its request is at the prefill engine before the sender exists. */
     for (int i = 0; i < 5000; i++) {
         kvf__lock(pre.eng);
@@ -531,11 +489,11 @@ static void test_reused_id_real_engines(void)
     }
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 77, &s), KVF_OK);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &src2, 1, 1), KVF_OK);
-    CHECK_EQ_INT(wait_rx(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     for (int b = 0; b < NKV; b++)
         CHECK(memcmp(dec.kv[b] + dst * PAGE_B, pre.kv[b] + src2 * PAGE_B, PAGE_B) == 0);
     CHECK(memcmp(dec.aux, "the-second-room!", AUX_B) == 0);
@@ -627,7 +585,7 @@ static void test_each_byte_counts_once(void)
     s1[2 * NKV] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 0 * AUX_B, AUX_B, 1, 0, 0};
     fake_segs(a, 300, inst[0], s1, 2 * NKV + 1, 0);
     fake_done(a, 300, inst[0], 2 * NKV * PAGE_B + AUX_B);
-    CHECK_EQ_INT(wait_rx(r[0], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r[0], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r[0], &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(f.reason, "segment 1: token 0 of page 20 of KV buffer 0");
@@ -643,7 +601,7 @@ static void test_each_byte_counts_once(void)
     s2[NKV + 1] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 1 * AUX_B, AUX_B, 1, 0, 0};
     fake_segs(a, 301, inst[1], s2, NKV + 2, 1);
     fake_done(a, 301, inst[1], NKV * PAGE_B + AUX_B);
-    CHECK_EQ_INT(wait_rx(r[1], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r[1], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r[1], &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(f.reason, "token 2 of page 30 of KV buffer 1");
@@ -652,7 +610,7 @@ static void test_each_byte_counts_once(void)
     /* Room 302: half a token. */
     kvf_wire_seg_t s3 = KV(0, 40 * (uint64_t)PAGE_B + tok / 2, (uint32_t)tok, 1, 0);
     fake_segs(a, 302, inst[2], &s3, 1, 0);
-    CHECK_EQ_INT(wait_rx(r[2], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r[2], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r[2], &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(f.reason, "are not whole tokens");
@@ -664,7 +622,7 @@ static void test_each_byte_counts_once(void)
     s4[NKV] = (kvf_wire_seg_t){KVF_BUF_AUX, 0, 3 * AUX_B, AUX_B, 1, 0, 0};
     fake_segs(a, 303, inst[3], s4, NKV + 1, 0);
     fake_done(a, 303, inst[3], 2 * NKV * PAGE_B + AUX_B);
-    CHECK_EQ_INT(wait_rx(r[3], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r[3], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     int same = 1;
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < 2 * PAGE_B; i++)
@@ -726,7 +684,7 @@ static void test_sender_takes_only_its_peer_and_instance(void)
     fake_decode_connect(e, pre.eng);
     kvf_msg_t req = room_req(9, A, &dpage);
     fake_send(d, &req, NULL, 0);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
 
     uint64_t before = dropped(pre.eng);
     kvf_msg_t bad = fail_msg(9, A, "a hostile rank says room 9 failed");
@@ -766,14 +724,14 @@ static void test_sender_takes_only_its_peer_and_instance(void)
     CHECK(m.u.done.bytes == ROOM_BYTES);
     ack.u.done_ack.bytes = ROOM_BYTES;
     fake_send(d, &ack, NULL, 0);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     kvf_sender_destroy(s);
 
     /* Room 10: E binds first; D, the legitimate one, is told at once. */
     s = sender(&pre, 10);
     req = room_req(10, B, &dpage);
     fake_send(e, &req, NULL, 0);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     req = room_req(10, A, &dpage);
     fake_send(d, &req, NULL, 0);
     CHECK(fake_expect(d, KVF_MSG_FAIL, &got) && got.u.fail.room == 10 &&
@@ -809,11 +767,11 @@ static void test_refused_receiver_fails_at_once(void)
     fake_decode_connect(e, pre.eng);
     kvf_msg_t req = room_req(11, 0xbadull, &dpage);
     fake_send(e, &req, NULL, 0);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     uint64_t t0 = kvf_now_ms();
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 11, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, &dpage, 1, 1, NULL, 0), KVF_OK);
-    CHECK_EQ_INT(wait_rx(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK(kvf_now_ms() - t0 < 2000);       /* the bootstrap deadline is 5 s */
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_ROOM_CONFLICT);
@@ -893,7 +851,7 @@ static void test_stashes_are_bounded(void)
         sleep_ms(1);
     }
     kvf_sender_t *s = sender(&pre, 5);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
     CHECK(fake_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 5 &&
@@ -903,7 +861,7 @@ static void test_stashes_are_bounded(void)
     ack.u.done_ack.instance = 0x5555;
     ack.u.done_ack.bytes = ROOM_BYTES;
     fake_send(d, &ack, NULL, 0);
-    CHECK_EQ_INT(wait_tx(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     kvf_sender_destroy(s);
     fake_close(d);
     free(d);

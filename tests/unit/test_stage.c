@@ -15,6 +15,7 @@
 #include <time.h>
 
 #include "kvf_fake_cuda.h"
+#include "kvf_rooms.h"
 #include "kvf_test.h"
 #include "kvferry/kvferry.h"
 #ifdef KVF_HAVE_CUDA
@@ -97,24 +98,6 @@ static void side_fini(side_t *s)
         free(s->kv[i]);
     free(s->aux);
     free(s->state);
-}
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-static int final(kvf_poll_t p)
-{
-    return p == KVF_POLL_SUCCESS || p == KVF_POLL_FAILED;
-}
-
-static void wait_final(kvf_sender_t *s, kvf_receiver_t *r)
-{
-    for (int i = 0; i < 20000 && !(final(kvf_sender_poll(s)) && final(kvf_receiver_poll(r)));
-         i++)
-        sleep_ms(1);
 }
 
 /* A room of n scattered pages (every other source page, destinations
@@ -260,8 +243,8 @@ static void tp_sliced(kvf_kv_order_t order, const char *via)
         sleep_ms(1);
     CHECK_EQ_INT(kvf_sender_init(s, n, 3), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, n, 1), KVF_OK);
-    for (int i = 0; i < 20000 && !(final(kvf_sender_poll(s)) && final(kvf_receiver_poll(r[0])) &&
-                                   final(kvf_receiver_poll(r[1]))); i++)
+    for (int i = 0; i < 20000 && !(room_is_final(kvf_sender_poll(s)) && room_is_final(kvf_receiver_poll(r[0])) &&
+                                   room_is_final(kvf_receiver_poll(r[1]))); i++)
         sleep_ms(1);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     int same = 1;
@@ -354,7 +337,7 @@ static void test_pages_held_until_copies_end(void)
     sleep_ms(100);
     CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_TRANSFERRING);
     CHECK(!kvf_receiver_pages_released(m.r));
-    for (int i = 0; i < 10000 && !final(kvf_receiver_poll(m.r)); i++)
+    for (int i = 0; i < 10000 && !room_is_final(kvf_receiver_poll(m.r)); i++)
         sleep_ms(1);
     CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_FAILED);
     CHECK(kvf_receiver_pages_released(m.r));
