@@ -13,12 +13,12 @@ from ._lib import lib as _clib
 from .args import KVArgs, KVPoll, StateGroup
 from .errors import (KVFerryError, KVFerryRuntimeError, KVFerryStateError,
                      KVFerryValueError, KVTransferError)
-from .manager import BootstrapServer, KVManager
+from .manager import BootstrapServer, KVManager, room_key
 from .room import KVReceiver, KVSender
 from ._lib import path as library_path
 
 __all__ = ["KVArgs", "KVPoll", "StateGroup", "KVManager", "KVSender", "KVReceiver",
-           "BootstrapServer", "KVTransferError", "KVFerryError",
+           "BootstrapServer", "room_key", "KVTransferError", "KVFerryError",
            "KVFerryValueError", "KVFerryStateError", "KVFerryRuntimeError",
            "library_version", "library_path", "set_log_level"]
 
