@@ -126,7 +126,10 @@ static int parse_field(kvf_descriptor_t *d, int f, const char *v)
         d->instance = strtoull(v, &end, 16);
         return d->instance != 0;
     case F_ADDR:
+        /* A host name, IPv4, or [IPv6] (with a zone), and the port. */
         if (strlen(v) >= sizeof(d->addr) ||
+            strspn(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%")
+                != strlen(v) ||
             kvf__split_addr(v, d->host, sizeof(d->host), &d->port) != KVF_OK || d->port == 0)
             return 0;
         memcpy(d->addr, v, strlen(v) + 1);
@@ -178,10 +181,14 @@ kvf_status_t kvf__descriptor_parse(const char *text, kvf_descriptor_t *d, char *
                  line);
         return KVF_ERR_INVALID_PARAM;
     }
-    for (char *tok = line + 5, *next; tok != NULL && *tok != '\0'; tok = next) {
+    for (char *tok = line + 5, *next; tok != NULL; tok = next) {
         next = strchr(tok, ' ');
         if (next != NULL)
             *next++ = '\0';
+        if (*tok == '\0') {
+            snprintf(err, errlen, "an empty field: fields are separated by one space");
+            return KVF_ERR_INVALID_PARAM;
+        }
         char *eq = strchr(tok, '=');
         if (eq == NULL) {
             snprintf(err, errlen, "field \"%.32s\" has no '='", tok);

@@ -840,9 +840,20 @@ void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
 {
     while (eng->stash_oldest != NULL &&
            kvf_elapsed_ms(now, eng->stash_oldest->t_ms) >= eng->params.bootstrap_timeout_ms) {
-        kvf_debug("dropping a stale destination for room %llu",
-                  (unsigned long long)eng->stash_oldest->room);
-        stash_forget(eng, eng->stash_oldest);
+        kvf_stash_t *o = eng->stash_oldest;
+        kvf_debug("dropping a stale destination for room %llu", (unsigned long long)o->room);
+        if (o->link.pages != NULL && o->peer->state != KVF_PEER_DEAD) {
+            /* Its reader would wait out its own deadline: tell it now. */
+            kvf_failure_t f;
+            kvf__failure_set(&f, eng, KVF_ERR_TIMED_OUT, "prefill rank %d had no sender for "
+                             "room %llu %.1f s after this decode rank asked for it (the "
+                             "bootstrap deadline): the prefill side never created it, or "
+                             "it had ended before", eng->params.tp_rank,
+                             (unsigned long long)o->room,
+                             eng->params.bootstrap_timeout_ms / 1000.0);
+            kvf__send_fail(o->peer, o->room, o->instance, &f, 0);
+        }
+        stash_forget(eng, o);
     }
 }
 

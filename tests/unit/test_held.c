@@ -35,6 +35,9 @@ typedef struct rank {
     char          desc[KVF_DESCRIPTOR_MAX];
 } rank_t;
 
+/* The bootstrap deadline of the next engines made (rank_up). */
+static unsigned bootstrap_ms = 5000;
+
 static void sleep_ms(int ms)
 {
     struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
@@ -65,7 +68,7 @@ static void rank_up(rank_t *r, kvf_role_t role, int tp_rank, int tp_size, const 
     p.port = port;
     p.transport = transport;
     p.checksum = 1;
-    p.bootstrap_timeout_ms = 5000;
+    p.bootstrap_timeout_ms = bootstrap_ms;
     r->tp_rank = tp_rank;
     r->tp_size = tp_size;
     CHECK_EQ_INT(kvf_engine_create(&p, &r->eng), KVF_OK);
@@ -464,6 +467,29 @@ static void test_restarted_prefill(void)
     rank_down(&pre);
 }
 
+/* A reader of a room the prefill never holds hears so at the prefill's
+ * bootstrap deadline, instead of waiting out its own. */
+static void test_room_never_held(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_receiver_t *r;
+    kvf_failure_t f;
+    uint32_t dst[2] = {5, 6};
+    bootstrap_ms = 300;
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    bootstrap_ms = 5000;
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    r = reader(&dec, &pre, 1, 12345, 0);
+    give_dest(r, dst, 2, 0);
+    kvf_poll_t st = wait_r(r, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_TIMED_OUT, &f,
+                "had no sender for room 12345");
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
 /* What a malformed or foreign descriptor list gets: a refused call. */
 static void test_descriptors(void)
 {
@@ -558,5 +584,6 @@ KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
               KVF_CASE(test_reader_prefix),
               KVF_CASE(test_reader_abort),
               KVF_CASE(test_restarted_prefill),
+              KVF_CASE(test_room_never_held),
               KVF_CASE(test_descriptors),
               KVF_CASE(test_room_key))
