@@ -17,7 +17,7 @@ own KV cache and kvferry engine), stepped like vLLM's engine core
             request_finished for the requests that stopped.
 
 ``python3 _vllm_instance.py '<json config>'``; config: role ("prefill" /
-"decode"), tp, layout ("NHD"/"HND"), lease_s, kvferry (engine settings),
+"decode"), tp, layout ("NHD"/"HND"), mla, lease_s, kvferry (engine settings),
 collide ({forged P request id: real P request id}: this process's room
 key of the forged id names the real one's room under another instance, as
 two ids whose rooms collide would).  Commands on stdin, one JSON object a
@@ -49,9 +49,11 @@ TPS = CFG["tp"]
 BS = 4                      # tokens per block
 NB = 64                     # blocks per cache
 LAYERS = 3
+MLA = bool(CFG.get("mla"))  # one latent vector per token, the same on every rank
 HEADS = 4                   # KV heads of the model
-HL = HEADS // TPS           # per TP rank
-D = 8                       # head size (uint16 elements)
+HL = 1 if MLA else HEADS // TPS     # per TP rank
+D = 36 if MLA else 8        # head size (uint16 elements); MLA: the latent width
+ROLES = (2,) if MLA else (0, 1)
 DEADLINE = time.monotonic() + 200
 
 
@@ -122,7 +124,7 @@ def expected(ext_id, layer, role, tp_rank, ntok):
     """The KV of tokens 0..ntok of request ``ext_id`` for ``tp_rank``'s heads:
     (ntok, HL, D) uint16, a value per layer, K/V, global head, token, dim."""
     t = np.arange(ntok, dtype=np.int64)[:, None, None]
-    g = (tp_rank * HL + np.arange(HL, dtype=np.int64))[None, :, None]
+    g = ((0 if MLA else tp_rank * HL) + np.arange(HL, dtype=np.int64))[None, :, None]
     k = np.arange(D, dtype=np.int64)[None, None, :]
     v = seed_of(ext_id) * 1009 + layer * 131 + role * 61 + g * 17 + t * 7 + k * 3
     return (v % 65521).astype(np.uint16)
@@ -130,14 +132,16 @@ def expected(ext_id, layer, role, tp_rank, ntok):
 
 def make_cache():
     """One layer's cache as vLLM hands it over: logical shape (2, NB, BS, HL, D);
-    HND: a permuted view of head-major memory."""
+    HND: a permuted view of head-major memory; MLA: (NB, BS, D)."""
+    if MLA:
+        return np.zeros((NB, BS, D), np.uint16)
     if CFG.get("layout", "NHD") == "HND":
         return np.zeros((2, NB, HL, BS, D), np.uint16).transpose(0, 1, 3, 2, 4)
     return np.zeros((2, NB, BS, HL, D), np.uint16)
 
 
 def vllm_config(tp_rank=None):
-    extra = {"lease_s": CFG.get("lease_s", 60), "kvferry": CFG.get("kvferry", {})}
+    extra = {"lease_s": CFG.get("lease_s", 120), "kvferry": CFG.get("kvferry", {})}
     if tp_rank is not None:
         extra["tp_rank"] = tp_rank
     return types.SimpleNamespace(
@@ -158,23 +162,25 @@ class Worker:
         self.reported = set()           # ids this worker reported (once each)
         self.writes = []                # (request, blocks) to prefill in the forward
 
-    def layer(self, i):
-        return self.caches["model.layers.%d.self_attn.attn" % i]
+    def layer(self, i, role):
+        """Role's (NB, BS, HL, D) view of layer i's cache."""
+        c = self.caches["model.layers.%d.self_attn.attn" % i]
+        return c[:, :, None, :] if MLA else c[role]
 
     def write(self, ext_id, blocks, ntok):
         t = np.arange(ntok)
         b, s = np.asarray(blocks, dtype=np.int64)[t // BS], t % BS
         for i in range(LAYERS):
-            for role in (0, 1):
-                self.layer(i)[role][b, s] = expected(ext_id, i, role, self.rank, ntok)
+            for role in ROLES:
+                self.layer(i, role)[b, s] = expected(ext_id, i, role, self.rank, ntok)
 
     def check(self, ext_id, blocks, ntok):
         t = np.arange(ntok)
         b, s = np.asarray(blocks, dtype=np.int64)[t // BS], t % BS
         bad = []
         for i in range(LAYERS):
-            for role in (0, 1):
-                got = self.layer(i)[role][b, s]
+            for role in ROLES:
+                got = self.layer(i, role)[b, s]
                 want = expected(ext_id, i, role, self.rank, ntok)
                 if not np.array_equal(got, want):
                     wrong = np.argwhere(got != want)
@@ -183,7 +189,7 @@ class Worker:
         return bad
 
     def zero(self, blocks):
-        return all(not self.layer(i)[:, blocks].any() for i in range(LAYERS))
+        return all(not self.layer(i, r)[blocks].any() for i in range(LAYERS) for r in ROLES)
 
     def step(self, meta_bytes, finished_req_ids):
         c = self.conn

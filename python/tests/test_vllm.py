@@ -200,13 +200,13 @@ class LayoutTest(unittest.TestCase):
 class Instances:
     """A prefill and a decode instance, and the proxy between them."""
 
-    def __init__(self, p_tp, d_tp, layout="NHD", p_extra=None, d_extra=None):
+    def __init__(self, p_tp, d_tp, layout="NHD", p_extra=None, d_extra=None, mla=False):
         self.p = self.d = None
         fast = {"heartbeat_interval_ms": 200, "heartbeat_timeout_ms": 2000}
-        self.p = Peer(dict({"role": "prefill", "tp": p_tp, "layout": layout,
+        self.p = Peer(dict({"role": "prefill", "tp": p_tp, "layout": layout, "mla": mla,
                             "kvferry": fast}, **(p_extra or {})),
                       timeout=240, script="_vllm_instance.py")
-        self.d = Peer(dict({"role": "decode", "tp": d_tp, "layout": layout,
+        self.d = Peer(dict({"role": "decode", "tp": d_tp, "layout": layout, "mla": mla,
                             "kvferry": fast}, **(d_extra or {})),
                       timeout=240, script="_vllm_instance.py")
         self.p_addrs = self.p.expect(lambda e: e["event"] == "ready", TIMEOUT, "P ready")["addrs"]
@@ -252,8 +252,8 @@ class Instances:
 class TransferTest(unittest.TestCase):
     """P holds, D reads: every byte, TP 1->1, 1->2, 2->1."""
 
-    def run_pair(self, p_tp, d_tp, layout="NHD"):
-        inst = Instances(p_tp, d_tp, layout)
+    def run_pair(self, p_tp, d_tp, layout="NHD", mla=False):
+        inst = Instances(p_tp, d_tp, layout, mla=mla)
         self.addCleanup(inst.close)
         lengths = {"a": 13, "b": 4, "c": 31}      # a partial last block, one block, many
         params = {k: inst.prefill("req-%s" % k, n) for k, n in lengths.items()}
@@ -267,6 +267,8 @@ class TransferTest(unittest.TestCase):
             self.assertEqual(ev["invalid"], [], ev)
             self.assertEqual(ev["bad"], [], ev)
             inst.freed("req-%s" % k)
+        self.assertEqual(inst.logs(inst.p, "req-"), [])    # freed as read, no lease end
+        self.assertEqual(inst.logs(inst.d, "req-"), [])
         inst.no_violation(self)
 
     def test_tp_1_to_1(self):
@@ -277,6 +279,14 @@ class TransferTest(unittest.TestCase):
 
     def test_tp_2_to_1(self):
         self.run_pair(2, 1)
+
+    def test_mla_tp_2_to_1(self):
+        # Every P rank holds the whole latent: D reads one, the other P rank
+        # feeds nobody and must still free its blocks (not at lease end).
+        self.run_pair(2, 1, mla=True)
+
+    def test_mla_tp_1_to_2(self):
+        self.run_pair(1, 2, mla=True)
 
     def test_decode_prefix_hit(self):
         inst = Instances(1, 2)
