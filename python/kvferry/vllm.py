@@ -187,6 +187,12 @@ class KVFerryHandshakeMetadata(KVConnectorHandshakeMetadata):
     engine_id: str = ""
 
 
+def _has_kv_order():
+    """Whether this kvferry registers head-major (HND) pages (KVArgs.kv_order)."""
+    from .args import KVArgs
+    return "kv_order" in getattr(KVArgs, "__dataclass_fields__", {})
+
+
 def _room_key(request_id):
     from . import room_key
     return room_key(request_id)
@@ -536,10 +542,13 @@ class _Worker:
     def register_kv_caches(self, kv_caches):
         import kvferry
         lay = kv_cache_layout(kv_caches, self.cfg.tp_size)
-        if lay["kv_order"] != "NHD":
-            raise ValueError(
-                "KVFerryConnector: the KV cache is head-major (HND); this kvferry moves "
-                "token-major (NHD) blocks only. Run vLLM with VLLM_KV_CACHE_LAYOUT=NHD")
+        order = {}
+        if lay["attention"] == "mha" and lay["kv_order"] != "NHD":
+            if not _has_kv_order():
+                raise ValueError(
+                    "KVFerryConnector: the KV cache is head-major (HND); this kvferry moves "
+                    "token-major (NHD) blocks only. Run vLLM with VLLM_KV_CACHE_LAYOUT=NHD")
+            order = {"kv_order": lay["kv_order"]}
         bs = self.cfg.block_size
         if bs is not None and bs != lay["page_size"]:
             raise ValueError("KVFerryConnector: the KV cache tensors hold blocks of %d tokens "
@@ -551,7 +560,7 @@ class _Worker:
             kv_tags=lay["tags"], num_layers=lay["num_layers"], page_size=lay["page_size"],
             kv_dtype=lay["kv_dtype"], attention=lay["attention"], kv_head_num=lay["heads"],
             total_kv_head_num=lay["total_heads"], bytes_per_head=lay["bytes_per_head"],
-            engine_rank=self.tp_rank, tp_size=self.cfg.tp_size, **self.cfg.engine)
+            engine_rank=self.tp_rank, tp_size=self.cfg.tp_size, **order, **self.cfg.engine)
         self.layout = lay
         try:
             if self.cfg.producer:
@@ -757,7 +766,13 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):
-        return None                     # the backend's default: NHD
+        """"HND" (head-major blocks: a TP slice of a block is one contiguous
+        run, as NIXL asks) where this kvferry moves them, except for MLA;
+        else None, the backend's default (NHD)."""
+        model = getattr(vllm_config, "model_config", None)
+        if getattr(model, "use_mla", False) or not _has_kv_order():
+            return None
+        return "HND"
 
     # -- worker side ------------------------------------------------------
 
