@@ -4,7 +4,8 @@ A thin ctypes binding over ``libkvferry`` shaped like SGLang's
 disaggregation interfaces (``KVManager``, ``KVSender``, ``KVReceiver``,
 ``KVPoll``, ``KVArgs``, ``KVTransferError``).  Standard library only.
 See docs/PYTHON.md; ``kvferry.sglang`` holds SGLang's transfer-backend
-classes over it (docs/SGLANG.md).
+classes over it (docs/SGLANG.md), ``kvferry.vllm`` vLLM's KV connector
+(docs/VLLM.md).
 
 The shared library is looked up in ``$KVFERRY_LIBRARY``, next to this
 package, then in the repository's ``build/`` directory.

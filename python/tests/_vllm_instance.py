@@ -41,7 +41,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-import kvferry  # noqa: E402
 from kvferry import vllm as V  # noqa: E402
 
 ROLE = CFG["role"]

@@ -374,6 +374,24 @@ class FailureTest(unittest.TestCase):
         self.assertEqual(inst.logs(inst.p, "req-gone"), [])   # no lease expiry
         inst.no_violation(self)
 
+    def test_unknown_request_fails(self):
+        # A remote_request_id that P never held (tampered, or P forgot it):
+        # P answers at its bootstrap deadline, D reports every block invalid.
+        inst = Instances(1, 1, p_extra={"kvferry": {"bootstrap_timeout_ms": 500}})
+        self.addCleanup(inst.close)
+        params = inst.prefill("req-real", 8)
+        inst.decode("req-made-up", 8, dict(params, remote_request_id="made-up-id"))
+        ev = inst.recv("req-made-up")
+        self.assertEqual(ev["invalid"], sorted(ev["blocks"]), ev)
+        self.assertTrue(ev["zero"], ev)
+        why = inst.logs(inst.d, "req-made-up")
+        self.assertTrue(why and "KVF_ERR_TIMED_OUT" in why[0], why)
+        inst.decode("req-real", 8, params)                  # the real one still reads
+        ev = inst.recv("req-real")
+        self.assertEqual((ev["invalid"], ev["bad"]), ([], []), ev)
+        inst.freed("req-real")
+        inst.no_violation(self)
+
     def test_stranger_refused(self):
         # A forged remote_request_id whose room collides with a real request's
         # (room_key patched in D: the same room, another instance) is refused;
