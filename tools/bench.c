@@ -278,6 +278,8 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
         "transport", o->transport[0] ? o->transport : "unknown"));
     json_object_set_new(json_object_get(out, "config"), "streams",
                         json_integer((json_int_t)p->streams));
+    json_object_set_new(json_object_get(out, "config"), "kv_order",
+                        json_string(p->kv_order));
     json_object_set_new(out, "prefill_bytes", json_integer((json_int_t)prefill_bytes));
     json_object_set_new(out, "registry_auth", json_string(
         o->registry_auth[0] ? o->registry_auth : "unknown"));
@@ -292,8 +294,10 @@ static void kvt_bench_print(FILE *f, json_t *j)
     json_t *c = json_object_get(j, "config");
 #define NUM(o, k) json_number_value(json_object_get(o, k))
 #define STR(o, k) json_string_value(json_object_get(o, k))
-    fprintf(f, "kvferry bench: %s, %s pages, page size %d, %d tokens per room, "
+    const char *order = STR(c, "kv_order");
+    fprintf(f, "kvferry bench: %s, %s%s pages, page size %d, %d tokens per room, "
             "%d in flight, TP %d->%d, transport %s\n", STR(c, "model"),
+            order && strcmp(order, "nhd") != 0 ? "hnd " : "",
             STR(c, "pattern"), (int)NUM(c, "page_size"), (int)NUM(c, "tokens"),
             (int)NUM(c, "concurrency"), (int)NUM(c, "prefill_tp"),
             (int)NUM(c, "decode_tp"), STR(c, "transport"));

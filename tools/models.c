@@ -9,6 +9,7 @@
 #include "models.h"
 
 #include <string.h>
+#include <strings.h>
 
 static const kvt_model_t kvt_models[] = {
     { "llama3-8b",   KVF_ATTN_MHA, 32, 8, 128, "32 layers, 8 KV heads x 128 (GQA), K and V buffers" },
@@ -70,6 +71,17 @@ int kvt_tp_check(const kvt_model_t *model, uint32_t tp_size,
                  option, tp_size, h, model->name, h);
         return -1;
     }
+    return 0;
+}
+
+int kvt_kv_order_find(const char *name, kvf_kv_order_t *order_p)
+{
+    if (name != NULL && strcasecmp(name, "nhd") == 0)
+        *order_p = KVF_KV_NHD;
+    else if (name != NULL && strcasecmp(name, "hnd") == 0)
+        *order_p = KVF_KV_HND;
+    else
+        return -1;
     return 0;
 }
 

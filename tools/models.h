@@ -5,10 +5,12 @@
  * head (MHA/GQA) or values per token (MLA).  kvt_geom_t is one rank's view
  * of it for a given TP size, dtype and page size: how many KV buffers, which
  * GLOBAL heads this rank holds, and the byte layout of a page, which is the
- * same on prefill and decode:
+ * same on prefill and decode, in one of two orders (kvf_kv_order_t):
  *
- *   offset = ((page * page_size + slot) * heads_per_rank + h_local)
- *            * bytes_per_head + byte
+ *   NHD: offset = ((page * page_size + slot) * heads_per_rank + h_local)
+ *                 * bytes_per_head + byte
+ *   HND: offset = page * page_bytes
+ *                 + (h_local * page_size + slot) * bytes_per_head + byte
  *
  * Data is defined over global heads and global layers' buffers (see
  * pattern.h), so a decode rank can verify the heads and layers it holds
@@ -55,7 +57,19 @@ typedef struct kvt_geom {
     uint32_t bytes_per_head;  /**< bytes of one head of one token */
     size_t   token_bytes;     /**< heads_per_rank * bytes_per_head */
     size_t   page_bytes;      /**< page_size * token_bytes: one page of one buffer */
+    kvf_kv_order_t kv_order;  /**< how a page orders heads and tokens; kvt_geom_init: NHD */
 } kvt_geom_t;
+
+/** Where head `h` (local) of token slot `slot` starts inside a page of `g`. */
+static inline size_t kvt_head_offset(const kvt_geom_t *g, uint32_t slot, uint32_t h)
+{
+    if (g->kv_order == KVF_KV_HND)
+        return ((size_t)h * g->page_size + slot) * g->bytes_per_head;
+    return (size_t)slot * g->token_bytes + (size_t)h * g->bytes_per_head;
+}
+
+/** "nhd" / "hnd" (any case) -> *order_p; -1 for another name. */
+int kvt_kv_order_find(const char *name, kvf_kv_order_t *order_p);
 
 /** Bytes of the aux slot that carries a room's tag (pattern.h). */
 #define KVT_AUX_SLOT_BYTES 64

@@ -65,6 +65,11 @@ static const kvt_opt_t kvt_opt_table[] = {
       "KV dtype on prefill" },
     { "decode-kv-dtype", KVT_STR, OFF(decode_kv_dtype), ALL, 0, "DTYPE",
       "KV dtype on decode (default --kv-dtype)" },
+    { "kv-order", KVT_STR, OFF(kv_order), ALL, 0, "nhd|hnd",
+      "KV page order on prefill: nhd, token-major [tokens][heads][bytes]; hnd, "
+      "head-major [heads][tokens][bytes] (vLLM's HND)" },
+    { "decode-kv-order", KVT_STR, OFF(decode_kv_order), ALL, 0, "nhd|hnd",
+      "KV page order on decode (default --kv-order)" },
     { "prefill-tp", KVT_U32, OFF(prefill_tp), ALL, 1, "N",
       "prefill TP size: prefill rank processes" },
     { "decode-tp", KVT_U32, OFF(decode_tp), ALL, 1, "N",
@@ -120,6 +125,7 @@ void kvt_opts_defaults(kvt_opts_t *o, kvt_opts_mode_t mode)
     o->tokens = 1024;
     o->page_size = 16;
     o->kv_dtype = "bfloat16";
+    o->kv_order = "nhd";
     o->prefill_tp = 1;
     o->decode_tp = 1;
     o->prefill_pp = 1;
@@ -289,6 +295,15 @@ int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode)
         fprintf(stderr, "kvferry %s: unknown KV dtype '%s'\n", cmd,
                 kvt_dtype_find(o->kv_dtype) ? o->decode_kv_dtype : o->kv_dtype);
         kvt_models_print(stderr);
+        return -1;
+    }
+    if (!o->decode_kv_order)
+        o->decode_kv_order = o->kv_order;
+    kvf_kv_order_t order;
+    if (kvt_kv_order_find(o->kv_order, &order) || kvt_kv_order_find(o->decode_kv_order, &order)) {
+        fprintf(stderr, "kvferry %s: unknown KV page order '%s': use nhd (token-major "
+                "pages) or hnd (head-major pages)\n", cmd,
+                kvt_kv_order_find(o->kv_order, &order) ? o->kv_order : o->decode_kv_order);
         return -1;
     }
     if (!o->decode_page_size)

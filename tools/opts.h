@@ -23,6 +23,8 @@ typedef struct kvt_opts {
     uint32_t    decode_page_size;  /**< 0: same as page_size */
     const char *kv_dtype;
     const char *decode_kv_dtype;   /**< NULL: same as kv_dtype */
+    const char *kv_order;          /**< KV page order on prefill: "nhd" or "hnd" */
+    const char *decode_kv_order;   /**< NULL: same as kv_order */
     uint32_t    prefill_tp;
     uint32_t    decode_tp;
     uint32_t    prefill_pp;        /**< pipeline stages on prefill */

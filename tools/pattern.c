@@ -2,7 +2,9 @@
  * Pattern generation and verification (see pattern.h for the idea).
  *
  * Seeds are chained: room -> buffer -> token -> head, one mix per level,
- * so a page costs one mix per token and one per head.  The bytes of a head
+ * so a page costs one mix per token and one per head.  Where a head of a
+ * token sits in the page is the geometry's page order (kvt_head_offset):
+ * the bytes are the same, a decode of the other order would not find them.  The bytes of a head
  * are the splitmix64 stream of its seed, 8 bytes per step, in host byte
  * order (prefill and decode of one demo run on one host).  Verification
  * XORs expected and actual words into an accumulator and only looks at
@@ -93,9 +95,8 @@ void kvt_pattern_fill(uint8_t *page, const kvt_geom_t *g, uint64_t room,
     uint64_t bseed = kvt_buffer_seed(room, buffer);
     for (uint32_t s = 0; s < ntokens; s++) {
         uint64_t tseed = kvt_next_seed(bseed, first_token + s);
-        uint8_t *tok = page + (size_t)s * g->token_bytes;
         for (uint32_t h = 0; h < g->heads_per_rank; h++)
-            kvt_fill_head(tok + (size_t)h * g->bytes_per_head,
+            kvt_fill_head(page + kvt_head_offset(g, s, h),
                           kvt_next_seed(tseed, g->head_first + h),
                           g->bytes_per_head);
     }
@@ -108,10 +109,9 @@ int kvt_pattern_verify(const uint8_t *page, const kvt_geom_t *g, uint64_t room,
     uint64_t bseed = kvt_buffer_seed(room, buffer);
     for (uint32_t s = 0; s < ntokens; s++) {
         uint64_t tseed = kvt_next_seed(bseed, first_token + s);
-        const uint8_t *tok = page + (size_t)s * g->token_bytes;
         for (uint32_t h = 0; h < g->heads_per_rank; h++) {
             uint8_t e = 0, got = 0;
-            uint32_t at = kvt_check_head(tok + (size_t)h * g->bytes_per_head,
+            uint32_t at = kvt_check_head(page + kvt_head_offset(g, s, h),
                                          kvt_next_seed(tseed, g->head_first + h),
                                          g->bytes_per_head, &e, &got);
             if (at) {

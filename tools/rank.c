@@ -645,6 +645,8 @@ int kvt_rank_main(int argc, char **argv)
                   kvt_dtype_find(r.prefill ? r.o.kv_dtype : r.o.decode_kv_dtype),
                   r.prefill ? r.o.prefill_tp : r.o.decode_tp, r.at.tp, page_size);
     kvt_geom_set_stage(&r.g, r.prefill ? r.o.prefill_pp : r.o.decode_pp, r.at.pp);
+    /* Checked by kvt_opts_resolve. */
+    kvt_kv_order_find(r.prefill ? r.o.kv_order : r.o.decode_kv_order, &r.g.kv_order);
     r.room_pages = kvt_pages_for(r.o.tokens, page_size);
     r.chunk_pages = kvt_pages_for(r.o.chunk, page_size);
     r.rooms = json_array();

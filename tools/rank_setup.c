@@ -110,6 +110,7 @@ int kvt_rank_setup_engine(kvt_rank_t *r)
     l.kv = kv;
     l.num_aux = 1;
     l.aux = &aux;
+    l.kv_order = r->g.kv_order;
     st = kvf_engine_register_layout(r->eng, &l);
     free(kv);   /* the engine copies the arrays */
     if (st != KVF_OK) {

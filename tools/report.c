@@ -484,12 +484,13 @@ json_t *kvt_report_summary(kvt_report_t *r, const kvt_children_t *kids,
 
     double secs = first.t1 > first.t0 ? first.t1 - first.t0 : 0;
     json_t *out = json_pack(
-        "{s:b, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i,"
+        "{s:b, s:s, s:s, s:s, s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i,"
         " s:I, s:b, s:s, s:b,"
         " s:i, s:i, s:i, s:i, s:I, s:b, s:f, s:f,"
         " s:O, s:O, s:o, s:O}",
         "ok", 0, "model", o->model, "kv_dtype", o->kv_dtype,
-        "decode_kv_dtype", o->decode_kv_dtype, "page_size", (int)o->page_size,
+        "decode_kv_dtype", o->decode_kv_dtype, "kv_order", o->kv_order,
+        "decode_kv_order", o->decode_kv_order, "page_size", (int)o->page_size,
         "decode_page_size", (int)o->decode_page_size, "tokens", (int)o->tokens,
         "chunk", (int)o->chunk, "prefill_tp", (int)o->prefill_tp,
         "decode_tp", (int)o->decode_tp, "concurrency", (int)o->concurrency,
@@ -624,6 +625,9 @@ void kvt_report_print(FILE *out, json_t *s)
             kvt_str(s, "kv_dtype"), kvt_str(s, "decode_kv_dtype"),
             kvt_int(s, "page_size"), kvt_int(s, "decode_page_size"),
             kvt_int(s, "prefill_tp"), kvt_int(s, "decode_tp"));
+    const char *ko = kvt_str(s, "kv_order"), *dko = kvt_str(s, "decode_kv_order");
+    if (strcmp(ko, "nhd") != 0 || strcmp(dko, "nhd") != 0)
+        fprintf(out, ", KV pages %s (decode %s)", ko, dko);
     if (kvt_int(s, "prefill_pp") > 1 || kvt_int(s, "decode_pp") > 1)
         fprintf(out, ", PP %lld -> %lld", kvt_int(s, "prefill_pp"),
                 kvt_int(s, "decode_pp"));

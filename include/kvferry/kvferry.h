@@ -381,6 +381,23 @@ typedef enum kvf_mem_kind {
     KVF_MEM_CUDA = 1
 } kvf_mem_kind_t;
 
+/**
+ * How an MHA/GQA KV page orders its bytes (kvf_layout_t.kv_order).  A page
+ * of a KV buffer holds page_size tokens of heads_per_rank heads of
+ * bytes_per_head bytes each:
+ */
+typedef enum kvf_kv_order {
+    /** Token-major, [page_size tokens][heads_per_rank heads][bytes_per_head]:
+     *  token t's head h at (t * heads_per_rank + h) * bytes_per_head (SGLang's
+     *  layout, vLLM's "NHD").  The default. */
+    KVF_KV_NHD = 0,
+    /** Head-major, [heads_per_rank heads][page_size tokens][bytes_per_head]:
+     *  token t's head h at (h * page_size + t) * bytes_per_head (vLLM's "HND"):
+     *  the heads one TP rank sends another are one contiguous piece of the
+     *  page. */
+    KVF_KV_HND = 1
+} kvf_kv_order_t;
+
 /** One registered buffer: `length` bytes at `base`, cut into items. */
 typedef struct kvf_buffer {
     void  *base;
@@ -488,6 +505,20 @@ typedef struct kvf_layout {
     /** The CUDA device ordinal of every KVF_MEM_CUDA buffer (one GPU per
      *  rank).  Default 0. */
     int                      cuda_device;
+    /**
+     * The byte order of every KV page, kvf_kv_order_t: KVF_KV_NHD
+     * (token-major) or KVF_KV_HND (head-major), for every KV buffer of
+     * the layout (a draft model's group too).  MHA/GQA: prefill and decode
+     * must register the same order (kvferry moves pages and head slices,
+     * it does not transpose them): a pair whose orders differ is refused
+     * at the handshake and fails every room with a message naming both.
+     * When the TP sizes differ, an NHD page is sent as a piece per token
+     * (that token's run of heads), an HND page as one piece (the run of
+     * heads, every token of it).  MLA ignores it: a page is one latent
+     * vector per token, never cut by heads.  Default KVF_KV_NHD; any other
+     * value is refused (KVF_ERR_INVALID_PARAM).
+     */
+    kvf_kv_order_t           kv_order;
     /* Fields added later go here, at the end, so that `size` tells them apart. */
 } kvf_layout_t;
 

@@ -54,6 +54,8 @@ MEM_CUDA = 1
 KV_K = 0
 KV_V = 1
 KV_KV = 2
+KV_NHD = 0
+KV_HND = 1
 
 
 class EngineParams(Structure):
@@ -128,6 +130,7 @@ class Layout(Structure):
         ("aux_mem_kind", c_int),
         ("state_mem_kind", c_int),
         ("cuda_device", c_int),
+        ("kv_order", c_int),                # kvf_kv_order_t
     ]
 
 

@@ -81,6 +81,12 @@ class KVArgs:
       ``first_layer`` (MLA: one per layer).
     * ``state_groups`` — optional typed state, a list of ``StateGroup``
       (instead of ``state_data_ptrs``, not both).
+    * ``kv_order`` — how a KV page orders its bytes: ``"NHD"`` (default,
+      token-major: ``[page_size tokens][kv_head_num heads][bytes_per_head]``,
+      SGLang's layout) or ``"HND"`` (head-major: ``[heads][tokens][bytes]``,
+      vLLM's, which makes a TP slice of a page one contiguous piece).  Both
+      sides must register the same order (MHA/GQA; MLA ignores it): kvferry
+      does not transpose pages, and refuses a pair whose orders differ.
 
     Engine fields: ``engine_rank`` (the tp rank; SGLang's name), ``tp_size``,
     ``pp_rank``/``pp_size``, ``system_dp_rank``/``dp_size``, ``host`` and
@@ -127,6 +133,7 @@ class KVArgs:
     kv_head_num: int = 1
     total_kv_head_num: Optional[int] = None
     bytes_per_head: Optional[int] = None
+    kv_order: str = "NHD"
 
     engine_rank: int = 0
     tp_size: int = 1

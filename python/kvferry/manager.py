@@ -380,6 +380,12 @@ class KVManager(_Closing):
             raise ValueError("the buffers are on CUDA devices %s: one engine registers the "
                              "memory of one GPU" % sorted(ordinals))
         l.cuda_device = ordinals.pop() if ordinals else 0
+        order = {"NHD": _lib.KV_NHD, "HND": _lib.KV_HND}.get(
+            a.kv_order.upper() if isinstance(a.kv_order, str) else None)
+        if order is None:
+            raise ValueError("kv_order must be 'NHD' (token-major pages) or 'HND' "
+                             "(head-major pages), got %r" % (a.kv_order,))
+        l.kv_order = order
         l.num_kv, l.kv = nkv, kv
         l.num_aux, l.aux = naux, aux
         l.num_state, l.state = nst, st

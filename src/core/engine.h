@@ -84,6 +84,7 @@ typedef struct kvf_layout_int {
     kvf_mem_kind_t  mem_kind;           /* the KV buffers' (what HELLO carries) */
     kvf_mem_kind_t  aux_mem, state_mem; /* the aux and state buffers' */
     int             cuda_device;
+    kvf_kv_order_t  kv_order;           /* how a KV page orders its heads and tokens */
     uint32_t        num_layers, first_layer;
     uint32_t        heads_per_rank, total_heads, bytes_per_head;
     uint32_t        num_kv, num_aux, num_state;
@@ -106,7 +107,9 @@ static inline uint32_t kvf__group_of(const kvf_layout_int_t *l, uint32_t b)
     return g;
 }
 
-/* MHA: bytes per head per token of KV buffer i (each group's own). */
+/* MHA: bytes per head per token of KV buffer i (each group's own).  The
+ * same in either kv_order: an NHD page is [tokens][heads][bytes], an HND
+ * page [heads][tokens][bytes]. */
 static inline uint64_t kvf__head_bytes(const kvf_layout_int_t *l, uint32_t i)
 {
     return l->kv[i].item_bytes / ((uint64_t)l->page_size * l->heads_per_rank);
@@ -345,7 +348,7 @@ kvf_status_t kvf__layout_adopt_heads(kvf_layout_int_t *l, int tp_size,
 kvf_status_t kvf__kv_map(const kvf_layout_int_t *pl, const kvf_layout_int_t *dl,
                          uint32_t *dst_of, char *err, size_t errlen);
 /* Same model and settings on both sides (page size, dtype, attention,
- * heads, aux, state)?  KVF_OK, or KVF_ERR_INCOMPATIBLE with an
+ * heads, KV page order, aux, state)?  KVF_OK, or KVF_ERR_INCOMPATIBLE with an
  * SGLang-style message in err. */
 kvf_status_t kvf__layout_check(const kvf_layout_int_t *prefill,
                                const kvf_layout_int_t *decode,

@@ -300,6 +300,11 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
                  src->cuda_device);
         return KVF_ERR_INVALID_PARAM;
     }
+    if (src->kv_order != KVF_KV_NHD && src->kv_order != KVF_KV_HND) {
+        snprintf(err, errlen, "unknown kv_order %d: KVF_KV_NHD (0, token-major pages) or "
+                 "KVF_KV_HND (1, head-major pages)", (int)src->kv_order);
+        return KVF_ERR_INVALID_PARAM;
+    }
     if (src->num_kv > 4096 || src->num_aux > 4096 || src->num_state > 4096 ||
         src->num_state_groups > 4096) {
         snprintf(err, errlen, "at most 4096 buffers of each kind");
@@ -312,6 +317,7 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
     l->aux_mem = src->aux_mem_kind;
     l->state_mem = src->state_mem_kind;
     l->cuda_device = src->cuda_device;
+    l->kv_order = src->kv_order;
     l->num_layers = src->num_layers;
     l->first_layer = src->first_layer;
     l->heads_per_rank = src->heads_per_rank;
@@ -511,6 +517,11 @@ static const char *attn_name(kvf_attn_kind_t a)
     return a == KVF_ATTN_MLA ? "MLA" : "MHA/GQA";
 }
 
+static const char *order_name(kvf_kv_order_t o)
+{
+    return o == KVF_KV_HND ? "HND (head-major)" : "NHD (token-major)";
+}
+
 void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp_size,
                    const kvf_layout_int_t *l)
 {
@@ -623,6 +634,15 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
                  "decode server has %u KV heads of %u bytes. Both servers must serve "
                  "the same model.", p->total_heads, p->bytes_per_head, d->total_heads,
                  d->bytes_per_head);
+        return KVF_ERR_INCOMPATIBLE;
+    }
+    /* MLA pages are one latent vector per token, never cut by heads: the
+     * order means nothing there. */
+    if (p->attn == KVF_ATTN_MHA && p->kv_order != d->kv_order) {
+        snprintf(err, errlen,
+                 "KV page order mismatch: prefill KV pages are %s, but decode KV pages "
+                 "are %s. kvferry does not transpose pages: register both servers with "
+                 "the same kv_order.", order_name(p->kv_order), order_name(d->kv_order));
         return KVF_ERR_INCOMPATIBLE;
     }
     if (p->num_aux != d->num_aux) {

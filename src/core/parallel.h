@@ -69,8 +69,9 @@ int kvf__idle_sources(kvf_attn_kind_t attn, uint32_t total_heads, int prefill_tp
 
 /* What one prefill rank sends one decode rank. */
 typedef struct kvf_slice {
-    int      sliced;       /* 0: whole pages; 1: per token, a run of heads */
-    uint32_t nheads;       /* heads per token (sliced) */
+    int      sliced;       /* 0: whole pages; 1: a run of heads, of each token
+                              (NHD pages) or of each page (HND, kv_order) */
+    uint32_t nheads;       /* heads in the run (sliced) */
     uint32_t src_head;     /* first of them, within the prefill rank's heads */
     uint32_t dst_head;     /* first of them, within the decode rank's heads */
 } kvf_slice_t;

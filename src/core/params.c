@@ -21,7 +21,7 @@
  * not one that fits in its trailing padding.
  */
 #define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, streams)
-#define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, cuda_device)
+#define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, kv_order)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
 _Static_assert(sizeof(kvf_layout_t) - LAYOUT_KNOWN < _Alignof(kvf_layout_t),

@@ -572,6 +572,7 @@ static void send_hello(kvf_peer_t *p)
     h->layout.state_groups = (kvf_wire_arr32_t){ng, gs, NULL};
     h->layout.state_types = (kvf_wire_str_t){l->state_types, (uint32_t)strlen(l->state_types)};
     h->layout.kv_tags = (kvf_wire_arr64_t){nk, kt, NULL};
+    h->layout.kv_order = (uint8_t)l->kv_order;
     kvf_status_t st = kvf__peer_send(p, &m);
     free(v);
     free(gs);
@@ -804,6 +805,7 @@ static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout
     memcpy(l->kv_dtype, w->kv_dtype.ptr, w->kv_dtype.len);
     l->attn = (kvf_attn_kind_t)w->attn;
     l->mem_kind = (kvf_mem_kind_t)w->mem_kind;
+    l->kv_order = (kvf_kv_order_t)w->kv_order;   /* the wire checked it (absent: NHD) */
     l->num_layers = w->num_layers;
     l->first_layer = w->first_layer;
     l->heads_per_rank = w->heads_per_rank;

@@ -606,6 +606,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
                 m.u.room_req.state_idx = (kvf_wire_arr32_t){rv->state_dst.total,
                                                             rv->state_dst.idx, NULL};
             }
+            /* A slice: its heads of every token, whichever the page order. */
             for (uint32_t b = 0; b < p->layout.num_kv; b++)
                 per_page += lk->slice.sliced
                     ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
@@ -755,9 +756,10 @@ static int cover_set(uint8_t *c, uint64_t i)
  * Exact coverage: a receiver counts each destination byte once.  Every
  * piece a peer sends must be whole destination units of its own share:
  * whole tokens of the KV buffers its layers map to (a TP-sliced link:
- * exactly its run of heads of one token), the whole aux slot if it is the
- * link that sends aux, each whole state slot if it sends state; and no
- * unit twice.  With the byte count DONE checks, that makes the bytes
+ * exactly its run of heads of one token of an NHD page, or of one HND
+ * page, which covers every token of that page), the whole aux slot if it
+ * is the link that sends aux, each whole state slot if it sends state; and
+ * no unit twice.  With the byte count DONE checks, that makes the bytes
  * placed exactly the room's, each once.  The check runs when a frame is
  * accepted, for pushed (DATA) and pulled (DATA_REF) frames alike, so a
  * frame that repeats a unit places nothing.  @return 1, or 0 with err.
@@ -776,9 +778,13 @@ static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, ch
         const kvf_buffer_t *b = &l->kv[s->buf];
         uint64_t tok = b->item_bytes / ps;
         const kvf_slice_t *sl = &lk->slice;
+        /* A sliced link's piece: its heads of one token (NHD), at `at` in
+         * the token, or of one page (HND: every token), at `at` in the page. */
+        int hnd = sl->sliced && l->kv_order == KVF_KV_HND;
+        uint64_t unit = hnd ? b->item_bytes : tok, ntok = hnd ? ps : 1;
         uint64_t bph = sl->sliced ? kvf__head_bytes(l, s->buf) : 0;
-        uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * bph : 0;
-        uint64_t want = sl->sliced ? (uint64_t)sl->nheads * bph : 0;
+        uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * bph * ntok : 0;
+        uint64_t want = sl->sliced ? (uint64_t)sl->nheads * bph * ntok : 0;
         if (lk->peer->kv_src == NULL || lk->peer->kv_src[s->buf] == UINT32_MAX) {
             snprintf(err, errlen, "KV buffer %u holds layers this peer does not send to "
                      "this rank", s->buf);
@@ -786,28 +792,37 @@ static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, ch
         }
         for (uint32_t k = 0; k < pieces; k++) {
             uint64_t off = s->offset + (uint64_t)k * s->dst_stride;
-            if (off % tok != at || (want ? s->len != want : s->len % tok != 0)) {
+            if (off % unit != at || (want ? s->len != want : s->len % tok != 0)) {
                 snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are not %s",
                          (unsigned long long)off, (unsigned long long)(off + s->len),
-                         s->buf, want ? "this peer's heads of one token"
-                                      : "whole tokens");
+                         s->buf, !want ? "whole tokens"
+                                 : hnd ? "this peer's heads of one page (HND pages)"
+                                       : "this peer's heads of one token");
                 return 0;
             }
-            uint64_t t0 = off / tok, n = want ? 1 : s->len / tok;
+            uint64_t t0 = hnd ? off / unit * ps : off / tok, n = want ? ntok : s->len / tok;
             uint64_t first = t0 / ps, idx0 = sorted_index(rv->sorted_pages, rv->n_pages, first);
             for (uint64_t t = t0; t < t0 + n; t++) {
                 /* Consecutive pages: seg_target found them all declared. */
                 uint64_t idx = idx0 + (t / ps - first);
-                if (!cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
-                                              t % ps)) {
+                if (cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
+                                             t % ps))
+                    continue;
+                if (hnd)
+                    snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (this "
+                             "peer's heads of the page: bytes [%llu, %llu)) is written a "
+                             "second time: each destination byte is placed once",
+                             (unsigned long long)(t % ps), (unsigned long long)(t / ps),
+                             s->buf, (unsigned long long)off,
+                             (unsigned long long)(off + want));
+                else
                     snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (bytes "
                              "[%llu, %llu)) is written a second time: each destination "
                              "byte is placed once", (unsigned long long)(t % ps),
                              (unsigned long long)(t / ps), s->buf,
                              (unsigned long long)(t * tok + at),
                              (unsigned long long)(t * tok + at + (want ? want : tok)));
-                    return 0;
-                }
+                return 0;
             }
         }
         return 1;

@@ -3,12 +3,12 @@
  *
  * A sender collects one destination (ROOM_REQ) per decode rank it feeds,
  * then turns each send() chunk into one put per destination and stream,
- * produced lazily segment by segment (whole page runs, or per-token head
- * slices when the TP sizes differ); with several streams each gets its
- * share of every chunk's pages (spread_runs).  After the last chunk's put
- * completes on a stream, that stream carries its DONE with its byte count
- * (and checksum), and the sender reaches SUCCESS when every destination
- * has acknowledged.  A destination that arrives before its sender is stashed.
+ * produced lazily segment by segment (whole page runs, or, when the TP
+ * sizes differ, head slices of each token of NHD pages or of each HND
+ * page); with several streams each gets its share of every chunk's pages
+ * (spread_runs).  After the last chunk's put completes on a stream, that
+ * stream carries its DONE with its byte count (and checksum), and the
+ * sender reaches SUCCESS when every destination has acknowledged.  A destination that arrives before its sender is stashed.
  * A decode rank that reconnects resumes its destination: everything queued
  * so far is sent again (writes are idempotent).
  */
@@ -45,12 +45,16 @@ typedef struct chunk_put {
 
 /*
  * The next KV segment: a whole run of pages per buffer, or, when the link
- * carries a slice of the heads, that slice of every token of the run: a
- * run of heads is contiguous inside a token on both sides, and tokens are
- * evenly spaced on both sides through a run (its pages are consecutive on
- * both), so the run is one strided segment, a piece per token.  A peer
- * that has not accepted strided segments (KVF_CAP_STRIDED) gets a plain
- * segment per token instead.
+ * carries a slice of the heads, that slice of every page of the run.  Its
+ * pages are consecutive on both sides, so the slice is evenly spaced
+ * through the run and the run is one strided segment:
+ *   - NHD pages ([tokens][heads][bytes]): a run of heads is contiguous
+ *     inside a token, so a piece per token, tokens apart on each side;
+ *   - HND pages ([heads][tokens][bytes]): a run of heads is contiguous
+ *     inside a page, every token of it, so a piece per page, pages apart
+ *     on each side (the two sides' pages differ in size: their heads).
+ * A peer that has not accepted strided segments (KVF_CAP_STRIDED) gets a
+ * plain segment per piece instead.
  */
 static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *lk,
                    kvf_wire_seg_t *seg, const void **src)
@@ -75,6 +79,28 @@ static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *
         return 1;
     }
     uint64_t ps = l->page_size, bph = kvf__head_bytes(l, c->buf);
+    int strided = (c->peer->caps & KVF_CAP_STRIDED) != 0;
+    if (l->kv_order == KVF_KV_HND) {
+        /* Page bytes of each side: the strides, from page to page. */
+        uint64_t sps = l->kv[c->buf].item_bytes;
+        uint64_t dps = lk->peer->layout.kv[dbuf].item_bytes;
+        uint64_t spage = (uint64_t)run->src + c->page, dpage = (uint64_t)run->dst + c->page;
+        /* Within one page (its bytes are below 4 GiB, layout.c): fits. */
+        *seg = (kvf_wire_seg_t){.kind = KVF_BUF_KV, .buf = dbuf,
+                                .offset = dpage * dps + sl->dst_head * ps * bph,
+                                .len = (uint32_t)(sl->nheads * ps * bph), .count = 1};
+        *src = base + spage * sps + sl->src_head * ps * bph;
+        if (strided) {
+            seg->count = run->count;       /* MAX_RUN_BYTES of pages at most */
+            seg->dst_stride = dps;
+            seg->src_stride = sps;
+            c->run++;
+        } else if (++c->page == run->count) {
+            c->page = 0;
+            c->run++;
+        }
+        return 1;
+    }
     uint64_t sts = l->heads_per_rank * bph, dts = lk->peer->layout.heads_per_rank * bph;
     uint64_t stok = ((uint64_t)run->src + c->page) * ps + c->tok;
     uint64_t dtok = ((uint64_t)run->dst + c->page) * ps + c->tok;
@@ -82,7 +108,7 @@ static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *
                             .offset = dtok * dts + sl->dst_head * bph,
                             .len = (uint32_t)(sl->nheads * bph), .count = 1};
     *src = base + stok * sts + sl->src_head * bph;
-    if (c->peer->caps & KVF_CAP_STRIDED) {
+    if (strided) {
         /* Runs hold at most MAX_RUN_BYTES of pages: the count fits. */
         seg->count = (uint32_t)(run->count * ps);
         seg->dst_stride = dts;

@@ -168,10 +168,11 @@ static bool kvf_wire_check_layout(const kvf_wire_layout_t *l, char *err,
           "state_items", "state" },
     };
 
-    if (l->attn > 1 || l->mem_kind > 1) {
+    if (l->attn > 1 || l->mem_kind > 1 || l->kv_order > 1) {
         kvf_wire_errf(err, errlen, "HELLO: layout has unknown %s %u",
-                      l->attn > 1 ? "attention kind" : "memory kind",
-                      l->attn > 1 ? l->attn : l->mem_kind);
+                      l->attn > 1 ? "attention kind" : l->mem_kind > 1 ? "memory kind"
+                                                                       : "KV page order",
+                      l->attn > 1 ? l->attn : l->mem_kind > 1 ? l->mem_kind : l->kv_order);
         return false;
     }
     if (!kvf_wire_check_str(&l->kv_dtype, what, "kv_dtype", err, errlen))
@@ -557,6 +558,7 @@ static void kvf_wire_wr_hello(kvf_wire_wr_t *w, const kvf_msg_hello_t *h)
     kvf_wire_wr_arr32(w, &l->state_groups);
     kvf_wire_wr_str(w, &l->state_types);
     kvf_wire_wr_arr64(w, &l->kv_tags);
+    kvf_wire_wr_u8(w, l->kv_order);
 }
 
 static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_data_t *d)
@@ -921,6 +923,7 @@ static void kvf_wire_rd_hello(kvf_wire_rd_t *rd, kvf_msg_hello_t *h)
     kvf_wire_rd_arr32(rd, &l->state_groups, KVF_WIRE_MAX_BUFS, "state_groups");
     kvf_wire_rd_str(rd, &l->state_types, "state_types");
     kvf_wire_rd_arr64(rd, &l->kv_tags, "kv_tags");
+    l->kv_order = kvf_wire_rd_u8(rd, "kv_order");
 }
 
 static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)

@@ -51,7 +51,8 @@
 #define KVF_WIRE_MAGIC      0x5946564bu /* "KVFY" as little-endian bytes */
 #define KVF_WIRE_VERSION    4          /* 2: AUTH / AUTH_PROOF first; 3: typed
                                           state, KV tags, decode prefix, JOIN;
-                                          4: the held room's instance in ROOM_REQ */
+                                          4: the held room's instance in ROOM_REQ,
+                                          the KV page order in HELLO */
 #define KVF_WIRE_NONCE_LEN  32
 #define KVF_WIRE_MAC_LEN    32         /* HMAC-SHA256 */
 #define KVF_WIRE_AUTH_LEN   (4 + 2 + 1 + 1 + 8 + 4 + KVF_WIRE_NONCE_LEN)
@@ -135,6 +136,7 @@ typedef struct kvf_wire_layout {
     kvf_wire_str_t   state_types;
     /* One tag per KV buffer (kvf_wire_tag()): what it holds. */
     kvf_wire_arr64_t kv_tags;
+    uint8_t          kv_order;        /* kvf_kv_order_t of the KV pages */
 } kvf_wire_layout_t;
 
 /* A KV buffer's tag as HELLO carries it: layer, role and group (kvferry.h

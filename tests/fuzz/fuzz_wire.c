@@ -63,7 +63,7 @@ static bool fz_hello_eq(const kvf_msg_hello_t *a, const kvf_msg_hello_t *b)
            fz_arr64_eq(&x->state_items, &y->state_items) &&
            fz_arr32_eq(&x->state_groups, &y->state_groups) &&
            fz_str_eq(x->state_types, y->state_types) &&
-           fz_arr64_eq(&x->kv_tags, &y->kv_tags);
+           fz_arr64_eq(&x->kv_tags, &y->kv_tags) && x->kv_order == y->kv_order;
 }
 
 static bool fz_data_eq(const kvf_msg_data_t *a, const kvf_msg_data_t *b)

@@ -284,6 +284,30 @@ static void test_layout_sizes(void)
         CHECK_STR_CONTAINS(kvf_last_error(), "kvf_layout_init()");
         kvf_engine_destroy(eng);
     }
+
+    /* A caller from before kv_order, the last field (its size ends at
+     * cuda_device): the garbage where kv_order lies is not read, or it
+     * would be refused as an unknown order.  The same bytes inside the
+     * caller's size are read, and refused by name. */
+    const size_t before_order = KVF_FIELD_END(kvf_layout_t, cuda_device);
+    CHECK_EQ_INT(offsetof(kvf_layout_t, kv_order), before_order);
+    CHECK_EQ_INT(KVF_FIELD_END(kvf_layout_t, kv_order), sizeof(kvf_layout_t));
+    memset(g, CANARY, sizeof(*g));
+    kvf_layout_init_sized(l0, before_order);
+    CHECK(canaries_intact_at((unsigned char *)g, before_order, sizeof(*g)));
+    fill_layout(l0, &kv);
+    if ((eng = decode_engine()) != NULL) {
+        CHECK_EQ_INT(kvf_engine_register_layout(eng, l0), KVF_OK);
+        kvf_engine_destroy(eng);
+    }
+    l0->size = sizeof(kvf_layout_t);
+    if ((eng = decode_engine()) != NULL) {
+        CHECK_EQ_INT(kvf_engine_register_layout(eng, l0), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(kvf_last_error(), "unknown kv_order");
+        l0->kv_order = KVF_KV_HND;
+        CHECK_EQ_INT(kvf_engine_register_layout(eng, l0), KVF_OK);
+        kvf_engine_destroy(eng);
+    }
     free(g);
 
     /* A newer header's larger layout. */

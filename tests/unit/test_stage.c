@@ -31,6 +31,7 @@
 static fake_cuda_t fake;
 static const char *transport = "tcp";    /* of the next side_init */
 static int heads = 1, tp_rank = 0, tp_size = 1;   /* of the next side_init */
+static kvf_kv_order_t kv_order = KVF_KV_NHD;     /* of the next side_init */
 
 #define STATE_B (64 << 10)        /* a Mamba-like state slot */
 
@@ -85,6 +86,7 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, int kv_device)
     l.state_groups = &group;
     l.mem_kind = kv_device ? KVF_MEM_CUDA : KVF_MEM_HOST;
     l.state_mem_kind = l.mem_kind;   /* on the GPU with the KV, as SGLang's */
+    l.kv_order = kv_order;
     CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
 }
 
@@ -210,9 +212,10 @@ static void test_device_to_host(void) { pair_room(1, 0); }
 static void test_host_to_device(void) { pair_room(0, 1); }
 
 /* TP 1 -> TP 2: each decode rank takes one of the two heads, a strided
- * segment per page run (a piece per token), cut between pieces where a
- * slot is full; both decode ranks stage, the prefill too. */
-static void test_tp_sliced_staged(void)
+ * segment per page run (a piece per token of NHD pages, per HND page), cut
+ * between pieces where a slot is full; over tcp both decode ranks stage,
+ * the prefill too; over cuda the decode ranks pull through IPC. */
+static void tp_sliced(kvf_kv_order_t order, const char *via)
 {
     side_t pre, dec[2];
     char bs[64];
@@ -223,6 +226,8 @@ static void test_tp_sliced_staged(void)
 
     fake.reset();
     heads = 2;
+    kv_order = order;
+    transport = via;
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     heads = 1;
@@ -233,6 +238,8 @@ static void test_tp_sliced_staged(void)
     }
     tp_rank = 0;
     tp_size = 1;
+    kv_order = KVF_KV_NHD;
+    transport = "tcp";
     for (uint32_t i = 0; i < n; i++) {
         /* 300 pages one by one (a strided segment of 16 pieces each per
          * buffer: slots of 512 segments, then 176), then runs of pages on
@@ -260,17 +267,24 @@ static void test_tp_sliced_staged(void)
     int same = 1;
     for (int t = 0; t < 2; t++) {
         CHECK_EQ_INT(kvf_receiver_poll(r[t]), KVF_POLL_SUCCESS);
+        /* Token k's head t of the prefill's two: at (k, t) of an NHD page,
+         * at (t, k) of an HND one; the decode's one head, at k either way. */
         for (int b = 0; b < NKV; b++)
             for (uint32_t i = 0; i < n; i++)
                 for (uint32_t k = 0; k < PAGE; k++)
                     same &= memcmp(dec[t].kv[b] + (size_t)dst[i] * PAGE_B + (size_t)k * HEAD_B,
                                    pre.kv[b] + (size_t)src[i] * PAGE_B * 2 +
-                                       ((size_t)k * 2 + t) * HEAD_B, HEAD_B) == 0;
+                                       (order == KVF_KV_HND ? (size_t)t * PAGE + k
+                                                            : (size_t)k * 2 + t) * HEAD_B,
+                                   HEAD_B) == 0;
         kvf_receiver_destroy(r[t]);
     }
     CHECK(same);
-    /* Each byte copied twice: out of the prefill, into one decode rank. */
-    CHECK_EQ_INT(fake.copied(), 2ull * n * PAGE_B * 2 * NKV);
+    /* Staged: each byte copied twice, out of the prefill, into one decode
+     * rank; pulled through IPC: once, device to device. */
+    CHECK_EQ_INT(fake.copied(), (strcmp(via, "cuda") == 0 ? 1ull : 2ull) * n * PAGE_B * 2 * NKV);
+    if (strcmp(via, "cuda") == 0)
+        CHECK(strcmp(kvf_engine_transport(dec[0].eng), "cuda") == 0);
     kvf_sender_destroy(s);
     side_fini(&dec[1]);
     side_fini(&dec[0]);
@@ -279,6 +293,10 @@ static void test_tp_sliced_staged(void)
     free(src);
     free(dst);
 }
+
+static void test_tp_sliced_staged(void) { tp_sliced(KVF_KV_NHD, "tcp"); }
+static void test_tp_sliced_staged_hnd(void) { tp_sliced(KVF_KV_HND, "tcp"); }
+static void test_tp_sliced_ipc_hnd(void) { tp_sliced(KVF_KV_HND, "cuda"); }
 
 /* A copy fails halfway through the room (the prefill's, or the
  * decode's): both sides fail it, neither shows SUCCESS, the pages are
@@ -453,6 +471,8 @@ int main(int argc, char **argv)
         KVF_CASE(test_device_to_host),
         KVF_CASE(test_host_to_device),
         KVF_CASE(test_tp_sliced_staged),
+        KVF_CASE(test_tp_sliced_staged_hnd),
+        KVF_CASE(test_tp_sliced_ipc_hnd),
         KVF_CASE(test_prefill_copy_fails_mid_pipeline),
         KVF_CASE(test_decode_copy_fails_mid_pipeline),
         KVF_CASE(test_pages_held_until_copies_end),

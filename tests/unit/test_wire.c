@@ -42,8 +42,8 @@ static const uint32_t groups[]    = { 2 };               /* one group of 2 buffe
 static const uint64_t tags[]      = { 0x0000000000000007ull, 0x0000000100000007ull,
                                       0x0001000200000000ull, 0xffffffff00000009ull };
 /* What HELLO's layout carries after state_items: state_groups (1), the
- * types ("mamba") and kv_tags (4), each with its count. */
-#define HELLO_TAIL ((4 + 4) + (4 + 5) + (4 + 4 * 8))
+ * types ("mamba") and kv_tags (4), each with its count, and kv_order. */
+#define HELLO_TAIL ((4 + 4) + (4 + 5) + (4 + 4 * 8) + 1)
 static const kvf_wire_seg_t segs[] = {
     { KVF_BUF_KV, 0, 0, 4096, 1, 0, 0 },
     { KVF_BUF_KV, 77, 6000000000ull, 1u << 31, 1, 0, 0 },
@@ -307,6 +307,41 @@ static void test_roundtrip_hello(void)
     CHECK(h->addr.ptr > (const char *)b.data &&
           h->addr.ptr < (const char *)b.data + b.len);
     kvf_buf_free(&b);
+}
+
+/* HELLO's KV page order: the body's last byte, 0 NHD or 1 HND. */
+static void test_hello_kv_order(void)
+{
+    kvf_msg_t m = sample_hello(), d;
+    kvf_buf_t nhd, hnd;
+    char err[256];
+
+    CHECK_EQ_INT(encode_decode(&m, &nhd, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(d.u.hello.layout.kv_order, 0);
+    m.u.hello.layout.kv_order = 1;               /* KVF_KV_HND */
+    CHECK_EQ_INT(encode_decode(&m, &hnd, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(d.u.hello.layout.kv_order, 1);
+    /* The same bytes but the last: the order. */
+    CHECK_EQ_INT(hnd.len, nhd.len);
+    CHECK(memcmp(hnd.data, nhd.data, nhd.len - 1) == 0);
+    CHECK_EQ_INT(nhd.data[nhd.len - 1], 0);
+    CHECK_EQ_INT(hnd.data[hnd.len - 1], 1);
+
+    uint8_t *body = hnd.data + KVF_WIRE_HDR_LEN;
+    size_t len = hnd.len - KVF_WIRE_HDR_LEN;
+    body[len - 1] = 2;
+    CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "HELLO: layout has unknown KV page order 2");
+    /* Without it, the body is short. */
+    CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len - 1, &d, err, sizeof(err)),
+                 KVF_ERR_PROTOCOL);
+    kvf_buf_free(&hnd);
+    kvf_buf_free(&nhd);
+
+    m.u.hello.layout.kv_order = 2;               /* would not decode */
+    kvf_buf_init(&hnd);
+    CHECK_EQ_INT(kvf_wire_encode(&hnd, &m), KVF_ERR_INVALID_PARAM);
+    kvf_buf_free(&hnd);
 }
 
 static void test_roundtrip_room_req(void)
@@ -778,8 +813,8 @@ static void test_limits_rejected(void)
     kvf_buf_t b;
     kvf_buf_init(&b);
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
-    /* kv_tags is last: 4 items (32 bytes) preceded by its count */
-    size_t off = b.len - 32 - 4;
+    /* kv_tags comes last but kv_order: 4 items (32 bytes) preceded by its count */
+    size_t off = b.len - 1 - 32 - 4;
     kvf_put_u32(b.data + off, KVF_WIRE_MAX_BUFS + 1);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, b.data + 8, b.len - 8, &m, err,
                              sizeof(err)), KVF_ERR_PROTOCOL);
@@ -787,7 +822,7 @@ static void test_limits_rejected(void)
     kvf_put_u32(b.data + off, 5);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, b.data + 8, b.len - 8, &m, err,
                              sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "HELLO: kv_tags count 5 exceeds body (32 bytes left)");
+    CHECK_STR_CONTAINS(err, "HELLO: kv_tags count 5 exceeds body (33 bytes left)");
     kvf_buf_free(&b);
 }
 
@@ -1384,6 +1419,7 @@ static void test_roundtrip_xport_data_ref(void)
 KVF_TEST_MAIN(
     KVF_CASE(test_roundtrip_xport_data_ref),
     KVF_CASE(test_roundtrip_hello),
+    KVF_CASE(test_hello_kv_order),
     KVF_CASE(test_roundtrip_room_req),
     KVF_CASE(test_roundtrip_data),
     KVF_CASE(test_roundtrip_small),
