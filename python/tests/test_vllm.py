@@ -156,7 +156,39 @@ class SchedulerTest(unittest.TestCase):
                                V.KVConnectorRole.SCHEDULER)
 
 
+class _TorchLike:
+    """What register_kv_caches reads of a torch tensor, over a numpy array:
+    data_ptr(), stride() in elements, element_size(), shape, dtype, device."""
+
+    def __init__(self, a, device_type="cpu", index=None):
+        self.a, self.shape, self.dtype = a, a.shape, "torch.bfloat16"
+        self.device = types.SimpleNamespace(type=device_type, index=index)
+
+    def data_ptr(self):
+        return self.a.ctypes.data
+
+    def stride(self):
+        return tuple(s // self.a.itemsize for s in self.a.strides)
+
+    def element_size(self):
+        return self.a.itemsize
+
+
 class LayoutTest(unittest.TestCase):
+    def test_torch_tensors(self):
+        a = np.zeros((2, 8, 2, 4, 16), np.uint16).transpose(0, 1, 3, 2, 4)
+        lay = V.kv_cache_layout({"l0": _TorchLike(a)})
+        self.assertEqual((lay["kv_order"], lay["kv_dtype"], lay["bytes_per_head"]),
+                         ("HND", "bfloat16", 32))
+        # A CUDA tensor is registered as memory of its device: here, with no
+        # CUDA driver, the library refuses it and says so.
+        w = V.KVFerryConnector(config(extra={"tp_rank": 0}), V.KVConnectorRole.WORKER)
+        self.addCleanup(w.shutdown)
+        gpu = _TorchLike(np.zeros((2, 8, 4, 2, 16), np.uint16), "cuda", 1)
+        self.assertEqual(V.kv_cache_layout({"l0": gpu})["device"], ("cuda", 1))
+        with self.assertRaisesRegex(kvferry.KVFerryError, "CUDA"):
+            w.register_kv_caches({"l0": gpu})
+
     def test_flash_attn_nhd(self):
         a = np.zeros((2, 8, 4, 2, 16), np.float16)
         lay = V.kv_cache_layout({"l0": a, "l1": np.zeros_like(a)}, tp_size=2)
