@@ -219,6 +219,7 @@ def main():
     finished_ids = set()            # ids finished since the previous step
     counts = {}                     # id -> reports (KVOutputAggregator)
     invalid = set()
+    announced = set()               # ids given to the workers in finished_req_ids
     cmds = queue.Queue()
 
     def read():
@@ -274,10 +275,14 @@ def main():
             emit(event="violation", what="build_connector_meta returned None")
         blob = pickle.dumps(meta)
         results = list(pool.map(lambda w: w.step(blob, finished_ids), workers))
+        announced |= finished_ids
         finished_ids = set()
         done_send, done_recv = set(), set()
         for sending, recving, inv in results:
             invalid |= inv
+            if sending - announced:
+                emit(event="violation", what="finished_sending %s before finished_req_ids"
+                     % sorted(sending - announced))
             for rid in sending | recving:
                 counts[rid] = counts.get(rid, 0) + 1
                 if counts[rid] == TPS:
