@@ -61,7 +61,7 @@ tsan: deps
 fuzz: deps
 	cmake -S . -B $(FUZZ_BUILD) -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug \
 	      -DKVF_FUZZ=ON -DKVF_SANITIZE=ON
-	cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzz_wire fuzz_registry
+	cmake --build $(FUZZ_BUILD) -j$(JOBS) --target fuzz_wire fuzz_registry fuzz_descriptor
 
 test-release: build
 	CTEST_ARGS="$(CTEST_ARGS)" bash tests/suite.sh release=$(BUILD)

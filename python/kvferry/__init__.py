@@ -4,7 +4,8 @@ A thin ctypes binding over ``libkvferry`` shaped like SGLang's
 disaggregation interfaces (``KVManager``, ``KVSender``, ``KVReceiver``,
 ``KVPoll``, ``KVArgs``, ``KVTransferError``).  Standard library only.
 See docs/PYTHON.md; ``kvferry.sglang`` holds SGLang's transfer-backend
-classes over it (docs/SGLANG.md).
+classes over it (docs/SGLANG.md), ``kvferry.vllm`` vLLM's KV connector
+(docs/VLLM.md).
 
 The shared library is looked up in ``$KVFERRY_LIBRARY``, next to this
 package, then in the repository's ``build/`` directory.
@@ -13,12 +14,12 @@ from ._lib import lib as _clib
 from .args import KVArgs, KVPoll, StateGroup
 from .errors import (KVFerryError, KVFerryRuntimeError, KVFerryStateError,
                      KVFerryValueError, KVTransferError)
-from .manager import BootstrapServer, KVManager
+from .manager import BootstrapServer, KVManager, room_key
 from .room import KVReceiver, KVSender
 from ._lib import path as library_path
 
 __all__ = ["KVArgs", "KVPoll", "StateGroup", "KVManager", "KVSender", "KVReceiver",
-           "BootstrapServer", "KVTransferError", "KVFerryError",
+           "BootstrapServer", "room_key", "KVTransferError", "KVFerryError",
            "KVFerryValueError", "KVFerryStateError", "KVFerryRuntimeError",
            "library_version", "library_path", "set_log_level"]
 

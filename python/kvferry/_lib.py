@@ -40,6 +40,10 @@ KVF_ERR_IO = -6
 KVF_ERR_NOT_FOUND = -7
 KVF_ERR_UNSUPPORTED = -8
 KVF_ERR_AGAIN = -9
+KVF_ERR_ROOM_CONFLICT = -25
+KVF_ERR_LEASE_EXPIRED = -27
+
+DESCRIPTOR_MAX = 512        # KVF_DESCRIPTOR_MAX, the NUL included
 
 ROLE_PREFILL = 0
 ROLE_DECODE = 1
@@ -209,6 +213,34 @@ class EngineStats(Structure):
     ]
 
 
+class RoomKey(Structure):
+    """``kvf_room_key_t``: a request id's room and instance."""
+    _fields_ = [
+        ("room", c_uint64),
+        ("instance", c_uint64),
+    ]
+
+
+class Hold(Structure):
+    """``kvf_hold_t``: how a held sender keeps its pages for later readers."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("lease_ms", c_uint),
+        ("instance", c_uint64),
+    ]
+
+
+class Remote(Structure):
+    """``kvf_remote_t``: a held room and the descriptors of its prefill ranks."""
+    _fields_ = [
+        ("size", c_size_t),
+        ("room", c_uint64),
+        ("instance", c_uint64),
+        ("descriptors", POINTER(c_char_p)),
+        ("num_descriptors", c_size_t),
+    ]
+
+
 _u32p = POINTER(c_uint32)
 
 # name: (restype, argtypes)
@@ -266,6 +298,15 @@ _OPTIONAL = {
     "kvf_sender_decode_prefix_len": (c_int, [c_void_p, POINTER(c_uint32)]),
     "kvf_sender_metric": (c_int, [c_void_p, POINTER(RoomMetric)]),
     "kvf_receiver_metric": (c_int, [c_void_p, POINTER(RoomMetric)]),
+    # held rooms, descriptors and room keys (vLLM's flow)
+    "kvf_room_key": (RoomKey, [c_char_p, c_size_t]),
+    "kvf_engine_descriptor": (c_int, [c_void_p, c_char_p, c_size_t]),
+    "kvf_hold_init_sized": (None, [POINTER(Hold), c_size_t]),
+    "kvf_sender_create_held": (c_int, [c_void_p, c_uint64, POINTER(Hold),
+                                       POINTER(c_void_p)]),
+    "kvf_remote_init_sized": (None, [POINTER(Remote), c_size_t]),
+    "kvf_receiver_create_remote": (c_int, [c_void_p, POINTER(Remote),
+                                           POINTER(c_void_p)]),
 }
 
 
@@ -361,6 +402,16 @@ def require(name, what):
 def new_dest():
     """``kvf_dest_t`` zeroed and sized by the library."""
     return _new(lib.kvf_dest_init_sized, Dest)
+
+
+def new_hold():
+    """``kvf_hold_t`` zeroed and sized by the library."""
+    return _new(lib.kvf_hold_init_sized, Hold)
+
+
+def new_remote():
+    """``kvf_remote_t`` zeroed and sized by the library."""
+    return _new(lib.kvf_remote_init_sized, Remote)
 
 
 def new_layout():

@@ -11,7 +11,8 @@ Two families, kept apart on purpose:
   ==========================  ===============================  ==============
   ``KVFerryValueError``       INVALID_PARAM, OUT_OF_RANGE      ``ValueError``
   ``KVFerryStateError``       STATE, ROOM_IN_USE, NOT_FOUND,   ``RuntimeError``
-                              AGAIN; use after ``close()``
+                              AGAIN, LEASE_EXPIRED; use after
+                              ``close()``
   ``KVFerryRuntimeError``     everything else (IO, NO_MEMORY,  ``RuntimeError``
                               UNSUPPORTED, ...)
   ==========================  ===============================  ==============
@@ -22,6 +23,10 @@ Two families, kept apart on purpose:
 * A **failed room** never makes a call fail: ``poll()`` returns
   ``KVPoll.Failed`` and ``failure_exception()`` raises ``KVTransferError``
   with the room's failure record (SGLang's exception, plus the origin).
+  A held room (``KVSender.held``) nobody read in time fails with
+  ``status == "KVF_ERR_LEASE_EXPIRED"`` (``lease_expired`` is True); a
+  reader that named another request's instance, with
+  ``"KVF_ERR_ROOM_CONFLICT"``.
 """
 from . import _lib
 
@@ -62,6 +67,7 @@ _BY_CODE = {
     _lib.KVF_ERR_ROOM_IN_USE: KVFerryStateError,
     _lib.KVF_ERR_NOT_FOUND: KVFerryStateError,
     _lib.KVF_ERR_AGAIN: KVFerryStateError,
+    _lib.KVF_ERR_LEASE_EXPIRED: KVFerryStateError,
 }
 
 
@@ -117,6 +123,12 @@ class KVTransferError(KVFerryError):
         self.already_consumed = already_consumed
         KVFerryError.__init__(self, failure_reason, code)
         self.args = (bootstrap_room, failure_reason)
+
+    @property
+    def lease_expired(self):
+        """True when a held room failed because its lease ended before every
+        reader came (``KVF_ERR_LEASE_EXPIRED``): its pages may be freed."""
+        return self.code == _lib.KVF_ERR_LEASE_EXPIRED
 
     def __reduce__(self):
         # Picklable (multiprocessing schedulers pass exceptions around).

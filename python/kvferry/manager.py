@@ -20,7 +20,25 @@ from ._lib import lib
 from .args import KVArgs, StateGroup
 from .errors import KVFerryStateError, check
 
-__all__ = ["KVManager", "BootstrapServer"]
+__all__ = ["KVManager", "BootstrapServer", "room_key"]
+
+
+def room_key(request_id):
+    """``(room, instance)`` of an application's request id
+    (``kvf_room_key``): XXH3-128 of its UTF-8 bytes, the same on every host.
+    A prefill holds the room under the instance (``KVSender.held``) and a
+    decode names both (``KVReceiver.remote``): two ids whose rooms collide
+    differ in their instance, and the stranger is refused."""
+    if isinstance(request_id, str):
+        b = request_id.encode("utf-8")
+    elif isinstance(request_id, (bytes, bytearray)):
+        b = bytes(request_id)
+    else:
+        raise TypeError("request_id must be a str (or bytes), got %s"
+                        % type(request_id).__name__)
+    _lib.require("kvf_room_key", "kvferry.room_key")
+    k = lib.kvf_room_key(b, len(b))
+    return k.room, k.instance
 
 
 class _Closing:
@@ -408,6 +426,20 @@ class KVManager(_Closing):
     def instance_id(self):
         """The engine's random 64-bit instance id."""
         return lib.kvf_engine_instance_id(self._ptr())
+
+    def descriptor(self):
+        """This engine's descriptor (``kvf_engine_descriptor``): one line of
+        printable ASCII, at most 511 characters, that a decode engine needs
+        to reach this prefill engine without a registry
+        (``KVReceiver.remote``).  It names the engine's instance, control
+        address, coordinates and layout summary; it is JSON-safe (no quotes,
+        no backslashes), so it travels in vLLM's ``kv_transfer_params``.
+        Opaque: the handshake checks it again."""
+        _lib.require("kvf_engine_descriptor", "KVManager.descriptor")
+        buf = ctypes.create_string_buffer(_lib.DESCRIPTOR_MAX)
+        check(lib.kvf_engine_descriptor(self._ptr(), buf, len(buf)),
+              "kvf_engine_descriptor")
+        return buf.value.decode()
 
     def stats(self):
         """A snapshot of the engine's counters, as a dict."""

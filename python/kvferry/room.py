@@ -161,6 +161,39 @@ class KVSender(_Room):
                    lambda eng, p: lib.kvf_sender_create(
                        eng, addr, self.bootstrap_room, ctypes.byref(p)))
 
+    @classmethod
+    def held(cls, mgr, bootstrap_room, instance=0, lease_s=None):
+        """A sender that holds its pages for readers that come later
+        (``kvf_sender_create_held``; vLLM's flow: the prefill computes first,
+        the decode reads afterwards).  ``init`` and ``send`` are accepted at
+        once, while ``poll()`` still shows Bootstrapping: the pages move once
+        every decode rank that reads the room asked
+        (``KVReceiver.remote``).  ``instance``: the instance a reader must
+        name (``room_key()``'s second value; 0: any reader).  ``lease_s``:
+        seconds within which every reader must have asked, else the room
+        fails with status ``KVF_ERR_LEASE_EXPIRED`` and its pages may be
+        reused; None: ``$KVF_LEASE_MS``, else 480 s (vLLM's abort timeout).
+        Either way, once ``poll()`` is final the pages may be freed."""
+        _lib.require("kvf_sender_create_held", "KVSender.held")
+        h = _lib.new_hold()
+        h.instance = to_uint("instance", instance, 64)
+        if lease_s is not None:
+            if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) \
+                    or not lease_s > 0:
+                raise ValueError("lease_s must be a positive number of seconds, got %r"
+                                 % (lease_s,))
+            ms = int(-(-lease_s * 1000 // 1))          # ceil: never shorter
+            h.lease_ms = to_uint("lease_s (in ms)", ms, 32)
+        self = cls.__new__(cls)
+        self.bootstrap_addr = None
+        self.num_kv_indices = None
+        self.curr_idx = 0
+        self.instance = h.instance
+        self._open(mgr, bootstrap_room,
+                   lambda eng, p: lib.kvf_sender_create_held(
+                       eng, self.bootstrap_room, ctypes.byref(h), ctypes.byref(p)))
+        return self
+
     def init(self, num_kv_indices, aux_index=None):
         """Declare the room: ``num_kv_indices`` KV pages in total and the
         source ``aux_index`` slot (may be None only when no aux buffers are
@@ -306,6 +339,54 @@ class KVReceiver(_Room):
                    lambda eng, p: lib.kvf_receiver_create(
                        eng, bootstrap_addr.encode(), self.bootstrap_room, dp,
                        ctypes.byref(p)))
+
+    @classmethod
+    def remote(cls, mgr, bootstrap_room, descriptors, instance=0):
+        """The receiver of a room that prefill ranks hold
+        (``KVSender.held``), reached by their ``descriptors``
+        (``KVManager.descriptor()`` of each, any order: every TP rank of the
+        prefill server, or at least those this rank reads), without a
+        registry (``kvf_receiver_create_remote``).  The engine picks the
+        ranks it reads; ``instance`` is the one the room is held under
+        (``room_key()``'s; 0: any).  Then ``set_dest`` as usual, whose
+        ``decode_prefix_len`` (a whole number of pages) skips the held
+        pages this decode already holds."""
+        if isinstance(descriptors, (str, bytes)):
+            raise TypeError("descriptors must be a list of descriptor strings, got a "
+                            "single %s" % type(descriptors).__name__)
+        try:
+            descs = list(descriptors)
+        except TypeError:
+            raise TypeError("descriptors must be a list of str, got %s"
+                            % type(descriptors).__name__) from None
+        if not descs:
+            raise ValueError("descriptors is empty: give the descriptor of every "
+                             "prefill rank that holds the room")
+        raw = []
+        for i, d in enumerate(descs):
+            if not isinstance(d, str):
+                raise TypeError("descriptors[%d] must be a str, got %s"
+                                % (i, type(d).__name__))
+            if "\0" in d or len(d) >= _lib.DESCRIPTOR_MAX:
+                raise ValueError("descriptors[%d] is not a kvferry descriptor (a NUL, "
+                                 "or longer than %d characters)"
+                                 % (i, _lib.DESCRIPTOR_MAX - 1))
+            raw.append(d.encode())
+        _lib.require("kvf_receiver_create_remote", "KVReceiver.remote")
+        rm = _lib.new_remote()
+        arr = (ctypes.c_char_p * len(raw))(*raw)
+        rm.instance = to_uint("instance", instance, 64)
+        rm.descriptors, rm.num_descriptors = arr, len(raw)
+        self = cls.__new__(cls)
+        self.bootstrap_addr = None
+        self.descriptors = descs
+        self.instance = rm.instance
+
+        def create(eng, p):
+            rm.room = self.bootstrap_room
+            return lib.kvf_receiver_create_remote(eng, ctypes.byref(rm), ctypes.byref(p))
+        self._open(mgr, bootstrap_room, create)
+        return self
 
     def pages_released(self):
         """True once the room is final and no write into its destination

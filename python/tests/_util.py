@@ -103,15 +103,16 @@ def wait_state(h, states, timeout=20.0):
 
 
 class Peer:
-    """A ``_peer.py`` child: ``config`` on argv, JSON events on stdout."""
+    """A ``_peer.py`` child (or ``script``): ``config`` on argv, JSON events on
+    stdout, JSON commands on stdin (``send``)."""
 
-    def __init__(self, config, timeout=120):
+    def __init__(self, config, timeout=120, script="_peer.py"):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [os.path.dirname(HERE)] + [p for p in env.get("PYTHONPATH", "").split(
                 os.pathsep) if p])
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "_peer.py"), json.dumps(config)],
+            [sys.executable, os.path.join(HERE, script), json.dumps(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         self.events = queue.Queue()
         self.seen = []
@@ -153,6 +154,11 @@ class Peer:
         return self.expect(lambda e: e["event"] == "state" and e["room"] == room
                            and e["state"] in states, timeout,
                            "room %d in %s" % (room, states))
+
+    def send(self, **cmd):
+        """One JSON command line to the child's stdin."""
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
 
     def kill(self, sig=9):
         if self.proc.poll() is None:

@@ -1,0 +1,805 @@
+"""kvferry as a vLLM v1 KV connector (``KVFerryConnector``), NIXL-style.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVFerryConnector",
+                           "kv_connector_module_path": "kvferry.vllm",
+                           "kv_role": "kv_both"}'
+
+The one idea: the prefill instance (P) *holds* a finished request's KV
+blocks in a kvferry held room, and the decode instance (D) *reads* it,
+named by P's request id.  ``request_finished`` on P returns
+``kv_transfer_params`` that carry P's block ids, P's request id and the
+descriptor of every P TP rank's kvferry engine; the proxy hands them to D.
+Each P worker holds room ``room_key(P's request id)`` with its blocks as
+pages; each D worker creates a receiver for that room from the
+descriptors, with its unhashed local blocks as destination.  kvferry picks
+the P ranks each D rank reads (TP P != D included), checks every byte, and
+ends every room on every rank in SUCCESS or FAILED with the root cause:
+
+* P reports the request in ``finished_sending`` once its held room is
+  final: every reader has its bytes, or the lease ended (vLLM's
+  ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``, 480 s by default) -- either way the
+  blocks may be freed;
+* D reports the request in ``finished_recving`` once its room is final;
+  a failed room reports all its local blocks in
+  ``get_block_ids_with_load_errors()`` (kvferry never lands part of a room),
+  and the reason is logged.
+
+The call sequence, invariants and NIXL behaviour this follows are in
+docs/VLLM.md.  The module imports without vLLM (it then defines small
+stand-ins for vLLM's base classes, with the same names and signatures) and
+does no work at import: vLLM imports it in its API server, engine core and
+every worker process; engines are created in ``register_kv_caches``.
+"""
+import enum
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+
+try:  # pragma: no cover - vLLM is not installed where the tests run
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorHandshakeMetadata)
+    except ImportError:
+        class KVConnectorHandshakeMetadata:  # noqa: D401 - older vLLM
+            """vLLM before handshake metadata: a plain base."""
+    from vllm.logger import init_logger
+    logger = init_logger(__name__)
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
+    logger = logging.getLogger(__name__)
+
+    class KVConnectorRole(enum.Enum):
+        """vLLM's ``KVConnectorRole``."""
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata:
+        """vLLM's ``KVConnectorMetadata``: scheduler -> workers, per step."""
+
+    class KVConnectorHandshakeMetadata:
+        """vLLM's ``KVConnectorHandshakeMetadata``: worker -> scheduler, once."""
+
+    class KVConnectorBase_V1:
+        """The part of vLLM's ``KVConnectorBase_V1`` this connector relies on
+        (base.py @ 003df296): the constructor, the metadata binding and the
+        defaults of the optional hooks."""
+
+        def __init__(self, vllm_config, role, kv_cache_config=None):
+            self._connector_metadata = None
+            self._vllm_config = vllm_config
+            if getattr(vllm_config, "kv_transfer_config", None) is None:
+                raise ValueError("kv_transfer_config must be set for KVConnectorBase_V1")
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+
+        @property
+        def role(self):
+            return self._role
+
+        def bind_connector_metadata(self, connector_metadata):
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self):
+            self._connector_metadata = None
+
+        def _get_connector_metadata(self):
+            assert self._connector_metadata is not None
+            return self._connector_metadata
+
+        def has_connector_metadata(self):
+            return self._connector_metadata is not None
+
+        def get_finished(self, finished_req_ids):
+            return None, None
+
+        def get_block_ids_with_load_errors(self):
+            return set()
+
+        def request_finished(self, request, block_ids):
+            return False, None
+
+        def get_handshake_metadata(self):
+            return None
+
+        def set_xfer_handshake_metadata(self, metadata):
+            return None
+
+        def get_finished_count(self):
+            return None
+
+        def update_connector_output(self, connector_output):
+            return None
+
+        def take_events(self):
+            return ()
+
+        def shutdown(self):
+            return None
+
+        @classmethod
+        def get_required_kvcache_layout(cls, vllm_config):
+            return None
+
+__all__ = ["KVFerryConnector", "KVFerryConnectorMetadata", "KVFerryHandshakeMetadata",
+           "HoldMeta", "RecvMeta", "check_params", "kv_cache_layout"]
+
+# vLLM's default for how long P keeps unread blocks (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+DEFAULT_LEASE_S = 480
+# P requests that ended with one of these hand their KV to a decoder (a
+# prefill request has max_tokens=1: LENGTH_CAPPED; EOS as first token: STOPPED).
+_HANDED_OFF = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+# kv_connector_extra_config["kvferry"]: KVArgs engine fields a deployment may set.
+_ENGINE_KEYS = ("host", "port", "transport", "checksum", "streams", "bootstrap_timeout_ms",
+                "waiting_timeout_ms", "transfer_timeout_ms", "heartbeat_interval_ms",
+                "heartbeat_timeout_ms", "faults")
+
+
+# ---------------------------------------------------------------------------
+# Metadata
+# ---------------------------------------------------------------------------
+
+@dataclass
+class HoldMeta:
+    """P: hold these blocks for the decoder (room from P's request id)."""
+    block_ids: list
+    room: int
+    instance: int
+
+
+@dataclass
+class RecvMeta:
+    """D: read P's held room into these local blocks."""
+    local_block_ids: list           # unhashed local blocks, in order (may be empty)
+    remote_block_ids: list          # P's blocks, the whole prompt
+    remote_request_id: str
+    remote_engine_id: str
+    descriptors: list               # one per P TP rank
+    room: int
+    instance: int
+    report: bool = True             # False: only tells P it may free (no async load)
+
+
+class KVFerryConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler-side connector tells every worker, each step."""
+
+    def __init__(self):
+        self.reqs_to_hold = {}      # req_id -> HoldMeta
+        self.reqs_to_recv = {}      # req_id -> RecvMeta
+
+    def __repr__(self):
+        return "<KVFerryConnectorMetadata hold=%s recv=%s>" % (
+            sorted(self.reqs_to_hold), sorted(self.reqs_to_recv))
+
+
+@dataclass
+class KVFerryHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """A worker's kvferry prefill engine, for the scheduler's params."""
+    tp_rank: int
+    descriptor: str
+    engine_id: str = ""
+
+
+def _has_kv_order():
+    """Whether this kvferry registers head-major (HND) pages (KVArgs.kv_order)."""
+    from .args import KVArgs
+    return "kv_order" in getattr(KVArgs, "__dataclass_fields__", {})
+
+
+def _room_key(request_id):
+    from . import room_key
+    return room_key(request_id)
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+def _status_name(status):
+    return getattr(status, "name", str(status))
+
+
+class _Config:
+    """What both halves read from vLLM's config, once."""
+
+    def __init__(self, vllm_config, tp_rank=None):
+        ktc = vllm_config.kv_transfer_config
+        role = getattr(ktc, "kv_role", None) or "kv_both"
+        if role not in ("kv_producer", "kv_consumer", "kv_both"):
+            raise ValueError("KVFerryConnector: kv_role must be kv_producer, kv_consumer or "
+                             "kv_both, got %r" % (role,))
+        self.kv_role = role
+        self.producer = role in ("kv_producer", "kv_both")
+        self.consumer = role in ("kv_consumer", "kv_both")
+        self.engine_id = getattr(ktc, "engine_id", None) or str(uuid.uuid4())
+        extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
+        self.extra = extra
+        lease = extra.get("lease_s")
+        if lease is None:
+            lease = os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", DEFAULT_LEASE_S)
+        try:
+            lease = float(lease)
+        except (TypeError, ValueError):
+            lease = -1
+        if not lease > 0:
+            raise ValueError("KVFerryConnector: lease_s (kv_connector_extra_config) or "
+                             "VLLM_NIXL_ABORT_REQUEST_TIMEOUT must be a positive number of "
+                             "seconds, got %r" % (extra.get("lease_s"),))
+        self.lease_s = lease
+        par = getattr(vllm_config, "parallel_config", None)
+        self.tp_size = int(extra.get("tp_size") or getattr(par, "tensor_parallel_size", 1) or 1)
+        if tp_rank is None:
+            tp_rank = extra.get("tp_rank")
+        self.tp_rank = None if tp_rank is None else int(tp_rank)
+        cache = getattr(vllm_config, "cache_config", None)
+        self.block_size = getattr(cache, "block_size", None)
+        engine = dict(extra.get("kvferry") or {})
+        unknown = sorted(set(engine) - set(_ENGINE_KEYS))
+        if unknown:
+            raise ValueError("KVFerryConnector: kv_connector_extra_config.kvferry has unknown "
+                             "keys %s; known: %s" % (unknown, ", ".join(_ENGINE_KEYS)))
+        self.engine = engine
+
+    def worker_tp_rank(self):
+        if self.tp_rank is not None:
+            return self.tp_rank
+        if HAVE_VLLM:  # pragma: no cover
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size)
+            self.tp_size = get_tensor_model_parallel_world_size()
+            return get_tensor_model_parallel_rank()
+        return 0
+
+
+def check_params(params, num_prompt_tokens=None, block_size=None):
+    """Why D cannot read from these ``kv_transfer_params`` (a str), or None
+    when they are usable: P's keys must all be there, of the right types,
+    and P's blocks must cover the prompt."""
+    if not isinstance(params, dict):
+        return "kv_transfer_params is not a dict"
+    blocks = params.get("remote_block_ids")
+    if not isinstance(blocks, list) or not blocks or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 32
+            for b in blocks):
+        return "remote_block_ids must be a non-empty list of block ids"
+    rid = params.get("remote_request_id")
+    if not isinstance(rid, str) or not rid:
+        return "remote_request_id must be P's request id (a non-empty str)"
+    eid = params.get("remote_engine_id")
+    if not isinstance(eid, str) or not eid:
+        return "remote_engine_id must be P's engine id (a non-empty str)"
+    descs = params.get("kvferry_descriptors")
+    if not isinstance(descs, list) or not descs or not all(
+            isinstance(d, str) and 0 < len(d) < 512 for d in descs):
+        return ("kvferry_descriptors must be the list of P's kvferry engine descriptors "
+                "(did P run KVFerryConnector?)")
+    tp = params.get("tp_size", 1)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp != len(descs):
+        return "tp_size %r does not match the %d descriptors" % (tp, len(descs))
+    if num_prompt_tokens is not None and block_size:
+        need = -(-num_prompt_tokens // block_size)
+        if len(blocks) < need:
+            return ("remote_block_ids has %d blocks but the prompt's %d tokens need %d "
+                    "blocks of %d" % (len(blocks), num_prompt_tokens, need, block_size))
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Scheduler side
+# ---------------------------------------------------------------------------
+
+class _Scheduler:
+    """Runs in vLLM's engine core: decides what the workers hold and read."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.descriptors = None         # P TP rank -> descriptor, once workers told
+        self.holds = {}                 # req_id -> HoldMeta, for the next step
+        self.recvs = {}                 # req_id -> RecvMeta, for the next step
+        self.warned = set()
+
+    def _invalid(self, request, why):
+        rid = request.request_id
+        if rid not in self.warned:
+            self.warned.add(rid)
+            logger.warning("KVFerryConnector: request %s: invalid kv_transfer_params (%s); "
+                           "it will be prefilled here, without KV transfer", rid, why)
+
+    def _num_prompt(self, request):
+        return len(getattr(request, "prompt_token_ids", None) or [])
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        params = getattr(request, "kv_transfer_params", None)
+        if not self.cfg.consumer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        why = check_params(params, self._num_prompt(request), self.cfg.block_size)
+        if why is not None:
+            self._invalid(request, why)
+            return 0, False
+        count = self._num_prompt(request) - num_computed_tokens
+        if count > 0:
+            return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        params = getattr(request, "kv_transfer_params", None)
+        if not self.cfg.consumer or not params or not params.get("do_remote_prefill"):
+            return
+        # One transfer per request (NIXL does the same): a second call, and
+        # request_finished, see the flag down.
+        params["do_remote_prefill"] = False
+        if check_params(params, self._num_prompt(request), self.cfg.block_size) is not None:
+            return                      # warned by get_num_new_matched_tokens
+        local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
+        self.recvs[request.request_id] = self._recv_meta(params, local, report=bool(local))
+
+    @staticmethod
+    def _recv_meta(params, local, report):
+        room, instance = _room_key(params["remote_request_id"])
+        return RecvMeta(local_block_ids=local, remote_block_ids=list(params["remote_block_ids"]),
+                        remote_request_id=params["remote_request_id"],
+                        remote_engine_id=params["remote_engine_id"],
+                        descriptors=list(params["kvferry_descriptors"]), room=room,
+                        instance=instance, report=report)
+
+    def build_connector_meta(self, scheduler_output):
+        meta = KVFerryConnectorMetadata()
+        meta.reqs_to_hold, self.holds = self.holds, {}
+        meta.reqs_to_recv, self.recvs = self.recvs, {}
+        return meta
+
+    def request_finished(self, request, block_ids):
+        params = getattr(request, "kv_transfer_params", None)
+        rid = request.request_id
+        self.warned.discard(rid)
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill") and self.cfg.consumer:
+            # D request that ended before its blocks were allocated: read
+            # nothing, but ask P's room with no pages, so that P frees now
+            # instead of at the end of its lease.
+            params["do_remote_prefill"] = False
+            if check_params(params) is None:
+                self.recvs[rid] = self._recv_meta(params, [], report=False)
+            return False, None
+        if not params.get("do_remote_decode") or not self.cfg.producer:
+            return False, None
+        if _status_name(getattr(request, "status", None)) not in _HANDED_OFF:
+            return False, None          # aborted (or failed): vLLM frees now
+        if not block_ids:
+            return False, None
+        if self.descriptors is None:
+            logger.error("KVFerryConnector: request %s: the workers' kvferry descriptors "
+                         "never reached the scheduler (set_xfer_handshake_metadata); its KV "
+                         "is not handed to a decoder", rid)
+            return False, None
+        room, instance = _room_key(rid)
+        self.holds[rid] = HoldMeta(block_ids=list(block_ids), room=room, instance=instance)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(block_ids),
+            "remote_engine_id": self.cfg.engine_id,
+            "remote_request_id": rid,
+            "tp_size": len(self.descriptors),
+            "kvferry_descriptors": list(self.descriptors),
+        }
+
+    def set_xfer_handshake_metadata(self, metadata):
+        descs = {}
+        for rank, md in (metadata or {}).items():
+            if isinstance(md, KVFerryHandshakeMetadata) and md.descriptor:
+                descs[int(getattr(md, "tp_rank", rank))] = md.descriptor
+        want = list(range(self.cfg.tp_size))
+        if sorted(descs) != want:
+            logger.error("KVFerryConnector: kvferry descriptors came from TP ranks %s, "
+                         "expected %s: this instance cannot hand KV to decoders",
+                         sorted(descs), want)
+            return
+        self.descriptors = [descs[r] for r in want]
+
+
+# ---------------------------------------------------------------------------
+# Worker side
+# ---------------------------------------------------------------------------
+
+class _Region:
+    """One K or V (or MLA) region of a layer, as ``KVArgs`` takes buffers:
+    ``data_ptr()``, ``nbytes`` and the tensor's ``device``; keeps the tensor."""
+
+    def __init__(self, addr, nbytes, device, owner):
+        self._addr = addr
+        self.nbytes = nbytes
+        self.device = device
+        self.owner = owner
+
+    def data_ptr(self):
+        return self._addr
+
+
+def _tensor_info(name, t):
+    """(address, shape, strides in bytes, itemsize, dtype name, device) of a
+    torch tensor or numpy array, without importing either."""
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(t, np.ndarray):
+        if not t.flags.writeable:
+            raise ValueError("kv_caches[%r] is a read-only numpy array" % name)
+        return (t.ctypes.data, tuple(t.shape), tuple(t.strides), t.itemsize, t.dtype.name,
+                None)
+    if hasattr(t, "data_ptr") and hasattr(t, "stride") and hasattr(t, "element_size"):
+        it = int(t.element_size())
+        return (int(t.data_ptr()), tuple(t.shape), tuple(int(s) * it for s in t.stride()), it,
+                str(t.dtype).replace("torch.", ""), getattr(t, "device", None))
+    raise TypeError("kv_caches[%r] must be a torch tensor or a numpy array, got %s"
+                    % (name, type(t).__name__))
+
+
+def _block_order(name, shape, st, it):
+    """"NHD" or "HND" for blocks of (block_size, heads, head_size) with these
+    byte strides, each block one contiguous run; else ValueError."""
+    bs, h, d = shape
+    if st[2] != it and d > 1:
+        raise ValueError("kv_caches[%r]: head_size elements are not contiguous (strides %s "
+                         "bytes)" % (name, st))
+    if (bs == 1 or st[0] == h * d * it) and (h == 1 or st[1] == d * it):
+        return "NHD"
+    if (h == 1 or st[1] == bs * d * it) and (bs == 1 or st[0] == d * it):
+        return "HND"
+    raise ValueError("kv_caches[%r]: a block's (block_size, num_kv_heads, head_size) = %s "
+                     "has byte strides %s: neither token-major (NHD) nor head-major (HND) "
+                     "contiguous blocks" % (name, shape, st))
+
+
+def kv_cache_layout(kv_caches, tp_size=1):
+    """What ``register_kv_caches`` registers, read from vLLM's per-layer
+    tensors (or numpy arrays of the same shapes, possibly permuted views):
+    a dict with ``regions`` (one ``_Region`` per layer per K/V, MLA: per
+    layer), ``tags`` ((layer, role, 0) each), ``num_blocks``, ``page_size``,
+    ``heads``, ``total_heads``, ``bytes_per_head``, ``block_bytes``,
+    ``kv_dtype``, ``attention`` ("mha"/"mla"), ``kv_order`` ("NHD"/"HND")
+    and ``device``.  Raises ValueError/TypeError, naming the layer, for a
+    layout kvferry cannot move."""
+    if not kv_caches:
+        raise ValueError("register_kv_caches: no KV cache tensors")
+    out = None
+    regions, tags = [], []
+    for layer, (name, t) in enumerate(kv_caches.items()):
+        addr, shape, st, it, dtype, dev = _tensor_info(name, t)
+        if len(shape) == 5 and shape[0] == 2 and st[0] > st[1]:
+            # FlashAttention: (2, num_blocks, block_size, heads, head_size).
+            nb, bs, h, d = shape[1:]
+            order = _block_order(name, shape[2:], st[2:], it)
+            block = bs * h * d * it
+            if st[1] != block or st[0] < nb * block:
+                raise ValueError(
+                    "kv_caches[%r]: shape %s, byte strides %s: K and V must each be one "
+                    "contiguous region of num_blocks blocks (block stride %d bytes, K to V "
+                    "at least %d bytes); a cross-layer or interleaved cache is not "
+                    "supported" % (name, shape, st, block, nb * block))
+            parts = [(addr, 0), (addr + st[0], 1)]
+            attn = "mha"
+        elif len(shape) == 5 and shape[1] == 2:
+            raise ValueError(
+                "kv_caches[%r]: shape %s is a blocks-first cache (FlashInfer / Triton: "
+                "(num_blocks, 2, block_size, num_kv_heads, head_size)), whose K and V "
+                "interleave per block; kvferry moves split K/V caches: use the "
+                "FLASH_ATTN backend (VLLM_ATTENTION_BACKEND=FLASH_ATTN)" % (name, shape))
+        elif len(shape) == 3:
+            # MLA: (num_blocks, block_size, head_size), one latent "head".
+            nb, bs, d = shape
+            h = 1
+            order = _block_order(name, (bs, 1, d), (st[1], st[1] * bs, st[2]), it)
+            block = bs * d * it
+            if st[0] != block:
+                raise ValueError("kv_caches[%r]: MLA shape %s, byte strides %s: blocks must "
+                                 "be contiguous" % (name, shape, st))
+            parts = [(addr, 2)]
+            attn = "mla"
+        else:
+            raise ValueError("kv_caches[%r]: shape %s is not a split-K/V cache (2, num_blocks, "
+                             "block_size, num_kv_heads, head_size) nor an MLA cache "
+                             "(num_blocks, block_size, head_size)" % (name, shape))
+        mine = dict(num_blocks=nb, page_size=bs, heads=h, bytes_per_head=d * it,
+                    block_bytes=block, kv_dtype=dtype, attention=attn, kv_order=order,
+                    device=(getattr(dev, "type", "cpu"), getattr(dev, "index", None)))
+        if out is None:
+            out = mine
+        elif mine != out:
+            diff = sorted(k for k in mine if mine[k] != out[k])
+            raise ValueError("kv_caches[%r] differs from the first layer in %s (%s vs %s)"
+                             % (name, ", ".join(diff), [mine[k] for k in diff],
+                                [out[k] for k in diff]))
+        for base, role in parts:
+            regions.append(_Region(base, nb * block, dev, t))
+            tags.append((layer, role, 0))
+    out.update(regions=regions, tags=tags, num_layers=len(kv_caches),
+               total_heads=out["heads"] * (1 if out["attention"] == "mla" else tp_size))
+    return out
+
+
+class _Worker:
+    """Runs in each vLLM worker (one TP rank): its kvferry engines and rooms."""
+
+    def __init__(self, cfg, tp_rank):
+        self.cfg = cfg
+        self.tp_rank = tp_rank
+        self.prefill = None             # KVManager, kv_producer / kv_both
+        self.decode = None              # KVManager, kv_consumer / kv_both
+        self.layout = None
+        self.sending = {}               # req_id -> KVSender (held), or a failure text
+        self.recving = {}               # req_id -> (KVReceiver or failure text, RecvMeta)
+        self.invalid = set()
+
+    # -- registration -----------------------------------------------------
+
+    def register_kv_caches(self, kv_caches):
+        import kvferry
+        lay = kv_cache_layout(kv_caches, self.cfg.tp_size)
+        order = {}
+        if lay["attention"] == "mha" and lay["kv_order"] != "NHD":
+            if not _has_kv_order():
+                raise ValueError(
+                    "KVFerryConnector: the KV cache is head-major (HND); this kvferry moves "
+                    "token-major (NHD) blocks only. Run vLLM with VLLM_KV_CACHE_LAYOUT=NHD")
+            order = {"kv_order": lay["kv_order"]}
+        bs = self.cfg.block_size
+        if bs is not None and bs != lay["page_size"]:
+            raise ValueError("KVFerryConnector: the KV cache tensors hold blocks of %d tokens "
+                             "but --block-size is %d: a kernel block size other than the "
+                             "scheduler's is not supported" % (lay["page_size"], bs))
+        self.block_size = lay["page_size"]
+        args = kvferry.KVArgs(
+            kv_data_ptrs=lay["regions"], kv_item_lens=[lay["block_bytes"]],
+            kv_tags=lay["tags"], num_layers=lay["num_layers"], page_size=lay["page_size"],
+            kv_dtype=lay["kv_dtype"], attention=lay["attention"], kv_head_num=lay["heads"],
+            total_kv_head_num=lay["total_heads"], bytes_per_head=lay["bytes_per_head"],
+            engine_rank=self.tp_rank, tp_size=self.cfg.tp_size, **order, **self.cfg.engine)
+        self.layout = lay
+        try:
+            if self.cfg.producer:
+                self.prefill = kvferry.KVManager(args, "prefill")
+            if self.cfg.consumer:
+                self.decode = kvferry.KVManager(args, "decode")
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("KVFerryConnector: TP rank %d/%d registered %d layers (%s, %s, %d blocks "
+                    "of %d tokens, %s)%s", self.tp_rank, self.cfg.tp_size, lay["num_layers"],
+                    lay["attention"], lay["kv_order"], lay["num_blocks"], lay["page_size"],
+                    lay["kv_dtype"],
+                    "; prefill engine %s" % self.prefill.address if self.prefill else "")
+
+    def get_handshake_metadata(self):
+        if self.prefill is None:
+            return None
+        return KVFerryHandshakeMetadata(tp_rank=self.tp_rank,
+                                        descriptor=self.prefill.descriptor(),
+                                        engine_id=self.cfg.engine_id)
+
+    # -- per step ---------------------------------------------------------
+
+    def start(self, meta):
+        for rid, hold in meta.reqs_to_hold.items():
+            self._hold(rid, hold)
+        for rid, rm in meta.reqs_to_recv.items():
+            self._recv(rid, rm)
+
+    def _hold(self, rid, hold):
+        import kvferry
+        if rid in self.sending:
+            logger.error("KVFerryConnector: request %s is held already; ignoring a second "
+                         "hold", rid)
+            return
+        if self.prefill is None:
+            self.sending[rid] = "this worker has no prefill engine (register_kv_caches)"
+            return
+        try:
+            s = kvferry.KVSender.held(self.prefill, hold.room, hold.instance,
+                                      lease_s=self.cfg.lease_s)
+        except (kvferry.KVFerryError, ValueError, TypeError) as e:
+            self.sending[rid] = "cannot hold its blocks: %s" % e
+            return
+        try:
+            s.init(len(hold.block_ids))
+            s.send(hold.block_ids, is_last=True)
+        except (kvferry.KVFerryError, ValueError, TypeError) as e:
+            s.close()
+            self.sending[rid] = "cannot hold its blocks: %s" % e
+            return
+        self.sending[rid] = s
+
+    def _recv(self, rid, rm):
+        import kvferry
+        if rid in self.recving:
+            logger.error("KVFerryConnector: request %s is being read already; ignoring a "
+                         "second read", rid)
+            return
+        local, remote = rm.local_block_ids, rm.remote_block_ids
+        if self.decode is None:
+            self.recving[rid] = ("this worker has no decode engine (register_kv_caches)", rm)
+            return
+        if len(local) > len(remote):
+            self.recving[rid] = ("%d local blocks to fill but P holds %d"
+                                 % (len(local), len(remote)), rm)
+            return
+        # D holds the first blocks already (its prefix cache): read P's tail,
+        # NIXL's remote_block_ids[-len(local):].
+        prefix = (len(remote) - len(local)) * self.block_size
+        try:
+            r = kvferry.KVReceiver.remote(self.decode, rm.room, rm.descriptors, rm.instance)
+        except (kvferry.KVFerryError, ValueError, TypeError) as e:
+            self.recving[rid] = ("cannot reach P's room: %s" % e, rm)
+            return
+        try:
+            r.set_dest(local, decode_prefix_len=prefix)
+        except (kvferry.KVFerryError, ValueError, TypeError) as e:
+            r.close()
+            self.recving[rid] = ("bad destination: %s" % e, rm)
+            return
+        self.recving[rid] = (r, rm)
+
+    @staticmethod
+    def _reason(h):
+        import kvferry
+        try:
+            h.failure_exception()
+        except kvferry.KVTransferError as e:
+            return str(e)
+        return "failed"                 # pragma: no cover - poll said Failed
+
+    def get_finished(self):
+        from kvferry import KVPoll
+        sending, recving = set(), set()
+        for rid, s in list(self.sending.items()):
+            if isinstance(s, str):
+                logger.error("KVFerryConnector: request %s: %s; its blocks are freed", rid, s)
+            else:
+                st = s.poll()
+                if st not in (KVPoll.Success, KVPoll.Failed):
+                    continue
+                if st == KVPoll.Failed:
+                    logger.warning("KVFerryConnector: request %s: releasing the KV blocks held "
+                                   "for the decoder, which did not get them: %s", rid,
+                                   self._reason(s))
+                s.close()
+            del self.sending[rid]
+            sending.add(rid)
+        for rid, (r, rm) in list(self.recving.items()):
+            if isinstance(r, str):
+                why = r
+            else:
+                st = r.poll()
+                if st not in (KVPoll.Success, KVPoll.Failed):
+                    continue
+                why = self._reason(r) if st == KVPoll.Failed else None
+                r.close()
+            del self.recving[rid]
+            if not rm.report:
+                continue                # only told P to free; vLLM waits for nothing
+            if why is not None:
+                logger.warning("KVFerryConnector: request %s: loading its KV from %s request "
+                               "%s failed, its %d blocks are reported invalid: %s", rid,
+                               rm.remote_engine_id, rm.remote_request_id,
+                               len(rm.local_block_ids), why)
+                self.invalid.update(rm.local_block_ids)
+            recving.add(rid)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self):
+        out, self.invalid = self.invalid, set()
+        return out
+
+    def shutdown(self):
+        for s in self.sending.values():
+            if not isinstance(s, str):
+                s.close()
+        for r, _ in self.recving.values():
+            if not isinstance(r, str):
+                r.close()
+        self.sending, self.recving = {}, {}
+        for m in (self.prefill, self.decode):
+            if m is not None:
+                m.close()
+        self.prefill = self.decode = None
+
+
+# ---------------------------------------------------------------------------
+# The connector
+# ---------------------------------------------------------------------------
+
+class KVFerryConnector(KVConnectorBase_V1):
+    """vLLM v1 KV connector over kvferry held rooms (module docstring,
+    docs/VLLM.md).  ``kv_connector_extra_config`` keys: ``lease_s`` (how
+    long P holds unread blocks; default ``$VLLM_NIXL_ABORT_REQUEST_TIMEOUT``,
+    else 480), ``kvferry`` (engine settings: host, port, transport,
+    checksum, streams, the ``*_timeout_ms`` deadlines, heartbeat), and, for
+    tests without vLLM, ``tp_rank`` / ``tp_size`` (also the ``tp_rank``
+    keyword)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None, *, tp_rank=None):
+        try:
+            super().__init__(vllm_config, role, kv_cache_config)
+        except TypeError:  # pragma: no cover - a vLLM whose base takes (config, role)
+            super().__init__(vllm_config, role)
+        self._cfg = _Config(vllm_config, tp_rank)
+        self._scheduler = None
+        self._worker = None
+        if _status_name(role) == "SCHEDULER":
+            self._scheduler = _Scheduler(self._cfg)
+        else:
+            self._worker = _Worker(self._cfg, self._cfg.worker_tp_rank())
+
+    def _sched(self):
+        assert self._scheduler is not None, "a scheduler-side method called on a worker"
+        return self._scheduler
+
+    def _work(self):
+        assert self._worker is not None, "a worker-side method called on the scheduler"
+        return self._worker
+
+    # -- scheduler side ---------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        return self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids):
+        return self._sched().request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(self, metadata):
+        return self._sched().set_xfer_handshake_metadata(metadata)
+
+    def get_finished_count(self):
+        return None                     # every worker reports every id
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config):
+        """"HND" (head-major blocks: a TP slice of a block is one contiguous
+        run, as NIXL asks) where this kvferry moves them, except for MLA;
+        else None, the backend's default (NHD)."""
+        model = getattr(vllm_config, "model_config", None)
+        if getattr(model, "use_mla", False) or not _has_kv_order():
+            return None
+        return "HND"
+
+    # -- worker side ------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches):
+        self._work().register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self):
+        return self._work().get_handshake_metadata()
+
+    def start_load_kv(self, forward_context, **kwargs):
+        self._work().start(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name):
+        pass                            # loads complete between steps (async)
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
+        pass                            # D reads P's blocks where they are
+
+    def wait_for_save(self):
+        pass
+
+    def get_finished(self, finished_req_ids):
+        return self._work().get_finished()
+
+    def get_block_ids_with_load_errors(self):
+        return self._work().get_block_ids_with_load_errors()
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
