@@ -187,12 +187,6 @@ class KVFerryHandshakeMetadata(KVConnectorHandshakeMetadata):
     engine_id: str = ""
 
 
-def _has_kv_order():
-    """Whether this kvferry registers head-major (HND) pages (KVArgs.kv_order)."""
-    from .args import KVArgs
-    return "kv_order" in getattr(KVArgs, "__dataclass_fields__", {})
-
-
 def _room_key(request_id):
     from . import room_key
     return room_key(request_id)
@@ -542,13 +536,6 @@ class _Worker:
     def register_kv_caches(self, kv_caches):
         import kvferry
         lay = kv_cache_layout(kv_caches, self.cfg.tp_size)
-        order = {}
-        if lay["attention"] == "mha" and lay["kv_order"] != "NHD":
-            if not _has_kv_order():
-                raise ValueError(
-                    "KVFerryConnector: the KV cache is head-major (HND); this kvferry moves "
-                    "token-major (NHD) blocks only. Run vLLM with VLLM_KV_CACHE_LAYOUT=NHD")
-            order = {"kv_order": lay["kv_order"]}
         bs = self.cfg.block_size
         if bs is not None and bs != lay["page_size"]:
             raise ValueError("KVFerryConnector: the KV cache tensors hold blocks of %d tokens "
@@ -560,7 +547,8 @@ class _Worker:
             kv_tags=lay["tags"], num_layers=lay["num_layers"], page_size=lay["page_size"],
             kv_dtype=lay["kv_dtype"], attention=lay["attention"], kv_head_num=lay["heads"],
             total_kv_head_num=lay["total_heads"], bytes_per_head=lay["bytes_per_head"],
-            engine_rank=self.tp_rank, tp_size=self.cfg.tp_size, **order, **self.cfg.engine)
+            kv_order=lay["kv_order"], engine_rank=self.tp_rank, tp_size=self.cfg.tp_size,
+            **self.cfg.engine)
         self.layout = lay
         try:
             if self.cfg.producer:
@@ -767,10 +755,9 @@ class KVFerryConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config):
         """"HND" (head-major blocks: a TP slice of a block is one contiguous
-        run, as NIXL asks) where this kvferry moves them, except for MLA;
-        else None, the backend's default (NHD)."""
+        run, as NIXL asks), except for MLA: None, the backend's default."""
         model = getattr(vllm_config, "model_config", None)
-        if getattr(model, "use_mla", False) or not _has_kv_order():
+        if getattr(model, "use_mla", False):
             return None
         return "HND"
 

@@ -23,8 +23,6 @@ from _util import Peer, kvferry
 from kvferry import vllm as V
 
 TIMEOUT = 60.0
-# This kvferry registers head-major (HND) pages (KVArgs.kv_order).
-HAVE_HND = "kv_order" in kvferry.KVArgs.__dataclass_fields__
 
 
 def config(role="kv_both", extra=None, tp=1, block_size=4):
@@ -222,20 +220,15 @@ class LayoutTest(unittest.TestCase):
             V.kv_cache_layout({"a": np.zeros((2, 8, 4, 2, 16), np.uint16),
                                "b": np.zeros((2, 8, 4, 1, 16), np.uint16)})
 
-    def test_hnd_registered_or_refused(self):
+    def test_hnd_registered(self):
         w = V.KVFerryConnector(config(extra={"tp_rank": 0}), V.KVConnectorRole.WORKER)
         self.addCleanup(w.shutdown)
         a = np.zeros((2, 8, 2, 4, 16), np.uint16).transpose(0, 1, 3, 2, 4)
         mla = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=True))
         self.assertIsNone(V.KVFerryConnector.get_required_kvcache_layout(mla))
-        if HAVE_HND:
-            self.assertEqual(V.KVFerryConnector.get_required_kvcache_layout(config()), "HND")
-            w.register_kv_caches({"l0": a})
-            self.assertEqual(w._worker.prefill.args.kv_order, "HND")
-        else:
-            self.assertIsNone(V.KVFerryConnector.get_required_kvcache_layout(config()))
-            with self.assertRaisesRegex(ValueError, "VLLM_KV_CACHE_LAYOUT=NHD"):
-                w.register_kv_caches({"l0": a})
+        self.assertEqual(V.KVFerryConnector.get_required_kvcache_layout(config()), "HND")
+        w.register_kv_caches({"l0": a})
+        self.assertEqual(w._worker.prefill.args.kv_order, "HND")
 
 
 class Instances:
@@ -321,19 +314,15 @@ class TransferTest(unittest.TestCase):
     def test_tp_2_to_1(self):
         self.run_pair(2, 1)
 
-    @unittest.skipUnless(HAVE_HND, "this kvferry has no head-major pages (kv_order)")
     def test_hnd_tp_1_to_1(self):
         self.run_pair(1, 1, "HND")
 
-    @unittest.skipUnless(HAVE_HND, "this kvferry has no head-major pages (kv_order)")
     def test_hnd_tp_1_to_2(self):
         self.run_pair(1, 2, "HND")
 
-    @unittest.skipUnless(HAVE_HND, "this kvferry has no head-major pages (kv_order)")
     def test_hnd_tp_2_to_1(self):
         self.run_pair(2, 1, "HND")
 
-    @unittest.skipUnless(HAVE_HND, "this kvferry has no head-major pages (kv_order)")
     def test_hnd_prefill_nhd_decode_refused(self):
         # The layouts disagree (VLLM_KV_CACHE_LAYOUT set on one side only):
         # kvferry refuses the pair, D reports every block invalid, and says why.
