@@ -642,15 +642,15 @@ static int instance_ok(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
         return 1;
     kvf__peer_name(p, name, sizeof(name));
     if (s->held)
-        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu held "
-               "under instance %016llx, but prefill rank %d holds it under instance "
+        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu as "
+               "held for request key %016llx, but prefill rank %d holds it for request key "
                "%016llx: two request ids with one room id, or a stale request; refused",
                name, (unsigned long long)r->id, (unsigned long long)req->want_instance,
                r->eng->params.tp_rank, (unsigned long long)s->hold_instance);
     else
-        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu held "
-               "under instance %016llx, but prefill rank %d does not hold that room (its "
-               "sender was not created with kvf_sender_create_held); refused", name,
+        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu as "
+               "held for request key %016llx, but prefill rank %d does not hold that room "
+               "(its sender was not created with kvf_sender_create_held); refused", name,
                (unsigned long long)r->id, (unsigned long long)req->want_instance,
                r->eng->params.tp_rank);
     return 0;

@@ -317,7 +317,7 @@ static void test_other_instance_refused(void)
     give_dest(bad, dst, 2, 0);
     kvf_poll_t st = wait_receiver(bad, KVF_POLL_SUCCESS);
     failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
-                "holds it under instance");
+                "holds it for request key");
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
     kvf_receiver_destroy(bad);
 
