@@ -347,9 +347,10 @@ KVF_API uint64_t kvf_engine_instance_id(const kvf_engine_t *engine);
  *
  * @return KVF_OK, KVF_ERR_STATE (no layout registered yet),
  *         KVF_ERR_INVALID_PARAM (buf NULL or len below what it needs;
- *         KVF_DESCRIPTOR_MAX always suffices), KVF_ERR_UNSUPPORTED (a
- *         kv_dtype of other characters than letters, digits, '_', '-'
- *         and '.').
+ *         KVF_DESCRIPTOR_MAX always suffices), KVF_ERR_UNSUPPORTED (the
+ *         engine's host is a name or the wildcard address, not the numeric
+ *         address peers dial; a kv_dtype of other characters than letters,
+ *         digits, '_', '-' and '.').
  */
 KVF_API kvf_status_t kvf_engine_descriptor(const kvf_engine_t *engine, char *buf,
                                            size_t len);
@@ -720,7 +721,8 @@ typedef struct kvf_hold {
     unsigned lease_ms;
     /**
      * The instance a reader must name (kvf_remote_t.instance), usually
-     * kvf_room_key()'s: a reader naming another one is refused.  0: the
+     * kvf_room_key()'s: a reader naming another one, or none, is refused,
+     * and only readers that named it may fail or abort the room.  0: the
      * room takes any reader.
      */
     uint64_t instance;
@@ -750,8 +752,10 @@ KVF_API void kvf_hold_init_sized(kvf_hold_t *hold, size_t size);
  *    bootstrap deadline does not apply; once every reader asked, the
  *    waiting and transfer deadlines do, as usual.  A reader that gives up
  *    after asking (aborts) fails the room at once.
- *  - A reader that names an instance other than hold->instance is
- *    refused (KVF_ERR_ROOM_CONFLICT on its side); the room goes on.
+ *  - A reader that does not name hold->instance (when it is not 0) is
+ *    refused (KVF_ERR_ROOM_CONFLICT on its side, without learning the
+ *    instance); the room goes on.  A FAIL or ABORT from a decode rank not
+ *    bound to the room is dropped.
  *  - A reader's destination may hold fewer pages: with a decode prefix
  *    (kvf_dest_t.decode_prefix_len, a whole number of pages) its pages are
  *    the sender's from that page on, and it may stop before the sender's
@@ -916,12 +920,14 @@ KVF_API void kvf_remote_init_sized(kvf_remote_t *remote, size_t size);
  * WAITING_FOR_INPUT once they are connected and compatible; then
  * kvf_receiver_set_dest() makes it read.
  *
- * @return KVF_OK, KVF_ERR_STATE (no layout), KVF_ERR_ROOM_IN_USE (a live
- *         receiver has this room id on this engine: two requests whose
- *         rooms collide), KVF_ERR_INVALID_PARAM (a malformed descriptor,
- *         one that is not a prefill engine's, descriptors that disagree,
- *         or none for a rank this decode rank needs; the log says which),
- *         KVF_ERR_NO_MEMORY.
+ * @return KVF_OK, KVF_ERR_STATE (no layout, or not a decode engine),
+ *         KVF_ERR_ROOM_IN_USE (a live receiver has this room id on this
+ *         engine: two requests whose rooms collide), KVF_ERR_INVALID_PARAM
+ *         (a malformed descriptor, one that is not a prefill engine's, one
+ *         of a non-loopback address on an engine without a cluster token,
+ *         descriptors that disagree, or none for a rank this decode rank
+ *         needs; the log says which), KVF_ERR_UNSUPPORTED (more than 64
+ *         prefill ranks to read from), KVF_ERR_NO_MEMORY.
  */
 KVF_API kvf_status_t kvf_receiver_create_remote(kvf_engine_t *engine,
                                                 const kvf_remote_t *remote,

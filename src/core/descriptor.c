@@ -5,7 +5,7 @@
  *
  * A descriptor is one line of text, so that it travels as a JSON string:
  *
- *   kvf1 id=<16 hex> addr=<host:port> role=prefill|decode tp=<rank>/<size>
+ *   kvf1 id=<16 hex> addr=<ip:port> role=prefill|decode tp=<rank>/<size>
  *        pp=<rank>/<size> dp=<rank>/<size> page=<tokens> dtype=<name>
  *        attn=mha|mla heads=<model's KV heads>
  *
@@ -15,6 +15,8 @@
  * picking the ranks to dial: the handshake checks each peer is the engine
  * instance its descriptor names, and the layouts, as for any peer.
  */
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,38 +37,77 @@ kvf_room_key_t kvf_room_key(const void *request_id, size_t len)
     return k;
 }
 
-kvf_status_t kvf_engine_descriptor(const kvf_engine_t *eng, char *buf, size_t len)
+/*
+ * A numeric address into *sa (port 0).  @return 0 for a host name, which a
+ * descriptor does not carry: a reader would resolve it with the engine
+ * lock held.
+ */
+static int numeric_host(const char *host, struct sockaddr_storage *sa)
 {
-    if (eng == NULL || buf == NULL)
-        return KVF_ERR_INVALID_PARAM;
-    /* The layout is written once, under the lock, before `registered`;
-     * the fields read here never change afterwards. */
-    kvf__lock((kvf_engine_t *)eng);
-    int registered = eng->registered;
-    kvf__unlock((kvf_engine_t *)eng);
-    if (!registered) {
-        kvf_error("kvf_engine_descriptor: register the engine's layout first");
-        return KVF_ERR_STATE;
+    struct sockaddr_in *in = (struct sockaddr_in *)sa;
+    struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)sa;
+    memset(sa, 0, sizeof(*sa));
+    if (inet_pton(AF_INET, host, &in->sin_addr) == 1) {
+        in->sin_family = AF_INET;
+        return 1;
     }
+    if (inet_pton(AF_INET6, host, &in6->sin6_addr) == 1) {
+        in6->sin6_family = AF_INET6;
+        return 1;
+    }
+    return 0;
+}
+
+static int wildcard(const struct sockaddr_storage *sa)
+{
+    if (sa->ss_family == AF_INET)
+        return ((const struct sockaddr_in *)sa)->sin_addr.s_addr == htonl(INADDR_ANY);
+    return IN6_IS_ADDR_UNSPECIFIED(&((const struct sockaddr_in6 *)sa)->sin6_addr);
+}
+
+kvf_status_t kvf_engine_descriptor(const kvf_engine_t *engine, char *buf, size_t len)
+{
+    kvf_engine_t *eng = (kvf_engine_t *)engine;
     const kvf_engine_params_t *p = &eng->params;
     const kvf_layout_int_t *l = &eng->layout;
-    if (!dtype_ok(l->kv_dtype)) {
-        kvf_error("kvf_engine_descriptor: the layout's kv_dtype \"%s\" has characters a "
-                  "descriptor cannot carry (letters, digits, '_', '-', '.')", l->kv_dtype);
+    struct sockaddr_storage sa;
+    kvf_status_t st = KVF_OK;
+    int n = 0;
+
+    if (eng == NULL || buf == NULL)
+        return KVF_ERR_INVALID_PARAM;
+    if (!numeric_host(eng->host, &sa) || wildcard(&sa)) {
+        kvf_error("kvf_engine_descriptor: the engine listens on \"%s\", which a decode "
+                  "engine cannot dial from a descriptor: set host (KVF_HOST) to the numeric "
+                  "address decode engines reach this one at", eng->host);
         return KVF_ERR_UNSUPPORTED;
     }
-    int n = snprintf(buf, len, "kvf1 id=%016llx addr=%s role=%s tp=%d/%d pp=%d/%d "
+    /* Under the lock: a decode engine adopts its heads from its first peer. */
+    kvf__lock(eng);
+    if (!eng->registered) {
+        kvf_error("kvf_engine_descriptor: register the engine's layout first");
+        st = KVF_ERR_STATE;
+    } else if (!dtype_ok(l->kv_dtype)) {
+        kvf_error("kvf_engine_descriptor: the layout's kv_dtype \"%s\" has characters a "
+                  "descriptor cannot carry (letters, digits, '_', '-', '.')", l->kv_dtype);
+        st = KVF_ERR_UNSUPPORTED;
+    } else {
+        int v6 = sa.ss_family == AF_INET6;
+        n = snprintf(buf, len, "kvf1 id=%016llx addr=%s%s%s:%d role=%s tp=%d/%d pp=%d/%d "
                      "dp=%d/%d page=%u dtype=%s attn=%s heads=%u",
-                     (unsigned long long)eng->instance_id, eng->addr,
-                     kvf_role_name(p->role), p->tp_rank, p->tp_size, p->pp_rank,
-                     p->pp_size, p->dp_rank, p->dp_size, l->page_size, l->kv_dtype,
-                     l->attn == KVF_ATTN_MLA ? "mla" : "mha", l->total_heads);
-    if (n < 0 || (size_t)n >= len) {
+                     (unsigned long long)eng->instance_id, v6 ? "[" : "", eng->host,
+                     v6 ? "]" : "", eng->port, kvf_role_name(p->role), p->tp_rank,
+                     p->tp_size, p->pp_rank, p->pp_size, p->dp_rank, p->dp_size,
+                     l->page_size, l->kv_dtype, l->attn == KVF_ATTN_MLA ? "mla" : "mha",
+                     l->total_heads);
+    }
+    kvf__unlock(eng);
+    if (st == KVF_OK && (n < 0 || (size_t)n >= len)) {
         kvf_error("kvf_engine_descriptor: %zu bytes given, %d needed (KVF_DESCRIPTOR_MAX "
                   "always suffices)", len, n + 1);
-        return KVF_ERR_INVALID_PARAM;
+        st = KVF_ERR_INVALID_PARAM;
     }
-    return KVF_OK;
+    return st;
 }
 
 /* "r/n" with 0 <= r < n <= max. */
@@ -126,11 +167,11 @@ static int parse_field(kvf_descriptor_t *d, int f, const char *v)
         d->instance = strtoull(v, &end, 16);
         return d->instance != 0;
     case F_ADDR:
-        /* A host name, IPv4, or [IPv6] (with a zone), and the port. */
+        /* A numeric IPv4 or [IPv6] address, not the wildcard, and the port. */
         if (strlen(v) >= sizeof(d->addr) ||
-            strspn(v, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.-_:[]%")
-                != strlen(v) ||
-            kvf__split_addr(v, d->host, sizeof(d->host), &d->port) != KVF_OK || d->port == 0)
+            strspn(v, "0123456789abcdefABCDEF.:[]") != strlen(v) ||
+            kvf__split_addr(v, d->host, sizeof(d->host), &d->port) != KVF_OK ||
+            d->port == 0 || !numeric_host(d->host, &d->sa) || wildcard(&d->sa))
             return 0;
         memcpy(d->addr, v, strlen(v) + 1);
         return 1;

@@ -6,13 +6,16 @@
 #ifndef KVF_CORE_DESCRIPTOR_H
 #define KVF_CORE_DESCRIPTOR_H
 
+#include <sys/socket.h>
+
 #include "kvferry/kvferry.h"
 
 typedef struct kvf_descriptor {
     uint64_t        instance;          /* the engine's instance id, never 0 */
     char            addr[KVF_ADDR_MAX];
-    char            host[KVF_ADDR_MAX];
+    char            host[KVF_ADDR_MAX];   /* numeric, without brackets */
     int             port;
+    struct sockaddr_storage sa;          /* host, port 0 */
     kvf_role_t      role;
     int             tp_rank, tp_size;
     int             pp_rank, pp_size;

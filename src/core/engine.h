@@ -218,6 +218,7 @@ struct kvf_engine {
      * protected mode's switch. */
     char                token[KVF_TOKEN_MAX + 1];
     int                 has_token;
+    int                 warned_no_registry;  /* kvf_sender_create without one: said once */
     int                 auth_open;        /* no token and KVF_AUTH=none */
     uint64_t            auth_refused;     /* connections refused, ever */
     kvf_auth_log_t      auth_log[KVF_AUTH_LOG_SLOTS];

@@ -805,7 +805,7 @@ static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout
     memcpy(l->kv_dtype, w->kv_dtype.ptr, w->kv_dtype.len);
     l->attn = (kvf_attn_kind_t)w->attn;
     l->mem_kind = (kvf_mem_kind_t)w->mem_kind;
-    l->kv_order = (kvf_kv_order_t)w->kv_order;   /* the wire checked it (absent: NHD) */
+    l->kv_order = (kvf_kv_order_t)w->kv_order;   /* the wire checked it */
     l->num_layers = w->num_layers;
     l->first_layer = w->first_layer;
     l->heads_per_rank = w->heads_per_rank;

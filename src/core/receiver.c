@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/auth.h"
 #include "core/descriptor.h"
 #include "core/room.h"
 #include "core/stage.h"
@@ -103,6 +104,12 @@ static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *
         else if (d[i].role != KVF_ROLE_PREFILL)
             kvf_error("kvf_receiver_create_remote: descriptor %zu is a decode engine's (%s)",
                       i, d[i].addr);
+        else if (!eng->has_token && !eng->auth_open &&
+                 !kvf__auth_is_loopback((const struct sockaddr *)&d[i].sa))
+            kvf_error("kvf_receiver_create_remote: descriptor %zu names %s, not a loopback "
+                      "address, and this engine has no cluster token: in protected mode it "
+                      "talks to loopback peers only (set the same KVF_AUTH_TOKEN on every "
+                      "engine, docs/SECURITY.md)", i, d[i].addr);
         else if (d[i].tp_size != d[0].tp_size || d[i].pp_size != d[0].pp_size ||
                  d[i].dp_rank != d[0].dp_rank || d[i].page_size != d[0].page_size ||
                  strcmp(d[i].dtype, d[0].dtype) != 0 || d[i].attn != d[0].attn ||
@@ -128,6 +135,14 @@ static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *
     if (st == KVF_OK) {
         uint32_t heads = eng->layout.total_heads ? eng->layout.total_heads : d[0].total_heads;
         n = kvf__receiver_targets(eng, heads, d[0].tp_size, d[0].pp_size, tp, pp);
+        if (n < 0) {
+            kvf_error("kvf_receiver_create_remote: decode rank %d would read room %llu from "
+                      "more than %d prefill ranks (TP %d, PP %d), more than kvferry links",
+                      eng->params.tp_rank, (unsigned long long)rm->room, KVF_MAX_TARGETS,
+                      d[0].tp_size, d[0].pp_size);
+            st = KVF_ERR_UNSUPPORTED;
+            n = 0;
+        }
     }
     for (int k = 0; k < n && st == KVF_OK; k++) {
         for (i = 0; i < rm->num_descriptors; i++)
@@ -181,6 +196,7 @@ kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *r
         kvf_receiver_t *rv = receiver_of(r);
         rv->dp_rank = -1;
         rv->sender_instance = rm.instance;
+        rv->remote = 1;
         kvf__receiver_link(r, t, n);
         *receiver_p = (kvf_receiver_t *)r;
     }

@@ -143,8 +143,10 @@ int kvf__receiver_targets(const kvf_engine_t *eng, uint32_t heads, int prefill_t
         s0 = p->pp_rank % prefill_pp;
         s1 = s0 + 1;
     }
+    if ((s1 - s0) * (ns + ni) > KVF_MAX_TARGETS)
+        return -1;
     for (int s = s0; s < s1; s++) {
-        for (int i = 0; i < ns + ni && n < KVF_MAX_TARGETS; i++) {
+        for (int i = 0; i < ns + ni; i++) {
             tp[n] = i < ns ? src[i] : idle[i - ns];
             pp[n++] = s;
         }
@@ -198,6 +200,15 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
     if (dp < 0)
         return;
     int n = kvf__receiver_targets(eng, heads, info->attn_tp_size, info->pp_size, tp, pp);
+    if (n < 0) {
+        out->res = RES_FATAL;
+        out->status = KVF_ERR_UNSUPPORTED;
+        snprintf(out->err, sizeof(out->err), "decode rank %d would read room %llu from more "
+                 "than %d prefill ranks of %s (attn_tp_size %d, pp_size %d), more than "
+                 "kvferry links", eng->params.tp_rank, (unsigned long long)room,
+                 KVF_MAX_TARGETS, addr, info->attn_tp_size, info->pp_size);
+        return;
+    }
     for (int i = 0; i < n; i++) {
         out->t[i].rank = tp[i];
         if (!lookup_rank(rs, addr, dp, tp[i], pp[i], out->t[i].host, sizeof(out->t[i].host),

@@ -510,8 +510,7 @@ static void on_fail(kvf_peer_t *p, int abort, const kvf_msg_fail_t *m)
         return;
     if (link_bound(r, p, m->instance) != NULL)
         kvf__room_fail_remote(r, p, abort, m);
-    else if (room_state(r) == KVF_POLL_BOOTSTRAPPING && link_of(r, p) == NULL &&
-             !kvf__instance_retired(eng, m->instance))
+    else if (kvf__sender_fail_unbound_applies(r, p, m->instance))
         kvf__room_fail_remote(r, p, abort, m);
     else
         kvf__room_dropped(p, what, m->room, m->instance, "the room is not bound to this "
@@ -752,6 +751,15 @@ static void reconnect(kvf_room_t *r)
     kvf__receiver_try_request(r);
 }
 
+/* Decode: every prefill rank of the room has its destination. */
+static int asked_all(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].req_sent)
+            return 0;
+    return r->nlinks > 0;
+}
+
 static int has_broken_link(const kvf_room_t *r)
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
@@ -780,6 +788,9 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
             kvf__sender_lease_tick(r, now);     /* the lease, not the bootstrap deadline */
             continue;
         }
+        if (s == KVF_POLL_WAITING_FOR_INPUT && r->side == KVF_ROLE_DECODE &&
+            receiver_of(r)->remote && asked_all(r))
+            continue;     /* the held room's lease, or its deadlines, end it: it says so */
         unsigned limit = s == KVF_POLL_BOOTSTRAPPING ? pr->bootstrap_timeout_ms
                        : s == KVF_POLL_WAITING_FOR_INPUT ? pr->waiting_timeout_ms
                        : s == KVF_POLL_TRANSFERRING ? pr->transfer_timeout_ms : 0;

@@ -229,6 +229,7 @@ struct kvf_receiver {
     uint64_t   *state_bit0;
     uint32_t    decode_prefix;
     uint64_t    sender_instance; /* the held room's instance to ask for (0: any) */
+    int         remote;          /* from descriptors (kvf_receiver_create_remote) */
     kvf_room_t *rq_next;         /* resolver queue */
 };
 
@@ -414,6 +415,13 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
 void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
                            uint32_t expected, kvf_failure_t *f);
 
+/* Prefill: may a FAIL/ABORT from `p`, naming receiver instance `instance`,
+ * to which the sender r has no link bound, fail it?  Only while it still
+ * collects destinations, from a decode rank it has no destination of, of
+ * an instance no destroyed sender served, and never a room held under a
+ * request key. */
+int  kvf__sender_fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p,
+                                      uint64_t instance);
 /* Prefill: fail a held room whose lease ended with a reader missing. */
 void kvf__sender_lease_tick(kvf_room_t *r, uint64_t now);
 
@@ -429,8 +437,8 @@ typedef struct kvf_target {
 /* resolver.c: the prefill ranks (tp[i], pp[i]) that decode engine `eng`
  * reads a room from, of a prefill server of TP size prefill_tp and PP
  * size prefill_pp; `heads` the model's KV heads as the engine knows them
- * (0: guessed, kvf__receiver_try_request checks).  @return how many, at
- * most KVF_MAX_TARGETS. */
+ * (0: guessed, kvf__receiver_try_request checks).  @return how many, or
+ * -1 when they would be more than KVF_MAX_TARGETS. */
 int  kvf__receiver_targets(const kvf_engine_t *eng, uint32_t heads, int prefill_tp,
                            int prefill_pp, int *tp, int *pp);
 

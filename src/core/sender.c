@@ -505,6 +505,18 @@ static kvf_link_t *slot_of(kvf_room_t *r, uint32_t rank)
 }
 
 static int state_counts_agree(kvf_room_t *r);
+
+/* A destination declares state indices, and the sender has none. */
+static int states_missing(const kvf_room_t *r)
+{
+    if (((const kvf_sender_t *)r)->state_src.ngroups > 0)
+        return 0;
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].state.ngroups > 0)
+            return 1;
+    return 0;
+}
+
 static void queue_all(kvf_room_t *r, const uint32_t *pages, uint32_t first, size_t n,
                       int last);
 
@@ -518,14 +530,13 @@ static void release_held(kvf_room_t *r)
     if (s->pages_sent == 0 && !s->last_sent)
         return;              /* nothing given yet: sends go out as they come */
     if (s->last_sent) {
-        for (uint32_t i = 0; i < r->nlinks; i++) {
-            if (r->links[i].state.ngroups > 0 && s->state_src.ngroups == 0) {
-                kvf__room_fail(r, KVF_ERR_BAD_INDICES, "room %llu: the decode side "
-                               "declared state indices, and the prefill sent its last "
-                               "chunk without any (kvf_sender_set_states)",
-                               (unsigned long long)r->id);
-                return;
-            }
+        /* The checks kvf_sender_send makes of a last chunk, now that every
+         * destination is known: too late to refuse the call. */
+        if (states_missing(r)) {
+            kvf__room_fail(r, KVF_ERR_BAD_INDICES, "room %llu: the decode side declared "
+                           "state indices, and the prefill sent its last chunk without any "
+                           "(kvf_sender_set_states)", (unsigned long long)r->id);
+            return;
         }
         if (!state_counts_agree(r))
             return;
@@ -636,23 +647,26 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
 static int instance_ok(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
 {
     const kvf_sender_t *s = (const kvf_sender_t *)r;
-    char name[128];
-    if (req->want_instance == 0 || (s->held && (s->hold_instance == 0 ||
-                                                s->hold_instance == req->want_instance)))
+    char name[128], why[KVF_REASON_MAX - 128];
+    kvf_failure_t f;
+
+    if (s->held ? s->hold_instance == 0 || req->want_instance == s->hold_instance
+                : req->want_instance == 0)
         return 1;
     kvf__peer_name(p, name, sizeof(name));
-    if (s->held)
-        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu as "
-               "held for request key %016llx, but prefill rank %d holds it for request key "
-               "%016llx: two request ids with one room id, or a stale request; refused",
-               name, (unsigned long long)r->id, (unsigned long long)req->want_instance,
-               r->eng->params.tp_rank, (unsigned long long)s->hold_instance);
-    else
-        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu as "
-               "held for request key %016llx, but prefill rank %d does not hold that room "
-               "(its sender was not created with kvf_sender_create_held); refused", name,
-               (unsigned long long)r->id, (unsigned long long)req->want_instance,
-               r->eng->params.tp_rank);
+    /* The reader is told its key is not the room's, never which key is:
+     * one wrong guess must not teach the right one. */
+    snprintf(why, sizeof(why), "%s asked for room %llu as held for request key %016llx, "
+             "but prefill rank %d %s: two request ids with one room id, or a stale request; "
+             "refused", name, (unsigned long long)r->id,
+             (unsigned long long)req->want_instance, r->eng->params.tp_rank,
+             !s->held ? "does not hold that room (its sender was not created with "
+                        "kvf_sender_create_held)"
+             : req->want_instance == 0 ? "holds it for a request key, and the reader named none"
+                                       : "holds it for another request key");
+    kvf__failure_set(&f, r->eng, KVF_ERR_ROOM_CONFLICT, "%s", why);
+    kvf__send_fail(p, r->id, req->instance, &f, 0);
+    kvf__room_dropped(p, "ROOM_REQ", r->id, req->instance, why);
     return 0;
 }
 
@@ -726,6 +740,18 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
 
 static void stash_unqueue(kvf_engine_t *eng, kvf_stash_t *s);
 
+int kvf__sender_fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p,
+                                     uint64_t instance)
+{
+    const kvf_sender_t *s = (const kvf_sender_t *)r;
+    /* A held room under a request key is failed only by the readers bound
+     * to it (they named the key); anyone else waits for the lease. */
+    if (s->held && s->hold_instance != 0)
+        return 0;
+    return room_state(r) == KVF_POLL_BOOTSTRAPPING && link_of((kvf_room_t *)r, p) == NULL &&
+           !kvf__instance_retired(r->eng, instance);
+}
+
 /* A FAIL that came before its sender: does it concern this room? */
 static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
 {
@@ -733,8 +759,7 @@ static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
         return 0;
     if (link_bound(r, s->peer, s->instance) != NULL)
         return 1;
-    return room_state(r) == KVF_POLL_BOOTSTRAPPING && link_of(r, s->peer) == NULL &&
-           !kvf__instance_retired(r->eng, s->instance);
+    return kvf__sender_fail_unbound_applies(r, s->peer, s->instance);
 }
 
 /* What came for this room before its sender, oldest first. */
@@ -913,6 +938,14 @@ kvf_status_t kvf_sender_create(kvf_engine_t *eng, const char *bootstrap_addr,
     if (bootstrap_addr && eng->bootstrap_addr && strcmp(bootstrap_addr, eng->bootstrap_addr) != 0)
         kvf_debug("room %llu: bootstrap address %s differs from the engine's %s",
                   (unsigned long long)room, bootstrap_addr, eng->bootstrap_addr);
+    kvf__lock(eng);
+    if (eng->bootstrap_addr == NULL && !eng->warned_no_registry) {
+        eng->warned_no_registry = 1;
+        kvf_warn("room %llu: this prefill engine has no bootstrap registry "
+                 "(bootstrap_addr), so decode ranks can reach it only by its descriptor "
+                 "(kvf_receiver_create_remote); said once", (unsigned long long)room);
+    }
+    kvf__unlock(eng);
     return create(eng, room, NULL, sender_p);
 }
 
@@ -1108,13 +1141,10 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
         why = "an empty chunk that is not the last";
         st = KVF_ERR_INVALID_PARAM;
     } else {
-        for (uint32_t i = 0; i < r->nlinks && r->links[i].state.ngroups > 0 && is_last; i++) {
-            if (s->state_src.ngroups == 0) {
-                why = "the decode side declared state indices: call kvf_sender_set_states "
-                      "before the last chunk";
-                st = KVF_ERR_STATE;
-                break;
-            }
+        if (is_last && states_missing(r)) {
+            why = "the decode side declared state indices: call kvf_sender_set_states "
+                  "before the last chunk";
+            st = KVF_ERR_STATE;
         }
     }
     if (why == NULL && is_last && !state_counts_agree(r)) {

@@ -23,11 +23,20 @@ static inline int room_is_final(kvf_poll_t s)
     return s == KVF_POLL_SUCCESS || s == KVF_POLL_FAILED;
 }
 
+/* Milliseconds on the monotonic clock. */
+static inline long long kvf_test_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 /* Until the sender is at least `want`, or failed.  @return its state. */
 static inline kvf_poll_t wait_sender(const kvf_sender_t *s, kvf_poll_t want)
 {
+    long long end = kvf_test_now_ms() + KVF_TEST_WAIT_MS;
     kvf_poll_t p = kvf_sender_poll(s);
-    for (int i = 0; i < KVF_TEST_WAIT_MS && p < want && p != KVF_POLL_FAILED; i++) {
+    while (p < want && p != KVF_POLL_FAILED && kvf_test_now_ms() < end) {
         sleep_ms(1);
         p = kvf_sender_poll(s);
     }
@@ -36,8 +45,9 @@ static inline kvf_poll_t wait_sender(const kvf_sender_t *s, kvf_poll_t want)
 
 static inline kvf_poll_t wait_receiver(const kvf_receiver_t *r, kvf_poll_t want)
 {
+    long long end = kvf_test_now_ms() + KVF_TEST_WAIT_MS;
     kvf_poll_t p = kvf_receiver_poll(r);
-    for (int i = 0; i < KVF_TEST_WAIT_MS && p < want && p != KVF_POLL_FAILED; i++) {
+    while (p < want && p != KVF_POLL_FAILED && kvf_test_now_ms() < end) {
         sleep_ms(1);
         p = kvf_receiver_poll(r);
     }

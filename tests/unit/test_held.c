@@ -317,7 +317,10 @@ static void test_other_instance_refused(void)
     give_dest(bad, dst, 2, 0);
     kvf_poll_t st = wait_receiver(bad, KVF_POLL_SUCCESS);
     failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
-                "holds it for request key");
+                "holds it for another request key");
+    char hex[32];
+    snprintf(hex, sizeof(hex), "%016llx", (unsigned long long)key.instance);
+    CHECK(strstr(f.reason, hex) == NULL);         /* a wrong guess teaches nothing */
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
     kvf_receiver_destroy(bad);
 
@@ -408,7 +411,7 @@ static void test_reader_abort(void)
      * has the reader bound when it comes. */
     kvf_receiver_abort(r);
     kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "");
+    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "aborted");
     CHECK_EQ_INT(f.from_another_rank, 1);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
@@ -464,6 +467,229 @@ static void test_room_never_held(void)
     rank_down(&pre);
 }
 
+/* A reader that names no request key, as one that knows only the room
+ * id would, is refused: the room is the request's. */
+static void test_keyless_reader_refused(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    kvf_failure_t f;
+    uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
+    kvf_room_key_t key = kvf_room_key("secret-req", 10);
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    hold_all(&pre, 1, key, 10000, src, 2, &s);
+    r = reader(&dec, &pre, 1, key.room, 0);
+    give_dest(r, dst, 2, 0);
+    kvf_poll_t st = wait_receiver(r, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_ROOM_CONFLICT, &f,
+                "the reader named none");
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+    for (size_t i = 0; i < PAGE * (HEADS * HEAD_B); i++)
+        CHECK(dec.kv[0][5 * page_bytes(1) + i] == 0);
+    kvf_receiver_destroy(r);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(r, dst, 2, 0);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK(placed_ok(&dec, src, 0, dst, 2));
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* A decode rank that is not the room's reader (another request key)
+ * aborting cannot end the held room: only its bound readers can. */
+static void test_stranger_abort_ignored(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
+    kvf_room_key_t key = kvf_room_key("kill-me", 7);
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    hold_all(&pre, 1, key, 10000, src, 2, &s);
+    r = reader(&dec, &pre, 1, key.room, kvf_room_key("other", 5).instance);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    uint64_t before = kvf_engine_room_msgs_dropped(pre.eng);
+    kvf_receiver_abort(r);
+    long long end = kvf_test_now_ms() + KVF_TEST_WAIT_MS;
+    while (kvf_engine_room_msgs_dropped(pre.eng) == before && kvf_test_now_ms() < end)
+        sleep_ms(1);
+    CHECK(kvf_engine_room_msgs_dropped(pre.eng) > before);     /* the ABORT, dropped */
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
+    kvf_receiver_destroy(r);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(r, dst, 2, 0);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK(placed_ok(&dec, src, 0, dst, 2));
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* Readers that ask before kvf_sender_init, or between two sends: the
+ * pages move whenever the last of them and the pages are there. */
+static void partial_case(int np, int nd, int before_init, uint32_t prefix_pages)
+{
+    rank_t pre[MAXR] = {0}, dec[MAXR] = {0};
+    kvf_sender_t *s[MAXR];
+    kvf_receiver_t *r[MAXR];
+    uint32_t src[6] = {3, 4, 5, 11, 0, 9}, dst[6] = {7, 1, 2, 3, 15, 12};
+    kvf_room_key_t key = kvf_room_key("partial", 7);
+    kvf_hold_t h;
+    kvf_hold_init(&h);
+    h.instance = key.instance;
+    for (int i = 0; i < np; i++)
+        rank_up(&pre[i], KVF_ROLE_PREFILL, i, np, "tcp", 0);
+    for (int i = 0; i < nd; i++)
+        rank_up(&dec[i], KVF_ROLE_DECODE, i, nd, "tcp", 0);
+    for (int i = 0; i < np; i++) {
+        CHECK_EQ_INT(kvf_sender_create_held(pre[i].eng, key.room, &h, &s[i]), KVF_OK);
+        if (!before_init) {
+            CHECK_EQ_INT(kvf_sender_init(s[i], 6, 1), KVF_OK);
+            CHECK_EQ_INT(kvf_sender_send(s[i], src, 3, 0), KVF_OK);
+        }
+    }
+    for (int i = 0; i < nd; i++)
+        r[i] = reader(&dec[i], pre, np, key.room, key.instance);
+    for (int i = 0; i < nd; i++)
+        give_dest(r[i], dst, 6 - prefix_pages, prefix_pages * PAGE);
+    for (int i = 0; i < np; i++)
+        CHECK(wait_sender(s[i], KVF_POLL_WAITING_FOR_INPUT) >= KVF_POLL_WAITING_FOR_INPUT);
+    for (int i = 0; i < np; i++) {
+        if (before_init) {
+            CHECK_EQ_INT(kvf_sender_init(s[i], 6, 1), KVF_OK);
+            CHECK_EQ_INT(kvf_sender_send(s[i], src, 3, 0), KVF_OK);
+        }
+        CHECK_EQ_INT(kvf_sender_send(s[i], src + 3, 3, 1), KVF_OK);
+    }
+    for (int i = 0; i < np; i++)
+        CHECK_EQ_INT(wait_sender(s[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    for (int i = 0; i < nd; i++) {
+        CHECK_EQ_INT(wait_receiver(r[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+        CHECK(placed_ok(&dec[i], src, prefix_pages, dst, 6 - prefix_pages));
+    }
+    for (int i = 0; i < np; i++)
+        kvf_sender_destroy(s[i]);
+    for (int i = 0; i < nd; i++)
+        kvf_receiver_destroy(r[i]);
+    for (int i = 0; i < nd; i++)
+        rank_down(&dec[i]);
+    for (int i = 0; i < np; i++)
+        rank_down(&pre[i]);
+}
+
+static void test_readers_before_pages(void)
+{
+    for (int before_init = 0; before_init < 2; before_init++)
+        for (uint32_t prefix = 0; prefix < 6; prefix += 2) {
+            partial_case(1, 1, before_init, prefix);
+            partial_case(1, 2, before_init, prefix);
+            partial_case(2, 1, before_init, prefix);
+        }
+}
+
+/* An IPv6 prefill engine's descriptor names it in brackets, and a reader
+ * reaches it by it. */
+static void test_ipv6_descriptor(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
+    kvf_room_key_t key = kvf_room_key("v6", 2);
+    setenv("KVF_HOST", "::1", 1);
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    unsetenv("KVF_HOST");
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    CHECK_STR_CONTAINS(pre.desc, " addr=[::1]:");
+    hold_all(&pre, 1, key, 10000, src, 2, &s);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    give_dest(r, dst, 2, 0);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK(placed_ok(&dec, src, 0, dst, 2));
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
+/* An engine whose host is a name, or the wildcard, writes no descriptor:
+ * a reader could not dial it (or would resolve it under its lock). */
+static void test_descriptor_needs_numeric_host(void)
+{
+    const char *hosts[] = {"localhost", "0.0.0.0", "::"};
+    setenv("KVF_AUTH", "none", 1);               /* the wildcard without a token */
+    for (size_t i = 0; i < sizeof(hosts) / sizeof(hosts[0]); i++) {
+        rank_t pre = {0};
+        char buf[KVF_DESCRIPTOR_MAX];
+        setenv("KVF_HOST", hosts[i], 1);
+        kvf_engine_params_t p;
+        kvf_engine_params_init(&p);
+        CHECK_EQ_INT(kvf_engine_create(&p, &pre.eng), KVF_OK);
+        unsetenv("KVF_HOST");
+        kvf_buffer_t kv = {NULL, 0, 0};
+        CHECK_EQ_INT(kvf_mem_alloc(PAGES * page_bytes(1), &kv.base), KVF_OK);
+        kv.length = PAGES * page_bytes(1);
+        kv.item_bytes = page_bytes(1);
+        kvf_buffer_t two[2] = {kv, kv};
+        kvf_layout_t l;
+        kvf_layout_init(&l);
+        l.page_size = PAGE;
+        l.kv_dtype = "bfloat16";
+        l.num_layers = 1;
+        l.heads_per_rank = l.total_heads = HEADS;
+        l.bytes_per_head = HEAD_B;
+        l.num_kv = 2;
+        l.kv = two;
+        CHECK_EQ_INT(kvf_engine_register_layout(pre.eng, &l), KVF_OK);
+        CHECK_EQ_INT(kvf_engine_descriptor(pre.eng, buf, sizeof(buf)), KVF_ERR_UNSUPPORTED);
+        CHECK_STR_CONTAINS(kvf_last_error(), "numeric address");
+        kvf_engine_destroy(pre.eng);
+        kvf_mem_free(kv.base);
+    }
+    unsetenv("KVF_AUTH");
+}
+
+/* Descriptors a decode engine refuses before it dials anything: a
+ * non-loopback peer without a cluster token (protected mode), and more
+ * prefill ranks than it links. */
+static void test_descriptors_refused_before_dialing(void)
+{
+    rank_t dec = {0};
+    kvf_receiver_t *r = NULL;
+    kvf_remote_t rm;
+    char text[65][KVF_DESCRIPTOR_MAX];
+    const char *descs[65];
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    kvf_remote_init(&rm);
+    rm.room = 3;
+    rm.descriptors = descs;
+
+    descs[0] = "kvf1 id=0123456789abcdef addr=192.0.2.2:4000 role=prefill tp=0/1 pp=0/1 "
+               "dp=0/1 page=4 dtype=bfloat16 attn=mha heads=4";
+    rm.num_descriptors = 1;
+    CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "not a loopback address, and this engine has no "
+                       "cluster token");
+
+    for (int i = 0; i < 65; i++) {
+        snprintf(text[i], sizeof(text[i]), "kvf1 id=%016x addr=127.0.0.1:%d role=prefill "
+                 "tp=0/1 pp=%d/65 dp=0/1 page=4 dtype=bfloat16 attn=mha heads=4", i + 1,
+                 4000 + i, i);
+        descs[i] = text[i];
+    }
+    rm.num_descriptors = 65;
+    CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_UNSUPPORTED);
+    CHECK_STR_CONTAINS(kvf_last_error(), "more than 64 prefill ranks");
+    rank_down(&dec);
+}
+
 /* What a malformed or foreign descriptor list gets: a refused call. */
 static void test_descriptors(void)
 {
@@ -500,6 +726,12 @@ static void test_descriptors(void)
         "page=4 dtype=bf\"16 attn=mha heads=4",
         "kvf1 id=0123456789abcdef addr=127.0.0.1:1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
         "page=4 dtype=bfloat16 attn=gqa heads=4",
+        "kvf1 id=0123456789abcdef addr=localhost:1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha heads=4",                   /* a name */
+        "kvf1 id=0123456789abcdef addr=0.0.0.0:1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha heads=4",                   /* the wildcard */
+        "kvf1  id=0123456789abcdef addr=127.0.0.1:1 role=prefill tp=0/2 pp=0/1 dp=0/1 "
+        "page=4 dtype=bfloat16 attn=mha heads=4",                   /* an empty field */
     };
     kvf_receiver_t *r = NULL;
     kvf_remote_t rm;
@@ -559,5 +791,11 @@ KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
               KVF_CASE(test_reader_abort),
               KVF_CASE(test_restarted_prefill),
               KVF_CASE(test_room_never_held),
+              KVF_CASE(test_keyless_reader_refused),
+              KVF_CASE(test_stranger_abort_ignored),
+              KVF_CASE(test_readers_before_pages),
+              KVF_CASE(test_ipv6_descriptor),
+              KVF_CASE(test_descriptor_needs_numeric_host),
+              KVF_CASE(test_descriptors_refused_before_dialing),
               KVF_CASE(test_descriptors),
               KVF_CASE(test_room_key))
