@@ -397,24 +397,27 @@ void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t
                                      int abort);
 kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 
-/* sender.c */
+/* stash.c */
 /* Free a chain of stashed destinations. */
 void kvf__stash_free(kvf_stash_t *s);
 /* Drop what waited longer than the bootstrap deadline for its sender. */
 void kvf__stash_expire(kvf_engine_t *eng, uint64_t now);
-/* Free what only a sender holds (its room is being freed). */
-void kvf__sender_free(kvf_sender_t *s);
+/* Take what was kept for `room`, oldest first (a chain the caller frees). */
+kvf_stash_t *kvf__stash_take(kvf_engine_t *eng, uint64_t room);
 /* Keep a destroyed failed sender's record, to answer late requests. */
 void kvf__sender_bury(kvf_room_t *r);
 /* A decode rank names a room whose sender is gone: tell it so. */
 void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance);
-void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
-void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
-                             const kvf_msg_done_ack_t *m);
 /* A ROOM_REQ (lk) or a failure (f) for a room whose sender does not exist yet. */
 void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
                            uint32_t expected, kvf_failure_t *f);
 
+/* sender.c */
+/* Free what only a sender holds (its room is being freed). */
+void kvf__sender_free(kvf_sender_t *s);
+void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
+void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
+                             const kvf_msg_done_ack_t *m);
 /* Prefill: may a FAIL/ABORT from `p`, naming receiver instance `instance`,
  * to which the sender r has no link bound, fail it?  Only while it still
  * collects destinations, from a decode rank it has no destination of, of
