@@ -187,6 +187,27 @@ static int placed_ok(const rank_t *dec, const uint32_t *src, size_t skip, const 
     return 1;
 }
 
+/* Every sender and receiver reaches SUCCESS, each decode rank holds the
+ * source pages from `skip` on in dst[0..n); then all of it is torn down. */
+static void all_read(rank_t *pre, kvf_sender_t **s, int np, rank_t *dec, kvf_receiver_t **r,
+                     int nd, const uint32_t *src, size_t skip, const uint32_t *dst, size_t n)
+{
+    for (int i = 0; i < np; i++)
+        CHECK_EQ_INT(wait_sender(s[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    for (int i = 0; i < nd; i++) {
+        CHECK_EQ_INT(wait_receiver(r[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+        CHECK(placed_ok(&dec[i], src, skip, dst, n));
+    }
+    for (int i = 0; i < np; i++)
+        kvf_sender_destroy(s[i]);
+    for (int i = 0; i < nd; i++)
+        kvf_receiver_destroy(r[i]);
+    for (int i = 0; i < nd; i++)
+        rank_down(&dec[i]);
+    for (int i = 0; i < np; i++)
+        rank_down(&pre[i]);
+}
+
 /* P prefill ranks hold a room; D decode ranks read it; every byte checked. */
 static void held_case(int np, int nd, const char *transport)
 {
@@ -205,20 +226,7 @@ static void held_case(int np, int nd, const char *transport)
         r[i] = reader(&dec[i], pre, np, key.room, key.instance);
     for (int i = 0; i < nd; i++)
         give_dest(r[i], dst, 5, 0);
-    for (int i = 0; i < np; i++)
-        CHECK_EQ_INT(wait_sender(s[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    for (int i = 0; i < nd; i++) {
-        CHECK_EQ_INT(wait_receiver(r[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-        CHECK(placed_ok(&dec[i], src, 0, dst, 5));
-    }
-    for (int i = 0; i < np; i++)
-        kvf_sender_destroy(s[i]);
-    for (int i = 0; i < nd; i++)
-        kvf_receiver_destroy(r[i]);
-    for (int i = 0; i < nd; i++)
-        rank_down(&dec[i]);
-    for (int i = 0; i < np; i++)
-        rank_down(&pre[i]);
+    all_read(pre, s, np, dec, r, nd, src, 0, dst, 5);
 }
 
 static void test_held_tcp(void)
@@ -491,12 +499,7 @@ static void test_keyless_reader_refused(void)
     kvf_receiver_destroy(r);
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 2, 0);
-    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK(placed_ok(&dec, src, 0, dst, 2));
-    kvf_sender_destroy(s);
-    kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    all_read(&pre, &s, 1, &dec, &r, 1, src, 0, dst, 2);
 }
 
 /* A decode rank that is not the room's reader (another request key)
@@ -523,13 +526,7 @@ static void test_stranger_abort_ignored(void)
     kvf_receiver_destroy(r);
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 2, 0);
-    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK(placed_ok(&dec, src, 0, dst, 2));
-    kvf_sender_destroy(s);
-    kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    all_read(&pre, &s, 1, &dec, &r, 1, src, 0, dst, 2);
 }
 
 /* Readers that ask before kvf_sender_init, or between two sends: the
@@ -568,20 +565,7 @@ static void partial_case(int np, int nd, int before_init, uint32_t prefix_pages)
         }
         CHECK_EQ_INT(kvf_sender_send(s[i], src + 3, 3, 1), KVF_OK);
     }
-    for (int i = 0; i < np; i++)
-        CHECK_EQ_INT(wait_sender(s[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    for (int i = 0; i < nd; i++) {
-        CHECK_EQ_INT(wait_receiver(r[i], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-        CHECK(placed_ok(&dec[i], src, prefix_pages, dst, 6 - prefix_pages));
-    }
-    for (int i = 0; i < np; i++)
-        kvf_sender_destroy(s[i]);
-    for (int i = 0; i < nd; i++)
-        kvf_receiver_destroy(r[i]);
-    for (int i = 0; i < nd; i++)
-        rank_down(&dec[i]);
-    for (int i = 0; i < np; i++)
-        rank_down(&pre[i]);
+    all_read(pre, s, np, dec, r, nd, src, prefix_pages, dst, 6 - prefix_pages);
 }
 
 static void test_readers_before_pages(void)
@@ -611,12 +595,7 @@ static void test_ipv6_descriptor(void)
     hold_all(&pre, 1, key, 10000, src, 2, &s);
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 2, 0);
-    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK(placed_ok(&dec, src, 0, dst, 2));
-    kvf_sender_destroy(s);
-    kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    all_read(&pre, &s, 1, &dec, &r, 1, src, 0, dst, 2);
 }
 
 /* An engine whose host is a name, or the wildcard, writes no descriptor:
