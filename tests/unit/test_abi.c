@@ -331,6 +331,84 @@ static void test_layout_sizes(void)
     free(mem);
 }
 
+/*
+ * The structs of held rooms, kvf_hold_t and kvf_remote_t: init writes
+ * exactly the caller's size, a size below the first version is refused by
+ * name, and a newer header's larger struct is taken while its extra bytes
+ * are 0.
+ */
+static void test_hold_remote_sizes(void)
+{
+    void *mem = calloc(PAGES, PAGE * HEAD_B);
+    kvf_buffer_t kv = {mem, PAGES * PAGE * HEAD_B, PAGE * HEAD_B};
+    kvf_engine_params_t p;
+    kvf_engine_t *pre = NULL, *dec = decode_engine();
+    kvf_layout_t l;
+    kvf_sender_t *s = NULL;
+    kvf_receiver_t *r = NULL;
+    char desc[KVF_DESCRIPTOR_MAX];
+
+    kvf_engine_params_init(&p);
+    p.transport = "tcp";
+    CHECK_EQ_INT(kvf_engine_create(&p, &pre), KVF_OK);
+    kvf_layout_init(&l);
+    fill_layout(&l, &kv);
+    CHECK_EQ_INT(kvf_engine_register_layout(pre, &l), KVF_OK);
+    CHECK_EQ_INT(kvf_engine_descriptor(pre, desc, sizeof(desc)), KVF_OK);
+    if (dec != NULL)
+        CHECK_EQ_INT(kvf_engine_register_layout(dec, &l), KVF_OK);
+
+    struct hold_newer {
+        kvf_hold_t    h;
+        unsigned char extra[EXTRA];
+    } *h = malloc(sizeof(*h));
+    memset(h, CANARY, sizeof(*h));
+    kvf_hold_init_sized(&h->h, KVF_HOLD_SIZE_V0);
+    CHECK(canaries_intact_at((unsigned char *)h, KVF_HOLD_SIZE_V0, sizeof(*h)));
+    CHECK_EQ_INT(kvf_sender_create_held(pre, 1, &h->h, &s), KVF_OK);
+    kvf_sender_destroy(s);
+    h->h.size = KVF_HOLD_SIZE_V0 - 4;
+    CHECK_EQ_INT(kvf_sender_create_held(pre, 2, &h->h, &s), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_hold_t size");
+    kvf_hold_init_sized(&h->h, sizeof(*h));
+    CHECK_EQ_INT(kvf_sender_create_held(pre, 3, &h->h, &s), KVF_OK);
+    kvf_sender_destroy(s);
+    h->extra[EXTRA - 1] = 1;
+    CHECK_EQ_INT(kvf_sender_create_held(pre, 4, &h->h, &s), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "nonzero");
+    free(h);
+
+    struct remote_newer {
+        kvf_remote_t  rm;
+        unsigned char extra[EXTRA];
+    } *rm = malloc(sizeof(*rm));
+    const char *descs[1] = {desc};
+    memset(rm, CANARY, sizeof(*rm));
+    kvf_remote_init_sized(&rm->rm, KVF_REMOTE_SIZE_V0);
+    CHECK(canaries_intact_at((unsigned char *)rm, KVF_REMOTE_SIZE_V0, sizeof(*rm)));
+    rm->rm.room = 5;
+    rm->rm.descriptors = descs;
+    rm->rm.num_descriptors = 1;
+    if (dec != NULL) {
+        CHECK_EQ_INT(kvf_receiver_create_remote(dec, &rm->rm, &r), KVF_OK);
+        kvf_receiver_destroy(r);
+        rm->rm.size = KVF_REMOTE_SIZE_V0 - 8;
+        CHECK_EQ_INT(kvf_receiver_create_remote(dec, &rm->rm, &r), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(kvf_last_error(), "kvf_remote_t size");
+        rm->rm.size = sizeof(*rm);
+        memset(rm->extra, 0, EXTRA);
+        CHECK_EQ_INT(kvf_receiver_create_remote(dec, &rm->rm, &r), KVF_OK);
+        kvf_receiver_destroy(r);
+        rm->extra[0] = 1;
+        CHECK_EQ_INT(kvf_receiver_create_remote(dec, &rm->rm, &r), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(kvf_last_error(), "nonzero");
+        kvf_engine_destroy(dec);
+    }
+    free(rm);
+    kvf_engine_destroy(pre);
+    free(mem);
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_init_writes_only_size), KVF_CASE(test_v0_params_create),
               KVF_CASE(test_below_v0_refused), KVF_CASE(test_larger_params),
-              KVF_CASE(test_layout_sizes))
+              KVF_CASE(test_layout_sizes), KVF_CASE(test_hold_remote_sizes))
