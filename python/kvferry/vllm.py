@@ -234,6 +234,11 @@ class _Config:
         self.tp_rank = None if tp_rank is None else int(tp_rank)
         cache = getattr(vllm_config, "cache_config", None)
         self.block_size = getattr(cache, "block_size", None)
+        # The model's KV heads: with TP above them vLLM replicates a head
+        # per rank, and heads x TP would overstate them.
+        model = getattr(vllm_config, "model_config", None)
+        heads = getattr(model, "get_total_num_kv_heads", None)
+        self.total_kv_heads = int(heads()) if callable(heads) else None
         engine = dict(extra.get("kvferry") or {})
         unknown = sorted(set(engine) - set(_ENGINE_KEYS))
         if unknown:
@@ -451,15 +456,16 @@ def _block_order(name, shape, st, it):
                      "contiguous blocks" % (name, shape, st))
 
 
-def kv_cache_layout(kv_caches, tp_size=1):
+def kv_cache_layout(kv_caches, tp_size=1, total_heads=None):
     """What ``register_kv_caches`` registers, read from vLLM's per-layer
     tensors (or numpy arrays of the same shapes, possibly permuted views):
     a dict with ``regions`` (one ``_Region`` per layer per K/V, MLA: per
     layer), ``tags`` ((layer, role, 0) each), ``num_blocks``, ``page_size``,
     ``heads``, ``total_heads``, ``bytes_per_head``, ``block_bytes``,
     ``kv_dtype``, ``attention`` ("mha"/"mla"), ``kv_order`` ("NHD"/"HND")
-    and ``device``.  Raises ValueError/TypeError, naming the layer, for a
-    layout kvferry cannot move."""
+    and ``device``; ``total_heads`` is the model's (vLLM's model config),
+    else heads x ``tp_size``.  Raises ValueError/TypeError, naming the
+    layer, for a layout kvferry cannot move."""
     if not kv_caches:
         raise ValueError("register_kv_caches: no KV cache tensors")
     out = None
@@ -513,8 +519,11 @@ def kv_cache_layout(kv_caches, tp_size=1):
         for base, role in parts:
             regions.append(_Region(base, nb * block, dev, t))
             tags.append((layer, role, 0))
-    out.update(regions=regions, tags=tags, num_layers=len(kv_caches),
-               total_heads=out["heads"] * (1 if out["attention"] == "mla" else tp_size))
+    if out["attention"] == "mla":
+        total_heads = out["heads"]
+    elif total_heads is None:
+        total_heads = out["heads"] * tp_size
+    out.update(regions=regions, tags=tags, num_layers=len(kv_caches), total_heads=total_heads)
     return out
 
 
@@ -535,7 +544,7 @@ class _Worker:
 
     def register_kv_caches(self, kv_caches):
         import kvferry
-        lay = kv_cache_layout(kv_caches, self.cfg.tp_size)
+        lay = kv_cache_layout(kv_caches, self.cfg.tp_size, self.cfg.total_kv_heads)
         bs = self.cfg.block_size
         if bs is not None and bs != lay["page_size"]:
             raise ValueError("KVFerryConnector: the KV cache tensors hold blocks of %d tokens "

@@ -220,6 +220,19 @@ class LayoutTest(unittest.TestCase):
             V.kv_cache_layout({"a": np.zeros((2, 8, 4, 2, 16), np.uint16),
                                "b": np.zeros((2, 8, 4, 1, 16), np.uint16)})
 
+    def test_replicated_heads_from_the_model(self):
+        # TP 4 over a model of 2 KV heads: vLLM gives each rank one head (a
+        # replica); the model's count comes from its config, not heads x TP.
+        a = np.zeros((2, 8, 4, 1, 16), np.uint16)
+        self.assertEqual(V.kv_cache_layout({"l0": a}, 4)["total_heads"], 4)
+        self.assertEqual(V.kv_cache_layout({"l0": a}, 4, 2)["total_heads"], 2)
+        cfg = config(extra={"tp_rank": 3, "tp_size": 4})
+        cfg.model_config = types.SimpleNamespace(get_total_num_kv_heads=lambda: 2)
+        w = V.KVFerryConnector(cfg, V.KVConnectorRole.WORKER)
+        self.addCleanup(w.shutdown)
+        w.register_kv_caches({"l0": a})
+        self.assertEqual(w._worker.layout["total_heads"], 2)
+
     def test_hnd_registered(self):
         w = V.KVFerryConnector(config(extra={"tp_rank": 0}), V.KVConnectorRole.WORKER)
         self.addCleanup(w.shutdown)
