@@ -722,8 +722,8 @@ typedef struct kvf_hold {
     /**
      * The instance a reader must name (kvf_remote_t.instance), usually
      * kvf_room_key()'s: a reader naming another one, or none, is refused,
-     * and only readers that named it may fail or abort the room.  0: the
-     * room takes any reader.
+     * and only decode ranks that name it may fail or abort the room.  0:
+     * the room takes any reader.
      */
     uint64_t instance;
 } kvf_hold_t;
@@ -755,7 +755,9 @@ KVF_API void kvf_hold_init_sized(kvf_hold_t *hold, size_t size);
  *  - A reader that does not name hold->instance (when it is not 0) is
  *    refused (KVF_ERR_ROOM_CONFLICT on its side, without learning the
  *    instance); the room goes on.  A FAIL or ABORT from a decode rank not
- *    bound to the room is dropped.
+ *    bound to the room is dropped unless it names the instance (a reader
+ *    that failed or gave up before it asked: the room then fails at
+ *    once).
  *  - A reader's destination may hold fewer pages: with a decode prefix
  *    (kvf_dest_t.decode_prefix_len, a whole number of pages) its pages are
  *    the sender's from that page on, and it may stop before the sender's

@@ -703,7 +703,8 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     size_t nfailed;
     int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason, &failed, &nfailed);
     for (size_t i = 0; i < nfailed; i++)
-        kvf__send_fail(p, failed[i].room, failed[i].instance, &failed[i].failure, 0);
+        kvf__send_fail_keyed(p, failed[i].room, failed[i].instance, failed[i].key,
+                             &failed[i].failure, 0);
     free(failed);
     if (rooms > 0)
         kvf_warn("%s (%d live rooms affected)", reason, rooms);

@@ -172,17 +172,30 @@ static uint64_t instance_for(kvf_room_t *r, const kvf_peer_t *to)
     return lk ? lk->instance : 0;
 }
 
+/* The request key a room's FAIL carries: a receiver's held room's. */
+static uint64_t key_of(const kvf_room_t *r)
+{
+    return r->side == KVF_ROLE_DECODE ? ((const kvf_receiver_t *)r)->sender_instance : 0;
+}
+
 void kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
 {
-    kvf__send_fail(to, r->id, instance_for(r, to), r->failure, abort);
+    kvf__send_fail_keyed(to, r->id, instance_for(r, to), key_of(r), r->failure, abort);
 }
 
 void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
                     int abort)
 {
+    kvf__send_fail_keyed(to, room, instance, 0, f, abort);
+}
+
+void kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
+                          const kvf_failure_t *f, int abort)
+{
     kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
     m.u.fail.room = room;
     m.u.fail.instance = instance;
+    m.u.fail.sender_instance = key;
     m.u.fail.status = f->status;
     m.u.fail.origin_side = (uint8_t)f->origin_side;
     m.u.fail.origin_rank = (uint32_t)f->origin_rank;
@@ -297,6 +310,7 @@ static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
     if (out != NULL) {
         out->room = r->id;
         out->instance = instance_for(r, from);
+        out->key = key_of(r);
         out->failure = *f;
     }
     kvf__room_fail_record(r, f, from, st == KVF_ERR_ABORTED);
@@ -503,14 +517,14 @@ static void on_fail(kvf_peer_t *p, int abort, const kvf_msg_fail_t *m)
             kvf__room_dropped(p, what, m->room, m->instance, "its room is gone");
         else
             kvf__sender_stash_add(p, m->room, m->instance, NULL, 0,
-                                  kvf__room_remote_failure(m));
+                                  kvf__room_remote_failure(m), m->sender_instance);
         return;
     }
     if (room_final(r))
         return;
     if (link_bound(r, p, m->instance) != NULL)
         kvf__room_fail_remote(r, p, abort, m);
-    else if (kvf__sender_fail_unbound_applies(r, p, m->instance))
+    else if (kvf__sender_fail_unbound_applies(r, p, m->instance, m->sender_instance))
         kvf__room_fail_remote(r, p, abort, m);
     else
         kvf__room_dropped(p, what, m->room, m->instance, "the room is not bound to this "

@@ -125,6 +125,7 @@ typedef struct kvf_stash {
     uint32_t          expected;    /* expected_receivers */
     kvf_failure_t    *failure;     /* or a FAIL/ABORT for the room */
     uint64_t          instance;    /* the room instance it names */
+    uint64_t          key;         /* a FAIL's request key (sender_instance) */
     struct kvf_stash *next;
 } kvf_stash_t;
 
@@ -179,6 +180,7 @@ void kvf__receiver_reads_done(kvf_engine_t *eng);
 typedef struct kvf_room_failed {
     uint64_t      room;
     uint64_t      instance;       /* the room instance the peer knows it by */
+    uint64_t      key;            /* a receiver's held room's request key, or 0 */
     kvf_failure_t failure;
 } kvf_room_failed_t;
 int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer, kvf_status_t st,
@@ -384,6 +386,10 @@ kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
 void           kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
 void           kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
                               const kvf_failure_t *f, int abort);
+/* The same naming the held room's request key the sender failed to read
+ * (FAIL's sender_instance). */
+void           kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance,
+                                    uint64_t key, const kvf_failure_t *f, int abort);
 /* A room message from `p` that the room is not bound to (another peer,
  * another instance): counted, logged at most once per KVF_DROP_LOG_MS,
  * and otherwise ignored; it never fails the room. */
@@ -408,9 +414,10 @@ kvf_stash_t *kvf__stash_take(kvf_engine_t *eng, uint64_t room);
 void kvf__sender_bury(kvf_room_t *r);
 /* A decode rank names a room whose sender is gone: tell it so. */
 void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance);
-/* A ROOM_REQ (lk) or a failure (f) for a room whose sender does not exist yet. */
+/* A ROOM_REQ (lk) or a failure (f, naming request key `key`) for a room
+ * whose sender does not exist yet. */
 void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
-                           uint32_t expected, kvf_failure_t *f);
+                           uint32_t expected, kvf_failure_t *f, uint64_t key);
 
 /* sender.c */
 /* Free what only a sender holds (its room is being freed). */
@@ -418,13 +425,13 @@ void kvf__sender_free(kvf_sender_t *s);
 void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
 void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
                              const kvf_msg_done_ack_t *m);
-/* Prefill: may a FAIL/ABORT from `p`, naming receiver instance `instance`,
- * to which the sender r has no link bound, fail it?  Only while it still
- * collects destinations, from a decode rank it has no destination of, of
- * an instance no destroyed sender served, and never a room held under a
- * request key. */
+/* Prefill: may a FAIL/ABORT from `p`, naming receiver instance `instance`
+ * and request key `key`, to which the sender r has no link bound, fail
+ * it?  Only while it still collects destinations, from a decode rank it
+ * has no destination of, of an instance no destroyed sender served, and,
+ * for a room held under a request key, naming that key. */
 int  kvf__sender_fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p,
-                                      uint64_t instance);
+                                      uint64_t instance, uint64_t key);
 /* Prefill: fail a held room whose lease ended with a reader missing. */
 void kvf__sender_lease_tick(kvf_room_t *r, uint64_t now);
 

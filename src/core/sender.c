@@ -718,7 +718,7 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     if (room_final(r)) {
         /* A new instance for a rank that was served: the id reused, for
          * the next sender the application creates with it. */
-        kvf__sender_stash_add(p, r->id, req->instance, req, expected, bad);
+        kvf__sender_stash_add(p, r->id, req->instance, req, expected, bad, 0);
         return;
     }
     if (slot != NULL) {
@@ -742,12 +742,13 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
 }
 
 int kvf__sender_fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p,
-                                     uint64_t instance)
+                                     uint64_t instance, uint64_t key)
 {
     const kvf_sender_t *s = (const kvf_sender_t *)r;
-    /* A held room under a request key is failed only by the readers bound
-     * to it (they named the key); anyone else waits for the lease. */
-    if (s->held && s->hold_instance != 0)
+    /* A held room under a request key is failed only by the decode ranks
+     * that know the key (a reader that failed before it asked names it);
+     * anyone else waits for the lease. */
+    if (s->held && s->hold_instance != 0 && key != s->hold_instance)
         return 0;
     return room_state(r) == KVF_POLL_BOOTSTRAPPING && link_of((kvf_room_t *)r, p) == NULL &&
            !kvf__instance_retired(r->eng, instance);
@@ -760,7 +761,7 @@ static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
         return 0;
     if (link_bound(r, s->peer, s->instance) != NULL)
         return 1;
-    return kvf__sender_fail_unbound_applies(r, s->peer, s->instance);
+    return kvf__sender_fail_unbound_applies(r, s->peer, s->instance, s->key);
 }
 
 /* What came for this room before its sender, oldest first. */
@@ -1280,7 +1281,7 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
         kvf__sender_answer_gone(p, m->room, m->instance);
         free(f);
     } else if (r == NULL) {
-        kvf__sender_stash_add(p, m->room, m->instance, &lk, m->expected_receivers, f);
+        kvf__sender_stash_add(p, m->room, m->instance, &lk, m->expected_receivers, f, 0);
     } else {
         take_request(r, p, &lk, m->expected_receivers, m->attempt, f);
     }

@@ -178,7 +178,7 @@ void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance)
 
 /* Prefill: a ROOM_REQ or a FAIL for a room that has no sender yet. */
 void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
-                           uint32_t expected, kvf_failure_t *f)
+                           uint32_t expected, kvf_failure_t *f, uint64_t key)
 {
     kvf_engine_t *eng = p->eng;
     kvf_stash_t *s = calloc(1, sizeof(*s));
@@ -196,6 +196,7 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_
     s->expected = expected;
     s->failure = f;
     s->instance = instance;
+    s->key = key;
     s->room = room;
     s->bytes = sizeof(*s) + (size_t)s->link.n_pages * sizeof(uint32_t) +
                ((size_t)s->link.state.ngroups + s->link.state.total) * sizeof(uint32_t) +

@@ -649,6 +649,7 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         kvf_wire_wr_u32(w, m->u.fail.origin_rank);
         kvf_wire_wr_str(w, &m->u.fail.origin_addr);
         kvf_wire_wr_str(w, &m->u.fail.reason);
+        kvf_wire_wr_u64(w, m->u.fail.sender_instance);
         break;
     case KVF_MSG_HEARTBEAT:
         kvf_wire_wr_u64(w, m->u.heartbeat.seq);
@@ -1008,6 +1009,7 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         m->u.fail.origin_rank = kvf_wire_rd_u32(rd, "origin_rank");
         kvf_wire_rd_str(rd, &m->u.fail.origin_addr, "origin_addr");
         kvf_wire_rd_str(rd, &m->u.fail.reason, "reason");
+        m->u.fail.sender_instance = kvf_wire_rd_u64(rd, "sender_instance");
         break;
     case KVF_MSG_HEARTBEAT:
         m->u.heartbeat.seq     = kvf_wire_rd_u64(rd, "seq");

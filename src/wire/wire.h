@@ -333,6 +333,10 @@ typedef struct kvf_msg_fail {
     uint32_t       origin_rank;
     kvf_wire_str_t origin_addr;
     kvf_wire_str_t reason;
+    /* From a decode rank: the request key of the held room it was to read
+     * (ROOM_REQ's sender_instance), so that a held room it never bound
+     * may take the failure; 0 otherwise. */
+    uint64_t       sender_instance;
 } kvf_msg_fail_t;
 
 /*

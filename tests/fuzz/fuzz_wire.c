@@ -139,7 +139,8 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
                a->u.fail.origin_side == b->u.fail.origin_side &&
                a->u.fail.origin_rank == b->u.fail.origin_rank &&
                fz_str_eq(a->u.fail.origin_addr, b->u.fail.origin_addr) &&
-               fz_str_eq(a->u.fail.reason, b->u.fail.reason);
+               fz_str_eq(a->u.fail.reason, b->u.fail.reason) &&
+               a->u.fail.sender_instance == b->u.fail.sender_instance;
     case KVF_MSG_HEARTBEAT:
         return a->u.heartbeat.seq == b->u.heartbeat.seq &&
                a->u.heartbeat.time_ns == b->u.heartbeat.time_ns;

@@ -529,6 +529,32 @@ static void test_stranger_abort_ignored(void)
     all_read(&pre, &s, 1, &dec, &r, 1, src, 0, dst, 2);
 }
 
+/* A reader that knows the request key and gives up before it asked (its
+ * ABORT names the key) ends the held room at once, instead of at the end
+ * of the lease. */
+static void test_keyed_abort_before_asking(void)
+{
+    rank_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    kvf_failure_t f;
+    uint32_t src[2] = {1, 2};
+    kvf_room_key_t key = kvf_room_key("give-up", 7);
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    hold_all(&pre, 1, key, 60000, src, 2, &s);
+    r = reader(&dec, &pre, 1, key.room, key.instance);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    kvf_receiver_abort(r);                     /* no destination was ever sent */
+    kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
+    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "aborted");
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    rank_down(&dec);
+    rank_down(&pre);
+}
+
 /* Readers that ask before kvf_sender_init, or between two sends: the
  * pages move whenever the last of them and the pages are there. */
 static void partial_case(int np, int nd, int before_init, uint32_t prefix_pages)
@@ -772,6 +798,7 @@ KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
               KVF_CASE(test_room_never_held),
               KVF_CASE(test_keyless_reader_refused),
               KVF_CASE(test_stranger_abort_ignored),
+              KVF_CASE(test_keyed_abort_before_asking),
               KVF_CASE(test_readers_before_pages),
               KVF_CASE(test_ipv6_descriptor),
               KVF_CASE(test_descriptor_needs_numeric_host),

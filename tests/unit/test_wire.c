@@ -159,6 +159,7 @@ static kvf_msg_t sample_fail(kvf_msg_type_t type)
     m.u.fail.origin_rank = 6;
     m.u.fail.origin_addr = str_of("decode-3:7000");
     m.u.fail.reason = str_of("DATA segment 2 writes past page 17");
+    m.u.fail.sender_instance = 0x0102030405060708ull;
     return m;
 }
 
@@ -451,6 +452,7 @@ static void test_roundtrip_fail_abort(void)
         CHECK(d.u.fail.room == BIG64);
         CHECK_EQ_INT(d.u.fail.status, m.u.fail.status);
         CHECK(d.u.fail.instance == 0xe1e2e3e4e5e6e7e8ull);
+        CHECK(d.u.fail.sender_instance == 0x0102030405060708ull);
         CHECK_EQ_INT(d.u.fail.origin_side, 1);
         CHECK_EQ_INT(d.u.fail.origin_rank, 6);
         CHECK(str_eq(d.u.fail.origin_addr, "decode-3:7000"));
@@ -765,6 +767,7 @@ static void fail_body(bld_t *w, int32_t status, uint8_t side, uint32_t reason_le
     b64(w, 1); b64(w, 0x1d); b32(w, (uint32_t)status); b8(w, side); b32(w, 0);
     b32(w, 4); bfill(w, 4);
     b32(w, reason_len); bfill(w, reason_len);
+    b64(w, 0);                                        /* sender_instance */
 }
 
 static void test_limits_rejected(void)
@@ -780,9 +783,9 @@ static void test_limits_rejected(void)
 
     /* string length beyond the body */
     fail_body(&w, KVF_ERR_TIMED_OUT, 0, 10);
-    kvf_put_u32(w.b + w.n - 14, 11);
+    kvf_put_u32(w.b + w.n - 8 - 14, 19);      /* past the reason and sender_instance */
     CHECK_EQ_INT(decode_bld(KVF_MSG_FAIL, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "FAIL: reason length 11 exceeds body (10 bytes left)");
+    CHECK_STR_CONTAINS(err, "FAIL: reason length 19 exceeds body (18 bytes left)");
 
     /* ROOM_REQ: a page count the body cannot hold, and one that overflows */
     uint32_t counts[] = { 4000000, 0x40000001u, UINT32_MAX };
