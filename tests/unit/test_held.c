@@ -208,6 +208,25 @@ static void all_read(rank_t *pre, kvf_sender_t **s, int np, rank_t *dec, kvf_rec
         rank_down(&pre[i]);
 }
 
+/* One prefill and one decode rank (TP 1 -> 1, tcp), the prefill holding
+ * room `key` with pages src[0..n). */
+static void held_pair(rank_t *pre, rank_t *dec, kvf_room_key_t key, unsigned lease_ms,
+                      const uint32_t *src, size_t n, kvf_sender_t **s)
+{
+    rank_up(pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    hold_all(pre, 1, key, lease_ms, src, n, s);
+}
+
+/* The room's own reader (its key) then reads it whole, and all goes. */
+static void owner_reads(rank_t *pre, kvf_sender_t *s, rank_t *dec, kvf_room_key_t key,
+                        const uint32_t *src, const uint32_t *dst, size_t n)
+{
+    kvf_receiver_t *r = reader(dec, pre, 1, key.room, key.instance);
+    give_dest(r, dst, n, 0);
+    all_read(pre, &s, 1, dec, &r, 1, src, 0, dst, n);
+}
+
 /* P prefill ranks hold a room; D decode ranks read it; every byte checked. */
 static void held_case(int np, int nd, const char *transport)
 {
@@ -308,9 +327,7 @@ static void test_other_instance_refused(void)
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("req-a", 5), other = kvf_room_key("req-b", 5);
     CHECK(key.instance != other.instance);
-    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
-    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
-    hold_all(&pre, 1, key, 10000, src, 2, &s);
+    held_pair(&pre, &dec, key, 10000, src, 2, &s);
 
     bad = reader(&dec, &pre, 1, key.room, other.instance);
     /* The same room id twice on one decode engine: refused at create. */
@@ -485,9 +502,7 @@ static void test_keyless_reader_refused(void)
     kvf_failure_t f;
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("secret-req", 10);
-    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
-    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
-    hold_all(&pre, 1, key, 10000, src, 2, &s);
+    held_pair(&pre, &dec, key, 10000, src, 2, &s);
     r = reader(&dec, &pre, 1, key.room, 0);
     give_dest(r, dst, 2, 0);
     kvf_poll_t st = wait_receiver(r, KVF_POLL_SUCCESS);
@@ -497,9 +512,7 @@ static void test_keyless_reader_refused(void)
     for (size_t i = 0; i < PAGE * (HEADS * HEAD_B); i++)
         CHECK(dec.kv[0][5 * page_bytes(1) + i] == 0);
     kvf_receiver_destroy(r);
-    r = reader(&dec, &pre, 1, key.room, key.instance);
-    give_dest(r, dst, 2, 0);
-    all_read(&pre, &s, 1, &dec, &r, 1, src, 0, dst, 2);
+    owner_reads(&pre, s, &dec, key, src, dst, 2);
 }
 
 /* A decode rank that is not the room's reader (another request key)
@@ -511,9 +524,7 @@ static void test_stranger_abort_ignored(void)
     kvf_receiver_t *r;
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("kill-me", 7);
-    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
-    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
-    hold_all(&pre, 1, key, 10000, src, 2, &s);
+    held_pair(&pre, &dec, key, 10000, src, 2, &s);
     r = reader(&dec, &pre, 1, key.room, kvf_room_key("other", 5).instance);
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     uint64_t before = kvf_engine_room_msgs_dropped(pre.eng);
@@ -524,9 +535,7 @@ static void test_stranger_abort_ignored(void)
     CHECK(kvf_engine_room_msgs_dropped(pre.eng) > before);     /* the ABORT, dropped */
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
     kvf_receiver_destroy(r);
-    r = reader(&dec, &pre, 1, key.room, key.instance);
-    give_dest(r, dst, 2, 0);
-    all_read(&pre, &s, 1, &dec, &r, 1, src, 0, dst, 2);
+    owner_reads(&pre, s, &dec, key, src, dst, 2);
 }
 
 /* A reader that knows the request key and gives up before it asked (its
@@ -540,9 +549,7 @@ static void test_keyed_abort_before_asking(void)
     kvf_failure_t f;
     uint32_t src[2] = {1, 2};
     kvf_room_key_t key = kvf_room_key("give-up", 7);
-    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
-    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
-    hold_all(&pre, 1, key, 60000, src, 2, &s);
+    held_pair(&pre, &dec, key, 60000, src, 2, &s);
     r = reader(&dec, &pre, 1, key.room, key.instance);
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     kvf_receiver_abort(r);                     /* no destination was ever sent */
@@ -610,7 +617,6 @@ static void test_ipv6_descriptor(void)
 {
     rank_t pre = {0}, dec = {0};
     kvf_sender_t *s;
-    kvf_receiver_t *r;
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("v6", 2);
     setenv("KVF_HOST", "::1", 1);
@@ -619,9 +625,7 @@ static void test_ipv6_descriptor(void)
     rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
     CHECK_STR_CONTAINS(pre.desc, " addr=[::1]:");
     hold_all(&pre, 1, key, 10000, src, 2, &s);
-    r = reader(&dec, &pre, 1, key.room, key.instance);
-    give_dest(r, dst, 2, 0);
-    all_read(&pre, &s, 1, &dec, &r, 1, src, 0, dst, 2);
+    owner_reads(&pre, s, &dec, key, src, dst, 2);
 }
 
 /* An engine whose host is a name, or the wildcard, writes no descriptor:
