@@ -28,7 +28,7 @@
 #include "util/time.h"
 
 #define TICK_MS  50
-#define STALL_MS 1000   /* epoll_wait this late: the process itself was stopped */
+#define STALL_MS 1000   /* a tick this late: the process itself was stopped */
 #define YIELD_SPINS 200 /* sched_yield()s at most, letting callers take the lock */
 
 _Thread_local const kvf_engine_t *kvf__lock_held;
@@ -789,6 +789,12 @@ static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
     uint64_t now = kvf_now_ms();
     if (now < *next_tick)
         return;
+    /* A tick this late: the loop itself did not run, wherever it was
+     * stopped (in epoll_wait, waiting for the lock, or in a pass). */
+    if (now - *next_tick > STALL_MS) {
+        eng->now_ms = now;
+        own_stall(eng, now - *next_tick);
+    }
     kvf__peers_tick(eng, now);
     kvf__rooms_tick(eng, now);
     flush_peers(eng);
@@ -873,9 +879,6 @@ static void *progress_main(void *arg)
         pthread_mutex_lock(&eng->lock);
         kvf__lock_held = eng;
         eng->now_ms = kvf_now_ms();
-        /* A wait far longer than asked for: the process was not running. */
-        if (eng->now_ms - now > (uint64_t)timeout + STALL_MS)
-            own_stall(eng, eng->now_ms - now - (uint64_t)timeout);
         if (n < 0 && errno != EINTR) {
             kvf_error("epoll_wait: %m");
             break;

@@ -59,12 +59,22 @@ struct kvf_tcp_conn {
     int                      backlog;       /* parsing stopped with frames left */
     int                      tx_cut;        /* a truncate fault cut the stream:
                                                nothing more is written */
+    int                      tx_err;        /* errno of a failed write: nothing
+                                               more is written, and the
+                                               connection fails once its
+                                               input is read to the end */
     int                      held;          /* the handler is not ready for more */
     int                      frame_zeroed;  /* the frame's rest comes from zeros */
     int                      dead;
     uint64_t                 last_rx_ms;
     uint64_t                 last_tx_ms;
     uint64_t                 paused_until_ms;  /* 0: not paused */
+    uint64_t                 moved;         /* counts every step of progress:
+                                               bytes read or written, a
+                                               frame parsed */
+    uint32_t                 idle_events;   /* handle() calls in a row that
+                                               moved nothing, */
+    uint64_t                 idle_since_ms; /* since then */
     char                    *truncate_reason;  /* cut the next frame (faults) */
 
     /* transmit */
@@ -188,9 +198,14 @@ static void update_events(kvf_tcp_conn_t *c)
     /* Held: the socket is not read, so its readiness is not asked for
      * (the engine calls handle() again once the handler is ready). */
     uint32_t want = c->held ? 0 : EPOLLIN | EPOLLRDHUP;
-    if (c->connecting || (!tcp_idle(&c->base) && (c->paused_until_ms == 0 ||
-                                                   kvf_now_ms() >= c->paused_until_ms)))
+    if (c->connecting || (!tcp_idle(&c->base) && c->tx_err == 0 &&
+                          (c->paused_until_ms == 0 || kvf_now_ms() >= c->paused_until_ms)))
         want |= EPOLLOUT;
+    /* Asking for nothing, epoll still reports a reset or hung-up socket
+     * (EPOLLERR, EPOLLHUP), at every wait while they last: edge-triggered,
+     * once.  Nothing can be done about them until the handler is ready. */
+    if (!(want & (EPOLLIN | EPOLLOUT)))
+        want |= EPOLLET;
     if (c->dead || want == c->ep_events)
         return;
     struct epoll_event ev = {.events = want, .data.ptr = c->ep_data};
@@ -553,21 +568,28 @@ static void iov_advance(kvf_tcp_conn_t *c, size_t n)
     }
 }
 
-static void handle_readable(kvf_tcp_conn_t *c);
-
 /*
  * The peer closed or reset the connection under a write.  What it sent
  * before closing may still wait in our socket (a peer that gave up on us
- * sends its FAILs first): read it, so that its reasons are known before
- * the connection's failure, which would only say "broken pipe".
+ * sends its FAILs first), so the connection does not fail here: it stops
+ * writing, and fails when reading reaches the end of that input
+ * (handle_readable), so that the peer's reasons are known first.  Reading
+ * goes on at the pace of the events and of the handler: a handler that is
+ * not ready (reads in flight) is waited for, never spun on.
  */
 static void write_failed(kvf_tcp_conn_t *c, int err)
 {
-    /* All of it, not one event's share: the connection dies next. */
-    do
-        handle_readable(c);
-    while (!c->dead && c->backlog);
-    conn_fail(c, KVF_ERR_CONN_RESET, "write failed: %s", strerror(err));
+    c->tx_err = err;
+    update_events(c);
+}
+
+/* Why the connection ends, once its input is read to the end. */
+static void input_ended(kvf_tcp_conn_t *c, const char *what)
+{
+    if (c->tx_err != 0)
+        conn_fail(c, KVF_ERR_CONN_RESET, "write failed: %s", strerror(c->tx_err));
+    else
+        conn_fail(c, KVF_ERR_CONN_RESET, "%s", what);
 }
 
 static void tcp_flush(kvf_conn_t *base)
@@ -575,7 +597,7 @@ static void tcp_flush(kvf_conn_t *base)
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     size_t budget = TCP_PASS_BYTES;
 
-    while (!c->dead && !c->connecting && !c->tx_cut && budget > 0) {
+    while (!c->dead && !c->connecting && !c->tx_cut && !c->tx_err && budget > 0) {
         if (c->paused_until_ms != 0) {
             if (kvf_now_ms() < c->paused_until_ms)
                 break;
@@ -632,6 +654,7 @@ static void tcp_flush(kvf_conn_t *base)
                 break;
             }
             c->last_tx_ms = kvf_now_ms();
+            c->moved++;
             budget -= (size_t)n < budget ? (size_t)n : budget;
             iov_advance(c, (size_t)n);
             if (c->iov_i < c->iov_n)
@@ -662,6 +685,7 @@ static void tcp_flush(kvf_conn_t *base)
                 break;
             }
             c->last_tx_ms = kvf_now_ms();
+            c->moved++;
             c->ctrl_off += (size_t)n;
             if (c->ctrl_off == c->ctrl.len)
                 c->ctrl.len = c->ctrl_off = 0;
@@ -697,6 +721,7 @@ static void place(kvf_tcp_conn_t *c, const uint8_t *src, size_t n)
     }
     c->tgt_off += (uint32_t)n;
     c->payload_left -= n;
+    c->moved++;
     if (c->tgt_off == t->len) {
         c->tgt_i++;
         c->tgt_off = 0;
@@ -778,6 +803,7 @@ static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
         c->rx_off += c->hdr.length;
         if (m.type != KVF_MSG_DATA) {
             c->rx_state = RX_HDR;
+            c->moved++;
             c->h->on_msg(c->arg, &m);
             /* A DATA_REF's payload is read by the engine while we wait:
              * count it, so one event never holds the engine for long. */
@@ -811,6 +837,7 @@ static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
         c->payload_left = m.u.data.payload_len;
         c->placed = 0;
         c->rx_state = RX_PAYLOAD;
+        c->moved++;
         c->h->on_data(c->arg, &m.u.data, c->tgt);
     }
 }
@@ -853,6 +880,7 @@ static ssize_t read_into_targets(kvf_tcp_conn_t *c, size_t budget)
     if (n <= 0)
         return n;
     c->last_rx_ms = kvf_now_ms();
+    c->moved++;
     c->placed += (size_t)n;
     c->payload_left -= (size_t)n;
     for (size_t left = (size_t)n; left > 0;) {
@@ -917,23 +945,57 @@ static void handle_readable(kvf_tcp_conn_t *c)
             errno = rerr;
             if (n > 0) {
                 c->last_rx_ms = kvf_now_ms();
+                c->moved++;
                 budget -= (size_t)n < budget ? (size_t)n : budget;
                 c->rx.len += (size_t)n;
                 continue;
             }
         }
         if (n == 0) {
-            conn_fail(c, KVF_ERR_CONN_RESET, "peer closed the connection%s",
-                      c->rx_state == RX_HDR && c->rx_off == c->rx.len ? ""
-                      : " in the middle of a frame");
+            input_ended(c, c->rx_state == RX_HDR && c->rx_off == c->rx.len
+                           ? "peer closed the connection"
+                           : "peer closed the connection in the middle of a frame");
             return;
         }
         if (errno == EINTR)
             continue;
-        if (errno != EAGAIN)
-            conn_fail(c, KVF_ERR_CONN_RESET, "read failed: %s", strerror(errno));
+        if (errno != EAGAIN) {
+            char what[128];
+            snprintf(what, sizeof(what), "read failed: %s", strerror(errno));
+            input_ended(c, what);
+        }
         return;
     }
+}
+
+/*
+ * The loop's guard against a spin: an event that moves nothing is
+ * harmless once, but one that keeps coming back while nothing moves is a
+ * livelock (a readiness asked for that nothing can serve) and would hold
+ * the engine forever.  After STALL_EVENTS such events over STALL_MS, the
+ * connection fails, once, saying so; its peer's rooms fail with it and
+ * the engine goes on.
+ */
+#define STALL_EVENTS 10000
+#define STALL_MS     2000
+
+static void stalled(kvf_tcp_conn_t *c, uint64_t moved_before)
+{
+    if (c->moved != moved_before || c->dead) {
+        c->idle_events = 0;
+        return;
+    }
+    uint64_t now = kvf_now_ms();
+    if (c->idle_events++ == 0)
+        c->idle_since_ms = now;
+    if (c->idle_events < STALL_EVENTS || now - c->idle_since_ms < STALL_MS)
+        return;
+    kvf_error("tcp connection: %u events in %.1f s moved nothing (a kvferry bug: please "
+              "report it); closing the connection so that the engine goes on",
+              c->idle_events, (double)(now - c->idle_since_ms) / 1000.0);
+    conn_fail(c, KVF_ERR_CONN_RESET,
+              "progress stalled on the connection (%u events moved nothing): closed",
+              c->idle_events);
 }
 
 static void tcp_handle(kvf_conn_t *base, uint32_t events)
@@ -941,6 +1003,7 @@ static void tcp_handle(kvf_conn_t *base, uint32_t events)
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
     if (c->dead)
         return;
+    uint64_t moved_before = c->moved;
     if (c->connecting) {
         if (!(events & (EPOLLOUT | EPOLLERR | EPOLLHUP)))
             return;
@@ -952,6 +1015,7 @@ static void tcp_handle(kvf_conn_t *base, uint32_t events)
             return;
         }
         c->connecting = 0;
+        c->moved++;
         c->last_rx_ms = kvf_now_ms();
         c->h->on_connected(c->arg);
     }
@@ -959,6 +1023,7 @@ static void tcp_handle(kvf_conn_t *base, uint32_t events)
         handle_readable(c);
     if (!c->dead)
         tcp_flush(&c->base);
+    stalled(c, moved_before);
 }
 
 static void tcp_abort(kvf_conn_t *base, int rst, const char *reason)
