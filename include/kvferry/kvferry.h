@@ -659,6 +659,32 @@ KVF_API kvf_status_t kvf_sender_failure(kvf_sender_t *sender,
 /** Abort the room here and on all its peers.  No-op once final. */
 KVF_API void kvf_sender_abort(kvf_sender_t *sender);
 
+/**
+ * Fail the room here with the application's own root cause: `status` (a
+ * negative kvf_status_t; a room-level one such as KVF_ERR_BAD_INDICES or
+ * KVF_ERR_ABORTED fits best) and `reason` (copied, cut at KVF_REASON_MAX),
+ * with this rank as its origin.  Every peer and sibling of the room learns
+ * it as it would a failure kvferry saw itself (docs/FAILURES.md).  For an
+ * application that refuses a request before kvferry sees it (an index
+ * its own checks rejected, say), so that every rank names that refusal
+ * rather than an abort.  No-op once the room is final.
+ * @return KVF_OK, KVF_ERR_INVALID_PARAM (status not negative, no reason).
+ */
+KVF_API kvf_status_t kvf_sender_fail(kvf_sender_t *sender, kvf_status_t status,
+                                     const char *reason);
+
+/**
+ * Wait, at most `timeout_ms`, for the room to fail: the one call that
+ * waits, for an application that learned from elsewhere (its scheduler's
+ * all-reduce over its ranks, say) that the request failed on another rank
+ * before this rank's room heard why (the failure reaches every rank of
+ * the room within milliseconds: docs/FAILURES.md, "Siblings").  It waits
+ * on an event, not by polling.  Any thread.
+ * @return KVF_OK (the room is FAILED: kvf_sender_failure has its record),
+ *         KVF_ERR_AGAIN (it has not failed within the time).
+ */
+KVF_API kvf_status_t kvf_sender_await_failure(kvf_sender_t *sender, unsigned timeout_ms);
+
 /** Release the sender (aborting the room if it is still live). */
 KVF_API void kvf_sender_destroy(kvf_sender_t *sender);
 
@@ -858,6 +884,14 @@ KVF_API kvf_status_t kvf_receiver_failure(kvf_receiver_t *receiver,
 
 /** Abort the room here and on all its peers.  No-op once final. */
 KVF_API void kvf_receiver_abort(kvf_receiver_t *receiver);
+
+/** Fail the room here with the application's root cause (as kvf_sender_fail). */
+KVF_API kvf_status_t kvf_receiver_fail(kvf_receiver_t *receiver, kvf_status_t status,
+                                       const char *reason);
+
+/** Wait for the room to fail, at most `timeout_ms` (as kvf_sender_await_failure). */
+KVF_API kvf_status_t kvf_receiver_await_failure(kvf_receiver_t *receiver,
+                                                unsigned timeout_ms);
 
 /**
  * May the room's destination pages be given to another request?  1 once

@@ -40,6 +40,8 @@ KVF_ERR_IO = -6
 KVF_ERR_NOT_FOUND = -7
 KVF_ERR_UNSUPPORTED = -8
 KVF_ERR_AGAIN = -9
+KVF_ERR_ABORTED = -21
+KVF_ERR_BAD_INDICES = -22
 KVF_ERR_ROOM_CONFLICT = -25
 KVF_ERR_LEASE_EXPIRED = -27
 
@@ -307,6 +309,11 @@ _OPTIONAL = {
     "kvf_remote_init_sized": (None, [POINTER(Remote), c_size_t]),
     "kvf_receiver_create_remote": (c_int, [c_void_p, POINTER(Remote),
                                            POINTER(c_void_p)]),
+    # a failure with the application's own cause, and waiting for one
+    "kvf_sender_fail": (c_int, [c_void_p, c_int, c_char_p]),
+    "kvf_receiver_fail": (c_int, [c_void_p, c_int, c_char_p]),
+    "kvf_sender_await_failure": (c_int, [c_void_p, c_uint]),
+    "kvf_receiver_await_failure": (c_int, [c_void_p, c_uint]),
 }
 
 

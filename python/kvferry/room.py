@@ -86,6 +86,29 @@ class _Room(_Closing):
         """Fail the room here and on all its peers (no-op once final)."""
         getattr(lib, "kvf_%s_abort" % self._kind)(self._live())
 
+    def fail(self, reason, code=_lib.KVF_ERR_ABORTED):
+        """Fail the room here with the application's own root cause:
+        ``reason`` (text) and ``code`` (a negative kvferry status, e.g.
+        ``kvferry.errors`` ``KVF_ERR_BAD_INDICES`` for a refused index).
+        Every rank of the room, on both sides, names it as the cause
+        (no-op once final)."""
+        name = "kvf_%s_fail" % self._kind
+        _lib.require(name, "%s.fail" % type(self).__name__)
+        text = str(reason).encode("utf-8", "backslashreplace")
+        check(getattr(lib, name)(self._live(), int(code), text), name)
+
+    def await_failure(self, timeout):
+        """Wait up to ``timeout`` seconds for the room to fail: for a rank
+        told by its scheduler that the request failed on another rank,
+        before that rank's cause has reached this one (it does within
+        milliseconds).  Waits on an event.  Returns True when the room has
+        failed (``failure_exception()`` then raises its cause)."""
+        name = "kvf_%s_await_failure" % self._kind
+        if not _lib.has(name):
+            return self.poll() == KVPoll.Failed
+        ms = max(0, min(int(float(timeout) * 1000), 3600 * 1000))
+        return getattr(lib, name)(self._live(), ms) == _lib.KVF_OK
+
     def failure_exception(self):
         """Raise the room's ``KVTransferError`` (call after ``poll()`` returned
         ``KVPoll.Failed``).

@@ -164,6 +164,11 @@ class PrefillServerInfo:
 
 
 UNKNOWN_REASON = "Failed due to an unknown reason from another rank"
+# How long failure_exception() waits for another rank's cause to arrive
+# when this rank's own room has not failed (docs/SGLANG.md): it comes
+# within milliseconds; the wait covers a scheduler's all-reduce that won
+# the race by far.
+RELAY_WAIT_S = 1.0
 # What SGLang's call order needs of the library beyond 0.1.0: the
 # destination after WaitingForInput, typed state, the decode prefix.
 _NEEDS = ("kvf_receiver_set_dest", "kvf_sender_set_states",
@@ -588,11 +593,12 @@ class _Room:
         self._error = None               # the KVTransferError raised, once made
         self._metric = None
 
-    def _fail_here(self, reason, level=logging.ERROR):
-        """Fail the room from this rank with ``reason`` (the library's room
-        is aborted so its peers stop); never raises.  Also after Success:
-        SGLang's backends fail an aborted room whatever its state, and the
-        scheduler then aborts the request."""
+    def _fail_here(self, reason, level=logging.ERROR, code=_lib.KVF_ERR_ABORTED):
+        """Fail the room from this rank with ``reason``: the library's room
+        fails with it as its cause (status ``code``), so that every rank of
+        the request, on both sides, names it; never raises.  Also after
+        Success: SGLang's backends fail an aborted room whatever its state,
+        and the scheduler then aborts the request."""
         if self._h is not None and self.conclude_state is None and \
                 self._h.poll() == _Poll.Failed:
             self.conclude_state = _Poll.Failed      # the first root cause wins
@@ -602,7 +608,10 @@ class _Room:
         logger.log(level, "kvferry: room %s failed: %s", self.bootstrap_room, reason)
         if self._h is not None:
             try:
-                self._h.abort()
+                if _lib.has("kvf_sender_fail"):
+                    self._h.fail(reason, code)
+                else:
+                    self._h.abort()
             except KVFerryError:
                 pass
         self.conclude_state = _Poll.Failed
@@ -647,12 +656,28 @@ class _Room:
                 return _error(self.bootstrap_room, e.failure_reason,
                               e.is_from_another_rank, e)
             except KVFerryStateError:
-                state = self._h.poll()
-                self._h.abort()
-                return _error(self.bootstrap_room, "%s (this rank's room was %s: another "
-                              "TP rank of this server failed it; its reason is in that "
-                              "rank's KVTransferError)" % (UNKNOWN_REASON, state.name),
-                              True)
+                pass
+            # This rank's room has not failed: another rank of the request
+            # did (the scheduler's all-reduce says so), and its cause is on
+            # its way here; the all-reduce can win that race.  Wait for it.
+            if self._h.await_failure(RELAY_WAIT_S):
+                try:
+                    self._h.failure_exception()
+                except _FerryTransferError as e:
+                    return _error(self.bootstrap_room, e.failure_reason,
+                                  e.is_from_another_rank, e)
+                except KVFerryStateError:
+                    pass
+            state = self._h.poll()
+            reason = ("%s (this rank's room was %s; its scheduler's all-reduce said "
+                      "another rank failed the request, and no cause reached this rank "
+                      "within %.1f s; look for it in the other ranks' KVTransferError)"
+                      % (UNKNOWN_REASON, state.name, RELAY_WAIT_S))
+            try:
+                self._h.fail(reason) if _lib.has("kvf_sender_fail") else self._h.abort()
+            except KVFerryError:
+                pass
+            return _error(self.bootstrap_room, reason, True)
         return _error(self.bootstrap_room, UNKNOWN_REASON, True)
 
     def abort(self):
@@ -767,7 +792,7 @@ class KVFerryKVSender(_Room, BaseKVSender):
         except (KVFerryError, ValueError, TypeError) as e:
             self._fail_here("KVSender.init(%s, %s) refused on prefill rank %d: %s"
                             % (num_kv_indices, aux_index, self.kv_mgr.attn_tp_rank,
-                               _refused(e)))
+                               _refused(e)), code=_lib.KVF_ERR_BAD_INDICES)
 
     def should_send_kv_chunk(self, num_pages, last_chunk):
         """SGLang asks before each chunk: pages to send, or the last chunk
@@ -803,7 +828,7 @@ class KVFerryKVSender(_Room, BaseKVSender):
                 return                  # the failure surfaces through poll()
             self._fail_here("KVSender.send(%d pages%s) refused on prefill rank %d: %s"
                             % (n, ", last" if last else "", self.kv_mgr.attn_tp_rank,
-                               _refused(e)))
+                               _refused(e)), code=_lib.KVF_ERR_BAD_INDICES)
 
     def get_transfer_metric(self):
         """SGLang's ``KVTransferMetric`` of this room: bytes this rank sent,
@@ -856,7 +881,8 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
         except (KVFerryError, ValueError, TypeError, RuntimeError) as e:
             self._fail_here("send_metadata(%d pages, aux %s) refused on decode rank %d: "
                             "%s" % (len(kv_indices) if kv_indices is not None else 0,
-                                    aux_index, self.kv_mgr.attn_tp_rank, _refused(e)))
+                                    aux_index, self.kv_mgr.attn_tp_rank, _refused(e)),
+                            code=_lib.KVF_ERR_BAD_INDICES)
 
     def poll(self):
         """Bootstrapping before ``init`` and until the prefill ranks are

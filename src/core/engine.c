@@ -60,6 +60,24 @@ void kvf__engine_wake(kvf_engine_t *eng)
     kvf__lane_wake(eng, 0);
 }
 
+const char *kvf__rank_name(kvf_role_t role, int tp_rank, int pp_rank, int pp_size,
+                           int dp_rank, int dp_size, char *buf, size_t len)
+{
+    int n = snprintf(buf, len, "%s rank %d", kvf_role_name(role), tp_rank);
+    if (pp_size > 1 && n >= 0 && (size_t)n < len)
+        n += snprintf(buf + n, len - (size_t)n, " of stage %d", pp_rank);
+    if (dp_size > 1 && n >= 0 && (size_t)n < len)
+        snprintf(buf + n, len - (size_t)n, " of DP group %d", dp_rank);
+    return buf;
+}
+
+const char *kvf__engine_rank_name(const kvf_engine_t *eng, char *buf, size_t len)
+{
+    const kvf_engine_params_t *p = &eng->params;
+    return kvf__rank_name(p->role, p->tp_rank, p->pp_rank, p->pp_size, p->dp_rank,
+                          p->dp_size, buf, len);
+}
+
 static int check_rank(const char *what, int rank, int size)
 {
     if (size < 1 || rank < 0 || rank >= size) {
@@ -188,6 +206,7 @@ static void engine_free(kvf_engine_t *eng)
     pthread_mutex_destroy(&eng->lock);
     pthread_cond_destroy(&eng->resolver_cond);
     pthread_cond_destroy(&eng->reads_cond);
+    pthread_cond_destroy(&eng->final_cond);
     free(eng);
 }
 
@@ -234,6 +253,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     pthread_mutex_init(&eng->lock, NULL);
     pthread_cond_init(&eng->resolver_cond, NULL);
     pthread_cond_init(&eng->reads_cond, NULL);
+    pthread_cond_init(&eng->final_cond, NULL);
     eng->reads_done_tail = &eng->reads_done;
     kvf_map_init(&eng->rooms_by_id);
     kvf_map_init(&eng->stash);

@@ -187,6 +187,8 @@ struct kvf_engine {
     uint32_t            reads_inflight;
     struct kvf_read    *reads_done, **reads_done_tail;
     pthread_cond_t      reads_cond;
+    /* Broadcast whenever a room fails (room.c): kvf_*_await_failure. */
+    pthread_cond_t      final_cond;
 
     /* Staging (stage.h): the copier, when this engine has device memory,
      * the staged puts' copies in flight (a staged receive's are reads),
@@ -289,6 +291,12 @@ static inline int kvf__cond_timedwait(kvf_engine_t *eng, pthread_cond_t *cond,
 
 /* engine.c */
 void kvf__engine_wake(kvf_engine_t *eng);      /* lane 0 */
+/* "decode rank 1", with its stage and DP group where the server has more
+ * than one: how a failure reason names this engine.  @return buf. */
+const char *kvf__engine_rank_name(const kvf_engine_t *eng, char *buf, size_t len);
+/* The same for any rank of a server of pp_size stages and dp_size groups. */
+const char *kvf__rank_name(kvf_role_t role, int tp_rank, int pp_rank, int pp_size,
+                           int dp_rank, int dp_size, char *buf, size_t len);
 void kvf__lane_wake(kvf_engine_t *eng, unsigned lane);
 /* What a connection calls around its system calls (kvf_conn_env_t). */
 void kvf__engine_io_unlock(void *eng);

@@ -54,9 +54,12 @@ const char *kvf__peer_name(const kvf_peer_t *p, char *buf, size_t len)
         snprintf(buf, len, "prefill rank %d (%s)", p->tp_rank, p->addr);
     else if (p->instance_id == 0)
         snprintf(buf, len, "decode peer at %s", p->addr);
-    else
-        snprintf(buf, len, "%s rank %d (%s)", kvf_role_name(p->role), p->tp_rank,
-                 p->addr);
+    else {
+        char who[96];
+        snprintf(buf, len, "%s (%s)", kvf__rank_name(p->role, p->tp_rank, p->pp_rank,
+                                                     p->pp_size, p->dp_rank, p->dp_size,
+                                                     who, sizeof(who)), p->addr);
+    }
     return buf;
 }
 
@@ -394,7 +397,8 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
     kvf_msg_t m = {.type = KVF_MSG_XPORT};
     const kvf_mover_ops_t *chosen = NULL;
 
-    for (int i = 0; kvf_movers[i] != NULL && chosen == NULL; i++) {
+    /* A sibling link moves no payload: no mover, one stream. */
+    for (int i = 0; kvf_movers[i] != NULL && chosen == NULL && !p->watch_only; i++) {
         if (!kvf__engine_allows(eng, kvf_movers[i]))
             continue;
         if (try_offer(p, x, i, why, sizeof(why)))
@@ -423,7 +427,7 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
     }
     /* Several streams only for payload in the stream (tcp). */
     uint8_t streams[KVF_WIRE_STREAMS_ANSWER];
-    if (chosen == NULL)
+    if (chosen == NULL && !p->watch_only)
         p->nstreams = kvf__streams_accept(p, find_offer(x, KVF_WIRE_STREAMS_NAME), streams,
                                           &m.u.xport.x[m.u.xport.count]);
     if (p->nstreams > 1)
@@ -434,7 +438,8 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         return;
     }
     use_mover(p, chosen);
-    check_device_memory(p);
+    if (!p->watch_only)
+        check_device_memory(p);
     if (p->nstreams > 1) {
         /* READY once every stream has joined (streams.c). */
         kvf__streams_open(p);
@@ -584,19 +589,21 @@ static void send_hello(kvf_peer_t *p)
         send_offers(p);
 }
 
-kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank)
+kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank,
+                          int watch)
 {
     char addr[KVF_ADDR_MAX];
     snprintf(addr, sizeof(addr), "%s:%d", host, port);
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
         if (p->outbound && p->state != KVF_PEER_DEAD && !p->lingering &&
-            strcmp(p->addr, addr) == 0)
+            p->watch_only == watch && strcmp(p->addr, addr) == 0)
             return p;
 
     kvf_peer_t *p = peer_new(eng);
     if (p == NULL)
         return NULL;
     p->outbound = 1;
+    p->watch_only = watch;
     p->role = KVF_ROLE_PREFILL;
     p->tp_rank = tp_rank;
     p->state = KVF_PEER_CONNECTING;

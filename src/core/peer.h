@@ -29,6 +29,7 @@ struct kvf_peer {
     kvf_peer_state_t  state;
     kvf_conn_t       *conn;
     int               outbound;      /* we connected (decode side) */
+    int               watch_only;    /* decode: for sibling links only (peer_get) */
     char              addr[KVF_ADDR_MAX]; /* remote control address */
     char              remote_host[64];    /* the connection's source address */
     kvf_auth_t        auth;
@@ -133,8 +134,12 @@ static inline unsigned kvf__peer_nstreams(const kvf_peer_t *p)
 #define KVF_READ_WINDOW (16ull << 20)
 
 /* peer.c */
-/* The connection to the prefill rank `tp_rank` at host:port (cached). */
-kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank);
+/* The connection to the prefill rank `tp_rank` at host:port (cached).
+ * `watch`: one that only carries the failures of rooms whose bytes come
+ * from other ranks (siblings.c): it takes no mover and one stream, and is
+ * a connection of its own beside a data one to the same rank. */
+kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank,
+                           int watch);
 void         kvf__peer_put(kvf_peer_t *peer);
 /* A connection from `host` (already admitted by kvf__auth_admit). */
 void         kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host);

@@ -66,7 +66,7 @@ void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
         return;
     }
     for (int i = 0; i < n; i++) {
-        kvf_peer_t *p = kvf__peer_get(eng, t[i].host, t[i].port, t[i].rank);
+        kvf_peer_t *p = kvf__peer_get(eng, t[i].host, t[i].port, t[i].rank, 0);
         if (p == NULL) {
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for a peer");
             return;
@@ -428,6 +428,16 @@ kvf_status_t kvf_receiver_failure(kvf_receiver_t *rv, kvf_failure_t *f)
 
 void kvf_receiver_abort(kvf_receiver_t *rv) { kvf__room_abort(&rv->room); }
 
+kvf_status_t kvf_receiver_fail(kvf_receiver_t *rv, kvf_status_t st, const char *reason)
+{
+    return rv == NULL ? KVF_ERR_INVALID_PARAM : kvf__room_fail_app(&rv->room, st, reason);
+}
+
+kvf_status_t kvf_receiver_await_failure(kvf_receiver_t *rv, unsigned timeout_ms)
+{
+    return rv == NULL ? KVF_ERR_INVALID_PARAM : kvf__room_await_failure(&rv->room, timeout_ms);
+}
+
 void kvf_receiver_destroy(kvf_receiver_t *rv)
 {
     if (rv != NULL)
@@ -511,11 +521,11 @@ void kvf__receiver_try_request(kvf_room_t *r)
                 return;
             }
             if (r->retries > 0)
-                kvf__room_fail(r, KVF_ERR_UNREACHABLE, "%s after %u reconnects; the "
-                               "connection was lost first: %s", why, r->retries,
-                               r->last_err ? r->last_err : "unknown");
+                kvf__room_fail_lost(r, KVF_ROLE_PREFILL, KVF_ERR_UNREACHABLE, "%s after %u "
+                                    "reconnects; the connection was lost first: %s", why,
+                                    r->retries, r->last_err ? r->last_err : "unknown");
             else
-                kvf__room_fail(r, KVF_ERR_UNREACHABLE, "%s", why);
+                kvf__room_fail_lost(r, KVF_ROLE_PREFILL, KVF_ERR_UNREACHABLE, "%s", why);
             return;
         }
         if (p->state != KVF_PEER_READY)

@@ -27,6 +27,7 @@
 #define RETRY_MS            200
 #define CALL_TIMEOUT_MS     2000
 #define CACHE_MAX           64
+#define RANKS_MAX           1024   /* every rank of several servers' DP groups */
 
 typedef struct info_entry {
     char          addr[KVF_ADDR_MAX];
@@ -43,7 +44,7 @@ typedef struct rank_entry {
 typedef struct resolver {
     info_entry_t info[CACHE_MAX];
     int          ninfo;
-    rank_entry_t ranks[CACHE_MAX];
+    rank_entry_t ranks[RANKS_MAX];
     int          nranks;
     uint64_t     generation;
 } resolver_t;
@@ -56,6 +57,8 @@ typedef struct result {
     char         err[KVF_REASON_MAX - 64];
     int          ntargets;
     kvf_target_t t[KVF_MAX_TARGETS];
+    int          nwatch;             /* the DP group's other ranks (siblings.c) */
+    kvf_target_t w[KVF_MAX_TARGETS];
 } result_t;
 
 static const kvf_bs_info_t *get_info(resolver_t *rs, const char *addr, result_t *out)
@@ -168,7 +171,7 @@ static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, int pp,
     if (kvf__bs_get_rank(addr, dp, 0, tp, pp, CALL_TIMEOUT_MS, ip, iplen, port, out->err,
                          sizeof(out->err)) != KVF_OK)
         return 0;
-    if (rs->nranks == CACHE_MAX)
+    if (rs->nranks == RANKS_MAX)
         rs->nranks = 0;
     rank_entry_t *e = &rs->ranks[rs->nranks++];
     snprintf(e->addr, sizeof(e->addr), "%s", addr);
@@ -177,6 +180,37 @@ static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, int pp,
     e->pp = pp;
     snprintf(e->ip, sizeof(e->ip), "%s", ip);
     e->port = *port;
+    return 1;
+}
+
+/*
+ * The prefill ranks of DP group `dp` the room does not read from (its
+ * targets are (tp[i], pp[i]), i < n): the decode rank watches them
+ * (siblings.c), so that every rank of the room hears of its failure.  A
+ * group of more ranks than a result holds has only its first ones
+ * watched: the others still hear through them.  @return 0 (and out->res
+ * set) when a rank's address is not known yet.
+ */
+static int watch_targets(resolver_t *rs, const char *addr, int dp, const kvf_bs_info_t *info,
+                         const int *tp, const int *pp, int n, result_t *out)
+{
+    out->nwatch = 0;
+    for (int s = 0; s < info->pp_size; s++)
+        for (int t = 0; t < info->attn_tp_size && out->nwatch < KVF_MAX_TARGETS; t++) {
+            int linked = 0;
+            for (int i = 0; i < n && !linked; i++)
+                linked = tp[i] == t && pp[i] == s;
+            if (linked)
+                continue;
+            kvf_target_t *w = &out->w[out->nwatch];
+            w->rank = t;
+            w->instance = 0;
+            if (!lookup_rank(rs, addr, dp, t, s, w->host, sizeof(w->host), &w->port, out)) {
+                out->res = RES_RETRY;
+                return 0;
+            }
+            out->nwatch++;
+        }
     return 1;
 }
 
@@ -218,6 +252,8 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
         }
     }
     out->ntargets = n;
+    if (!watch_targets(rs, addr, dp, info, tp, pp, n, out))
+        return;
     out->res = RES_OK;
 }
 
@@ -238,6 +274,7 @@ static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
     }
     free(r->last_err);       /* a registry hiccup that resolved is no cause */
     r->last_err = NULL;
+    kvf__siblings_link(r, res->w, res->nwatch);
     kvf__receiver_link(r, res->t, res->ntargets);
 }
 

@@ -117,6 +117,7 @@ void kvf__room_put(kvf_room_t *r)
     for (uint32_t i = 0; i < r->nlinks; i++)
         link_free(&r->links[i]);
     free(r->links);
+    kvf__siblings_free(r);
     free(r->failure);
     if (r->side == KVF_ROLE_PREFILL)
         kvf__sender_free(sender_of(r));
@@ -169,7 +170,12 @@ static uint64_t instance_for(kvf_room_t *r, const kvf_peer_t *to)
     if (r->side == KVF_ROLE_DECODE)
         return r->instance;
     kvf_link_t *lk = link_of(r, to);
-    return lk ? lk->instance : 0;
+    if (lk != NULL)
+        return lk->instance;
+    for (uint32_t i = 0; i < r->nwatch; i++)      /* a sibling (siblings.c) */
+        if (r->watch[i].peer == to)
+            return r->watch[i].instance;
+    return 0;
 }
 
 /* The request key a room's FAIL carries: a receiver's held room's. */
@@ -178,9 +184,13 @@ static uint64_t key_of(const kvf_room_t *r)
     return r->side == KVF_ROLE_DECODE ? ((const kvf_receiver_t *)r)->sender_instance : 0;
 }
 
+static void send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
+                      const kvf_failure_t *f, int abort, uint8_t sides);
+
 void kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
 {
-    kvf__send_fail_keyed(to, r->id, instance_for(r, to), key_of(r), r->failure, abort);
+    send_fail(to, r->id, instance_for(r, to), key_of(r), r->failure, abort,
+              r->failed_sides);
 }
 
 void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
@@ -189,10 +199,20 @@ void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_
     kvf__send_fail_keyed(to, room, instance, 0, f, abort);
 }
 
+/* Not a live room's record: one this engine failed (a refusal, a tomb, a
+ * deadline), so its own side failed, and the record's origin's side. */
 void kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
                           const kvf_failure_t *f, int abort)
 {
+    send_fail(to, room, instance, key, f, abort,
+              KVF_SIDE_BIT(f->origin_side) | KVF_SIDE_BIT(to->eng->params.role));
+}
+
+static void send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
+                      const kvf_failure_t *f, int abort, uint8_t sides)
+{
     kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
+    m.u.fail.sides = sides;
     m.u.fail.room = room;
     m.u.fail.instance = instance;
     m.u.fail.sender_instance = key;
@@ -253,26 +273,67 @@ static void retire_instances(kvf_room_t *r)
     }
 }
 
-/* Record `f` as the room's root cause and tell every peer but `from`. */
-void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
-                             int abort)
+/* Tell every peer of the room but `from` its record: byte links, siblings. */
+static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort)
 {
-    KVF_ASSERT_LOCKED(r->eng);
-    if (room_final(r)) {
-        free(f);
-        return;
-    }
-    r->failure = f;
-    r->t_state_ms = kvf_now_ms();
-    atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
-    r->t_final_ms = kvf_now_ms();
-    stats_final(r->eng, KVF_POLL_FAILED, f->status);
-    kvf_info("room %llu failed on %s rank %d%s: %s", (unsigned long long)r->id,
-             kvf_role_name(r->side), r->eng->params.tp_rank,
-             f->from_another_rank ? " (from another rank)" : "", f->reason);
     for (uint32_t i = 0; i < r->nlinks; i++)
         if (r->links[i].peer != from)
             kvf__room_send_fail(r, r->links[i].peer, abort);
+    kvf__siblings_tell(r, from, abort);
+}
+
+/*
+ * Record `f` as the room's root cause and tell every peer but `from`.
+ * The first cause wins: a room that failed takes no other record.  A room
+ * that succeeded here takes one learned from another rank (its siblings
+ * are one request: if the request failed on one of them it failed as a
+ * whole, and this rank must say so too, with the cause), never one seen
+ * here (a local consequence of a finished room is no cause).
+ */
+void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
+                             int abort, uint8_t sides)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    uint8_t mine = KVF_SIDE_BIT(r->side);
+    kvf_poll_t was = room_state(r);
+    if (was == KVF_POLL_SUCCESS && !f->from_another_rank) {
+        free(f);                  /* a consequence here of a finished room */
+        return;
+    }
+    /* What the room's ranks now know of where it failed (siblings.c). */
+    sides |= KVF_SIDE_BIT(f->origin_side) | (f->from_another_rank ? 0 : mine);
+    uint8_t news = sides & (uint8_t)~r->failed_sides;
+    r->failed_sides |= sides;
+    if (was == KVF_POLL_FAILED || (was == KVF_POLL_SUCCESS && !(r->failed_sides & mine))) {
+        /* Final here: the record stays the first one.  What is new to it
+         * about the sides goes on, once per side, so that a rank that
+         * succeeded learns when its own side failed elsewhere. */
+        if (r->failure == NULL)
+            r->failure = f;
+        else
+            free(f);
+        if (news)
+            tell_peers(r, from, abort);
+        return;
+    }
+    r->failed_sides |= mine;
+    if (r->failure == NULL)
+        r->failure = f;
+    else
+        free(f);                  /* the cause it kept while it succeeded */
+    f = r->failure;
+    r->t_state_ms = kvf_now_ms();
+    atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
+    r->t_final_ms = kvf_now_ms();
+    if (was == KVF_POLL_SUCCESS)
+        r->eng->stats.rooms_succeeded--;
+    stats_final(r->eng, KVF_POLL_FAILED, f->status);
+    kvf_info("room %llu failed on %s%s%s: %s", (unsigned long long)r->id,
+             kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
+             f->from_another_rank ? " (from another rank)" : "",
+             was == KVF_POLL_SUCCESS ? " after it had succeeded here" : "", f->reason);
+    tell_peers(r, from, abort);
+    pthread_cond_broadcast(&r->eng->final_cond);
     kvf__engine_wake(r->eng);
 }
 
@@ -297,9 +358,11 @@ void kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st
 }
 
 /* Fail a live room with a root cause seen here, telling every peer but
- * `from`; a copy of the record goes to *out.  @return 1 when recorded. */
+ * `from`; a copy of the record goes to *out.  `sides`: besides this one,
+ * the sides known to have failed (a lost peer's).  @return 1 when
+ * recorded. */
 static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
-                      kvf_status_t st, const char *fmt, va_list ap)
+                      kvf_status_t st, uint8_t sides, const char *fmt, va_list ap)
 {
     if (room_final(r))
         return 0;
@@ -313,7 +376,7 @@ static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
         out->key = key_of(r);
         out->failure = *f;
     }
-    kvf__room_fail_record(r, f, from, st == KVF_ERR_ABORTED);
+    kvf__room_fail_record(r, f, from, st == KVF_ERR_ABORTED, sides);
     return 1;
 }
 
@@ -321,7 +384,16 @@ void kvf__room_fail(kvf_room_t *r, kvf_status_t st, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    room_vfail(r, NULL, NULL, st, fmt, ap);
+    room_vfail(r, NULL, NULL, st, 0, fmt, ap);
+    va_end(ap);
+}
+
+void kvf__room_fail_lost(kvf_room_t *r, kvf_role_t lost, kvf_status_t st, const char *fmt,
+                         ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    room_vfail(r, NULL, NULL, st, KVF_SIDE_BIT(lost), fmt, ap);
     va_end(ap);
 }
 
@@ -345,7 +417,7 @@ void kvf__room_fail_remote(kvf_room_t *r, kvf_peer_t *from, int abort,
 {
     kvf_failure_t *f = kvf__room_remote_failure(m);
     if (f != NULL)
-        kvf__room_fail_record(r, f, from, abort);
+        kvf__room_fail_record(r, f, from, abort, m->sides);
 }
 
 kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out)
@@ -449,8 +521,8 @@ void kvf__room_destroy(kvf_room_t *r)
     kvf__lock(eng);
     if (!room_final(r))
         kvf__room_fail(r, KVF_ERR_ABORTED, "room %llu destroyed by the application "
-                       "on %s rank %d before it finished", (unsigned long long)r->id,
-                       kvf_role_name(r->side), eng->params.tp_rank);
+                       "on %s before it finished", (unsigned long long)r->id,
+                       kvf__engine_rank_name(eng, (char[96]){0}, 96));
     kvf_map_del(&eng->rooms_by_id, r->id);
     if (r->side == KVF_ROLE_PREFILL && room_state(r) == KVF_POLL_FAILED)
         kvf__sender_bury(r);
@@ -473,9 +545,42 @@ void kvf__room_destroy(kvf_room_t *r)
 void kvf__room_abort(kvf_room_t *r)
 {
     kvf__lock(r->eng);
-    kvf__room_fail(r, KVF_ERR_ABORTED, "aborted by the application on %s rank %d",
-                   kvf_role_name(r->side), r->eng->params.tp_rank);
+    kvf__room_fail(r, KVF_ERR_ABORTED, "aborted by the application on %s",
+                   kvf__engine_rank_name(r->eng, (char[96]){0}, 96));
     kvf__unlock(r->eng);
+}
+
+kvf_status_t kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason)
+{
+    if (st >= 0 || reason == NULL) {
+        kvf_error("room %llu: kvf_*_fail needs a negative status and a reason",
+                  (unsigned long long)r->id);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    kvf__lock(r->eng);
+    kvf__room_fail(r, st, "%s", reason);
+    kvf__unlock(r->eng);
+    return KVF_OK;
+}
+
+kvf_status_t kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms)
+{
+    kvf_engine_t *eng = r->eng;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    kvf__lock(eng);
+    while (room_state(r) != KVF_POLL_FAILED)
+        if (kvf__cond_timedwait(eng, &eng->final_cond, &until) == ETIMEDOUT)
+            break;
+    kvf_status_t st = room_state(r) == KVF_POLL_FAILED ? KVF_OK : KVF_ERR_AGAIN;
+    kvf__unlock(eng);
+    return st;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -499,31 +604,39 @@ static void on_fail(kvf_peer_t *p, int abort, const kvf_msg_fail_t *m)
     kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
     const char *what = abort ? "ABORT" : "FAIL";
 
+    /* A room that failed still takes what its bound peers tell of where
+     * else it failed (kvf__room_fail_record), and drops the rest quietly. */
     if (eng->params.role == KVF_ROLE_DECODE) {
         kvf_link_t *lk = r ? link_of(r, p) : NULL;
-        if (r == NULL || room_final(r))
+        if (r == NULL)
             return;                        /* nothing to fail */
-        if (lk == NULL)
-            kvf__room_dropped(p, what, m->room, m->instance, "the room did not ask this peer");
-        else if (m->instance != r->instance)
+        if (lk == NULL && !kvf__siblings_bound(r, p, m->instance)) {
+            if (room_state(r) != KVF_POLL_FAILED)
+                kvf__room_dropped(p, what, m->room, m->instance,
+                                  "the room did not ask this peer");
+        } else if (m->instance != r->instance) {
             kvf__room_dropped(p, what, m->room, m->instance, "it names another instance "
                               "of the room (an earlier room with this id)");
-        else
+        } else {
             kvf__room_fail_remote(r, p, abort, m);
+        }
         return;
     }
     if (r == NULL) {
+        kvf_stash_t *s = NULL;
         if (kvf__instance_retired(eng, m->instance))
             kvf__room_dropped(p, what, m->room, m->instance, "its room is gone");
         else
-            kvf__sender_stash_add(p, m->room, m->instance, NULL, 0,
-                                  kvf__room_remote_failure(m), m->sender_instance);
+            s = kvf__sender_stash_add(p, m->room, m->instance, NULL, 0,
+                                      kvf__room_remote_failure(m), m->sender_instance);
+        if (s != NULL)
+            s->sides = m->sides;
         return;
     }
-    if (room_final(r))
-        return;
-    if (link_bound(r, p, m->instance) != NULL)
+    if (link_bound(r, p, m->instance) != NULL || kvf__siblings_bound(r, p, m->instance))
         kvf__room_fail_remote(r, p, abort, m);
+    else if (room_state(r) == KVF_POLL_FAILED)
+        return;
     else if (kvf__sender_fail_unbound_applies(r, p, m->instance, m->sender_instance))
         kvf__room_fail_remote(r, p, abort, m);
     else
@@ -620,7 +733,7 @@ static int fail_for_peer(kvf_room_t *r, kvf_peer_t *p, kvf_room_failed_t *out,
 {
     va_list ap;
     va_start(ap, fmt);
-    int done = room_vfail(r, p, out, st, fmt, ap);
+    int done = room_vfail(r, p, out, st, KVF_SIDE_BIT(p->role), fmt, ap);
     va_end(ap);
     return done;
 }
@@ -680,6 +793,7 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
             r->retry_at_ms = now + eng->params.heartbeat_timeout_ms;
         }
     }
+    kvf__siblings_peer_failed(eng, p, st, reason);
     *failed_p = failed;
     *nfailed_p = nf;
     return n;
@@ -687,6 +801,7 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
 
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
 {
+    kvf__siblings_peer_ready(eng, p);
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
         if (r->side == KVF_ROLE_DECODE && link_of(r, p) != NULL)
             kvf__receiver_try_request(r);
@@ -746,7 +861,7 @@ static void reconnect(kvf_room_t *r)
             return;
         }
         *colon = '\0';
-        kvf_peer_t *p = kvf__peer_get(eng, host, atoi(colon + 1), lk->peer->tp_rank);
+        kvf_peer_t *p = kvf__peer_get(eng, host, atoi(colon + 1), lk->peer->tp_rank, 0);
         if (p == NULL) {
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to reconnect");
             return;
@@ -788,13 +903,16 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
     char detail[384];
 
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
+        if (r->side == KVF_ROLE_DECODE && !room_final(r))
+            kvf__siblings_tick(r, now);
         if (!room_final(r) && has_broken_link(r) && now >= r->retry_at_ms) {
             if (r->side == KVF_ROLE_DECODE)
                 reconnect(r);
             else
-                kvf__room_fail(r, KVF_ERR_CONN_RESET, "%s; it did not reconnect within "
-                               "%.1f s", r->last_err ? r->last_err : "connection lost",
-                               pr->heartbeat_timeout_ms / 1000.0);
+                kvf__room_fail_lost(r, KVF_ROLE_DECODE, KVF_ERR_CONN_RESET, "%s; it did not "
+                                    "reconnect within %.1f s",
+                                    r->last_err ? r->last_err : "connection lost",
+                                    pr->heartbeat_timeout_ms / 1000.0);
         }
         kvf_poll_t s = room_state(r);
         if (s == KVF_POLL_BOOTSTRAPPING && r->side == KVF_ROLE_PREFILL &&

@@ -72,6 +72,34 @@ typedef struct kvf_link {
     uint64_t       done_bytes, done_checksum;
 } kvf_link_t;
 
+/* A prefill rank a receiver reads from, or watches (siblings.c). */
+#define KVF_MAX_TARGETS 64
+typedef struct kvf_target {
+    char     host[64];
+    int      port;
+    int      rank;              /* its tp rank */
+    uint64_t instance;          /* the engine instance it must be, or 0 */
+} kvf_target_t;
+
+/*
+ * A sibling link (siblings.c): on a receiver, a prefill rank of the room's
+ * DP group that this decode rank reads nothing from; on a sender, a decode
+ * rank that told it about the room all the same (a watch).  It moves no
+ * byte: it carries the room's FAIL and ABORT, both ways.
+ */
+typedef struct kvf_watch {
+    kvf_peer_t *peer;         /* NULL while a reset one waits to reconnect */
+    uint32_t    rank;         /* the peer's tp rank */
+    uint64_t    instance;     /* sender: the receiver's room instance */
+    int         sent;         /* receiver: the watch went out */
+    /* Receiver: where to dial it again after a reset, the reconnects
+     * used, and when the next one is due (0: none due). */
+    char        host[64];
+    int         port;
+    uint32_t    retries;
+    uint64_t    retry_at_ms;
+} kvf_watch_t;
+
 struct kvf_room {
     kvf_engine_t    *eng;
     uint64_t         id;
@@ -91,12 +119,18 @@ struct kvf_room {
     uint64_t         t_state_ms;  /* entered the state, or last progress */
     /* For kvf_*_metric: created, decode pages known, final (0: not yet). */
     uint64_t         t_create_ms, t_dest_ms, t_final_ms;
-    kvf_failure_t   *failure;     /* first root cause, or NULL */
+    kvf_failure_t   *failure;     /* first root cause, or NULL (a room that
+                                     succeeded may keep one it did not take:
+                                     siblings.c) */
+    uint8_t          failed_sides; /* KVF_SIDE_BIT of each side known to
+                                      have failed the room (siblings.c) */
     int              failure_consumed;
     kvf_room_t      *prev, *next; /* engine->rooms list (attached rooms) */
     uint32_t         nlinks;
     uint32_t         expected_links;
     kvf_link_t      *links;
+    uint32_t         nwatch;
+    kvf_watch_t     *watch;       /* siblings.c */
     uint32_t         aux_slot;      /* sender: source slot; receiver: destination */
     char            *last_err;      /* last resolver or connection error */
     uint32_t         retries;       /* reconnects used */
@@ -126,6 +160,8 @@ typedef struct kvf_stash {
     kvf_failure_t    *failure;     /* or a FAIL/ABORT for the room */
     uint64_t          instance;    /* the room instance it names */
     uint64_t          key;         /* a FAIL's request key (sender_instance) */
+    int               watch;       /* a watch (siblings.c), not a destination */
+    uint8_t           sides;       /* a FAIL's (wire.h) */
     struct kvf_stash *next;
 } kvf_stash_t;
 
@@ -157,6 +193,10 @@ void kvf__room_set_state(kvf_room_t *room, kvf_poll_t state);
  * NULL).  Tells the room's other peers.  No-op once the room is final. */
 void kvf__room_fail(kvf_room_t *room, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* The same, the cause being a rank of side `lost` gone (dead, stopped,
+ * unreachable): that side failed the room too (siblings.c). */
+void kvf__room_fail_lost(kvf_room_t *room, kvf_role_t lost, kvf_status_t st,
+                         const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* Fail a room with a record received from `from`. */
 void kvf__room_fail_remote(kvf_room_t *room, kvf_peer_t *from, int abort,
                            const kvf_msg_fail_t *m);
@@ -379,6 +419,9 @@ void           kvf__room_destroy(kvf_room_t *r);
 void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
                                 const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 void           kvf__room_abort(kvf_room_t *r);
+/* kvf_*_fail and kvf_*_await_failure. */
+kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
+kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
 /* kvf_sender_metric / kvf_receiver_metric. */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
@@ -398,9 +441,10 @@ void           kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room,
                                  uint64_t instance, const char *why);
 /* Prefill: did a destroyed sender serve this room instance? */
 int            kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance);
-/* Record `f` (owned) as the root cause and tell every peer but `from`. */
+/* Record `f` (owned) as the root cause and tell every peer but `from`;
+ * `sides`: the FAIL's, for a record received (0 for one seen here). */
 void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
-                                     int abort);
+                                     int abort, uint8_t sides);
 kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 
 /* stash.c */
@@ -415,9 +459,42 @@ void kvf__sender_bury(kvf_room_t *r);
 /* A decode rank names a room whose sender is gone: tell it so. */
 void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance);
 /* A ROOM_REQ (lk) or a failure (f, naming request key `key`) for a room
- * whose sender does not exist yet. */
-void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
-                           uint32_t expected, kvf_failure_t *f, uint64_t key);
+ * whose sender does not exist yet.  @return the entry, or NULL when it
+ * could not be kept. */
+kvf_stash_t *kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance,
+                                   kvf_link_t *lk, uint32_t expected, kvf_failure_t *f,
+                                   uint64_t key);
+/* A watch (siblings.c) from decode rank `rank` for a room without a sender. */
+void kvf__sender_stash_watch(kvf_peer_t *p, uint64_t room, uint32_t rank, uint64_t instance);
+
+/* siblings.c: the rooms' sibling links (docs/PROTOCOL.md, "Siblings"). */
+/* Decode: watch the n prefill ranks of the room's DP group it reads nothing
+ * from (each told about the room once its connection is ready). */
+void kvf__siblings_link(kvf_room_t *r, const kvf_target_t *t, int n);
+/* Decode: send the watches whose peer is ready (and, for a room that
+ * failed meanwhile, its FAIL after them). */
+void kvf__siblings_send(kvf_room_t *r);
+/* Prefill: a decode rank's watch (ROOM_REQ with KVF_REQ_WATCH). */
+void kvf__siblings_on_watch(kvf_peer_t *p, const kvf_msg_room_req_t *m);
+/* Prefill: the same for a live sender (a watch that waited in the stash). */
+void kvf__siblings_take(kvf_room_t *r, kvf_peer_t *p, uint32_t rank, uint64_t instance);
+/* Prefill: a byte link of room r now binds decode rank p: a watch another
+ * peer holds for that rank goes. */
+void kvf__siblings_evict(kvf_room_t *r, const kvf_peer_t *p);
+/* Is `p` a sibling of room r (naming `instance`, on a sender)? */
+int  kvf__siblings_bound(const kvf_room_t *r, const kvf_peer_t *p, uint64_t instance);
+/* Tell every sibling but `from` that the room failed (its record). */
+void kvf__siblings_tell(kvf_room_t *r, const kvf_peer_t *from, int abort);
+/* A peer went away (st, reason): a decode room still live that watched it
+ * dials it again after a reset, as a byte link would, and otherwise
+ * fails with it; a sender forgets the watch. */
+void kvf__siblings_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
+                               const char *reason);
+/* Decode: dial again the sibling links whose reconnect is due. */
+void kvf__siblings_tick(kvf_room_t *r, uint64_t now);
+/* A peer finished its handshake: send the watches that wait for it. */
+void kvf__siblings_peer_ready(kvf_engine_t *eng, kvf_peer_t *p);
+void kvf__siblings_free(kvf_room_t *r);
 
 /* sender.c */
 /* Free what only a sender holds (its room is being freed). */
@@ -435,14 +512,6 @@ int  kvf__sender_fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p,
 /* Prefill: fail a held room whose lease ended with a reader missing. */
 void kvf__sender_lease_tick(kvf_room_t *r, uint64_t now);
 
-/* A prefill rank a receiver reads from. */
-#define KVF_MAX_TARGETS 64
-typedef struct kvf_target {
-    char     host[64];
-    int      port;
-    int      rank;              /* its tp rank */
-    uint64_t instance;          /* the engine instance it must be, or 0 */
-} kvf_target_t;
 
 /* resolver.c: the prefill ranks (tp[i], pp[i]) that decode engine `eng`
  * reads a room from, of a prefill server of TP size prefill_tp and PP

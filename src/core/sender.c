@@ -616,6 +616,7 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     memset(dst, 0, sizeof(*dst));
     lk->peer = p;
     p->refs++;
+    kvf__siblings_evict(r, p);
     kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     if (lk->prefix != r->links[0].prefix) {
         /* The prefill sends the rest of one prefix: the ranks must agree. */
@@ -691,7 +692,7 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     if (slot != NULL && slot->instance == req->instance) {
         if (attempt > 0 && bad != NULL && !room_final(r)) {
             /* Resumed from a peer, or with a request, that cannot work. */
-            kvf__room_fail_record(r, bad, NULL, 0);
+            kvf__room_fail_record(r, bad, NULL, 0, 0);
             kvf__send_fail(p, r->id, req->instance, r->failure, 0);
             return;
         }
@@ -734,7 +735,7 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
         return;
     }
     if (bad != NULL) {
-        kvf__room_fail_record(r, bad, NULL, 0);
+        kvf__room_fail_record(r, bad, NULL, 0, 0);
         kvf__send_fail(p, r->id, req->instance, r->failure, 0);
         return;
     }
@@ -759,7 +760,8 @@ static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
 {
     if (room_final(r))
         return 0;
-    if (link_bound(r, s->peer, s->instance) != NULL)
+    if (link_bound(r, s->peer, s->instance) != NULL ||
+        kvf__siblings_bound(r, s->peer, s->instance))
         return 1;
     return kvf__sender_fail_unbound_applies(r, s->peer, s->instance, s->key);
 }
@@ -771,10 +773,12 @@ static void stash_apply(kvf_room_t *r)
     for (s = kvf__stash_take(r->eng, r->id); s != NULL;) {
         kvf_stash_t *n = s->next;
         char name[128];
-        if (s->link.pages == NULL) {           /* a FAIL / ABORT */
+        if (s->watch) {
+            kvf__siblings_take(r, s->peer, s->link.rank, s->instance);
+        } else if (s->link.pages == NULL) {    /* a FAIL / ABORT */
             if (stash_fail_applies(r, s)) {
                 kvf__room_fail_record(r, s->failure, s->peer,
-                                      s->failure->status == KVF_ERR_ABORTED);
+                                      s->failure->status == KVF_ERR_ABORTED, s->sides);
                 s->failure = NULL;
             } else {
                 kvf__room_dropped(s->peer, "FAIL", r->id, s->instance,
@@ -1120,6 +1124,16 @@ kvf_status_t kvf_sender_failure(kvf_sender_t *s, kvf_failure_t *f)
 
 void kvf_sender_abort(kvf_sender_t *s) { kvf__room_abort(&s->room); }
 
+kvf_status_t kvf_sender_fail(kvf_sender_t *s, kvf_status_t st, const char *reason)
+{
+    return s == NULL ? KVF_ERR_INVALID_PARAM : kvf__room_fail_app(&s->room, st, reason);
+}
+
+kvf_status_t kvf_sender_await_failure(kvf_sender_t *s, unsigned timeout_ms)
+{
+    return s == NULL ? KVF_ERR_INVALID_PARAM : kvf__room_await_failure(&s->room, timeout_ms);
+}
+
 void kvf_sender_destroy(kvf_sender_t *s)
 {
     if (s != NULL)
@@ -1229,6 +1243,10 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     kvf_link_t lk = {0};
     const char *bad = NULL;
 
+    if (m->flags & KVF_REQ_WATCH) {            /* a sibling's: no destination */
+        kvf__siblings_on_watch(p, m);
+        return;
+    }
     lk.rank = m->dst_rank;
     lk.n_pages = m->pages.count;
     lk.aux_slot = m->aux_slot;

@@ -99,10 +99,11 @@ void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
         if (o->link.pages != NULL && o->peer->state != KVF_PEER_DEAD) {
             /* Its reader would wait out its own deadline: tell it now. */
             kvf_failure_t f;
-            kvf__failure_set(&f, eng, KVF_ERR_TIMED_OUT, "prefill rank %d had no sender for "
+            kvf__failure_set(&f, eng, KVF_ERR_TIMED_OUT, "%s had no sender for "
                              "room %llu %.1f s after this decode rank asked for it (the "
                              "bootstrap deadline): the prefill side never created it, or "
-                             "it had ended before", eng->params.tp_rank,
+                             "it had ended before",
+                             kvf__engine_rank_name(eng, (char[96]){0}, 96),
                              (unsigned long long)o->room,
                              eng->params.bootstrap_timeout_ms / 1000.0);
             kvf__send_fail(o->peer, o->room, o->instance, &f, 0);
@@ -168,23 +169,33 @@ void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance)
     const kvf_failure_t *f = kvf_map_get(&eng->tombs, room);
     kvf_failure_t gone;
     if (f == NULL) {
-        kvf__failure_set(&gone, eng, KVF_ERR_ABORTED, "room %llu is not live on prefill "
-                         "rank %d any more: its sender was destroyed before the transfer "
-                         "was confirmed", (unsigned long long)room, eng->params.tp_rank);
+        kvf__failure_set(&gone, eng, KVF_ERR_ABORTED, "room %llu is not live on %s any "
+                         "more: its sender was destroyed before the transfer was "
+                         "confirmed", (unsigned long long)room,
+                         kvf__engine_rank_name(eng, (char[96]){0}, 96));
         f = &gone;
     }
     kvf__send_fail(p, room, instance, f, f->status == KVF_ERR_ABORTED);
 }
 
+void kvf__sender_stash_watch(kvf_peer_t *p, uint64_t room, uint32_t rank, uint64_t instance)
+{
+    kvf_link_t lk = {.rank = rank, .instance = instance};
+    kvf_stash_t *s = kvf__sender_stash_add(p, room, instance, &lk, 0, NULL, 0);
+    if (s != NULL)
+        s->watch = 1;
+}
+
 /* Prefill: a ROOM_REQ or a FAIL for a room that has no sender yet. */
-void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_link_t *lk,
-                           uint32_t expected, kvf_failure_t *f, uint64_t key)
+kvf_stash_t *kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance,
+                                   kvf_link_t *lk, uint32_t expected, kvf_failure_t *f,
+                                   uint64_t key)
 {
     kvf_engine_t *eng = p->eng;
     kvf_stash_t *s = calloc(1, sizeof(*s));
     if (s == NULL) {
         free(f);
-        return;
+        return NULL;
     }
     s->peer = p;
     p->refs++;
@@ -210,7 +221,7 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_
     if (s->bytes > KVF_STASH_BYTES || kvf_map_put(&eng->stash, room, s) != KVF_OK) {
         eng->stash_dropped++;
         kvf__stash_free(s);
-        return;
+        return NULL;
     }
     s->next = older;
     s->queued = 1;
@@ -222,4 +233,5 @@ void kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instance, kvf_
     eng->stash_newest = s;
     eng->stash_count++;
     eng->stash_bytes += s->bytes;
+    return s;
 }

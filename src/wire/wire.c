@@ -337,6 +337,15 @@ static bool kvf_wire_check_state_idx(const kvf_msg_room_req_t *r, char *err, siz
                       (unsigned long long)sum, r->state_idx.count);
         return false;
     }
+    if (r->flags & ~KVF_REQ_WATCH) {
+        kvf_wire_errf(err, errlen, "ROOM_REQ: unknown flags 0x%08x", r->flags & ~KVF_REQ_WATCH);
+        return false;
+    }
+    if ((r->flags & KVF_REQ_WATCH) && (r->pages.count != 0 || r->state_counts.count != 0)) {
+        kvf_wire_errf(err, errlen, "ROOM_REQ: a watch names %u pages and %u state groups",
+                      r->pages.count, r->state_counts.count);
+        return false;
+    }
     return true;
 }
 
@@ -412,6 +421,11 @@ static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
         if (m->u.fail.status >= 0) {
             kvf_wire_errf(err, errlen, "%s: status %d is not an error", what,
                           (int)m->u.fail.status);
+            return false;
+        }
+        if (m->u.fail.sides & ~KVF_SIDES_ALL) {
+            kvf_wire_errf(err, errlen, "%s: sides 0x%02x name neither prefill nor decode",
+                          what, m->u.fail.sides);
             return false;
         }
         if (m->u.fail.origin_side > 1) {
@@ -605,6 +619,7 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         kvf_wire_wr_u32(w, m->u.room_req.attempt);
         kvf_wire_wr_u32(w, m->u.room_req.decode_prefix_len);
         kvf_wire_wr_u64(w, m->u.room_req.sender_instance);
+        kvf_wire_wr_u32(w, m->u.room_req.flags);
         break;
     case KVF_MSG_DATA:
         kvf_wire_wr_data(w, &m->u.data);
@@ -650,6 +665,7 @@ static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
         kvf_wire_wr_str(w, &m->u.fail.origin_addr);
         kvf_wire_wr_str(w, &m->u.fail.reason);
         kvf_wire_wr_u64(w, m->u.fail.sender_instance);
+        kvf_wire_wr_u8(w, m->u.fail.sides);
         break;
     case KVF_MSG_HEARTBEAT:
         kvf_wire_wr_u64(w, m->u.heartbeat.seq);
@@ -946,6 +962,7 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         r->attempt            = kvf_wire_rd_u32(rd, "attempt");
         r->decode_prefix_len  = kvf_wire_rd_u32(rd, "decode_prefix_len");
         r->sender_instance    = kvf_wire_rd_u64(rd, "sender_instance");
+        r->flags              = kvf_wire_rd_u32(rd, "flags");
         break;
     }
     case KVF_MSG_DATA:
@@ -1010,6 +1027,7 @@ static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
         kvf_wire_rd_str(rd, &m->u.fail.origin_addr, "origin_addr");
         kvf_wire_rd_str(rd, &m->u.fail.reason, "reason");
         m->u.fail.sender_instance = kvf_wire_rd_u64(rd, "sender_instance");
+        m->u.fail.sides       = kvf_wire_rd_u8(rd, "sides");
         break;
     case KVF_MSG_HEARTBEAT:
         m->u.heartbeat.seq     = kvf_wire_rd_u64(rd, "seq");

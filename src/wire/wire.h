@@ -49,10 +49,11 @@
 #include "util/buf.h"
 
 #define KVF_WIRE_MAGIC      0x5946564bu /* "KVFY" as little-endian bytes */
-#define KVF_WIRE_VERSION    4          /* 2: AUTH / AUTH_PROOF first; 3: typed
+#define KVF_WIRE_VERSION    5          /* 2: AUTH / AUTH_PROOF first; 3: typed
                                           state, KV tags, decode prefix, JOIN;
                                           4: the held room's instance in ROOM_REQ,
-                                          the KV page order in HELLO */
+                                          the KV page order in HELLO; 5: ROOM_REQ
+                                          flags (a watch) */
 #define KVF_WIRE_NONCE_LEN  32
 #define KVF_WIRE_MAC_LEN    32         /* HMAC-SHA256 */
 #define KVF_WIRE_AUTH_LEN   (4 + 2 + 1 + 1 + 8 + 4 + KVF_WIRE_NONCE_LEN)
@@ -217,7 +218,17 @@ typedef struct kvf_msg_room_req {
      * from kvf_remote_t): a sender holding the room under another one
      * refuses it.  0: the reader takes the room's sender, whatever it is. */
     uint64_t         sender_instance;
+    uint32_t         flags;               /* KVF_REQ_* */
 } kvf_msg_room_req_t;
+
+/*
+ * A watch: a decode rank that reads a room from other prefill ranks of
+ * the same DP group tells this one about the room, so that a failure of
+ * the room on either reaches the other (its siblings').  No pages, no
+ * aux, no state; not one of the sender's expected receivers; it binds the
+ * decode rank's room instance to the sender for FAIL and ABORT only.
+ */
+#define KVF_REQ_WATCH 0x1u
 
 typedef struct kvf_wire_seg {
     uint8_t  kind;       /* kvf_buf_kind_t */
@@ -337,7 +348,14 @@ typedef struct kvf_msg_fail {
      * (ROOM_REQ's sender_instance), so that a held room it never bound
      * may take the failure; 0 otherwise. */
     uint64_t       sender_instance;
+    /* The sides on which a rank is known to have failed the room, a bit
+     * each (KVF_SIDE_BIT): a rank whose room succeeded fails it too only
+     * when its own side is among them (core/siblings.c). */
+    uint8_t        sides;
 } kvf_msg_fail_t;
+
+#define KVF_SIDE_BIT(role) ((uint8_t)(1u << (role)))   /* kvf_role_t */
+#define KVF_SIDES_ALL      0x3u
 
 /*
  * The first frame each side sends (both at once).  The first six bytes,

@@ -114,7 +114,8 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
                fz_arr32_eq(&a->u.room_req.state_idx, &b->u.room_req.state_idx) &&
                a->u.room_req.attempt == b->u.room_req.attempt &&
                a->u.room_req.decode_prefix_len == b->u.room_req.decode_prefix_len &&
-               a->u.room_req.sender_instance == b->u.room_req.sender_instance;
+               a->u.room_req.sender_instance == b->u.room_req.sender_instance &&
+               a->u.room_req.flags == b->u.room_req.flags;
     case KVF_MSG_DATA:
         return fz_data_eq(&a->u.data, &b->u.data);
     case KVF_MSG_DONE:
@@ -140,7 +141,8 @@ static bool fz_msg_eq(const kvf_msg_t *a, const kvf_msg_t *b)
                a->u.fail.origin_rank == b->u.fail.origin_rank &&
                fz_str_eq(a->u.fail.origin_addr, b->u.fail.origin_addr) &&
                fz_str_eq(a->u.fail.reason, b->u.fail.reason) &&
-               a->u.fail.sender_instance == b->u.fail.sender_instance;
+               a->u.fail.sender_instance == b->u.fail.sender_instance &&
+               a->u.fail.sides == b->u.fail.sides;
     case KVF_MSG_HEARTBEAT:
         return a->u.heartbeat.seq == b->u.heartbeat.seq &&
                a->u.heartbeat.time_ns == b->u.heartbeat.time_ns;

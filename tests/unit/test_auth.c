@@ -781,7 +781,7 @@ static void test_version1_peer(void)
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_VERSION);
     CHECK_STR_CONTAINS(f.reason, "peer speaks kvferry wire protocol version 1, this build "
-                                 "speaks version 4");
+                                 "speaks version 5");
     /* And what it got from us: an AUTH, which it refuses as type 11. */
     uint8_t h[8];
     CHECK(wp_read(fd, h, sizeof(h), 5000) && h[4] == KVF_MSG_AUTH);

@@ -103,6 +103,7 @@ static kvf_msg_t sample_room_req(void)
     m.u.room_req.attempt = 3;
     m.u.room_req.decode_prefix_len = 77;
     m.u.room_req.sender_instance = 0x1122334455667788ull;
+    m.u.room_req.flags = 0;
     return m;
 }
 
@@ -160,6 +161,7 @@ static kvf_msg_t sample_fail(kvf_msg_type_t type)
     m.u.fail.origin_addr = str_of("decode-3:7000");
     m.u.fail.reason = str_of("DATA segment 2 writes past page 17");
     m.u.fail.sender_instance = 0x0102030405060708ull;
+    m.u.fail.sides = KVF_SIDES_ALL;
     return m;
 }
 
@@ -380,6 +382,24 @@ static void test_roundtrip_room_req(void)
     m.u.room_req.state_counts = (kvf_wire_arr32_t){ 2, three, NULL };
     CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
     kvf_buf_free(&b);
+
+    /* A watch: flags, and nothing to place. */
+    m = sample_room_req();
+    m.u.room_req.flags = KVF_REQ_WATCH;
+    m.u.room_req.pages = (kvf_wire_arr32_t){ 0, NULL, NULL };
+    m.u.room_req.state_counts = (kvf_wire_arr32_t){ 0, NULL, NULL };
+    m.u.room_req.state_idx = (kvf_wire_arr32_t){ 0, NULL, NULL };
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
+    CHECK_EQ_INT(d.u.room_req.flags, KVF_REQ_WATCH);
+    kvf_buf_free(&b);
+    /* ... that names pages, or flags no build knows: refused. */
+    m.u.room_req.pages = (kvf_wire_arr32_t){ 6, pages, NULL };
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+    kvf_buf_free(&b);
+    m.u.room_req.pages = (kvf_wire_arr32_t){ 0, NULL, NULL };
+    m.u.room_req.flags = 0x4;
+    CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+    kvf_buf_free(&b);
 }
 
 static void test_roundtrip_data(void)
@@ -453,6 +473,7 @@ static void test_roundtrip_fail_abort(void)
         CHECK_EQ_INT(d.u.fail.status, m.u.fail.status);
         CHECK(d.u.fail.instance == 0xe1e2e3e4e5e6e7e8ull);
         CHECK(d.u.fail.sender_instance == 0x0102030405060708ull);
+        CHECK_EQ_INT(d.u.fail.sides, KVF_SIDES_ALL);
         CHECK_EQ_INT(d.u.fail.origin_side, 1);
         CHECK_EQ_INT(d.u.fail.origin_rank, 6);
         CHECK(str_eq(d.u.fail.origin_addr, "decode-3:7000"));
@@ -511,7 +532,7 @@ static void test_golden_bytes(void)
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
     static const uint8_t auth_head[] = {
         52, 0, 0, 0, KVF_MSG_AUTH, 0, 0, 0,
-        'K', 'V', 'F', 'Y', 4, 0, 1, KVF_AUTH_F_TOKEN,
+        'K', 'V', 'F', 'Y', KVF_WIRE_VERSION, 0, 1, KVF_AUTH_F_TOKEN,
     };
     CHECK_EQ_INT(b.len, KVF_WIRE_HDR_LEN + KVF_WIRE_AUTH_LEN);
     CHECK(memcmp(b.data, auth_head, sizeof(auth_head)) == 0);
@@ -768,6 +789,7 @@ static void fail_body(bld_t *w, int32_t status, uint8_t side, uint32_t reason_le
     b32(w, 4); bfill(w, 4);
     b32(w, reason_len); bfill(w, reason_len);
     b64(w, 0);                                        /* sender_instance */
+    b8(w, KVF_SIDE_BIT(side < 2 ? side : 0));         /* sides */
 }
 
 static void test_limits_rejected(void)
@@ -783,9 +805,9 @@ static void test_limits_rejected(void)
 
     /* string length beyond the body */
     fail_body(&w, KVF_ERR_TIMED_OUT, 0, 10);
-    kvf_put_u32(w.b + w.n - 8 - 14, 19);      /* past the reason and sender_instance */
+    kvf_put_u32(w.b + w.n - 9 - 14, 20);      /* past the reason, sender_instance, sides */
     CHECK_EQ_INT(decode_bld(KVF_MSG_FAIL, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
-    CHECK_STR_CONTAINS(err, "FAIL: reason length 19 exceeds body (18 bytes left)");
+    CHECK_STR_CONTAINS(err, "FAIL: reason length 20 exceeds body (19 bytes left)");
 
     /* ROOM_REQ: a page count the body cannot hold, and one that overflows */
     uint32_t counts[] = { 4000000, 0x40000001u, UINT32_MAX };
@@ -1119,6 +1141,10 @@ static void test_value_rules(void)
     fail_body(&w, 0, 0, 3);
     CHECK_EQ_INT(decode_bld(KVF_MSG_FAIL, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "FAIL: status 0 is not an error");
+    fail_body(&w, KVF_ERR_ABORTED, 0, 3);
+    w.b[w.n - 1] = 0x4;                               /* a side no build knows */
+    CHECK_EQ_INT(decode_bld(KVF_MSG_FAIL, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(err, "FAIL: sides 0x04 name neither prefill nor decode");
     fail_body(&w, 5, 0, 3);
     CHECK_EQ_INT(decode_bld(KVF_MSG_ABORT, &w, err, sizeof(err)), KVF_ERR_PROTOCOL);
     CHECK_STR_CONTAINS(err, "ABORT: status 5 is not an error");
@@ -1190,17 +1216,17 @@ static void test_version_mismatch(void)
     kvf_put_u16(body + 4, 1);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
     CHECK_STR_CONTAINS(err, "HELLO: peer speaks kvferry wire protocol version 1, this "
-                            "build speaks version 4");
+                            "build speaks version 5");
     kvf_put_u16(body + 4, 0);
     CHECK_EQ_INT(decode_copy(KVF_MSG_HELLO, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 0, this build speaks version 4");
+    CHECK_STR_CONTAINS(err, "version 0, this build speaks version 5");
     kvf_put_u16(body + 4, KVF_WIRE_VERSION);
 
     /* A future version with a different body is still a version mismatch. */
     w.n = 0;
     b32(&w, KVF_WIRE_MAGIC); b16(&w, 7); bfill(&w, 3);
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 7, this build speaks version 4");
+    CHECK_STR_CONTAINS(err, "version 7, this build speaks version 5");
     w.n = 6;
     CHECK_EQ_INT(decode_bld(KVF_MSG_HELLO, &w, err, sizeof(err)), KVF_ERR_VERSION);
     w.n = 5;
@@ -1224,14 +1250,14 @@ static void test_version_mismatch(void)
     CHECK_EQ_INT(kvf_wire_encode(&b, &m), KVF_OK);
     body = b.data + KVF_WIRE_HDR_LEN;
     len = b.len - KVF_WIRE_HDR_LEN;
-    kvf_put_u16(body + 4, 5);
+    kvf_put_u16(body + 4, 4);
     CHECK_EQ_INT(decode_copy(KVF_MSG_AUTH, body, len, &d, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "AUTH: peer speaks kvferry wire protocol version 5, this "
-                            "build speaks version 4");
+    CHECK_STR_CONTAINS(err, "AUTH: peer speaks kvferry wire protocol version 4, this "
+                            "build speaks version 5");
     w.n = 0;
     b32(&w, KVF_WIRE_MAGIC); b16(&w, 9);
     CHECK_EQ_INT(decode_bld(KVF_MSG_AUTH, &w, err, sizeof(err)), KVF_ERR_VERSION);
-    CHECK_STR_CONTAINS(err, "version 9, this build speaks version 4");
+    CHECK_STR_CONTAINS(err, "version 9, this build speaks version 5");
     kvf_buf_free(&b);
 }
 
@@ -1310,7 +1336,7 @@ static void test_encode_refuses(void)
     REFUSE(m);
 
     /* a page list that would make the body exceed KVF_WIRE_MAX_BODY */
-    uint32_t fit = (KVF_WIRE_MAX_BODY - 56) / 4;   /* 56: ROOM_REQ's fixed fields */
+    uint32_t fit = (KVF_WIRE_MAX_BODY - 60) / 4;   /* 60: ROOM_REQ's fixed fields */
     uint32_t *big = calloc((size_t)fit + 1, sizeof(uint32_t));
     m = sample_room_req();
     m.u.room_req.state_counts.count = 0;

@@ -1,0 +1,433 @@
+/*
+ * Siblings: when a room fails on one rank, every rank of both sides that
+ * takes part in it fails it too and names the root cause and its origin,
+ * also a rank whose own pair moved every byte (equal TP: prefill rank k
+ * feeds decode rank k only).  Real engines in one process, TP 2 -> 2
+ * around one registry, the causes the application and the engines see;
+ * the process faults (kill, stop, cut) are the multi-process tests'.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvferry/kvferry.h"
+#include "unit/kvf_rooms.h"
+#include "unit/kvf_test.h"
+
+#define LAYERS 2
+#define NKV    (2 * LAYERS)
+#define HEADS  2                    /* the model's KV heads */
+#define HEAD_B 32
+#define PAGE   4
+#define PAGES  32
+#define AUX_B  16
+#define SLOTS  4
+#define MAXR   4
+#define NPAGES 2                    /* pages of every room here */
+
+typedef struct rank {
+    kvf_engine_t *eng;
+    uint8_t      *kv[NKV];
+    uint8_t      *aux;
+    size_t        page_b;
+} rank_t;
+
+/* One prefill and one decode server: np and nd ranks (TP), or, with dp 2,
+ * two prefill DP groups of np / 2 ranks each. */
+typedef struct cluster {
+    rank_t pre[MAXR], dec[MAXR];
+    int    np, nd, dp;
+    char   bs[64];
+} cluster_t;
+
+typedef struct engine_opts {
+    const char *faults;             /* KVF_FAULTS of prefill rank 0 */
+    const char *decode_faults;      /* ... and of decode rank 0 */
+    unsigned    waiting_timeout_ms; /* of prefill rank 0 (0: default) */
+    unsigned    transfer_timeout_ms;
+    int         checksum;
+} engine_opts_t;
+
+static void rank_init(rank_t *r, kvf_role_t role, int tp, int tps, int dp, int dps,
+                      const char *bs, int host_bs, const engine_opts_t *o)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = role;
+    p.tp_rank = tp;
+    p.tp_size = tps;
+    p.dp_rank = dp;
+    p.dp_size = dps;
+    p.bootstrap_addr = bs;
+    p.host_bootstrap = host_bs;
+    p.transport = "tcp";
+    p.bootstrap_timeout_ms = 10000;
+    p.transfer_timeout_ms = o && o->transfer_timeout_ms ? o->transfer_timeout_ms : 10000;
+    if (o != NULL) {
+        p.faults = o->faults;
+        p.checksum = o->checksum;
+        if (o->waiting_timeout_ms)
+            p.waiting_timeout_ms = o->waiting_timeout_ms;
+    }
+    CHECK_EQ_INT(kvf_engine_create(&p, &r->eng), KVF_OK);
+    uint32_t hpr = HEADS / (uint32_t)tps;
+    r->page_b = (size_t)PAGE * hpr * HEAD_B;
+    kvf_buffer_t kv[NKV], aux;
+    for (int i = 0; i < NKV; i++) {
+        r->kv[i] = calloc(PAGES, r->page_b);
+        for (size_t j = 0; role == KVF_ROLE_PREFILL && j < PAGES * r->page_b; j++)
+            r->kv[i][j] = (uint8_t)(j * 7 + (size_t)i * 13 + (size_t)tp * 31 + 1);
+        kv[i] = (kvf_buffer_t){r->kv[i], PAGES * r->page_b, r->page_b};
+    }
+    r->aux = calloc(SLOTS, AUX_B);
+    aux = (kvf_buffer_t){r->aux, SLOTS * AUX_B, AUX_B};
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = PAGE;
+    l.kv_dtype = "bfloat16";
+    l.num_layers = LAYERS;
+    l.heads_per_rank = hpr;
+    l.total_heads = HEADS;
+    l.bytes_per_head = HEAD_B;
+    l.num_kv = NKV;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;
+    CHECK_EQ_INT(kvf_engine_register_layout(r->eng, &l), KVF_OK);
+}
+
+static void rank_fini(rank_t *r)
+{
+    kvf_engine_destroy(r->eng);
+    for (int i = 0; i < NKV; i++)
+        free(r->kv[i]);
+    free(r->aux);
+}
+
+/* Prefill rank 0 hosts the registry; o (may be NULL) is its settings. */
+static void cluster_init(cluster_t *c, int np, int nd, int dp, const engine_opts_t *o)
+{
+    memset(c, 0, sizeof(*c));
+    c->np = np;
+    c->nd = nd;
+    c->dp = dp;
+    int tps = np / dp;
+    rank_init(&c->pre[0], KVF_ROLE_PREFILL, 0, tps, 0, dp, "127.0.0.1:0", 1, o);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(c->pre[0].eng, c->bs, sizeof(c->bs)), KVF_OK);
+    for (int k = 1; k < np; k++)
+        rank_init(&c->pre[k], KVF_ROLE_PREFILL, k % tps, tps, k / tps, dp, c->bs, 0, NULL);
+    engine_opts_t d0 = {.faults = o ? o->decode_faults : NULL};
+    for (int j = 0; j < nd; j++)
+        rank_init(&c->dec[j], KVF_ROLE_DECODE, j, nd, 0, 1, NULL, 0, j == 0 ? &d0 : NULL);
+}
+
+static void cluster_fini(cluster_t *c)
+{
+    for (int j = 0; j < c->nd; j++)
+        rank_fini(&c->dec[j]);
+    for (int k = c->np - 1; k >= 0; k--)
+        rank_fini(&c->pre[k]);
+}
+
+/* One room: a sender on every prefill rank of its DP group (the first
+ * `nsend` of them: pre[first..]), a receiver on every decode rank. */
+typedef struct room {
+    uint64_t        id;
+    int             first, nsend;
+    kvf_sender_t   *s[MAXR];
+    kvf_receiver_t *r[MAXR];
+} room_t;
+
+static const uint32_t src_pages[NPAGES] = {3, 4}, dst_pages[NPAGES] = {11, 7};
+
+/* Open room `id` on every rank and give every receiver but the ranks in
+ * `skip_init` (a bit per decode rank) its destination. */
+static void room_open(cluster_t *c, room_t *rm, uint64_t id, unsigned skip_init)
+{
+    memset(rm, 0, sizeof(*rm));
+    rm->id = id;
+    rm->nsend = c->np / c->dp;
+    rm->first = (int)(id % (uint64_t)c->dp) * rm->nsend;
+    for (int k = 0; k < rm->nsend; k++)
+        CHECK_EQ_INT(kvf_sender_create(c->pre[rm->first + k].eng, c->bs, id, &rm->s[k]),
+                     KVF_OK);
+    for (int j = 0; j < c->nd; j++)
+        CHECK_EQ_INT(kvf_receiver_create(c->dec[j].eng, c->bs, id, -1, &rm->r[j]), KVF_OK);
+    for (int j = 0; j < c->nd; j++) {
+        CHECK_EQ_INT(wait_receiver(rm->r[j], KVF_POLL_WAITING_FOR_INPUT),
+                     KVF_POLL_WAITING_FOR_INPUT);
+        if (!(skip_init & (1u << j)))
+            CHECK_EQ_INT(kvf_receiver_init(rm->r[j], dst_pages, NPAGES, 1, NULL, 0), KVF_OK);
+    }
+}
+
+/* Sender k: init, then `chunks` of the room's two one-page chunks. */
+static void room_send(room_t *rm, int k, int chunks)
+{
+    if (kvf_sender_poll(rm->s[k]) == KVF_POLL_BOOTSTRAPPING ||
+        kvf_sender_poll(rm->s[k]) == KVF_POLL_WAITING_FOR_INPUT) {
+        CHECK_EQ_INT(wait_sender(rm->s[k], KVF_POLL_WAITING_FOR_INPUT),
+                     KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(rm->s[k], NPAGES, 2), KVF_OK);
+    }
+    for (int i = 0; i < chunks; i++)
+        CHECK_EQ_INT(kvf_sender_send(rm->s[k], &src_pages[i], 1, i == NPAGES - 1), KVF_OK);
+}
+
+/* Until every sender and receiver of the room has failed (or 20 s). */
+static int room_all_failed(const room_t *rm, int nd)
+{
+    long long end = kvf_test_now_ms() + KVF_TEST_WAIT_MS;
+    for (;;) {
+        int all = 1;
+        for (int k = 0; k < rm->nsend; k++)
+            all &= kvf_sender_poll(rm->s[k]) == KVF_POLL_FAILED;
+        for (int j = 0; j < nd; j++)
+            all &= kvf_receiver_poll(rm->r[j]) == KVF_POLL_FAILED;
+        if (all)
+            return 1;
+        if (kvf_test_now_ms() > end)
+            return 0;
+        sleep_ms(1);
+    }
+}
+
+/*
+ * Every rank's record names the root cause: its status, its origin (side
+ * and rank), and words from its reason; learned from another rank on
+ * every rank but the origin.
+ */
+static void check_records(const room_t *rm, int nd, kvf_status_t st, kvf_role_t side,
+                          int rank, const char *words)
+{
+    kvf_failure_t f;
+    for (int i = 0; i < rm->nsend + nd; i++) {
+        int pre = i < rm->nsend, k = pre ? i : i - rm->nsend;
+        kvf_status_t got = pre ? kvf_sender_failure(rm->s[k], &f)
+                               : kvf_receiver_failure(rm->r[k], &f);
+        CHECK_EQ_INT(got, KVF_OK);
+        if (got != KVF_OK)
+            continue;
+        int origin = (pre ? KVF_ROLE_PREFILL : KVF_ROLE_DECODE) == side &&
+                     (pre ? rm->first + k : k) == rank;
+        if (f.status != st || (int)f.origin_side != (int)side || f.origin_rank != rank % 2 ||
+            f.from_another_rank != !origin || strstr(f.reason, words) == NULL)
+            fprintf(stderr, "  %s rank %d: %s from %s rank %d (from another: %d): %s\n",
+                    pre ? "prefill" : "decode", k, kvf_status_name(f.status),
+                    kvf_role_name(f.origin_side), f.origin_rank, f.from_another_rank,
+                    f.reason);
+        CHECK_EQ_INT(f.status, st);
+        CHECK_EQ_INT(f.origin_side, side);
+        CHECK_EQ_INT(f.origin_rank, rank % 2);
+        CHECK_EQ_INT(f.from_another_rank, !origin);
+        CHECK_STR_CONTAINS(f.reason, words);
+        CHECK(strstr(f.reason, "unknown") == NULL);
+    }
+}
+
+static void room_close(room_t *rm, int nd)
+{
+    for (int k = 0; k < rm->nsend; k++)
+        kvf_sender_destroy(rm->s[k]);
+    for (int j = 0; j < nd; j++)
+        kvf_receiver_destroy(rm->r[j]);
+}
+
+/* Pair 1 moves every byte; both its ranks succeed. */
+static void pair1_succeeds(room_t *rm)
+{
+    room_send(rm, 1, NPAGES);
+    CHECK_EQ_INT(wait_receiver(rm->r[1], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(rm->s[1], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+}
+
+/*
+ * Prefill rank 0 aborts after its first chunk, once pair 1 has finished:
+ * the two ranks of pair 1 fail the room they had finished (the request
+ * failed as a whole) and, with decode rank 0, name the abort.
+ */
+static void test_abort_reaches_every_rank(void)
+{
+    cluster_t c;
+    room_t rm;
+    cluster_init(&c, 2, 2, 1, NULL);
+    room_open(&c, &rm, 1001, 0);
+    pair1_succeeds(&rm);
+    room_send(&rm, 0, 1);
+    kvf_sender_abort(rm.s[0]);
+    CHECK(room_all_failed(&rm, 2));
+    check_records(&rm, 2, KVF_ERR_ABORTED, KVF_ROLE_PREFILL, 0,
+                  "aborted by the application on prefill rank 0");
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+/* The same from the decode side: decode rank 1 aborts. */
+static void test_decode_abort_reaches_every_rank(void)
+{
+    cluster_t c;
+    room_t rm;
+    cluster_init(&c, 2, 2, 1, NULL);
+    room_open(&c, &rm, 1002, 0);
+    room_send(&rm, 0, NPAGES);
+    CHECK_EQ_INT(wait_receiver(rm.r[0], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    kvf_receiver_abort(rm.r[1]);
+    CHECK(room_all_failed(&rm, 2));
+    check_records(&rm, 2, KVF_ERR_ABORTED, KVF_ROLE_DECODE, 1,
+                  "aborted by the application on decode rank 1");
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+/*
+ * Decode rank 0's application refuses the room's destination before the
+ * library sees it (an index past its pool, as an adapter finds): its own
+ * words reach every rank, linked to it or not.
+ */
+static void test_refusal_reaches_every_rank(void)
+{
+    cluster_t c;
+    room_t rm;
+    cluster_init(&c, 2, 2, 1, NULL);
+    room_open(&c, &rm, 1003, 1u << 0);
+    const char *why = "send_metadata(2 pages, aux 1) refused on decode rank 0: kv_indices[1] "
+                      "= 999 is outside the registered KV pages";
+    pair1_succeeds(&rm);
+    CHECK_EQ_INT(kvf_receiver_fail(rm.r[0], 1, why), KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(kvf_receiver_fail(rm.r[0], KVF_ERR_BAD_INDICES, why), KVF_OK);
+    CHECK(room_all_failed(&rm, 2));
+    check_records(&rm, 2, KVF_ERR_BAD_INDICES, KVF_ROLE_DECODE, 0, "999 is outside");
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+/* A checksum mismatch on pair 0 (a byte flipped on its way). */
+static void test_checksum_mismatch_reaches_every_rank(void)
+{
+    cluster_t c;
+    room_t rm;
+    engine_opts_t o = {.faults = "corrupt@100", .checksum = 1};
+    cluster_init(&c, 2, 2, 1, &o);
+    room_open(&c, &rm, 1004, 0);
+    pair1_succeeds(&rm);
+    room_send(&rm, 0, NPAGES);
+    CHECK(room_all_failed(&rm, 2));
+    check_records(&rm, 2, KVF_ERR_CHECKSUM, KVF_ROLE_DECODE, 0, "checksum mismatch");
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+/* A deadline on one pair: prefill rank 0's scheduler never sends. */
+static void test_deadline_reaches_every_rank(void)
+{
+    cluster_t c;
+    room_t rm;
+    engine_opts_t o = {.waiting_timeout_ms = 500};
+    cluster_init(&c, 2, 2, 1, &o);
+    room_open(&c, &rm, 1005, 0);
+    pair1_succeeds(&rm);
+    CHECK(room_all_failed(&rm, 2));
+    check_records(&rm, 2, KVF_ERR_TIMED_OUT, KVF_ROLE_PREFILL, 0,
+                  "the scheduler did not call kvf_sender_send");
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+/*
+ * A failure on one side after the other side had every byte: prefill
+ * rank 0 never hears its decode's acknowledgement (its transfer deadline
+ * ends it).  The prefill server failed the request, both its ranks say
+ * why; the decode server has the whole KV, and its rooms stay SUCCESS.
+ */
+static void test_one_side_failure_keeps_the_other_sides_success(void)
+{
+    cluster_t c;
+    room_t rm;
+    engine_opts_t o = {.decode_faults = "drop-ack", .transfer_timeout_ms = 500};
+    kvf_failure_t f;
+    cluster_init(&c, 2, 2, 1, &o);
+    room_open(&c, &rm, 1006, 0);
+    pair1_succeeds(&rm);
+    room_send(&rm, 0, NPAGES);
+    CHECK_EQ_INT(wait_receiver(rm.r[0], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(rm.s[0], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_await_failure(rm.s[1], KVF_TEST_WAIT_MS), KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_sender_failure(rm.s[k], &f), KVF_OK);
+        CHECK_EQ_INT(f.status, KVF_ERR_TIMED_OUT);
+        CHECK_EQ_INT(f.origin_side, KVF_ROLE_PREFILL);
+        CHECK_EQ_INT(f.origin_rank, 0);
+        CHECK_EQ_INT(f.from_another_rank, k);
+    }
+    /* Told, the decode ranks keep their success. */
+    CHECK_EQ_INT(kvf_receiver_await_failure(rm.r[0], 300), KVF_ERR_AGAIN);
+    for (int j = 0; j < 2; j++) {
+        CHECK_EQ_INT(kvf_receiver_poll(rm.r[j]), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(kvf_receiver_failure(rm.r[j], &f), KVF_ERR_AGAIN);
+    }
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+/*
+ * Two prefill DP groups: a room of group 0 fails; the room of group 1
+ * beside it succeeds byte for byte, and the reason names the DP group.
+ */
+static void test_dp_groups_stay_apart(void)
+{
+    cluster_t c;
+    room_t bad, good;
+    cluster_init(&c, 2, 1, 2, NULL);
+    room_open(&c, &bad, 2000, 0);           /* 2000 % 2: group 0 (prefill rank 0) */
+    room_open(&c, &good, 2001, 0);          /* group 1 (pre[1]) */
+    CHECK(bad.first == 0 && good.first == 1);
+    room_send(&bad, 0, 1);
+    kvf_sender_abort(bad.s[0]);
+    room_send(&good, 0, NPAGES);
+    CHECK(room_all_failed(&bad, 1));
+    kvf_failure_t f;
+    CHECK_EQ_INT(kvf_receiver_failure(bad.r[0], &f), KVF_OK);
+    CHECK_STR_CONTAINS(f.reason, "prefill rank 0 of DP group 0");
+    CHECK_EQ_INT(wait_receiver(good.r[0], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(good.s[0], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_receiver_await_failure(good.r[0], 200), KVF_ERR_AGAIN);
+    for (int b = 0; b < NKV; b++)
+        for (int i = 0; i < NPAGES; i++)
+            CHECK(memcmp(c.dec[0].kv[b] + dst_pages[i] * c.dec[0].page_b,
+                         c.pre[1].kv[b] + src_pages[i] * c.pre[1].page_b,
+                         c.dec[0].page_b) == 0);
+    room_close(&bad, 1);
+    room_close(&good, 1);
+    cluster_fini(&c);
+}
+
+/* TP 2 -> 2 with nothing wrong: every byte, and no rank hears a failure. */
+static void test_every_rank_succeeds(void)
+{
+    cluster_t c;
+    room_t rm;
+    cluster_init(&c, 2, 2, 1, NULL);
+    room_open(&c, &rm, 1007, 0);
+    room_send(&rm, 0, NPAGES);
+    pair1_succeeds(&rm);
+    CHECK_EQ_INT(wait_receiver(rm.r[0], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(rm.s[0], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_receiver_await_failure(rm.r[0], 100), KVF_ERR_AGAIN);
+    for (int j = 0; j < 2; j++)
+        for (int b = 0; b < NKV; b++)
+            for (int i = 0; i < NPAGES; i++)
+                CHECK(memcmp(c.dec[j].kv[b] + dst_pages[i] * c.dec[j].page_b,
+                             c.pre[j].kv[b] + src_pages[i] * c.pre[j].page_b,
+                             c.dec[j].page_b) == 0);
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_every_rank_succeeds),
+              KVF_CASE(test_abort_reaches_every_rank),
+              KVF_CASE(test_decode_abort_reaches_every_rank),
+              KVF_CASE(test_refusal_reaches_every_rank),
+              KVF_CASE(test_checksum_mismatch_reaches_every_rank),
+              KVF_CASE(test_deadline_reaches_every_rank),
+              KVF_CASE(test_one_side_failure_keeps_the_other_sides_success),
+              KVF_CASE(test_dp_groups_stay_apart))
