@@ -348,9 +348,10 @@ KVF_API uint64_t kvf_engine_instance_id(const kvf_engine_t *engine);
  * @return KVF_OK, KVF_ERR_STATE (no layout registered yet),
  *         KVF_ERR_INVALID_PARAM (buf NULL or len below what it needs;
  *         KVF_DESCRIPTOR_MAX always suffices), KVF_ERR_UNSUPPORTED (the
- *         engine's host is a name or the wildcard address, not the numeric
- *         address peers dial; a kv_dtype of other characters than letters,
- *         digits, '_', '-' and '.').
+ *         engine's host is a name, or an address peers cannot dial: the
+ *         wildcard in any spelling, multicast, broadcast, link-local IPv6,
+ *         docs/PROTOCOL.md section 7; a kv_dtype of other characters than
+ *         letters, digits, '_', '-' and '.').
  */
 KVF_API kvf_status_t kvf_engine_descriptor(const kvf_engine_t *engine, char *buf,
                                            size_t len);
