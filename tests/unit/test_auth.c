@@ -641,6 +641,84 @@ static void test_shm_handout(void)
     transport = "tcp";
 }
 
+/* Run fn(arg) with this process's stderr (the log) going to a file, and
+ * @return how many lines of it contain `needle`. */
+static int log_lines_during(void (*fn)(void *), void *arg, const char *needle)
+{
+    char path[] = "/tmp/kvf-test-log-XXXXXX", line[2048];
+    int fd = mkstemp(path), saved = dup(2), n = 0;
+    CHECK(fd >= 0 && saved >= 0);
+    if (fd < 0 || saved < 0)
+        return -1;
+    fflush(stderr);
+    dup2(fd, 2);
+    fn(arg);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    FILE *f = fdopen(fd, "r");
+    rewind(f);
+    while (fgets(line, sizeof(line), f) != NULL)
+        n += strstr(line, needle) != NULL;
+    fclose(f);
+    unlink(path);
+    return n;
+}
+
+typedef struct flood {
+    handout_req_t req;
+    int           n, refused;
+} flood_t;
+
+/* n requests with guessed cookies, each answered (refused) before the next. */
+static void bad_cookie_flood(void *arg)
+{
+    flood_t *fl = arg;
+    int fds[256];
+    for (int i = 0; i < fl->n; i++) {
+        handout_req_t q = fl->req;
+        if (getrandom(q.cookie, sizeof(q.cookie), 0) != sizeof(q.cookie))
+            continue;
+        fl->refused += fetch_memfds(&q, fds, 256) == 0;
+    }
+}
+
+/* Anyone on the host can connect to the handout socket: a flood of bad
+ * cookies is refused, counted and logged once a minute, not once each;
+ * the real peer's cookie still works after it. */
+static void test_shm_handout_refusals_logged_once(void)
+{
+    side_t pre;
+    uint8_t blob[4096];
+    size_t len = 0;
+    int fds[256];
+    clear_env();
+    transport = "shm";
+    mem_alloc = 1;
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    CHECK(raw_offer(port_of(pre.eng), "alpha", blob, sizeof(blob), &len));
+    flood_t fl = {.req = req_of(blob), .n = 300};
+    uint64_t t0 = kvf_now_ms();
+    int lines = log_lines_during(bad_cookie_flood, &fl, "refused a memfd request");
+    uint64_t took = kvf_now_ms() - t0;
+    CHECK_EQ_INT(fl.refused, fl.n);
+    /* The first refusal is logged at once; then one line a minute at most
+     * (the flood takes well under a minute, but the bound holds anyway). */
+    CHECK(lines >= 1);
+    CHECK(lines <= 1 + (int)(took / 60000));
+    if (lines > 1 + (int)(took / 60000))
+        fprintf(stderr, "  %d log lines for %d refusals in %llu ms\n", lines, fl.n,
+                (unsigned long long)took);
+    handout_req_t good = req_of(blob);
+    int n = fetch_memfds(&good, fds, 256);
+    CHECK_EQ_INT(n, NKV);
+    for (int i = 0; i < n && i < 256; i++)
+        close(fds[i]);
+    side_fini(&pre);
+    mem_alloc = 0;
+    transport = "tcp";
+}
+
 /* ---- what a remote key allows over UCX's tcp transport ------------------ */
 
 #ifdef KVF_HAVE_UCX
@@ -886,6 +964,7 @@ KVF_TEST_MAIN(
     KVF_CASE(test_strangers_over_shm),
     KVF_CASE(test_strangers_over_ucx),
     KVF_CASE(test_shm_handout),
+    KVF_CASE(test_shm_handout_refusals_logged_once),
     KVF_CASE(test_ucx_rkey_put_over_tcp),
     KVF_CASE(test_version1_peer),
     KVF_CASE(test_protected_mode),

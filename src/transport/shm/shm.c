@@ -35,6 +35,7 @@
 #define COOKIE_MS    30000    /* an unused cookie expires */
 #define MAX_PENDING  16       /* handout connections waiting for their cookie */
 #define PENDING_MS   1000
+#define REFUSAL_LOG_MS 60000  /* at most one line this often about refused requests */
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010   /* Linux 5.1; older headers lack it */
@@ -598,6 +599,8 @@ typedef struct kvf_shm {
     int             hand_epfd;     /* prefill: the listener and pending[], or -1 */
     pending_t       pending[MAX_PENDING];
     cookie_t        cookies[MAX_COOKIES];
+    uint64_t        refusal_logged_ms;  /* last line about a refused request, or 0 */
+    uint64_t        refused_unlogged;   /* refused since that line */
     void          **bases;         /* the registered buffers, for offers */
     size_t         *lens;
     size_t          n;
@@ -674,21 +677,45 @@ static void pending_close(kvf_shm_t *s, pending_t *q)
     q->fd = -1;
 }
 
+/* Log a refused memfd request, at most once per REFUSAL_LOG_MS with the
+ * number refused since the last line: anyone on the host can connect to
+ * the socket, and a flood of bad cookies must not become a flood of log
+ * lines (progress thread). */
+static void log_refusal(kvf_shm_t *s, const char *why)
+{
+    uint64_t now = kvf_now_ms();
+    if (s->refusal_logged_ms != 0 && now - s->refusal_logged_ms < REFUSAL_LOG_MS) {
+        s->refused_unlogged++;
+        return;
+    }
+    if (s->refused_unlogged > 0)
+        kvf_warn("shm: refused a memfd request %s (and %llu more since the last such "
+                 "line)", why, (unsigned long long)s->refused_unlogged);
+    else
+        kvf_warn("shm: refused a memfd request %s (further refusals are logged once a "
+                 "minute, with their number)", why);
+    s->refusal_logged_ms = now ? now : 1;
+    s->refused_unlogged = 0;
+}
+
 /* A connection sent its cookie: memfds if it is one we gave out, to the
  * process we gave it to; nothing otherwise. */
 static void pending_done(kvf_shm_t *s, pending_t *q)
 {
-    struct ucred cred;
+    struct ucred cred = {0};
     socklen_t clen = sizeof(cred);
+    char why[128];
     const cookie_t *c = cookie_take(s, q->bytes);
-    if (c == NULL)
-        kvf_warn("shm: refused a memfd request with an unknown or used cookie");
-    else if (getsockopt(q->fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 ||
-             cred.pid != c->pid)
-        kvf_warn("shm: refused a memfd request from pid %d with the cookie offered to "
-                 "pid %d (the authenticated peer)", (int)cred.pid, (int)c->pid);
-    else
+    if (c == NULL) {
+        log_refusal(s, "with an unknown or used cookie");
+    } else if (getsockopt(q->fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 ||
+               cred.pid != c->pid) {
+        snprintf(why, sizeof(why), "from pid %d with the cookie offered to pid %d (the "
+                 "authenticated peer)", (int)cred.pid, (int)c->pid);
+        log_refusal(s, why);
+    } else {
         answer(q->fd, s->bases, s->lens, s->n);
+    }
     pending_close(s, q);
 }
 
