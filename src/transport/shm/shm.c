@@ -55,6 +55,17 @@ typedef struct region {
     int    ro_fd;      /* the same memfd opened read-only: what is handed out */
 } region_t;
 
+/* A registered buffer (prefill), or one the peer registered (decode). */
+typedef struct span {
+    uint64_t base, len;   /* first: kvf_region_find's element layout */
+} span_t;
+
+static int span_cmp(const void *a, const void *b)
+{
+    const span_t *x = a, *y = b;
+    return x->base < y->base ? -1 : x->base > y->base;
+}
+
 /* Every kvf_mem_alloc'd region of this process; few and long-lived. */
 static pthread_mutex_t regions_lock = PTHREAD_MUTEX_INITIALIZER;
 static region_t       *regions;
@@ -208,8 +219,28 @@ kvf_status_t kvf_shm_listen(uint64_t instance, int *fd_p)
     return KVF_OK;
 }
 
-/* Send the memfd regions overlapping the buffers, as (base, len) + fds. */
-static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
+/* Whether the spans (sorted by base) cover every byte of [rb, re). */
+static int covered(const span_t *sp, size_t n, uint64_t rb, uint64_t re)
+{
+    uint64_t at = rb;    /* [rb, at) is covered */
+    for (size_t i = 0; i < n && at < re; i++) {
+        if (sp[i].base > at)
+            return 0;    /* sorted: no later span starts before this gap */
+        if (sp[i].base + sp[i].len > at)
+            at = sp[i].base + sp[i].len;
+    }
+    return at >= re;
+}
+
+/*
+ * Send, as (base, len) + fds, the memfd of every kvf_mem_alloc region that
+ * the registered buffers (sorted spans) cover whole.  A peer can map all
+ * of a memfd it holds, whatever length it is told: the memfd of a region
+ * registered only in part would hand it the rest too, so such a region is
+ * left to process_vm_readv, which reads only what the peer names, and the
+ * decode engine checks that against the registered buffers.
+ */
+static void answer(int fd, const span_t *spans, size_t n)
 {
     uint64_t desc[2 * MAX_REGIONS + 1];
     int fds[MAX_REGIONS];
@@ -218,14 +249,10 @@ static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
     pthread_mutex_lock(&regions_lock);
     for (size_t r = 0; r < nregions && k < MAX_REGIONS; r++) {
         uintptr_t rb = (uintptr_t)regions[r].base, re = rb + regions[r].len;
-        for (size_t i = 0; i < n; i++) {
-            uintptr_t b = (uintptr_t)bases[i];
-            if (b < re && b + lens[i] > rb) {
-                desc[1 + 2 * k] = rb;
-                desc[2 + 2 * k] = regions[r].len;
-                fds[k++] = regions[r].ro_fd;
-                break;
-            }
+        if (covered(spans, n, rb, re)) {
+            desc[1 + 2 * k] = rb;
+            desc[2 + 2 * k] = regions[r].len;
+            fds[k++] = regions[r].ro_fd;
         }
     }
     desc[0] = k;
@@ -244,6 +271,37 @@ static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
     /* A few hundred bytes into an empty socket buffer: never blocks. */
     if (sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
         kvf_debug("shm: answering a decode engine: %m");
+    pthread_mutex_unlock(&regions_lock);
+}
+
+/*
+ * Say once, when a prefill engine starts, which kvf_mem_alloc regions its
+ * buffers register only in part: their memfds are never handed out, so
+ * peers read them at cross-memory-attach speed, and the fix is the
+ * application's (register whole allocations).
+ */
+static void note_partial_regions(const span_t *spans, size_t n)
+{
+    size_t partial = 0, first = SIZE_MAX;
+
+    pthread_mutex_lock(&regions_lock);
+    for (size_t r = 0; r < nregions; r++) {
+        uintptr_t rb = (uintptr_t)regions[r].base, re = rb + regions[r].len;
+        size_t i = 0;
+        while (i < n && spans[i].base + spans[i].len <= rb)
+            i++;
+        if (i < n && spans[i].base < re && !covered(spans, n, rb, re)) {
+            partial++;
+            first = first == SIZE_MAX ? r : first;
+        }
+    }
+    if (partial > 0)
+        kvf_warn("shm: %zu kvf_mem_alloc allocation(s) are registered only in part (the "
+                 "first: %zu bytes at %p): a decode engine could map all of one, so they "
+                 "are not shared, and it reads them with process_vm_readv, at about half "
+                 "the speed of a mapping. Register whole allocations (one buffer, or "
+                 "buffers that tile it) to be read through a mapping",
+                 partial, regions[first].len, regions[first].base);
     pthread_mutex_unlock(&regions_lock);
 }
 
@@ -284,9 +342,6 @@ typedef struct mapping {
     uint8_t *map;      /* here, read-only */
 } mapping_t;
 
-typedef struct span {
-    uint64_t base, len;   /* first: kvf_region_find's element layout */
-} span_t;
 
 struct kvf_shm_peer {
     kvf_mover_ep_t base;  /* first: the mover endpoint */
@@ -302,12 +357,6 @@ struct kvf_shm_peer {
     size_t    nmaps;
     mapping_t maps[MAX_REGIONS];
 };
-
-static int span_cmp(const void *a, const void *b)
-{
-    const span_t *x = a, *y = b;
-    return x->base < y->base ? -1 : x->base > y->base;
-}
 
 /*
  * Fetching the peer's memfds never waits: the connect is non-blocking (a
@@ -604,6 +653,7 @@ typedef struct kvf_shm {
     void          **bases;         /* the registered buffers, for offers */
     size_t         *lens;
     size_t          n;
+    span_t         *spans;         /* prefill: the same, sorted by base */
     /* decode */
     int             efd;           /* finished jobs are waiting, or -1 */
     pthread_t       copier[MAX_COPIERS];
@@ -714,7 +764,7 @@ static void pending_done(kvf_shm_t *s, pending_t *q)
                  "authenticated peer)", (int)cred.pid, (int)c->pid);
         log_refusal(s, why);
     } else {
-        answer(q->fd, s->bases, s->lens, s->n);
+        answer(q->fd, s->spans, s->n);
     }
     pending_close(s, q);
 }
@@ -854,6 +904,7 @@ static void shm_destroy(kvf_mover_t *m)
     pthread_cond_destroy(&s->cv);
     free(s->bases);
     free(s->lens);
+    free(s->spans);
     free(s);
 }
 
@@ -918,6 +969,15 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
     memcpy(s->bases, p->bases, p->n * sizeof(void *));
     memcpy(s->lens, p->lens, p->n * sizeof(size_t));
     if (p->role == KVF_ROLE_PREFILL) {
+        if ((s->spans = malloc(p->n * sizeof(*s->spans))) == NULL) {
+            shm_destroy(&s->base);
+            snprintf(err, errlen, "out of memory");
+            return KVF_ERR_NO_MEMORY;
+        }
+        for (size_t i = 0; i < p->n; i++)
+            s->spans[i] = (span_t){(uint64_t)(uintptr_t)p->bases[i], p->lens[i]};
+        qsort(s->spans, p->n, sizeof(*s->spans), span_cmp);
+        note_partial_regions(s->spans, p->n);
         kvf_shm_allow_readers();
         /* Without the socket, readers use process_vm_readv: still shm. */
         if (kvf_shm_listen(p->instance_id, &s->listen_fd) != KVF_OK)
