@@ -237,8 +237,8 @@ static int covered(const span_t *sp, size_t n, uint64_t rb, uint64_t re)
  * the registered buffers (sorted spans) cover whole.  A peer can map all
  * of a memfd it holds, whatever length it is told: the memfd of a region
  * registered only in part would hand it the rest too, so such a region is
- * left to process_vm_readv, which reads only what the peer names, and the
- * decode engine checks that against the registered buffers.
+ * left to process_vm_readv, with which the decode engine reads only the
+ * sources it has checked against the registered buffers.
  */
 static void answer(int fd, const span_t *spans, size_t n)
 {
@@ -341,7 +341,6 @@ typedef struct mapping {
     size_t   len;
     uint8_t *map;      /* here, read-only */
 } mapping_t;
-
 
 struct kvf_shm_peer {
     kvf_mover_ep_t base;  /* first: the mover endpoint */
