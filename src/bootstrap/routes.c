@@ -21,7 +21,7 @@
  *    rank re-registering does not make the registry "ready" too early.
  *  - integers in a query, and in strings of the DP-rank routes, are read
  *    as Python's int() reads them (ASCII only: py_int), over every byte
- *    of the decoded value, so "1%00junk" is no integer;
+ *    of the decoded value, so "1%00junk" is no integer.
  *  - stricter than SGLang: 400 (not 500) for bad input, 409 for a rank
  *    whose parallel info would break transfers (unless the rule below lets
  *    it replace that info).
