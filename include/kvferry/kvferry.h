@@ -348,9 +348,10 @@ KVF_API uint64_t kvf_engine_instance_id(const kvf_engine_t *engine);
  * @return KVF_OK, KVF_ERR_STATE (no layout registered yet),
  *         KVF_ERR_INVALID_PARAM (buf NULL or len below what it needs;
  *         KVF_DESCRIPTOR_MAX always suffices), KVF_ERR_UNSUPPORTED (the
- *         engine's host is a name or the wildcard address, not the numeric
- *         address peers dial; a kv_dtype of other characters than letters,
- *         digits, '_', '-' and '.').
+ *         engine's host is a name, or an address peers cannot dial: the
+ *         wildcard in any spelling, multicast, broadcast, link-local IPv6,
+ *         docs/PROTOCOL.md section 7; a kv_dtype of other characters than
+ *         letters, digits, '_', '-' and '.').
  */
 KVF_API kvf_status_t kvf_engine_descriptor(const kvf_engine_t *engine, char *buf,
                                            size_t len);
@@ -562,7 +563,10 @@ KVF_API kvf_status_t kvf_engine_register_layout(kvf_engine_t *engine,
 /**
  * Allocate host memory for KV buffers that a decode engine on the same
  * host can map (a memfd): with the shm transport, reading it is one
- * memcpy instead of a cross-process copy at about half that speed.  Any
+ * memcpy instead of a cross-process copy at about half that speed.  Only
+ * an allocation the engine's registered buffers cover whole (one buffer,
+ * or several that tile it) is shared: a peer could map all of it, so one
+ * registered in part is read the slower way (the engine warns).  Any
  * memory works with every transport; this is only faster.  Zeroed,
  * page-aligned.  @return KVF_OK, KVF_ERR_INVALID_PARAM, KVF_ERR_NO_MEMORY.
  */

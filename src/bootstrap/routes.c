@@ -19,6 +19,9 @@
  *    them; every other field of the info is the first registration's.
  *  - SGLang counts every PUT; we count distinct coordinates, so a restarted
  *    rank re-registering does not make the registry "ready" too early.
+ *  - integers in a query, and in strings of the DP-rank routes, are read
+ *    as Python's int() reads them (ASCII only: py_int), over every byte
+ *    of the decoded value, so "1%00junk" is no integer.
  *  - stricter than SGLang: 400 (not 500) for bad input, 409 for a rank
  *    whose parallel info would break transfers (unless the rule below lets
  *    it replace that info).
@@ -183,8 +186,9 @@ static int hexval(int c)
     return -1;
 }
 
-/* Percent-decode [s, s+n) into out (at least n+1 bytes). */
-static void url_decode(const char *s, size_t n, char *out)
+/* Percent-decode [s, s+n) into out (at least n+1 bytes).  @return the
+ * decoded length: "%00" decodes to a NUL inside it. */
+static size_t url_decode(const char *s, size_t n, char *out)
 {
     size_t o = 0;
     for (size_t i = 0; i < n; i++) {
@@ -199,56 +203,119 @@ static void url_decode(const char *s, size_t n, char *out)
         }
     }
     out[o] = '\0';
+    return o;
+}
+
+/* Python's whitespace, its ASCII part: what int() strips around a number. */
+static int py_space(char c)
+{
+    return c == ' ' || (c >= '\t' && c <= '\r') || (c >= 0x1c && c <= 0x1f);
+}
+
+enum { INT_OK, INT_NOT, INT_RANGE };
+
+/*
+ * A decimal integer as SGLang reads one: Python's int() of a str, over
+ * ASCII (surrounding whitespace, one sign, digits with single '_' between
+ * them).  All n bytes count, so a NUL inside (a query's "%00") is not an
+ * integer, whatever precedes it.  @return INT_OK with the sign and
+ * magnitude, INT_RANGE (an integer beyond 64 bits) or INT_NOT.
+ */
+static int py_int(const char *s, size_t n, int *neg_p, uint64_t *mag_p)
+{
+    size_t i = 0, digits = 0;
+    uint64_t x = 0;
+    int over = 0;
+
+    while (n > 0 && py_space(s[n - 1]))
+        n--;
+    while (i < n && py_space(s[i]))
+        i++;
+    *neg_p = i < n && s[i] == '-';
+    if (i < n && (s[i] == '+' || s[i] == '-'))
+        i++;
+    for (; i < n; i++) {
+        if (s[i] == '_' && digits > 0 && i + 1 < n && s[i + 1] >= '0' && s[i + 1] <= '9')
+            continue;
+        if (s[i] < '0' || s[i] > '9')
+            return INT_NOT;
+        uint64_t d = (uint64_t)(s[i] - '0');
+        if (x > (UINT64_MAX - d) / 10)
+            over = 1;
+        else
+            x = x * 10 + d;
+        digits++;
+    }
+    if (digits == 0)
+        return INT_NOT;
+    *mag_p = x;
+    return over ? INT_RANGE : INT_OK;
+}
+
+/* The n bytes of s for an error message: at most 64 of them, bytes that
+ * are not printable ASCII (or are '"' or '\\') as \xNN. */
+static void quote_bytes(const char *s, size_t n, char *out, size_t cap)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < n && o + 5 < cap && i < 64; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c >= ' ' && c < 0x7f && c != '"' && c != '\\')
+            out[o++] = (char)c;
+        else
+            o += (size_t)snprintf(out + o, cap - o, "\\x%02x", c);
+    }
+    if (n > 64 && o + 4 < cap)
+        o += (size_t)snprintf(out + o, cap - o, "...");
+    out[o] = '\0';
 }
 
 /*
- * Find parameter `name` in a raw query string; the first occurrence wins.
- * @return 0 and *v_p (a decimal int), 1 when missing or empty (as SGLang),
- *         -1 when not an integer (*bad_p: the decoded value, to be freed).
+ * Find parameter `name` in a raw query string; the first occurrence wins,
+ * its key compared whole (a key "name%00x" is another key).  @return 0
+ * and *v_p, 1 when missing or empty (as SGLang), or -1 after a 400 reply
+ * for a value that is not an integer of int's range.
  */
-static int query_int(const char *query, const char *name, int *v_p,
-                     char **bad_p)
+static int query_int(const char *what, const char *query, const char *name, int *v_p,
+                     reply_t *r)
 {
-    const char *p = query;
-
-    while (p != NULL && *p != '\0') {
+    for (const char *p = query; p != NULL && *p != '\0';) {
         const char *end = strchr(p, '&');
         size_t len = end ? (size_t)(end - p) : strlen(p);
         const char *eq = memchr(p, '=', len);
         size_t klen = eq ? (size_t)(eq - p) : len;
-        char *key = malloc(klen + 1);
-        if (key == NULL)
-            return 1;
-        url_decode(p, klen, key);
-        int match = strcmp(key, name) == 0;
-        free(key);
-        if (match) {
-            size_t vlen = eq ? len - klen - 1 : 0;
-            char *val = malloc(vlen + 1);
-            if (val == NULL)
-                return 1;
-            url_decode(eq ? eq + 1 : p, vlen, val);
-            if (val[0] == '\0') {
-                free(val);
-                return 1;
-            }
-            /* As Python's int(): surrounding whitespace is fine. */
-            char *e;
-            errno = 0;
-            long v = strtol(val, &e, 10);
-            int digits = e != val;
-            while (isspace((unsigned char)*e))
-                e++;
-            if (errno != 0 || !digits || *e != '\0' || v < INT_MIN ||
-                v > INT_MAX) {
-                *bad_p = val;
-                return -1;
-            }
-            free(val);
-            *v_p = (int)v;
-            return 0;
+        size_t vlen = eq ? len - klen - 1 : 0;
+        char *buf = malloc((klen > vlen ? klen : vlen) + 1);
+        if (buf == NULL) {
+            reply_text(r, 500, "out of memory");
+            return -1;
         }
-        p = end ? end + 1 : NULL;
+        int match = url_decode(p, klen, buf) == strlen(name) && strcmp(buf, name) == 0;
+        if (!match) {
+            free(buf);
+            p = end ? end + 1 : NULL;
+            continue;
+        }
+        vlen = url_decode(eq ? eq + 1 : p, vlen, buf);
+        int neg = 0, rc = vlen ? INT_NOT : INT_OK;
+        uint64_t mag = 0;
+        if (vlen > 0 && (rc = py_int(buf, vlen, &neg, &mag)) == INT_OK &&
+            mag > (neg ? (uint64_t)INT_MAX + 1 : (uint64_t)INT_MAX))
+            rc = INT_RANGE;
+        char shown[300];
+        quote_bytes(buf, vlen, shown, sizeof(shown));
+        free(buf);
+        if (vlen == 0)
+            return 1;
+        if (rc == INT_NOT)
+            reply_text(r, 400, "%s: %s=\"%s\" is not an integer (decimal digits, "
+                       "optionally signed)", what, name, shown);
+        else if (rc == INT_RANGE)
+            reply_text(r, 400, "%s: %s=\"%s\" is out of range (%d..%d)", what, name,
+                       shown, INT_MIN, INT_MAX);
+        if (rc != INT_OK)
+            return -1;
+        *v_p = neg ? (int)(-(int64_t)mag) : (int)mag;
+        return 0;
     }
     return 1;
 }
@@ -321,27 +388,21 @@ static int field_str(json_t *o, const char *name, size_t max, int *null_p,
     return 0;
 }
 
-/* SGLang's int(x): an integer, or a string of decimal digits. */
+/* SGLang's int(x) of a JSON value, where a non-negative integer is
+ * wanted: an integer, or a string int() reads (py_int).  @return INT_OK
+ * and *x_p, INT_RANGE (negative, or beyond 64 bits) or INT_NOT. */
 static int json_to_u64(json_t *v, uint64_t *x_p)
 {
-    if (json_is_integer(v) && json_integer_value(v) >= 0) {
+    if (json_is_integer(v)) {
+        if (json_integer_value(v) < 0)
+            return INT_RANGE;
         *x_p = (uint64_t)json_integer_value(v);
-        return 0;
+        return INT_OK;
     }
     if (!json_is_string(v))
-        return -1;
-    const char *s = json_string_value(v);
-    uint64_t x = 0;
-    if (*s == '\0')
-        return -1;
-    for (; *s; s++) {
-        uint64_t d = (uint64_t)(*s - '0');
-        if (*s < '0' || *s > '9' || x > (UINT64_MAX - d) / 10)
-            return -1;
-        x = x * 10 + d;
-    }
-    *x_p = x;
-    return 0;
+        return INT_NOT;
+    int neg, rc = py_int(json_string_value(v), json_string_length(v), &neg, x_p);
+    return rc == INT_OK && neg && *x_p != 0 ? INT_RANGE : rc;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -686,21 +747,14 @@ static void route_get(kvf_registry_state_t *st, const char *query,
     int v[4];
 
     for (int i = 0; i < 4; i++) {
-        char *bad = NULL;
-        int rc = query_int(query, names[i], &v[i], &bad);
-        if (rc == 1) {
+        int rc = query_int("GET /route", query, names[i], &v[i], r);
+        if (rc == 1)
             reply_text(r, 400, "Missing inputs for bootstrap server: GET "
                        "/route needs prefill_dp_rank, prefill_cp_rank, "
                        "target_tp_rank and target_pp_rank (%s is missing).",
                        names[i]);
+        if (rc != 0)
             return;
-        }
-        if (rc < 0) {
-            reply_text(r, 400, "GET /route: %s=\"%.64s\" is not an integer",
-                       names[i], bad);
-            free(bad);
-            return;
-        }
     }
     int dp = v[0], cp = v[1], tp = v[2], pp = v[3];
     const rank_entry_t *e;
@@ -735,12 +789,18 @@ static void route_register_dp(kvf_registry_state_t *st, const char *body,
 
     if (o == NULL)
         return;
-    if (json_to_u64(json_object_get(o, "bootstrap_room"), &room) != 0 ||
-        json_to_u64(json_object_get(o, "dp_rank"), &dp) != 0 ||
-        dp > INT32_MAX) {
-        reply_text(r, 400, "POST /register_dp_rank: the body needs "
-                   "\"bootstrap_room\" (a non-negative integer) and "
-                   "\"dp_rank\" (a non-negative integer)");
+    int rc_room = json_to_u64(json_object_get(o, "bootstrap_room"), &room);
+    int rc_dp = json_to_u64(json_object_get(o, "dp_rank"), &dp);
+    if (rc_dp == INT_OK && dp > INT32_MAX)
+        rc_dp = INT_RANGE;
+    if (rc_room != INT_OK || rc_dp != INT_OK) {
+        int room_bad = rc_room != INT_OK;
+        reply_text(r, 400, "POST /register_dp_rank: \"%s\" %s; the body needs "
+                   "\"bootstrap_room\" (0..%llu) and \"dp_rank\" (0..%d), each an "
+                   "integer or a string of one", room_bad ? "bootstrap_room" : "dp_rank",
+                   (room_bad ? rc_room : rc_dp) == INT_RANGE ? "is out of range"
+                                                             : "is missing or not an integer",
+                   (unsigned long long)UINT64_MAX, INT32_MAX);
         json_decref(o);
         return;
     }
@@ -774,10 +834,13 @@ static void route_query_dp(kvf_registry_state_t *st, const char *body,
     pthread_mutex_lock(&st->lock);
     json_array_foreach(rooms, i, v) {
         uint64_t room;
-        if (json_to_u64(v, &room) != 0) {
+        int rc = json_to_u64(v, &room);
+        if (rc != INT_OK) {
             pthread_mutex_unlock(&st->lock);
-            reply_text(r, 400, "POST /query_dp_ranks: bootstrap_rooms[%zu] "
-                       "is not a non-negative integer", i);
+            reply_text(r, 400, "POST /query_dp_ranks: bootstrap_rooms[%zu] %s: room "
+                       "ids are integers 0..%llu (or strings of one)", i,
+                       rc == INT_RANGE ? "is out of range" : "is not an integer",
+                       (unsigned long long)UINT64_MAX);
             json_decref(res);
             json_decref(o);
             return;

@@ -58,11 +58,44 @@ static int numeric_host(const char *host, struct sockaddr_storage *sa)
     return 0;
 }
 
-static int wildcard(const struct sockaddr_storage *sa)
+/* Why a decode engine cannot dial this IPv4 address (host order), or NULL. */
+static const char *unusable_v4(uint32_t a)
+{
+    if (a == 0)
+        return "the wildcard address";
+    if ((a >> 24) == 0)
+        return "in 0.0.0.0/8, which names no host";
+    if ((a >> 28) == 0xe)
+        return "a multicast address";
+    if (a == 0xffffffffu)
+        return "the broadcast address";
+    return NULL;
+}
+
+/*
+ * Why a decode engine cannot dial this address, or NULL.  Every spelling
+ * counts: "0.0.0.0", "::", "[::0]", "::ffff:0.0.0.0" and "::ffff:0:0"
+ * are the one wildcard, and an IPv4-mapped address is judged by its IPv4.
+ */
+static const char *unusable_host(const struct sockaddr_storage *sa)
 {
     if (sa->ss_family == AF_INET)
-        return ((const struct sockaddr_in *)sa)->sin_addr.s_addr == htonl(INADDR_ANY);
-    return IN6_IS_ADDR_UNSPECIFIED(&((const struct sockaddr_in6 *)sa)->sin6_addr);
+        return unusable_v4(ntohl(((const struct sockaddr_in *)sa)->sin_addr.s_addr));
+    const struct in6_addr *a = &((const struct sockaddr_in6 *)sa)->sin6_addr;
+    uint32_t v4;
+    memcpy(&v4, a->s6_addr + 12, 4);
+    if (IN6_IS_ADDR_UNSPECIFIED(a))
+        return "the wildcard address";
+    if (IN6_IS_ADDR_V4MAPPED(a))
+        return unusable_v4(ntohl(v4));
+    if (IN6_IS_ADDR_V4COMPAT(a))
+        return "an IPv4-compatible IPv6 address (deprecated by RFC 4291; nothing routes it)";
+    if (IN6_IS_ADDR_MULTICAST(a))
+        return "a multicast address";
+    if (IN6_IS_ADDR_LINKLOCAL(a))
+        return "a link-local address (it needs an interface, which a descriptor cannot "
+               "name)";
+    return NULL;
 }
 
 kvf_status_t kvf_engine_descriptor(const kvf_engine_t *engine, char *buf, size_t len)
@@ -76,10 +109,12 @@ kvf_status_t kvf_engine_descriptor(const kvf_engine_t *engine, char *buf, size_t
 
     if (eng == NULL || buf == NULL)
         return KVF_ERR_INVALID_PARAM;
-    if (!numeric_host(eng->host, &sa) || wildcard(&sa)) {
-        kvf_error("kvf_engine_descriptor: the engine listens on \"%s\", which a decode "
-                  "engine cannot dial from a descriptor: set host (KVF_HOST) to the numeric "
-                  "address decode engines reach this one at", eng->host);
+    const char *why = numeric_host(eng->host, &sa) ? unusable_host(&sa)
+                                                   : "a name, not a numeric address";
+    if (why != NULL) {
+        kvf_error("kvf_engine_descriptor: the engine listens on \"%s\" (%s), which a "
+                  "decode engine cannot dial from a descriptor: set host (KVF_HOST) to the "
+                  "numeric address decode engines reach this one at", eng->host, why);
         return KVF_ERR_UNSUPPORTED;
     }
     /* Under the lock: a decode engine adopts its heads from its first peer. */
@@ -157,7 +192,9 @@ enum { F_ID, F_ADDR, F_ROLE, F_TP, F_PP, F_DP, F_PAGE, F_DTYPE, F_ATTN, F_HEADS,
 static const char *const field_names[F_COUNT] = {
     "id", "addr", "role", "tp", "pp", "dp", "page", "dtype", "attn", "heads"};
 
-static int parse_field(kvf_descriptor_t *d, int f, const char *v)
+/* One field's value into d.  @return 1, or 0 (and *why_p, when there is
+ * more to say than "not valid"). */
+static int parse_field(kvf_descriptor_t *d, int f, const char *v, const char **why_p)
 {
     char *end;
     switch (f) {
@@ -167,11 +204,13 @@ static int parse_field(kvf_descriptor_t *d, int f, const char *v)
         d->instance = strtoull(v, &end, 16);
         return d->instance != 0;
     case F_ADDR:
-        /* A numeric IPv4 or [IPv6] address, not the wildcard, and the port. */
+        /* A numeric IPv4 or [IPv6] address a decode engine can dial, and the port. */
         if (strlen(v) >= sizeof(d->addr) ||
             strspn(v, "0123456789abcdefABCDEF.:[]") != strlen(v) ||
             kvf__split_addr(v, d->host, sizeof(d->host), &d->port) != KVF_OK ||
-            d->port == 0 || !numeric_host(d->host, &d->sa) || wildcard(&d->sa))
+            d->port == 0 || !numeric_host(d->host, &d->sa))
+            return 0;
+        if ((*why_p = unusable_host(&d->sa)) != NULL)
             return 0;
         memcpy(d->addr, v, strlen(v) + 1);
         return 1;
@@ -245,8 +284,10 @@ kvf_status_t kvf__descriptor_parse(const char *text, kvf_descriptor_t *d, char *
             snprintf(err, errlen, "field %s given twice", tok);
             return KVF_ERR_INVALID_PARAM;
         }
-        if (!parse_field(d, f, eq + 1)) {
-            snprintf(err, errlen, "field %s=\"%.64s\" is not valid", tok, eq + 1);
+        const char *why = NULL;
+        if (!parse_field(d, f, eq + 1, &why)) {
+            snprintf(err, errlen, "field %s=\"%.64s\" is not valid%s%s", tok, eq + 1,
+                     why ? ": " : "", why ? why : "");
             return KVF_ERR_INVALID_PARAM;
         }
         seen |= 1u << f;

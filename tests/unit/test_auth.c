@@ -17,6 +17,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -79,21 +80,16 @@ static kvf_status_t side_try(side_t *s, kvf_role_t role, const char *bs, const c
     return kvf_engine_create(&p, &s->eng);
 }
 
-static void side_init(side_t *s, kvf_role_t role, const char *bs, const char *token)
+/* Register s->kv[] (prefill: filled with a pattern) and s->aux. */
+static void side_register(side_t *s, kvf_role_t role)
 {
-    CHECK_EQ_INT(side_try(s, role, bs, token, NULL), KVF_OK);
     kvf_buffer_t kv[NKV], aux;
     for (int i = 0; i < NKV; i++) {
-        if (mem_alloc)
-            CHECK_EQ_INT(kvf_mem_alloc((size_t)PAGES * PAGE_B, (void **)&s->kv[i]), KVF_OK);
-        else
-            s->kv[i] = calloc(PAGES, PAGE_B);
         if (role == KVF_ROLE_PREFILL)
             for (size_t j = 0; j < (size_t)PAGES * PAGE_B; j++)
                 s->kv[i][j] = (uint8_t)(j * 7 + (size_t)i * 13 + 1);
         kv[i] = (kvf_buffer_t){s->kv[i], (size_t)PAGES * PAGE_B, PAGE_B};
     }
-    s->aux = calloc(SLOTS, AUX_B);
     aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
     kvf_layout_t l;
     kvf_layout_init(&l);
@@ -107,6 +103,19 @@ static void side_init(side_t *s, kvf_role_t role, const char *bs, const char *to
     l.num_aux = 1;
     l.aux = &aux;
     CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
+}
+
+static void side_init(side_t *s, kvf_role_t role, const char *bs, const char *token)
+{
+    CHECK_EQ_INT(side_try(s, role, bs, token, NULL), KVF_OK);
+    for (int i = 0; i < NKV; i++) {
+        if (mem_alloc)
+            CHECK_EQ_INT(kvf_mem_alloc((size_t)PAGES * PAGE_B, (void **)&s->kv[i]), KVF_OK);
+        else
+            s->kv[i] = calloc(PAGES, PAGE_B);
+    }
+    s->aux = calloc(SLOTS, AUX_B);
+    side_register(s, role);
 }
 
 static void side_fini(side_t *s)
@@ -501,8 +510,10 @@ typedef struct handout_req {
 } handout_req_t;
 
 /* Ask the handout socket `name` for memfds with `cookie`: @return how
- * many arrived (into fds), 0 when refused, -1 if it could not ask. */
-static int fetch_memfds(const handout_req_t *q, int *fds, int max)
+ * many arrived (into fds; desc, when not NULL, gets the answer's words:
+ * the count, then base and length per memfd), 0 when refused, -1 if it
+ * could not ask. */
+static int fetch_memfds_desc(const handout_req_t *q, int *fds, int max, uint64_t *desc_p)
 {
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     size_t n = strnlen(q->name, sizeof(q->name));
@@ -522,7 +533,10 @@ static int fetch_memfds(const handout_req_t *q, int *fds, int max)
                         .msg_controllen = sizeof(cbuf)};
     struct pollfd pfd = {fd, POLLIN, 0};
     int got = 0;
-    if (poll(&pfd, 1, 5000) == 1 && recvmsg(fd, &mh, MSG_CMSG_CLOEXEC) > 0) {
+    ssize_t len;
+    if (poll(&pfd, 1, 5000) == 1 && (len = recvmsg(fd, &mh, MSG_CMSG_CLOEXEC)) > 0) {
+        if (desc_p != NULL)
+            memcpy(desc_p, desc, (size_t)len);
         struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
         if (cm != NULL && cm->cmsg_type == SCM_RIGHTS) {
             got = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
@@ -537,6 +551,11 @@ static int fetch_memfds(const handout_req_t *q, int *fds, int max)
     }
     close(fd);
     return got;
+}
+
+static int fetch_memfds(const handout_req_t *q, int *fds, int max)
+{
+    return fetch_memfds_desc(q, fds, max, NULL);
 }
 
 static handout_req_t req_of(const uint8_t *blob)
@@ -636,6 +655,223 @@ static void test_shm_handout(void)
     CHECK(legit_room(&pre, &dec, bs, 11));
     CHECK(strcmp(kvf_engine_transport(dec.eng), "shm") == 0);
     side_fini(&dec);
+    side_fini(&pre);
+    mem_alloc = 0;
+    transport = "tcp";
+}
+
+#define KVLEN ((size_t)PAGES * PAGE_B)
+
+/* Whether [b, b+n) lies in the buffers s registered (its KV and aux). */
+static int in_registered(const side_t *s, uint64_t b, uint64_t n)
+{
+    uint64_t at = b;
+    for (int progress = 1; progress && at < b + n;) {
+        progress = 0;
+        for (int i = 0; i <= NKV; i++) {
+            uint64_t rb = (uint64_t)(uintptr_t)(i < NKV ? s->kv[i] : s->aux);
+            uint64_t re = rb + (i < NKV ? KVLEN : (uint64_t)SLOTS * AUX_B);
+            if (rb <= at && at < re) {
+                at = re;
+                progress = 1;
+            }
+        }
+    }
+    return at >= b + n;
+}
+
+/* The child maps fd past its end and reads the first byte there. */
+static int read_past_end_faults(int fd, size_t size)
+{
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE), end = (size + pg - 1) / pg * pg;
+    pid_t pid = fork();
+    if (pid == 0) {
+        /* The kernel's verdict, not a handler's (UCX and the sanitizers
+         * install their own for SIGBUS). */
+        struct sigaction dfl = {.sa_handler = SIG_DFL};
+        sigaction(SIGBUS, &dfl, NULL);
+        alarm(10);
+        volatile const uint8_t *m = mmap(NULL, end + pg, PROT_READ, MAP_SHARED, fd, 0);
+        if (m == MAP_FAILED)
+            _exit(3);
+        _exit(m[end] == 0 ? 1 : 2);    /* reached only if the read did not fault */
+    }
+    int status = 0;
+    return pid > 0 && waitpid(pid, &status, 0) == pid && WIFSIGNALED(status) &&
+           WTERMSIG(status) == SIGBUS;
+}
+
+/*
+ * What a peer holding the memfds can read: for every fd it is handed,
+ * every byte the fd holds (fstat, mmap of all of it) is registered memory,
+ * and the byte after its last page faults.  @return how many fds came.
+ */
+static int check_memfds(side_t *pre)
+{
+    uint8_t blob[4096];
+    size_t len = 0;
+    int fds[256];
+    uint64_t desc[1 + 2 * 256];
+    CHECK(raw_offer(port_of(pre->eng), "alpha", blob, sizeof(blob), &len));
+    handout_req_t q = req_of(blob);
+    int n = fetch_memfds_desc(&q, fds, 256, desc);
+    for (int i = 0; i < n && i < 256; i++) {
+        struct stat st;
+        uint64_t base = desc[1 + 2 * i];
+        CHECK(fstat(fds[i], &st) == 0);
+        size_t size = (size_t)st.st_size;
+        CHECK_EQ_INT(size, desc[2 + 2 * i]);
+        CHECK(in_registered(pre, base, size));
+        if (!in_registered(pre, base, size))
+            fprintf(stderr, "  memfd %d: %zu bytes at 0x%llx, not all registered\n", i,
+                    size, (unsigned long long)base);
+        const uint8_t *m = mmap(NULL, size, PROT_READ, MAP_SHARED, fds[i], 0);
+        CHECK(m != MAP_FAILED);
+        if (m != MAP_FAILED) {
+            CHECK(memcmp(m, (const void *)(uintptr_t)base, size) == 0);
+            munmap((void *)m, size);
+        }
+        CHECK(read_past_end_faults(fds[i], size));
+        close(fds[i]);
+    }
+    return n;
+}
+
+/*
+ * The memfds a prefill engine hands out cover registered memory only,
+ * whatever the layout: a buffer smaller than its kvf_mem_alloc allocation,
+ * one at an offset in it, two sharing one with a gap between them (none of
+ * these is handed out: a peer could map the rest), buffers that tile an
+ * allocation and one registered whole (handed out), and memory from
+ * calloc (never a memfd).  Rooms still move every byte, over shm.
+ */
+static void test_shm_memfds_cover_registered_only(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    size_t pg = (size_t)sysconf(_SC_PAGESIZE);
+    uint8_t *a, *b, *c, *t;
+    clear_env();
+    transport = "shm";
+
+    /* Registered in part: the aux buffer alone is a whole allocation. */
+    CHECK_EQ_INT(side_try(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha", NULL), KVF_OK);
+    CHECK_EQ_INT(kvf_mem_alloc(KVLEN + pg, (void **)&a), KVF_OK);
+    CHECK_EQ_INT(kvf_mem_alloc(pg + KVLEN, (void **)&b), KVF_OK);
+    CHECK_EQ_INT(kvf_mem_alloc(2 * KVLEN + pg, (void **)&c), KVF_OK);
+    memset(a, 0xa5, KVLEN + pg);              /* what must not leak */
+    memset(b, 0xb5, pg + KVLEN);
+    memset(c, 0xc5, 2 * KVLEN + pg);
+    pre.kv[0] = a;                            /* the tail page unregistered */
+    pre.kv[1] = b + pg;                       /* the head page unregistered */
+    pre.kv[2] = c;                            /* a page between two buffers */
+    pre.kv[3] = c + KVLEN + pg;
+    CHECK_EQ_INT(kvf_mem_alloc((size_t)SLOTS * AUX_B, (void **)&pre.aux), KVF_OK);
+    side_register(&pre, KVF_ROLE_PREFILL);
+    CHECK_EQ_INT(check_memfds(&pre), 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, "alpha");
+    CHECK(legit_room(&pre, &dec, bs, 21));
+    CHECK(strcmp(kvf_engine_transport(dec.eng), "shm") == 0);
+    side_fini(&dec);
+    kvf_engine_destroy(pre.eng);
+    kvf_mem_free(a);
+    kvf_mem_free(b);
+    kvf_mem_free(c);
+    kvf_mem_free(pre.aux);
+
+    /* One allocation the KV buffers tile: handed out; aux from calloc: not. */
+    CHECK_EQ_INT(side_try(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha", NULL), KVF_OK);
+    CHECK_EQ_INT(kvf_mem_alloc(NKV * KVLEN, (void **)&t), KVF_OK);
+    for (int i = 0; i < NKV; i++)
+        pre.kv[i] = t + (size_t)i * KVLEN;
+    pre.aux = calloc(SLOTS, AUX_B);
+    side_register(&pre, KVF_ROLE_PREFILL);
+    CHECK_EQ_INT(check_memfds(&pre), 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, "alpha");
+    CHECK(legit_room(&pre, &dec, bs, 22));
+    CHECK(strcmp(kvf_engine_transport(dec.eng), "shm") == 0);
+    side_fini(&dec);
+    kvf_engine_destroy(pre.eng);
+    kvf_mem_free(t);
+    free(pre.aux);
+    transport = "tcp";
+}
+
+/* Run fn(arg) with this process's stderr (the log) going to a file, and
+ * @return how many lines of it contain `needle`. */
+static int log_lines_during(void (*fn)(void *), void *arg, const char *needle)
+{
+    char path[] = "/tmp/kvf-test-log-XXXXXX", line[2048];
+    int fd = mkstemp(path), saved = dup(2), n = 0;
+    CHECK(fd >= 0 && saved >= 0);
+    if (fd < 0 || saved < 0)
+        return -1;
+    fflush(stderr);
+    dup2(fd, 2);
+    fn(arg);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    FILE *f = fdopen(fd, "r");
+    rewind(f);
+    while (fgets(line, sizeof(line), f) != NULL)
+        n += strstr(line, needle) != NULL;
+    fclose(f);
+    unlink(path);
+    return n;
+}
+
+typedef struct flood {
+    handout_req_t req;
+    int           n, refused;
+} flood_t;
+
+/* n requests with guessed cookies, each answered (refused) before the next. */
+static void bad_cookie_flood(void *arg)
+{
+    flood_t *fl = arg;
+    int fds[256];
+    for (int i = 0; i < fl->n; i++) {
+        handout_req_t q = fl->req;
+        if (getrandom(q.cookie, sizeof(q.cookie), 0) != sizeof(q.cookie))
+            continue;
+        fl->refused += fetch_memfds(&q, fds, 256) == 0;
+    }
+}
+
+/* Anyone on the host can connect to the handout socket: a flood of bad
+ * cookies is refused, counted and logged once a minute, not once each;
+ * the real peer's cookie still works after it. */
+static void test_shm_handout_refusals_logged_once(void)
+{
+    side_t pre;
+    uint8_t blob[4096];
+    size_t len = 0;
+    int fds[256];
+    clear_env();
+    transport = "shm";
+    mem_alloc = 1;
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    CHECK(raw_offer(port_of(pre.eng), "alpha", blob, sizeof(blob), &len));
+    flood_t fl = {.req = req_of(blob), .n = 300};
+    uint64_t t0 = kvf_now_ms();
+    int lines = log_lines_during(bad_cookie_flood, &fl, "refused a memfd request");
+    uint64_t took = kvf_now_ms() - t0;
+    CHECK_EQ_INT(fl.refused, fl.n);
+    /* The first refusal is logged at once; then one line a minute at most
+     * (the flood takes well under a minute, but the bound holds anyway). */
+    CHECK(lines >= 1);
+    CHECK(lines <= 1 + (int)(took / 60000));
+    if (lines > 1 + (int)(took / 60000))
+        fprintf(stderr, "  %d log lines for %d refusals in %llu ms\n", lines, fl.n,
+                (unsigned long long)took);
+    handout_req_t good = req_of(blob);
+    int n = fetch_memfds(&good, fds, 256);
+    CHECK_EQ_INT(n, NKV);
+    for (int i = 0; i < n && i < 256; i++)
+        close(fds[i]);
     side_fini(&pre);
     mem_alloc = 0;
     transport = "tcp";
@@ -886,6 +1122,8 @@ KVF_TEST_MAIN(
     KVF_CASE(test_strangers_over_shm),
     KVF_CASE(test_strangers_over_ucx),
     KVF_CASE(test_shm_handout),
+    KVF_CASE(test_shm_handout_refusals_logged_once),
+    KVF_CASE(test_shm_memfds_cover_registered_only),
     KVF_CASE(test_ucx_rkey_put_over_tcp),
     KVF_CASE(test_version1_peer),
     KVF_CASE(test_protected_mode),

@@ -319,7 +319,7 @@ static void test_route_params(void)
               "prefill_dp_rank=\"abc\" is not an integer");
     RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=99999999999&prefill_cp_rank="
               "-1&target_tp_rank=-1&target_pp_rank=-1", NULL, 400,
-              "is not an integer");
+              "is out of range");
     RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
               "target_tp_rank=-1&target_pp_rank=", NULL, 400,
               "target_pp_rank is missing");
@@ -331,6 +331,113 @@ static void test_route_params(void)
     RAW_CHECK(&s, "GET", "/route?prefill%5Fdp_rank=%2D1&prefill_cp_rank=-1&"
               "target_tp_rank=+-1+&target_pp_rank=-1", NULL, 503,
               "not fully registered");
+    kvf_bootstrap_destroy(s.bs);
+}
+
+/* GET /route?<four parameters, each set to v> */
+static raw_resp_t route_all(const srv_t *s, const char *v)
+{
+    char target[512];
+    snprintf(target, sizeof(target), "/route?prefill_dp_rank=%s&prefill_cp_rank=%s&"
+             "target_tp_rank=%s&target_pp_rank=%s", v, v, v, v);
+    return raw(s, "GET", target, NULL, 0, 0);
+}
+
+/*
+ * Integer parameters are exactly integers: what SGLang's int() reads
+ * (surrounding whitespace, a sign, '_' between digits) means the same
+ * here, and anything else, a NUL ("%00") with junk after it included,
+ * gets 400 naming the parameter, as does a value beyond the range.
+ */
+static void test_integer_params(void)
+{
+    static const char *const not_int[] = {
+        "1%00junk", "-1%00", "%001", "1%00", "0%00%00", "1junk", "0x1", "1.0", "1e3",
+        "%2B-1", "--1", "1__0", "_1", "1_", "-_1", "%C2%A01", "%EF%BC%91", "%20",
+        "%2B", "-",
+    };
+    static const char *const out_of_range[] = {
+        "2147483648", "-2147483649", "99999999999999999999999", "%2B4294967296",
+    };
+    srv_t s;
+    if (srv_start(&s) != 0) {
+        CHECK(!"server start");
+        return;
+    }
+    for (size_t i = 0; i < sizeof(not_int) / sizeof(not_int[0]); i++) {
+        raw_resp_t r = route_all(&s, not_int[i]);
+        CHECK_EQ_INT(r.status, 400);
+        CHECK_STR_CONTAINS(r.body ? r.body : "", "prefill_dp_rank=\"");
+        CHECK_STR_CONTAINS(r.body ? r.body : "", "\" is not an integer");
+        if (r.status != 400)
+            fprintf(stderr, "  %s: %ld %s\n", not_int[i], r.status, r.body);
+        free(r.body);
+    }
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=1%00junk&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, 400,
+              "prefill_dp_rank=\"1\\x00junk\" is not an integer");
+    for (size_t i = 0; i < sizeof(out_of_range) / sizeof(out_of_range[0]); i++) {
+        raw_resp_t r = route_all(&s, out_of_range[i]);
+        CHECK_EQ_INT(r.status, 400);
+        CHECK_STR_CONTAINS(r.body ? r.body : "", "is out of range (-2147483648..2147483647)");
+        free(r.body);
+    }
+    /* A key with a NUL in it is another key, not prefill_dp_rank. */
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank%00=x&prefill_dp_rank=-1&prefill_cp_rank="
+              "-1&target_tp_rank=-1&target_pp_rank=-1", NULL, 503, "not fully registered");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank%00=-1&prefill_cp_rank=-1&"
+              "target_tp_rank=-1&target_pp_rank=-1", NULL, 400, "prefill_dp_rank is missing");
+
+    /* What int() reads, read the same: -1 everywhere is the parallel info,
+     * 0 a rank, 10 a rank the registry does not have. */
+    kvf_bs_reg_t reg = mkreg(1, 0, 17000);
+    put_reg(&s, &reg, KVF_OK);
+    static const char *const minus_one[] = {"-1", "-0_1", "%2D1", "%09-1%0A", "%1F-1",
+                                            "+-1+", "-001"};
+    for (size_t i = 0; i < sizeof(minus_one) / sizeof(minus_one[0]); i++) {
+        raw_resp_t r = route_all(&s, minus_one[i]);
+        CHECK_EQ_INT(r.status, 200);
+        CHECK_STR_CONTAINS(r.body ? r.body : "", "\"attn_tp_size\":1");
+        free(r.body);
+    }
+    static const char *const zero[] = {"0", "%2B0", "-0", "0_0", "+0+", "%0B0%0C", "00"};
+    for (size_t i = 0; i < sizeof(zero) / sizeof(zero[0]); i++) {
+        raw_resp_t r = route_all(&s, zero[i]);
+        CHECK_EQ_INT(r.status, 200);
+        CHECK_STR_CONTAINS(r.body ? r.body : "", "\"rank_port\":17000");
+        free(r.body);
+    }
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=1_0&prefill_cp_rank=0&target_tp_rank=0&"
+              "target_pp_rank=0", NULL, 404, "dp_rank=10 cp_rank=0");
+    RAW_CHECK(&s, "GET", "/route?prefill_dp_rank=-2147483648&prefill_cp_rank=0&"
+              "target_tp_rank=0&target_pp_rank=0", NULL, 404, "dp_rank=-2147483648");
+
+    /* The DP-rank routes: a JSON integer, or a string int() reads. */
+    RAW_CHECK(&s, "POST", "/register_dp_rank",
+              "{\"bootstrap_room\": \" 4_2 \", \"dp_rank\": \"+3\"}", 200, "OK");
+    RAW_CHECK(&s, "POST", "/register_dp_rank",
+              "{\"bootstrap_room\": \"-0\", \"dp_rank\": 1}", 200, "OK");
+    RAW_CHECK(&s, "POST", "/query_dp_ranks", "{\"bootstrap_rooms\": [\"42\", 0]}", 200,
+              "{\"42\":3,\"0\":1}");
+    RAW_CHECK(&s, "POST", "/register_dp_rank",
+              "{\"bootstrap_room\": \"42x\", \"dp_rank\": 1}", 400,
+              "\"bootstrap_room\" is missing or not an integer");
+    RAW_CHECK(&s, "POST", "/register_dp_rank",
+              "{\"bootstrap_room\": \"18446744073709551616\", \"dp_rank\": 1}", 400,
+              "\"bootstrap_room\" is out of range");
+    RAW_CHECK(&s, "POST", "/register_dp_rank",
+              "{\"bootstrap_room\": \"-1\", \"dp_rank\": 1}", 400,
+              "\"bootstrap_room\" is out of range");
+    RAW_CHECK(&s, "POST", "/register_dp_rank",
+              "{\"bootstrap_room\": 1, \"dp_rank\": \"2147483648\"}", 400,
+              "\"dp_rank\" is out of range");
+    RAW_CHECK(&s, "POST", "/register_dp_rank",
+              "{\"bootstrap_room\": \"4\\u00002\", \"dp_rank\": 1}", 400,
+              "malformed JSON body");
+    RAW_CHECK(&s, "POST", "/query_dp_ranks", "{\"bootstrap_rooms\": [\"1 2\"]}", 400,
+              "bootstrap_rooms[0] is not an integer");
+    RAW_CHECK(&s, "POST", "/query_dp_ranks", "{\"bootstrap_rooms\": [-5]}", 400,
+              "bootstrap_rooms[0] is out of range");
     kvf_bootstrap_destroy(s.bs);
 }
 
@@ -350,7 +457,7 @@ static void test_bad_bodies(void)
     RAW_CHECK(&s, "POST", "/register_dp_rank", "{\"bootstrap_room\": 1", 400,
               "malformed JSON body");
     RAW_CHECK(&s, "POST", "/register_dp_rank", "{\"bootstrap_room\": -1, "
-              "\"dp_rank\": 0}", 400, "non-negative");
+              "\"dp_rank\": 0}", 400, "\"bootstrap_room\" is out of range");
     RAW_CHECK(&s, "POST", "/query_dp_ranks", "{\"bootstrap_rooms\": 5}", 400,
               "an array of room ids");
     RAW_CHECK(&s, "POST", "/query_dp_ranks", "{\"bootstrap_rooms\": [1, "
@@ -1177,6 +1284,7 @@ KVF_TEST_MAIN(KVF_CASE(test_split_addr),
               KVF_CASE(test_health_routes_methods),
               KVF_CASE(test_register_until_ready),
               KVF_CASE(test_route_params),
+              KVF_CASE(test_integer_params),
               KVF_CASE(test_bad_bodies),
               KVF_CASE(test_conflict_and_reregister),
               KVF_CASE(test_dp_layouts),

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "core/descriptor.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
@@ -777,6 +778,63 @@ static void test_descriptors(void)
     rank_down(&pre);
 }
 
+/* A descriptor names an address a decode engine can dial: every spelling
+ * of the wildcard is refused, IPv4-mapped ones too, and so are addresses
+ * that name no one host; the refusal says why.  Usable spellings pass. */
+static void test_descriptor_addresses(void)
+{
+    static const char *const refused[] = {
+        "0.0.0.0", "[::]", "[::0]", "[0:0:0:0:0:0:0:0]", "[::0.0.0.0]",
+        "[::ffff:0.0.0.0]", "[::ffff:0:0]", "[::FFFF:0000:0000]", "[0:0:0:0:0:ffff:0:0]",
+        "0.1.2.3", "[::ffff:0.1.2.3]", "224.0.0.1", "239.255.255.250", "[::ffff:224.0.0.1]",
+        "255.255.255.255", "[::ffff:255.255.255.255]", "[ff02::1]", "[fe80::1]",
+        "[::1.2.3.4]",
+    };
+    static const char *const usable[] = {
+        "127.0.0.1", "[::1]", "[0:0:0:0:0:0:0:1]", "[::ffff:127.0.0.1]", "10.1.2.3",
+        "[::ffff:10.1.2.3]", "[2001:db8::1]", "1.0.0.0", "223.255.255.255",
+    };
+    char text[KVF_DESCRIPTOR_MAX], err[256];
+    kvf_descriptor_t d;
+    rank_t dec = {0};
+    kvf_receiver_t *r = NULL;
+    kvf_remote_t rm;
+    const char *one[1] = {text};
+
+    for (size_t i = 0; i < sizeof(usable) / sizeof(usable[0]); i++) {
+        snprintf(text, sizeof(text), "kvf1 id=0123456789abcdef addr=%s:4000 role=prefill "
+                 "tp=0/1 pp=0/1 dp=0/1 page=4 dtype=bfloat16 attn=mha heads=4", usable[i]);
+        CHECK_EQ_INT(kvf__descriptor_parse(text, &d, err, sizeof(err)), KVF_OK);
+    }
+    /* The decode engine runs open (KVF_AUTH=none), so that protected mode,
+     * which refuses non-loopback addresses anyway, does not hide the rule. */
+    setenv("KVF_AUTH", "none", 1);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    unsetenv("KVF_AUTH");
+    kvf_remote_init(&rm);
+    rm.room = 5;
+    rm.descriptors = one;
+    rm.num_descriptors = 1;
+    for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+        snprintf(text, sizeof(text), "kvf1 id=0123456789abcdef addr=%s:4000 role=prefill "
+                 "tp=0/1 pp=0/1 dp=0/1 page=4 dtype=bfloat16 attn=mha heads=4", refused[i]);
+        err[0] = '\0';
+        CHECK_EQ_INT(kvf__descriptor_parse(text, &d, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(err, "field addr=");
+        CHECK(strstr(err, "wildcard") || strstr(err, "multicast") ||
+              strstr(err, "broadcast") || strstr(err, "0.0.0.0/8") ||
+              strstr(err, "link-local") || strstr(err, "IPv4-compatible"));
+        r = NULL;
+        CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(kvf_last_error(), "field addr=");
+        if (r != NULL)
+            kvf_receiver_destroy(r);
+        if (kvf_test_failures_)
+            fprintf(stderr, "  refused[%zu] = %s: %s\n", i, refused[i], err);
+    }
+    rank_down(&dec);
+}
+
 /* The documented function: XXH3-128 of the bytes, low half the room,
  * high half the instance.  Pinned, since both sides compute it. */
 static void test_room_key(void)
@@ -808,4 +866,5 @@ KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
               KVF_CASE(test_descriptor_needs_numeric_host),
               KVF_CASE(test_descriptors_refused_before_dialing),
               KVF_CASE(test_descriptors),
+              KVF_CASE(test_descriptor_addresses),
               KVF_CASE(test_room_key))

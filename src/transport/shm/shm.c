@@ -35,6 +35,7 @@
 #define COOKIE_MS    30000    /* an unused cookie expires */
 #define MAX_PENDING  16       /* handout connections waiting for their cookie */
 #define PENDING_MS   1000
+#define REFUSAL_LOG_MS 60000  /* at most one line this often about refused requests */
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010   /* Linux 5.1; older headers lack it */
@@ -53,6 +54,17 @@ typedef struct region {
     int    fd;
     int    ro_fd;      /* the same memfd opened read-only: what is handed out */
 } region_t;
+
+/* A registered buffer (prefill), or one the peer registered (decode). */
+typedef struct span {
+    uint64_t base, len;   /* first: kvf_region_find's element layout */
+} span_t;
+
+static int span_cmp(const void *a, const void *b)
+{
+    const span_t *x = a, *y = b;
+    return x->base < y->base ? -1 : x->base > y->base;
+}
 
 /* Every kvf_mem_alloc'd region of this process; few and long-lived. */
 static pthread_mutex_t regions_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -207,8 +219,28 @@ kvf_status_t kvf_shm_listen(uint64_t instance, int *fd_p)
     return KVF_OK;
 }
 
-/* Send the memfd regions overlapping the buffers, as (base, len) + fds. */
-static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
+/* Whether the spans (sorted by base) cover every byte of [rb, re). */
+static int covered(const span_t *sp, size_t n, uint64_t rb, uint64_t re)
+{
+    uint64_t at = rb;    /* [rb, at) is covered */
+    for (size_t i = 0; i < n && at < re; i++) {
+        if (sp[i].base > at)
+            return 0;    /* sorted: no later span starts before this gap */
+        if (sp[i].base + sp[i].len > at)
+            at = sp[i].base + sp[i].len;
+    }
+    return at >= re;
+}
+
+/*
+ * Send, as (base, len) + fds, the memfd of every kvf_mem_alloc region that
+ * the registered buffers (sorted spans) cover whole.  A peer can map all
+ * of a memfd it holds, whatever length it is told: the memfd of a region
+ * registered only in part would hand it the rest too, so such a region is
+ * left to process_vm_readv, with which the decode engine reads only the
+ * sources it has checked against the registered buffers.
+ */
+static void answer(int fd, const span_t *spans, size_t n)
 {
     uint64_t desc[2 * MAX_REGIONS + 1];
     int fds[MAX_REGIONS];
@@ -217,14 +249,10 @@ static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
     pthread_mutex_lock(&regions_lock);
     for (size_t r = 0; r < nregions && k < MAX_REGIONS; r++) {
         uintptr_t rb = (uintptr_t)regions[r].base, re = rb + regions[r].len;
-        for (size_t i = 0; i < n; i++) {
-            uintptr_t b = (uintptr_t)bases[i];
-            if (b < re && b + lens[i] > rb) {
-                desc[1 + 2 * k] = rb;
-                desc[2 + 2 * k] = regions[r].len;
-                fds[k++] = regions[r].ro_fd;
-                break;
-            }
+        if (covered(spans, n, rb, re)) {
+            desc[1 + 2 * k] = rb;
+            desc[2 + 2 * k] = regions[r].len;
+            fds[k++] = regions[r].ro_fd;
         }
     }
     desc[0] = k;
@@ -243,6 +271,37 @@ static void answer(int fd, void *const *bases, const size_t *lens, size_t n)
     /* A few hundred bytes into an empty socket buffer: never blocks. */
     if (sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
         kvf_debug("shm: answering a decode engine: %m");
+    pthread_mutex_unlock(&regions_lock);
+}
+
+/*
+ * Say once, when a prefill engine starts, which kvf_mem_alloc regions its
+ * buffers register only in part: their memfds are never handed out, so
+ * peers read them at cross-memory-attach speed, and the fix is the
+ * application's (register whole allocations).
+ */
+static void note_partial_regions(const span_t *spans, size_t n)
+{
+    size_t partial = 0, first = SIZE_MAX;
+
+    pthread_mutex_lock(&regions_lock);
+    for (size_t r = 0; r < nregions; r++) {
+        uintptr_t rb = (uintptr_t)regions[r].base, re = rb + regions[r].len;
+        size_t i = 0;
+        while (i < n && spans[i].base + spans[i].len <= rb)
+            i++;
+        if (i < n && spans[i].base < re && !covered(spans, n, rb, re)) {
+            partial++;
+            first = first == SIZE_MAX ? r : first;
+        }
+    }
+    if (partial > 0)
+        kvf_warn("shm: %zu kvf_mem_alloc allocation(s) are registered only in part (the "
+                 "first: %zu bytes at %p): a decode engine could map all of one, so they "
+                 "are not shared, and it reads them with process_vm_readv, at about half "
+                 "the speed of a mapping. Register whole allocations (one buffer, or "
+                 "buffers that tile it) to be read through a mapping",
+                 partial, regions[first].len, regions[first].base);
     pthread_mutex_unlock(&regions_lock);
 }
 
@@ -283,10 +342,6 @@ typedef struct mapping {
     uint8_t *map;      /* here, read-only */
 } mapping_t;
 
-typedef struct span {
-    uint64_t base, len;   /* first: kvf_region_find's element layout */
-} span_t;
-
 struct kvf_shm_peer {
     kvf_mover_ep_t base;  /* first: the mover endpoint */
     struct kvf_shm *s;    /* the mover whose copier reads for it */
@@ -301,12 +356,6 @@ struct kvf_shm_peer {
     size_t    nmaps;
     mapping_t maps[MAX_REGIONS];
 };
-
-static int span_cmp(const void *a, const void *b)
-{
-    const span_t *x = a, *y = b;
-    return x->base < y->base ? -1 : x->base > y->base;
-}
 
 /*
  * Fetching the peer's memfds never waits: the connect is non-blocking (a
@@ -598,9 +647,12 @@ typedef struct kvf_shm {
     int             hand_epfd;     /* prefill: the listener and pending[], or -1 */
     pending_t       pending[MAX_PENDING];
     cookie_t        cookies[MAX_COOKIES];
+    uint64_t        refusal_logged_ms;  /* last line about a refused request, or 0 */
+    uint64_t        refused_unlogged;   /* refused since that line */
     void          **bases;         /* the registered buffers, for offers */
     size_t         *lens;
     size_t          n;
+    span_t         *spans;         /* prefill: the same, sorted by base */
     /* decode */
     int             efd;           /* finished jobs are waiting, or -1 */
     pthread_t       copier[MAX_COPIERS];
@@ -674,21 +726,45 @@ static void pending_close(kvf_shm_t *s, pending_t *q)
     q->fd = -1;
 }
 
+/* Log a refused memfd request, at most once per REFUSAL_LOG_MS with the
+ * number refused since the last line: anyone on the host can connect to
+ * the socket, and a flood of bad cookies must not become a flood of log
+ * lines (progress thread). */
+static void log_refusal(kvf_shm_t *s, const char *why)
+{
+    uint64_t now = kvf_now_ms();
+    if (s->refusal_logged_ms != 0 && now - s->refusal_logged_ms < REFUSAL_LOG_MS) {
+        s->refused_unlogged++;
+        return;
+    }
+    if (s->refused_unlogged > 0)
+        kvf_warn("shm: refused a memfd request %s (and %llu more since the last such "
+                 "line)", why, (unsigned long long)s->refused_unlogged);
+    else
+        kvf_warn("shm: refused a memfd request %s (further refusals are logged once a "
+                 "minute, with their number)", why);
+    s->refusal_logged_ms = now ? now : 1;
+    s->refused_unlogged = 0;
+}
+
 /* A connection sent its cookie: memfds if it is one we gave out, to the
  * process we gave it to; nothing otherwise. */
 static void pending_done(kvf_shm_t *s, pending_t *q)
 {
-    struct ucred cred;
+    struct ucred cred = {0};
     socklen_t clen = sizeof(cred);
+    char why[128];
     const cookie_t *c = cookie_take(s, q->bytes);
-    if (c == NULL)
-        kvf_warn("shm: refused a memfd request with an unknown or used cookie");
-    else if (getsockopt(q->fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 ||
-             cred.pid != c->pid)
-        kvf_warn("shm: refused a memfd request from pid %d with the cookie offered to "
-                 "pid %d (the authenticated peer)", (int)cred.pid, (int)c->pid);
-    else
-        answer(q->fd, s->bases, s->lens, s->n);
+    if (c == NULL) {
+        log_refusal(s, "with an unknown or used cookie");
+    } else if (getsockopt(q->fd, SOL_SOCKET, SO_PEERCRED, &cred, &clen) != 0 ||
+               cred.pid != c->pid) {
+        snprintf(why, sizeof(why), "from pid %d with the cookie offered to pid %d (the "
+                 "authenticated peer)", (int)cred.pid, (int)c->pid);
+        log_refusal(s, why);
+    } else {
+        answer(q->fd, s->spans, s->n);
+    }
     pending_close(s, q);
 }
 
@@ -827,6 +903,7 @@ static void shm_destroy(kvf_mover_t *m)
     pthread_cond_destroy(&s->cv);
     free(s->bases);
     free(s->lens);
+    free(s->spans);
     free(s);
 }
 
@@ -891,6 +968,15 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
     memcpy(s->bases, p->bases, p->n * sizeof(void *));
     memcpy(s->lens, p->lens, p->n * sizeof(size_t));
     if (p->role == KVF_ROLE_PREFILL) {
+        if ((s->spans = malloc(p->n * sizeof(*s->spans))) == NULL) {
+            shm_destroy(&s->base);
+            snprintf(err, errlen, "out of memory");
+            return KVF_ERR_NO_MEMORY;
+        }
+        for (size_t i = 0; i < p->n; i++)
+            s->spans[i] = (span_t){(uint64_t)(uintptr_t)p->bases[i], p->lens[i]};
+        qsort(s->spans, p->n, sizeof(*s->spans), span_cmp);
+        note_partial_regions(s->spans, p->n);
         kvf_shm_allow_readers();
         /* Without the socket, readers use process_vm_readv: still shm. */
         if (kvf_shm_listen(p->instance_id, &s->listen_fd) != KVF_OK)

@@ -8,9 +8,12 @@
  *
  * Two ways to read, fastest first:
  *   - Shared mappings.  Memory allocated with kvf_mem_alloc() is a memfd;
- *     a prefill engine hands the memfds of its registered buffers to a
- *     decode engine over a unix socket (SCM_RIGHTS), which maps them
- *     read-only: a read is then one memcpy.
+ *     a prefill engine hands a decode engine, over a unix socket
+ *     (SCM_RIGHTS), the memfd of every such allocation its registered
+ *     buffers cover whole, which the decode engine maps read-only: a read
+ *     is then one memcpy.  A peer can map all of a memfd it holds, so an
+ *     allocation registered only in part is never handed out: it is read
+ *     the other way.
  *   - Cross-memory attach.  Any other memory is read with
  *     process_vm_readv(): one copy too, but the kernel pins pages as it
  *     goes, which costs about half of memcpy's bandwidth.
@@ -65,7 +68,8 @@ kvf_status_t kvf_shm_listen(uint64_t instance, int *fd_p);
 
 /* Prefill: the offer blob (pid, boot id, a probe address, the socket name,
  * the cookie that fetches the memfds, and the n registered buffers
- * [bases[i], +lens[i]), the only memory a decode engine will read).
+ * [bases[i], +lens[i]), the only memory a decode engine reads: it refuses
+ * any source outside them).
  * @return KVF_OK, KVF_ERR_NO_MEMORY, or KVF_ERR_UNSUPPORTED (no boot id,
  * no buffers). */
 kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
