@@ -10,6 +10,8 @@
  * reads the bytes with ucp_get_nbx from the prefill's memory straight into
  * its own.  Every byte that lands was asked for by the receiver, into memory
  * the receiver chose: whatever the sender claims, nothing lands elsewhere.
+ * A prefill engine makes that offer only where UCX confines its holder to
+ * the registered regions (RDMA; see "Remote-key bounds" below).
  *
  * Threads: the engine calls every function of one kvf_ucx_t (and of its
  * endpoints) from one thread at a time, under its own lock; the worker is
