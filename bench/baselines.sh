@@ -139,8 +139,9 @@ for i in $(seq "$REPEATS"); do
         note "ucx_perftest ucp_get / ucp_put_bw, UCX_TLS=tcp -e -s $UCX_MSG ($i/$REPEATS)"
         perftest ucp_get "$i"
         perftest ucp_put_bw "$i"
-        # One room in flight, as ucx_perftest runs one stream of gets.
-        UCX_TLS=tcp kvf ucx "$i" --transport ucx "${LLAMA[@]}" --pattern contiguous \
+        # One room in flight, as ucx_perftest runs one stream of gets.  UCX's
+        # tcp moves reads in software: offered only when allowed.
+        UCX_TLS=tcp KVF_UCX_SOFTWARE_RMA=allow kvf ucx "$i" --transport ucx "${LLAMA[@]}" --pattern contiguous \
             --concurrency 1 --requests 4
     fi
 done

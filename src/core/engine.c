@@ -519,7 +519,7 @@ static void start_movers(kvf_engine_t *eng)
     kvf_movers_check();
     for (int i = 0; kvf_movers[i] != NULL; i++) {
         const kvf_mover_ops_t *ops = kvf_movers[i];
-        char err[256] = "";
+        char err[512] = "";
         if (!kvf__engine_allows(eng, ops))
             continue;
         if (ops->create(&mp, &eng->movers[i], err, sizeof(err)) != KVF_OK) {

@@ -353,7 +353,7 @@ static int try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, int i, char *why,
     kvf_mover_t *mv = p->eng->movers[i];
     const kvf_wire_xport_t *o = find_offer(x, ops->name);
     if (o == NULL) {
-        snprintf(why, len, "the prefill engine does not offer it");
+        snprintf(why, len, "the prefill engine does not offer it; its log says why");
         return 0;
     }
     if (mv == NULL) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Judge one `kvferry demo --json --fault KIND@WHEN` run (fault_lib.sh).
 
-Usage: fault_check.py SPEC EXIT_STATUS AFTER_ROOMS JSON_FILE
+Usage: fault_check.py SPEC EXIT_STATUS AFTER_ROOMS JSON_FILE [TRANSPORT]
 
 The demo already judges itself (exit status, "ok", "problems"); this checks
 the failure model's promises again from the raw JSON, so that a demo bug
@@ -18,7 +18,9 @@ cannot hide an engine bug:
   - badaddr: the read outside the sender's memory was refused, and only
     the room it named failed (the demo's own check: untouched rooms
     succeed);
-  - every room of the fresh batch after the fault succeeded and verified.
+  - every room of the fresh batch after the fault succeeded and verified;
+  - the payload went over TRANSPORT, when given (a pair that quietly fell
+    back to tcp would test tcp twice).
 """
 import json
 import sys
@@ -65,6 +67,9 @@ def main():
     kind = spec.split("@")[0]
     victim_side = kind.split("-")[1] if kind.startswith(("kill-", "stop-")) else None
 
+    want = sys.argv[5] if len(sys.argv) > 5 else None
+    if want and want not in d["transport"].split("+"):
+        fail(spec, "asked for %s, but the payload went over %s" % (want, d["transport"]), d)
     if d.get("fault") != spec or not (d.get("fault_detail") or {}).get("injected"):
         fail(spec, "the fault was not injected", d)
     if d["unresolved"] != 0:

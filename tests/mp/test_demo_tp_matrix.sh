@@ -17,6 +17,7 @@ d = json.loads(sys.argv[1])
 what = " ".join(sys.argv[2:])
 assert d["succeeded"] == 3 and d["failed"] == 0 and d["unresolved"] == 0, (what, d["failures"][:2], d.get("problems"))
 assert d["verified"] is True, (what, d.get("problems"))
+assert sys.argv[4] in d["transport"].split("+"), (what, "payload over", d["transport"])
 print("ok: %s: 3 rooms verified over %s" % (what, d["transport"]))
 ' "$out" "$1" "TP $2 -> $3" "$4"
 }
@@ -25,6 +26,9 @@ transports="tcp shm"
 if "$KVFERRY" version | grep -q '^transports:.*ucx'; then
     transports="tcp shm ucx"
     export UCX_TLS=${UCX_TLS:-tcp}
+    # UCX's tcp moves reads in software, which a prefill engine refuses to
+    # offer unless told: allowed here, every process on loopback.
+    export KVF_UCX_SOFTWARE_RMA=${KVF_UCX_SOFTWARE_RMA:-allow}
 fi
 for t in $transports; do
     for pair in "1 1" "2 1" "4 1" "1 2" "1 4" "4 2" "2 4"; do

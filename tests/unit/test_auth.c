@@ -460,11 +460,14 @@ static void test_strangers_over_shm(void)
 static void test_strangers_over_ucx(void)
 {
 #ifdef KVF_HAVE_UCX
+    /* UCX's tcp moves reads in software: allowed here, loopback only. */
     setenv("UCX_TLS", "tcp", 1);
+    setenv("KVF_UCX_SOFTWARE_RMA", "allow", 1);
     transport = "ucx";
     stranger_case(stranger_no_token, 10);
     stranger_case(stranger_wrong_token, 2);
     transport = "tcp";
+    unsetenv("KVF_UCX_SOFTWARE_RMA");
 #else
     fprintf(stderr, "  (no UCX in this build: the ucx case is not run)\n");
 #endif
@@ -877,50 +880,78 @@ static void test_shm_handout_refusals_logged_once(void)
     transport = "tcp";
 }
 
-/* ---- what a remote key allows over UCX's tcp transport ------------------ */
+/* ---- what a ucx offer allows over UCX's tcp transport ------------------ */
 
 #ifdef KVF_HAVE_UCX
 #include <ucp/api/ucp.h>
 
+/* Wait for a UCX request of the test's own worker; @return its status. */
+static ucs_status_t ucx_wait(ucp_worker_h wk, ucs_status_ptr_t req)
+{
+    ucs_status_t st = UCS_PTR_IS_ERR(req) ? UCS_PTR_STATUS(req) : UCS_OK;
+    if (UCS_PTR_IS_PTR(req)) {
+        while ((st = ucp_request_check_status(req)) == UCS_INPROGRESS)
+            ucp_worker_progress(wk);
+        ucp_request_free(req);
+    }
+    return st;
+}
+
+/* The offer's region that is a KV buffer of pre (regions come sorted by
+ * address, so the first may be the aux buffer), or NULL. */
+static const uint8_t *kv_region(const side_t *pre, const uint8_t *blob, uint8_t **target_p)
+{
+    uint32_t alen = kvf_get_u32(blob + 4), nregs = kvf_get_u32(blob + 8 + alen);
+    const uint8_t *r = blob + 8 + alen + 4;
+    for (uint32_t i = 0; i < nregs; i++, r += 20 + kvf_get_u32(r + 16))
+        for (int b = 0; b < NKV; b++)
+            if ((uint64_t)(uintptr_t)pre->kv[b] == kvf_get_u64(r)) {
+                *target_p = pre->kv[b];
+                return r;
+            }
+    return NULL;
+}
+
 /*
- * Someone who has a prefill's ucx offer (a token holder, or whoever reads
- * the control stream on the wire: it is not encrypted) tries ucp_put with
- * its remote key.  Regions are registered remote-read-only; this records
- * what UCX over tcp makes of that, which docs/SECURITY.md states: it
- * emulates remote access in software and does not check, so the bytes land.
- * If this starts failing, UCX enforces the protection: update the doc.
+ * A token holder with a prefill's ucx offer, over UCX's tcp transport,
+ * where UCX emulates remote access in software: its active-message
+ * handlers copy from and to whatever address a request names, and tcp's
+ * remote key is empty (docs/SECURITY.md).  So the prefill engine does not
+ * offer ucx there: no worker address, no key.  With
+ * KVF_UCX_SOFTWARE_RMA=allow it does, and this records what that allows:
+ * a put into a KV buffer, and a get and a put of heap memory that no
+ * registered region covers (the engine runs in this process).  If the
+ * last two start failing, UCX enforces the bounds over tcp: update the doc.
  */
-static void test_ucx_rkey_put_over_tcp(void)
+static void test_ucx_software_rma(void)
 {
     side_t pre;
-    uint8_t blob[1 << 16];
+    static uint8_t blob[1 << 16];
     size_t len = 0;
     clear_env();
     setenv("UCX_TLS", "tcp", 1);
+    unsetenv("KVF_UCX_SOFTWARE_RMA");
     transport = "ucx";
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    CHECK(raw_offer_of(port_of(pre.eng), "alpha", KVF_WIRE_CAPS_NAME, blob, sizeof(blob),
+                       &len));   /* the offer came... */
+    CHECK(!raw_offer_of(port_of(pre.eng), "alpha", "ucx", blob, sizeof(blob), &len));
+    side_fini(&pre);             /* ...without ucx */
+
+    setenv("KVF_UCX_SOFTWARE_RMA", "allow", 1);
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
     transport = "tcp";
+    unsetenv("KVF_UCX_SOFTWARE_RMA");
     CHECK(raw_offer_of(port_of(pre.eng), "alpha", "ucx", blob, sizeof(blob), &len));
-    CHECK(len > 12);
-    /* The offer's region that is a KV buffer (regions come sorted by
-     * address, so the first may be the aux buffer). */
-    uint32_t alen = kvf_get_u32(blob + 4), nregs = kvf_get_u32(blob + 8 + alen);
-    const uint8_t *r = blob + 8 + alen + 4, *kv_r = NULL;
     uint8_t *target = NULL;
-    for (uint32_t i = 0; i < nregs && target == NULL; i++) {
-        for (int b = 0; b < NKV; b++)
-            if ((uint64_t)(uintptr_t)pre.kv[b] == kvf_get_u64(r)) {
-                target = pre.kv[b];
-                kv_r = r;
-            }
-        r += 20 + kvf_get_u32(r + 16);
-    }
-    CHECK(target != NULL);
-    if (target == NULL) {
+    const uint8_t *kv_r = len > 12 ? kv_region(&pre, blob, &target) : NULL;
+    CHECK(kv_r != NULL);
+    if (kv_r == NULL) {
         side_fini(&pre);
         return;
     }
-    uint64_t base = kvf_get_u64(kv_r);
+    uint8_t *secret = malloc(64);   /* heap of the prefill's process, unregistered */
+    memset(secret, 0x5e, 64);
 
     ucp_config_t *cfg;
     ucp_context_h ctx;
@@ -938,39 +969,35 @@ static void test_ucx_rkey_put_over_tcp(void)
                             .address = (const ucp_address_t *)(blob + 8)};
     CHECK(ucp_ep_create(wk, &ep_p, &ep) == UCS_OK);
     CHECK(ucp_ep_rkey_unpack(ep, kv_r + 20, &rkey) == UCS_OK);
-    static uint8_t evil[64];
+    static uint8_t evil[64], got[64];
     memset(evil, 0xee, sizeof(evil));
     ucp_request_param_t rp = {.op_attr_mask = 0};
-    ucs_status_ptr_t req = ucp_put_nbx(ep, evil, sizeof(evil), base, rkey, &rp);
-    ucs_status_t st = UCS_PTR_IS_ERR(req) ? UCS_PTR_STATUS(req) : UCS_OK;
-    if (UCS_PTR_IS_PTR(req)) {
-        while ((st = ucp_request_check_status(req)) == UCS_INPROGRESS)
-            ucp_worker_progress(wk);
-        ucp_request_free(req);
-    }
-    req = ucp_ep_flush_nbx(ep, &rp);
-    if (UCS_PTR_IS_PTR(req)) {
-        while (ucp_request_check_status(req) == UCS_INPROGRESS)
-            ucp_worker_progress(wk);
-        ucp_request_free(req);
-    }
+    ucs_status_t put = ucx_wait(wk, ucp_put_nbx(ep, evil, sizeof(evil),
+                                                kvf_get_u64(kv_r), rkey, &rp));
+    ucx_wait(wk, ucp_ep_flush_nbx(ep, &rp));
     int landed = memcmp(target, evil, sizeof(evil)) == 0;
-    fprintf(stderr, "  ucx over tcp: put with the offer's remote key: %s, bytes %s\n",
-            ucs_status_string(st), landed ? "landed (not enforced)" : "did not land");
+    ucs_status_t get = ucx_wait(wk, ucp_get_nbx(ep, got, sizeof(got),
+                                                (uint64_t)(uintptr_t)secret, rkey, &rp));
+    int read_out = get == UCS_OK && memcmp(got, secret, sizeof(got)) == 0;
+    ucx_wait(wk, ucp_put_nbx(ep, evil, sizeof(evil), (uint64_t)(uintptr_t)secret, rkey, &rp));
+    ucx_wait(wk, ucp_ep_flush_nbx(ep, &rp));
+    int wrote_out = memcmp(secret, evil, sizeof(evil)) == 0;
+    fprintf(stderr, "  ucx over tcp, allowed: put into a region: %s, %s; get outside every "
+            "region: %s; put outside: %s\n", ucs_status_string(put),
+            landed ? "landed" : "did not land", read_out ? "read" : "refused",
+            wrote_out ? "landed" : "did not land");
     CHECK(landed);
+    CHECK(read_out);
+    CHECK(wrote_out);
     ucp_rkey_destroy(rkey);
-    req = ucp_ep_close_nbx(ep, &rp);
-    if (UCS_PTR_IS_PTR(req)) {
-        while (ucp_request_check_status(req) == UCS_INPROGRESS)
-            ucp_worker_progress(wk);
-        ucp_request_free(req);
-    }
+    ucx_wait(wk, ucp_ep_close_nbx(ep, &rp));
     ucp_worker_destroy(wk);
     ucp_cleanup(ctx);
+    free(secret);
     side_fini(&pre);
 }
 #else
-static void test_ucx_rkey_put_over_tcp(void)
+static void test_ucx_software_rma(void)
 {
     fprintf(stderr, "  (no UCX in this build)\n");
 }
@@ -1124,7 +1151,7 @@ KVF_TEST_MAIN(
     KVF_CASE(test_shm_handout),
     KVF_CASE(test_shm_handout_refusals_logged_once),
     KVF_CASE(test_shm_memfds_cover_registered_only),
-    KVF_CASE(test_ucx_rkey_put_over_tcp),
+    KVF_CASE(test_ucx_software_rma),
     KVF_CASE(test_version1_peer),
     KVF_CASE(test_protected_mode),
     KVF_CASE(test_unauthenticated_flood_bounded)

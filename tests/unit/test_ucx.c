@@ -13,6 +13,15 @@
  * connect is refused (checked, then the case is skipped) and with sm,tcp
  * UCX moves the payload over tcp.
  *
+ * Remote-key bounds: a prefill engine offers ucx only where UCX confines
+ * a key's holder to the registered regions (RDMA).  The rule is checked
+ * against attributes as UCX reports them for an RDMA host and for mixes
+ * (this host has no RDMA NIC: every transport here is tcp, shared memory
+ * or self, none of which confines a peer), against what UCX reports here
+ * under each UCX_TLS, and end to end: an engine pair asked for ucx under
+ * UCX_TLS=tcp moves its room over tcp, bytes verified, and over ucx only
+ * with KVF_UCX_SOFTWARE_RMA=allow.
+ *
  * KVF_UCX_BENCH=1 adds a bandwidth figure for 4 MiB reads (no timing is
  * asserted): compare with `ucx_perftest -t ucp_get -s 4194304`.
  */
@@ -44,6 +53,9 @@ KVF_TEST_MAIN(KVF_CASE(test_skip))
 
 #else /* KVF_HAVE_UCX */
 
+#include <uct/api/uct.h>
+
+#include "unit/kvf_rooms.h"
 #include "util/time.h"
 
 #define MIB        (1024u * 1024u)
@@ -510,38 +522,366 @@ out:
     side_fini(&s);
 }
 
+/* ------------------------------------------------------ remote-key bounds */
+
+/* Attributes as UCT reports them (UCX 1.13's memory domains and interfaces,
+ * from its source): an InfiniBand HCA's memory domain packs an 8-byte key
+ * that the HCA checks; rc and dc read remote memory themselves, ud only
+ * sends messages; tcp's domain packs an empty key; cma needs none; posix
+ * cannot register the engine's buffers. */
+#define IB_MD  (UCT_MD_FLAG_REG | UCT_MD_FLAG_NEED_MEMH | UCT_MD_FLAG_NEED_RKEY | \
+                UCT_MD_FLAG_ADVISE)
+#define AM_IF  (UCT_IFACE_FLAG_AM_SHORT | UCT_IFACE_FLAG_AM_BCOPY | UCT_IFACE_FLAG_AM_ZCOPY)
+#define RC_IF  (AM_IF | UCT_IFACE_FLAG_PUT_SHORT | UCT_IFACE_FLAG_PUT_ZCOPY | \
+                UCT_IFACE_FLAG_GET_BCOPY | UCT_IFACE_FLAG_GET_ZCOPY)
+
+static kvf_ucx_tl_t tl(const char *tl, const char *dev, int type, int aux, uint64_t md,
+                       size_t rkey, uint64_t iface)
+{
+    kvf_ucx_tl_t t = {.dev_type = type, .aux = aux, .md_flags = md, .rkey_size = rkey,
+                      .iface_flags = iface};
+    snprintf(t.tl, sizeof(t.tl), "%s", tl);
+    snprintf(t.dev, sizeof(t.dev), "%s", dev);
+    return t;
+}
+
+#define RC      tl("rc_mlx5", "mlx5_0:1", UCT_DEVICE_TYPE_NET, 0, IB_MD, 8, RC_IF)
+#define DC      tl("dc_mlx5", "mlx5_1:1", UCT_DEVICE_TYPE_NET, 0, IB_MD, 8, RC_IF)
+#define UD_AUX  tl("ud_mlx5", "mlx5_0:1", UCT_DEVICE_TYPE_NET, 1, IB_MD, 8, AM_IF)
+#define UD      tl("ud_mlx5", "mlx5_0:1", UCT_DEVICE_TYPE_NET, 0, IB_MD, 8, AM_IF)
+#define TCP     tl("tcp", "eth0", UCT_DEVICE_TYPE_NET, 0, \
+                   UCT_MD_FLAG_REG | UCT_MD_FLAG_NEED_RKEY, 0, AM_IF | UCT_IFACE_FLAG_PUT_ZCOPY)
+#define CMA     tl("cma", "memory", UCT_DEVICE_TYPE_SHM, 0, UCT_MD_FLAG_REG, 0, 0)
+#define POSIX   tl("posix", "memory", UCT_DEVICE_TYPE_SHM, 0, \
+                   UCT_MD_FLAG_ALLOC | UCT_MD_FLAG_NEED_RKEY | UCT_MD_FLAG_RKEY_PTR, 24, 0)
+#define SELF    tl("self", "memory0", UCT_DEVICE_TYPE_SELF, 0, \
+                   UCT_MD_FLAG_REG | UCT_MD_FLAG_NEED_RKEY, 0, 0)
+#define CUDA    tl("cuda_copy", "cuda", UCT_DEVICE_TYPE_ACC, 0, \
+                   UCT_MD_FLAG_REG | UCT_MD_FLAG_ALLOC, 0, 0)
+
+#define VERDICT(why, ...) \
+    kvf_ucx_bounds_enforced((kvf_ucx_tl_t[]){__VA_ARGS__}, \
+                            sizeof((kvf_ucx_tl_t[]){__VA_ARGS__}) / sizeof(kvf_ucx_tl_t), \
+                            why, sizeof(why))
+
+/* The rule, on both sides of it (no RDMA NIC needed). */
+static void test_bounds_rule(void)
+{
+    char why[256];
+    /* UCX_TLS=rc or dc on an InfiniBand host (ud carries connection setup);
+     * self and accelerator copies are reached by this process alone. */
+    CHECK_EQ_INT(VERDICT(why, RC, UD_AUX), 1);
+    CHECK_EQ_INT(VERDICT(why, DC, UD_AUX), 1);
+    CHECK_EQ_INT(VERDICT(why, RC, UD_AUX, DC, SELF, CUDA), 1);
+
+    /* tcp beside RDMA: a peer with tcp only would get emulated gets. */
+    CHECK_EQ_INT(VERDICT(why, RC, UD_AUX, TCP), 0);
+    CHECK(strcmp(why, "tcp/eth0") == 0);
+    /* Shared memory beside RDMA. */
+    CHECK_EQ_INT(VERDICT(why, RC, UD_AUX, CMA, POSIX, SELF), 0);
+    CHECK(strcmp(why, "cma/memory, posix/memory") == 0);
+    /* ud alone moves every get in software. */
+    CHECK_EQ_INT(VERDICT(why, UD), 0);
+    CHECK_STR_CONTAINS(why, "ud_mlx5/mlx5_0:1");
+    /* What this host's UCX reports under UCX_TLS=tcp, sm and all. */
+    CHECK_EQ_INT(VERDICT(why, TCP), 0);
+    CHECK_EQ_INT(VERDICT(why, CMA, POSIX), 0);
+    CHECK_EQ_INT(VERDICT(why, SELF, TCP, POSIX, CMA), 0);
+    CHECK(strcmp(why, "tcp/eth0, posix/memory, cma/memory") == 0);
+
+    /* Nothing a peer can reach at all. */
+    CHECK_EQ_INT(VERDICT(why, SELF, CUDA), 0);
+    CHECK_STR_CONTAINS(why, "no network transport");
+    CHECK_EQ_INT(kvf_ucx_bounds_enforced(NULL, 0, why, sizeof(why)), 0);
+
+    /* Each attribute counts: an empty key, a memory domain that needs no
+     * key or cannot register, an interface UCT could not open (no flags),
+     * a device type UCT did not report. */
+    kvf_ucx_tl_t t = RC;
+    t.rkey_size = 0;
+    CHECK_EQ_INT(VERDICT(why, t, UD_AUX), 0);
+    t = RC;
+    t.md_flags &= ~(uint64_t)UCT_MD_FLAG_NEED_RKEY;
+    CHECK_EQ_INT(VERDICT(why, t, UD_AUX), 0);
+    t = RC;
+    t.md_flags &= ~(uint64_t)UCT_MD_FLAG_REG;
+    CHECK_EQ_INT(VERDICT(why, t, UD_AUX), 0);
+    t = RC;
+    t.iface_flags = 0;
+    CHECK_EQ_INT(VERDICT(why, t, UD_AUX), 0);
+    t = RC;
+    t.dev_type = -1;
+    CHECK_EQ_INT(VERDICT(why, t, UD_AUX), 0);
+    CHECK_STR_CONTAINS(why, "rc_mlx5/mlx5_0:1");
+
+    /* A long list: the reason is cut, never overrun. */
+    char small[12];
+    CHECK_EQ_INT(VERDICT(small, TCP, CMA, POSIX, TCP, CMA, POSIX), 0);
+    CHECK(strlen(small) < sizeof(small));
+}
+
+/* The transports of this context, as UCX and UCT report them. */
+static int list_tls(kvf_ucx_tl_t *tls, size_t *n, char *why, size_t whylen)
+{
+    kvf_ucx_t *u = NULL;
+    char err[512];
+    *n = 0;
+    CHECK_EQ_INT(kvf_ucx_create(&u, err, sizeof(err)), KVF_OK);
+    if (u == NULL)
+        return -1;
+    CHECK_EQ_INT(kvf_ucx_transports(u, tls, KVF_UCX_MAX_TLS, n, err, sizeof(err)), KVF_OK);
+    kvf_ucx_destroy(u);
+    return kvf_ucx_bounds_enforced(tls, *n, why, whylen);
+}
+
+static int is_tl(const kvf_ucx_tl_t *t, const char *name)
+{
+    return strcmp(t->tl, name) == 0;
+}
+
+/* What UCX reports here under this UCX_TLS: the attributes `ucx_info -d`
+ * shows for each transport, and the verdict they give. */
+static void case_reported(void)
+{
+    kvf_ucx_tl_t tls[KVF_UCX_MAX_TLS];
+    size_t n;
+    char why[256];
+    int enforced = list_tls(tls, &n, why, sizeof(why));
+    printf("  %zu transports; bounds %s%s\n", n, enforced ? "enforced" : "not enforced: ",
+           enforced ? "" : why);
+    CHECK(n > 0);
+    int unconfined = 0;   /* transports that cannot confine a peer */
+    const uint64_t gets = UCT_IFACE_FLAG_GET_SHORT | UCT_IFACE_FLAG_GET_BCOPY |
+                          UCT_IFACE_FLAG_GET_ZCOPY;
+    for (size_t i = 0; i < n; i++) {
+        const kvf_ucx_tl_t *t = &tls[i];
+        char name[64];
+        snprintf(name, sizeof(name), "%s/%s", t->tl, t->dev);
+        CHECK(t->dev_type >= 0);   /* UCT described every one */
+        if (is_tl(t, "tcp")) {     /* "remote key: 0 bytes", no get_* */
+            CHECK_EQ_INT(t->dev_type, UCT_DEVICE_TYPE_NET);
+            CHECK_EQ_INT(t->rkey_size, 0);
+            CHECK((t->iface_flags & UCT_IFACE_FLAG_AM_BCOPY) != 0);   /* it was asked */
+            CHECK((t->iface_flags & gets) == 0);
+        } else if (is_tl(t, "cma")) {
+            CHECK_EQ_INT(t->dev_type, UCT_DEVICE_TYPE_SHM);
+            CHECK((t->md_flags & UCT_MD_FLAG_NEED_RKEY) == 0);
+        } else if (is_tl(t, "posix") || is_tl(t, "sysv")) {
+            CHECK_EQ_INT(t->dev_type, UCT_DEVICE_TYPE_SHM);
+            CHECK((t->md_flags & UCT_MD_FLAG_REG) == 0);
+        } else if (is_tl(t, "self")) {
+            CHECK_EQ_INT(t->dev_type, UCT_DEVICE_TYPE_SELF);
+            CHECK(strstr(why, name) == NULL);
+            continue;
+        }
+        if (t->dev_type == UCT_DEVICE_TYPE_SHM || is_tl(t, "tcp")) {
+            unconfined++;
+            CHECK_STR_CONTAINS(why, name);
+        }
+    }
+    if (unconfined > 0)
+        CHECK_EQ_INT(enforced, 0);
+}
+
+/* The ucx mover of a prefill engine starts only where the bounds hold (or
+ * KVF_UCX_SOFTWARE_RMA=allow); a decode engine's always (it offers nothing). */
+static void case_mover(void)
+{
+    kvf_ucx_tl_t tls[KVF_UCX_MAX_TLS];
+    size_t n;
+    char why[256], err[512] = "";
+    int enforced = list_tls(tls, &n, why, sizeof(why));
+    static uint8_t buf[1 << 16];
+    void *bases[1] = {buf};
+    size_t lens[1] = {sizeof(buf)};
+    kvf_mem_kind_t kinds[1] = {KVF_MEM_HOST};
+    kvf_mover_params_t p = {.role = KVF_ROLE_PREFILL, .bases = bases, .lens = lens,
+                            .n = 1, .mem_kind = KVF_MEM_HOST, .kinds = kinds, .by_name = 1};
+    kvf_mover_t *m = NULL;
+
+    unsetenv("KVF_UCX_SOFTWARE_RMA");
+    kvf_status_t st = kvf_ucx_mover.create(&p, &m, err, sizeof(err));
+    if (enforced) {
+        CHECK_EQ_INT(st, KVF_OK);
+    } else {
+        printf("  prefill refused: %s\n", err);
+        CHECK_EQ_INT(st, KVF_ERR_UNSUPPORTED);
+        CHECK(m == NULL);
+        CHECK_STR_CONTAINS(err, why);   /* names the transports */
+        CHECK_STR_CONTAINS(err, "set UCX_TLS to RDMA transports only");
+        CHECK_STR_CONTAINS(err, "KVF_UCX_SOFTWARE_RMA=allow");
+        setenv("KVF_UCX_SOFTWARE_RMA", "yes", 1);   /* not the value: refused */
+        CHECK_EQ_INT(kvf_ucx_mover.create(&p, &m, err, sizeof(err)), KVF_ERR_UNSUPPORTED);
+        setenv("KVF_UCX_SOFTWARE_RMA", "allow", 1);
+        CHECK_EQ_INT(kvf_ucx_mover.create(&p, &m, err, sizeof(err)), KVF_OK);
+        unsetenv("KVF_UCX_SOFTWARE_RMA");
+    }
+    if (m != NULL) {
+        kvf_buf_t b;
+        kvf_buf_init(&b);
+        kvf_mover_peer_t who = {1, 2};
+        CHECK_EQ_INT(m->ops->pack(m, &who, &b), KVF_OK);
+        CHECK(b.len > 12);
+        kvf_buf_free(&b);
+        m->ops->destroy(m);
+    }
+    p.role = KVF_ROLE_DECODE;
+    m = NULL;
+    CHECK_EQ_INT(kvf_ucx_mover.create(&p, &m, err, sizeof(err)), KVF_OK);
+    if (m != NULL)
+        m->ops->destroy(m);
+}
+
+/* ---- an engine pair asked for ucx where UCX moves reads in software */
+
+#define E_LAYERS 2
+#define E_NKV    (2 * E_LAYERS)
+#define E_HEADS  2
+#define E_HEAD_B 64
+#define E_PAGE   4
+#define E_PAGES  32
+#define E_PAGE_B (E_PAGE * E_HEADS * E_HEAD_B)
+#define E_AUX_B  16
+
+typedef struct eside {
+    kvf_engine_t *eng;
+    uint8_t      *kv[E_NKV];
+    uint8_t      *aux;
+} eside_t;
+
+static void eside_init(eside_t *s, kvf_role_t role, const char *bs)
+{
+    kvf_engine_params_t p;
+    kvf_engine_params_init(&p);
+    p.role = role;
+    p.bootstrap_addr = bs;
+    p.host_bootstrap = role == KVF_ROLE_PREFILL;
+    p.bootstrap_timeout_ms = 5000;
+    p.transport = "ucx";
+    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
+    kvf_buffer_t kv[E_NKV];
+    for (int i = 0; i < E_NKV; i++) {
+        s->kv[i] = calloc(E_PAGES, E_PAGE_B);
+        for (size_t j = 0; role == KVF_ROLE_PREFILL && j < (size_t)E_PAGES * E_PAGE_B; j++)
+            s->kv[i][j] = pattern(j * 5 + (uint64_t)i);
+        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)E_PAGES * E_PAGE_B, E_PAGE_B};
+    }
+    s->aux = calloc(4, E_AUX_B);
+    kvf_buffer_t aux = {s->aux, 4 * E_AUX_B, E_AUX_B};
+    kvf_layout_t l;
+    kvf_layout_init(&l);
+    l.page_size = E_PAGE;
+    l.kv_dtype = "bfloat16";
+    l.num_layers = E_LAYERS;
+    l.heads_per_rank = l.total_heads = E_HEADS;
+    l.bytes_per_head = E_HEAD_B;
+    l.num_kv = E_NKV;
+    l.kv = kv;
+    l.num_aux = 1;
+    l.aux = &aux;
+    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
+}
+
+static void eside_fini(eside_t *s)
+{
+    kvf_engine_destroy(s->eng);
+    for (int i = 0; i < E_NKV; i++)
+        free(s->kv[i]);
+    free(s->aux);
+}
+
+/* One room between a prefill and a decode engine that both ask for ucx:
+ * every byte verified; the payload went over `want`. */
+static void pair_room(const char *want)
+{
+    eside_t pre, dec;
+    char bs[64];
+    eside_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0");
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    eside_init(&dec, KVF_ROLE_DECODE, NULL);
+    memcpy(pre.aux + E_AUX_B, "bounds-room-0007", E_AUX_B);
+
+    uint32_t src[5] = {3, 4, 5, 20, 9}, dst[5] = {30, 0, 1, 2, 17};
+    kvf_sender_t *s = NULL;
+    kvf_receiver_t *r = NULL;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 7, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 7, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, 5, 2, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 5, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src, 5, 1), KVF_OK);
+    wait_final(s, r);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
+    for (int b = 0; b < E_NKV; b++)
+        for (int i = 0; i < 5; i++)
+            CHECK(memcmp(dec.kv[b] + (size_t)dst[i] * E_PAGE_B,
+                         pre.kv[b] + (size_t)src[i] * E_PAGE_B, E_PAGE_B) == 0);
+    CHECK(memcmp(dec.aux + 2 * E_AUX_B, "bounds-room-0007", E_AUX_B) == 0);
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+
+    kvf_engine_stats_t st;
+    kvf_engine_stats(dec.eng, &st);
+    printf("  payload over %s\n", kvf_engine_transport(dec.eng));
+    CHECK(strcmp(kvf_engine_transport(dec.eng), want) == 0);
+    CHECK(strcmp(kvf_engine_transport(pre.eng), want) == 0);
+    CHECK_EQ_INT(st.peers_ucx, strcmp(want, "ucx") == 0);
+    CHECK_EQ_INT(st.peers_tcp, strcmp(want, "tcp") == 0);
+    CHECK_EQ_INT(st.rooms_succeeded, 1);
+    eside_fini(&dec);
+    eside_fini(&pre);
+}
+
+static void case_pair(void)
+{
+    kvf_ucx_tl_t tls[KVF_UCX_MAX_TLS];
+    size_t n;
+    char why[256];
+    CHECK_EQ_INT(list_tls(tls, &n, why, sizeof(why)), 0);   /* software here */
+    unsetenv("KVF_UCX_SOFTWARE_RMA");
+    pair_room("tcp");   /* no offer, no worker address, no key */
+    setenv("KVF_UCX_SOFTWARE_RMA", "allow", 1);
+    pair_room("ucx");   /* the same room over ucx, once allowed */
+    unsetenv("KVF_UCX_SOFTWARE_RMA");
+}
+
 /* Run fn in a forked runner with UCX_TLS=tls; its failures become ours. */
+static void run_under(void (*fn)(void), const char *name, const char *tls)
+{
+    printf("  -- %s, UCX_TLS=%s\n", name, tls);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        setenv("UCX_TLS", tls, 1);
+        alarm(RUN_MS / 1000);   /* the runner's own watchdog */
+        kvf_test_failures_ = 0;
+        fn();
+        fflush(stdout);
+        exit(kvf_test_failures_ ? 1 : 0);   /* leak check in sanitizer builds */
+    }
+    CHECK(pid > 0);
+    int status = 0;
+    uint64_t deadline = kvf_now_ms() + RUN_MS + 5000;
+    pid_t w;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && kvf_now_ms() < deadline)
+        usleep(10000);
+    if (w == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        fprintf(stderr, "  %s under UCX_TLS=%s failed (%s %d)\n", name, tls,
+                WIFEXITED(status) ? "exit" : "signal",
+                WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
 static void run_per_tls(void (*fn)(void), const char *name)
 {
     tls_init();
-    for (size_t t = 0; t < ntls; t++) {
-        printf("  -- %s, UCX_TLS=%s\n", name, tls_sets[t]);
-        fflush(stdout);
-        pid_t pid = fork();
-        if (pid == 0) {
-            setenv("UCX_TLS", tls_sets[t], 1);
-            alarm(RUN_MS / 1000);   /* the runner's own watchdog */
-            kvf_test_failures_ = 0;
-            fn();
-            fflush(stdout);
-            exit(kvf_test_failures_ ? 1 : 0);   /* leak check in sanitizer builds */
-        }
-        CHECK(pid > 0);
-        int status = 0;
-        uint64_t deadline = kvf_now_ms() + RUN_MS + 5000;
-        pid_t w;
-        while ((w = waitpid(pid, &status, WNOHANG)) == 0 && kvf_now_ms() < deadline)
-            usleep(10000);
-        if (w == 0) {
-            kill(pid, SIGKILL);
-            waitpid(pid, &status, 0);
-        }
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-            fprintf(stderr, "  %s under UCX_TLS=%s failed (%s %d)\n", name, tls_sets[t],
-                    WIFEXITED(status) ? "exit" : "signal",
-                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    }
+    for (size_t t = 0; t < ntls; t++)
+        run_under(fn, name, tls_sets[t]);
 }
 
 #define PER_TLS(fn) \
@@ -551,6 +891,15 @@ PER_TLS(refuse)
 PER_TLS(killed)
 PER_TLS(stopped)
 PER_TLS(bench)
+PER_TLS(reported)
+PER_TLS(mover)
+
+/* UCX_TLS=tcp: UCX emulates every get in software (with UCX_TLS=tcp set
+ * explicitly, whatever KVF_TEST_UCX_TLS says). */
+static void test_pair_software_rma(void)
+{
+    run_under(case_pair, "pair", "tcp");
+}
 
 static void test_available(void)
 {
@@ -558,6 +907,8 @@ static void test_available(void)
 }
 
 KVF_TEST_MAIN(KVF_CASE(test_available), KVF_CASE(test_scatter), KVF_CASE(test_refuse),
-              KVF_CASE(test_killed), KVF_CASE(test_stopped), KVF_CASE(test_bench))
+              KVF_CASE(test_killed), KVF_CASE(test_stopped), KVF_CASE(test_bench),
+              KVF_CASE(test_bounds_rule), KVF_CASE(test_reported), KVF_CASE(test_mover),
+              KVF_CASE(test_pair_software_rma))
 
 #endif /* KVF_HAVE_UCX */

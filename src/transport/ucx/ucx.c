@@ -32,6 +32,7 @@
 
 #include <ucp/api/ucp.h>
 
+#include "transport/ucx/bounds.h"
 #include "util/log.h"
 #include "util/region.h"
 #include "util/time.h"
@@ -283,6 +284,12 @@ void kvf_ucx_destroy(kvf_ucx_t *u)
     free(u);
 }
 
+kvf_status_t kvf_ucx_transports(const kvf_ucx_t *u, kvf_ucx_tl_t *tls, size_t max,
+                                size_t *n_p, char *err, size_t errlen)
+{
+    return kvf__ucx_list_tls(u->ctx, tls, max, n_p, err, errlen);
+}
+
 /* ----------------------------------------------------------- registration */
 
 kvf_status_t kvf_ucx_register(kvf_ucx_t *u, void *base, size_t len, kvf_mem_kind_t kind,
@@ -320,10 +327,12 @@ kvf_status_t kvf_ucx_register(kvf_ucx_t *u, void *base, size_t len, kvf_mem_kind
     }
 
     region_t r = {.base = (uint64_t)(uintptr_t)base, .len = len};
-    /* Peers read registered memory and never write it: remote keys grant
-     * remote read only, where the transport enforces it (RDMA NICs do; UCX
-     * over tcp emulates remote access in software and does not check,
-     * docs/SECURITY.md).  Only authenticated peers ever get a key. */
+    /* Peers read registered memory and never write it, so the key asks for
+     * remote read only; UCX does not honour that (it registers for every
+     * access its features need: an RDMA key also lets its holder write
+     * into the region, docs/SECURITY.md).  Only authenticated peers ever
+     * get a key, and a prefill engine offers keys only over transports
+     * that confine them to the region (bounds.c). */
     ucp_mem_map_params_t mp = {
         .field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                       UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE | UCP_MEM_MAP_PARAM_FIELD_PROT,
@@ -772,13 +781,16 @@ static kvf_status_t mv_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, ch
                               size_t errlen)
 {
     kvf_ucx_t *u;
-    if (p->by_name && !kvf_ucx_survives_peer_death())
-        kvf_warn("UCX %s can abort this process when a peer dies while UCX is still "
-                 "setting up its connection (fixed in UCX 1.14, openucx/ucx#8175); "
-                 "prefer UCX >= 1.14 for --transport ucx", kvf_ucx_version());
     kvf_status_t st = kvf_ucx_create(&u, err, errlen);
     if (st != KVF_OK)
         return st;
+    /* A prefill engine hands out its worker address and keys: not where UCX
+     * would let their holder past the registered regions. */
+    if (p->role == KVF_ROLE_PREFILL &&
+        (st = kvf__ucx_may_offer(u->ctx, err, errlen)) != KVF_OK) {
+        kvf_ucx_destroy(u);
+        return st;
+    }
     for (size_t i = 0; i < p->n; i++) {
         st = kvf_ucx_register(u, p->bases[i], p->lens[i], p->kinds[i], err, errlen);
         if (st != KVF_OK) {
@@ -786,6 +798,10 @@ static kvf_status_t mv_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, ch
             return st;
         }
     }
+    if (p->by_name && !kvf_ucx_survives_peer_death())
+        kvf_warn("UCX %s can abort this process when a peer dies while UCX is still "
+                 "setting up its connection (fixed in UCX 1.14, openucx/ucx#8175); "
+                 "prefer UCX >= 1.14 for --transport ucx", kvf_ucx_version());
     *m_p = &u->base;
     return KVF_OK;
 }

@@ -10,6 +10,8 @@
  * reads the bytes with ucp_get_nbx from the prefill's memory straight into
  * its own.  Every byte that lands was asked for by the receiver, into memory
  * the receiver chose: whatever the sender claims, nothing lands elsewhere.
+ * A prefill engine makes that offer only where UCX confines its holder to
+ * the registered regions (RDMA; see "Remote-key bounds" below).
  *
  * Threads: the engine calls every function of one kvf_ucx_t (and of its
  * endpoints) from one thread at a time, under its own lock; the worker is
@@ -172,6 +174,56 @@ kvf_status_t kvf_ucx_read(kvf_ucx_ep_t *ep, kvf_mover_read_t *rd, struct iovec *
 
 /* Stop the endpoint's oldest read if its deadline passed (every tick). */
 void         kvf_ucx_tick(kvf_ucx_ep_t *ep);
+
+/*
+ * Remote-key bounds (bounds.c).  A peer that holds a prefill engine's
+ * offer reaches its memory through whichever transport UCX uses, and only
+ * RDMA confines it to the registered regions: over tcp or shared memory
+ * UCX serves any address.  So a prefill engine's ucx mover starts only
+ * where UCX enforces the bounds on every transport a peer can reach it
+ * over (or KVF_UCX_SOFTWARE_RMA=allow says to go on anyway); the decode
+ * side of a pair whose prefill did not offer ucx uses tcp.
+ */
+
+/* One transport UCX selected for a context, and what UCX reports of it. */
+typedef struct kvf_ucx_tl {
+    char     tl[16], dev[40];   /* "rc_mlx5", "mlx5_0:1"; "tcp", "lo" */
+    int      md_index;          /* its memory domain in the context */
+    int      dev_type;          /* uct_device_type_t (UCT_DEVICE_TYPE_NET, _SHM, _ACC,
+                                 * _SELF); -1: UCT did not say */
+    int      aux;               /* UCX uses it only to set up connections */
+    uint64_t md_flags;          /* UCT_MD_FLAG_* of its memory domain */
+    size_t   rkey_size;         /* that domain's packed remote key, bytes */
+    uint64_t iface_flags;       /* UCT_IFACE_FLAG_* (network transports; else 0) */
+} kvf_ucx_tl_t;
+
+#define KVF_UCX_MAX_TLS 32
+
+/*
+ * The transports UCX selected for u (as ucp_context_print_info lists
+ * them), each with its device type, memory domain flags and key size, and
+ * for network transports the interface's capability flags (UCT opens each
+ * one, as `ucx_info -d` does).  At most max.
+ * @return KVF_OK and *n_p, or KVF_ERR_UNSUPPORTED / KVF_ERR_NO_MEMORY with
+ * why in err.
+ */
+kvf_status_t kvf_ucx_transports(const kvf_ucx_t *u, kvf_ucx_tl_t *tls, size_t max,
+                                size_t *n_p, char *err, size_t errlen);
+
+/*
+ * 1 when every transport in tls that a peer can reach (all but self and
+ * accelerator copies) is a network transport that reads remote memory in
+ * hardware (or only sets up connections) with a memory domain whose
+ * non-empty remote key the hardware checks, and there is at least one.
+ * Otherwise 0, and why lists the others ("tcp/eth0, tcp/lo").
+ */
+int          kvf_ucx_bounds_enforced(const kvf_ucx_tl_t *tls, size_t n, char *why,
+                                     size_t whylen);
+
+/* 1 when KVF_UCX_SOFTWARE_RMA=allow: offer ucx over transports that do not
+ * enforce the bounds (a value other than "allow" is warned about and
+ * ignored). */
+int          kvf_ucx_software_rma_allowed(void);
 
 #endif /* KVF_HAVE_UCX */
 
