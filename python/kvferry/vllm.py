@@ -26,6 +26,11 @@ ends every room on every rank in SUCCESS or FAILED with the root cause:
   ``get_block_ids_with_load_errors()`` (kvferry never lands part of a room),
   and the reason is logged.
 
+``kv_transfer_params`` come from the client's request, and the scheduler
+side runs in vLLM's engine core: they are judged once per request, in one
+place (``parse_params``), and a request whose params kvferry cannot use
+is prefilled locally, with one logged reason.
+
 The call sequence, invariants and NIXL behaviour this follows are in
 docs/VLLM.md.  The module imports without vLLM (it then defines small
 stand-ins for vLLM's base classes, with the same names and signatures) and
@@ -1000,7 +1005,7 @@ class KVFerryConnector(KVConnectorBase_V1):
                 # by kv_load_failure_policy) instead of waiting forever.
                 s.recvs[request.request_id] = RecvMeta(
                     local_block_ids=list(blocks.get_unhashed_block_ids()),
-                    remote_block_ids=[], remote_request_id="", remote_engine_id="",
+                    remote_block_ids=[], remote_request_id="?", remote_engine_id="P",
                     descriptors=[], room=0, instance=0,
                     refused="kvferry failed to set up its read (%s: %s)"
                     % (type(e).__name__, e))
