@@ -29,6 +29,7 @@ __all__ = ["parse_descriptor", "check_prefill_server"]
 MAX_CHARS = DESCRIPTOR_MAX - 1              # the library's buffer holds the NUL
 _FIELDS = ("id", "addr", "role", "tp", "pp", "dp", "page", "dtype", "attn", "heads")
 _COORD_MAX = {"tp": 4096, "pp": 1024, "dp": 65536}
+_WORDS = {"role": ("prefill", "decode"), "attn": ("mha", "mla")}
 _U32_MAX = 0xFFFFFFFF
 _HEADS_MAX = 65536
 _PRINTABLE = re.compile(r"[\x20-\x7e]*\Z")
@@ -105,9 +106,8 @@ def _field(name, v):
         return int(v, 16) or None       # 0 names no instance
     if name == "addr":
         return _addr(v)
-    if name == "role" or name == "attn":
-        return v if v in (("prefill", "decode") if name == "role" else ("mha", "mla")) \
-            else None
+    if name in _WORDS:
+        return v if v in _WORDS[name] else None
     if name in _COORD_MAX:
         return _coord(v, _COORD_MAX[name])
     if name == "page":
