@@ -1,20 +1,33 @@
 """Turning Python values into what the C API takes.
 
 Indices (pages, slots) become a ``uint32`` ctypes array; buffers become a
-``(base, length)`` pair plus the object that keeps the memory alive.  Every
+``(base, length)`` pair plus the object that keeps the memory alive; names
+(request ids, addresses) are checked as text the library can take.  Every
 check raises ``TypeError`` (wrong kind of object) or ``ValueError`` (a value
-that cannot be a ``uint32`` index) naming the argument and the offending
-element, so no bad value ever reaches the library.
+that cannot be a ``uint32`` index, a name with a control character) naming
+the argument and the offending element, so no bad value ever reaches the
+library.
 """
 import array
 import ctypes
 import operator
+import re
 import sys
 
 U32_MAX = 0xFFFFFFFF
 U64_MAX = 0xFFFFFFFFFFFFFFFF
 
 _INT_FORMATS = set("bBhHiIlLqQnN")
+# Characters no name the library takes may hold: C0 and C1 controls (NUL
+# ends a C string, a newline forges a log line) and lone surrogates
+# (not text: they have no UTF-8 form).
+_BAD_CHARS = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+# A registry address: a host name (at most 253 characters, the DNS limit)
+# or a numeric address, and a port.
+_HOSTNAME = re.compile(r"[A-Za-z0-9._-]{1,253}\Z")
+_IPV6 = re.compile(r"[0-9A-Fa-f:.]{2,45}\Z")
+_PORT = re.compile(r"[0-9]{1,5}\Z")
+ADDR_TEXT_MAX = 262                 # "[" IPv6 "]:" port, or a 253-character name and port
 _KINDS = ("a list or tuple of ints, an array.array or memoryview of integers, "
           "or a numpy integer array")
 
@@ -42,12 +55,27 @@ def _from_numpy(name, obj):
     return array.array("I", obj.astype(np.uint32).tobytes())
 
 
+def num_text(v):
+    """An int for a message: in full when short; Python cannot print one
+    past its digit limit at all."""
+    return str(v) if -10 ** 18 < v < 10 ** 18 else "a %d-bit integer" % v.bit_length()
+
+
+def _short(v):
+    """A value for a message: its repr, cut; its type when that fails."""
+    try:
+        text = repr(v)
+    except Exception:
+        return "a %s" % _describe(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _raise_range(name, pos, value):
     if value < 0:
-        raise ValueError("%s[%d] = %d is negative: page and slot indices are "
-                         "unsigned" % (name, pos, value))
-    raise ValueError("%s[%d] = %d does not fit in 32 bits (at most %d)"
-                     % (name, pos, value, U32_MAX))
+        raise ValueError("%s[%d] = %s is negative: page and slot indices are "
+                         "unsigned" % (name, pos, num_text(value)))
+    raise ValueError("%s[%d] = %s does not fit in 32 bits (at most %d)"
+                     % (name, pos, num_text(value), U32_MAX))
 
 
 def _from_sequence(name, seq):
@@ -64,8 +92,8 @@ def _from_sequence(name, seq):
         try:
             v = operator.index(v)
         except TypeError:
-            raise TypeError("%s[%d] is %r (%s): indices must be integers"
-                            % (name, pos, v, _describe(v))) from None
+            raise TypeError("%s[%d] is %s (%s): indices must be integers"
+                            % (name, pos, _short(v), _describe(v))) from None
         if v < 0 or v > U32_MAX:
             _raise_range(name, pos, v)
     # array('I') refuses numpy integer scalars: go through int().
@@ -120,13 +148,71 @@ def as_c_u32(arr):
                        ctypes.POINTER(ctypes.c_uint32))
 
 
+def _registered(limit, what):
+    return "(%d %s: %s)" % (limit, what, "valid indices are 0..%d" % (limit - 1)
+                            if limit else "there are none")
+
+
 def check_range(name, arr, limit, what):
-    """ValueError if an index of ``arr`` is ``>= limit`` (``limit`` items registered)."""
+    """ValueError if an index of ``arr`` is ``>= limit`` (``limit`` ``what``
+    registered, e.g. 64 "KV pages"), naming the first such index."""
     if len(arr) and max(arr) >= limit:
         pos = next(i for i, v in enumerate(arr) if v >= limit)
-        raise ValueError("%s[%d] = %d is outside the registered %s (%d items: "
-                         "valid indices are 0..%d)"
-                         % (name, pos, arr[pos], what, limit, limit - 1))
+        raise ValueError("%s[%d] = %d is outside the registered %s %s"
+                         % (name, pos, arr[pos], what, _registered(limit, what)))
+
+
+def check_index(name, value, limit, what):
+    """ValueError if the single index ``value`` is ``>= limit``."""
+    if value >= limit:
+        raise ValueError("%s = %d is outside the registered %s %s"
+                         % (name, value, what, _registered(limit, what)))
+
+
+def text_problem(value, max_bytes):
+    """Why ``value`` cannot be a name the library takes (a request id, an
+    address), as a phrase ("is empty"), or None when it can: a non-empty
+    ``str`` of at most ``max_bytes`` UTF-8 bytes, without control
+    characters or lone surrogates.  A subclass of str is not taken: its
+    methods are its own."""
+    if type(value) is not str:
+        return "is a %s, not a str" % _describe(value)
+    if not value:
+        return "is empty"
+    bad = _BAD_CHARS.search(value)
+    if bad is not None:
+        c = ord(bad.group())
+        return "holds %s U+%04X at position %d" % (
+            "a lone surrogate" if c >= 0xD800 else "the control character", c, bad.start())
+    # No more characters than bytes: a huge string is refused unencoded.
+    if len(value) > max_bytes or len(value.encode("utf-8")) > max_bytes:
+        return "is longer than %d bytes (UTF-8)" % max_bytes
+    return None
+
+
+def addr_problem(value):
+    """Why ``value`` cannot be a registry address ``"host:port"`` (a phrase),
+    or None: the host a name of letters, digits, '.', '-' and '_' or a
+    numeric address (IPv6 in brackets), the port 1..65535, as the library
+    splits it (kvf__split_addr).  Nothing else reaches the URL it builds."""
+    why = text_problem(value, ADDR_TEXT_MAX)
+    if why is not None:
+        return why
+    if value.startswith("["):
+        close = value.find("]")
+        if close < 0 or value[close + 1:close + 2] != ":":
+            return "is not '[IPv6 address]:port'"
+        host, port, ok = value[1:close], value[close + 2:], _IPV6.match(value[1:close])
+    else:
+        host, sep, port = value.partition(":")
+        if not sep or ":" in port:
+            return "is not 'host:port' (an IPv6 address goes in brackets: '[addr]:port')"
+        ok = _HOSTNAME.match(host)
+    if not ok:
+        return "has host %r, neither a host name nor a numeric address" % host[:64]
+    if not _PORT.match(port) or not 0 < int(port) <= 65535:
+        return "has port %r, not 1..65535" % port[:16]
+    return None
 
 
 def to_uint(name, value, bits=32):
@@ -139,7 +225,7 @@ def to_uint(name, value, bits=32):
         raise TypeError("%s must be an integer, got %s" % (name, _describe(value))) \
             from None
     if v < 0 or v >= (1 << bits):
-        raise ValueError("%s = %d is outside 0..%d" % (name, v, (1 << bits) - 1))
+        raise ValueError("%s = %s is outside 0..%d" % (name, num_text(v), (1 << bits) - 1))
     return v
 
 

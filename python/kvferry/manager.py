@@ -28,9 +28,16 @@ def room_key(request_id):
     (``kvf_room_key``): XXH3-128 of its UTF-8 bytes, the same on every host.
     A prefill holds the room under the instance (``KVSender.held``) and a
     decode names both (``KVReceiver.remote``): two ids whose rooms collide
-    differ in their instance, and the stranger is refused."""
+    differ in their instance, and the stranger is refused.  Raises
+    ``TypeError`` for another type and ``ValueError`` for a str without a
+    UTF-8 form (a lone surrogate)."""
     if isinstance(request_id, str):
-        b = request_id.encode("utf-8")
+        try:
+            b = request_id.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError("request_id holds a lone surrogate U+%04X at position %d: it "
+                             "has no UTF-8 form" % (ord(request_id[e.start]), e.start)) \
+                from None
     elif isinstance(request_id, (bytes, bytearray)):
         b = bytes(request_id)
     else:
@@ -498,13 +505,18 @@ def _str(name, v):
         raise TypeError("%s must be a str, got %s" % (name, type(v).__name__))
     if "\0" in v:
         raise ValueError("%s contains a NUL character" % name)
-    return v.encode()
+    try:
+        return v.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError("%s holds a lone surrogate at position %d: it has no UTF-8 form"
+                         % (name, e.start)) from None
 
 
 def _addr(name, v):
     b = _str(name, v)
     host, sep, port = v.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) \
+            or int(port) > 65535:
         raise ValueError("%s must be 'host:port', got %r" % (name, v))
     return b
 

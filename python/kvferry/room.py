@@ -12,7 +12,8 @@ import ctypes
 import weakref
 
 from . import _lib
-from ._convert import as_c_u32, check_range, to_u32_array, to_uint
+from ._convert import (addr_problem, as_c_u32, check_index, check_range, to_u32_array,
+                       to_uint)
 from ._lib import lib
 from .args import KVPoll
 from .errors import KVFerryStateError, KVTransferError, check
@@ -72,7 +73,7 @@ class _Room(_Closing):
             return 0
         aux = to_uint("aux_index", aux_index, 32)
         if self.mgr.num_aux_slots:
-            check_range("aux_index", [aux], self.mgr.num_aux_slots, "aux slots")
+            check_index("aux_index", aux, self.mgr.num_aux_slots, "aux slots")
         return aux
 
     def poll(self):
@@ -173,10 +174,7 @@ class KVSender(_Room):
                  pp_rank=None):
         addr = None
         if bootstrap_addr is not None:
-            if not isinstance(bootstrap_addr, str):
-                raise TypeError("bootstrap_addr must be a str 'host:port', got %s"
-                                % type(bootstrap_addr).__name__)
-            addr = bootstrap_addr.encode()
+            addr = _bootstrap_addr(bootstrap_addr).encode()
         self.bootstrap_addr = bootstrap_addr
         self.num_kv_indices = None
         self.curr_idx = 0
@@ -348,13 +346,7 @@ class KVReceiver(_Room):
     _role = _lib.ROLE_DECODE
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room, prefill_dp_rank=None):
-        if not isinstance(bootstrap_addr, str):
-            raise TypeError("bootstrap_addr must be a str 'host:port', got %s"
-                            % type(bootstrap_addr).__name__)
-        host, sep, port = bootstrap_addr.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError("bootstrap_addr must be 'host:port', got %r"
-                             % bootstrap_addr)
+        _bootstrap_addr(bootstrap_addr)
         dp = -1 if prefill_dp_rank is None else to_uint("prefill_dp_rank",
                                                         prefill_dp_rank, 31)
         self.bootstrap_addr = bootstrap_addr
@@ -390,9 +382,9 @@ class KVReceiver(_Room):
             if not isinstance(d, str):
                 raise TypeError("descriptors[%d] must be a str, got %s"
                                 % (i, type(d).__name__))
-            if "\0" in d or len(d) >= _lib.DESCRIPTOR_MAX:
-                raise ValueError("descriptors[%d] is not a kvferry descriptor (a NUL, "
-                                 "or longer than %d characters)"
+            if "\0" in d or len(d) >= _lib.DESCRIPTOR_MAX or not d.isascii():
+                raise ValueError("descriptors[%d] is not a kvferry descriptor (a NUL, a "
+                                 "non-ASCII character, or longer than %d characters)"
                                  % (i, _lib.DESCRIPTOR_MAX - 1))
             raw.append(d.encode())
         _lib.require("kvf_receiver_create_remote", "KVReceiver.remote")
@@ -491,9 +483,20 @@ class KVReceiver(_Room):
               "init is allowed once per room, with one state slot per state buffer")
 
 
+def _bootstrap_addr(v):
+    """``v`` when it is a registry address the library takes, else TypeError
+    (not a str) or ValueError saying what is wrong with it."""
+    if not isinstance(v, str):
+        raise TypeError("bootstrap_addr must be a str 'host:port', got %s" % type(v).__name__)
+    why = addr_problem(v)
+    if why is not None:
+        raise ValueError("bootstrap_addr %s (%r)" % (why, v[:80]))
+    return v
+
+
 def _check_distinct(pages):
     if len(set(pages)) != len(pages):
-        seen = set()
-        pos = next(i for i, v in enumerate(pages) if v in seen or seen.add(v))
-        raise ValueError("kv_indices[%d] = %d appears twice: decode pages must "
-                         "be distinct" % (pos, pages[pos]))
+        first = {}
+        pos = next(i for i, v in enumerate(pages) if first.setdefault(v, i) != i)
+        raise ValueError("kv_indices[%d] = %d appears twice (kv_indices[%d] too): decode "
+                         "pages must be distinct" % (pos, pages[pos], first[pages[pos]]))

@@ -44,6 +44,8 @@ import urllib.request
 from typing import List, Optional
 
 from . import _lib
+from ._convert import addr_problem, text_problem, to_uint
+from ._logquota import LogQuota
 from .args import KVArgs as _FerryArgs
 from .args import KVPoll as _Poll
 from .args import StateGroup
@@ -53,6 +55,8 @@ from .manager import BootstrapServer, KVManager
 from .room import KVReceiver, KVSender
 
 logger = logging.getLogger(__name__)
+# What a request's bootstrap_host can make this process log, kept to a quota.
+_quota = LogQuota(logger)
 
 __all__ = ["KVFerryKVManager", "KVFerryKVSender", "KVFerryKVReceiver",
            "KVFerryKVBootstrapServer", "KVPoll", "KVArgs", "StateType",
@@ -159,8 +163,50 @@ class PrefillServerInfo:
 
     @classmethod
     def from_json(cls, d):
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """The info of a registry's answer; ValueError naming the field when
+        it is not what a registry answers (SGLang's scheduler computes with
+        these fields).  Keys it does not know are skipped."""
+        if not isinstance(d, dict):
+            raise ValueError("the answer is a %s, not a JSON object" % type(d).__name__)
+        out = {}
+        for f in dataclasses.fields(cls):
+            if f.name in d:
+                why = _INFO_RULES[f.name](d[f.name])
+                if why is not None:
+                    raise ValueError("%s %s" % (f.name, why))
+                out[f.name] = d[f.name]
+        return cls(**out)
+
+
+def _whole(lo, hi, null=False):
+    """A rule for an integer field in lo..hi (or null)."""
+    def rule(v):
+        if v is None and null:
+            return None
+        if type(v) is not int or not lo <= v <= hi:
+            return "must be an integer in %d..%d%s, got %s" % (
+                lo, hi, " or null" if null else "",
+                v if type(v) is int and abs(v) < 10 ** 18 else "a %s" % type(v).__name__)
+        return None
+    return rule
+
+
+def _flag(v):
+    return None if type(v) is bool else "must be true or false, got a %s" % type(v).__name__
+
+
+def _dtype_name(v):
+    return None if v is None else text_problem(v, 64)
+
+
+# The registry's answer, field by field (the ranges its C side accepts).
+_INFO_RULES = {
+    "attn_tp_size": _whole(1, 4096), "attn_cp_size": _whole(1, 4096),
+    "dp_size": _whole(1, 65536), "pp_size": _whole(1, 1024),
+    "page_size": _whole(1, 0xFFFFFFFF, null=True), "kv_cache_dtype": _dtype_name,
+    "follow_bootstrap_room": _flag, "enable_dsa_cache_layer_split": _flag,
+    "prefill_http_port": _whole(1, 65535, null=True),
+}
 
 
 UNKNOWN_REASON = "Failed due to an unknown reason from another rank"
@@ -438,6 +484,10 @@ def _auth_headers():
     return {}
 
 
+# The longest registry answer read: its parallel info is a few hundred bytes.
+_HTTP_BODY_MAX = 64 * 1024
+
+
 def _http(method, url, body=None, timeout=5.0):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method,
@@ -445,7 +495,10 @@ def _http(method, url, body=None, timeout=5.0):
                                               **(_auth_headers() if method != "GET"
                                                  else {})))
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.status, r.read()
+        out = r.read(_HTTP_BODY_MAX + 1)
+        if len(out) > _HTTP_BODY_MAX:
+            raise ValueError("the answer is longer than %d bytes" % _HTTP_BODY_MAX)
+        return r.status, out
 
 
 # ---------------------------------------------------------------------------
@@ -518,6 +571,13 @@ class KVFerryKVManager(BaseKVManager):
         decode scheduler calls again on later steps."""
         if bootstrap_addr in self.prefill_info_table:
             return True
+        why = addr_problem(bootstrap_addr) if isinstance(bootstrap_addr, str) else \
+            "is a %s, not a str" % type(bootstrap_addr).__name__
+        if why is not None:
+            # SGLang gives up on the address after its retries.
+            _quota.log(logging.WARNING, "kvferry: prefill registry address %s %s; a request's "
+                       "bootstrap_host and port name it", _shown_arg(bootstrap_addr), why)
+            return False
         with self._lock:
             th = self._pending_info.get(bootstrap_addr)
             if th is None or not th.is_alive():
@@ -532,11 +592,16 @@ class KVFerryKVManager(BaseKVManager):
                "target_tp_rank=-1&target_pp_rank=-1" % addr)
         try:
             status, body = _http("GET", url)
-            if status == 200:
-                self.prefill_info_table[addr] = PrefillServerInfo.from_json(
-                    json.loads(body))
         except (OSError, ValueError) as e:
             logger.debug("kvferry: %s not ready: %s", url, e)
+            return
+        if status != 200:
+            return
+        try:
+            self.prefill_info_table[addr] = PrefillServerInfo.from_json(json.loads(body))
+        except (ValueError, RecursionError) as e:
+            _quota.log(logging.WARNING, "kvferry: the prefill registry at %s answered "
+                       "parallel info SGLang cannot use (%s); asked again later", addr, e)
 
     def _register_dp_rank(self, room):
         """POST /register_dp_rank, as SGLang's CommonKVSender does for
@@ -585,7 +650,7 @@ class _Room:
 
     def _setup(self, mgr, bootstrap_room):
         self.kv_mgr = mgr
-        self.bootstrap_room = int(bootstrap_room) if bootstrap_room is not None else None
+        self.bootstrap_room, self._room_why = _room_number(bootstrap_room)
         self.conclude_state = None
         self.init_time = time.time()
         self._h = None                   # the kvferry KVSender / KVReceiver
@@ -634,11 +699,13 @@ class _Room:
         """Raise the room's ``KVTransferError`` (SGLang calls it on every
         rank once the all-reduced poll is Failed).  A rank that saw the root
         cause raises it with ``is_from_another_rank=False``; one that learned
-        it from a peer raises the peer's reason with True; a rank whose own
-        room did not fail (another TP rank's did: the scheduler's all-reduce
-        told it) aborts its room and raises SGLang's "unknown reason from
-        another rank" with True.  Also clears the room, as SGLang's
-        backends do."""
+        it from a peer raises the peer's reason with True.  A rank whose own
+        room has not failed yet (the scheduler's all-reduce told it another
+        rank did) waits up to ``RELAY_WAIT_S`` for that rank's cause, which
+        reaches every rank of the request (docs/FAILURES.md), and raises it
+        with True; only if none comes does it fail its room and raise
+        SGLang's "unknown reason from another rank", saying what it waited
+        for.  Also clears the room, as SGLang's backends do."""
         if self._error is None:
             self._error = self._make_error()
         self.conclude_state = _Poll.Failed
@@ -724,6 +791,43 @@ def _refused(e):
     return "%s: %s" % (type(e).__name__, e)
 
 
+def _room_number(v):
+    """``(room, why)``: SGLang's ``bootstrap_room`` as a room number, or
+    None and why it cannot be one (the room then fails with that reason)."""
+    if v is None:
+        return None, None           # the binding names what is missing
+    try:
+        return to_uint("bootstrap_room", v, 64), None
+    except (TypeError, ValueError) as e:
+        return None, str(e)
+
+
+def _shown_arg(v):
+    """A scheduler's argument for a failure reason: short, one line."""
+    try:
+        return ascii(v)[:40]
+    except Exception:
+        return "a %s" % type(v).__name__
+
+
+def _state_lists(v):
+    """SGLang's ``state_indices`` (one entry per state type) as a list."""
+    if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+        raise TypeError("state_indices must be one entry per state type (a list of index "
+                        "lists or None), got a %s" % type(v).__name__)
+    return list(v)
+
+
+def _length(v):
+    """``len(v)`` (0 for None), or None for an object without one."""
+    if v is None:
+        return 0
+    try:
+        return len(v)
+    except Exception:
+        return None
+
+
 class KVFerryKVSender(_Room, BaseKVSender):
     """The prefill side of one request (SGLang's ``BaseKVSender``)."""
 
@@ -739,6 +843,10 @@ class KVFerryKVSender(_Room, BaseKVSender):
         self._prefix_popped = False
         self._dummy = mgr.is_dummy_cp_rank
         if self._dummy:
+            return
+        if self._room_why is not None:
+            self._fail_here("kvferry cannot open a room on prefill rank %d: %s"
+                            % (mgr.attn_tp_rank, self._room_why))
             return
         try:
             self._h = KVSender(mgr.engine, bootstrap_addr, self.bootstrap_room)
@@ -783,16 +891,23 @@ class KVFerryKVSender(_Room, BaseKVSender):
     def init(self, num_kv_indices, aux_index=None):
         """``num_kv_indices``: the PAGE count to send (0 on a full prefix
         hit); ``aux_index``: the metadata row."""
-        self.num_kv_indices = int(num_kv_indices)
         self.aux_index = aux_index
+        try:
+            self.num_kv_indices = to_uint("num_kv_indices", num_kv_indices, 32)
+        except (TypeError, ValueError) as e:
+            if self.conclude_state is None:
+                self._fail_here("KVSender.init refused on prefill rank %d: %s"
+                                % (self.kv_mgr.attn_tp_rank, _refused(e)))
+            return
         if self._h is None or self.conclude_state is not None:
             return
         try:
             self._h.init(self.num_kv_indices, aux_index)
         except (KVFerryError, ValueError, TypeError) as e:
             self._fail_here("KVSender.init(%s, %s) refused on prefill rank %d: %s"
-                            % (num_kv_indices, aux_index, self.kv_mgr.attn_tp_rank,
-                               _refused(e)), code=_lib.KVF_ERR_BAD_INDICES)
+                            % (self.num_kv_indices, _shown_arg(aux_index),
+                               self.kv_mgr.attn_tp_rank, _refused(e)),
+                            code=_lib.KVF_ERR_BAD_INDICES)
 
     def should_send_kv_chunk(self, num_pages, last_chunk):
         """SGLang asks before each chunk: pages to send, or the last chunk
@@ -805,7 +920,13 @@ class KVFerryKVSender(_Room, BaseKVSender):
         ``kv_args.state_types``, go with it).  Extra arguments of newer
         SGLang (``token_position_offset``, ``num_kv_tokens``) are accepted
         and unused.  Never raises for a failed room."""
-        n = len(kv_indices) if kv_indices is not None else 0
+        n = _length(kv_indices)
+        if n is None:
+            if self._h is not None and self.conclude_state is None:
+                self._fail_here("KVSender.send refused on prefill rank %d: kv_indices is a "
+                                "%s, not page indices" % (self.kv_mgr.attn_tp_rank,
+                                                          type(kv_indices).__name__))
+            return
         last = self.num_kv_indices is not None and self.curr_idx + n >= self.num_kv_indices
         self.curr_idx += n
         if self._dummy:
@@ -818,10 +939,10 @@ class KVFerryKVSender(_Room, BaseKVSender):
             self._fail_here("KVSender.send before init on prefill rank %d"
                             % self.kv_mgr.attn_tp_rank)
             return
-        states = None
-        if last and state_indices is not None and self.kv_mgr.engine.state_group_items:
-            states = list(state_indices)
         try:
+            states = None
+            if last and state_indices is not None and self.kv_mgr.engine.state_group_items:
+                states = _state_lists(state_indices)
             self._h.send([] if kv_indices is None else kv_indices, states, is_last=last)
         except (KVFerryError, ValueError, TypeError) as e:
             if self._h.poll() == _Poll.Failed:
@@ -855,6 +976,10 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
         if self._h is not None or self.conclude_state is not None:
             return
         self.prefill_dp_rank = prefill_dp_rank
+        if self._room_why is not None:
+            self._fail_here("kvferry cannot open a room on decode rank %d: %s"
+                            % (self.kv_mgr.attn_tp_rank, self._room_why))
+            return
         try:
             self._h = KVReceiver(self.kv_mgr.engine, self.bootstrap_addr,
                                  self.bootstrap_room, prefill_dp_rank)
@@ -873,15 +998,16 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
             return
         self._dest_given = True
         self.init_time = time.time()
-        states = list(state_indices) if state_indices is not None and \
-            self.kv_mgr.engine.state_group_items else None
         try:
+            states = _state_lists(state_indices) if state_indices is not None and \
+                self.kv_mgr.engine.state_group_items else None
             self._h.set_dest([] if kv_indices is None else kv_indices, aux_index, states,
                              decode_prefix_len or 0)
         except (KVFerryError, ValueError, TypeError, RuntimeError) as e:
-            self._fail_here("send_metadata(%d pages, aux %s) refused on decode rank %d: "
-                            "%s" % (len(kv_indices) if kv_indices is not None else 0,
-                                    aux_index, self.kv_mgr.attn_tp_rank, _refused(e)),
+            n = _length(kv_indices)
+            self._fail_here("send_metadata(%s pages, aux_index %s) refused on decode rank %d: "
+                            "%s" % ("?" if n is None else n, _shown_arg(aux_index),
+                                    self.kv_mgr.attn_tp_rank, _refused(e)),
                             code=_lib.KVF_ERR_BAD_INDICES)
 
     def poll(self):

@@ -26,6 +26,11 @@ ends every room on every rank in SUCCESS or FAILED with the root cause:
   ``get_block_ids_with_load_errors()`` (kvferry never lands part of a room),
   and the reason is logged.
 
+``kv_transfer_params`` come from the client's request, and the scheduler
+side runs in vLLM's engine core: they are judged once per request, in one
+place (``parse_params``), and a request whose params kvferry cannot use
+is prefilled locally, with one logged reason.
+
 The call sequence, invariants and NIXL behaviour this follows are in
 docs/VLLM.md.  The module imports without vLLM (it then defines small
 stand-ins for vLLM's base classes, with the same names and signatures) and
@@ -38,6 +43,10 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass
+
+from ._convert import U32_MAX, num_text, text_problem
+from ._descriptor import check_prefill_server, parse_descriptor
+from ._logquota import LogQuota
 
 try:  # pragma: no cover - vLLM is not installed where the tests run
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -129,7 +138,8 @@ except ImportError:
             return None
 
 __all__ = ["KVFerryConnector", "KVFerryConnectorMetadata", "KVFerryHandshakeMetadata",
-           "HoldMeta", "RecvMeta", "check_params", "kv_cache_layout"]
+           "HoldMeta", "RecvMeta", "RemotePrefill", "ParamsRefused", "parse_params",
+           "check_params", "kv_cache_layout"]
 
 # vLLM's default for how long P keeps unread blocks (VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
 DEFAULT_LEASE_S = 480
@@ -165,6 +175,7 @@ class RecvMeta:
     room: int
     instance: int
     report: bool = True             # False: only tells P it may free (no async load)
+    refused: str = ""               # why nothing can be read: its blocks are reported invalid
 
 
 class KVFerryConnectorMetadata(KVConnectorMetadata):
@@ -213,6 +224,10 @@ class _Config:
         self.producer = role in ("kv_producer", "kv_both")
         self.consumer = role in ("kv_consumer", "kv_both")
         self.engine_id = getattr(ktc, "engine_id", None) or str(uuid.uuid4())
+        why = text_problem(self.engine_id, ID_MAX_BYTES)
+        if why is not None:
+            raise ValueError("KVFerryConnector: kv_transfer_config.engine_id %s; decoders "
+                             "refuse such a remote_engine_id" % why)
         extra = dict(getattr(ktc, "kv_connector_extra_config", None) or {})
         self.extra = extra
         lease = extra.get("lease_s")
@@ -257,36 +272,157 @@ class _Config:
         return 0
 
 
-def check_params(params, num_prompt_tokens=None, block_size=None):
-    """Why D cannot read from these ``kv_transfer_params`` (a str), or None
-    when they are usable: P's keys must all be there, of the right types,
-    and P's blocks must cover the prompt."""
+# ---------------------------------------------------------------------------
+# kv_transfer_params: what a client hands D, checked in one place
+# ---------------------------------------------------------------------------
+
+# The longest request or engine id taken, in UTF-8 bytes: room for any id
+# vLLM makes (the client's id and vLLM's suffix), short enough for a log line.
+ID_MAX_BYTES = 1024
+# The most block ids taken: one prompt's blocks on P.  A million blocks is
+# 16M tokens at 16 tokens a block, past any model's context.
+MAX_BLOCK_IDS = 1 << 20
+# The most descriptors taken: one per rank of P, at most the library's TP.
+MAX_DESCRIPTORS = 4096
+_PREFILLED_HERE = "it is prefilled here, without KV transfer"
+
+
+class ParamsRefused(ValueError):
+    """``kv_transfer_params`` kvferry cannot use; the message names the
+    field and what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """What D reads, from ``kv_transfer_params`` that ``parse_params`` took."""
+    block_ids: tuple                # P's blocks of the prompt, in order
+    request_id: str                 # P's request id: the room
+    engine_id: str                  # P's engine id, for log lines
+    descriptors: tuple              # P's kvferry engine descriptors
+    room: int
+    instance: int
+
+
+def _kind(v):
+    return "null" if v is None else type(v).__name__
+
+
+def _shown(text, limit=200):
+    """A client's text for a log line: as it is when it is plain and short,
+    else escaped (``ascii``) and cut."""
+    if isinstance(text, str) and len(text) <= limit and text_problem(text, limit) is None:
+        return text
+    cut = text[:limit] if isinstance(text, str) else text
+    return ascii(cut) + ("..." if isinstance(text, str) and len(text) > limit else "")
+
+
+def _attr(obj, name):
+    """``obj.name``, or None when reading it fails."""
+    try:
+        return getattr(obj, name, None)
+    except Exception:
+        return None
+
+
+def _flag(params, key):
+    """A flag of ``params``: absent and null are false; else true or false."""
+    v = params.get(key)
+    if v is None or v is False:
+        return False
+    if v is True:
+        return True
+    raise ParamsRefused("%s must be true or false, got a %s" % (key, _kind(v)))
+
+
+def _name(params, key, what):
+    v = params.get(key)
+    why = text_problem(v, ID_MAX_BYTES) if v is not None else "is missing (or null)"
+    if why is not None:
+        raise ParamsRefused("%s (%s) %s" % (key, what, why))
+    return v
+
+
+def _block_ids(params, need):
+    v = params.get("remote_block_ids")
+    if type(v) not in (list, tuple) or not v:
+        raise ParamsRefused("remote_block_ids must be the non-empty list of P's block ids, "
+                            "got %s" % ("an empty list" if type(v) in (list, tuple)
+                                        else "a %s" % _kind(v)))
+    if len(v) > MAX_BLOCK_IDS:
+        raise ParamsRefused("remote_block_ids has %d entries, more than %d"
+                            % (len(v), MAX_BLOCK_IDS))
+    for i, b in enumerate(v):
+        if type(b) is not int:
+            raise ParamsRefused("remote_block_ids[%d] is a %s, not a block id (an integer)"
+                                % (i, _kind(b)))
+        if not 0 <= b <= U32_MAX:
+            raise ParamsRefused("remote_block_ids[%d] = %s is not a block id (0..%d)"
+                                % (i, num_text(b), U32_MAX))
+    if need is None:
+        return tuple(v)
+    if len(v) < need:
+        raise ParamsRefused("remote_block_ids has %d blocks but the prompt needs %d"
+                            % (len(v), need))
+    # P may hold blocks past the prompt's: D reads the prompt's.
+    return tuple(v[:need])
+
+
+def _descriptors(params):
+    v = params.get("kvferry_descriptors")
+    if type(v) not in (list, tuple) or not 0 < len(v) <= MAX_DESCRIPTORS:
+        raise ParamsRefused(
+            "kvferry_descriptors must be the list of P's kvferry engine descriptors, one per "
+            "rank, at most %d (did P run KVFerryConnector?); got %s" % (
+                MAX_DESCRIPTORS, "%d of them" % len(v) if type(v) in (list, tuple)
+                else "a %s" % _kind(v)))
+    parsed = []
+    for i, d in enumerate(v):
+        try:
+            parsed.append(parse_descriptor(d))
+        except (TypeError, ValueError) as e:
+            raise ParamsRefused("kvferry_descriptors[%d]: %s" % (i, e)) from None
+    try:
+        check_prefill_server(parsed)
+    except ValueError as e:
+        raise ParamsRefused("kvferry_descriptors: %s" % e) from None
+    tp = params.get("tp_size")
+    if type(tp) is not int or tp != len(v):
+        raise ParamsRefused("tp_size must be the number of descriptors, %d; got %s"
+                            % (len(v), num_text(tp) if type(tp) is int else "a %s" % _kind(tp)))
+    return tuple(v)
+
+
+def parse_params(params, num_prompt_tokens=None, block_size=None):
+    """What D reads from ``kv_transfer_params`` (a ``RemotePrefill``), or
+    ``ParamsRefused`` saying which field is wrong and how.  The one place
+    that reads P's fields (docs/VLLM.md lists the rules): each must be
+    there with its type, ids are text the library takes (UTF-8, no control
+    characters, at most ``ID_MAX_BYTES``), block ids fit 32 bits and cover
+    the prompt (given its tokens and ``block_size``; only the prompt's are
+    kept), and the descriptors are one prefill server's, every rank once,
+    each as the library reads it.  Nothing else of ``params`` is read."""
     if not isinstance(params, dict):
-        return "kv_transfer_params is not a dict"
-    blocks = params.get("remote_block_ids")
-    if not isinstance(blocks, list) or not blocks or not all(
-            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 1 << 32
-            for b in blocks):
-        return "remote_block_ids must be a non-empty list of block ids"
-    rid = params.get("remote_request_id")
-    if not isinstance(rid, str) or not rid:
-        return "remote_request_id must be P's request id (a non-empty str)"
-    eid = params.get("remote_engine_id")
-    if not isinstance(eid, str) or not eid:
-        return "remote_engine_id must be P's engine id (a non-empty str)"
-    descs = params.get("kvferry_descriptors")
-    if not isinstance(descs, list) or not descs or not all(
-            isinstance(d, str) and 0 < len(d) < 512 for d in descs):
-        return ("kvferry_descriptors must be the list of P's kvferry engine descriptors "
-                "(did P run KVFerryConnector?)")
-    tp = params.get("tp_size", 1)
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp != len(descs):
-        return "tp_size %r does not match the %d descriptors" % (tp, len(descs))
+        raise ParamsRefused("kv_transfer_params must be a JSON object (a dict), got a %s"
+                            % _kind(params))
+    need = None
     if num_prompt_tokens is not None and block_size:
         need = -(-num_prompt_tokens // block_size)
-        if len(blocks) < need:
-            return ("remote_block_ids has %d blocks but the prompt's %d tokens need %d "
-                    "blocks of %d" % (len(blocks), num_prompt_tokens, need, block_size))
+    blocks = _block_ids(params, need)
+    rid = _name(params, "remote_request_id", "P's request id")
+    eid = _name(params, "remote_engine_id", "P's engine id")
+    descs = _descriptors(params)
+    room, instance = _room_key(rid)
+    return RemotePrefill(block_ids=blocks, request_id=rid, engine_id=eid, descriptors=descs,
+                         room=room, instance=instance)
+
+
+def check_params(params, num_prompt_tokens=None, block_size=None):
+    """Why D cannot read from these ``kv_transfer_params`` (a str), or None
+    when they are usable (``parse_params``)."""
+    try:
+        parse_params(params, num_prompt_tokens, block_size)
+    except ParamsRefused as e:
+        return str(e)
     return None
 
 
@@ -295,32 +431,69 @@ def check_params(params, num_prompt_tokens=None, block_size=None):
 # ---------------------------------------------------------------------------
 
 class _Scheduler:
-    """Runs in vLLM's engine core: decides what the workers hold and read."""
+    """Runs in vLLM's engine core: decides what the workers hold and read.
+    A client's ``kv_transfer_params`` are judged once per request
+    (``_remote``); nothing read from them can raise into the engine core."""
 
     def __init__(self, cfg):
         self.cfg = cfg
         self.descriptors = None         # P TP rank -> descriptor, once workers told
         self.holds = {}                 # req_id -> HoldMeta, for the next step
         self.recvs = {}                 # req_id -> RecvMeta, for the next step
-        self.warned = set()
+        self.judged = {}                # req_id -> (params, RemotePrefill or None)
+        self.refused = set()            # req_ids whose refusal was logged
+        self.quota = LogQuota(logger)   # clients can repeat refusals at will
+        self.errors = LogQuota(logger)
 
-    def _invalid(self, request, why):
+    def _refuse(self, request, why):
+        """Log why a request's params were refused: once per request, within
+        the quota."""
         rid = request.request_id
-        if rid not in self.warned:
-            self.warned.add(rid)
-            logger.warning("KVFerryConnector: request %s: invalid kv_transfer_params (%s); "
-                           "it will be prefilled here, without KV transfer", rid, why)
+        if rid not in self.refused:
+            self.refused.add(rid)
+            self.quota.log(logging.WARNING, "KVFerryConnector: request %s: %s", _shown(rid),
+                           why)
 
     def _num_prompt(self, request):
         return len(getattr(request, "prompt_token_ids", None) or [])
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def _remote(self, request):
+        """``(asked, remote)``: whether the request's params ask D to read
+        P's KV (``do_remote_prefill``), and what to read, None when they are
+        refused (logged once).  The verdict holds until ``_done``."""
         params = getattr(request, "kv_transfer_params", None)
-        if not self.cfg.consumer or not params or not params.get("do_remote_prefill"):
+        if params is None:
+            return False, None
+        rid = request.request_id
+        seen = self.judged.get(rid)
+        if seen is not None and seen[0] is params:
+            return True, seen[1]
+        try:
+            if not isinstance(params, dict):
+                raise ParamsRefused("kv_transfer_params must be a JSON object (a dict), got "
+                                    "a %s" % _kind(params))
+            if not _flag(params, "do_remote_prefill"):
+                return False, None
+            remote = parse_params(params, self._num_prompt(request), self.cfg.block_size)
+        except ParamsRefused as e:
+            self._refuse(request, "kv_transfer_params refused: %s; %s" % (e, _PREFILLED_HERE))
+            remote = None
+        self.judged[rid] = (params, remote)
+        return True, remote
+
+    def _done(self, request):
+        """One transfer per request (NIXL does the same): the flag goes
+        down, so a second call and request_finished read nothing."""
+        params = request.kv_transfer_params
+        if isinstance(params, dict) and "do_remote_prefill" in params:
+            params["do_remote_prefill"] = False
+        self.judged.pop(request.request_id, None)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if not self.cfg.consumer:
             return 0, False
-        why = check_params(params, self._num_prompt(request), self.cfg.block_size)
-        if why is not None:
-            self._invalid(request, why)
+        _, remote = self._remote(request)
+        if remote is None:
             return 0, False
         count = self._num_prompt(request) - num_computed_tokens
         if count > 0:
@@ -328,25 +501,24 @@ class _Scheduler:
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        params = getattr(request, "kv_transfer_params", None)
-        if not self.cfg.consumer or not params or not params.get("do_remote_prefill"):
+        if not self.cfg.consumer:
             return
-        # One transfer per request (NIXL does the same): a second call, and
-        # request_finished, see the flag down.
-        params["do_remote_prefill"] = False
-        if check_params(params, self._num_prompt(request), self.cfg.block_size) is not None:
-            return                      # warned by get_num_new_matched_tokens
+        asked, remote = self._remote(request)
+        if not asked:
+            return
+        self._done(request)
+        if remote is None:
+            return                      # refused, and logged
         local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        self.recvs[request.request_id] = self._recv_meta(params, local, report=bool(local))
+        self.recvs[request.request_id] = self._recv_meta(remote, local, report=bool(local))
 
     @staticmethod
-    def _recv_meta(params, local, report):
-        room, instance = _room_key(params["remote_request_id"])
-        return RecvMeta(local_block_ids=local, remote_block_ids=list(params["remote_block_ids"]),
-                        remote_request_id=params["remote_request_id"],
-                        remote_engine_id=params["remote_engine_id"],
-                        descriptors=list(params["kvferry_descriptors"]), room=room,
-                        instance=instance, report=report)
+    def _recv_meta(remote, local, report):
+        return RecvMeta(local_block_ids=local, remote_block_ids=list(remote.block_ids),
+                        remote_request_id=remote.request_id,
+                        remote_engine_id=remote.engine_id,
+                        descriptors=list(remote.descriptors), room=remote.room,
+                        instance=remote.instance, report=report)
 
     def build_connector_meta(self, scheduler_output):
         meta = KVFerryConnectorMetadata()
@@ -355,20 +527,39 @@ class _Scheduler:
         return meta
 
     def request_finished(self, request, block_ids):
+        rid = request.request_id
+        try:
+            return self._finished(request, block_ids)
+        finally:
+            self.judged.pop(rid, None)
+            self.refused.discard(rid)
+
+    def _finished(self, request, block_ids):
         params = getattr(request, "kv_transfer_params", None)
         rid = request.request_id
-        self.warned.discard(rid)
-        if not params:
+        if params is None:
             return False, None
-        if params.get("do_remote_prefill") and self.cfg.consumer:
-            # D request that ended before its blocks were allocated: read
-            # nothing, but ask P's room with no pages, so that P frees now
-            # instead of at the end of its lease.
-            params["do_remote_prefill"] = False
-            if check_params(params) is None:
-                self.recvs[rid] = self._recv_meta(params, [], report=False)
+        if self.cfg.consumer:
+            asked, remote = self._remote(request)
+            if asked:
+                # D request that ended before its blocks were allocated: read
+                # nothing, but ask P's room with no pages, so that P frees now
+                # instead of at the end of its lease.
+                self._done(request)
+                if remote is not None:
+                    self.recvs[rid] = self._recv_meta(remote, [], report=False)
+                return False, None
+        if not self.cfg.producer:
             return False, None
-        if not params.get("do_remote_decode") or not self.cfg.producer:
+        try:
+            if not isinstance(params, dict):
+                raise ParamsRefused("kv_transfer_params must be a JSON object (a dict), got "
+                                    "a %s" % _kind(params))
+            if not _flag(params, "do_remote_decode"):
+                return False, None
+        except ParamsRefused as e:
+            self._refuse(request, "kv_transfer_params refused: %s; its KV is not handed to a "
+                         "decoder" % e)
             return False, None
         if _status_name(getattr(request, "status", None)) not in _HANDED_OFF:
             return False, None          # aborted (or failed): vLLM frees now
@@ -377,7 +568,12 @@ class _Scheduler:
         if self.descriptors is None:
             logger.error("KVFerryConnector: request %s: the workers' kvferry descriptors "
                          "never reached the scheduler (set_xfer_handshake_metadata); its KV "
-                         "is not handed to a decoder", rid)
+                         "is not handed to a decoder", _shown(rid))
+            return False, None
+        why = text_problem(rid, ID_MAX_BYTES)
+        if why is not None:
+            # The id names P's room, and D names it back (remote_request_id).
+            self._refuse(request, "its KV is not handed to a decoder: its request id %s" % why)
             return False, None
         room, instance = _room_key(rid)
         self.holds[rid] = HoldMeta(block_ids=list(block_ids), room=room, instance=instance)
@@ -402,7 +598,33 @@ class _Scheduler:
                          "expected %s: this instance cannot hand KV to decoders",
                          sorted(descs), want)
             return
+        # What a decoder's parse_params will check: refused here, no
+        # decoder could read this instance's KV.
+        try:
+            check_prefill_server([parse_descriptor(descs[r]) for r in want])
+        except (TypeError, ValueError) as e:
+            logger.error("KVFerryConnector: the workers' kvferry descriptors %s are not one "
+                         "prefill server's as a decoder reads them (%s): this instance "
+                         "cannot hand KV to decoders", [descs[r] for r in want], e)
+            return
         self.descriptors = [descs[r] for r in want]
+
+    def internal_error(self, request, where, final=False):
+        """A bug met while handling ``request`` in ``where``: logged with its
+        traceback (within the quota), and the request reads and hands off
+        nothing; ``final``: vLLM is done with it (request_finished)."""
+        rid, params = _attr(request, "request_id"), _attr(request, "kv_transfer_params")
+        self.errors.log(logging.ERROR, "KVFerryConnector: request %s: %s failed; the request "
+                        "goes on without KV transfer", _shown(rid), where, exc_info=True)
+        if not isinstance(rid, str):
+            return                      # no state is kept under it
+        self.holds.pop(rid, None)
+        self.recvs.pop(rid, None)
+        if final:
+            self.judged.pop(rid, None)
+            self.refused.discard(rid)
+        else:
+            self.judged[rid] = (params, None)
 
 
 # ---------------------------------------------------------------------------
@@ -583,16 +805,28 @@ class _Worker:
     # -- per step ---------------------------------------------------------
 
     def start(self, meta):
+        # A bug met with one request fails that request, not the worker.
         for rid, hold in meta.reqs_to_hold.items():
-            self._hold(rid, hold)
+            try:
+                self._hold(rid, hold)
+            except Exception as e:
+                logger.exception("KVFerryConnector: request %s: holding its blocks failed",
+                                 _shown(rid))
+                self.sending.setdefault(rid, "cannot hold its blocks: %s: %s"
+                                        % (type(e).__name__, e))
         for rid, rm in meta.reqs_to_recv.items():
-            self._recv(rid, rm)
+            try:
+                self._recv(rid, rm)
+            except Exception as e:
+                logger.exception("KVFerryConnector: request %s: reading its KV failed",
+                                 _shown(rid))
+                self.recving.setdefault(rid, ("%s: %s" % (type(e).__name__, e), rm))
 
     def _hold(self, rid, hold):
         import kvferry
         if rid in self.sending:
             logger.error("KVFerryConnector: request %s is held already; ignoring a second "
-                         "hold", rid)
+                         "hold", _shown(rid))
             return
         if self.prefill is None:
             self.sending[rid] = "this worker has no prefill engine (register_kv_caches)"
@@ -616,9 +850,12 @@ class _Worker:
         import kvferry
         if rid in self.recving:
             logger.error("KVFerryConnector: request %s is being read already; ignoring a "
-                         "second read", rid)
+                         "second read", _shown(rid))
             return
         local, remote = rm.local_block_ids, rm.remote_block_ids
+        if rm.refused:
+            self.recving[rid] = (rm.refused, rm)
+            return
         if self.decode is None:
             self.recving[rid] = ("this worker has no decode engine (register_kv_caches)", rm)
             return
@@ -656,14 +893,15 @@ class _Worker:
         sending, recving = set(), set()
         for rid, s in list(self.sending.items()):
             if isinstance(s, str):
-                logger.error("KVFerryConnector: request %s: %s; its blocks are freed", rid, s)
+                logger.error("KVFerryConnector: request %s: %s; its blocks are freed",
+                             _shown(rid), s)
             else:
                 st = s.poll()
                 if st not in (KVPoll.Success, KVPoll.Failed):
                     continue
                 if st == KVPoll.Failed:
                     logger.warning("KVFerryConnector: request %s: releasing the KV blocks held "
-                                   "for the decoder, which did not get them: %s", rid,
+                                   "for the decoder, which did not get them: %s", _shown(rid),
                                    self._reason(s))
                 s.close()
             del self.sending[rid]
@@ -682,7 +920,7 @@ class _Worker:
                 continue                # only told P to free; vLLM waits for nothing
             if why is not None:
                 logger.warning("KVFerryConnector: request %s: loading its KV from %s request "
-                               "%s failed, its %d blocks are reported invalid: %s", rid,
+                               "%s failed, its %d blocks are reported invalid: %s", _shown(rid),
                                rm.remote_engine_id, rm.remote_request_id,
                                len(rm.local_block_ids), why)
                 self.invalid.update(rm.local_block_ids)
@@ -743,17 +981,45 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     # -- scheduler side ---------------------------------------------------
 
+    # What a client's kv_transfer_params reach is checked first
+    # (parse_params); a bug met anyway is logged, and the request goes on
+    # without KV transfer instead of raising into vLLM's engine core.
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        s = self._sched()
+        try:
+            return s.get_num_new_matched_tokens(request, num_computed_tokens)
+        except Exception:
+            s.internal_error(request, "get_num_new_matched_tokens")
+            return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        return self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+        s = self._sched()
+        try:
+            return s.update_state_after_alloc(request, blocks, num_external_tokens)
+        except Exception as e:
+            s.internal_error(request, "update_state_after_alloc")
+            if num_external_tokens > 0:
+                # vLLM now waits for this request's load: the workers report
+                # its blocks invalid, so vLLM recomputes them (or fails it,
+                # by kv_load_failure_policy) instead of waiting forever.
+                s.recvs[request.request_id] = RecvMeta(
+                    local_block_ids=list(blocks.get_unhashed_block_ids()),
+                    remote_block_ids=[], remote_request_id="?", remote_engine_id="P",
+                    descriptors=[], room=0, instance=0,
+                    refused="kvferry failed to set up its read (%s: %s)"
+                    % (type(e).__name__, e))
 
     def build_connector_meta(self, scheduler_output):
         return self._sched().build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids):
-        return self._sched().request_finished(request, block_ids)
+        s = self._sched()
+        try:
+            return s.request_finished(request, block_ids)
+        except Exception:
+            s.internal_error(request, "request_finished", final=True)
+            return False, None
 
     def set_xfer_handshake_metadata(self, metadata):
         return self._sched().set_xfer_handshake_metadata(metadata)

@@ -45,6 +45,22 @@ def make_args(page_size=4, state=False, **engine):
     return a
 
 
+DESCRIPTOR_FIELDS = ("id", "addr", "role", "tp", "pp", "dp", "page", "dtype", "attn",
+                     "heads")
+
+
+def descriptor(rank=0, size=1, port=None, **change):
+    """A prefill engine's descriptor as kvf_engine_descriptor writes it (TP
+    rank ``rank`` of ``size``, on 127.0.0.1), with ``change`` replacing
+    fields (None drops one)."""
+    f = {"id": "%016x" % (0xC0FFEE00 + rank),
+         "addr": "127.0.0.1:%d" % (port or 41000 + rank), "role": "prefill",
+         "tp": "%d/%d" % (rank, size), "pp": "0/1", "dp": "0/1", "page": "4",
+         "dtype": "bfloat16", "attn": "mha", "heads": "2"}
+    f.update(change)
+    return "kvf1 " + " ".join("%s=%s" % kv for kv in f.items() if kv[1] is not None)
+
+
 def pattern(room, buf, i, n):
     """Bytes of page ``i`` of ``room`` in KV buffer ``buf`` (``buf`` "aux"/"state"
     for those records)."""

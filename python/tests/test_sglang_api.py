@@ -328,5 +328,187 @@ class Rooms(unittest.TestCase):
         self.assertEqual(cm.exception.failure_reason, S.ABORT_REASON)
 
 
+@unittest.skipUnless(NEW_API, "libkvferry lacks the two-phase receiver API")
+class HostileInputs(unittest.TestCase):
+    """What a request (bootstrap_host, bootstrap_port, bootstrap_room,
+    data_parallel_rank) and the scheduler (page indices, counts) hand the
+    backend, hostile: no call raises into SGLang's scheduler, the room
+    fails, and its KVTransferError says which argument and why."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.boot = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0)
+        cls.addr = "127.0.0.1:%d" % cls.boot.port
+        sa = server_args(cls.boot.port)
+        cls.pa, cls.da = kv_args("prefill", state=True), kv_args("decode", state=True)
+        cls.pm = S.KVFerryKVManager(cls.pa, S.DisaggregationMode.PREFILL, sa, False)
+        cls.dm = S.KVFerryKVManager(cls.da, S.DisaggregationMode.DECODE, sa, False)
+        cls.room = 5000
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.pm.teardown()
+        cls.dm.teardown()
+        cls.boot.close()
+
+    def next_room(self):
+        type(self).room += 1
+        return self.room
+
+    def reason(self, h):
+        self.assertEqual(h.poll(), S.KVPoll.Failed)
+        with self.assertRaises(S.KVTransferError) as cm:
+            h.failure_exception()
+        return cm.exception.failure_reason
+
+    def ready_receiver(self):
+        rx = S.KVFerryKVReceiver(self.dm, self.addr, self.next_room())
+        rx.init(0)
+        deadline = time.monotonic() + 20
+        while rx.poll() == S.KVPoll.Bootstrapping and time.monotonic() < deadline:
+            time.sleep(0.002)
+        self.assertEqual(rx.poll(), S.KVPoll.WaitingForInput)
+        return rx
+
+    def test_room_numbers(self):
+        cases = [("abc", "must be an integer, got str"), (-1, "bootstrap_room = -1 is outside"),
+                 (2 ** 64, "is outside 0..18446744073709551615"), (1.5, "got 1.5"),
+                 (float("nan"), "got nan"), (True, "got True"), ([1], "got list"),
+                 ("\ud800", "got str")]
+        for room, why in cases:
+            with self.subTest(room=ascii(room)):
+                rx = S.KVFerryKVReceiver(self.dm, self.addr, room)
+                self.assertEqual(rx.poll(), S.KVPoll.Bootstrapping)
+                rx.init(0)
+                self.assertIn(why, self.reason(rx))
+                tx = S.KVFerryKVSender(self.pm, self.addr, room, [0], 0)
+                tx.init(1, 0)
+                tx.send([1])
+                self.assertIn(why, self.reason(tx))
+
+    def test_registry_addresses(self):
+        cases = {"\ud800:8998": "lone surrogate U+D800", "10.0.0.1\x00:8998": "U+0000",
+                 "evil.example/x?y=:8998": "neither a host name", "host": "is not 'host:port'",
+                 "::1:8998": "IPv6 address goes in brackets", "h:0": "port '0'",
+                 "h:99999": "port '99999'", "h:8998\n": "U+000A", "h:٣": "port '٣'",
+                 "[::1:8998": "is not '[IPv6 address]:port'", "": "is empty",
+                 "a" * 300 + ":1": "longer than"}
+        for addr, why in cases.items():
+            with self.subTest(addr=ascii(addr)):
+                rx = S.KVFerryKVReceiver(self.dm, addr, self.next_room(), prefill_dp_rank=0)
+                self.assertIn(why, self.reason(rx))
+                tx = S.KVFerryKVSender(self.pm, addr, self.next_room(), [0], 0)
+                self.assertIn(why, self.reason(tx))
+                with self.assertLogs("kvferry.sglang", "WARNING") as logs:
+                    S._quota._start = None                  # a new quota window
+                    self.assertFalse(self.dm.try_ensure_parallel_info(addr))
+                self.assertIn(why, logs.output[0])
+                self.assertNotIn(addr, self.dm.prefill_info_table)
+
+    def test_prefill_dp_ranks(self):
+        for dp, why in {-1: "prefill_dp_rank = -1", 2 ** 40: "is outside 0..2147483647",
+                        "0": "got str", 0.5: "got 0.5"}.items():
+            with self.subTest(dp=dp):
+                rx = S.KVFerryKVReceiver(self.dm, self.addr, self.next_room())
+                rx.init(dp)
+                self.assertIn(why, self.reason(rx))
+
+    def test_destinations(self):
+        # A page past the pool, and other bad destinations, refused in the
+        # binding before the library: the room fails, with the index named.
+        cases = [
+            (([1, PAGES], 0), "kv_indices[1] = %d is outside the registered KV pages "
+             "(%d KV pages: valid indices are 0..%d)" % (PAGES, PAGES, PAGES - 1)),
+            (([2 ** 32], 0), "kv_indices[0] = 4294967296 does not fit in 32 bits"),
+            (([-1], 0), "kv_indices[0] = -1 is negative"),
+            (([1.0], 0), "kv_indices[0] is 1.0 (float)"),
+            (([[1]], 0), "kv_indices[0] is [1] (list)"),
+            (("1", 0), "kv_indices must be"),
+            ((5, 0), "kv_indices must be"),
+            (([1], 8), "aux_index = 8 is outside the registered aux slots (8 aux slots: "
+             "valid indices are 0..7)"),
+            (([1], -1), "aux_index = -1 is outside"),
+            (([1], None), "aux_index is required"),
+            (([1], 0, 7), "state_indices must be one entry per state type"),
+            (([1], 0, [[0]], -4), "decode_prefix_len = -4 is outside"),
+            (([1], 0, [[0]], float("nan")), "decode_prefix_len must be an integer"),
+        ]
+        for args, why in cases:
+            with self.subTest(args=ascii(args)):
+                rx = self.ready_receiver()
+                rx.send_metadata(*args)
+                reason = self.reason(rx)
+                self.assertIn(why, reason)
+                self.assertIn("refused on decode rank 0", reason)
+                rx.clear()
+
+    def test_sender_calls(self):
+        for call, why in [(lambda tx: tx.init("3", 0), "num_kv_indices must be an integer"),
+                          (lambda tx: tx.init(-1, 0), "num_kv_indices = -1 is outside"),
+                          (lambda tx: tx.init(float("inf"), 0), "got inf"),
+                          (lambda tx: (tx.init(2, 0), tx.send(7)), "kv_indices is a int"),
+                          (lambda tx: (tx.init(1, 0), tx.send([1], 5)), "KVSender.send"),
+                          (lambda tx: (tx.init(1, 0), tx.send([PAGES])), "outside the "
+                           "registered KV pages")]:
+            with self.subTest(why):
+                tx = S.KVFerryKVSender(self.pm, self.addr, self.next_room(), [0], 0)
+                call(tx)
+                self.assertIn(why, self.reason(tx))
+                tx.clear()
+
+    def test_registry_answers(self):
+        good = {"attn_tp_size": 2, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1,
+                "page_size": 16, "kv_cache_dtype": "auto", "follow_bootstrap_room": True,
+                "prefill_http_port": None, "later": [1]}
+        self.assertEqual(S.PrefillServerInfo.from_json(good).attn_tp_size, 2)
+        for change, why in [({"dp_size": 0}, "dp_size must be an integer in 1..65536, got 0"),
+                            ({"attn_tp_size": "2"}, "got a str"),
+                            ({"pp_size": True}, "got a bool"),
+                            ({"page_size": 2 ** 40}, "page_size must be"),
+                            ({"kv_cache_dtype": "\ud800"}, "lone surrogate"),
+                            ({"follow_bootstrap_room": 1}, "must be true or false"),
+                            ({"prefill_http_port": 70000}, "1..65535 or null")]:
+            with self.subTest(why), self.assertRaisesRegex(ValueError, why):
+                S.PrefillServerInfo.from_json(dict(good, **change))
+        for junk in ([1, 2], "x", None, 3):
+            with self.assertRaisesRegex(ValueError, "not a JSON object"):
+                S.PrefillServerInfo.from_json(junk)
+
+    def test_seeded_hostile_arguments(self):
+        """Hostile values (``_junk``) for every argument the scheduler hands a
+        room: nothing raises, and a refused room fails with a reason."""
+        import random
+        from _junk import Junk
+        seed = int(os.environ.get("KVF_FUZZ_SEED") or random.SystemRandom().randrange(2 ** 32))
+        rng = random.Random(seed)
+        junk = Junk(rng, python=True)       # what a scheduler could hand over
+        deadline = time.monotonic() + 10
+        for i in range(150):
+            if time.monotonic() > deadline:
+                break
+            where = "KVF_FUZZ_SEED=%d case %d" % (seed, i)
+            rx = self.ready_receiver()
+            args = [junk.value() if rng.random() < 0.5 else v
+                    for v in ([1, 2], 0, [[0]], 0)]
+            try:
+                rx.send_metadata(*args)
+                state = rx.poll()
+            except Exception as e:              # never into SGLang's scheduler
+                self.fail("%s: send_metadata raised %r" % (where, e))
+            if state == S.KVPoll.Failed:
+                self.assertIn("refused on decode rank 0", self.reason(rx), where)
+            rx.abort()
+            rx.clear()
+            tx = S.KVFerryKVSender(self.pm, self.addr, self.next_room(), [0], 0)
+            try:
+                tx.init(junk.value() if rng.random() < 0.5 else 2, junk.value())
+                tx.send(junk.value(), junk.value())
+                tx.poll()
+            except Exception as e:
+                self.fail("%s: a sender call raised %r" % (where, e))
+            tx.abort()
+            tx.clear()
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -19,7 +19,7 @@ import unittest
 
 import numpy as np
 
-from _util import Peer, kvferry
+from _util import Peer, descriptor, kvferry
 from kvferry import vllm as V
 
 TIMEOUT = 60.0
@@ -64,7 +64,7 @@ class SchedulerTest(unittest.TestCase):
     def setUp(self):
         self.c = V.KVFerryConnector(config(), V.KVConnectorRole.SCHEDULER)
         self.c.set_xfer_handshake_metadata(
-            {0: V.KVFerryHandshakeMetadata(tp_rank=0, descriptor="kvf1 stand-in")})
+            {0: V.KVFerryHandshakeMetadata(tp_rank=0, descriptor=descriptor())})
 
     def test_prefill_hands_off(self):
         r = request("p-1", 10, {"do_remote_decode": True, "do_remote_prefill": False})
@@ -74,7 +74,7 @@ class SchedulerTest(unittest.TestCase):
         self.assertTrue(delay)
         self.assertEqual(params["remote_block_ids"], [3, 4, 5])
         self.assertEqual(params["remote_request_id"], "p-1")
-        self.assertEqual(params["kvferry_descriptors"], ["kvf1 stand-in"])
+        self.assertEqual(params["kvferry_descriptors"], [descriptor()])
         self.assertEqual(params["tp_size"], 1)
         self.assertTrue(params["do_remote_prefill"])
         self.assertIsNone(V.check_params(params, 10, 4))
@@ -92,7 +92,7 @@ class SchedulerTest(unittest.TestCase):
     def test_no_descriptors_no_handoff(self):
         c = V.KVFerryConnector(config(tp=2), V.KVConnectorRole.SCHEDULER)
         c.set_xfer_handshake_metadata(
-            {0: V.KVFerryHandshakeMetadata(tp_rank=0, descriptor="kvf1 x")})  # rank 1 missing
+            {0: V.KVFerryHandshakeMetadata(tp_rank=0, descriptor=descriptor(0, 2))})  # no 1
         r = request("p-3", 4, {"do_remote_decode": True})
         self.assertEqual(c.request_finished(r, [1]), (False, None))
 
@@ -100,7 +100,7 @@ class SchedulerTest(unittest.TestCase):
         p = {"do_remote_prefill": True, "do_remote_decode": False,
              "remote_block_ids": [7, 8, 9], "remote_engine_id": "P",
              "remote_request_id": "p-1-abcd", "tp_size": 1,
-             "kvferry_descriptors": ["kvf1 x"]}
+             "kvferry_descriptors": [descriptor()]}
         p.update(change)
         return p
 
@@ -119,17 +119,156 @@ class SchedulerTest(unittest.TestCase):
         self.assertEqual(self.c.build_connector_meta(None).reqs_to_recv, {})
 
     def test_invalid_params_refused(self):
-        bad = [self.params(remote_block_ids=[]), self.params(remote_block_ids=[1, -2, 3]),
-               self.params(remote_request_id=17), self.params(remote_request_id=""),
-               self.params(kvferry_descriptors="kvf1 x"), self.params(tp_size=2),
-               self.params(remote_engine_id=None), self.params(remote_block_ids=[1, 2])]
-        for p in bad:
-            r = request("d-bad", 10, p)
-            with self.assertLogs("kvferry.vllm", "WARNING"):
-                self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (0, False))
-            self.c.update_state_after_alloc(r, _Blocks([1, 2, 3]), 0)
-            self.c.request_finished(r, [1, 2, 3])
+        # Each refused with one warning naming the field; every method the
+        # params reach goes on (no exception), and the request reads nothing.
+        long_id = "p" * (V.ID_MAX_BYTES + 1)
+        bad = {
+            "remote_block_ids must be the non-empty list": self.params(remote_block_ids=[]),
+            "remote_block_ids[1] = -2 is not a block id": self.params(
+                remote_block_ids=[1, -2, 3]),
+            "remote_block_ids[0] = a 73-bit integer": self.params(
+                remote_block_ids=[2 ** 72, 1, 2]),
+            "remote_block_ids[2] is a float": self.params(remote_block_ids=[1, 2, 3.0]),
+            "remote_block_ids[0] is a bool": self.params(remote_block_ids=[True, 2, 3]),
+            "has 2 blocks but the prompt needs 3": self.params(remote_block_ids=[1, 2]),
+            "remote_request_id (P's request id) is a int": self.params(remote_request_id=17),
+            "remote_request_id (P's request id) is empty": self.params(remote_request_id=""),
+            "holds a lone surrogate U+D800 at position 0": self.params(
+                remote_request_id="\ud800"),
+            "holds the control character U+0000 at position 3": self.params(
+                remote_request_id="p-1\x00x"),
+            "holds the control character U+000A": self.params(remote_engine_id="P\nforged"),
+            "is longer than %d bytes" % V.ID_MAX_BYTES: self.params(remote_request_id=long_id),
+            "remote_engine_id (P's engine id) is missing": self.params(remote_engine_id=None),
+            "kvferry_descriptors must be the list": self.params(
+                kvferry_descriptors=descriptor()),
+            "kvferry_descriptors[0]: field tp='1/1' is not valid": self.params(
+                kvferry_descriptors=[descriptor(tp="1/1")]),
+            "kvferry_descriptors[0]: character U+D800": self.params(
+                kvferry_descriptors=[descriptor() + "\ud800"]),
+            "kvferry_descriptors[0]: a descriptor must be a str": self.params(
+                kvferry_descriptors=[["kvf1"]]),
+            "descriptor 0 is a decode engine's": self.params(
+                kvferry_descriptors=[descriptor(role="decode")]),
+            "1 descriptors for a prefill server of TP 2 x PP 1": self.params(
+                kvferry_descriptors=[descriptor(0, 2)]),
+            "descriptors 0 and 1 both name prefill rank tp 0": self.params(
+                kvferry_descriptors=[descriptor(), descriptor(id="%016x" % 9)], tp_size=2),
+            "tp_size must be the number of descriptors, 1; got 2": self.params(tp_size=2),
+            "tp_size must be the number of descriptors, 1; got a str": self.params(
+                tp_size="1"),
+            "do_remote_prefill must be true or false, got a str": self.params(
+                do_remote_prefill="yes"),
+            "kv_transfer_params must be a JSON object (a dict), got a list": [1, 2],
+        }
+        for i, (why, p) in enumerate(bad.items()):
+            with self.subTest(why):
+                self.c._scheduler.quota._start = None      # a new quota window
+                r = request("d-bad-%d" % i, 10, p)
+                with self.assertLogs("kvferry.vllm", "WARNING") as logs:
+                    self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (0, False))
+                    self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (0, False))
+                    self.c.update_state_after_alloc(r, _Blocks([1, 2, 3]), 0)
+                    self.assertEqual(self.c.request_finished(r, [1, 2, 3]), (False, None))
+                self.assertEqual(len(logs.output), 1, logs.output)    # once per request
+                self.assertIn(why, logs.output[0])
+                self.assertIn("prefilled here", logs.output[0])
         self.assertEqual(self.c.build_connector_meta(None).reqs_to_recv, {})
+        s = self.c._scheduler
+        self.assertEqual((s.judged, s.refused), ({}, set()))
+
+    def test_the_prompts_blocks_are_read(self):
+        # P may hold blocks past the prompt's (10 tokens: 3 blocks of 4).
+        r = request("d-more", 10, self.params(remote_block_ids=[7, 8, 9, 10, 11]))
+        self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (10, True))
+        self.c.update_state_after_alloc(r, _Blocks([20, 21, 22]), 10)
+        rm = self.c.build_connector_meta(None).reqs_to_recv["d-more"]
+        self.assertEqual((rm.local_block_ids, rm.remote_block_ids), ([20, 21, 22], [7, 8, 9]))
+
+    def test_prefill_id_refused(self):
+        # P's request id names its room, and D names it back: one the
+        # library cannot take is not handed off, and vLLM frees its blocks.
+        for rid in ("p-\ud800", "p-\x00", "p" * (V.ID_MAX_BYTES + 1)):
+            r = request(rid, 10, {"do_remote_decode": True})
+            with self.assertLogs("kvferry.vllm", "WARNING") as logs:
+                self.assertEqual(self.c.request_finished(r, [1, 2, 3]), (False, None))
+            self.assertIn("its KV is not handed to a decoder: its request id", logs.output[0])
+            self.assertNotIn(rid, logs.output[0])                 # escaped in the log
+        r = request("p-flag", 10, {"do_remote_decode": "yes"})
+        with self.assertLogs("kvferry.vllm", "WARNING") as logs:
+            self.assertEqual(self.c.request_finished(r, [1, 2, 3]), (False, None))
+        self.assertIn("do_remote_decode must be true or false", logs.output[0])
+        self.assertEqual(self.c.build_connector_meta(None).reqs_to_hold, {})
+
+    def test_refusals_logged_within_a_quota(self):
+        now = [0.0]
+        q = self.c._scheduler.quota
+        q._clock = lambda: now[0]
+        q._start = None
+        with self.assertLogs("kvferry.vllm", "WARNING") as logs:
+            for i in range(q.burst + 5):
+                r = request("d-flood-%d" % i, 10, self.params(remote_request_id=""))
+                self.c.get_num_new_matched_tokens(r, 0)
+                self.c.request_finished(r, [])
+            now[0] += q.window_s
+            r = request("d-flood-last", 10, self.params(remote_request_id=""))
+            self.c.get_num_new_matched_tokens(r, 0)
+        self.assertEqual(len(logs.output), q.burst + 1, logs.output)
+        self.assertIn("and 5 more like it", logs.output[-1])
+        self.assertIn("d-flood-last", logs.output[-1])
+
+    def test_descriptors_a_decoder_refuses_are_not_handed_off(self):
+        c = V.KVFerryConnector(config(), V.KVConnectorRole.SCHEDULER)
+        with self.assertLogs("kvferry.vllm", "ERROR") as logs:
+            c.set_xfer_handshake_metadata(
+                {0: V.KVFerryHandshakeMetadata(tp_rank=0, descriptor="kvf1 stand-in")})
+        self.assertIn("cannot hand KV to decoders", logs.output[0])
+        self.assertEqual(c.request_finished(request("p-4", 4, {"do_remote_decode": True}),
+                                            [1]), (False, None))
+
+    def test_a_bug_never_reaches_vllm(self):
+        # What the connector cannot foresee is logged with its traceback,
+        # and the request goes on without KV transfer.
+        class Broken:
+            request_id = "d-broken"
+            prompt_token_ids = list(range(10))
+
+            @property
+            def kv_transfer_params(self):
+                raise RuntimeError("a broken request")
+        with self.assertLogs("kvferry.vllm", "ERROR") as logs:
+            self.assertEqual(self.c.get_num_new_matched_tokens(Broken(), 0), (0, False))
+            self.c.update_state_after_alloc(Broken(), _Blocks([1]), 0)
+            self.assertEqual(self.c.request_finished(Broken(), [1]), (False, None))
+        self.assertIn("RuntimeError: a broken request", "\n".join(logs.output))
+        s = self.c._scheduler
+        self.assertEqual((s.judged, s.recvs, s.holds), ({}, {}, {}))
+
+    def test_a_bug_after_the_promise_reports_the_blocks(self):
+        # Once get_num_new_matched_tokens promised a load, vLLM waits for it:
+        # a bug setting up the read must still end it, with every block
+        # reported invalid (vLLM recomputes them or fails the request).
+        r = request("d-late", 10, self.params())
+        self.assertEqual(self.c.get_num_new_matched_tokens(r, 0), (10, True))
+        s = self.c._scheduler
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a bug")
+        s._recv_meta = broken
+        with self.assertLogs("kvferry.vllm", "ERROR"):
+            self.c.update_state_after_alloc(r, _Blocks([4, 5, 6]), 10)
+        rm = self.c.build_connector_meta(None).reqs_to_recv["d-late"]
+        self.assertEqual((rm.local_block_ids, rm.report), ([4, 5, 6], True))
+        self.assertIn("RuntimeError: a bug", rm.refused)
+        w = V.KVFerryConnector(config(extra={"tp_rank": 0}), V.KVConnectorRole.WORKER)
+        self.addCleanup(w.shutdown)
+        meta = V.KVFerryConnectorMetadata()
+        meta.reqs_to_recv = {"d-late": rm}
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        with self.assertLogs("kvferry.vllm", "WARNING"):
+            self.assertEqual(w.get_finished(set()), (set(), {"d-late"}))
+        self.assertEqual(w.get_block_ids_with_load_errors(), {4, 5, 6})
 
     def test_decode_aborted_before_alloc_releases_p(self):
         r = request("d-2", 10, self.params(), status="FINISHED_ABORTED")
