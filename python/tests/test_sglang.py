@@ -273,16 +273,20 @@ class SGLangScheduler(unittest.TestCase):
 
     def test_abort_in_prealloc_queue(self):
         """AbortReq on decode while the room waits for pages: both decode
-        ranks fail it as aborted here, both prefill ranks from another rank;
-        the other room succeeds."""
+        ranks fail it as aborted (each got the AbortReq; the one that heard
+        its sibling's abort first says it learned it from another rank),
+        both prefill ranks from another rank; the other room succeeds."""
         reqs = [{"room": ROOM, "tokens": 12, "abort": True},
                 {"room": ROOM + 1, "tokens": 12}]
         res = self.run_cluster(reqs, chunk=8)
         self.assertAllSucceeded(res, [ROOM + 1])
+        own = 0
         for rank in (("decode", 0), ("decode", 1)):
             r = res[rank][ROOM]
-            self.assertEqual((r["state"], r["reason"], r["from_another_rank"]),
-                             ("Failed", S.ABORT_REASON, False), (rank, r))
+            self.assertEqual((r["state"], r["reason"]), ("Failed", S.ABORT_REASON),
+                             (rank, r))
+            own += not r["from_another_rank"]
+        self.assertGreaterEqual(own, 1, res)
         for rank in (("prefill", 0), ("prefill", 1)):
             r = res[rank][ROOM]
             self.assertEqual(r["state"], "Failed", (rank, r))

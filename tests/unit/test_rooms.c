@@ -746,6 +746,103 @@ static void test_sender_takes_only_its_peer_and_instance(void)
     side_fini(&pre);
 }
 
+static kvf_msg_t watch_req(uint64_t room, uint64_t inst, uint32_t rank)
+{
+    kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
+    m.u.room_req.room = room;
+    m.u.room_req.instance = inst;
+    m.u.room_req.dst_rank = rank;
+    m.u.room_req.aux_slot = UINT32_MAX;
+    m.u.room_req.flags = KVF_REQ_WATCH;
+    return m;
+}
+
+/* Until room `id` of eng holds n watches (5 s at most). */
+static int wait_watches(kvf_engine_t *eng, uint64_t id, uint32_t n)
+{
+    for (int i = 0; i < 5000; i++) {
+        kvf__lock(eng);
+        const kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, id);
+        uint32_t have = r != NULL ? r->nwatch : 0;
+        kvf__unlock(eng);
+        if (have == n)
+            return 1;
+        sleep_ms(1);
+    }
+    return 0;
+}
+
+/* E's next FAIL for `room` names `inst` with `st`. */
+static int told_fail(fake_t *e, uint64_t room, uint64_t inst, kvf_status_t st)
+{
+    kvf_msg_t got;
+    return fake_expect(e, KVF_MSG_FAIL, &got) && got.u.fail.room == room &&
+           got.u.fail.instance == inst && got.u.fail.status == st;
+}
+
+/*
+ * A watch (a sibling's ROOM_REQ, docs/PROTOCOL.md) binds like a
+ * destination, so a token holder cannot fail a bound room through one.
+ * Room 11: D binds decode rank 0; E's watch for that rank is refused
+ * (ROOM_CONFLICT, told), as is one naming a rank that is not E's own, and
+ * E's FAIL naming its watch is dropped.  Room 12: E watches first, as rank
+ * 0; D's destination for rank 0 takes its place, and E's FAIL is dropped.
+ * Both rooms succeed with D.
+ */
+static void test_watch_binds_like_a_destination(void)
+{
+    side_t pre;
+    fake_t *d = calloc(1, sizeof(*d)), *e = calloc(1, sizeof(*e));
+    kvf_msg_t m;
+    uint32_t dpage = 6, spage = 8;
+    const uint64_t A = 0xa11ce00000000011ull, B = 0xb0b0000000000012ull;
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    fake_decode_connect(d, pre.eng);
+    fake_decode_connect(e, pre.eng);
+    for (uint64_t room = 11; room <= 12; room++) {
+        kvf_sender_t *s = sender(&pre, room);
+        uint64_t before = dropped(pre.eng);
+        kvf_msg_t req = room_req(room, A, &dpage), w = watch_req(room, B, 0);
+        if (room == 11) {
+            fake_send(d, &req, NULL, 0);
+            CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT),
+                         KVF_POLL_WAITING_FOR_INPUT);
+            fake_send(e, &w, NULL, 0);
+            CHECK(told_fail(e, room, B, KVF_ERR_ROOM_CONFLICT));
+            w = watch_req(room, B + 1, 3);       /* not E's own rank */
+            fake_send(e, &w, NULL, 0);
+            CHECK(told_fail(e, room, B + 1, KVF_ERR_ROOM_CONFLICT));
+        } else {
+            fake_send(e, &w, NULL, 0);
+            CHECK(wait_watches(pre.eng, room, 1));  /* taken */
+            fake_send(d, &req, NULL, 0);
+            CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT),
+                         KVF_POLL_WAITING_FOR_INPUT);
+        }
+        kvf_msg_t bad = fail_msg(room, B, "a hostile watch says the room failed");
+        fake_send(e, &bad, NULL, 0);
+        CHECK(wait_dropped(pre.eng, before + 2));
+        CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+        CHECK(fake_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == room &&
+              m.u.done.instance == A);
+        kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
+        ack.u.done_ack.room = room;
+        ack.u.done_ack.instance = A;
+        ack.u.done_ack.bytes = ROOM_BYTES;
+        fake_send(d, &ack, NULL, 0);
+        CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+        kvf_sender_destroy(s);
+    }
+    fake_close(d);
+    fake_close(e);
+    free(d);
+    free(e);
+    side_fini(&pre);
+}
+
 /*
  * The decode engine's side of a refusal: a real receiver whose request
  * conflicts with the one a prefill rank bound first fails at once with
@@ -872,6 +969,7 @@ KVF_TEST_MAIN(KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
               KVF_CASE(test_reused_id_gets_only_its_own_frames),
               KVF_CASE(test_reused_id_real_engines),
               KVF_CASE(test_sender_takes_only_its_peer_and_instance),
+              KVF_CASE(test_watch_binds_like_a_destination),
               KVF_CASE(test_refused_receiver_fails_at_once),
               KVF_CASE(test_stashes_are_bounded),
               KVF_CASE(test_each_byte_counts_once))
