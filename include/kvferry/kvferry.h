@@ -11,10 +11,16 @@
  *   kvf_bootstrap_t a bootstrap registry (HTTP) server, SGLang-compatible.
  *
  * Threads
- *   Every function is thread-safe and non-blocking unless its comment says
- *   otherwise: a scheduler may call kvf_*_poll() for thousands of rooms in
- *   each step.  All network I/O happens on the engine's own threads.  A
- *   handle must not be used concurrently with, or after, its destroy call.
+ *   Every function is thread-safe and never waits on a peer, a socket or a
+ *   deadline unless its comment says otherwise (kvf_*_await_failure waits
+ *   by design; a destroy waits for reads into its room's pages, bounded by
+ *   their deadline).  A call takes the engine lock for its bookkeeping,
+ *   which the engine's threads hold only for bounded passes, so a call may
+ *   wait for the rest of one pass (docs/ARCHITECTURE.md, docs/BENCHMARKS.md
+ *   "call latency").  kvf_*_poll() takes no lock: a scheduler may call it
+ *   for thousands of rooms in each step.  All network I/O happens on the
+ *   engine's own threads.  A handle must not be used concurrently with, or
+ *   after, its destroy call.
  *
  * Errors
  *   Functions return kvf_status_t (status.h): KVF_OK or a negative code.
@@ -986,7 +992,9 @@ typedef struct kvf_engine_stats {
     uint64_t failures_other;
     uint64_t bytes_sent;          /**< payload bytes written to peers */
     uint64_t bytes_received;      /**< payload bytes placed by peers */
-    uint64_t peers_connected;
+    uint64_t peers_connected;     /**< connections to peers that finished their
+                                       handshake, sibling links included (they
+                                       carry no payload, and count in no path) */
     uint64_t peers_tcp;           /**< connected peers whose payload uses tcp */
     uint64_t peers_shm;           /**< ... shm */
     uint64_t peers_ucx;           /**< ... ucx */

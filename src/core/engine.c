@@ -675,7 +675,8 @@ void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
         if (p->state != KVF_PEER_READY)
             continue;
         stats_p->peers_connected++;
-        kvf_movers_count_peer(stats_p, p->mover);
+        if (!p->watch_only)              /* a sibling link carries no payload */
+            kvf_movers_count_peer(stats_p, p->mover);
     }
     kvf__unlock(eng);
 }

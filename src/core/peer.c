@@ -233,6 +233,17 @@ void kvf__peer_hold(kvf_peer_t *p, const kvf_msg_t *msg)
     kvf_buf_free(&b);
 }
 
+int kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg)
+{
+    if (p->state == KVF_PEER_READY || p->state == KVF_PEER_HANDSHAKE)
+        return kvf__peer_send(p, msg) == KVF_OK;
+    if ((p->state == KVF_PEER_AUTH || p->state == KVF_PEER_CONNECTING) && p->outbound) {
+        kvf__peer_hold(p, msg);          /* sent once it has authenticated */
+        return 1;
+    }
+    return 0;
+}
+
 /* Authenticated at last: what waited for it goes out, after our HELLO. */
 static void send_held(kvf_peer_t *p)
 {
@@ -660,10 +671,12 @@ void kvf__peer_authenticated(kvf_peer_t *p)
         return;
     }
     send_hello(p);
+    /* What waited for it (its rooms that failed while it connected) goes
+     * right after our HELLO. */
+    send_held(p);
     if (p->lingering) {
-        /* Its rooms failed while it was stopped: it learns why now, then
+        /* Its rooms failed while it was stopped: it has learnt why, and
          * the connection ends as it would have. */
-        send_held(p);
         kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT, "told it about the rooms that failed "
                        "while it was not answering");
     }

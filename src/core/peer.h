@@ -140,6 +140,12 @@ static inline unsigned kvf__peer_nstreams(const kvf_peer_t *p)
  * a connection of its own beside a data one to the same rank. */
 kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank,
                            int watch);
+/* Send a room message now, or, to a peer this engine is still connecting
+ * to or authenticating, once it has authenticated (right after our
+ * HELLO).  Our HELLO is out once the connection is up, so a message may
+ * follow it even before the peer's HELLO arrived (the peer may be
+ * stopped, and read it later).  @return 1 if sent or kept. */
+int          kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg);
 void         kvf__peer_put(kvf_peer_t *peer);
 /* A connection from `host` (already admitted by kvf__auth_admit). */
 void         kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host);

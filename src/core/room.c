@@ -221,12 +221,7 @@ static void send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t
     m.u.fail.origin_rank = (uint32_t)f->origin_rank;
     m.u.fail.origin_addr = (kvf_wire_str_t){f->origin_addr, (uint32_t)strlen(f->origin_addr)};
     m.u.fail.reason = (kvf_wire_str_t){f->reason, (uint32_t)strlen(f->reason)};
-    /* Our HELLO is out once the connection is up: a FAIL may follow it even
-     * before the peer's HELLO arrived (it may be stopped, and read it later). */
-    if (to->state == KVF_PEER_READY || to->state == KVF_PEER_HANDSHAKE)
-        kvf__peer_send(to, &m);
-    else if (to->state == KVF_PEER_AUTH && to->outbound)
-        kvf__peer_hold(to, &m);      /* sent once it has authenticated */
+    kvf__peer_send_soon(to, &m);
 }
 
 void kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room, uint64_t instance,
@@ -801,7 +796,6 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
 
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
 {
-    kvf__siblings_peer_ready(eng, p);
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
         if (r->side == KVF_ROLE_DECODE && link_of(r, p) != NULL)
             kvf__receiver_try_request(r);

@@ -471,8 +471,9 @@ void kvf__sender_stash_watch(kvf_peer_t *p, uint64_t room, uint32_t rank, uint64
 /* Decode: watch the n prefill ranks of the room's DP group it reads nothing
  * from (each told about the room once its connection is ready). */
 void kvf__siblings_link(kvf_room_t *r, const kvf_target_t *t, int n);
-/* Decode: send the watches whose peer is ready (and, for a room that
- * failed meanwhile, its FAIL after them). */
+/* Decode: send the watches not sent yet (to a peer still connecting, once
+ * it has authenticated: kvf__peer_send_soon), and, for a room that failed
+ * meanwhile, its FAIL after them. */
 void kvf__siblings_send(kvf_room_t *r);
 /* Prefill: a decode rank's watch (ROOM_REQ with KVF_REQ_WATCH). */
 void kvf__siblings_on_watch(kvf_peer_t *p, const kvf_msg_room_req_t *m);
@@ -492,8 +493,6 @@ void kvf__siblings_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st
                                const char *reason);
 /* Decode: dial again the sibling links whose reconnect is due. */
 void kvf__siblings_tick(kvf_room_t *r, uint64_t now);
-/* A peer finished its handshake: send the watches that wait for it. */
-void kvf__siblings_peer_ready(kvf_engine_t *eng, kvf_peer_t *p);
 void kvf__siblings_free(kvf_room_t *r);
 
 /* sender.c */

@@ -105,30 +105,20 @@ static void send_watch(kvf_room_t *r, kvf_watch_t *w)
     m.u.room_req.aux_slot = KVF_NO_SLOT;
     m.u.room_req.sender_instance = ((kvf_receiver_t *)r)->sender_instance;
     m.u.room_req.flags = KVF_REQ_WATCH;
-    if (kvf__peer_send(w->peer, &m) == KVF_OK)
-        w->sent = 1;
+    w->sent = kvf__peer_send_soon(w->peer, &m);
 }
 
 void kvf__siblings_send(kvf_room_t *r)
 {
     for (uint32_t i = 0; i < r->nwatch; i++) {
         kvf_watch_t *w = &r->watch[i];
-        if (w->sent || w->peer == NULL || w->peer->state != KVF_PEER_READY)
+        if (w->sent || w->peer == NULL)
             continue;
         send_watch(r, w);
         /* Failed before the watch could go: the watch binds the FAIL. */
         if (w->sent && room_state(r) == KVF_POLL_FAILED && r->failure != NULL)
             kvf__room_send_fail(r, w->peer, r->failure->status == KVF_ERR_ABORTED);
     }
-}
-
-void kvf__siblings_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
-{
-    if (!p->watch_only)
-        return;
-    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
-        if (r->side == KVF_ROLE_DECODE && watch_of(r, p) != NULL)
-            kvf__siblings_send(r);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -250,13 +240,10 @@ void kvf__siblings_tell(kvf_room_t *r, const kvf_peer_t *from, int abort)
         kvf_watch_t *w = &r->watch[i];
         if (w->peer == from || w->peer == NULL)
             continue;
-        if (r->side == KVF_ROLE_DECODE && !w->sent) {
-            /* The FAIL needs the watch first; a peer not ready yet gets
-             * both once it is (kvf__siblings_send). */
-            if (w->peer->state != KVF_PEER_READY)
-                continue;
+        /* The FAIL needs the watch first (a peer still connecting gets
+         * both in order once it has authenticated). */
+        if (r->side == KVF_ROLE_DECODE && !w->sent)
             send_watch(r, w);
-        }
         kvf__room_send_fail(r, w->peer, abort);
     }
 }
