@@ -69,6 +69,27 @@ def _numeric_host(host):
     return None
 
 
+def _unusable_v4(a):
+    """As descriptor.c's unusable_v4: an IPv4 address no engine is dialled at."""
+    return a >> 24 == 0 or a >> 28 == 0xE or a == 0xFFFFFFFF
+
+
+def _unusable(raw):
+    """As descriptor.c's unusable_host: the wildcard in any spelling, the
+    rest of 0.0.0.0/8, multicast, broadcast, IPv4-compatible and link-local
+    IPv6; an IPv4-mapped address is judged by its IPv4 part."""
+    if len(raw) == 4:
+        return _unusable_v4(int.from_bytes(raw, "big"))
+    head, v4 = raw[:12], int.from_bytes(raw[12:], "big")
+    if not any(raw):
+        return True                                     # ::
+    if head == bytes(10) + b"\xff\xff":
+        return _unusable_v4(v4)                         # ::ffff:a.b.c.d
+    if head == bytes(12) and v4 > 1:
+        return True                                     # ::a.b.c.d (not ::1)
+    return raw[0] == 0xFF or (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80)
+
+
 def _addr(v):
     if len(v) >= ADDR_MAX or not _ADDR_CHARS.match(v):
         return None
@@ -77,8 +98,8 @@ def _addr(v):
         return None
     host, port = parts
     raw = _numeric_host(host)
-    if raw is None or not any(raw) or not 0 < int(port) <= 65535:
-        return None                     # a name, the wildcard, port 0 or past 65535
+    if raw is None or _unusable(raw) or not 0 < int(port) <= 65535:
+        return None                     # a name, no dialable address, port 0 or past 65535
     return v
 
 
