@@ -717,24 +717,14 @@ class _Room:
         if self._local_reason is not None:
             return _error(self.bootstrap_room, self._local_reason, False)
         if self._h is not None:
-            try:
-                self._h.failure_exception()
-            except _FerryTransferError as e:
-                return _error(self.bootstrap_room, e.failure_reason,
-                              e.is_from_another_rank, e)
-            except KVFerryStateError:
-                pass
-            # This rank's room has not failed: another rank of the request
-            # did (the scheduler's all-reduce says so), and its cause is on
-            # its way here; the all-reduce can win that race.  Wait for it.
-            if self._h.await_failure(RELAY_WAIT_S):
-                try:
-                    self._h.failure_exception()
-                except _FerryTransferError as e:
-                    return _error(self.bootstrap_room, e.failure_reason,
-                                  e.is_from_another_rank, e)
-                except KVFerryStateError:
-                    pass
+            # This rank's room may not have failed yet: another rank of the
+            # request did (the scheduler's all-reduce says so), and its cause
+            # is on its way here; the all-reduce can win that race.
+            err = self._library_error()
+            if err is None and self._h.await_failure(RELAY_WAIT_S):
+                err = self._library_error()
+            if err is not None:
+                return err
             state = self._h.poll()
             reason = ("%s (this rank's room was %s; its scheduler's all-reduce said "
                       "another rank failed the request, and no cause reached this rank "
@@ -746,6 +736,17 @@ class _Room:
                 pass
             return _error(self.bootstrap_room, reason, True)
         return _error(self.bootstrap_room, UNKNOWN_REASON, True)
+
+    def _library_error(self):
+        """The library room's record as SGLang's error, or None when the
+        room has not failed."""
+        try:
+            self._h.failure_exception()
+        except _FerryTransferError as e:
+            return _error(self.bootstrap_room, e.failure_reason, e.is_from_another_rank, e)
+        except KVFerryStateError:
+            pass
+        return None
 
     def abort(self):
         """Fail the room here and on its peers ("Aborted by AbortReq.");
