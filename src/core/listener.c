@@ -46,20 +46,28 @@ void kvf__listener_init(kvf_engine_t *eng)
                  "listener will pause instead of shedding connections");
 }
 
-/* One line per SHED_LOG_MS at most, with the count since the last. */
+/* One line per SHED_LOG_MS at most: the first of a run says what and why,
+ * the next ones how many were shed since. */
 static void shed_log(kvf_engine_t *eng, uint64_t now)
 {
     struct rlimit rl = {0, 0};
     if (eng->shed_unlogged == 0 ||
         (eng->shed_log_ms != 0 && now - eng->shed_log_ms < SHED_LOG_MS))
         return;
-    getrlimit(RLIMIT_NOFILE, &rl);
-    kvf_warn("out of file descriptors (%s; RLIMIT_NOFILE is %llu): closed %llu new "
-             "connection%s at once since the last such line (kvferry engines among them "
-             "dial again). Raise the limit (ulimit -n, LimitNOFILE=) or find what holds "
-             "them (ls /proc/%d/fd)", strerror(eng->shed_errno),
-             (unsigned long long)rl.rlim_cur, (unsigned long long)eng->shed_unlogged,
-             eng->shed_unlogged == 1 ? "" : "s", (int)getpid());
+    if (eng->shed_log_ms == 0 || now - eng->shed_log_ms >= 2 * SHED_LOG_MS) {
+        getrlimit(RLIMIT_NOFILE, &rl);
+        kvf_warn("out of file descriptors (%s; RLIMIT_NOFILE is %llu): closing new "
+                 "connections at once until one is free (kvferry engines among them dial "
+                 "again); how many follows at most once per %d s. Raise the limit (ulimit "
+                 "-n, LimitNOFILE=) or find what holds them (ls /proc/%d/fd)",
+                 strerror(eng->shed_errno), (unsigned long long)rl.rlim_cur,
+                 SHED_LOG_MS / 1000, (int)getpid());
+    } else {
+        kvf_warn("out of file descriptors (%s): closed %llu more new connection%s at once "
+                 "in the last %.0f s", strerror(eng->shed_errno),
+                 (unsigned long long)eng->shed_unlogged, eng->shed_unlogged == 1 ? "" : "s",
+                 (double)(now - eng->shed_log_ms) / 1000.0);
+    }
     eng->shed_unlogged = 0;
     eng->shed_log_ms = now ? now : 1;
 }

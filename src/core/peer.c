@@ -674,7 +674,7 @@ void kvf__peer_redial(kvf_peer_t *p, uint64_t now)
 {
     assert(p->state == KVF_PEER_REDIAL && kvf__owns_lane(p->eng, p->lane));
     kvf_peer_t *m = kvf__peer_main(p);
-    if (p->primary == NULL && !kvf__rooms_wait_on(p->eng, p)) {
+    if (!kvf__rooms_wait_on(p->eng, m)) {
         p->quiet = 1;
         kvf__peer_fail(p, KVF_ERR_CONN_RESET, "refused before its handshake (%s), and no "
                        "room waits for it any more", p->refused_why);

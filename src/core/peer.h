@@ -149,8 +149,8 @@ void         kvf__peer_put(kvf_peer_t *peer);
 /* Open the peer's connection (a stream's on its lane) to where its primary
  * was dialled.  KVF_OK, or what connect said (nothing was opened). */
 kvf_status_t kvf__peer_dial(kvf_peer_t *peer);
-/* Its owner lane, once redial_at_ms has come: dial a REDIAL peer again
- * (a primary only while a room still waits for it). */
+/* Its owner lane, once redial_at_ms has come: dial a REDIAL peer (or
+ * stream) again, while a room still waits for it (or its primary). */
 void         kvf__peer_redial(kvf_peer_t *peer, uint64_t now);
 /* Why the rooms of a peer that is not READY still wait, when it (or a
  * stream of it) was refused at the door: one sentence in buf.  @return 1

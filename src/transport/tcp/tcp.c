@@ -737,25 +737,23 @@ static int limit_admits(const kvf_rx_limit_t *lim, const kvf_wire_hdr_t *h)
     return lim == NULL || ((lim->types >> h->type & 1u) && h->length <= lim->max_body);
 }
 
-/* A header beyond the limit: close, saying so; or, for a frame that leads
- * with its protocol version, once `have` of its first bytes say whether
- * it is another version's.  @return 0 while those bytes are missing. */
-static int refuse_frame(kvf_tcp_conn_t *c, const uint8_t *body, size_t have)
+/* A header beyond the limit: close, saying so; a frame that leads with
+ * its protocol version once `have` of its first bytes say whether it is
+ * another version's (until then, wait for them). */
+static void refuse_frame(kvf_tcp_conn_t *c, const uint8_t *body, size_t have)
 {
     char err[256];
     uint32_t need = kvf_wire_prefix_len(c->hdr.type);
     if (need > c->hdr.length)
         need = c->hdr.length;
     if (have < need)
-        return 0;
-    if (kvf_wire_check_prefix(c->hdr.type, body, need, err, sizeof(err)) == KVF_ERR_VERSION) {
+        return;
+    if (kvf_wire_check_prefix(c->hdr.type, body, need, err, sizeof(err)) == KVF_ERR_VERSION)
         conn_fail(c, KVF_ERR_VERSION, "%s", err);
-        return 1;
-    }
-    conn_fail(c, KVF_ERR_PROTOCOL, "%s frame of %u bytes %s: refused at its header",
-              kvf_wire_type_name(c->hdr.type), c->hdr.length,
-              c->limit->why != NULL ? c->limit->why : "beyond this connection's limit");
-    return 1;
+    else
+        conn_fail(c, KVF_ERR_PROTOCOL, "%s frame of %u bytes %s: refused at its header",
+                  kvf_wire_type_name(c->hdr.type), c->hdr.length,
+                  c->limit->why != NULL ? c->limit->why : "beyond this connection's limit");
 }
 
 /* Parse the complete frames the receive buffer holds, up to the bound. */
