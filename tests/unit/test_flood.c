@@ -10,6 +10,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,11 +41,11 @@
  * an engine's memory, at most. */
 #define CONN_BOUND (4u << 10)
 
-static unsigned tune_handshake_ms, tune_bootstrap_ms;
+static unsigned tune_handshake_ms, tune_bootstrap_ms, tune_streams = 1;
 
 static void tune(kvf_engine_params_t *p)
 {
-    p->streams = 1;
+    p->streams = tune_streams;
     if (tune_handshake_ms)
         p->handshake_timeout_ms = tune_handshake_ms;
     if (tune_bootstrap_ms)
@@ -563,9 +565,143 @@ static void test_full_queue_fails_at_the_deadline(void)
     side_tune = NULL;
 }
 
+/* ---- a proxy that turns one connection away ----------------------------- */
+
+#define PROXY_PAIRS 8
+
+/* Forwards connections to 127.0.0.1:to_port, but closes its `refuse`-th
+ * (1-based) at once, unread, as a busy prefill engine does. */
+typedef struct proxy {
+    int        lfd, port, to_port, refuse;
+    int        fd[PROXY_PAIRS][2];   /* accepted, upstream; -1: free */
+    atomic_int accepted, stop;
+    pthread_t  thread;
+} proxy_t;
+
+static void proxy_accept(proxy_t *px)
+{
+    int c = accept4(px->lfd, NULL, NULL, SOCK_CLOEXEC);
+    if (c < 0)
+        return;
+    if (atomic_fetch_add(&px->accepted, 1) + 1 == px->refuse) {
+        close(c);
+        return;
+    }
+    for (int i = 0; i < PROXY_PAIRS; i++)
+        if (px->fd[i][0] < 0) {
+            px->fd[i][0] = c;
+            px->fd[i][1] = dial(px->to_port);
+            return;
+        }
+    close(c);
+}
+
+static void *proxy_main(void *arg)
+{
+    proxy_t *px = arg;
+    static uint8_t buf[1 << 16];
+    while (!atomic_load(&px->stop)) {
+        struct pollfd pf[1 + 2 * PROXY_PAIRS];
+        pf[0] = (struct pollfd){px->lfd, POLLIN, 0};
+        for (int i = 0; i < PROXY_PAIRS; i++)
+            for (int k = 0; k < 2; k++)
+                pf[1 + 2 * i + k] = (struct pollfd){px->fd[i][k], POLLIN, 0};
+        if (poll(pf, 1 + 2 * PROXY_PAIRS, 50) <= 0)
+            continue;
+        if (pf[0].revents & POLLIN)
+            proxy_accept(px);
+        for (int i = 0; i < PROXY_PAIRS; i++)
+            for (int k = 0; k < 2; k++) {
+                if (px->fd[i][k] < 0 || !pf[1 + 2 * i + k].revents)
+                    continue;
+                ssize_t n = recv(px->fd[i][k], buf, sizeof(buf), 0);
+                if (n > 0 && px->fd[i][!k] >= 0 &&
+                    send(px->fd[i][!k], buf, (size_t)n, MSG_NOSIGNAL) == n)
+                    continue;
+                close(px->fd[i][0]);       /* either side gone: both go */
+                if (px->fd[i][1] >= 0)
+                    close(px->fd[i][1]);
+                px->fd[i][0] = px->fd[i][1] = -1;
+            }
+    }
+    return NULL;
+}
+
+static int proxy_start(proxy_t *px, int to_port, int refuse)
+{
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    socklen_t len = sizeof(sa);
+    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+    memset(px->fd, 0xff, sizeof(px->fd));
+    px->to_port = to_port;
+    px->refuse = refuse;
+    atomic_init(&px->accepted, 0);
+    atomic_init(&px->stop, 0);
+    px->lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (px->lfd < 0 || bind(px->lfd, (struct sockaddr *)&sa, sizeof(sa)) != 0 ||
+        listen(px->lfd, 16) != 0 || getsockname(px->lfd, (struct sockaddr *)&sa, &len) != 0)
+        return 0;
+    px->port = ntohs(sa.sin_port);
+    return pthread_create(&px->thread, NULL, proxy_main, px) == 0;
+}
+
+static void proxy_stop(proxy_t *px)
+{
+    atomic_store(&px->stop, 1);
+    pthread_join(px->thread, NULL);
+    for (int i = 0; i < PROXY_PAIRS; i++)
+        for (int k = 0; k < 2; k++)
+            if (px->fd[i][k] >= 0)
+                close(px->fd[i][k]);
+    close(px->lfd);
+}
+
+/*
+ * A stream turned away at the door.  A pair with two streams, through a
+ * proxy that closes the decode engine's second connection (its first
+ * stream) before the prefill could answer it: that stream alone dials
+ * again and joins, and the room succeeds over the three connections.
+ * (Were the refusal the peer's failure, the room would reconnect the
+ * whole peer, to the address the prefill advertises in its HELLO, past
+ * the proxy: two.)
+ */
+static void test_stream_turned_away_dials_again(void)
+{
+    side_t pre, dec;
+    proxy_t px;
+    char bs[64], err[256];
+    kvf_bootstrap_t *reg;
+
+    clear_env();
+    side_tune = tune;
+    tune_streams = 2;
+    side_init(&pre, KVF_ROLE_PREFILL, NULL, TOKEN);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, TOKEN);
+    CHECK(proxy_start(&px, port_of(pre.eng), 2));
+    CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 0, &reg), KVF_OK);
+    snprintf(bs, sizeof(bs), "127.0.0.1:%d", kvf_bootstrap_port(reg));
+    kvf_bs_reg_t r = {
+        .attn_tp_size = 1, .attn_cp_size = 1, .attn_dp_size = 1, .pp_size = 1,
+        .system_dp_size = 1, .rank_ip = "127.0.0.1", .rank_port = px.port,
+        .page_size = PAGE, .kv_cache_dtype = "bfloat16",
+    };
+    CHECK_EQ_INT(kvf__bs_register(bs, &r, 3000, err, sizeof(err)), KVF_OK);
+
+    CHECK(legit_room(&pre, &dec, bs, 8));
+    CHECK_EQ_INT(atomic_load(&px.accepted), 3);
+    CHECK(kvf_engine_stream_bytes(dec.eng, 1) > 0 || kvf_engine_stream_bytes(pre.eng, 1) > 0);
+    side_fini(&dec);
+    side_fini(&pre);
+    proxy_stop(&px);
+    kvf_bootstrap_destroy(reg);
+    side_tune = NULL;
+    tune_streams = 1;
+}
+
 KVF_TEST_MAIN(
     KVF_CASE(test_strangers_cost_little_memory),
     KVF_CASE(test_descriptor_flood_sheds),
     KVF_CASE(test_dialler_waits_out_a_full_queue),
-    KVF_CASE(test_full_queue_fails_at_the_deadline)
+    KVF_CASE(test_full_queue_fails_at_the_deadline),
+    KVF_CASE(test_stream_turned_away_dials_again)
 )
