@@ -10,6 +10,7 @@
 #define KVF_SIDES_H
 
 #include <arpa/inet.h>
+#include <stdio.h>
 #include <netinet/in.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -156,13 +157,21 @@ static inline kvf_poll_t send_wait(kvf_sender_t *s, kvf_poll_t want)
 
 static const uint32_t src_pages[3] = {3, 4, 9}, dst_pages[3] = {20, 5, 6};
 
-/* The prefill half of a room: its pages, once the receiver asked.
- * @return the sender's final state (or the one it stopped in). */
-static inline kvf_poll_t legit_send(side_t *pre, const char *bs, uint64_t room)
+/* The prefill half of a room, in two steps: its sender first (before the
+ * receiver asks: a request for a room id whose sender was destroyed, and
+ * that no sender holds yet, is answered as gone), then its pages, once
+ * the receiver asked.  @return the sender's final state (or the one it
+ * stopped in); the sender is destroyed. */
+static inline kvf_sender_t *legit_send_start(side_t *pre, const char *bs, uint64_t room)
 {
-    kvf_sender_t *s;
+    kvf_sender_t *s = NULL;
     memcpy(pre->aux + 1 * AUX_B, "legit-room-tag-1", AUX_B);
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
+    return s;
+}
+
+static inline kvf_poll_t legit_send_finish(kvf_sender_t *s)
+{
     kvf_poll_t st = send_wait(s, KVF_POLL_WAITING_FOR_INPUT);
     if (st == KVF_POLL_WAITING_FOR_INPUT) {
         CHECK_EQ_INT(kvf_sender_init(s, 3, 1), KVF_OK);
@@ -171,6 +180,11 @@ static inline kvf_poll_t legit_send(side_t *pre, const char *bs, uint64_t room)
     }
     kvf_sender_destroy(s);
     return st;
+}
+
+static inline kvf_poll_t legit_send(side_t *pre, const char *bs, uint64_t room)
+{
+    return legit_send_finish(legit_send_start(pre, bs, room));
 }
 
 /* The decode half: a receiver of `room` with its destination. */
@@ -197,8 +211,9 @@ static inline int legit_bytes(const side_t *dec)
 /* Room `room` from pre to dec, whole; 1 if every byte is in place. */
 static inline int legit_room(side_t *pre, side_t *dec, const char *bs, uint64_t room)
 {
+    kvf_sender_t *s = legit_send_start(pre, bs, room);
     kvf_receiver_t *r = legit_recv_start(dec, bs, room);
-    int ok = legit_send(pre, bs, room) == KVF_POLL_SUCCESS &&
+    int ok = legit_send_finish(s) == KVF_POLL_SUCCESS &&
              recv_wait(r, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS && legit_bytes(dec);
     kvf_receiver_destroy(r);
     return ok;
@@ -242,6 +257,7 @@ static inline stranger_t stranger_fork(stranger_fn_t fn)
     stranger_t s = {-1, -1};
     if (pipe(p) != 0)
         return s;
+    fflush(NULL);                     /* nothing buffered is written twice */
     s.pid = fork();
     if (s.pid == 0) {
         int port = 0;
