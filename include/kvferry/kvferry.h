@@ -1004,9 +1004,11 @@ typedef struct kvf_engine_stats {
 KVF_API void kvf_engine_stats(kvf_engine_t *engine, kvf_engine_stats_t *stats_p);
 
 /**
- * Connections this engine refused since it started because the peer did
- * not authenticate: a wrong or missing cluster token, a message before the
- * handshake finished, a non-loopback peer in protected mode.  (Not in
+ * Connections this engine refused since it started before the peer
+ * authenticated: a wrong or missing cluster token, a message before the
+ * handshake finished (or a frame header larger than the handshake's), a
+ * non-loopback peer in protected mode, too many connections still
+ * authenticating, no descriptor to spare (docs/SECURITY.md).  (Not in
  * kvf_engine_stats_t: that struct has no size field, and a new field would
  * overrun callers built against this header's older versions.)  Any thread.
  */

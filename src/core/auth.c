@@ -17,10 +17,13 @@
  * (one protocol), proves nothing, and protected mode (loopback peers only)
  * stands in for it.
  *
- * A stranger's connection never reaches a room: peer.c hands every
- * message of an unauthenticated peer here, and anything but AUTH and
- * AUTH_PROOF closes it.  Refusals are counted and logged once per address
- * and minute, so that a scanner cannot fill the log.
+ * A stranger's connection never reaches a room, and costs a few KiB: until
+ * the peer has proved itself, its connection lets through only AUTH and
+ * AUTH_PROOF frames no larger than they are, checked at each header
+ * before any body is read (kvf_rx_limit_t); peer.c hands every message of
+ * an unauthenticated peer here all the same.  Refusals are counted and
+ * logged once per address and minute, so that a scanner cannot fill the
+ * log.
  */
 #include "core/auth.h"
 
@@ -45,6 +48,16 @@
 #define LABEL_CONNECTOR "kvferry-auth-v2 connector"
 #define LABEL_ACCEPTOR  "kvferry-auth-v2 acceptor"
 #define PARTY_LEN       (1 + 8 + 4 + KVF_WIRE_NONCE_LEN)
+
+_Static_assert(KVF_WIRE_MAX_AUTH_BODY >= KVF_WIRE_AUTH_LEN &&
+               KVF_WIRE_MAX_AUTH_BODY >= KVF_WIRE_MAC_LEN, "the handshake's frames fit");
+
+/* What a peer may send before it has authenticated. */
+static const kvf_rx_limit_t unauth_limit = {
+    .types = 1u << KVF_MSG_AUTH | 1u << KVF_MSG_AUTH_PROOF,
+    .max_body = KVF_WIRE_MAX_AUTH_BODY,
+    .why = "before authenticating",
+};
 
 static const char *how_to_set =
     "set the same token on every engine and registry of the cluster: KVF_AUTH_TOKEN=<secret>, "
@@ -138,31 +151,47 @@ int kvf__auth_setup(kvf_engine_t *eng, const char *explicit_token,
     return KVF_OK;
 }
 
+/* The slot that logs `host`'s refusals: its own, a free one, one not used
+ * for a minute, or (every slot busy) the one for all other addresses. */
+static kvf_auth_log_t *log_slot(kvf_engine_t *eng, const char *host, uint64_t now)
+{
+    kvf_auth_log_t *oldest = &eng->auth_log[0];
+    for (int i = 0; i < KVF_AUTH_LOG_SLOTS; i++) {
+        kvf_auth_log_t *s = &eng->auth_log[i];
+        if (s->host[0] != '\0' && strcmp(s->host, host) == 0)
+            return s;
+        if (s->last_ms < oldest->last_ms)
+            oldest = s;
+    }
+    /* A slot whose address was logged within the minute keeps it, or that
+     * address would be logged again: many addresses share one line. */
+    if (oldest->last_ms != 0 && now - oldest->last_ms < KVF_AUTH_LOG_MS)
+        return &eng->auth_log_rest;
+    snprintf(oldest->host, sizeof(oldest->host), "%s", host);
+    oldest->last_ms = 0;
+    oldest->count = 0;
+    return oldest;
+}
+
 /* Count a refusal of `host` and log it, at most once per address and
- * KVF_AUTH_LOG_MS (the first refusal of an address is always logged). */
+ * KVF_AUTH_LOG_MS (the first refusal of an address is always logged, but
+ * for addresses beyond KVF_AUTH_LOG_SLOTS within a minute: those share
+ * one line a minute). */
 static void log_refusal(kvf_engine_t *eng, const char *host, const char *why)
 {
     uint64_t now = kvf_now_ms();
-    kvf_auth_log_t *slot = NULL, *oldest = &eng->auth_log[0];
+    kvf_auth_log_t *slot = log_slot(eng, host, now);
     eng->auth_refused++;
-    for (int i = 0; i < KVF_AUTH_LOG_SLOTS && slot == NULL; i++) {
-        kvf_auth_log_t *s = &eng->auth_log[i];
-        if (s->host[0] != '\0' && strcmp(s->host, host) == 0)
-            slot = s;
-        else if (s->last_ms < oldest->last_ms)
-            oldest = s;
-    }
-    if (slot == NULL) {
-        slot = oldest;
-        snprintf(slot->host, sizeof(slot->host), "%s", host);
-        slot->last_ms = 0;
-        slot->count = 0;
-    }
     if (slot->last_ms != 0 && now - slot->last_ms < KVF_AUTH_LOG_MS) {
         slot->count++;
         return;
     }
-    if (slot->count > 0)
+    if (slot == &eng->auth_log_rest)
+        kvf_warn("refused a connection from %s: %s (and %llu more in the last minute from "
+                 "addresses beyond the %d whose refusals are logged one by one; this line "
+                 "once a minute)", host, why, (unsigned long long)slot->count,
+                 KVF_AUTH_LOG_SLOTS);
+    else if (slot->count > 0)
         kvf_warn("refused a connection from %s: %s (and %llu more from that address in "
                  "the last minute)", host, why, (unsigned long long)slot->count);
     else
@@ -234,6 +263,7 @@ void kvf__auth_start(kvf_peer_t *p)
         return;
     }
     p->auth.mine = *a;
+    p->conn->ops->limit(p->conn, &unauth_limit);
     kvf_status_t st = kvf__peer_send(p, &m);
     if (st != KVF_OK)
         kvf__peer_fail(p, st, "cannot send AUTH: %s", kvf_status_str(st));
@@ -304,6 +334,7 @@ void kvf__auth_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
         return;
     }
     p->auth.done = 1;
+    p->conn->ops->limit(p->conn, NULL);
     if (!p->outbound)
         send_proof(p);
     if (p->state != KVF_PEER_DEAD)

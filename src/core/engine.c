@@ -1,11 +1,10 @@
 /*
  * Engine: parameters, creation, layout registration and the progress
- * threads.  Lane 0's is one epoll loop over the control listener, a
- * wake-up eventfd, every peer's first stream and the movers, plus a 50 ms
- * tick for heartbeats and room deadlines; lane k >= 1's loops over its
- * own eventfd and stream k of every peer (streams.c).
+ * threads.  Lane 0's is one epoll loop over the control listener
+ * (listener.c), a wake-up eventfd, every peer's first stream and the
+ * movers, plus a 50 ms tick for heartbeats and room deadlines; lane k >= 1's
+ * loops over its own eventfd and stream k of every peer (streams.c).
  */
-#include <arpa/inet.h>
 #include <errno.h>
 #include <sched.h>
 #include <stdio.h>
@@ -181,7 +180,7 @@ static void engine_free(kvf_engine_t *eng)
         kvf__bounce_free_all(eng);
         eng->copier_ops->destroy(eng->copier);
     }
-    int fds[] = {eng->epfd, eng->wakefd, eng->listenfd};
+    int fds[] = {eng->epfd, eng->wakefd, eng->listenfd, eng->reserve_fd};
     for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++)
         if (fds[i] >= 0)
             close(fds[i]);
@@ -238,7 +237,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     eng->params = full;
     if (eng->params.handshake_timeout_ms == 0)
         eng->params.handshake_timeout_ms = KVF_HANDSHAKE_TIMEOUT_MS;
-    eng->epfd = eng->wakefd = eng->listenfd = -1;
+    eng->epfd = eng->wakefd = eng->listenfd = eng->reserve_fd = -1;
     if (eng->params.streams == 0)
         eng->params.streams = kvf__streams_default();
     eng->nlanes = eng->params.streams;
@@ -319,6 +318,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     }
     eng->lanes[0].epfd = eng->epfd;
     eng->lanes[0].wakefd = eng->wakefd;
+    kvf__listener_init(eng);
     for (unsigned k = 1; k < eng->nlanes; k++) {
         kvf_lane_t *ln = &eng->lanes[k];
         ln->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -720,32 +720,6 @@ uint64_t kvf_engine_stash_dropped(kvf_engine_t *eng)
     return n;
 }
 
-static void accept_all(kvf_engine_t *eng)
-{
-    for (;;) {
-        struct sockaddr_storage sa;
-        socklen_t salen = sizeof(sa);
-        char host[64] = "(unknown address)";
-        int fd = accept4(eng->listenfd, (struct sockaddr *)&sa, &salen, SOCK_CLOEXEC);
-        if (fd < 0) {
-            if (errno != EAGAIN && errno != EINTR)
-                kvf_warn("accept: %m");
-            return;
-        }
-        /* Protected mode: without a token only this host's peers get as
-         * far as the handshake. */
-        if (!kvf__auth_admit(eng, (struct sockaddr *)&sa)) {
-            close(fd);
-            continue;
-        }
-        if (sa.ss_family == AF_INET)
-            inet_ntop(AF_INET, &((struct sockaddr_in *)&sa)->sin_addr, host, sizeof(host));
-        else if (sa.ss_family == AF_INET6)
-            inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&sa)->sin6_addr, host, sizeof(host));
-        kvf__peer_accept(eng, fd, host);
-    }
-}
-
 /* Let connections that stopped with messages left go on.  @return 1 if
  * some still have more. */
 static int drain_peers(kvf_engine_t *eng)
@@ -818,6 +792,7 @@ static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
     }
     kvf__peers_tick(eng, now);
     kvf__rooms_tick(eng, now);
+    kvf__listener_tick(eng, now);
     flush_peers(eng);
     *next_tick = now + TICK_MS;
 }
@@ -907,7 +882,7 @@ static void *progress_main(void *arg)
         for (int i = 0; i < n; i++) {
             kvf_ev_kind_t *kind = evs[i].data.ptr;
             if (*kind == KVF_EV_LISTENER) {
-                accept_all(eng);
+                kvf__listener_accept(eng);
             } else if (*kind == KVF_EV_MOVER) {
                 progress_mover(eng, ((kvf_mover_ev_t *)kind)->index);
             } else if (*kind == KVF_EV_COPIER) {

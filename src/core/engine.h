@@ -224,6 +224,15 @@ struct kvf_engine {
     int                 auth_open;        /* no token and KVF_AUTH=none */
     uint64_t            auth_refused;     /* connections refused, ever */
     kvf_auth_log_t      auth_log[KVF_AUTH_LOG_SLOTS];
+    kvf_auth_log_t      auth_log_rest;    /* addresses beyond the slots */
+
+    /* The listener under descriptor pressure (listener.c): a descriptor
+     * kept in reserve, when the listener is back in epoll (0: it is in),
+     * connections shed since the last log line and that line's time. */
+    int                 reserve_fd;
+    uint64_t            listen_paused_until_ms;
+    uint64_t            shed_unlogged, shed_log_ms;
+    int                 shed_errno;
 };
 
 /*
@@ -303,6 +312,12 @@ void kvf__engine_io_unlock(void *eng);
 void kvf__engine_io_lock(void *eng);
 /* Call every mover's progress (reads in flight want their completions). */
 void kvf__engine_progress_movers(kvf_engine_t *eng);
+
+/* listener.c (lane 0): open the reserve descriptor (create; listenfd
+ * set), accept what the listener has, and the listener's timers. */
+void kvf__listener_init(kvf_engine_t *eng);
+void kvf__listener_accept(kvf_engine_t *eng);
+void kvf__listener_tick(kvf_engine_t *eng, uint64_t now);
 /* May this engine use `ops` (its `transport` setting)? */
 int  kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops);
 

@@ -13,6 +13,12 @@
  * heartbeat_interval we send a HEARTBEAT, and when we have heard nothing
  * for heartbeat_timeout the peer is dead and its rooms fail.  A stopped
  * (SIGSTOP) process, a hung one and a cut link all look the same here.
+ *
+ * Busy: a prefill engine that cannot take a connection now (too many from
+ * this host still authenticating, or out of descriptors) closes it before
+ * its AUTH.  That is no verdict on the peer: the decode side dials again,
+ * with backoff, for as long as a room waits for it, and the rooms' own
+ * deadlines end the wait, naming the refusals (kvf__peer_refusals).
  */
 #include <assert.h>
 #include <stdarg.h>
@@ -62,6 +68,9 @@ const char *kvf__peer_name(const kvf_peer_t *p, char *buf, size_t len)
     }
     return buf;
 }
+
+#define REDIAL_FIRST_MS 50      /* first redial after a refusal; doubles */
+#define REDIAL_MAX_MS   1000    /* and stays there */
 
 static kvf_peer_t *peer_new(kvf_engine_t *eng)
 {
@@ -237,7 +246,8 @@ int kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg)
 {
     if (p->state == KVF_PEER_READY || p->state == KVF_PEER_HANDSHAKE)
         return kvf__peer_send(p, msg) == KVF_OK;
-    if ((p->state == KVF_PEER_AUTH || p->state == KVF_PEER_CONNECTING) && p->outbound) {
+    if ((p->state == KVF_PEER_AUTH || p->state == KVF_PEER_CONNECTING ||
+         p->state == KVF_PEER_REDIAL) && p->outbound) {
         kvf__peer_hold(p, msg);          /* sent once it has authenticated */
         return 1;
     }
@@ -621,19 +631,112 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
     snprintf(p->addr, sizeof(p->addr), "%s", addr);
     snprintf(p->dial_host, sizeof(p->dial_host), "%s", host);
     p->dial_port = port;
-    kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
-    /* With KVF_FAULTS set, every connection goes through the fault transport. */
-    kvf_status_t st = eng->faults
-        ? kvf_fault_connect(eng->faults, kvf_control_ops, host, port, &env,
-                            &kvf__peer_handler, p, &p->conn)
-        : kvf_control_ops->connect(host, port, &env, &kvf__peer_handler, p, &p->conn);
-    if (st != KVF_OK) {
+    if (kvf__peer_dial(p) != KVF_OK) {
         /* Dead from the start: rooms that link it fail right away. */
         p->state = KVF_PEER_DEAD;
         eng->peer_generation++;
     }
     kvf_debug("connecting to prefill peer %s", addr);
     return p;
+}
+
+kvf_status_t kvf__peer_dial(kvf_peer_t *p)
+{
+    kvf_engine_t *eng = p->eng;
+    const kvf_peer_t *m = kvf__peer_main(p);
+    kvf_conn_env_t env = {eng->lanes[p->lane].epfd, p, kvf__engine_io_unlock,
+                          kvf__engine_io_lock, eng};
+    /* With KVF_FAULTS set, every connection goes through the fault transport. */
+    kvf_status_t st = eng->faults
+        ? kvf_fault_connect(eng->faults, kvf_control_ops, m->dial_host, m->dial_port, &env,
+                            &kvf__peer_handler, p, &p->conn)
+        : kvf_control_ops->connect(m->dial_host, m->dial_port, &env, &kvf__peer_handler, p,
+                                   &p->conn);
+    if (st != KVF_OK)
+        p->conn = NULL;
+    return st;
+}
+
+/*
+ * Outbound, closed before the peer's AUTH came: the prefill engine refused
+ * the connection at the door (it sends AUTH first thing to any connection
+ * it takes on).  Dial again later, backing off with jitter, so that the
+ * decode ranks of a host do not come back in step.  @return 1 when a
+ * redial is planned (the connection is left shut, for kvf__peer_redial to
+ * destroy outside its callbacks).
+ */
+static int redial_later(kvf_peer_t *p, kvf_status_t st, const char *reason)
+{
+    char name[128];
+    if (!p->outbound || p->auth.got_auth || p->lingering || st != KVF_ERR_CONN_RESET)
+        return 0;
+    uint64_t now = kvf_now_ms();
+    uint64_t base = REDIAL_FIRST_MS << (p->redials < 5 ? p->redials : 5);
+    if (base > REDIAL_MAX_MS)
+        base = REDIAL_MAX_MS;
+    uint64_t x = (kvf_now_ns() ^ (uintptr_t)p) * 0x9e3779b97f4a7c15ull;
+    p->redial_at_ms = now + base / 2 + (x >> 33) % (base / 2 + 1);
+    p->redials++;
+    p->refused_ms = now;
+    snprintf(p->refused_why, sizeof(p->refused_why), "%s", reason);
+    p->state = KVF_PEER_REDIAL;
+    if (p->refused++ == 0)
+        kvf_warn("%s%s closed the connection before its handshake (%s): it refuses new "
+                 "connections while too many from this host are still authenticating, or "
+                 "while it is out of file descriptors; dialling again until the rooms' "
+                 "deadlines", kvf__peer_name(kvf__peer_main(p), name, sizeof(name)),
+                 p->primary != NULL ? " (a stream)" : "", reason);
+    return 1;
+}
+
+void kvf__peer_redial(kvf_peer_t *p, uint64_t now)
+{
+    assert(p->state == KVF_PEER_REDIAL && kvf__owns_lane(p->eng, p->lane));
+    kvf_peer_t *m = kvf__peer_main(p);
+    if (!kvf__rooms_wait_on(p->eng, m)) {
+        p->quiet = 1;
+        kvf__peer_fail(p, KVF_ERR_CONN_RESET, "refused before its handshake (%s), and no "
+                       "room waits for it any more", p->refused_why);
+        return;
+    }
+    p->conn->ops->destroy(p->conn);
+    p->conn = NULL;
+    memset(&p->auth, 0, sizeof(p->auth));
+    p->state = KVF_PEER_CONNECTING;
+    /* Each attempt has its own deadline; a stream's is its primary's too
+     * (which waits in HANDSHAKE for it). */
+    p->handshake_until_ms = now + p->eng->params.handshake_timeout_ms;
+    if (m->handshake_until_ms < p->handshake_until_ms)
+        m->handshake_until_ms = p->handshake_until_ms;
+    kvf_status_t st = kvf__peer_dial(p);
+    if (st != KVF_OK)
+        kvf__peer_fail(p, KVF_ERR_UNREACHABLE, "cannot connect to %s:%d: %s", m->dial_host,
+                       m->dial_port, kvf_status_str(st));
+}
+
+int kvf__peer_refusals(const kvf_peer_t *p, char *buf, size_t len)
+{
+    char name[128];
+    const kvf_peer_t *last = NULL;
+    unsigned n = 0;
+    for (unsigned k = 0; k < KVF_MAX_STREAMS; k++) {
+        const kvf_peer_t *s = k == 0 ? p : p->streams[k];
+        if (s == NULL || s->refused == 0)
+            continue;
+        n += s->refused;
+        if (last == NULL || s->refused_ms > last->refused_ms)
+            last = s;
+    }
+    if (p->state == KVF_PEER_READY || last == NULL)
+        return 0;
+    snprintf(buf, len, "%s refused %u connection%s before its handshake, the last %.1f s "
+             "ago (%s): it turns connections away while too many from this host are still "
+             "authenticating (a flood of connections that never authenticate) or while it "
+             "is out of file descriptors; kept dialling",
+             kvf__peer_name(p, name, sizeof(name)), n, n == 1 ? "" : "s",
+             (double)kvf_elapsed_ms(kvf_now_ms(), last->refused_ms) / 1000.0,
+             last->refused_why);
+    return 1;
 }
 
 void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
@@ -661,7 +764,14 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
 
 void kvf__peer_authenticated(kvf_peer_t *p)
 {
+    char name[128];
     p->state = KVF_PEER_HANDSHAKE;
+    if (p->refused > 0)
+        kvf_info("%s%s: authenticated after %u connection%s refused before the handshake",
+                 kvf__peer_name(kvf__peer_main(p), name, sizeof(name)),
+                 p->primary != NULL ? " (a stream)" : "", p->refused,
+                 p->refused == 1 ? "" : "s");
+    p->refused = 0;
     if (p->primary != NULL) {            /* decode: our extra stream */
         kvf__stream_authenticated(p);
         return;
@@ -798,6 +908,8 @@ static void on_close(void *arg, kvf_status_t st, const char *reason)
             kvf__peer_fail(p, KVF_ERR_AUTH, "%s", why);
             return;
         }
+        if (redial_later(p, st, reason))
+            return;
         /* A stranger that sent garbage (or an engine of another version):
          * refused, and logged once per address; one that just left: quiet. */
         if (!p->outbound && (st == KVF_ERR_PROTOCOL || st == KVF_ERR_VERSION)) {
@@ -1133,6 +1245,11 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
                            "%s not finished within %.1f s (handshake timeout)",
                            p->state == KVF_PEER_CONNECTING ? "connect" : "handshake",
                            (double)pr->handshake_timeout_ms / 1000.0);
+            continue;
+        }
+        if (p->state == KVF_PEER_REDIAL) {
+            if (now >= p->redial_at_ms)
+                kvf__peer_redial(p, now);
             continue;
         }
         if (p->state == KVF_PEER_DEAD || p->state == KVF_PEER_CONNECTING || p->lingering)

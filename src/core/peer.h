@@ -16,6 +16,8 @@
 
 typedef enum {
     KVF_PEER_CONNECTING,   /* outbound connect in progress */
+    KVF_PEER_REDIAL,       /* outbound, closed before the peer's AUTH (refused
+                              at the door: busy): dials again at redial_at_ms */
     KVF_PEER_AUTH,         /* AUTH / AUTH_PROOF: not trusted yet (auth.c) */
     KVF_PEER_HANDSHAKE,    /* waiting for the remote HELLO (decode: and XPORT) */
     KVF_PEER_READY,
@@ -39,6 +41,14 @@ struct kvf_peer {
      * it), and the connection lingers until the handshake deadline. */
     struct kvf_outq  *held_head, *held_tail;
     int               lingering;
+    /* Outbound: connections the peer closed before its AUTH since this
+     * one last authenticated (each dialled again, with backoff, while a
+     * room waits: kvf__peer_redial), the last one's time and reason. */
+    unsigned          refused;
+    unsigned          redials;       /* for the backoff; ever */
+    uint64_t          refused_ms;
+    uint64_t          redial_at_ms;
+    char              refused_why[96];
     /* From the remote HELLO. */
     kvf_role_t        role;
     int               tp_rank, tp_size, pp_rank, pp_size, dp_rank, dp_size;
@@ -147,6 +157,16 @@ kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp
  * stopped, and read it later).  @return 1 if sent or kept. */
 int          kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg);
 void         kvf__peer_put(kvf_peer_t *peer);
+/* Open the peer's connection (a stream's on its lane) to where its primary
+ * was dialled.  KVF_OK, or what connect said (nothing was opened). */
+kvf_status_t kvf__peer_dial(kvf_peer_t *peer);
+/* Its owner lane, once redial_at_ms has come: dial a REDIAL peer (or
+ * stream) again, while a room still waits for it (or its primary). */
+void         kvf__peer_redial(kvf_peer_t *peer, uint64_t now);
+/* Why the rooms of a peer that is not READY still wait, when it (or a
+ * stream of it) was refused at the door: one sentence in buf.  @return 1
+ * when it was. */
+int          kvf__peer_refusals(const kvf_peer_t *peer, char *buf, size_t len);
 /* A connection from `host` (already admitted by kvf__auth_admit). */
 void         kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host);
 /* auth.c: the peer proved it holds the token; the handshake goes on. */

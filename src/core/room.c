@@ -801,6 +801,23 @@ void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
             kvf__receiver_try_request(r);
 }
 
+int kvf__rooms_wait_on(kvf_engine_t *eng, const kvf_peer_t *p)
+{
+    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
+        if (!room_final(r) && (link_of(r, p) != NULL || kvf__siblings_bound(r, p, 0)))
+            return 1;
+    return 0;
+}
+
+/* Decode, bootstrapping: a prefill rank it waits for refused it at the door. */
+static int refused_detail(const kvf_room_t *r, char *buf, size_t len)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (kvf__peer_refusals(r->links[i].peer, buf, len))
+            return 1;
+    return 0;
+}
+
 static int awaiting_confirmation(const kvf_room_t *r)
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
@@ -824,6 +841,8 @@ static void deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
             snprintf(buf, len, "%u of %u pages queued, no bytes moved since",
                      sender_of(r)->pages_sent, sender_of(r)->num_pages);
     } else {
+        if (s == KVF_POLL_BOOTSTRAPPING && r->last_err == NULL && refused_detail(r, buf, len))
+            return;
         if (s == KVF_POLL_BOOTSTRAPPING)
             snprintf(buf, len, "%s", r->last_err ? r->last_err
                      : !r->initialized ? "kvf_receiver_init was not called"
@@ -894,7 +913,7 @@ static int has_broken_link(const kvf_room_t *r)
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
 {
     const kvf_engine_params_t *pr = &eng->params;
-    char detail[384];
+    char detail[420];
 
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
         if (r->side == KVF_ROLE_DECODE && !room_final(r))

@@ -228,6 +228,8 @@ int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer, kvf_status_t st
                             size_t *nfailed_p);
 /* A peer finished its handshake: send the requests waiting for it. */
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *peer);
+/* 1 while a room that is not final has a link to this peer. */
+int  kvf__rooms_wait_on(kvf_engine_t *eng, const kvf_peer_t *peer);
 
 
 

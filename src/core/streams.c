@@ -133,17 +133,9 @@ void kvf__streams_open(kvf_peer_t *p)
 /* Decode, lane k: dial stream s, to where its primary was dialled. */
 static void stream_dial(kvf_peer_t *s)
 {
-    kvf_engine_t *eng = s->eng;
     kvf_peer_t *p = s->primary;
-    kvf_conn_env_t env = {eng->lanes[s->lane].epfd, s, kvf__engine_io_unlock,
-                          kvf__engine_io_lock, eng};
-    kvf_status_t st = eng->faults
-        ? kvf_fault_connect(eng->faults, kvf_control_ops, p->dial_host, p->dial_port, &env,
-                            &kvf__peer_handler, s, &s->conn)
-        : kvf_control_ops->connect(p->dial_host, p->dial_port, &env, &kvf__peer_handler, s,
-                                   &s->conn);
+    kvf_status_t st = kvf__peer_dial(s);
     if (st != KVF_OK) {
-        s->conn = NULL;
         kvf__peer_fail(s, KVF_ERR_UNREACHABLE, "cannot connect to %s:%d: %s", p->dial_host,
                        p->dial_port, kvf_status_str(st));
     }
@@ -413,6 +405,12 @@ int kvf__lane_pass(kvf_lane_t *lane)
         }
         if (s->conn == NULL) {     /* decode: dial it */
             stream_dial(s);
+            continue;
+        }
+        if (s->state == KVF_PEER_REDIAL) {   /* decode: refused at the door */
+            uint64_t now = kvf_now_ms();
+            if (now >= s->redial_at_ms)
+                kvf__peer_redial(s, now);
             continue;
         }
         /* Each step may fail the peer, and with it this stream (closed,

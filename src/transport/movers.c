@@ -60,6 +60,11 @@ static void check_table(void)
     }
     assert(n <= KVF_MAX_MOVERS);
     (void)n;
+    const kvf_transport_ops_t *c = kvf_control_ops;
+    assert(c->connect && c->accept && c->handle && c->send_msg && c->put && c->flush &&
+           c->shutdown && c->destroy && c->last_rx && c->last_tx && c->idle && c->pending &&
+           c->limit);
+    (void)c;
 }
 
 static pthread_once_t table_once = PTHREAD_ONCE_INIT;

@@ -78,6 +78,18 @@ typedef struct kvf_rx_target {
     uint32_t len;
 } kvf_rx_target_t;
 
+/*
+ * What a connection reads from its peer while a limit is set (ops->limit):
+ * every frame header is checked against it before any of its body is
+ * read or buffered.  A peer that has not authenticated may cost the
+ * engine no more than the frames it may send then (core/auth.c).
+ */
+typedef struct kvf_rx_limit {
+    uint32_t    types;      /* the message types let through: bit (1u << type) */
+    uint32_t    max_body;   /* their body bytes, at most */
+    const char *why;        /* ends the refusal's reason: "before authenticating" */
+} kvf_rx_limit_t;
+
 /* What a connection tells the engine.  Called on the progress thread with
  * the engine lock held. */
 typedef struct kvf_conn_handler {
@@ -177,6 +189,16 @@ struct kvf_transport_ops {
     /* 1 when received messages wait in the connection's buffer: a handle
      * stops after a bounded amount of work, and epoll will not say so. */
     int          (*pending)(const kvf_conn_t *c);
+    /* Limit what is read from now on (lim: the caller's, kept until the
+     * next call; NULL lifts the limit).  A frame whose header is beyond
+     * it closes the connection there (on_close with KVF_ERR_PROTOCOL, or
+     * KVF_ERR_VERSION when the frame leads with another protocol
+     * version's magic and version: only those KVF_WIRE_PREFIX_LEN bytes
+     * of its body are read to tell).  While limited, the connection holds
+     * no receive buffer larger than the limit needs, and none of the
+     * buffers that only payload needs.  A new connection has no limit:
+     * set it before the first handle(). */
+    void         (*limit)(kvf_conn_t *c, const kvf_rx_limit_t *lim);
 
     /* What the fault transport drives (optional: a backend without all
      * three cannot be wrapped by it).

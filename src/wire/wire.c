@@ -1099,6 +1099,19 @@ static kvf_status_t kvf_wire_check_version(const char *what, const uint8_t *body
     return KVF_OK;
 }
 
+uint32_t kvf_wire_prefix_len(uint8_t type)
+{
+    return type == KVF_MSG_HELLO || type == KVF_MSG_AUTH ? KVF_WIRE_PREFIX_LEN : 0;
+}
+
+kvf_status_t kvf_wire_check_prefix(uint8_t type, const uint8_t *body, uint32_t len,
+                                   char *err, size_t errlen)
+{
+    if (kvf_wire_prefix_len(type) == 0)
+        return KVF_OK;
+    return kvf_wire_check_version(kvf_wire_type_name(type), body, len, err, errlen);
+}
+
 kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
                              kvf_msg_t *msg_p, char *err, size_t errlen)
 {
@@ -1116,12 +1129,9 @@ kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
                       KVF_WIRE_MAX_BODY);
         return KVF_ERR_PROTOCOL;
     }
-    if (hdr->type == KVF_MSG_HELLO || hdr->type == KVF_MSG_AUTH) {
-        kvf_status_t st = kvf_wire_check_version(kvf_wire_type_name(hdr->type),
-                                                 body, hdr->length, err, errlen);
-        if (st != KVF_OK)
-            return st;
-    }
+    kvf_status_t vst = kvf_wire_check_prefix(hdr->type, body, hdr->length, err, errlen);
+    if (vst != KVF_OK)
+        return vst;
 
     uint8_t allowed = hdr->type == KVF_MSG_DATA || hdr->type == KVF_MSG_DATA_REF
                           ? KVF_WIRE_F_STRIDED : 0;

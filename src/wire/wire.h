@@ -57,6 +57,12 @@
 #define KVF_WIRE_NONCE_LEN  32
 #define KVF_WIRE_MAC_LEN    32         /* HMAC-SHA256 */
 #define KVF_WIRE_AUTH_LEN   (4 + 2 + 1 + 1 + 8 + 4 + KVF_WIRE_NONCE_LEN)
+/* The largest body a peer may send before it has authenticated (AUTH's;
+ * AUTH_PROOF's is KVF_WIRE_MAC_LEN): a frame header claiming more is
+ * refused before any of its body is read (core/auth.c). */
+#define KVF_WIRE_MAX_AUTH_BODY KVF_WIRE_AUTH_LEN
+/* HELLO and AUTH lead with the magic (u32) and the version (u16). */
+#define KVF_WIRE_PREFIX_LEN 6
 #define KVF_WIRE_HDR_LEN    8
 #define KVF_WIRE_MAX_BODY   (16u << 20)
 #define KVF_WIRE_MAX_SEGS   8192
@@ -440,6 +446,22 @@ kvf_status_t kvf_wire_parse_header(const uint8_t *p, kvf_wire_hdr_t *hdr_p,
  */
 kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
                              kvf_msg_t *msg_p, char *err, size_t errlen);
+
+/*
+ * The protocol version of a frame refused before its body was read (a
+ * connection's receive limit, transport.h).  HELLO and AUTH lead with the
+ * magic and the version, frozen across versions, so that the refusal of
+ * another version's first frame can still say so.
+ * kvf_wire_prefix_len: how many leading body bytes tell (KVF_WIRE_PREFIX_LEN
+ * for HELLO and AUTH, 0 for a type that has no prefix).
+ * kvf_wire_check_prefix: `body` holds the body's first `len` bytes.
+ * @return KVF_OK (this version, or a type without prefix), KVF_ERR_VERSION
+ * (another version, or not kvferry: `err` says which) or KVF_ERR_PROTOCOL
+ * (too short to tell).
+ */
+uint32_t     kvf_wire_prefix_len(uint8_t type);
+kvf_status_t kvf_wire_check_prefix(uint8_t type, const uint8_t *body, uint32_t len,
+                                   char *err, size_t errlen);
 
 /* "HELLO", "DATA", ... (static). */
 const char *kvf_wire_type_name(uint8_t type);

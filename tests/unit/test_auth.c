@@ -30,177 +30,9 @@
 #include "core/engine.h"
 #include "transport/shm/shm.h"
 #include "kvferry/kvferry.h"
+#include "unit/kvf_sides.h"
 #include "unit/kvf_test.h"
 #include "unit/kvf_wire_peer.h"
-
-#define LAYERS 2
-#define NKV    (2 * LAYERS)
-#define HEADS  2
-#define HEAD_B 32
-#define PAGE   4
-#define PAGES  32
-#define PAGE_B (PAGE * HEADS * HEAD_B)
-#define AUX_B  16
-#define SLOTS  8
-
-typedef struct side {
-    kvf_engine_t *eng;
-    uint8_t      *kv[NKV];
-    uint8_t      *aux;
-} side_t;
-
-static const char *transport = "tcp";
-static int mem_alloc;
-
-/* No token from the environment: every case says which one each engine holds. */
-static void clear_env(void)
-{
-    unsetenv("KVF_AUTH_TOKEN");
-    unsetenv("KVF_AUTH_TOKEN_FILE");
-    unsetenv("SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN");
-    unsetenv("KVF_AUTH");
-}
-
-static kvf_status_t side_try(side_t *s, kvf_role_t role, const char *bs, const char *token,
-                             const char *host)
-{
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = role == KVF_ROLE_PREFILL && bs != NULL &&
-                       strcmp(bs, "127.0.0.1:0") == 0;
-    p.bootstrap_timeout_ms = 5000;
-    p.transfer_timeout_ms = 5000;
-    p.transport = transport;
-    p.auth_token = token;
-    if (host != NULL)
-        p.host = host;
-    memset(s, 0, sizeof(*s));
-    return kvf_engine_create(&p, &s->eng);
-}
-
-/* Register s->kv[] (prefill: filled with a pattern) and s->aux. */
-static void side_register(side_t *s, kvf_role_t role)
-{
-    kvf_buffer_t kv[NKV], aux;
-    for (int i = 0; i < NKV; i++) {
-        if (role == KVF_ROLE_PREFILL)
-            for (size_t j = 0; j < (size_t)PAGES * PAGE_B; j++)
-                s->kv[i][j] = (uint8_t)(j * 7 + (size_t)i * 13 + 1);
-        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)PAGES * PAGE_B, PAGE_B};
-    }
-    aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = PAGE;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = LAYERS;
-    l.heads_per_rank = l.total_heads = HEADS;
-    l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
-}
-
-static void side_init(side_t *s, kvf_role_t role, const char *bs, const char *token)
-{
-    CHECK_EQ_INT(side_try(s, role, bs, token, NULL), KVF_OK);
-    for (int i = 0; i < NKV; i++) {
-        if (mem_alloc)
-            CHECK_EQ_INT(kvf_mem_alloc((size_t)PAGES * PAGE_B, (void **)&s->kv[i]), KVF_OK);
-        else
-            s->kv[i] = calloc(PAGES, PAGE_B);
-    }
-    s->aux = calloc(SLOTS, AUX_B);
-    side_register(s, role);
-}
-
-static void side_fini(side_t *s)
-{
-    kvf_engine_destroy(s->eng);
-    for (int i = 0; i < NKV; i++) {
-        if (mem_alloc)
-            kvf_mem_free(s->kv[i]);
-        else
-            free(s->kv[i]);
-    }
-    free(s->aux);
-}
-
-static void pause_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-/* The room's state once it is final or past `want` (10 s at most). */
-static kvf_poll_t recv_wait(kvf_receiver_t *r, kvf_poll_t want)
-{
-    kvf_poll_t st = kvf_receiver_poll(r);
-    for (int i = 0; i < 10000 && st != KVF_POLL_FAILED && st < want; i++) {
-        pause_ms(1);
-        st = kvf_receiver_poll(r);
-    }
-    return st;
-}
-
-static kvf_poll_t send_wait(kvf_sender_t *s, kvf_poll_t want)
-{
-    kvf_poll_t st = kvf_sender_poll(s);
-    for (int i = 0; i < 10000 && st != KVF_POLL_FAILED && st < want; i++) {
-        pause_ms(1);
-        st = kvf_sender_poll(s);
-    }
-    return st;
-}
-
-static const uint32_t src_pages[3] = {3, 4, 9}, dst_pages[3] = {20, 5, 6};
-
-/* Room `room` from pre to dec, whole; 1 if every byte is in place. */
-static int legit_room(side_t *pre, side_t *dec, const char *bs, uint64_t room)
-{
-    kvf_sender_t *s;
-    kvf_receiver_t *r;
-    memcpy(pre->aux + 1 * AUX_B, "legit-room-tag-1", AUX_B);
-    CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
-    CHECK_EQ_INT(kvf_receiver_create(dec->eng, bs, room, -1, &r), KVF_OK);
-    CHECK_EQ_INT(kvf_receiver_init(r, dst_pages, 3, 2, NULL, 0), KVF_OK);
-    CHECK_EQ_INT(send_wait(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
-    CHECK_EQ_INT(kvf_sender_init(s, 3, 1), KVF_OK);
-    CHECK_EQ_INT(kvf_sender_send(s, src_pages, 3, 1), KVF_OK);
-    int ok = send_wait(s, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS &&
-             recv_wait(r, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS;
-    for (int b = 0; b < NKV; b++)
-        for (int i = 0; i < 3; i++)
-            ok &= memcmp(dec->kv[b] + (size_t)dst_pages[i] * PAGE_B,
-                         pre->kv[b] + (size_t)src_pages[i] * PAGE_B, PAGE_B) == 0;
-    ok &= memcmp(dec->aux + 2 * AUX_B, "legit-room-tag-1", AUX_B) == 0;
-    kvf_sender_destroy(s);
-    kvf_receiver_destroy(r);
-    return ok;
-}
-
-static int port_of(kvf_engine_t *eng)
-{
-    char addr[64];
-    CHECK_EQ_INT(kvf_engine_address(eng, addr, sizeof(addr)), KVF_OK);
-    return atoi(strrchr(addr, ':') + 1);
-}
-
-static int dial(int port)
-{
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
-}
 
 /* ------------------------------------------------------------------------ */
 
@@ -284,45 +116,6 @@ static void test_wrong_token_refused(void)
 }
 
 /* ---- a stranger process on a raw socket -------------------------------- */
-
-/* What the stranger does; @return 0 if the engine behaved. */
-typedef int (*stranger_fn_t)(int port);
-
-/* Run fn in a child process (it learns the port through a pipe, so it is
- * forked before any engine thread exists); waitable with stranger_join. */
-typedef struct stranger {
-    pid_t pid;
-    int   wfd;
-} stranger_t;
-
-static stranger_t stranger_fork(stranger_fn_t fn)
-{
-    int p[2];
-    stranger_t s = {-1, -1};
-    if (pipe(p) != 0)
-        return s;
-    s.pid = fork();
-    if (s.pid == 0) {
-        int port = 0;
-        close(p[1]);
-        alarm(60);                    /* never outlive the test */
-        if (read(p[0], &port, sizeof(port)) != sizeof(port))
-            _exit(99);
-        _exit(fn(port));
-    }
-    close(p[0]);
-    s.wfd = p[1];
-    return s;
-}
-
-static int stranger_join(stranger_t *s, int port)
-{
-    int status = -1;
-    CHECK(write(s->wfd, &port, sizeof(port)) == sizeof(port));
-    close(s->wfd);
-    CHECK(waitpid(s->pid, &status, 0) == s->pid);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
 /* The engine's AUTH, and nothing after it for a while. */
 static int only_auth(int fd, kvf_msg_auth_t *auth_p)
@@ -413,6 +206,60 @@ static int stranger_wrong_token(int port)
     return 0;
 }
 
+/*
+ * Frame headers beyond what a peer may send before it has authenticated:
+ * a type other than AUTH and AUTH_PROOF, or a body larger than theirs.
+ * Each closes the connection at its header, before any body byte came
+ * (the engine's handshake deadline is 30 s away in these cases).  The
+ * first frame of a version-1 engine too (HELLO, magic and version 1).
+ */
+static int stranger_big_headers(int port)
+{
+    static const struct {
+        uint8_t  type;
+        uint32_t len;
+        uint16_t version;   /* of the magic-and-version prefix sent (0: none) */
+    } claims[] = {
+        {KVF_MSG_DATA, KVF_WIRE_MAX_BODY, 0},
+        {KVF_MSG_HELLO, 4096, KVF_WIRE_VERSION},
+        {KVF_MSG_HELLO, 4096, 1},
+        {KVF_MSG_AUTH, KVF_WIRE_MAX_AUTH_BODY + 1, KVF_WIRE_VERSION},
+        {KVF_MSG_AUTH, KVF_WIRE_MAX_BODY, KVF_WIRE_VERSION},
+        {KVF_MSG_AUTH_PROOF, 1u << 20, 0},
+        {KVF_MSG_ROOM_REQ, 64, 0},
+    };
+    for (size_t i = 0; i < sizeof(claims) / sizeof(claims[0]); i++) {
+        uint8_t frame[KVF_WIRE_HDR_LEN + KVF_WIRE_PREFIX_LEN] = {0};
+        size_t n = KVF_WIRE_HDR_LEN;
+        kvf_put_u32(frame, claims[i].len);
+        frame[4] = claims[i].type;
+        if (claims[i].version != 0) {
+            kvf_put_u32(frame + n, KVF_WIRE_MAGIC);
+            kvf_put_u16(frame + n + 4, claims[i].version);
+            n += KVF_WIRE_PREFIX_LEN;
+        }
+        int fd = dial(port);
+        if (fd < 0 || !only_auth(fd, NULL))
+            return 10 + (int)i;
+        if (send(fd, frame, n, MSG_NOSIGNAL) != (ssize_t)n)
+            return 20 + (int)i;
+        if (!wp_closed(fd, 5000))
+            return 30 + (int)i;
+        close(fd);
+    }
+    return 0;
+}
+
+static unsigned tune_handshake_ms;
+static const char *tune_faults;
+
+static void tune(kvf_engine_params_t *p)
+{
+    if (tune_handshake_ms)
+        p->handshake_timeout_ms = tune_handshake_ms;
+    p->faults = tune_faults;
+}
+
 static void stranger_case(stranger_fn_t fn, int refusals)
 {
     side_t pre, dec;
@@ -431,7 +278,7 @@ static void stranger_case(stranger_fn_t fn, int refusals)
     CHECK_EQ_INT(kvf_engine_auth_refused(pre.eng), refusals);
     kvf_sender_destroy(live);
     CHECK(legit_room(&pre, &dec, bs, 7));
-    CHECK(strcmp(kvf_engine_transport(dec.eng), transport) == 0);
+    CHECK(strcmp(kvf_engine_transport(dec.eng), side_transport) == 0);
     side_fini(&dec);
     side_fini(&pre);
 }
@@ -446,15 +293,29 @@ static void test_stranger_with_wrong_token(void)
     stranger_case(stranger_wrong_token, 2);
 }
 
+static void test_stranger_big_headers(void)
+{
+    side_tune = tune;
+    tune_handshake_ms = 30000;
+    stranger_case(stranger_big_headers, 7);
+    /* The same through the fault transport, which wraps every connection
+     * when faults are set (this one never fires: no room moves 1 TB). */
+    tune_faults = "stall@1000000000000";
+    stranger_case(stranger_big_headers, 7);
+    tune_faults = NULL;
+    tune_handshake_ms = 0;
+    side_tune = NULL;
+}
+
 /* The same strangers beside rooms over shm (mapped memfds) and ucx. */
 static void test_strangers_over_shm(void)
 {
-    transport = "shm";
-    mem_alloc = 1;
+    side_transport = "shm";
+    side_mem_alloc = 1;
     stranger_case(stranger_no_token, 10);
     stranger_case(stranger_wrong_token, 2);
-    mem_alloc = 0;
-    transport = "tcp";
+    side_mem_alloc = 0;
+    side_transport = "tcp";
 }
 
 static void test_strangers_over_ucx(void)
@@ -463,10 +324,10 @@ static void test_strangers_over_ucx(void)
     /* UCX's tcp moves reads in software: allowed here, loopback only. */
     setenv("UCX_TLS", "tcp", 1);
     setenv("KVF_UCX_SOFTWARE_RMA", "allow", 1);
-    transport = "ucx";
+    side_transport = "ucx";
     stranger_case(stranger_no_token, 10);
     stranger_case(stranger_wrong_token, 2);
-    transport = "tcp";
+    side_transport = "tcp";
     unsetenv("KVF_UCX_SOFTWARE_RMA");
 #else
     fprintf(stderr, "  (no UCX in this build: the ucx case is not run)\n");
@@ -596,8 +457,8 @@ static void test_shm_handout(void)
         _exit(thief_main(p[0]));
     }
     close(p[0]);
-    transport = "shm";
-    mem_alloc = 1;
+    side_transport = "shm";
+    side_mem_alloc = 1;
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     int port = port_of(pre.eng);
@@ -659,8 +520,8 @@ static void test_shm_handout(void)
     CHECK(strcmp(kvf_engine_transport(dec.eng), "shm") == 0);
     side_fini(&dec);
     side_fini(&pre);
-    mem_alloc = 0;
-    transport = "tcp";
+    side_mem_alloc = 0;
+    side_transport = "tcp";
 }
 
 #define KVLEN ((size_t)PAGES * PAGE_B)
@@ -755,7 +616,7 @@ static void test_shm_memfds_cover_registered_only(void)
     size_t pg = (size_t)sysconf(_SC_PAGESIZE);
     uint8_t *a, *b, *c, *t;
     clear_env();
-    transport = "shm";
+    side_transport = "shm";
 
     /* Registered in part: the aux buffer alone is a whole allocation. */
     CHECK_EQ_INT(side_try(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha", NULL), KVF_OK);
@@ -799,7 +660,7 @@ static void test_shm_memfds_cover_registered_only(void)
     kvf_engine_destroy(pre.eng);
     kvf_mem_free(t);
     free(pre.aux);
-    transport = "tcp";
+    side_transport = "tcp";
 }
 
 /* Run fn(arg) with this process's stderr (the log) going to a file, and
@@ -854,8 +715,8 @@ static void test_shm_handout_refusals_logged_once(void)
     size_t len = 0;
     int fds[256];
     clear_env();
-    transport = "shm";
-    mem_alloc = 1;
+    side_transport = "shm";
+    side_mem_alloc = 1;
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
     CHECK(raw_offer(port_of(pre.eng), "alpha", blob, sizeof(blob), &len));
     flood_t fl = {.req = req_of(blob), .n = 300};
@@ -876,8 +737,8 @@ static void test_shm_handout_refusals_logged_once(void)
     for (int i = 0; i < n && i < 256; i++)
         close(fds[i]);
     side_fini(&pre);
-    mem_alloc = 0;
-    transport = "tcp";
+    side_mem_alloc = 0;
+    side_transport = "tcp";
 }
 
 /* ---- what a ucx offer allows over UCX's tcp transport ------------------ */
@@ -931,7 +792,7 @@ static void test_ucx_software_rma(void)
     clear_env();
     setenv("UCX_TLS", "tcp", 1);
     unsetenv("KVF_UCX_SOFTWARE_RMA");
-    transport = "ucx";
+    side_transport = "ucx";
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
     CHECK(raw_offer_of(port_of(pre.eng), "alpha", KVF_WIRE_CAPS_NAME, blob, sizeof(blob),
                        &len));   /* the offer came... */
@@ -940,7 +801,7 @@ static void test_ucx_software_rma(void)
 
     setenv("KVF_UCX_SOFTWARE_RMA", "allow", 1);
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
-    transport = "tcp";
+    side_transport = "tcp";
     unsetenv("KVF_UCX_SOFTWARE_RMA");
     CHECK(raw_offer_of(port_of(pre.eng), "alpha", "ucx", blob, sizeof(blob), &len));
     uint8_t *target = NULL;
@@ -1146,6 +1007,7 @@ KVF_TEST_MAIN(
     KVF_CASE(test_wrong_token_refused),
     KVF_CASE(test_stranger_without_token),
     KVF_CASE(test_stranger_with_wrong_token),
+    KVF_CASE(test_stranger_big_headers),
     KVF_CASE(test_strangers_over_shm),
     KVF_CASE(test_strangers_over_ucx),
     KVF_CASE(test_shm_handout),

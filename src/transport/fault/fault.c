@@ -448,6 +448,12 @@ static int fault_pending(const kvf_conn_t *c)
     return fc->inner->ops->pending(fc->inner);
 }
 
+static void fault_limit(kvf_conn_t *c, const kvf_rx_limit_t *lim)
+{
+    fault_conn_t *fc = (fault_conn_t *)c;
+    fc->inner->ops->limit(fc->inner, lim);
+}
+
 static const kvf_transport_ops_t fault_ops = {
     .name = "fault",
     .handle = fault_handle,
@@ -462,6 +468,7 @@ static const kvf_transport_ops_t fault_ops = {
     .last_tx = fault_last_tx,
     .idle = fault_idle,
     .pending = fault_pending,
+    .limit = fault_limit,
 };
 
 /* ------------------------------------------------------------------------ */

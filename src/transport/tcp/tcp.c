@@ -5,6 +5,11 @@
  * DONE is processed" needs no acknowledgement per write: the writer only
  * has to put DONE after the last payload byte, and the reader only has to
  * place every payload byte before it parses the next header.
+ *
+ * A connection costs what its peer may send: the receive buffer and the
+ * DATA frame tables are allocated on first use, and while a receive
+ * limit is set (an unauthenticated peer) every header is checked against
+ * it before its body is read, so the buffer never outgrows the limit.
  */
 #include "transport/tcp/tcp.h"
 
@@ -41,7 +46,16 @@
                                                connections' turn */
 #define TCP_SOCKBUF       (4 << 20)
 
-enum { RX_HDR, RX_BODY, RX_PAYLOAD };
+/* RX_REFUSE: a header beyond the limit was read; its first bytes may
+ * still say that the peer speaks another protocol version. */
+enum { RX_HDR, RX_BODY, RX_PAYLOAD, RX_REFUSE };
+
+/* The current outbound DATA frame's segment table: only a connection that
+ * sends payload allocates it (tcp_txf). */
+typedef struct tcp_txf {
+    kvf_wire_seg_t segs[TCP_FRAME_SEGS];
+    uint64_t       addrs[TCP_FRAME_SEGS];  /* DATA_REF sources */
+} tcp_txf_t;
 
 struct kvf_tcp_conn {
     kvf_conn_t               base;          /* ops: first member */
@@ -89,8 +103,7 @@ struct kvf_tcp_conn {
     struct iovec            *iov;           /* header, then one per piece */
     uint32_t                 iov_cap;
     int                      iov_n, iov_i;
-    kvf_wire_seg_t           segs[TCP_FRAME_SEGS];
-    uint64_t                 addrs[TCP_FRAME_SEGS];  /* DATA_REF sources */
+    tcp_txf_t               *txf;           /* NULL until the first put */
     /* The pieces of the current put's last strided segment that did not
      * fit in the frame: the next frame starts with them. */
     int                      has_carry;
@@ -98,7 +111,9 @@ struct kvf_tcp_conn {
     const uint8_t           *carry_src;
 
     /* receive */
-    kvf_buf_t                rx;            /* bytes rx.data[rx_off..rx.len) unread */
+    const kvf_rx_limit_t    *limit;         /* NULL: none */
+    kvf_buf_t                rx;            /* bytes rx.data[rx_off..rx.len) unread;
+                                               allocated at the first read */
     size_t                   rx_off;
     int                      rx_state;
     kvf_wire_hdr_t           hdr;
@@ -234,20 +249,15 @@ static kvf_status_t conn_new(int fd, const kvf_conn_env_t *env, int connecting,
     kvf_buf_init(&c->ctrl);
     kvf_buf_init(&c->frame);
     kvf_buf_init(&c->rx);
-    if (kvf_buf_reserve(&c->rx, TCP_RX_BUF) != KVF_OK)
-        goto err;
     c->ep_events = EPOLLIN | EPOLLRDHUP | (connecting ? EPOLLOUT : 0);
     struct epoll_event ev = {.events = c->ep_events, .data.ptr = c->ep_data};
     if (epoll_ctl(c->epfd, EPOLL_CTL_ADD, fd, &ev) != 0) {
         kvf_error("epoll_ctl: %m");
-        goto err;
+        free(c);
+        return KVF_ERR_NO_MEMORY;
     }
     *conn_p = &c->base;
     return KVF_OK;
-err:
-    kvf_buf_free(&c->rx);
-    free(c);
-    return KVF_ERR_NO_MEMORY;
 }
 
 static kvf_status_t tcp_connect(const char *host, int port, const kvf_conn_env_t *env,
@@ -360,6 +370,7 @@ static void tcp_destroy(kvf_conn_t *base)
     kvf_buf_free(&c->rx);
     free(c->tgt);
     free(c->iov);
+    free(c->txf);
     free(c->truncate_reason);
     free(c);
 }
@@ -452,8 +463,13 @@ static int build_frame(kvf_tcp_conn_t *c)
     uint8_t strided = 0;
     kvf_status_t st = KVF_OK;
 
+    if (c->txf == NULL && (c->txf = malloc(sizeof(*c->txf))) == NULL) {
+        c->cur_put = NULL;
+        p->complete(p, KVF_ERR_NO_MEMORY);
+        return 0;
+    }
     while (n < TCP_FRAME_SEGS && pieces < TCP_FRAME_PIECES && payload < TCP_FRAME_BYTES) {
-        kvf_wire_seg_t *s = &c->segs[n];
+        kvf_wire_seg_t *s = &c->txf->segs[n];
         const uint8_t *src;
         int rc = next_seg(c, s, &src);
         if (rc < 0) {
@@ -495,7 +511,7 @@ static int build_frame(kvf_tcp_conn_t *c)
                 c->iov[1 + pieces + k] = (struct iovec){(void *)(src + (size_t)k * s->src_stride),
                                                         s->len};
         }
-        c->addrs[n] = (uint64_t)(uintptr_t)src;
+        c->txf->addrs[n] = (uint64_t)(uintptr_t)src;
         payload += (uint64_t)cnt * s->len;
         pieces += cnt;
         n++;
@@ -513,13 +529,13 @@ static int build_frame(kvf_tcp_conn_t *c)
     m.u.data.src_rank = p->src_rank;
     m.u.data.payload_len = payload;
     m.u.data.nseg = n;
-    m.u.data.segs = c->segs;
+    m.u.data.segs = c->txf->segs;
     m.u.data.strided = strided;
     for (uint32_t i = 0; strided && i < n; i++)
-        if (c->segs[i].count == 0)
-            c->segs[i].count = 1;      /* a plain one among strided ones */
+        if (c->txf->segs[i].count == 0)
+            c->txf->segs[i].count = 1;      /* a plain one among strided ones */
     if (p->by_ref)
-        m.u.data.src_addrs = (kvf_wire_arr64_t){n, c->addrs, NULL};
+        m.u.data.src_addrs = (kvf_wire_arr64_t){n, c->txf->addrs, NULL};
     c->frame.len = 0;
     if (st == KVF_OK)
         st = reserve_iov(c, 1) ? kvf_wire_encode(&c->frame, &m) : KVF_ERR_NO_MEMORY;
@@ -741,6 +757,30 @@ typedef struct {
     uint64_t pulled;
 } pass_t;
 
+static int limit_admits(const kvf_rx_limit_t *lim, const kvf_wire_hdr_t *h)
+{
+    return lim == NULL || ((lim->types >> h->type & 1u) && h->length <= lim->max_body);
+}
+
+/* A header beyond the limit: close, saying so; a frame that leads with
+ * its protocol version once `have` of its first bytes say whether it is
+ * another version's (until then, wait for them). */
+static void refuse_frame(kvf_tcp_conn_t *c, const uint8_t *body, size_t have)
+{
+    char err[256];
+    uint32_t need = kvf_wire_prefix_len(c->hdr.type);
+    if (need > c->hdr.length)
+        need = c->hdr.length;
+    if (have < need)
+        return;
+    if (kvf_wire_check_prefix(c->hdr.type, body, need, err, sizeof(err)) == KVF_ERR_VERSION)
+        conn_fail(c, KVF_ERR_VERSION, "%s", err);
+    else
+        conn_fail(c, KVF_ERR_PROTOCOL, "%s frame of %u bytes %s: refused at its header",
+                  kvf_wire_type_name(c->hdr.type), c->hdr.length,
+                  c->limit->why != NULL ? c->limit->why : "beyond this connection's limit");
+}
+
 /* Parse the complete frames the receive buffer holds, up to the bound. */
 static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
 {
@@ -751,6 +791,10 @@ static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
         size_t have = c->rx.len - c->rx_off;
         const uint8_t *p = c->rx.data + c->rx_off;
 
+        if (c->rx_state == RX_REFUSE) {
+            refuse_frame(c, p, have);
+            return;
+        }
         if (c->rx_state == RX_PAYLOAD) {
             if (c->payload_left == 0) {
                 payload_done(c);
@@ -778,7 +822,8 @@ static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
                 return;
             }
             c->rx_off += KVF_WIRE_HDR_LEN;
-            c->rx_state = RX_BODY;
+            /* Beyond the limit: not one byte of its body is buffered. */
+            c->rx_state = limit_admits(c->limit, &c->hdr) ? RX_BODY : RX_REFUSE;
             continue;
         }
         /* RX_BODY */
@@ -937,6 +982,13 @@ static void handle_readable(kvf_tcp_conn_t *c)
                 kvf_buf_consume(&c->rx, c->rx_off);
                 c->rx_off = 0;
             }
+            /* The buffer, at its first read; grown once the limit is gone. */
+            size_t want = c->limit != NULL ? KVF_WIRE_HDR_LEN + c->limit->max_body
+                                           : TCP_RX_BUF;
+            if (c->rx.cap < want && kvf_buf_reserve(&c->rx, want - c->rx.len) != KVF_OK) {
+                conn_fail(c, KVF_ERR_NO_MEMORY, "no memory for a receive buffer");
+                return;
+            }
             size_t room = c->rx.cap - c->rx.len;
             io_begin(c);
             n = recv(c->fd, c->rx.data + c->rx.len, room < budget ? room : budget, 0);
@@ -1045,6 +1097,11 @@ static void tcp_pause(kvf_conn_t *base, uint64_t until_ms)
     update_events(c);
 }
 
+static void tcp_limit(kvf_conn_t *base, const kvf_rx_limit_t *lim)
+{
+    ((kvf_tcp_conn_t *)base)->limit = lim;
+}
+
 static void tcp_truncate(kvf_conn_t *base, const char *reason)
 {
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
@@ -1067,6 +1124,7 @@ const kvf_transport_ops_t kvf_tcp_ops = {
     .last_tx = tcp_last_tx,
     .idle = tcp_idle,
     .pending = tcp_pending,
+    .limit = tcp_limit,
     .abort = tcp_abort,
     .pause = tcp_pause,
     .truncate = tcp_truncate,
