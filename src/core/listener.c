@@ -17,7 +17,6 @@
  */
 #include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/resource.h>
@@ -26,6 +25,7 @@
 
 #include "core/peer.h"
 #include "util/log.h"
+#include "util/reserve.h"
 #include "util/time.h"
 
 #define ACCEPT_BATCH  64      /* connections one event takes at most: the
@@ -33,14 +33,9 @@
 #define SHED_PAUSE_MS 100
 #define SHED_LOG_MS   10000
 
-static int open_reserve(void)
-{
-    return open("/dev/null", O_RDONLY | O_CLOEXEC);
-}
-
 void kvf__listener_init(kvf_engine_t *eng)
 {
-    eng->reserve_fd = open_reserve();
+    eng->reserve_fd = kvf_reserve_open();
     if (eng->reserve_fd < 0)
         kvf_warn("no descriptor to keep in reserve (%m): out of descriptors, the control "
                  "listener will pause instead of shedding connections");
@@ -77,16 +72,9 @@ static void shed_log(kvf_engine_t *eng, uint64_t now)
  * -1 the reserve did not help. */
 static int shed_one(kvf_engine_t *eng, int err)
 {
-    if (eng->reserve_fd < 0 && (eng->reserve_fd = open_reserve()) < 0)
-        return -1;
-    close(eng->reserve_fd);
-    int fd = accept4(eng->listenfd, NULL, NULL, SOCK_CLOEXEC);
-    int aerr = errno;
-    if (fd >= 0)
-        close(fd);
-    eng->reserve_fd = open_reserve();
-    if (fd < 0)
-        return aerr == EAGAIN || aerr == EWOULDBLOCK ? 0 : -1;
+    int shed = kvf_reserve_shed(&eng->reserve_fd, eng->listenfd);
+    if (shed <= 0)
+        return shed;
     eng->auth_refused++;
     eng->shed_unlogged++;
     eng->shed_errno = err;
@@ -119,7 +107,7 @@ static void pause_listener(kvf_engine_t *eng, int err)
 void kvf__listener_tick(kvf_engine_t *eng, uint64_t now)
 {
     if (eng->reserve_fd < 0)
-        eng->reserve_fd = open_reserve();
+        eng->reserve_fd = kvf_reserve_open();
     shed_log(eng, now);
     if (eng->listen_paused_until_ms == 0 || now < eng->listen_paused_until_ms)
         return;

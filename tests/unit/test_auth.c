@@ -16,6 +16,7 @@
 #include <string.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -741,6 +742,96 @@ static void test_shm_handout_refusals_logged_once(void)
     side_transport = "tcp";
 }
 
+/* Process CPU time (every thread), in seconds. */
+static double cpu_s(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+           (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+/*
+ * The shm handout socket out of descriptors.  While this process has none
+ * left, another one connects to it: the prefill engine turns each
+ * connection away (accepted on its reserve descriptor and closed) instead
+ * of spinning on a listener it cannot serve, which would cost a whole
+ * core until a descriptor frees.  The test thread only waits meanwhile,
+ * so this process's CPU time is the engine's.
+ */
+static void test_shm_handout_out_of_descriptors(void)
+{
+    enum { N = 32, HOG_MAX = 8192 };
+    static int hog[HOG_MAX];
+    side_t pre;
+    uint8_t blob[4096];
+    size_t len = 0;
+    int nhog = 0;
+    clear_env();
+    side_transport = "shm";
+    side_mem_alloc = 1;
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
+    CHECK(raw_offer(port_of(pre.eng), "alpha", blob, sizeof(blob), &len));
+    handout_req_t q = req_of(blob);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    size_t n = strnlen(q.name, sizeof(q.name));
+    memcpy(sa.sun_path + 1, q.name, n);
+    socklen_t salen = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+    struct rlimit old, rl;
+    CHECK(getrlimit(RLIMIT_NOFILE, &old) == 0);
+    rl = old;
+    if (rl.rlim_cur > 1024)
+        rl.rlim_cur = 1024;
+    CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0);
+
+    fflush(NULL);
+    while (nhog < HOG_MAX && (hog[nhog] = dup(0)) >= 0)
+        nhog++;
+    CHECK(nhog < HOG_MAX && errno == EMFILE);
+    uint64_t t0 = kvf_now_ms();
+    double c0 = cpu_s();
+    pid_t child = fork();
+    if (child == 0) {
+        /* The other process: its own descriptors, N connections, and how
+         * many the engine closed within 5 s. */
+        int cl[N], closed = 0;
+        alarm(30);
+        for (int i = 0; i < nhog; i++)
+            close(hog[i]);
+        for (int i = 0; i < N; i++) {
+            cl[i] = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+            if (cl[i] < 0 || connect(cl[i], (struct sockaddr *)&sa, salen) != 0)
+                _exit(100);
+        }
+        for (int i = 0; i < N; i++)
+            closed += wp_closed(cl[i], 5000);
+        _exit(closed);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    double cpu = cpu_s() - c0, wall = (double)(kvf_now_ms() - t0) / 1000.0;
+    for (int i = 0; i < nhog; i++)
+        close(hog[i]);
+    CHECK(setrlimit(RLIMIT_NOFILE, &old) == 0);
+    int closed = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    fprintf(stderr, "  %d of %d turned away out of descriptors; engine CPU %.3f s over "
+            "%.2f s\n", closed, N, cpu, wall);
+    CHECK_EQ_INT(closed, N);
+    CHECK(cpu < 0.25 * wall + 0.05);
+    /* Descriptors back: the socket serves again (a fresh cookie: an offer's
+     * lasts as long as its connection). */
+    CHECK(raw_offer(port_of(pre.eng), "alpha", blob, sizeof(blob), &len));
+    handout_req_t good = req_of(blob);
+    int fds[256];
+    int got = fetch_memfds(&good, fds, 256);
+    CHECK_EQ_INT(got, NKV);
+    for (int i = 0; i < got && i < 256; i++)
+        close(fds[i]);
+    side_fini(&pre);
+    side_mem_alloc = 0;
+    side_transport = "tcp";
+}
+
 /* ---- what a ucx offer allows over UCX's tcp transport ------------------ */
 
 #ifdef KVF_HAVE_UCX
@@ -1012,6 +1103,7 @@ KVF_TEST_MAIN(
     KVF_CASE(test_strangers_over_ucx),
     KVF_CASE(test_shm_handout),
     KVF_CASE(test_shm_handout_refusals_logged_once),
+    KVF_CASE(test_shm_handout_out_of_descriptors),
     KVF_CASE(test_shm_memfds_cover_registered_only),
     KVF_CASE(test_ucx_software_rma),
     KVF_CASE(test_version1_peer),

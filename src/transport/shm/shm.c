@@ -24,6 +24,7 @@
 
 #include "kvferry/kvferry.h"
 #include "util/log.h"
+#include "util/reserve.h"
 #include "util/time.h"
 #include "util/region.h"
 
@@ -645,6 +646,7 @@ typedef struct kvf_shm {
     uint64_t        instance;
     int             listen_fd;     /* prefill: hands out memfds, or -1 */
     int             hand_epfd;     /* prefill: the listener and pending[], or -1 */
+    int             reserve_fd;    /* prefill: kept for when out of descriptors */
     pending_t       pending[MAX_PENDING];
     cookie_t        cookies[MAX_COOKIES];
     uint64_t        refusal_logged_ms;  /* last line about a refused request, or 0 */
@@ -793,6 +795,14 @@ static void serve(kvf_shm_t *s)
             pending_close(s, &s->pending[i]);
     for (;;) {
         int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {
+            /* Out of descriptors: the listener would stay readable and the
+             * engine's loop spin on it; turn the connection away. */
+            if (kvf_reserve_shed(&s->reserve_fd, s->listen_fd) > 0) {
+                log_refusal(s, "at once: this process is out of file descriptors");
+                continue;
+            }
+        }
         if (fd < 0)
             return;
         pending_t *q = &s->pending[0];
@@ -892,6 +902,8 @@ static void shm_destroy(kvf_mover_t *m)
     }
     if (s->listen_fd >= 0)
         close(s->listen_fd);
+    if (s->reserve_fd >= 0)
+        close(s->reserve_fd);
     for (int i = 0; i < MAX_PENDING; i++)
         if (s->pending[i].fd >= 0)
             close(s->pending[i].fd);
@@ -952,6 +964,7 @@ static kvf_status_t shm_create(const kvf_mover_params_t *p, kvf_mover_t **m_p, c
     s->instance = p->instance_id;
     s->listen_fd = -1;
     s->hand_epfd = -1;
+    s->reserve_fd = p->role == KVF_ROLE_PREFILL ? kvf_reserve_open() : -1;
     for (int i = 0; i < MAX_PENDING; i++)
         s->pending[i].fd = -1;
     s->efd = -1;
