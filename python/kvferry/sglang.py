@@ -1098,10 +1098,10 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
         if got[0] == "ready":
             return s
         if got[0] == "failed":
-            self._fail_here("the prefill server at %s failed room %s before it had "
-                            "computed it: %s" % (self.bootstrap_addr, self.bootstrap_room,
-                                                 got[1] or "(no reason given)"),
-                            from_another=True)
+            self._fail_here("the prefill server at %s failed room %s before the room "
+                            "was ready for this decode server: %s"
+                            % (self.bootstrap_addr, self.bootstrap_room,
+                               got[1] or "(no reason given)"), from_another=True)
         else:
             self._fail_here(got[1])
         return _Poll.Failed

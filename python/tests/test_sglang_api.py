@@ -437,6 +437,75 @@ class Rooms(unittest.TestCase):
         self.assertFalse(cm.exception.is_from_another_rank)
         rx.clear()
 
+    def test_allocation_policy(self):
+        """prefill_complete on both sides: the decode's room stays
+        Bootstrapping (connected) until the prefill marks it computed; a
+        decode whose policy differs from the prefill's fails the room
+        naming both."""
+        boot = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0)
+        addr = "127.0.0.1:%d" % boot.port
+        sa = server_args(boot.port,
+                         disaggregation_decode_allocation_policy="prefill_complete")
+        pm = S.KVFerryKVManager(kv_args("prefill"), S.DisaggregationMode.PREFILL, sa)
+        dm = S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE, sa)
+        early = S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE,
+                                   server_args(boot.port))
+        try:
+            deadline = time.monotonic() + 20
+            while not (dm.try_ensure_parallel_info(addr) and
+                       early.try_ensure_parallel_info(addr)):
+                self.assertLess(time.monotonic(), deadline, "no parallel info")
+                time.sleep(0.01)
+            self.assertEqual(dm.prefill_info_table[addr].decode_allocation_policy,
+                             "prefill_complete")
+            room = self.next_room()
+            tx = S.KVFerryKVSender(pm, addr, room, [0], 0)
+            rx = S.KVFerryKVReceiver(dm, addr, room)
+            rx.init(0)
+            while rx._h.poll() < S.KVPoll.WaitingForInput:       # connected
+                self.assertLess(time.monotonic(), deadline, "not connected")
+                time.sleep(0.005)
+            self.assertEqual(rx.poll(), S.KVPoll.Bootstrapping)
+            tx.mark_prefill_complete()
+            self.assertEqual(self.wait(rx, (S.KVPoll.WaitingForInput, S.KVPoll.Failed)),
+                             S.KVPoll.WaitingForInput)
+            other = S.KVFerryKVReceiver(early, addr, self.next_room())
+            other.init(0)
+            self.assertEqual(other.poll(), S.KVPoll.Failed)
+            with self.assertRaises(S.KVTransferError) as cm:
+                other.failure_exception()
+            self.assertIn("Decode allocation policy mismatch: prefill server %s has "
+                          "--disaggregation-decode-allocation-policy prefill_complete, "
+                          "but decode server has early" % addr,
+                          cm.exception.failure_reason)
+            for h in (rx, tx):
+                h.abort()
+                h.clear()
+        finally:
+            for m in (pm, dm, early):
+                m.teardown()
+            boot.close()
+
+    def test_bootstrap_server_thread_and_api_key(self):
+        """Newer SGLang runs the bootstrap server in a process of its own and
+        waits on its thread; with only SGLang's --api-key the registry takes
+        it as its token."""
+        saved = {k: os.environ.pop(k, None) for k in (
+            "KVF_AUTH_TOKEN", "KVF_AUTH_TOKEN_FILE",
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN")}
+        try:
+            b = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0,
+                                           api_key="api-key-0123456789abcdef")
+            self.assertEqual(b._server.access, "token")
+            self.assertTrue(b.thread.is_alive())
+            self.assertEqual(S._auth_headers("api-key-0123456789abcdef"),
+                             {"Authorization": "Bearer api-key-0123456789abcdef"})
+            b.close()
+            b.thread.join(timeout=10)
+            self.assertFalse(b.thread.is_alive())
+        finally:
+            os.environ.update({k: v for k, v in saved.items() if v is not None})
+
     def test_abort_before_init(self):
         rx = S.KVFerryKVReceiver(self.dm, self.addr, self.next_room())
         rx.abort()
