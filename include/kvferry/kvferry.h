@@ -1020,11 +1020,12 @@ KVF_API uint64_t kvf_engine_stash_dropped(kvf_engine_t *engine);
 typedef struct kvf_bootstrap kvf_bootstrap_t;
 
 /**
- * Start a bootstrap registry (HTTP, SGLang's routes plus /metrics) on
- * host:port (port 0: any free port).  It serves from its own thread.
+ * Start a bootstrap registry (HTTP, SGLang's routes, kvferry's room
+ * readiness for SGLang's prefill_complete policy, and /metrics;
+ * docs/REGISTRY.md) on host:port (port 0: any free port).  It serves from its own thread.
  *
- * Who may change it (PUT /route, POST /register_dp_rank) is read from the
- * environment when it starts (docs/SECURITY.md):
+ * Who may change it (PUT /route, POST /register_dp_rank, POST /room_ready)
+ * is read from the environment when it starts (docs/SECURITY.md):
  *  - the cluster token, first found of KVF_AUTH_TOKEN, KVF_AUTH_TOKEN_FILE
  *    (a file only its owner may read; trailing newline stripped) and
  *    SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN: every mutating request
@@ -1035,8 +1036,8 @@ typedef struct kvf_bootstrap kvf_bootstrap_t;
  *    to set a token);
  *  - no token and KVF_AUTH=none: anyone may write, on any host (a warning
  *    is logged at start).
- * Read-only routes (GET /route, /health, /metrics, POST /query_dp_ranks)
- * are open in every mode.  Connections are bounded (512 in all, 64 per
+ * Read-only routes (GET /route, /health, /metrics, POST /query_dp_ranks,
+ * POST /query_room_ready) are open in every mode.  Connections are bounded (512 in all, 64 per
  * client address, idle ones closed after 15 s), and so are queries (2048
  * bytes, 32 parameters) and bodies (1 MiB).
  *

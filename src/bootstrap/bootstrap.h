@@ -164,7 +164,8 @@ kvf_registry_state_t *kvf__registry_state_create(size_t max_rooms);
 void kvf__registry_state_destroy(kvf_registry_state_t *st);
 
 /*
- * Who may change the registry (PUT /route, POST /register_dp_rank):
+ * Who may change the registry (PUT /route, POST /register_dp_rank, POST
+ * /room_ready):
  *  - with a token (non-empty): a request whose "Authorization: Bearer"
  *    matches it, from anywhere; any other gets 401;
  *  - without one, `open` 0 (protected mode, the default): loopback clients

@@ -1,7 +1,8 @@
 /*
  * Bootstrap registry request handling: SGLang's CommonKVBootstrapServer
- * routes (PUT/GET /route, /health, /register_dp_rank, /query_dp_ranks)
- * plus GET /metrics, as one pure function of (method, path, query, body)
+ * routes (PUT/GET /route, /health, /register_dp_rank, /query_dp_ranks),
+ * kvferry's room readiness (/room_ready, /query_room_ready) and GET
+ * /metrics, as one pure function of (method, path, query, body)
  * and the registry state.  The MHD glue (registry.c), the unit tests and
  * the fuzzer all call kvf__registry_handle(), so the fuzzer exercises
  * exactly what the network reaches.
@@ -23,7 +24,7 @@
  *    whose parallel info would break transfers (unless the rule below lets
  *    it replace that info).
  *  - access, as SGLang's bootstrap_auth.py: the mutating routes (PUT
- *    /route, POST /register_dp_rank) need "Authorization: Bearer <token>"
+ *    /route, POST /register_dp_rank, and kvferry's POST /room_ready) need "Authorization: Bearer <token>"
  *    (scheme case-insensitive, token compared in constant time) when the
  *    registry has a token, and answer 401 otherwise; GET /route, /health,
  *    POST /query_dp_ranks and /metrics stay open.  Without a token SGLang
