@@ -24,10 +24,11 @@
  *    whose parallel info would break transfers (unless the rule below lets
  *    it replace that info).
  *  - access, as SGLang's bootstrap_auth.py: the mutating routes (PUT
- *    /route, POST /register_dp_rank, and kvferry's POST /room_ready) need "Authorization: Bearer <token>"
- *    (scheme case-insensitive, token compared in constant time) when the
- *    registry has a token, and answer 401 otherwise; GET /route, /health,
- *    POST /query_dp_ranks and /metrics stay open.  Without a token SGLang
+ *    /route, POST /register_dp_rank, and kvferry's POST /room_ready) need
+ *    "Authorization: Bearer <token>" (scheme case-insensitive, token
+ *    compared in constant time) when the registry has a token, and answer
+ *    401 otherwise; GET /route, /health, POST /query_dp_ranks, POST
+ *    /query_room_ready and /metrics stay open.  Without a token SGLang
  *    refuses every write; we accept loopback clients only (protected mode)
  *    or, with KVF_AUTH=none, anyone.
  *
