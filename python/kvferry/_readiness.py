@@ -156,7 +156,7 @@ class ReadinessBoard:
         try:
             status, text = self._conn(addr).request("/room_ready", body,
                                                     self._headers())
-        except (OSError, ValueError, http.client.HTTPException) as e:
+        except (OSError, ValueError, RuntimeError, http.client.HTTPException) as e:
             logger.error("kvferry: room %s: POST /room_ready to %s failed: %s",
                          body["bootstrap_room"], addr, e)
             return

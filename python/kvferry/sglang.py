@@ -693,7 +693,7 @@ class KVFerryKVManager(BaseKVManager):
                 _http("POST", url, {"bootstrap_room": room,
                                     "dp_rank": self.ferry_args.system_dp_rank},
                       auth=_auth_headers(self._api_key))
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, RuntimeError) as e:
                 logger.error("kvferry: room %d: POST %s failed: %s", room, url, e)
 
     # -- room readiness (prefill_complete) -----------------------------------
