@@ -929,7 +929,9 @@ class KVFerryKVSender(_Room, BaseKVSender):
 
     def _fail_here(self, reason, level=logging.ERROR, from_another=False):
         super()._fail_here(reason, level, from_another)
-        self._post_failure(self._local_reason or reason)
+        # The root cause: this call's reason, or the library's when the room
+        # had failed before (then _make_error reads it).
+        self._post_failure(self._local_reason)
 
     def mark_prefill_complete(self):
         """Newer SGLang calls it once the prefill has computed the room.
