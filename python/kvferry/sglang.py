@@ -933,6 +933,14 @@ class KVFerryKVSender(_Room, BaseKVSender):
         # had failed before (then _make_error reads it).
         self._post_failure(self._local_reason)
 
+    def clear(self):
+        live = self._h is not None and self.conclude_state is None and \
+            self._h.poll() not in _FINAL
+        super().clear()
+        if live:        # released unfinished: the library aborted it
+            self._post_failure("the prefill server released room %s before it was "
+                               "transferred" % self.bootstrap_room)
+
     def mark_prefill_complete(self):
         """Newer SGLang calls it once the prefill has computed the room.
         With --disaggregation-decode-allocation-policy prefill_complete the
