@@ -557,7 +557,9 @@ def decode_main(group, boot_port):
         if pending and mgr.try_ensure_parallel_info(addr):
             info = mgr.prefill_info_table[addr]
             for req in pending:
-                req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
+                # A request the all-reduce failed meanwhile left the queue.
+                if req.receiver is not None:
+                    req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
             pending = []
         # _update_handshake_waiters
         polls = poll_and_all_reduce([r.receiver for r in prealloc], group)
