@@ -19,6 +19,12 @@ order those schedulers use (docs/SGLANG.md maps each one):
   engine's threads), poll() WaitingForInput once resolved and connected,
   then ``send_metadata(pages, aux_index, state_indices, decode_prefix_len)``.
 
+Two versions of that contract (SGLang 0094505da741's and the newest), told
+apart by what SGLang's objects have, never by a version string: the newest
+adds ``get_max_transfer_tokens()``, ``mark_prefill_complete()`` and the
+decode allocation policy (readiness through the registry, _readiness.py),
+optimistic prefill (held rooms), new ``KVArgs`` fields and ``StateType``s.
+
 The one idea that makes the SGLang contract hold: a room's failure never
 makes a call raise.  A refused ``init``/``send``/``send_metadata`` fails the
 room (its reason kept), and every failure surfaces through ``poll()`` and
@@ -636,6 +642,8 @@ class KVFerryKVManager(BaseKVManager):
         self.is_dummy_cp_rank = self.mode == "prefill" and self.attn_cp_rank != 0
         for fn in _NEEDS:
             _lib.require(fn, "kvferry as SGLang's transfer backend")
+        if self.optimistic:
+            _lib.require("kvf_sender_create_held", "SGLang's optimistic prefill")
         # Every rank registers (the registry is ready once dp x cp x tp x pp
         # did); kvferry's decode engines take KV from CP rank 0 only.
         self.ferry_args = ferry_args(args, self.mode, server_args, is_mla_backend, par)
