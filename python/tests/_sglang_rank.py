@@ -115,6 +115,9 @@ class Group:
 
 
 def poll_and_all_reduce(pollers, group):
+    # The ranks' queues are in step, so both skip an empty one.
+    if not pollers:
+        return []
     return group.all_reduce_min([p.poll() for p in pollers])
 
 
