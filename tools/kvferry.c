@@ -58,7 +58,7 @@ static void kvt_bootstrap_usage(FILE *out)
         "  --port PORT   port to listen on; 0 picks a free one (default 8998)\n"
         "\n"
         "Access (docs/SECURITY.md): registering (PUT /route, POST\n"
-        "/register_dp_rank) needs the cluster token, sent as\n"
+        "/register_dp_rank, POST /room_ready) needs the cluster token, sent as\n"
         "\"Authorization: Bearer <token>\", when one is set here:\n"
         "  KVF_AUTH_TOKEN=<token>        the token itself\n"
         "  KVF_AUTH_TOKEN_FILE=<file>    a file holding it (mode 0600 or 0400)\n"

@@ -265,6 +265,23 @@ typedef struct kvf_engine_params {
      * KVF_STREAMS, else a quarter of the CPUs, at least 1 and at most 4.
      */
     unsigned    streams;
+    /**
+     * The cluster token's last source, used when auth_token and the
+     * variables give none: SGLang's --api-key, which SGLang's bootstrap
+     * falls back to (kvf_auth_token_resolve() gives the whole order).
+     * NULL or "" means none.  Copied at create, never kept.  Default NULL.
+     */
+    const char *api_key;
+    /**
+     * SGLang's --disaggregation-decode-allocation-policy of the prefill
+     * server ("early" or "prefill_complete": decode servers then allocate
+     * a room's pages only once the prefill has computed it), registered
+     * as decode_allocation_policy in PUT /route and answered in GET /route
+     * (docs/REGISTRY.md).  Same character rules as kv_cache_dtype.  NULL
+     * or "" means not registered (older SGLang: "early").  Copied at
+     * create.  Default NULL.
+     */
+    const char *decode_allocation_policy;
 } kvf_engine_params_t;
 
 /** kvf_engine_params_t as kvferry 0.1.0 has it: the least `size` accepted. */
@@ -1051,11 +1068,12 @@ KVF_API uint64_t kvf_engine_stash_dropped(kvf_engine_t *engine);
 typedef struct kvf_bootstrap kvf_bootstrap_t;
 
 /**
- * Start a bootstrap registry (HTTP, SGLang's routes plus /metrics) on
- * host:port (port 0: any free port).  It serves from its own thread.
+ * Start a bootstrap registry (HTTP, SGLang's routes, kvferry's room
+ * readiness for SGLang's prefill_complete policy, and /metrics;
+ * docs/REGISTRY.md) on host:port (port 0: any free port).  It serves from its own thread.
  *
- * Who may change it (PUT /route, POST /register_dp_rank) is read from the
- * environment when it starts (docs/SECURITY.md):
+ * Who may change it (PUT /route, POST /register_dp_rank, POST /room_ready)
+ * is read from the environment when it starts (docs/SECURITY.md):
  *  - the cluster token, first found of KVF_AUTH_TOKEN, KVF_AUTH_TOKEN_FILE
  *    (a file only its owner may read; trailing newline stripped) and
  *    SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN: every mutating request
@@ -1066,8 +1084,8 @@ typedef struct kvf_bootstrap kvf_bootstrap_t;
  *    to set a token);
  *  - no token and KVF_AUTH=none: anyone may write, on any host (a warning
  *    is logged at start).
- * Read-only routes (GET /route, /health, /metrics, POST /query_dp_ranks)
- * are open in every mode.  Connections are bounded (512 in all, 64 per
+ * Read-only routes (GET /route, /health, /metrics, POST /query_dp_ranks,
+ * POST /query_room_ready) are open in every mode.  Connections are bounded (512 in all, 64 per
  * client address, idle ones closed after 15 s), and so are queries (2048
  * bytes, 32 parameters) and bodies (1 MiB).
  *
@@ -1078,6 +1096,16 @@ typedef struct kvf_bootstrap kvf_bootstrap_t;
  */
 KVF_API kvf_status_t kvf_bootstrap_create(const char *host, int port,
                                           kvf_bootstrap_t **bootstrap_p);
+
+/**
+ * kvf_bootstrap_create() whose token has one more source, after the
+ * variables: `api_key` (SGLang's --api-key, which SGLang's own bootstrap
+ * server falls back to; NULL or "": none), as kvf_auth_token_resolve()
+ * orders them.  Same returns.
+ */
+KVF_API kvf_status_t kvf_bootstrap_create_keyed(const char *host, int port,
+                                                const char *api_key,
+                                                kvf_bootstrap_t **bootstrap_p);
 
 /** @return the port the registry listens on. */
 KVF_API int kvf_bootstrap_port(const kvf_bootstrap_t *bootstrap);
@@ -1091,6 +1119,34 @@ KVF_API const char *kvf_bootstrap_access(const kvf_bootstrap_t *bootstrap);
 
 /** Stop the registry and free it.  Blocks until its thread has stopped. */
 KVF_API void kvf_bootstrap_destroy(kvf_bootstrap_t *bootstrap);
+
+/**
+ * The cluster token this process's engines and registries would use, and
+ * where it comes from: the one rule for every caller (the Python adapters
+ * ask here rather than read the variables themselves).  First found of
+ * KVF_AUTH_TOKEN, KVF_AUTH_TOKEN_FILE (a file only its owner may read;
+ * trailing newline stripped), SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN,
+ * then `api_key` (SGLang's --api-key, its own fallback; NULL or "": none).
+ * Reads the environment and possibly a file: call it at setup.  Any thread.
+ *
+ * @param [in]  api_key     the last source, or NULL
+ * @param [out] token       the token, NUL-terminated; "" when none is set
+ * @param [in]  len         bytes at token; 513 holds any token
+ * @param [out] source      where it came from ("KVF_AUTH_TOKEN",
+ *                          "KVF_AUTH_TOKEN_FILE (/path)",
+ *                          "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN",
+ *                          "the API key (--api-key)"; "" when none); may
+ *                          be NULL
+ * @param [in]  source_len  bytes at source
+ * @return KVF_OK (token may be ""), KVF_ERR_INVALID_PARAM (a malformed
+ *         token, a token file others may read or write, NULL token or
+ *         len 0, len too small), KVF_ERR_IO (the token file cannot be
+ *         read); on error token is "" and kvf_last_error() says which
+ *         source and what to do.
+ */
+KVF_API kvf_status_t kvf_auth_token_resolve(const char *api_key, char *token,
+                                            size_t len, char *source,
+                                            size_t source_len);
 
 /* ------------------------------------------------------------------------ */
 /* Logging                                                                  */

@@ -46,6 +46,7 @@ KVF_ERR_ROOM_CONFLICT = -25
 KVF_ERR_LEASE_EXPIRED = -27
 
 DESCRIPTOR_MAX = 512        # KVF_DESCRIPTOR_MAX, the NUL included
+TOKEN_MAX = 512             # KVF_TOKEN_MAX (util/token.h), without the NUL
 
 ROLE_PREFILL = 0
 ROLE_DECODE = 1
@@ -94,6 +95,10 @@ class EngineParams(Structure):
         ("prefill_http_port", c_int),
         ("dsa_cache_layer_split", c_int),
         ("streams", c_uint),
+        # newer SGLang: --api-key as the token's last source, and the
+        # decode allocation policy a prefill registers
+        ("api_key", c_char_p),
+        ("decode_allocation_policy", c_char_p),
     ]
 
 
@@ -314,6 +319,11 @@ _OPTIONAL = {
     "kvf_receiver_fail": (c_int, [c_void_p, c_int, c_char_p]),
     "kvf_sender_await_failure": (c_int, [c_void_p, c_uint]),
     "kvf_receiver_await_failure": (c_int, [c_void_p, c_uint]),
+    # the cluster token's rules, asked of the library (SGLang's --api-key)
+    "kvf_auth_token_resolve": (c_int, [c_char_p, c_char_p, c_size_t, c_char_p,
+                                       c_size_t]),
+    "kvf_bootstrap_create_keyed": (c_int, [c_char_p, c_int, c_char_p,
+                                           POINTER(c_void_p)]),
 }
 
 
@@ -404,6 +414,28 @@ def require(name, what):
             "%s needs %s, which %s does not export: it is older than this "
             "binding; rebuild libkvferry (`make build`) from the same kvferry "
             "version" % (what, name, path))
+
+
+def auth_token(api_key=None):
+    """``(token, source)`` the library's engines and registries would use
+    (``kvf_auth_token_resolve``): KVF_AUTH_TOKEN, KVF_AUTH_TOKEN_FILE,
+    SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN, then ``api_key`` (SGLang's
+    --api-key).  ``("", "")`` when none.  Raises ``ValueError`` with the
+    library's reason for a token source it refuses (a malformed token, a
+    token file others may read)."""
+    require("kvf_auth_token_resolve", "kvferry.auth_token")
+    key = None
+    if api_key:
+        if not isinstance(api_key, str) or "\0" in api_key:
+            raise ValueError("api_key must be a str without NUL characters")
+        key = api_key.encode()
+    tok = ctypes.create_string_buffer(TOKEN_MAX + 1)
+    src = ctypes.create_string_buffer(160)
+    st = lib.kvf_auth_token_resolve(key, tok, len(tok), src, len(src))
+    if st != KVF_OK:
+        raise ValueError((lib.kvf_last_error() or b"the cluster token cannot be "
+                          b"read").decode(errors="replace"))
+    return tok.value.decode(), src.value.decode()
 
 
 def new_dest():

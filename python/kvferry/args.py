@@ -98,7 +98,9 @@ class KVArgs:
     injection spec for testing failure handling, as ``KVF_FAULTS``),
     ``auth_token`` (the cluster token every engine of the deployment holds;
     ``None`` takes ``KVF_AUTH_TOKEN``, ``KVF_AUTH_TOKEN_FILE`` or
-    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, see docs/SECURITY.md),
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``, then ``api_key``, see
+    docs/SECURITY.md), ``api_key`` (the token's last source: SGLang's
+    ``--api-key``, in SGLang's order),
     ``streams`` (tcp connections and progress threads per peer pair, 1..8,
     see docs/GUIDE.md).
 
@@ -108,7 +110,9 @@ class KVArgs:
     ``kv_cache_dtype`` (SGLang's ``--kv-cache-dtype`` string, default the
     layout's ``kv_dtype``), ``load_balance_method`` (default
     ``"follow_bootstrap_room"``), ``prefill_http_port`` (SGLang's ``--port``),
-    ``dsa_cache_layer_split``.  They need a library that has them (set to
+    ``dsa_cache_layer_split``, ``decode_allocation_policy`` (SGLang's
+    ``--disaggregation-decode-allocation-policy``; None: not registered).
+    They need a library that has them (set to
     non-defaults on an older one, the engine is refused).  ``None`` keeps the
     library default, which honours the ``KVF_*`` environment variables
     (``KVF_HEARTBEAT_TIMEOUT_MS`` and so on; see docs/GUIDE.md).
@@ -154,6 +158,7 @@ class KVArgs:
     heartbeat_timeout_ms: Optional[int] = None
     faults: Optional[str] = None
     auth_token: Optional[str] = field(default=None, repr=False)
+    api_key: Optional[str] = field(default=None, repr=False)
     # What a prefill engine tells its registry beyond its coordinates
     # (SGLang's PUT /route fields; decode engines ignore them).
     cp_rank: int = 0
@@ -163,6 +168,7 @@ class KVArgs:
     load_balance_method: Optional[str] = None
     prefill_http_port: Optional[int] = None
     dsa_cache_layer_split: bool = False
+    decode_allocation_policy: Optional[str] = None
     streams: Optional[int] = None
 
     def replace(self, **changes):

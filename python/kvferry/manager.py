@@ -288,6 +288,9 @@ class KVManager(_Closing):
             p.faults = _str("faults", a.faults)
         if a.auth_token is not None:
             p.auth_token = _str("auth_token", a.auth_token)
+        if a.api_key:
+            _lib.require("kvf_auth_token_resolve", "KVArgs.api_key")
+            p.api_key = _str("api_key", a.api_key)
         p.cp_rank = _int("cp_rank", a.cp_rank)
         if a.cp_size != 1:
             p.cp_size = _int("cp_size", a.cp_size)
@@ -299,6 +302,10 @@ class KVManager(_Closing):
         if a.prefill_http_port is not None:
             p.prefill_http_port = to_uint("prefill_http_port", a.prefill_http_port, 16)
         p.dsa_cache_layer_split = 1 if a.dsa_cache_layer_split else 0
+        if a.decode_allocation_policy is not None:
+            _lib.require("kvf_auth_token_resolve", "KVArgs.decode_allocation_policy")
+            p.decode_allocation_policy = _str("decode_allocation_policy",
+                                              a.decode_allocation_policy)
         if a.streams is not None:
             p.streams = _u32("streams", a.streams)
         for f in ("bootstrap_timeout_ms", "waiting_timeout_ms", "transfer_timeout_ms",
@@ -470,21 +477,29 @@ class KVManager(_Closing):
 class BootstrapServer(_Closing):
     """A bootstrap registry (SGLang's HTTP routes) served from its own thread.
 
-    ``BootstrapServer(host="127.0.0.1", port=0)``; ``.port`` is the port it
-    listens on, ``.addr`` ``"host:port"``, ``.access`` who may register:
-    ``"token"`` (the cluster token from ``KVF_AUTH_TOKEN``,
+    ``BootstrapServer(host="127.0.0.1", port=0, api_key=None)``; ``.port``
+    is the port it listens on, ``.addr`` ``"host:port"``, ``.access`` who
+    may register: ``"token"`` (the cluster token from ``KVF_AUTH_TOKEN``,
     ``KVF_AUTH_TOKEN_FILE`` or ``SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN``
-    in the environment), ``"protected"`` (no token: clients on this host
-    only; a non-loopback host is refused) or ``"open"`` (``KVF_AUTH=none``).
-    Context manager, ``close()``.
+    in the environment, else ``api_key``, SGLang's ``--api-key``),
+    ``"protected"`` (no token: clients on this host only; a non-loopback
+    host is refused) or ``"open"`` (``KVF_AUTH=none``).  Context manager,
+    ``close()``.
     """
 
-    def __init__(self, host="127.0.0.1", port=0):
+    def __init__(self, host="127.0.0.1", port=0, api_key=None):
         self.host = host
         ptr = ctypes.c_void_p()
-        check(lib.kvf_bootstrap_create(_str("host", host), to_uint("port", port, 16),
-                                       ctypes.byref(ptr)),
-              "kvf_bootstrap_create(%s, %s)" % (host, port))
+        if api_key:
+            _lib.require("kvf_bootstrap_create_keyed", "BootstrapServer(api_key=...)")
+            st = lib.kvf_bootstrap_create_keyed(_str("host", host),
+                                                to_uint("port", port, 16),
+                                                _str("api_key", api_key),
+                                                ctypes.byref(ptr))
+        else:
+            st = lib.kvf_bootstrap_create(_str("host", host), to_uint("port", port, 16),
+                                          ctypes.byref(ptr))
+        check(st, "kvf_bootstrap_create(%s, %s)" % (host, port))
         self._ptr = ptr.value
         self.port = lib.kvf_bootstrap_port(ptr)
         self.access = lib.kvf_bootstrap_access(ptr).decode()

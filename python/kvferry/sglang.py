@@ -19,6 +19,12 @@ order those schedulers use (docs/SGLANG.md maps each one):
   engine's threads), poll() WaitingForInput once resolved and connected,
   then ``send_metadata(pages, aux_index, state_indices, decode_prefix_len)``.
 
+Two versions of that contract (SGLang 0094505da741's and the newest), told
+apart by what SGLang's objects have, never by a version string: the newest
+adds ``get_max_transfer_tokens()``, ``mark_prefill_complete()`` and the
+decode allocation policy (readiness through the registry, _readiness.py),
+optimistic prefill (held rooms), new ``KVArgs`` fields and ``StateType``s.
+
 The one idea that makes the SGLang contract hold: a room's failure never
 makes a call raise.  A refused ``init``/``send``/``send_metadata`` fails the
 room (its reason kept), and every failure surfaces through ``poll()`` and
@@ -31,20 +37,21 @@ SGLang's own ``KVPoll``, ``KVArgs``, ``StateType``, ``DisaggregationMode``,
 importable; otherwise fallbacks with the same names, values and
 constructor signatures (so the classes are testable without SGLang).
 """
-import ctypes
+import array
 import dataclasses
 import enum
 import json
 import logging
 import os
 import threading
+import types
 import time
 import urllib.error
 import urllib.request
 from typing import List, Optional
 
 from . import _lib
-from ._convert import addr_problem, text_problem, to_uint
+from ._convert import addr_problem, text_problem, to_u32_array, to_uint
 from ._logquota import LogQuota
 from .args import KVArgs as _FerryArgs
 from .args import KVPoll as _Poll
@@ -53,6 +60,7 @@ from .errors import KVFerryError, KVFerryStateError
 from .errors import KVTransferError as _FerryTransferError
 from .manager import BootstrapServer, KVManager
 from .room import KVReceiver, KVSender
+from ._readiness import ReadinessBoard
 
 logger = logging.getLogger(__name__)
 # What a request's bootstrap_host can make this process log, kept to a quota.
@@ -78,12 +86,20 @@ except ImportError:
     KVPoll = _Poll
 
     class KVArgs:
-        """SGLang's ``KVArgs``: annotations only; the scheduler sets what it
-        has, and an unset field does not exist on the instance."""
+        """SGLang's newest ``KVArgs``: annotations only; the scheduler sets
+        what it has, and an unset field does not exist on the instance.
+        ``num_draft_entries`` (SGLang's class default 0) is left unset here,
+        so that arguments filled the older way, whose draft buffers follow
+        the model's unannounced, keep working.  The fields older SGLang had
+        and the newest lost (``ib_traffic_class``, ``swa_page_size``,
+        ``total_kv_layers``, ``dcp_size``/``dcp_rank``) are read when a
+        scheduler sets them."""
         engine_rank: int
         kv_data_ptrs: List[int]
         kv_data_lens: List[int]
         kv_item_lens: List[int]
+        kv_layer_ids: List[int]
+        kv_cache_dtype_str: str
         aux_data_ptrs: List[int]
         aux_data_lens: List[int]
         aux_item_lens: List[int]
@@ -91,33 +107,46 @@ except ImportError:
         state_data_ptrs: List[List[int]]
         state_data_lens: List[List[int]]
         state_item_lens: List[List[int]]
+        state_layer_ids: List[List[int]]
         state_dim_per_tensor: List[List[int]]
+        state_slice_outer_counts: List[List[int]]
         is_hybrid_mla_backend: bool
+        state_conv_shard_groups: list
         ib_device: str
-        ib_traffic_class: str
         gpu_id: int
         kv_head_num: int
         total_kv_head_num: int
         page_size: int
-        swa_page_size: Optional[int] = None
         system_dp_rank: int
+        rust_http_port: Optional[int]
         pp_rank: int
         prefill_start_layer: int
         prefill_end_layer: Optional[int]
-        dcp_size: int = 1
-        dcp_rank: int = 0
+        mla_compression_ratios: Optional[List[int]]
+        kv_buf_groups: int
+        hidden_kv_layers: int
+        draft_kv_layers: int
+        num_draft_entries: int
 
 try:                                                    # pragma: no cover
     from sglang.srt.disaggregation.base.conn import StateType
 except ImportError:
     class StateType(str, enum.Enum):
-        """SGLang's ``StateType`` (at 0094505da741)."""
+        """SGLang's newest ``StateType``.  ``C128_STATE`` (its name before
+        ``DSV4_REQUEST_STATE``, same value) stays an alias, so that code of
+        either SGLang names it."""
         MAMBA = "mamba"
+        QSA_PENDING = "qsa_pending"
+        QSA_COMPRESSED = "qsa_compressed"
         SWA = "swa"
         DSA = "dsa"
+        DSA_TAIL = "dsa_tail"
         MINIMAX_INDEX_K = "minimax_index_k"
         SWA_RING = "swa_ring"
+        DSV4_REQUEST_STATE = "c128_state"
         C128_STATE = "c128_state"
+        BLOCK_SCALE = "block_scale"
+        BLOCK_SCALE_SWA = "block_scale_swa"
 
 try:                                                    # pragma: no cover
     from sglang.srt.disaggregation.base.conn import KVTransferMetric
@@ -160,6 +189,7 @@ class PrefillServerInfo:
     follow_bootstrap_room: bool = True
     enable_dsa_cache_layer_split: bool = False
     prefill_http_port: Optional[int] = None
+    decode_allocation_policy: Optional[str] = None      # newer SGLang
 
     @classmethod
     def from_json(cls, d):
@@ -206,6 +236,7 @@ _INFO_RULES = {
     "page_size": _whole(1, 0xFFFFFFFF, null=True), "kv_cache_dtype": _dtype_name,
     "follow_bootstrap_room": _flag, "enable_dsa_cache_layer_split": _flag,
     "prefill_http_port": _whole(1, 65535, null=True),
+    "decode_allocation_policy": _dtype_name,     # a short name, or null
 }
 
 
@@ -265,32 +296,47 @@ def _parallel(server_args, kv_args, mode):
             "attn_dp_rank": rank // (attn_tp * cp) if dp_attn else 0}
 
 
-def _device_pointer(ptr):
-    """True when ``ptr`` is CUDA device memory: asks the CUDA driver, when
-    the process has it loaded already (never loads it)."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        return False
-    kind = ctypes.c_uint(0)
-    # CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2; CU_MEMORYTYPE_DEVICE = 2
-    rc = cuda.cuPointerGetAttribute(ctypes.byref(kind), 2, ctypes.c_uint64(ptr))
-    return rc == 0 and kind.value == 2
+class _DeviceBuffer:
+    """One of SGLang's pool pointers (an integer) declared as memory of a
+    CUDA device, the way ``kvferry.KVArgs`` takes device buffers (what
+    kvferry.vllm passes for a torch tensor): ``data_ptr()``, ``nbytes``,
+    ``device``.  The library then asks the CUDA driver, and refuses a
+    pointer that is not that device's memory."""
+
+    def __init__(self, ptr, nbytes, ordinal):
+        self._ptr = int(ptr)
+        self.nbytes = int(nbytes)
+        self.device = types.SimpleNamespace(type="cuda", index=int(ordinal))
+
+    def data_ptr(self):
+        return self._ptr
 
 
-def _check_host_memory(kv_args, server_args, mode):
+def _pool_device(kv_args, server_args, mode):
+    """The CUDA ordinal of SGLang's KV and state pools, or None for host
+    memory: what ``--device`` says, with ``kv_args.gpu_id`` (one rule for
+    both adapters: the framework says where its pools are, the library
+    checks it with the driver).  Aux buffers (``MetadataBuffers``) are host
+    memory either way."""
     device = str(_get(server_args, "device", "cpu")).lower()
-    gpu = getattr(kv_args, "gpu_id", None)
-    first = (list(getattr(kv_args, "kv_data_ptrs", []) or []) or [0])[0]
-    on_device = device not in ("cpu", "") or \
-        (isinstance(first, int) and first and _device_pointer(first))
-    if on_device:
-        raise RuntimeError(
-            "kvferry: the %s server's KV cache is in %s memory (device=%r, gpu_id=%s), "
-            "but this libkvferry moves host memory only: GPU memory registration "
-            "(KVF_MEM_CUDA) is not supported yet.  Run SGLang with --device cpu, or "
-            "use another --disaggregation-transfer-backend (mooncake, nixl) for GPU "
-            "KV pools." % (mode, "GPU" if device != "cpu" else "device", device, gpu))
+    if device in ("cpu", ""):
+        return None
+    if device.split(":")[0] == "cuda":
+        return int(_get(kv_args, "gpu_id", 0))
+    raise RuntimeError(
+        "kvferry: the %s server's KV cache is on device=%r, but kvferry registers "
+        "host and CUDA memory only.  Use --device cuda or cpu, or another "
+        "--disaggregation-transfer-backend for this device." % (mode, device))
+
+
+def _on_device(ptrs, lens, ordinal, what):
+    """``ptrs`` as device buffers of ``ordinal`` (each with its length)."""
+    if ordinal is None:
+        return list(ptrs)
+    if len(lens) != len(ptrs):
+        raise ValueError("kvferry: %s_data_lens has %d entries for %d pointers"
+                         % (what, len(lens), len(ptrs)))
+    return [_DeviceBuffer(p, n, ordinal) for p, n in zip(ptrs, lens)]
 
 
 def _target_entries(kv_args, server_args, mode, per_layer, n):
@@ -352,25 +398,67 @@ def _kv_tags(kv_args, server_args, mode, mla, n):
     return tags
 
 
-def _state_groups(kv_args):
+# State whose "indices" are not rows: SGLang's DSA_TAIL passes a descriptor
+# ([req_pool_idx, start_phys, first_n, 0, second_n, tail_size]) that each
+# backend decodes into byte blocks.  Copied index for index it would write
+# the wrong bytes, so it is refused.
+_NOT_ROWS = {"dsa_tail": "its indices are a descriptor of byte blocks "
+                         "([req_pool_idx, start_phys, first_n, 0, second_n, "
+                         "tail_size]), not rows, and kvferry copies state row "
+                         "for row"}
+
+
+def _state_groups(kv_args, ordinal):
     """SGLang's ``state_types`` with their nested ptrs/lens/item lens, one
-    kvferry state group each, named by the type's value.  Every type is
-    copied index for index, known or not: a ``None`` index list for a type
-    (what SGLang's schedulers pass for types they do not build indices for)
-    moves nothing for it."""
-    types = list(getattr(kv_args, "state_types", None) or [])
+    kvferry state group each, named by the type's value.  Every type whose
+    indices are rows is copied index for index, known or not (the BLOCK_SCALE
+    scales of mxfp8 KV included): a ``None`` index list for a type (what
+    SGLang's schedulers pass for types they build no indices for) moves
+    nothing for it.  ``state_layer_ids`` (newer SGLang), when set, must be
+    parallel to the buffers."""
+    kinds = list(getattr(kv_args, "state_types", None) or [])
+    layer_ids = getattr(kv_args, "state_layer_ids", None)
+    if layer_ids is not None and len(layer_ids) not in (0, len(kinds)):
+        raise ValueError("kvferry: state_layer_ids has %d entries for %d state_types"
+                         % (len(layer_ids), len(kinds)))
     groups = []
-    for i, t in enumerate(types):
+    for i, t in enumerate(kinds):
         ptrs = list(kv_args.state_data_ptrs[i])
         lens = list(kv_args.state_data_lens[i])
         items = list(kv_args.state_item_lens[i])
         name = str(getattr(t, "value", t))
+        if name in _NOT_ROWS:
+            raise RuntimeError("kvferry: state type %r (state_types[%d]) is not "
+                               "supported: %s.  Run this model with another "
+                               "--disaggregation-transfer-backend."
+                               % (name, i, _NOT_ROWS[name]))
         if not ptrs:
             raise ValueError("kvferry: state type %r (state_types[%d]) has no buffers"
                              % (name, i))
-        groups.append(StateGroup(type=name, data_ptrs=ptrs, data_lens=lens,
-                                 item_lens=items))
+        if layer_ids and layer_ids[i] is not None and len(layer_ids[i]) != len(ptrs):
+            raise ValueError("kvferry: state_layer_ids[%d] has %d entries for the %d "
+                             "buffers of state type %r"
+                             % (i, len(layer_ids[i]), len(ptrs), name))
+        groups.append(StateGroup(type=name, data_ptrs=_on_device(ptrs, lens, ordinal,
+                                                                  "state"),
+                                 data_lens=lens, item_lens=items))
     return groups
+
+
+def _registered_dtype(kv_args, server_args):
+    """SGLang's KV cache dtype string: ``kv_args.kv_cache_dtype_str`` (newer
+    SGLang: the pool's own), else ``--kv-cache-dtype``."""
+    own = getattr(kv_args, "kv_cache_dtype_str", None)
+    if own:
+        return str(own)
+    return str(_get(server_args, "kv_cache_dtype", "auto"))
+
+
+def _checksum_requested(server_args):
+    """SGLang's ``--disaggregation-enable-kv-checksum``: SGLang digests the
+    KV itself into an extra metadata buffer (one more aux buffer, copied as
+    any other); kvferry then checks every byte it moves as well."""
+    return bool(_get(server_args, "disaggregation_enable_kv_checksum", False))
 
 
 def ferry_args(kv_args, mode, server_args, is_mla_backend, par):
@@ -381,16 +469,20 @@ def ferry_args(kv_args, mode, server_args, is_mla_backend, par):
     main = [t[0] for t in tags if t[2] == 0]
     # SGLang's --kv-cache-dtype; "auto" is the model's dtype (--dtype), so
     # that "auto" on one side and the same dtype named on the other agree.
-    dtype = str(_get(server_args, "kv_cache_dtype", "auto"))
+    registered = _registered_dtype(kv_args, server_args)
+    dtype = registered
     if dtype == "auto":
         dtype = str(_get(server_args, "dtype", "auto"))
+    ordinal = _pool_device(kv_args, server_args, mode)
     a = _FerryArgs(
-        kv_data_ptrs=list(kv_args.kv_data_ptrs), kv_data_lens=list(kv_args.kv_data_lens),
+        kv_data_ptrs=_on_device(kv_args.kv_data_ptrs, kv_args.kv_data_lens, ordinal,
+                                "kv"),
+        kv_data_lens=list(kv_args.kv_data_lens),
         kv_item_lens=list(kv_args.kv_item_lens), kv_tags=tags,
         aux_data_ptrs=list(getattr(kv_args, "aux_data_ptrs", []) or []),
         aux_data_lens=list(getattr(kv_args, "aux_data_lens", []) or []),
         aux_item_lens=list(getattr(kv_args, "aux_item_lens", []) or []),
-        state_groups=_state_groups(kv_args) or None,
+        state_groups=_state_groups(kv_args, ordinal) or None,
         page_size=int(kv_args.page_size), kv_dtype=dtype,
         attention="mla" if mla else "mha", num_layers=len(set(main)),
         first_layer=min(main),
@@ -402,7 +494,7 @@ def ferry_args(kv_args, mode, server_args, is_mla_backend, par):
         dp_size=int(_get(server_args, "dp_size", 1)),
         cp_rank=par["attn_cp_rank"], cp_size=par["attn_cp_size"],
         dp_attention=par["attn_dp_size"] > 1,
-        kv_cache_dtype=str(_get(server_args, "kv_cache_dtype", "auto")),
+        kv_cache_dtype=registered,
         load_balance_method=_get(server_args, "load_balance_method", None),
         prefill_http_port=_get(server_args, "port", None),
         dsa_cache_layer_split=bool(_get(server_args, "enable_dsa_cache_layer_split",
@@ -420,11 +512,19 @@ def ferry_args(kv_args, mode, server_args, is_mla_backend, par):
         ms = _env_seconds_ms(var)
         if ms is not None:
             setattr(a, field, ms)
+    if _checksum_requested(server_args):
+        a.checksum = True
+    # The cluster token's last source, as SGLang orders its own (the
+    # library decides: kvf_auth_token_resolve).
+    a.api_key = _get(server_args, "api_key", None) or None
     host = _advertise_host(server_args)
     if host is not None:
         a.host = host
     if mode == "prefill":
         a.bootstrap_addr = bootstrap_addr(server_args)
+        a.decode_allocation_policy = _get(server_args,
+                                          "disaggregation_decode_allocation_policy",
+                                          None)
     return a
 
 
@@ -456,6 +556,49 @@ def _advertise_host(server_args):
         return None
 
 
+def _optimistic(server_args):
+    """Whether this prefill server may compute a room before the decode's
+    destination is known (SGLang's optimistic prefill: --optimistic-prefill-
+    attempts, older --optimistic-prefill-retries, or implied by the
+    prefill_complete allocation policy).  Its senders are then held rooms:
+    the bootstrap deadline, which would count the prefill's compute, gives
+    way to the lease (KVF_LEASE_MS)."""
+    policy = _get(server_args, "disaggregation_decode_allocation_policy", None)
+    tries = max(int(_get(server_args, "optimistic_prefill_attempts", 0) or 0),
+                int(_get(server_args, "optimistic_prefill_retries", 0) or 0))
+    return policy == "prefill_complete" or tries > 0
+
+
+def _check_rust_listener(kv_args, mode, par, policy):
+    """Newer SGLang's ``kv_args.rust_http_port``: this prefill rank owns an
+    embedded Rust /route listener, SGLang's own registry (it serves every
+    backend; kvferry's registry class is then not used).  kvferry's engines
+    register with the bootstrap address, which is that registry; refused
+    where that is not enough: with attention DP SGLang copies every DP
+    rank's /route rows into each listener over its process group, which
+    kvferry's engines do not join, and prefill_complete needs kvferry's
+    readiness routes, which the Rust registry lacks."""
+    port = getattr(kv_args, "rust_http_port", None)
+    if port is None or mode != "prefill":
+        return
+    if par["attn_dp_size"] > 1:
+        raise RuntimeError(
+            "kvferry: rust_http_port=%s: this prefill rank serves /route from SGLang's "
+            "embedded Rust listener, and with attention DP (dp_size=%d) SGLang copies "
+            "every DP rank's /route rows into each listener through its process group; "
+            "kvferry's engines register with the bootstrap address only, so decode "
+            "servers that use another listener would not find them.  Run the prefill "
+            "server without the Rust server (SGLANG_RUST_SERVER) or without attention DP."
+            % (port, par["attn_dp_size"]))
+    if policy == "prefill_complete":
+        raise RuntimeError(
+            "kvferry: rust_http_port=%s with --disaggregation-decode-allocation-policy "
+            "prefill_complete: decode servers learn that a room is computed from "
+            "kvferry's bootstrap registry (POST /room_ready), which SGLang's embedded "
+            "Rust registry does not serve.  Run without the Rust server or with the "
+            "early policy." % port)
+
+
 def bootstrap_addr(server_args):
     """``host:port`` of the prefill server's registry, as SGLang's
     ``register_to_bootstrap`` computes it (dist_init_addr's host, else
@@ -469,31 +612,25 @@ def bootstrap_addr(server_args):
     return "%s:%d" % (host, int(_get(server_args, "disaggregation_bootstrap_port", 8998)))
 
 
-def _auth_headers():
-    for var in ("KVF_AUTH_TOKEN", "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"):
-        tok = os.environ.get(var)
-        if tok:
-            return {"Authorization": "Bearer %s" % tok}
-    path = os.environ.get("KVF_AUTH_TOKEN_FILE")
-    if path:
-        try:
-            with open(path) as f:
-                return {"Authorization": "Bearer %s" % f.read().strip()}
-        except OSError:
-            pass
-    return {}
+def _auth_headers(api_key=None):
+    """The bearer header of a registry write, with the token the library's
+    rules give (``kvf_auth_token_resolve``: the same token the engines use,
+    from the same sources in the same order, the token file's permission
+    check included)."""
+    tok, _ = _lib.auth_token(api_key)
+    return {"Authorization": "Bearer %s" % tok} if tok else {}
 
 
 # The longest registry answer read: its parallel info is a few hundred bytes.
 _HTTP_BODY_MAX = 64 * 1024
 
 
-def _http(method, url, body=None, timeout=5.0):
+def _http(method, url, body=None, timeout=5.0, auth=None):
+    """One registry request; ``auth``: the headers of a write."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method,
                                  headers=dict({"Content-Type": "application/json"},
-                                              **(_auth_headers() if method != "GET"
-                                                 else {})))
+                                              **(auth or {})))
     with urllib.request.urlopen(req, timeout=timeout) as r:
         out = r.read(_HTTP_BODY_MAX + 1)
         if len(out) > _HTTP_BODY_MAX:
@@ -534,10 +671,21 @@ class KVFerryKVManager(BaseKVManager):
         self.bootstrap_host = _get(server_args, "host", "127.0.0.1")
         self.bootstrap_port = int(_get(server_args, "disaggregation_bootstrap_port", 8998))
         self.load_balance_method = _get(server_args, "load_balance_method", None)
-        self.dcp_size = int(_get(args, "dcp_size", 1))
+        # Older SGLang's KVArgs carry dcp_size; the newest keeps it in its
+        # server arguments.
+        self.dcp_size = int(_get(args, "dcp_size", None) or _get(server_args, "dcp_size", 1))
         if self.dcp_size > 1:
             raise RuntimeError("kvferry: decode context parallelism (dcp_size=%d) is not "
                                "supported by the kvferry backend yet" % self.dcp_size)
+        # Newer SGLang: prefill_complete makes decode servers allocate a
+        # room's pages only once the prefill computed it (readiness goes
+        # through the registry, _readiness.py); older SGLang has no policy.
+        self.decode_allocation_policy = _get(
+            server_args, "disaggregation_decode_allocation_policy", None) or "early"
+        self.optimistic = self.mode == "prefill" and _optimistic(server_args)
+        _check_rust_listener(args, self.mode, par, self.decode_allocation_policy)
+        self._api_key = _get(server_args, "api_key", None) or None
+        self._board = None
         self.req_to_decode_prefix_len = {}      # room -> tokens the decode holds
         self.prefill_info_table = {}            # bootstrap addr -> PrefillServerInfo
         self.transfer_infos = {}                # SGLang's staging prefetch reads it
@@ -550,9 +698,10 @@ class KVFerryKVManager(BaseKVManager):
         # engines take KV from CP rank 0): their senders conclude locally,
         # as SGLang's dummy CP ranks do.
         self.is_dummy_cp_rank = self.mode == "prefill" and self.attn_cp_rank != 0
-        _check_host_memory(args, server_args, self.mode)
         for fn in _NEEDS:
             _lib.require(fn, "kvferry as SGLang's transfer backend")
+        if self.optimistic:
+            _lib.require("kvf_sender_create_held", "SGLang's optimistic prefill")
         # Every rank registers (the registry is ready once dp x cp x tp x pp
         # did); kvferry's decode engines take KV from CP rank 0 only.
         self.ferry_args = ferry_args(args, self.mode, server_args, is_mla_backend, par)
@@ -620,15 +769,34 @@ class KVFerryKVManager(BaseKVManager):
             room = self._dp_jobs.get()
             try:
                 _http("POST", url, {"bootstrap_room": room,
-                                    "dp_rank": self.ferry_args.system_dp_rank})
-            except (OSError, ValueError) as e:
+                                    "dp_rank": self.ferry_args.system_dp_rank},
+                      auth=_auth_headers(self._api_key))
+            except (OSError, ValueError, RuntimeError) as e:
                 logger.error("kvferry: room %d: POST %s failed: %s", room, url, e)
+
+    # -- room readiness (prefill_complete) -----------------------------------
+
+    def readiness(self):
+        """The board of room readiness (made on first use)."""
+        with self._lock:
+            if self._board is None:
+                self._board = ReadinessBoard(lambda: _auth_headers(self._api_key))
+            return self._board
+
+    def _post_ready(self, room, status, reason=None):
+        """Prefill, prefill_complete: tell decode servers, through this
+        server's registry, that a room was computed or failed before."""
+        if self.mode == "prefill" and self.decode_allocation_policy == "prefill_complete":
+            self.readiness().post(bootstrap_addr(self.server_args), room, status, reason)
 
     def get_session_id(self):
         return self.engine.address if self.engine is not None else None
 
     def teardown(self):
         """Destroy the engine (and every room still open on it)."""
+        board, self._board = self._board, None
+        if board is not None:
+            board.close()
         if self.engine is not None:
             self.engine.close()
 
@@ -658,17 +826,21 @@ class _Room:
         self._error = None               # the KVTransferError raised, once made
         self._metric = None
 
-    def _fail_here(self, reason, level=logging.ERROR, code=_lib.KVF_ERR_ABORTED):
+    def _fail_here(self, reason, level=logging.ERROR, code=_lib.KVF_ERR_ABORTED,
+                   from_another=False):
         """Fail the room from this rank with ``reason``: the library's room
         fails with it as its cause (status ``code``), so that every rank of
-        the request, on both sides, names it; never raises.  Also after
-        Success: SGLang's backends fail an aborted room whatever its state,
-        and the scheduler then aborts the request."""
+        the request, on both sides, names it; never raises.  ``from_another``:
+        the reason came from another rank by another way (the prefill's
+        failure posted to the registry).  Also after Success: SGLang's
+        backends fail an aborted room whatever its state, and the scheduler
+        then aborts the request."""
         if self._h is not None and self.conclude_state is None and \
                 self._h.poll() == _Poll.Failed:
             self.conclude_state = _Poll.Failed      # the first root cause wins
         if self._local_reason is None and self.conclude_state != _Poll.Failed:
             self._local_reason = reason
+            self._local_from_another = from_another
             self.kv_mgr.failure_records[self.bootstrap_room] = reason
         logger.log(level, "kvferry: room %s failed: %s", self.bootstrap_room, reason)
         if self._h is not None:
@@ -715,7 +887,8 @@ class _Room:
     def _make_error(self):
         self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
         if self._local_reason is not None:
-            return _error(self.bootstrap_room, self._local_reason, False)
+            return _error(self.bootstrap_room, self._local_reason,
+                          getattr(self, "_local_from_another", False))
         if self._h is not None:
             # This rank's room may not have failed yet: another rank of the
             # request did (the scheduler's all-reduce says so), and its cause
@@ -843,6 +1016,9 @@ class KVFerryKVSender(_Room, BaseKVSender):
         self.curr_idx = 0
         self._prefix_popped = False
         self._dummy = mgr.is_dummy_cp_rank
+        self._held = mgr.optimistic
+        self._pad = 0                   # held: leading pages the decode holds
+        self._failure_posted = False
         if self._dummy:
             return
         if self._room_why is not None:
@@ -850,7 +1026,11 @@ class KVFerryKVSender(_Room, BaseKVSender):
                             % (mgr.attn_tp_rank, self._room_why))
             return
         try:
-            self._h = KVSender(mgr.engine, bootstrap_addr, self.bootstrap_room)
+            # Optimistic prefill computes before the decode's destination is
+            # known: a held room waits for its readers within the lease,
+            # with no bootstrap deadline counting the compute.
+            self._h = KVSender.held(mgr.engine, self.bootstrap_room) if self._held \
+                else KVSender(mgr.engine, bootstrap_addr, self.bootstrap_room)
         except (KVFerryError, ValueError, TypeError) as e:
             self._fail_here("kvferry cannot open room %s on prefill rank %d: %s"
                             % (bootstrap_room, mgr.attn_tp_rank, _refused(e)))
@@ -873,7 +1053,53 @@ class KVFerryKVSender(_Room, BaseKVSender):
                 "kvf_sender_decode_prefix_len") else 0
             if n is not None:
                 self.kv_mgr.req_to_decode_prefix_len[self.bootstrap_room] = n
+        if s == _Poll.Failed:
+            self._post_failure()
         return s
+
+    def _post_failure(self, reason=None):
+        """prefill_complete: decode ranks waiting for this room to be
+        computed learn, through the registry, that it never will be, and
+        why.  Once."""
+        if self._failure_posted or self.kv_mgr.decode_allocation_policy != \
+                "prefill_complete":
+            return
+        self._failure_posted = True
+        if reason is None:
+            if self._error is None:
+                self._error = self._make_error()
+            reason = self._error.failure_reason
+        self.kv_mgr._post_ready(self.bootstrap_room, "failed",
+                                "prefill rank %d: %s" % (self.kv_mgr.attn_tp_rank, reason))
+
+    def _fail_here(self, reason, level=logging.ERROR, code=_lib.KVF_ERR_ABORTED,
+                   from_another=False):
+        super()._fail_here(reason, level, code, from_another)
+        # The root cause: this call's reason, or the library's when the room
+        # had failed before (then _make_error reads it).
+        self._post_failure(self._local_reason)
+
+    def clear(self):
+        live = self._h is not None and self.conclude_state is None and \
+            self._h.poll() not in _FINAL
+        super().clear()
+        if live:        # released unfinished: the library aborted it
+            self._post_failure("the prefill server released room %s before it was "
+                               "transferred" % self.bootstrap_room)
+
+    def mark_prefill_complete(self):
+        """Newer SGLang calls it once the prefill has computed the room.
+        With --disaggregation-decode-allocation-policy prefill_complete the
+        decode servers allocate the room's pages only now: the room is
+        posted ready to this server's registry (from a thread)."""
+        if self.conclude_state is None and not self._dummy:
+            self.kv_mgr._post_ready(self.bootstrap_room, "ready")
+
+    def get_max_transfer_tokens(self):
+        """Newer SGLang asks before each send whether to cut the final range
+        into pieces (its staging buffers' size): None, kvferry takes any
+        size in one send (it cuts and streams the pages itself)."""
+        return None
 
     def pop_decode_prefix_len(self):
         """Tokens the decode side already holds (SGLang then sends only the
@@ -903,7 +1129,14 @@ class KVFerryKVSender(_Room, BaseKVSender):
         if self._h is None or self.conclude_state is not None:
             return
         try:
-            self._h.init(self.num_kv_indices, aux_index)
+            if self._held:
+                # A held room's reader takes the sender's pages from its
+                # prefix's page on, while SGLang gives only the pages after
+                # the prefix: the pages the decode holds lead the room as
+                # placeholders that no reader takes.
+                prefix = self._h.decode_prefix_len() or 0
+                self._pad = prefix // int(self.kv_mgr.ferry_args.page_size)
+            self._h.init(self._pad + self.num_kv_indices, aux_index)
         except (KVFerryError, ValueError, TypeError) as e:
             self._fail_here("KVSender.init(%s, %s) refused on prefill rank %d: %s"
                             % (self.num_kv_indices, _shown_arg(aux_index),
@@ -918,9 +1151,10 @@ class KVFerryKVSender(_Room, BaseKVSender):
     def send(self, kv_indices, state_indices=None, *args, **kwargs):
         """One prefill chunk of page indices; the call that reaches the count
         given to ``init`` is the last (``state_indices``, one entry per
-        ``kv_args.state_types``, go with it).  Extra arguments of newer
-        SGLang (``token_position_offset``, ``num_kv_tokens``) are accepted
-        and unused.  Never raises for a failed room."""
+        ``kv_args.state_types``, go with it).  Extra arguments of other
+        SGLang versions (``token_position_offset``, ``num_kv_tokens`` of a
+        range cut by ``get_max_transfer_tokens``, ``producer_event``) are
+        accepted and unused.  Never raises for a failed room."""
         n = _length(kv_indices)
         if n is None:
             if self._h is not None and self.conclude_state is None:
@@ -940,11 +1174,15 @@ class KVFerryKVSender(_Room, BaseKVSender):
             self._fail_here("KVSender.send before init on prefill rank %d"
                             % self.kv_mgr.attn_tp_rank)
             return
+        pages = [] if kv_indices is None else kv_indices
         try:
             states = None
             if last and state_indices is not None and self.kv_mgr.engine.state_group_items:
                 states = _state_lists(state_indices)
-            self._h.send([] if kv_indices is None else kv_indices, states, is_last=last)
+            if self._pad:
+                pages = _after_placeholders(pages, self._pad)
+                self._pad = 0
+            self._h.send(pages, states, is_last=last)
         except (KVFerryError, ValueError, TypeError) as e:
             if self._h.poll() == _Poll.Failed:
                 return                  # the failure surfaces through poll()
@@ -958,6 +1196,13 @@ class KVFerryKVSender(_Room, BaseKVSender):
         return self._metric_of()
 
 
+def _after_placeholders(pages, n):
+    """``pages`` after ``n`` placeholder pages (a held room's pages that the
+    decode holds: no reader takes them, so any registered page does)."""
+    arr = to_u32_array("kv_indices", pages, allow_empty=True)
+    return array.array("I", [arr[0] if len(arr) else 0] * n) + arr
+
+
 class KVFerryKVReceiver(_Room, BaseKVReceiver):
     """The decode side of one request (SGLang's ``BaseKVReceiver``)."""
 
@@ -968,6 +1213,8 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
         self.abort_notified = False
         self.prefill_dp_rank = None
         self._dest_given = False
+        # prefill_complete: Bootstrapping until the prefill computed the room
+        self._await_ready = mgr.decode_allocation_policy == "prefill_complete"
         if prefill_dp_rank is not None:         # SGLang before init(prefill_dp_rank)
             self.init(prefill_dp_rank)
 
@@ -981,6 +1228,10 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
             self._fail_here("kvferry cannot open a room on decode rank %d: %s"
                             % (self.kv_mgr.attn_tp_rank, self._room_why))
             return
+        mismatch = self._policy_mismatch()
+        if mismatch:
+            self._fail_here(mismatch)
+            return
         try:
             self._h = KVReceiver(self.kv_mgr.engine, self.bootstrap_addr,
                                  self.bootstrap_room, prefill_dp_rank)
@@ -988,6 +1239,45 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
             self._fail_here("kvferry cannot open room %s on decode rank %d: %s"
                             % (self.bootstrap_room, self.kv_mgr.attn_tp_rank,
                                _refused(e)))
+            return
+        if self._await_ready:
+            self.kv_mgr.readiness().watch(self.bootstrap_addr, self.bootstrap_room)
+
+    def _policy_mismatch(self):
+        """The two servers' decode allocation policies, when they differ
+        (newer SGLang: the prefill's comes with its parallel info; an older
+        prefill registers none, which is "early")."""
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is None:
+            return None
+        theirs = getattr(info, "decode_allocation_policy", None) or "early"
+        mine = self.kv_mgr.decode_allocation_policy
+        if theirs == mine:
+            return None
+        return ("Decode allocation policy mismatch: prefill server %s has "
+                "--disaggregation-decode-allocation-policy %s, but decode server has %s. "
+                "Both servers must use the same value." % (self.bootstrap_addr, theirs,
+                                                            mine))
+
+    def _gate(self, s):
+        """prefill_complete: the state SGLang sees while the prefill has not
+        computed the room yet (Bootstrapping), or Failed with the prefill's
+        reason when it never will."""
+        got = self.kv_mgr.readiness().state(self.bootstrap_room)
+        if got is None:
+            return min(s, _Poll.Bootstrapping)
+        self.kv_mgr.readiness().forget(self.bootstrap_room)
+        self._await_ready = False
+        if got[0] == "ready":
+            return s
+        if got[0] == "failed":
+            self._fail_here("the prefill server at %s failed room %s before the room "
+                            "was ready for this decode server: %s"
+                            % (self.bootstrap_addr, self.bootstrap_room,
+                               got[1] or "(no reason given)"), from_another=True)
+        else:
+            self._fail_here(got[1])
+        return _Poll.Failed
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None,
                       decode_prefix_len=None, *args, **kwargs):
@@ -1020,6 +1310,8 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
         if self._h is None:
             return _Poll.Bootstrapping
         s = self._poll_handle()
+        if self._await_ready and s != _Poll.Failed:
+            s = self._gate(s)
         if not self._dest_given and s > _Poll.WaitingForInput:
             return _Poll.WaitingForInput
         return s
@@ -1031,24 +1323,50 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
         super().abort()
         self.abort_notified = True
 
+    def clear(self):
+        if self._await_ready:
+            self.kv_mgr.readiness().forget(self.bootstrap_room)
+        super().clear()
+
 
 class KVFerryKVBootstrapServer(BaseKVBootstrapServer):
     """The prefill server's bootstrap registry (SGLang's
     ``BaseKVBootstrapServer``), kvferry's C registry on its own thread:
     SGLang's routes (``PUT/GET /route``, ``/health``, ``/register_dp_rank``,
-    ``/query_dp_ranks``) plus ``/metrics``.  ``host``/``port`` as SGLang
+    ``/query_dp_ranks``), kvferry's room readiness (``/room_ready``,
+    ``/query_room_ready``) and ``/metrics``.  ``host``/``port`` as SGLang
     passes them (``--host``, ``--disaggregation-bootstrap-port``); who may
-    register follows the cluster token (docs/SECURITY.md)."""
+    register follows the cluster token (docs/SECURITY.md), whose last
+    source is SGLang's ``--api-key`` (``api_key``/``auth_token``, else
+    SGLang's serving context when it has one).
 
-    def __init__(self, host="127.0.0.1", port=8998, dp_size=1, auth_token=None, **_):
-        if auth_token and not os.environ.get("SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"):
-            os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN"] = auth_token
+    ``thread``: newer SGLang runs the bootstrap server in a process of its
+    own and waits on ``thread.is_alive()`` and ``thread.join()``; this one
+    lives until ``close()``."""
+
+    def __init__(self, host="127.0.0.1", port=8998, dp_size=1, auth_token=None,
+                 api_key=None, **_):
         self.host = host
-        self._server = BootstrapServer(host, int(port))
+        key = api_key or auth_token or _serving_api_key()
+        self._server = BootstrapServer(host, int(port), api_key=key)
         self.port = self._server.port
+        self._closed = threading.Event()
+        self.thread = threading.Thread(target=self._closed.wait,
+                                       name="kvferry-registry", daemon=True)
+        self.thread.start()
 
     def run(self):
         """SGLang's name for starting: the registry runs from construction."""
 
     def close(self):
         self._server.close()
+        self._closed.set()
+
+
+def _serving_api_key():
+    """SGLang's --api-key from its serving context (newer SGLang), or None."""
+    try:                                                # pragma: no cover
+        from sglang.srt.runtime_context import get_serving
+        return get_serving().api_key or None
+    except Exception:
+        return None

@@ -12,6 +12,15 @@ know it and the right is_from_another_rank; an abort on decode.  Beyond
 the 2 + 2 ranks: prefill TP 2 into decode TP 1 and TP 1 into TP 2, and the
 failing room with TP 2 into TP 1, where the library links every rank to
 the one that saw the root cause, so every rank raises the true reason.
+
+Those cases drive the scheduler of SGLang 0094505da741 (SGLangScheduler);
+NewestScheduler drives the newest one: num_kv_tokens on send, the newest
+KVArgs and state types (BLOCK_SCALE's scales byte for byte), the KV
+checksum flag (SGLang's digest intact; a corrupted byte fails the room),
+optimistic prefill over held rooms (decode arrives later; never arrives:
+the lease; arrives after the prefill died), the prefill_complete policy
+(no WaitingForInput before the prefill marked the room) and --device cuda
+over the fake CUDA driver.
 """
 import json
 import os
@@ -22,6 +31,7 @@ import sys
 import threading
 import time
 import unittest
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -44,40 +54,53 @@ ROOM = 2 ** 63 + 11                    # ids past 2^63 on purpose
 
 
 class Cluster:
-    """A registry, two prefill ranks and two decode ranks."""
+    """A registry, two prefill ranks and two decode ranks (or the TP sizes
+    given).  ``start``: the sides to start now; ``start_side()`` starts
+    another later (a decode that arrives after the prefill computed)."""
 
     def __init__(self, requests, chunk=8, env=None, prefill_env=None, tp=(2, 2),
-                 **layout):
+                 start=("prefill", "decode"), **layout):
         self.boot = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0)
         self.addr = "127.0.0.1:%d" % self.boot.port
         self.procs, self.events = [], queue.Queue()
-        pairs = [socket.socketpair() if n == 2 else None for n in tp]
-        penv = dict(os.environ)
-        penv["PYTHONPATH"] = os.pathsep.join(
-            [os.path.dirname(HERE)] + [p for p in penv.get("PYTHONPATH", "").split(
+        self.side_procs = {"prefill": [], "decode": []}
+        self.kept = []                  # events seen while waiting for others
+        self.penv = dict(os.environ)
+        self.penv["PYTHONPATH"] = os.pathsep.join(
+            [os.path.dirname(HERE)] + [p for p in self.penv.get("PYTHONPATH", "").split(
                 os.pathsep) if p])
+        self.spec = dict(requests=requests, chunk=chunk, env=env or {},
+                         prefill_env=prefill_env or {}, tp=dict(zip(("prefill", "decode"),
+                                                                    tp)),
+                         layout=layout)
+        self.ranks = 0
+        for side in start:
+            self.start_side(side)
+
+    def start_side(self, side):
+        spec, size = self.spec, self.spec["tp"][side]
+        pair = socket.socketpair() if size == 2 else None
         try:
-            for side, pair, size in zip(("prefill", "decode"), pairs, tp):
-                for rank in range(size):
-                    e = dict(env or {})
-                    if side == "prefill":
-                        e.update((prefill_env or {}).get(rank, {}))
-                    cfg = dict(layout, role=side, tp_rank=rank, tp_size=size,
-                               bootstrap=self.addr, requests=requests, chunk=chunk,
-                               env=e)
-                    fd = pair[rank].fileno() if pair is not None else -1
-                    p = subprocess.Popen(
-                        [sys.executable, os.path.join(HERE, "_sglang_rank.py"),
-                         json.dumps(cfg), str(fd)], pass_fds=(fd,) if fd >= 0 else (),
-                        env=penv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        text=True)
-                    self.procs.append(p)
-                    threading.Thread(target=self._read, args=(p,), daemon=True).start()
+            for rank in range(size):
+                e = dict(spec["env"])
+                if side == "prefill":
+                    e.update(spec["prefill_env"].get(rank, {}))
+                cfg = dict(spec["layout"], role=side, tp_rank=rank, tp_size=size,
+                           bootstrap=self.addr, requests=spec["requests"],
+                           chunk=spec["chunk"], env=e)
+                fd = pair[rank].fileno() if pair is not None else -1
+                p = subprocess.Popen(
+                    [sys.executable, os.path.join(HERE, "_sglang_rank.py"),
+                     json.dumps(cfg), str(fd)], pass_fds=(fd,) if fd >= 0 else (),
+                    env=self.penv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    text=True)
+                self.procs.append(p)
+                self.side_procs[side].append(p)
+                threading.Thread(target=self._read, args=(p,), daemon=True).start()
         finally:
-            for pair in pairs:
-                for sock in pair or ():
-                    sock.close()
-        self.ranks = sum(tp)
+            for sock in pair or ():
+                sock.close()
+        self.ranks += size
 
     def _read(self, p):
         for line in p.stdout:
@@ -85,28 +108,92 @@ class Cluster:
                 self.events.put(json.loads(line))
             except ValueError:
                 self.events.put({"event": "garbage", "line": line})
-        self.events.put({"event": "eof", "rc": p.wait()})
+        self.events.put({"event": "eof", "rc": p.wait(), "pid": p.pid})
+
+    def _next(self, deadline, what):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError("%s: not within %ds" % (what, TIMEOUT))
+        try:
+            return self.events.get(timeout=left)
+        except queue.Empty:
+            return None
+
+    def wait_events(self, kind, n, room=None):
+        """The first ``n`` events of ``kind`` (of ``room`` when given; other
+        events are kept for results()); a rank's error or exit fails the
+        wait."""
+        got, deadline = [], time.monotonic() + TIMEOUT
+        while len(got) < n:
+            ev = self._next(deadline, "%d %r events (have %d)" % (n, kind, len(got)))
+            if ev is None:
+                continue
+            if ev["event"] == kind and room in (None, ev.get("room")):
+                got.append(ev)
+            elif ev["event"] in ("error", "garbage", "eof") and not self._killed(ev):
+                raise AssertionError("a rank failed: %s" % ev)
+            else:
+                self.kept.append(ev)
+        return got
+
+    def _killed(self, ev):
+        """An event of a rank this test killed: its last words (a sibling's
+        dead channel, say) are no failure of the test."""
+        return ev.get("pid") in getattr(self, "killed", ())
+
+    def wait_registered(self):
+        """Until the registry answers its parallel info: every prefill rank
+        has registered (GET /route with every rank -1 answers 200)."""
+        url = ("http://%s/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
+               "target_tp_rank=-1&target_pp_rank=-1" % self.addr)
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("the prefill ranks did not register in %ds"
+                                     % TIMEOUT)
+            time.sleep(0.02)
+
+    def tell(self, side, line):
+        for p in self.side_procs[side]:
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+    def kill_side(self, side):
+        """SIGKILL every rank of a side (by pid) and reap it."""
+        self.killed = getattr(self, "killed", set())
+        for p in self.side_procs[side]:
+            self.killed.add(p.pid)
+        for p in self.side_procs[side]:
+            p.kill()
+        for p in self.side_procs[side]:
+            p.wait(timeout=30)
+        self.ranks -= len(self.side_procs[side])
 
     def results(self):
-        """{(role, tp_rank): {room: result}} once every rank reported."""
+        """{(role, tp_rank): {room: result}} once every live rank reported."""
         out, deadline = {}, time.monotonic() + TIMEOUT
+        pending = list(self.kept)
+        self.kept = []
         while len(out) < self.ranks:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError("ranks did not finish in %ds; have %s"
-                                     % (TIMEOUT, sorted(out)))
-            try:
-                ev = self.events.get(timeout=left)
-            except queue.Empty:
+            ev = pending.pop(0) if pending else self._next(
+                deadline, "ranks to finish (have %s)" % sorted(out))
+            if ev is None:
                 continue
             if ev["event"] == "result":
                 out[(ev["role"], ev["tp_rank"])] = {int(k): v for k, v in
                                                     ev["rooms"].items()}
-            elif ev["event"] in ("error", "eof", "garbage"):
+            elif ev["event"] in ("error", "garbage", "eof") and not self._killed(ev):
                 raise AssertionError("a rank failed: %s" % ev)
         for p in self.procs:
-            p.stdin.write("exit\n")
-            p.stdin.flush()
+            if p.poll() is None:
+                p.stdin.write("exit\n")
+                p.stdin.flush()
         for p in self.procs:
             p.wait(timeout=30)
         return out
@@ -291,6 +378,163 @@ class SGLangScheduler(unittest.TestCase):
             r = res[rank][ROOM]
             self.assertEqual(r["state"], "Failed", (rank, r))
             self.assertTrue(r["from_another_rank"], (rank, r))
+
+
+
+@unittest.skipUnless(HAVE_NUMPY, "numpy is needed to check every byte "
+                     "(Debian: python3-numpy; `make deps`)")
+@unittest.skipIf(MISSING, "libkvferry lacks %s" % ", ".join(MISSING))
+class NewestScheduler(unittest.TestCase):
+    """The same four processes driven as the newest SGLang's schedulers
+    drive a backend: num_kv_tokens on send after get_max_transfer_tokens(),
+    the newest KVArgs and StateTypes, the KV checksum flag, optimistic
+    prefill (held rooms) and the prefill_complete allocation policy."""
+
+    def setUp(self):
+        self.cluster = None
+
+    def tearDown(self):
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def cluster_of(self, requests, **kw):
+        self.cluster = Cluster(requests, contract="new", **kw)
+        return self.cluster
+
+    def assertAllSucceeded(self, res, rooms):
+        SGLangScheduler.assertAllSucceeded(self, res, rooms)
+
+    def test_chunks_prefix_and_newest_state(self):
+        """Chunked prefill with a decode prefix and a full prefix hit; then
+        the newest row-addressed state types (an mxfp8 KV's BLOCK_SCALE and
+        BLOCK_SCALE_SWA scales, DSV4_REQUEST_STATE, QSA_PENDING, mamba),
+        every byte checked on decode."""
+        reqs = [{"room": ROOM, "tokens": 22, "prefix": 8},
+                {"room": ROOM + 1, "tokens": 16, "prefix": 16},
+                {"room": ROOM + 2, "tokens": 9}]
+        res = self.cluster_of(reqs, chunk=4).results()
+        self.assertAllSucceeded(res, [r["room"] for r in reqs])
+        self.assertEqual(res[("prefill", 0)][ROOM]["decode_prefix_len"], 8)
+        self.cluster.close()
+        reqs = [{"room": ROOM + i, "tokens": t} for i, t in enumerate([5, 16, 27])]
+        res = self.cluster_of(reqs, chunk=8, state="new").results()
+        self.assertAllSucceeded(res, [r["room"] for r in reqs])
+
+    def test_checksum_flag(self):
+        """--disaggregation-enable-kv-checksum: SGLang's own digest travels in
+        its extra metadata buffer and arrives intact (the decode recomputes
+        it over what landed), and kvferry's checksum is on: a byte
+        corrupted on its way fails the room on every rank, never Success."""
+        big, small = ROOM, ROOM + 1
+        reqs = [{"room": big, "tokens": 40}, {"room": small, "tokens": 6, "prefix": 4}]
+        res = self.cluster_of(reqs, chunk=16, checksum=True,
+                              prefill_env={0: {"KVF_FAULTS": "corrupt@2048"}}).results()
+        self.assertAllSucceeded(res, [small])
+        for rank in RANKS:
+            r = res[rank][big]
+            self.assertEqual(r["state"], "Failed", (rank, r))
+        self.assertIn("checksum mismatch", res[("decode", 0)][big]["reason"])
+        self.cluster.close()
+        res = self.cluster_of(reqs, chunk=16, checksum=True).results()
+        self.assertAllSucceeded(res, [big, small])
+
+    def test_optimistic_prefill_decode_arrives_later(self):
+        """The prefill computes every room and holds it before any decode
+        rank exists; the decode ranks start afterwards (one with a prefix:
+        the held pages it holds are skipped) and every byte arrives."""
+        reqs = [{"room": ROOM, "tokens": 13}, {"room": ROOM + 1, "tokens": 20,
+                                                "prefix": 8}]
+        c = self.cluster_of(reqs, chunk=8, optimistic=True, start=("prefill",))
+        c.wait_events("computed", 2 * len(reqs))
+        c.start_side("decode")
+        res = c.results()
+        self.assertAllSucceeded(res, [r["room"] for r in reqs])
+        self.assertEqual(res[("prefill", 1)][ROOM + 1]["decode_prefix_len"], 8)
+
+    def test_optimistic_prefill_decode_never_arrives(self):
+        """A computed room no decode rank ever asks for fails at the end of
+        its lease (its pages free), with the reason."""
+        reqs = [{"room": ROOM, "tokens": 9}]
+        lease = {"KVF_LEASE_MS": "1500"}
+        res = self.cluster_of(reqs, optimistic=True, start=("prefill",),
+                              prefill_env={0: lease, 1: lease}).results()
+        self.assertEqual(sorted(res), [("prefill", 0), ("prefill", 1)])
+        # Each rank's lease ends on its own clock: the first to see it names
+        # it; the other may learn the failure from its scheduler's
+        # all-reduce first, which carries no reason.
+        reasons = []
+        for rank, rooms in res.items():
+            r = rooms[ROOM]
+            self.assertEqual(r["state"], "Failed", (rank, r))
+            self.assertTrue("lease" in r["reason"] or S.UNKNOWN_REASON in r["reason"],
+                            (rank, r))
+            reasons.append(r["reason"])
+        self.assertTrue(any("lease ended" in r for r in reasons), reasons)
+
+    def test_optimistic_prefill_decode_after_prefill_died(self):
+        """The prefill computed and held the rooms, then died; a decode that
+        comes afterwards fails each room naming the prefill it cannot
+        reach, on every rank, within the deadlines."""
+        reqs = [{"room": ROOM, "tokens": 9}]
+        c = self.cluster_of(reqs, optimistic=True, start=("prefill",))
+        c.wait_events("computed", 2)
+        c.wait_registered()
+        c.kill_side("prefill")
+        c.start_side("decode")
+        res = c.results()
+        self.assertEqual(sorted(res), [("decode", 0), ("decode", 1)])
+        for rank, rooms in res.items():
+            r = rooms[ROOM]
+            self.assertEqual((r["state"], r["type"]), ("Failed", "KVTransferError"),
+                             (rank, r))
+            # A rank whose own room had not failed yet when its scheduler's
+            # all-reduce said Failed learns no reason from it.
+            self.assertTrue("prefill rank" in r["reason"] or
+                            S.UNKNOWN_REASON in r["reason"], (rank, r))
+        self.assertTrue(any("connect failed" in rooms[ROOM]["reason"]
+                            for rooms in res.values()), res)
+
+    def test_prefill_complete(self):
+        """--disaggregation-decode-allocation-policy prefill_complete: the
+        decode ranks are connected but report Bootstrapping (no pages
+        allocated) until the prefill marks the room computed; a room the
+        prefill gives up before that fails on decode with the prefill's
+        reason, from another rank (through the room's own links, or the
+        registry's readiness, whichever comes first)."""
+        ok, gone = ROOM, ROOM + 1
+        reqs = [{"room": ok, "tokens": 14}, {"room": gone, "tokens": 5,
+                                              "prefill_abort": True}]
+        c = self.cluster_of(reqs, optimistic=True, policy="prefill_complete",
+                            hold_mark=True)
+        # Both decode ranks connected to the room the prefill still computes
+        # and kept it Bootstrapping; only then may the prefill mark it.
+        c.wait_events("gated", 2, room=ok)
+        c.tell("decode", "go")
+        c.wait_events("go-seen", 2)
+        c.tell("prefill", "go")
+        res = c.results()
+        self.assertAllSucceeded(res, [ok])
+        for rank in (("decode", 0), ("decode", 1)):
+            self.assertFalse(res[rank][ok]["early"], rank)
+            r = res[rank][gone]
+            self.assertEqual((r["state"], r["from_another_rank"]), ("Failed", True),
+                             (rank, r))
+            # The prefill's abort itself: through the room's links, or the
+            # registry's readiness (whichever came first).
+            self.assertIn(S.ABORT_REASON, r["reason"], (rank, r))
+            self.assertNotIn(S.UNKNOWN_REASON, r["reason"], (rank, r))
+
+    def test_device_memory(self):
+        """--device cuda: the pools are registered as CUDA memory (the fake
+        driver says they are; tcp stages them through pinned memory) and
+        every byte arrives."""
+        if not os.environ.get("KVF_FAKE_CUDA"):
+            self.skipTest("KVF_FAKE_CUDA (the fake CUDA driver) is not set")
+        reqs = [{"room": ROOM + i, "tokens": t} for i, t in enumerate([6, 17])]
+        res = self.cluster_of(reqs, gpu=True, state=True,
+                              env={"KVF_CUDA_DRIVER": os.environ["KVF_FAKE_CUDA"],
+                                   "KVF_TRANSPORT": "tcp"}).results()
+        self.assertAllSucceeded(res, [r["room"] for r in reqs])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@ metrics survive clear()."""
 import ctypes
 import inspect
 import os
+import subprocess
 import sys
+import textwrap
 import time
 import types
 import unittest
@@ -99,9 +101,28 @@ class Vocabulary(unittest.TestCase):
 
     def test_state_type_and_mode(self):
         self.assertEqual(S.StateType("mamba"), S.StateType.MAMBA)
-        self.assertEqual([t.value for t in S.StateType][:4],
-                         ["mamba", "swa", "dsa", "minimax_index_k"])
+        # SGLang's newest StateType, in its order; C128_STATE, the older
+        # name of DSV4_REQUEST_STATE, kept as an alias of the same value.
+        self.assertEqual([t.value for t in S.StateType],
+                         ["mamba", "qsa_pending", "qsa_compressed", "swa", "dsa",
+                          "dsa_tail", "minimax_index_k", "swa_ring", "c128_state",
+                          "block_scale", "block_scale_swa"])
+        self.assertIs(S.StateType.C128_STATE, S.StateType.DSV4_REQUEST_STATE)
         self.assertEqual(S.DisaggregationMode("decode"), S.DisaggregationMode.DECODE)
+
+    def test_base_class_defaults(self):
+        """What SGLang's base classes give their backends by default, and
+        newer schedulers call, kvferry's classes have themselves (without
+        SGLang they subclass nothing)."""
+        self.assertIs(S.KVFerryKVManager.enable_deferred_decode_kv_release, False)
+        for name in ("get_max_transfer_tokens", "mark_prefill_complete",
+                     "pop_decode_prefix_len", "should_send_kv_chunk", "clear", "abort",
+                     "get_transfer_metric", "failure_exception", "poll", "init", "send"):
+            self.assertTrue(callable(getattr(S.KVFerryKVSender, name, None)), name)
+        for name in ("init", "send_metadata", "poll", "failure_exception", "clear",
+                     "abort", "get_transfer_metric"):
+            self.assertTrue(callable(getattr(S.KVFerryKVReceiver, name, None)), name)
+        self.assertIn("num_kv_tokens", S.KVFerryKVSender.send.__doc__)
 
     def test_transfer_error_and_metric(self):
         e = S.KVTransferError(7, "boom", is_from_another_rank=True)
@@ -185,12 +206,110 @@ class Layout(unittest.TestCase):
                     os.environ[k] = v
         self.assertEqual((f.bootstrap_timeout_ms, f.waiting_timeout_ms), (12000, 500))
 
-    def test_device_memory_refused(self):
-        with self.assertRaises(RuntimeError) as cm:
+    def test_device_memory_is_registered_as_cuda(self):
+        """--device cuda: KV and state are CUDA memory of gpu_id (aux stays
+        host memory), and the library checks that with the CUDA driver; here
+        there is none, so the library refuses and says so.  Another device
+        is refused naming it."""
+        a = kv_args("decode", state=True)
+        a.gpu_id = 1
+        f = S.ferry_args(a, "decode", server_args(device="cuda"), False,
+                         S._parallel(server_args(), a, "decode"))
+        self.assertEqual({(b.device.type, b.device.index) for b in f.kv_data_ptrs},
+                         {("cuda", 1)})
+        self.assertEqual([b.data_ptr() for b in f.kv_data_ptrs], a.kv_data_ptrs)
+        self.assertEqual({b.device.index for g in f.state_groups for b in g.data_ptrs},
+                         {1})
+        self.assertEqual(f.aux_data_ptrs, a.aux_data_ptrs)
+        with self.assertRaises(kvferry.KVFerryError) as cm:
             S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE,
                                server_args(device="cuda"))
-        self.assertIn("GPU memory registration", str(cm.exception))
-        self.assertIn("--device cpu", str(cm.exception))
+        self.assertIn("CUDA", str(cm.exception))
+        with self.assertRaises(RuntimeError) as cm:
+            S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE,
+                               server_args(device="npu"))
+        self.assertIn("device='npu'", str(cm.exception))
+
+    @unittest.skipUnless(os.environ.get("KVF_FAKE_CUDA"),
+                         "KVF_FAKE_CUDA (the fake CUDA driver the build makes) is not set")
+    def test_device_memory_with_a_driver(self):
+        """With a CUDA driver that calls the pools device memory (the fake
+        one), the manager registers them: in a process of its own, since a
+        process loads its driver once."""
+        code = textwrap.dedent("""
+            import ctypes, os, sys
+            sys.path.insert(0, %r)
+            import test_sglang_api as T
+            fake = ctypes.CDLL(os.environ["KVF_CUDA_DRIVER"])
+            a = T.kv_args("decode", state=True)
+            for p, n in zip(a.kv_data_ptrs + sum(a.state_data_ptrs, []),
+                            a.kv_data_lens + sum(a.state_data_lens, [])):
+                fake.fake_cuda_add(ctypes.c_void_p(p), ctypes.c_size_t(n), 0)
+            m = T.S.KVFerryKVManager(a, T.S.DisaggregationMode.DECODE,
+                                     T.server_args(device="cuda"))
+            m.teardown()
+            print("OK")
+        """ % os.path.dirname(os.path.abspath(__file__)))
+        env = dict(os.environ, KVF_CUDA_DRIVER=os.environ["KVF_FAKE_CUDA"])
+        r = subprocess.run([sys.executable, "-c", code], env=env, timeout=60,
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.assertIn("OK", r.stdout)
+
+    def test_newer_kv_args_fields(self):
+        """Each field newer SGLang added is honoured or refused by name."""
+        par = S._parallel(server_args(), kv_args("prefill"), "prefill")
+        a = kv_args("prefill", state=True)
+        a.kv_cache_dtype_str = "fp8_e4m3"
+        a.state_layer_ids = [[0, 1]]
+        a.state_slice_outer_counts = [[1, 1]]
+        a.rust_http_port = None
+        f = S.ferry_args(a, "prefill", server_args(kv_cache_dtype="auto"), False, par)
+        self.assertEqual((f.kv_cache_dtype, f.kv_dtype), ("fp8_e4m3", "fp8_e4m3"))
+        a.state_layer_ids = [[0]]
+        with self.assertRaisesRegex(ValueError, "state_layer_ids"):
+            S.ferry_args(a, "prefill", server_args(), False, par)
+        a.state_layer_ids = [[0, 1], [2]]
+        with self.assertRaisesRegex(ValueError, "state_layer_ids"):
+            S.ferry_args(a, "prefill", server_args(), False, par)
+        # rust_http_port: SGLang's own Rust registry; with attention DP it
+        # copies rows between listeners, which kvferry's engines do not join.
+        b = kv_args("prefill")
+        b.rust_http_port = 8000
+        with self.assertRaisesRegex(RuntimeError, "rust_http_port=8000"):
+            S.KVFerryKVManager(b, S.DisaggregationMode.PREFILL,
+                               server_args(tp_size=2, dp_size=2,
+                                           enable_dp_attention=True))
+        with self.assertRaisesRegex(RuntimeError, "rust_http_port=8000.*prefill_complete"):
+            S.KVFerryKVManager(b, S.DisaggregationMode.PREFILL, server_args(
+                disaggregation_decode_allocation_policy="prefill_complete"))
+        # dcp moved from KVArgs to the server arguments: refused either way.
+        with self.assertRaisesRegex(RuntimeError, "dcp_size=2"):
+            S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE,
+                               server_args(dcp_size=2))
+
+    def test_dsa_tail_is_refused(self):
+        a = kv_args("prefill", state=True)
+        a.state_types = [S.StateType.DSA_TAIL]
+        with self.assertRaisesRegex(RuntimeError, "'dsa_tail'.*descriptor"):
+            S.ferry_args(a, "prefill", server_args(), False,
+                         S._parallel(server_args(), a, "prefill"))
+
+    def test_checksum_policy_and_api_key(self):
+        """SGLang's --disaggregation-enable-kv-checksum turns kvferry's own
+        checksum on; the prefill registers its decode allocation policy;
+        --api-key is the token's last source."""
+        a = kv_args("prefill")
+        par = S._parallel(server_args(), a, "prefill")
+        f = S.ferry_args(a, "prefill", server_args(), False, par)
+        self.assertIsNone(f.checksum)
+        self.assertIsNone(f.decode_allocation_policy)
+        f = S.ferry_args(a, "prefill", server_args(
+            disaggregation_enable_kv_checksum=True, api_key="k" * 32,
+            disaggregation_decode_allocation_policy="prefill_complete"), False, par)
+        self.assertTrue(f.checksum)
+        self.assertEqual(f.decode_allocation_policy, "prefill_complete")
+        self.assertEqual(f.api_key, "k" * 32)
 
 
 @unittest.skipUnless(NEW_API, "libkvferry lacks the two-phase receiver API")
@@ -317,6 +436,75 @@ class Rooms(unittest.TestCase):
         self.assertIn("appears twice", cm.exception.failure_reason)
         self.assertFalse(cm.exception.is_from_another_rank)
         rx.clear()
+
+    def test_allocation_policy(self):
+        """prefill_complete on both sides: the decode's room stays
+        Bootstrapping (connected) until the prefill marks it computed; a
+        decode whose policy differs from the prefill's fails the room
+        naming both."""
+        boot = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0)
+        addr = "127.0.0.1:%d" % boot.port
+        sa = server_args(boot.port,
+                         disaggregation_decode_allocation_policy="prefill_complete")
+        pm = S.KVFerryKVManager(kv_args("prefill"), S.DisaggregationMode.PREFILL, sa)
+        dm = S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE, sa)
+        early = S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE,
+                                   server_args(boot.port))
+        try:
+            deadline = time.monotonic() + 20
+            while not (dm.try_ensure_parallel_info(addr) and
+                       early.try_ensure_parallel_info(addr)):
+                self.assertLess(time.monotonic(), deadline, "no parallel info")
+                time.sleep(0.01)
+            self.assertEqual(dm.prefill_info_table[addr].decode_allocation_policy,
+                             "prefill_complete")
+            room = self.next_room()
+            tx = S.KVFerryKVSender(pm, addr, room, [0], 0)
+            rx = S.KVFerryKVReceiver(dm, addr, room)
+            rx.init(0)
+            while rx._h.poll() < S.KVPoll.WaitingForInput:       # connected
+                self.assertLess(time.monotonic(), deadline, "not connected")
+                time.sleep(0.005)
+            self.assertEqual(rx.poll(), S.KVPoll.Bootstrapping)
+            tx.mark_prefill_complete()
+            self.assertEqual(self.wait(rx, (S.KVPoll.WaitingForInput, S.KVPoll.Failed)),
+                             S.KVPoll.WaitingForInput)
+            other = S.KVFerryKVReceiver(early, addr, self.next_room())
+            other.init(0)
+            self.assertEqual(other.poll(), S.KVPoll.Failed)
+            with self.assertRaises(S.KVTransferError) as cm:
+                other.failure_exception()
+            self.assertIn("Decode allocation policy mismatch: prefill server %s has "
+                          "--disaggregation-decode-allocation-policy prefill_complete, "
+                          "but decode server has early" % addr,
+                          cm.exception.failure_reason)
+            for h in (rx, tx):
+                h.abort()
+                h.clear()
+        finally:
+            for m in (pm, dm, early):
+                m.teardown()
+            boot.close()
+
+    def test_bootstrap_server_thread_and_api_key(self):
+        """Newer SGLang runs the bootstrap server in a process of its own and
+        waits on its thread; with only SGLang's --api-key the registry takes
+        it as its token."""
+        saved = {k: os.environ.pop(k, None) for k in (
+            "KVF_AUTH_TOKEN", "KVF_AUTH_TOKEN_FILE",
+            "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN")}
+        try:
+            b = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0,
+                                           api_key="api-key-0123456789abcdef")
+            self.assertEqual(b._server.access, "token")
+            self.assertTrue(b.thread.is_alive())
+            self.assertEqual(S._auth_headers("api-key-0123456789abcdef"),
+                             {"Authorization": "Bearer api-key-0123456789abcdef"})
+            b.close()
+            b.thread.join(timeout=10)
+            self.assertFalse(b.thread.is_alive())
+        finally:
+            os.environ.update({k: v for k, v in saved.items() if v is not None})
 
     def test_abort_before_init(self):
         rx = S.KVFerryKVReceiver(self.dm, self.addr, self.next_room())

@@ -3,7 +3,10 @@ SGLang's own KVPoll, KVArgs, StateType, KVTransferMetric, KVTransferError
 and DisaggregationMode and subclass its abstract Base classes completely;
 and the package the integration patch adds
 (integrations/sglang/*.patch: sglang/srt/disaggregation/kvferry/) must
-import and export the same classes.
+import and export the same classes.  Twice: against the base classes of
+0094505da741 and against the newest ones (send's num_kv_tokens,
+enable_deferred_decode_kv_release, KVArgs.num_draft_entries = 0, the
+newest StateType).
 
 The ``sglang`` here is a stub written for this test (the names and
 signatures kvferry.sglang imports, as docs/SGLANG.md lists them), not
@@ -157,8 +160,42 @@ else:
     raise AssertionError("no KVTransferError")
 assert isinstance(rx.get_transfer_metric(), base.KVTransferMetric)
 mgr.teardown()
+# What the newest schedulers call beyond the base class, on any SGLang.
+assert S.KVFerryKVSender.get_max_transfer_tokens(None) is None
+assert callable(S.KVFerryKVSender.mark_prefill_complete)
+assert S.KVFerryKVManager.enable_deferred_decode_kv_release is False
 print("OK")
 '''
+
+
+# The newest base/conn.py differs in these places (docs/SGLANG.md).
+NEWEST = {
+    'class StateType(str, enum.Enum):\n    MAMBA = "mamba"\n    SWA = "swa"\n':
+        'class StateType(str, enum.Enum):\n    MAMBA = "mamba"\n'
+        '    QSA_PENDING = "qsa_pending"\n    QSA_COMPRESSED = "qsa_compressed"\n'
+        '    SWA = "swa"\n    DSA = "dsa"\n    DSA_TAIL = "dsa_tail"\n'
+        '    MINIMAX_INDEX_K = "minimax_index_k"\n    SWA_RING = "swa_ring"\n'
+        '    DSV4_REQUEST_STATE = "c128_state"\n    BLOCK_SCALE = "block_scale"\n'
+        '    BLOCK_SCALE_SWA = "block_scale_swa"\n',
+    "class KVArgs:\n    page_size: int\n":
+        "class KVArgs:\n    page_size: int\n    kv_layer_ids: list\n"
+        "    rust_http_port: Optional[int]\n    num_draft_entries: int = 0\n",
+    "class BaseKVManager(abc.ABC):\n":
+        "class BaseKVManager(abc.ABC):\n    enable_deferred_decode_kv_release = False\n",
+    "def send(self, kv_indices, state_indices=None): ...":
+        "def send(self, kv_indices, state_indices=None, num_kv_tokens=None): ...",
+}
+
+
+def _stub(newest):
+    """{path: text} of the stub package, of the old or the newest SGLang."""
+    out = {k: textwrap.dedent(v) for k, v in STUB.items()}
+    if newest:
+        conn = "sglang/srt/disaggregation/base/conn.py"
+        for old, new in NEWEST.items():
+            assert old in out[conn], old
+            out[conn] = out[conn].replace(old, new)
+    return out
 
 
 def _patch_new_files(patch):
@@ -190,14 +227,19 @@ MISSING = [n for n in _NEEDS if not _lib.has(n)]
 class WithSGLang(unittest.TestCase):
 
     def test_takes_sglangs_types_and_the_patch_imports(self):
+        for newest in (False, True):
+            with self.subTest(newest=newest):
+                self._check(newest)
+
+    def _check(self, newest):
         patches = glob.glob(os.path.join(REPO, "integrations", "sglang", "*.patch"))
         self.assertEqual(len(patches), 1, patches)
         with tempfile.TemporaryDirectory() as tmp:
-            for rel, text in STUB.items():
+            for rel, text in _stub(newest).items():
                 path = os.path.join(tmp, rel)
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 with open(path, "w") as f:
-                    f.write(textwrap.dedent(text))
+                    f.write(text)
             created = _patch_new_files(patches[0])
             self.assertIn("python/sglang/srt/disaggregation/kvferry/conn.py", created)
             for rel, text in created.items():

@@ -48,6 +48,9 @@ typedef struct kvf_bs_reg {
     const char *load_balance_method;
     int         enable_dsa_cache_layer_split;   /* sent as a JSON boolean */
     int         prefill_http_port;  /* 1..65535; 0 is sent as null (unknown) */
+    /* SGLang's --disaggregation-decode-allocation-policy ("early",
+     * "prefill_complete"); NULL is not sent (older SGLang has none). */
+    const char *decode_allocation_policy;
 } kvf_bs_reg_t;
 
 /* The server's parallel info: GET /route with every parameter -1 (the
@@ -62,6 +65,7 @@ typedef struct kvf_bs_info {
     int  follow_bootstrap_room;
     int  enable_dsa_cache_layer_split;
     int  prefill_http_port;         /* 0: null (not known) */
+    char decode_allocation_policy[64];  /* "": not registered */
 } kvf_bs_info_t;
 
 /*
@@ -160,7 +164,8 @@ kvf_registry_state_t *kvf__registry_state_create(size_t max_rooms);
 void kvf__registry_state_destroy(kvf_registry_state_t *st);
 
 /*
- * Who may change the registry (PUT /route, POST /register_dp_rank):
+ * Who may change the registry (PUT /route, POST /register_dp_rank, POST
+ * /room_ready):
  *  - with a token (non-empty): a request whose "Authorization: Bearer"
  *    matches it, from anywhere; any other gets 401;
  *  - without one, `open` 0 (protected mode, the default): loopback clients

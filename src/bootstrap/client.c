@@ -351,7 +351,11 @@ kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
          json_object_set_new(j, "prefill_http_port",
                              reg->prefill_http_port > 0
                                  ? json_integer(reg->prefill_http_port)
-                                 : json_null()) != 0)) {
+                                 : json_null()) != 0 ||
+         (reg->decode_allocation_policy != NULL &&
+          json_object_set_new(j, "decode_allocation_policy",
+                              json_string(reg->decode_allocation_policy))
+              != 0))) {
         json_decref(j);
         j = NULL;
     }
@@ -456,6 +460,7 @@ kvf_status_t kvf__bs_get_info(const char *addr, unsigned timeout_ms,
     json_t *ps = json_object_get(j, "page_size");
     json_t *dsa = json_object_get(j, "enable_dsa_cache_layer_split");
     json_t *hp = json_object_get(j, "prefill_http_port");
+    json_t *pol = json_object_get(j, "decode_allocation_policy");
     st = KVF_ERR_BOOTSTRAP;
     if (get_int(j, "attn_tp_size", &info.attn_tp_size) != 0 ||
         get_int(j, "attn_cp_size", &info.attn_cp_size) != 0 ||
@@ -469,13 +474,19 @@ kvf_status_t kvf__bs_get_info(const char *addr, unsigned timeout_ms,
         (dsa != NULL && !json_is_null(dsa) && !json_is_boolean(dsa)) ||
         (hp != NULL && !json_is_null(hp) &&
          (get_int(j, "prefill_http_port", &info.prefill_http_port) != 0 ||
-          info.prefill_http_port < 1 || info.prefill_http_port > 65535))) {
+          info.prefill_http_port < 1 || info.prefill_http_port > 65535)) ||
+        (pol != NULL && !json_is_null(pol) &&
+         (!json_is_string(pol) ||
+          json_string_length(pol) >= sizeof(info.decode_allocation_policy)))) {
         set_err(err, errlen, "bootstrap registry %s sent parallel info without "
                 "the expected fields (GET %s)", addr, target);
     } else {
         if (json_is_string(dt))
             memcpy(info.kv_cache_dtype, json_string_value(dt),
                    json_string_length(dt) + 1);
+        if (json_is_string(pol))
+            memcpy(info.decode_allocation_policy, json_string_value(pol),
+                   json_string_length(pol) + 1);
         info.follow_bootstrap_room = fb == NULL || json_is_true(fb);
         info.enable_dsa_cache_layer_split = json_is_true(dsa);
         *info_p = info;

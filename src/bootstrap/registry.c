@@ -443,10 +443,17 @@ static kvf_status_t create(const char *host, int port, const char *token,
 kvf_status_t kvf_bootstrap_create(const char *host, int port,
                                   kvf_bootstrap_t **bootstrap_p)
 {
+    return kvf_bootstrap_create_keyed(host, port, NULL, bootstrap_p);
+}
+
+kvf_status_t kvf_bootstrap_create_keyed(const char *host, int port,
+                                        const char *api_key,
+                                        kvf_bootstrap_t **bootstrap_p)
+{
     char token[KVF_TOKEN_MAX + 1], err[512];
     const char *from = "";
-    kvf_status_t st = kvf_token_load_ex(NULL, token, sizeof(token), &from,
-                                        err, sizeof(err));
+    kvf_status_t st = kvf_token_resolve(NULL, api_key, token, sizeof(token),
+                                        &from, err, sizeof(err));
     if (st != KVF_OK) {
         kvf_error("bootstrap registry: %s", err);
         return KVF_ERR_INVALID_PARAM;

@@ -7,6 +7,7 @@
 #include "bootstrap/rooms.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 static size_t room_hash(uint64_t x)
 {
@@ -30,13 +31,13 @@ static kvf_bs_room_slot_t *room_find(const kvf_bs_rooms_t *m, uint64_t room)
 }
 
 static void room_place(kvf_bs_room_slot_t *slots, size_t mask, uint64_t room,
-                       int32_t dp_rank)
+                       int32_t dp_rank, char *note)
 {
     size_t i = room_hash(room) & mask;
     while (slots[i].used)
         i = (i + 1) & mask;
     slots[i] = (kvf_bs_room_slot_t){.room = room, .dp_rank = dp_rank,
-                                    .used = 1};
+                                    .used = 1, .note = note};
 }
 
 /* Pull each later member of the probe chain back into the hole unless its
@@ -45,6 +46,8 @@ static void room_delete(kvf_bs_rooms_t *m, kvf_bs_room_slot_t *s)
 {
     size_t mask = m->slot_mask, i = (size_t)(s - m->slots), j = i;
 
+    free(s->note);
+    s->note = NULL;
     for (;;) {
         j = (j + 1) & mask;
         if (!m->slots[j].used)
@@ -56,6 +59,7 @@ static void room_delete(kvf_bs_rooms_t *m, kvf_bs_room_slot_t *s)
         i = j;
     }
     m->slots[i].used = 0;
+    m->slots[i].note = NULL;
 }
 
 /* Make room for one more entry in both the table and the FIFO. */
@@ -71,7 +75,7 @@ static int room_reserve(kvf_bs_rooms_t *m)
         for (size_t i = 0; m->slots != NULL && i <= m->slot_mask; i++)
             if (m->slots[i].used)
                 room_place(ns, ncap - 1, m->slots[i].room,
-                           m->slots[i].dp_rank);
+                           m->slots[i].dp_rank, m->slots[i].note);
         free(m->slots);
         m->slots = ns;
         m->slot_mask = ncap - 1;
@@ -100,6 +104,8 @@ void kvf__bs_rooms_init(kvf_bs_rooms_t *m, size_t max)
 
 void kvf__bs_rooms_free(kvf_bs_rooms_t *m)
 {
+    for (size_t i = 0; m->slots != NULL && i <= m->slot_mask; i++)
+        free(m->slots[i].note);
     free(m->slots);
     free(m->fifo);
     kvf__bs_rooms_init(m, m->max);
@@ -107,14 +113,27 @@ void kvf__bs_rooms_free(kvf_bs_rooms_t *m)
 
 int kvf__bs_rooms_put(kvf_bs_rooms_t *m, uint64_t room, int dp_rank)
 {
-    kvf_bs_room_slot_t *s = room_find(m, room);
+    return kvf__bs_rooms_put_note(m, room, dp_rank, NULL);
+}
 
+int kvf__bs_rooms_put_note(kvf_bs_rooms_t *m, uint64_t room, int dp_rank,
+                           const char *note)
+{
+    kvf_bs_room_slot_t *s = room_find(m, room);
+    char *copy = note ? strdup(note) : NULL;
+
+    if (note != NULL && copy == NULL)
+        return -1;
     if (s != NULL) {
         s->dp_rank = dp_rank;
+        free(s->note);
+        s->note = copy;
         return 0;
     }
-    if (room_reserve(m) != 0)
+    if (room_reserve(m) != 0) {
+        free(copy);
         return -1;
+    }
     if (m->count == m->max) {
         kvf_bs_room_slot_t *old = room_find(m, m->fifo[m->fifo_head]);
         if (old != NULL)
@@ -122,7 +141,7 @@ int kvf__bs_rooms_put(kvf_bs_rooms_t *m, uint64_t room, int dp_rank)
         m->fifo_head = (m->fifo_head + 1) % m->fifo_cap;
         m->count--;
     }
-    room_place(m->slots, m->slot_mask, room, dp_rank);
+    room_place(m->slots, m->slot_mask, room, dp_rank, copy);
     m->fifo[(m->fifo_head + m->count) % m->fifo_cap] = room;
     m->count++;
     return 0;
@@ -132,4 +151,10 @@ int kvf__bs_rooms_get(const kvf_bs_rooms_t *m, uint64_t room)
 {
     const kvf_bs_room_slot_t *s = room_find(m, room);
     return s ? s->dp_rank : -1;
+}
+
+const char *kvf__bs_rooms_note(const kvf_bs_rooms_t *m, uint64_t room)
+{
+    const kvf_bs_room_slot_t *s = room_find(m, room);
+    return s ? s->note : NULL;
 }

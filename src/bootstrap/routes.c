@@ -1,7 +1,8 @@
 /*
  * Bootstrap registry request handling: SGLang's CommonKVBootstrapServer
- * routes (PUT/GET /route, /health, /register_dp_rank, /query_dp_ranks)
- * plus GET /metrics, as one pure function of (method, path, query, body)
+ * routes (PUT/GET /route, /health, /register_dp_rank, /query_dp_ranks),
+ * kvferry's room readiness (/room_ready, /query_room_ready) and GET
+ * /metrics, as one pure function of (method, path, query, body)
  * and the registry state.  The MHD glue (registry.c), the unit tests and
  * the fuzzer all call kvf__registry_handle(), so the fuzzer exercises
  * exactly what the network reaches.
@@ -26,10 +27,11 @@
  *    whose parallel info would break transfers (unless the rule below lets
  *    it replace that info).
  *  - access, as SGLang's bootstrap_auth.py: the mutating routes (PUT
- *    /route, POST /register_dp_rank) need "Authorization: Bearer <token>"
- *    (scheme case-insensitive, token compared in constant time) when the
- *    registry has a token, and answer 401 otherwise; GET /route, /health,
- *    POST /query_dp_ranks and /metrics stay open.  Without a token SGLang
+ *    /route, POST /register_dp_rank, and kvferry's POST /room_ready) need
+ *    "Authorization: Bearer <token>" (scheme case-insensitive, token
+ *    compared in constant time) when the registry has a token, and answer
+ *    401 otherwise; GET /route, /health, POST /query_dp_ranks, POST
+ *    /query_room_ready and /metrics stay open.  Without a token SGLang
  *    refuses every write; we accept loopback clients only (protected mode)
  *    or, with KVF_AUTH=none, anyone.
  *
@@ -77,11 +79,12 @@
 #define CT_JSON    "application/json"
 #define CT_METRICS "text/plain; version=0.0.4; charset=utf-8"
 
-enum { R_ROUTE, R_HEALTH, R_REG_DP, R_QUERY_DP, R_METRICS, R_OTHER, R_N };
+enum { R_ROUTE, R_HEALTH, R_REG_DP, R_QUERY_DP, R_READY, R_QUERY_READY,
+       R_METRICS, R_OTHER, R_N };
 enum { M_GET, M_PUT, M_POST, M_HEAD, M_OTHER, M_N };
 static const char *const route_names[R_N] = {
-    "/route", "/health", "/register_dp_rank", "/query_dp_ranks", "/metrics",
-    "other"};
+    "/route", "/health", "/register_dp_rank", "/query_dp_ranks", "/room_ready",
+    "/query_room_ready", "/metrics", "other"};
 static const char *const method_names[M_N] = {"GET", "PUT", "POST", "HEAD",
                                               "other"};
 static const int counted_codes[] = {200, 400, 401, 403, 404, 405, 409, 413,
@@ -112,6 +115,7 @@ struct kvf_registry_state {
     int    follow_bootstrap_room;
     int    http_port;               /* 0: null (not known) */
     int    dsa;
+    char   policy[64];              /* decode_allocation_policy; "": none */
     char   first_desc[320];         /* who set the info, for 409 messages */
     rank_entry_t *ranks;            /* [dp][cp][tp][pp] */
     size_t nranks, nregistered;
@@ -130,6 +134,7 @@ struct kvf_registry_state {
     void             *clock_arg;
 
     kvf_bs_rooms_t rooms;           /* POST /register_dp_rank */
+    kvf_bs_rooms_t ready;           /* POST /room_ready: READY_*, reason */
 
     uint64_t requests[R_N][M_N][C_N];
 
@@ -554,6 +559,9 @@ static void set_info_locked(kvf_registry_state_t *st, const put_fields_t *f,
         (json_is_string(lbm) &&
          strcmp(json_string_value(lbm), "follow_bootstrap_room") == 0);
     st->dsa = json_is_true(json_object_get(o, "enable_dsa_cache_layer_split"));
+    json_t *pol = json_object_get(o, "decode_allocation_policy");
+    snprintf(st->policy, sizeof(st->policy), "%s",
+             json_is_string(pol) ? json_string_value(pol) : "");
 }
 
 static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
@@ -585,6 +593,13 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
                    " must be true or false");
         goto out;
     }
+    /* Optional: SGLang before the decode allocation policy sends none. */
+    json_t *pol = json_object_get(o, "decode_allocation_policy");
+    const char *policy;
+    int policy_null;
+    if (pol != NULL &&
+        field_str(o, "decode_allocation_policy", 63, &policy_null, &policy, r) != 0)
+        goto out;
     /* Optional, null when the prefill server does not know its HTTP port. */
     int http_port = 0;
     json_t *hp = json_object_get(o, "prefill_http_port");
@@ -720,9 +735,7 @@ static void reply_not_ready_locked(kvf_registry_state_t *st, reply_t *r)
                    st->pp_size);
 }
 
-/* dataclasses.asdict(PrefillServerInfo(...)) as SGLang's server builds it:
- * these keys, no other. */
-static json_t *info_json_locked(kvf_registry_state_t *st)
+static json_t *info_json_base_locked(kvf_registry_state_t *st)
 {
     return json_pack("{s:i, s:i, s:i, s:i, s:i, s:o, s:b, s:b, s:o, s:n, s:n, "
                      "s:n, s:n, s:n, s:n}",
@@ -737,6 +750,22 @@ static json_t *info_json_locked(kvf_registry_state_t *st)
         "target_tp_rank", "target_tp_ranks", "target_cp_ranks",
         "target_pp_ranks", "required_dst_info_num",
         "required_prefill_response_num");
+}
+
+/* dataclasses.asdict(PrefillServerInfo(...)) as SGLang's server builds it:
+ * these keys, no other; decode_allocation_policy (newer SGLang's) only when
+ * a prefill rank registered one, so that an older decode server, which
+ * builds PrefillServerInfo(**answer), gets the keys it knows. */
+static json_t *info_json_locked(kvf_registry_state_t *st)
+{
+    json_t *j = info_json_base_locked(st);
+    if (j != NULL && st->policy[0] != '\0' &&
+        json_object_set_new(j, "decode_allocation_policy",
+                            json_string(st->policy)) != 0) {
+        json_decref(j);
+        return NULL;
+    }
+    return j;
 }
 
 static void route_get(kvf_registry_state_t *st, const char *query,
@@ -850,6 +879,108 @@ static void route_query_dp(kvf_registry_state_t *st, const char *body,
         snprintf(key, sizeof(key), "%llu", (unsigned long long)room);
         if (dp >= 0 && res != NULL)
             json_object_set_new(res, key, json_integer(dp));
+    }
+    pthread_mutex_unlock(&st->lock);
+    json_decref(o);
+    reply_json(r, res);
+}
+
+/*
+ * Room readiness, for SGLang's --disaggregation-decode-allocation-policy
+ * prefill_complete: a decode server allocates a room's pages only once the
+ * prefill has computed it.  kvferry's own routes (SGLang carries this on
+ * its backends' connections): a prefill rank posts that a room is ready,
+ * or failed before it was (with the reason, so that the decode ranks name
+ * the root cause); decode ranks ask for many rooms at once.  Bounded as
+ * the DP ranks are: the oldest entries are forgotten first.
+ */
+enum { READY_READY = 1, READY_FAILED = 2 };
+#define READY_REASON_MAX 1024u
+
+static void route_room_ready(kvf_registry_state_t *st, const char *body,
+                             size_t len, reply_t *r)
+{
+    json_t *o = parse_object("POST /room_ready", body, len, r);
+    json_t *status, *reason;
+    uint64_t room;
+
+    if (o == NULL)
+        return;
+    status = json_object_get(o, "status");
+    reason = json_object_get(o, "reason");
+    int value = !json_is_string(status) ? 0
+                : strcmp(json_string_value(status), "ready") == 0 ? READY_READY
+                : strcmp(json_string_value(status), "failed") == 0 ? READY_FAILED
+                : 0;
+    if (json_to_u64(json_object_get(o, "bootstrap_room"), &room) != 0 ||
+        value == 0 ||
+        (reason != NULL && !json_is_null(reason) &&
+         (!json_is_string(reason) ||
+          json_string_length(reason) > READY_REASON_MAX))) {
+        reply_text(r, 400, "POST /room_ready: the body needs \"bootstrap_room\" "
+                   "(a non-negative integer), \"status\" (\"ready\" or "
+                   "\"failed\") and optionally \"reason\" (a string of at most "
+                   "%u bytes)", READY_REASON_MAX);
+        json_decref(o);
+        return;
+    }
+    pthread_mutex_lock(&st->lock);
+    /* A failure is final: a late "ready" does not undo it. */
+    int rc = kvf__bs_rooms_get(&st->ready, room) == READY_FAILED ? 0
+             : kvf__bs_rooms_put_note(&st->ready, room, value,
+                                      json_is_string(reason)
+                                          ? json_string_value(reason) : NULL);
+    pthread_mutex_unlock(&st->lock);
+    json_decref(o);
+    if (rc != 0)
+        reply_text(r, 500, "out of memory");
+    else
+        reply_text(r, 200, "OK");
+}
+
+/* {"<room>": {"status": "ready"|"failed", "reason": ...}} for the rooms it
+ * knows; rooms it does not know are left out (not ready yet). */
+static void route_query_ready(kvf_registry_state_t *st, const char *body,
+                              size_t len, reply_t *r)
+{
+    json_t *o = parse_object("POST /query_room_ready", body, len, r);
+    json_t *rooms, *res, *v;
+    size_t i;
+
+    if (o == NULL)
+        return;
+    rooms = json_object_get(o, "bootstrap_rooms");
+    if (!json_is_array(rooms)) {
+        reply_text(r, 400, "POST /query_room_ready: the body needs "
+                   "\"bootstrap_rooms\", an array of room ids");
+        json_decref(o);
+        return;
+    }
+    res = json_object();
+    pthread_mutex_lock(&st->lock);
+    json_array_foreach(rooms, i, v) {
+        uint64_t room;
+        if (json_to_u64(v, &room) != 0) {
+            pthread_mutex_unlock(&st->lock);
+            reply_text(r, 400, "POST /query_room_ready: bootstrap_rooms[%zu] "
+                       "is not a non-negative integer", i);
+            json_decref(res);
+            json_decref(o);
+            return;
+        }
+        int value = kvf__bs_rooms_get(&st->ready, room);
+        const char *note = kvf__bs_rooms_note(&st->ready, room);
+        char key[24];
+        snprintf(key, sizeof(key), "%llu", (unsigned long long)room);
+        json_t *e = value > 0 ? json_pack("{s:s}", "status", value == READY_READY
+                                                             ? "ready" : "failed")
+                              : NULL;
+        if (e != NULL && note != NULL)
+            json_object_set_new(e, "reason", json_string(note));
+        if (e != NULL && res != NULL)
+            json_object_set_new(res, key, e);
+        else
+            json_decref(e);
     }
     pthread_mutex_unlock(&st->lock);
     json_decref(o);
@@ -1017,7 +1148,7 @@ static int method_of(const char *method)
 const char *kvf__registry_allowed(const char *path)
 {
     static const char *const allowed[R_N] = {"GET, HEAD, PUT", "GET, HEAD",
-        "POST", "POST", "GET, HEAD", NULL};
+        "POST", "POST", "POST", "POST", "GET, HEAD", NULL};
     return allowed[route_of(path)];
 }
 
@@ -1142,7 +1273,8 @@ int kvf__registry_handle(kvf_registry_state_t *st,
     int route = route_of(path), m = method_of(method);
     int get = m == M_GET || m == M_HEAD;
     int mutating = (route == R_ROUTE && m == M_PUT) ||
-                   (route == R_REG_DP && m == M_POST);
+                   (route == R_REG_DP && m == M_POST) ||
+                   (route == R_READY && m == M_POST);
     int why = mutating ? refusal_of(st, client) : -1;
     reply_t r = {0};
 
@@ -1156,8 +1288,8 @@ int kvf__registry_handle(kvf_registry_state_t *st,
         /* r holds the 414 or 400 */
     } else if (route == R_OTHER) {
         reply_text(&r, 404, "no such route: %.200s (routes: /route, /health, "
-                   "/register_dp_rank, /query_dp_ranks, /metrics)",
-                   path ? path : "");
+                   "/register_dp_rank, /query_dp_ranks, /room_ready, "
+                   "/query_room_ready, /metrics)", path ? path : "");
     } else if (route == R_ROUTE && m == M_PUT) {
         route_put(st, body, body_len, &r);
     } else if (route == R_ROUTE && get) {
@@ -1168,6 +1300,10 @@ int kvf__registry_handle(kvf_registry_state_t *st,
         route_register_dp(st, body, body_len, &r);
     } else if (route == R_QUERY_DP && m == M_POST) {
         route_query_dp(st, body, body_len, &r);
+    } else if (route == R_READY && m == M_POST) {
+        route_room_ready(st, body, body_len, &r);
+    } else if (route == R_QUERY_READY && m == M_POST) {
+        route_query_ready(st, body, body_len, &r);
     } else if (route == R_METRICS && get) {
         route_metrics(st, &r);
     } else {
@@ -1197,6 +1333,7 @@ kvf_registry_state_t *kvf__registry_state_create(size_t max_rooms)
     pthread_mutex_init(&st->lock, NULL);
     pthread_cond_init(&st->stats_idle, NULL);
     kvf__bs_rooms_init(&st->rooms, max_rooms ? max_rooms : KVF_BS_MAX_ROOMS);
+    kvf__bs_rooms_init(&st->ready, max_rooms ? max_rooms : KVF_BS_MAX_ROOMS);
     return st;
 }
 
@@ -1208,6 +1345,7 @@ void kvf__registry_state_destroy(kvf_registry_state_t *st)
         free(st->ranks[i].ip);
     free(st->ranks);
     kvf__bs_rooms_free(&st->rooms);
+    kvf__bs_rooms_free(&st->ready);
     OPENSSL_cleanse(st->token, sizeof(st->token));
     pthread_cond_destroy(&st->stats_idle);
     pthread_mutex_destroy(&st->lock);

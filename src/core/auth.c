@@ -118,11 +118,11 @@ static void host_of(const struct sockaddr *sa, char *buf, size_t len)
 }
 
 int kvf__auth_setup(kvf_engine_t *eng, const char *explicit_token,
-                    const struct sockaddr *bound)
+                    const char *api_key, const struct sockaddr *bound)
 {
     char err[256];
-    if (kvf_token_load(explicit_token, eng->token, sizeof(eng->token), err,
-                       sizeof(err)) != KVF_OK) {
+    if (kvf_token_resolve(explicit_token, api_key, eng->token, sizeof(eng->token),
+                          NULL, err, sizeof(err)) != KVF_OK) {
         kvf_error("cluster token: %s", err);
         return KVF_ERR_INVALID_PARAM;
     }

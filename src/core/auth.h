@@ -42,14 +42,14 @@ typedef struct kvf_auth_log {
 } kvf_auth_log_t;
 
 /*
- * Engine create: load the token (params->auth_token, else the environment)
- * and decide whether the listener may face the network.  `bound` is the
- * listener's address.  @return KVF_OK, KVF_ERR_INVALID_PARAM (no token on
+ * Engine create: load the token (params->auth_token, else the environment,
+ * else params->api_key: util/token.h) and decide whether the listener may
+ * face the network.  `bound` is the listener's address.  @return KVF_OK, KVF_ERR_INVALID_PARAM (no token on
  * a non-loopback address without KVF_AUTH=none; a token that cannot be
  * read), with the reason logged.
  */
 int          kvf__auth_setup(kvf_engine_t *eng, const char *explicit_token,
-                             const struct sockaddr *bound);
+                             const char *api_key, const struct sockaddr *bound);
 
 /* Is this address on the loopback interface (127.0.0.0/8, ::1, v4-mapped)? */
 int          kvf__auth_is_loopback(const struct sockaddr *sa);

@@ -297,8 +297,10 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
         st = KVF_ERR_IO;
         goto err;
     }
-    st = kvf__auth_setup(eng, params->auth_token, (struct sockaddr *)&bound);
-    eng->params.auth_token = NULL;     /* the caller's string: never kept */
+    st = kvf__auth_setup(eng, params->auth_token, params->api_key,
+                         (struct sockaddr *)&bound);
+    eng->params.auth_token = NULL;     /* the caller's strings: never kept */
+    eng->params.api_key = NULL;
     if (st != KVF_OK)
         goto err;
 

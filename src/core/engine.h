@@ -211,6 +211,7 @@ struct kvf_engine {
      * params.load_balance_method point here or are NULL. */
     char                reg_dtype[64];    /* "": the layout's kv_dtype */
     char                reg_lbm[64];
+    char                reg_policy[64];   /* "": not registered */
 
     kvf_bootstrap_t    *bootstrap;        /* in-process registry */
     kvf_faults_t       *faults;           /* injected faults, or NULL */

@@ -309,6 +309,7 @@ kvf_status_t kvf__registration_check(const kvf_engine_params_t *p)
     const struct { const char *name, *v; } strs[] = {
         {"kv_cache_dtype", p->kv_cache_dtype},
         {"load_balance_method", p->load_balance_method},
+        {"decode_allocation_policy", p->decode_allocation_policy},
     };
 
     if (cp_size < 1 || p->cp_rank < 0 || p->cp_rank >= cp_size) {
@@ -364,9 +365,12 @@ void kvf__registration_setup(kvf_engine_t *eng)
                sizeof(eng->reg_lbm));
     if (eng->reg_lbm[0] == '\0')
         snprintf(eng->reg_lbm, sizeof(eng->reg_lbm), "%s", DEFAULT_LBM);
+    snprintf(eng->reg_policy, sizeof(eng->reg_policy), "%s",
+             p->decode_allocation_policy ? p->decode_allocation_policy : "");
     /* The caller's strings are not kept: only the copies. */
     p->kv_cache_dtype = eng->reg_dtype[0] ? eng->reg_dtype : NULL;
     p->load_balance_method = eng->reg_lbm;
+    p->decode_allocation_policy = eng->reg_policy[0] ? eng->reg_policy : NULL;
     const char *hp = getenv("KVF_PREFILL_HTTP_PORT");
     if (p->prefill_http_port == 0 && hp != NULL && hp[0] != '\0') {
         char *end;
@@ -405,6 +409,7 @@ static kvf_bs_reg_t registration(const kvf_engine_t *eng)
         .load_balance_method = eng->reg_lbm,
         .enable_dsa_cache_layer_split = p->dsa_cache_layer_split,
         .prefill_http_port = p->prefill_http_port,
+        .decode_allocation_policy = p->decode_allocation_policy,
     };
 }
 

@@ -133,6 +133,14 @@ kvf_status_t kvf_token_load_ex(const char *explicit_token, char *out,
                                size_t len, const char **from_p, char *err,
                                size_t errlen)
 {
+    return kvf_token_resolve(explicit_token, NULL, out, len, from_p, err,
+                             errlen);
+}
+
+kvf_status_t kvf_token_resolve(const char *explicit_token, const char *api_key,
+                               char *out, size_t len, const char **from_p,
+                               char *err, size_t errlen)
+{
     static _Thread_local char from_file[96];
     const char *v, *from = "";
     kvf_status_t st = KVF_OK;
@@ -157,6 +165,12 @@ kvf_status_t kvf_token_load_ex(const char *explicit_token, char *out,
                    NULL && v[0] != '\0') {
         from = "SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN";
         st = check_token(v, strlen(v), from, out, len, err, errlen);
+    } else if (api_key != NULL && api_key[0] != '\0') {
+        /* SGLang's own order (bootstrap_auth.py): its variable, then the
+         * server's --api-key. */
+        from = "the API key (--api-key)";
+        st = check_token(api_key, strlen(api_key), from, out, len, err,
+                         errlen);
     }
     if (st != KVF_OK) {
         out[0] = '\0';
@@ -171,6 +185,30 @@ kvf_status_t kvf_token_load(const char *explicit_token, char *out, size_t len,
                             char *err, size_t errlen)
 {
     return kvf_token_load_ex(explicit_token, out, len, NULL, err, errlen);
+}
+
+kvf_status_t kvf_auth_token_resolve(const char *api_key, char *token,
+                                    size_t len, char *source,
+                                    size_t source_len)
+{
+    char err[512];
+    const char *from = "";
+
+    if (source != NULL && source_len > 0)
+        source[0] = '\0';
+    if (token == NULL || len == 0) {
+        kvf_error("kvf_auth_token_resolve: no buffer for the token");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    kvf_status_t st = kvf_token_resolve(NULL, api_key, token, len, &from, err,
+                                        sizeof(err));
+    if (st != KVF_OK) {
+        kvf_error("cluster token: %s", err);
+        return st;
+    }
+    if (source != NULL && source_len > 0)
+        snprintf(source, source_len, "%s", from);
+    return KVF_OK;
 }
 
 int kvf_token_equal(const char *a, const char *b)

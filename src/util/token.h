@@ -12,7 +12,11 @@
  *      group-readable one is used with a warning,
  *   4. SGLANG_DISAGGREGATION_BOOTSTRAP_AUTH_TOKEN, the variable SGLang's
  *      bootstrap server and its prefill ranks read, so a kvferry registry
- *      or engine launched by SGLang's scripts shares SGLang's token.
+ *      or engine launched by SGLang's scripts shares SGLang's token,
+ *   5. an API key the caller passes in (SGLang's --api-key, which SGLang
+ *      falls back to after its variable): kvf_token_resolve() only.
+ * This is the one place that decides; the Python adapters ask it
+ * (kvf_auth_token_resolve) instead of reading the variables themselves.
  *
  * A token is 1..KVF_TOKEN_MAX printable ASCII characters without spaces (it
  * travels in an "Authorization: Bearer" header).  Nothing here logs the
@@ -50,6 +54,15 @@
 kvf_status_t kvf_token_load_ex(const char *explicit_token, char *out,
                                size_t len, const char **from_p, char *err,
                                size_t errlen);
+
+/*
+ * kvf_token_load_ex() with a last source: `api_key` (NULL or "": none),
+ * used when neither the explicit value nor any variable gives a token.
+ * Its "from" is "the API key (--api-key)".
+ */
+kvf_status_t kvf_token_resolve(const char *explicit_token, const char *api_key,
+                               char *out, size_t len, const char **from_p,
+                               char *err, size_t errlen);
 
 /* kvf_token_load_ex() without from_p. */
 kvf_status_t kvf_token_load(const char *explicit_token, char *out, size_t len,

@@ -14,6 +14,7 @@
  * Besides the sanitizers, the oracle checks that every answer has a known
  * status, a body, and valid JSON whenever it says application/json; that
  * GET /route answers have exactly the keys of SGLang's PrefillServerInfo
+ * (newer SGLang's, with decode_allocation_policy, when one was registered)
  * or PrefillRankInfo; and the access rule: with the token, a mutating
  * request without exactly "Bearer FUZZ_TOKEN" (scheme in any case) gets
  * 401, one with it never does; in protected mode, a remote mutating
@@ -103,7 +104,8 @@ static void run_one(kvf_registry_state_t *st, int with_token, int loopback,
     }
     int mutating = (strcmp(path, "/route") == 0 && strcmp(method, "PUT") == 0)
         || (strcmp(path, "/register_dp_rank") == 0 &&
-            strcmp(method, "POST") == 0);
+            strcmp(method, "POST") == 0)
+        || (strcmp(path, "/room_ready") == 0 && strcmp(method, "POST") == 0);
     int good = auth != NULL && strncasecmp(auth, "Bearer ", 7) == 0 &&
                strcmp(auth + 7, FUZZ_TOKEN) == 0;
     if (with_token && mutating && (status == 401) == good) {
@@ -130,9 +132,12 @@ static void run_one(kvf_registry_state_t *st, int with_token, int loopback,
             abort();
         }
         /* GET /route answers SGLang's shapes exactly: decode servers do
-         * PrefillServerInfo(**data) / PrefillRankInfo(**data). */
+         * PrefillServerInfo(**data) / PrefillRankInfo(**data); newer
+         * SGLang's info adds decode_allocation_policy, sent only when a
+         * prefill registered one. */
+        size_t info_keys = 15 + (json_object_get(j, "decode_allocation_policy") != NULL);
         if (strcmp(path, "/route") == 0 && status == 200 &&
-            !(json_object_size(j) == 15 &&
+            !(json_object_size(j) == info_keys &&
               json_object_get(j, "required_prefill_response_num")) &&
             !(json_object_size(j) == 2 && json_object_get(j, "rank_ip") &&
               json_object_get(j, "rank_port"))) {
