@@ -334,6 +334,32 @@ static void test_deadline_reaches_every_rank(void)
 }
 
 /*
+ * Prefill TP 2 into decode TP 1: the decode rank reads from both prefill
+ * ranks, and prefill rank 1's share was acknowledged (its room SUCCESS)
+ * before the checksum mismatch on prefill rank 0's.  The decode rank's
+ * FAIL says its own side failed; prefill rank 0, learning it, fails its
+ * own side too, which the decode rank must hear (though it told prefill
+ * rank 0 the cause) so that prefill rank 1, the one other rank of its
+ * side, hears that its side failed and fails its finished room with the
+ * cause.
+ */
+static void test_a_side_failed_reaches_the_rank_it_came_from(void)
+{
+    cluster_t c;
+    room_t rm;
+    engine_opts_t o = {.faults = "corrupt@100", .checksum = 1};
+    cluster_init(&c, 2, 1, 1, &o);
+    room_open(&c, &rm, 1008, 0);
+    room_send(&rm, 1, NPAGES);
+    CHECK_EQ_INT(wait_sender(rm.s[1], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    room_send(&rm, 0, NPAGES);
+    CHECK(room_all_failed(&rm, 1));
+    check_records(&rm, 1, KVF_ERR_CHECKSUM, KVF_ROLE_DECODE, 0, "checksum mismatch");
+    room_close(&rm, 1);
+    cluster_fini(&c);
+}
+
+/*
  * A failure on one side after the other side had every byte: prefill
  * rank 0 never hears its decode's acknowledgement (its transfer deadline
  * ends it).  The prefill server failed the request, both its ranks say
@@ -429,5 +455,6 @@ KVF_TEST_MAIN(KVF_CASE(test_every_rank_succeeds),
               KVF_CASE(test_refusal_reaches_every_rank),
               KVF_CASE(test_checksum_mismatch_reaches_every_rank),
               KVF_CASE(test_deadline_reaches_every_rank),
+              KVF_CASE(test_a_side_failed_reaches_the_rank_it_came_from),
               KVF_CASE(test_one_side_failure_keeps_the_other_sides_success),
               KVF_CASE(test_dp_groups_stay_apart))
