@@ -715,7 +715,7 @@ class _Room:
     def _make_error(self):
         self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
         if self._local_reason is not None:
-            return _error(self.bootstrap_room, self._local_reason, False)
+            return _error(self.bootstrap_room, self._local_reason, False, self._own_record())
         if self._h is not None:
             try:
                 self._h.failure_exception()
@@ -746,6 +746,21 @@ class _Room:
                 pass
             return _error(self.bootstrap_room, reason, True)
         return _error(self.bootstrap_room, UNKNOWN_REASON, True)
+
+    def _own_record(self):
+        """The library's record of the failure this object decided (its
+        origin: this rank), or None when the library's room failed with
+        another cause first, or has no record."""
+        if self._h is None:
+            return None
+        try:
+            self._h.failure_exception()
+        except _FerryTransferError as e:
+            if not e.is_from_another_rank:
+                return e
+        except KVFerryError:
+            pass
+        return None
 
     def abort(self):
         """Fail the room here and on its peers ("Aborted by AbortReq.");
@@ -935,6 +950,8 @@ class KVFerryKVSender(_Room, BaseKVSender):
             return
         if self._h is None or self.conclude_state is not None:
             return
+        if self._h.poll() == _Poll.Failed:
+            return          # chunks scheduled before it failed: poll() says it
         if self.num_kv_indices is None:
             self._fail_here("KVSender.send before init on prefill rank %d"
                             % self.kv_mgr.attn_tp_rank)

@@ -437,9 +437,17 @@ class HostileInputs(unittest.TestCase):
             with self.subTest(args=ascii(args)):
                 rx = self.ready_receiver()
                 rx.send_metadata(*args)
-                reason = self.reason(rx)
-                self.assertIn(why, reason)
-                self.assertIn("refused on decode rank 0", reason)
+                self.assertEqual(rx.poll(), S.KVPoll.Failed)
+                with self.assertRaises(S.KVTransferError) as cm:
+                    rx.failure_exception()
+                e = cm.exception
+                self.assertIn(why, e.failure_reason)
+                self.assertIn("refused on decode rank 0", e.failure_reason)
+                # The refusal is this rank's own cause, and it says so.
+                self.assertFalse(e.is_from_another_rank)
+                self.assertEqual((e.origin_side, e.origin_rank, e.origin_addr, e.status),
+                                 ("decode", 0, self.dm.engine.address,
+                                  "KVF_ERR_BAD_INDICES"))
                 rx.clear()
 
     def test_sender_calls(self):
