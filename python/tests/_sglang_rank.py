@@ -9,16 +9,59 @@ all-reduce SGLang runs over its attn-TP gloo group
 order and take every decision from reduced values, so their queues stay in
 step, as SGLang's do.
 
-Config: role, tp_rank, tp_size, bootstrap ("host:port"), requests
-([{room, tokens, prefix?, abort?}]), chunk (tokens per prefill chunk),
-state (typed state groups), draft (a draft model's KV), env (set before
-kvferry loads).  Events on stdout, one JSON object a line:
-{"event": "result", "rooms": {room: {...}}} once every request is done;
-then the process waits for a line on stdin before it exits (so that no
-engine goes away under a peer that is still finishing).
+A sibling that dies or stops.  SGLang's gloo all-reduce raises once the
+other rank's process is gone, and the scheduler then takes its whole
+server down; while the other rank is stopped it hangs (until gloo's
+timeout, then the same).  No surviving rank would ever say why its
+requests failed, and that is what these tests check, so the channel here
+goes on instead.  It waits for a silent sibling up to SILENT_S, longer
+than any test stops one: a SIGCONT within it lets the all-reduce go on,
+as gloo's would.  A sibling whose end closed (killed), or silent for
+longer, is lost: it can no longer vouch for a request, nor say one
+failed.  For LOST_GRACE_S (three heartbeat timeouts: kvferry sees a dead
+or silent rank from the other side within one, and tells every rank of
+its requests) its entries read Transferring, so that no request concludes
+Success and one whose room fails here concludes Failed, with the cause
+kvferry relayed; after that they read Failed.  The survivors thus fail
+the lost rank's requests through their own rooms, as kvferry tells them,
+not through a guess of the scheduler's.
+
+Config: role ("prefill", "decode", or "registry": a bootstrap registry on
+``host``, its port emitted), tp_rank, tp_size, bootstrap ("host:port"),
+requests, chunk (tokens per prefill chunk), state (typed state groups),
+draft (a draft model's KV), env (set before kvferry loads).  A request is
+{room, tokens, prefix?, abort?, after?, starve?, refuse?, skip?, hold?}:
+
+- abort: an AbortReq, which SGLang hands every TP rank of the server in
+  the same step.  "prefill-bootstrap": while the request waits in the
+  bootstrap queue, once request ``after`` is done (abort_request:
+  sender.abort(); pop_bootstrapped then polls Failed and calls
+  failure_exception()); "prefill-running": after
+  its first chunk, in the running batch (process_batch_result_disagg_prefill:
+  abort(), clear(), no failure_exception()); "decode" (or true): while it
+  waits for pages in the prealloc queue (receiver.abort()).
+- starve: the decode server has no pages for the request: it waits in the
+  prealloc queue (and on prefill in the bootstrap queue) until it fails.
+- refuse: the decode rank whose allocator hands send_metadata() a page
+  past its pool (the adapter refuses it before the library sees it).
+- skip: the prefill rank whose scheduler never sends the request's chunks.
+- hold: the prefill rank that, once it sent the first chunk, emits "held"
+  and waits for a line on stdin (the test kills, stops or cuts something
+  meanwhile); every decode rank emits "landed" once that chunk's bytes are
+  in its pages.
+
+Events on stdout, one JSON object a line: ready (the engine's address),
+held, landed, sibling_lost, result ({"rooms": {room: {...}}}, once every
+request is done); then the process waits for a line on stdin before it
+exits (so that no engine goes away under a peer that is still finishing).
+A failed room's result: state, reason, from_another_rank, origin [side,
+rank, addr], status, type and str of the KVTransferError, own (this rank's
+own poll when the all-reduce said Failed) and waited_s (how long
+failure_exception() took: it waits for a cause still on its way).
 """
 import json
 import os
+import re
 import socket
 import struct
 import sys
@@ -35,7 +78,7 @@ from kvferry import sglang as S  # noqa: E402
 from kvferry.sglang import KVPoll  # noqa: E402
 
 ROLE = CFG["role"]
-TP, TPS = CFG["tp_rank"], CFG["tp_size"]
+TP, TPS = CFG.get("tp_rank", 0), CFG.get("tp_size", 1)
 PS = 4                      # page_size
 LAYERS = 2
 HEADS = 4                   # KV heads of the model
@@ -47,6 +90,9 @@ POOL = 64                   # KV pages per buffer
 AUX_ROWS = 16
 MAMBA_SLOTS, SWA_PAGES, WINDOW = 8, 32, 2 * PS
 DEADLINE = time.monotonic() + 90
+HEARTBEAT_S = int(os.environ.get("KVF_HEARTBEAT_TIMEOUT_MS") or 2500) / 1000.0
+SILENT_S = 30.0             # how long the all-reduce waits for a silent sibling
+LOST_GRACE_S = 3 * HEARTBEAT_S
 
 
 def emit(**ev):
@@ -60,13 +106,15 @@ def emit(**ev):
 class Group:
     def __init__(self, fd):
         self.sock = socket.socket(fileno=fd) if fd >= 0 else None
+        self.met = False            # one exchange done: both ranks are up
+        self.lost_at = None
 
     def _recv(self, n):
         buf = b""
         while len(buf) < n:
             chunk = self.sock.recv(n - len(buf))
             if not chunk:
-                raise RuntimeError("the other TP rank closed the channel")
+                raise ConnectionError("the other TP rank closed the channel")
             buf += chunk
         return buf
 
@@ -74,17 +122,39 @@ class Group:
         vals = [int(v) for v in values]
         if self.sock is None:
             return vals
-        self.sock.sendall(struct.pack("<I", len(vals)) + bytes(vals))
-        n, = struct.unpack("<I", self._recv(4))
-        theirs = self._recv(n)
-        if n != len(vals):
-            raise RuntimeError("all-reduce of %d values against %d: the ranks' queues "
-                               "diverged" % (len(vals), n))
-        return [min(a, b) for a, b in zip(vals, theirs)]
+        if self.lost_at is None:
+            # Until both ranks are up, only the case's deadline bounds the
+            # wait: a rank may take long to start on a loaded machine.
+            self.sock.settimeout(SILENT_S if self.met else
+                                 max(DEADLINE - time.monotonic(), 1.0))
+            try:
+                self.sock.sendall(struct.pack("<I", len(vals)) + bytes(vals))
+                n, = struct.unpack("<I", self._recv(4))
+                theirs = self._recv(n)
+            except OSError as e:            # closed, reset, or silent too long
+                self._lose(e)
+            else:
+                if n != len(vals):
+                    raise RuntimeError("all-reduce of %d values against %d: the ranks' "
+                                       "queues diverged" % (len(vals), n))
+                self.met = True
+                return [min(a, b) for a, b in zip(vals, theirs)]
+        if time.monotonic() - self.lost_at < LOST_GRACE_S:
+            return [min(v, KVPoll.Transferring) for v in vals]
+        return [KVPoll.Failed] * len(vals)
+
+    def _lose(self, why):
+        emit(event="sibling_lost", role=ROLE, tp_rank=TP,
+             why="%s: %s" % (type(why).__name__, why))
+        self.lost_at = time.monotonic()
+        # Closed here too: a stopped sibling that runs again finds it lost.
+        self.sock.close()
 
 
 def poll_and_all_reduce(pollers, group):
-    return group.all_reduce_min([p.poll() for p in pollers])
+    """(this rank's polls, the reduced ones)."""
+    own = [p.poll() for p in pollers]
+    return own, group.all_reduce_min(own)
 
 
 # ---------------------------------------------------------------------------
@@ -164,7 +234,8 @@ class Pools:
 
 def server_args(bootstrap_port):
     sa = types.SimpleNamespace(
-        host="127.0.0.1", port=30000, disaggregation_bootstrap_port=bootstrap_port,
+        host=CFG["bootstrap"].rsplit(":", 1)[0], port=30000,
+        disaggregation_bootstrap_port=bootstrap_port,
         dist_init_addr=None, tp_size=TPS, dp_size=1, pp_size=1,
         enable_dp_attention=False, load_balance_method="round_robin",
         kv_cache_dtype="auto", dtype="bfloat16", device="cpu",
@@ -201,7 +272,15 @@ class Req:
         self.room = r["room"]
         self.tokens = r["tokens"]
         self.abort = r.get("abort", False)
+        if self.abort is True:
+            self.abort = "decode"
         self.prefix = r.get("prefix", 0)
+        self.after = r.get("after")
+        self.starve = r.get("starve", False)
+        self.refuse = r.get("refuse") == TP
+        self.skip = r.get("skip") == TP
+        self.hold = r.get("hold") == TP
+        self.watch_first_chunk = r.get("hold") is not None
         self.rid = "req-%d" % self.room
         self.result = None
 
@@ -210,82 +289,112 @@ def prefill_main(group, boot_port):
     pools = Pools()
     mgr = S.KVFerryKVManager(pools.kv_args(), S.DisaggregationMode.PREFILL,
                              server_args(boot_port), MLA)
-    addr = CFG["bootstrap"]
-    kv_alloc, aux_alloc = Allocator(POOL, 1), Allocator(AUX_ROWS, 2)
-    mamba_alloc, swa_alloc = Allocator(MAMBA_SLOTS, 3), Allocator(SWA_PAGES, 4)
+    emit(event="ready", role=ROLE, tp_rank=TP, addr=mgr.engine.address)
+    sched = types.SimpleNamespace(
+        pools=pools, kv_alloc=Allocator(POOL, 1), aux_alloc=Allocator(AUX_ROWS, 2),
+        mamba_alloc=Allocator(MAMBA_SLOTS, 3), swa_alloc=Allocator(SWA_PAGES, 4),
+        bootstrap_q=[], running=[], inflight=[], done=[])
     reqs = [Req(r) for r in CFG["requests"]]
-    bootstrap_q, running, inflight, done = [], [], [], []
     for req in reqs:                                  # PrefillBootstrapQueue.add
-        req.sender = S.KVFerryKVSender(mgr=mgr, bootstrap_addr=addr,
+        req.sender = S.KVFerryKVSender(mgr=mgr, bootstrap_addr=CFG["bootstrap"],
                                        bootstrap_room=req.room, dest_tp_ranks=[TP],
                                        pp_rank=0)
-        bootstrap_q.append(req)
-    while len(done) < len(reqs):
+        sched.bootstrap_q.append(req)
+    while len(sched.done) < len(reqs):
         if time.monotonic() > DEADLINE:
             raise RuntimeError("prefill rank %d: requests not done in time: %s"
                                % (TP, [(r.room, r.sender.poll()) for r in reqs
-                                       if r not in done]))
-        # pop_bootstrapped
-        polls = poll_and_all_reduce([r.sender for r in bootstrap_q], group)
-        keep = []
-        for req, poll in zip(bootstrap_q, polls):
-            if poll == KVPoll.Bootstrapping:
-                keep.append(req)
-                continue
-            if poll == KVPoll.Failed:
-                req.result = failed(req.sender)
-                done.append(req)
-                continue
-            req.metadata_buffer_index = aux_alloc.alloc(1)[0]
-            decode_prefix_len = req.sender.pop_decode_prefix_len()
-            req.start_send_idx = decode_prefix_len
-            req.decode_prefix_len = decode_prefix_len
-            num_pages = pages_of(req.tokens - decode_prefix_len)
-            req.sender.init(num_pages, req.metadata_buffer_index)
-            # The request's own KV pages (all of the prompt: prefill computes
-            # it whole) and its state.
-            req.pages = kv_alloc.alloc(pages_of(req.tokens))
-            req.req_to_token = np.concatenate(
-                [np.arange(p * PS, (p + 1) * PS) for p in req.pages])[:req.tokens]
-            if pools.state:
-                req.mamba = mamba_alloc.alloc(1)
-                req.swa = swa_alloc.alloc(pages_of(req.tokens))
-            req.filled = 0
-            running.append(req)
-        bootstrap_q = keep
-        # One forward: a chunk of every running request, then send_kv_chunk.
-        still = []
-        for req in running:
-            end = min(req.filled + CFG["chunk"], req.tokens)
-            forward(pools, req, req.filled, end)
-            req.filled = end
-            last = end == req.tokens
-            send_kv_chunk(pools, req, last)
-            if last:
-                inflight.append(req)
-            else:
-                still.append(req)
-        running = still
-        # process_disagg_prefill_inflight_queue
-        polls = poll_and_all_reduce([r.sender for r in inflight], group)
-        keep = []
-        for req, poll in zip(inflight, polls):
-            if poll in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                keep.append(req)
-                continue
-            if poll == KVPoll.Success:
-                req.result = {"state": "Success"}
-                req.sender.clear()
-            else:
-                req.result = failed(req.sender)
-            m = req.sender.get_transfer_metric()
-            req.result["metric"] = [m.transfer_total_bytes, m.alloc_latency_s,
-                                    m.transfer_latency_s]
-            req.result["decode_prefix_len"] = req.decode_prefix_len
-            done.append(req)
-        inflight = keep
+                                       if r not in sched.done]))
+        # An AbortReq, once the request it waits for is done (every rank
+        # sees that in the same step): abort_request aborts the senders of
+        # the bootstrap queue.
+        finished = {r.room for r in sched.done}
+        for req in sched.bootstrap_q:
+            if req.abort == "prefill-bootstrap" and req.after in finished | {None}:
+                req.abort = "sent"
+                req.sender.abort()
+        pop_bootstrapped(sched, group)
+        run_batch(sched)
+        process_inflight(sched, group)
         time.sleep(0.001)
     return mgr, reqs
+
+
+def pop_bootstrapped(sched, group):
+    own, polls = poll_and_all_reduce([r.sender for r in sched.bootstrap_q], group)
+    keep = []
+    for req, mine, poll in zip(sched.bootstrap_q, own, polls):
+        if poll == KVPoll.Bootstrapping:
+            keep.append(req)
+            continue
+        if poll == KVPoll.Failed:
+            req.result = failed(req.sender, mine)
+            sched.done.append(req)
+            continue
+        req.metadata_buffer_index = sched.aux_alloc.alloc(1)[0]
+        decode_prefix_len = req.sender.pop_decode_prefix_len()
+        req.start_send_idx = decode_prefix_len
+        req.decode_prefix_len = decode_prefix_len
+        num_pages = pages_of(req.tokens - decode_prefix_len)
+        req.sender.init(num_pages, req.metadata_buffer_index)
+        # The request's own KV pages (all of the prompt: prefill computes
+        # it whole) and its state.
+        req.pages = sched.kv_alloc.alloc(pages_of(req.tokens))
+        req.req_to_token = np.concatenate(
+            [np.arange(p * PS, (p + 1) * PS) for p in req.pages])[:req.tokens]
+        if sched.pools.state:
+            req.mamba = sched.mamba_alloc.alloc(1)
+            req.swa = sched.swa_alloc.alloc(pages_of(req.tokens))
+        req.filled = 0
+        sched.running.append(req)
+    sched.bootstrap_q = keep
+
+
+def run_batch(sched):
+    """One forward: a chunk of every running request, then send_kv_chunk."""
+    still = []
+    for req in sched.running:
+        if req.abort == "prefill-running" and req.filled:
+            # process_batch_result_disagg_prefill, a request whose to_finish
+            # is FINISH_ABORT: the sender is aborted and cleared; SGLang
+            # reports the abort itself, not a KVTransferError.
+            req.sender.abort()
+            req.sender.clear()
+            req.result = {"state": "Aborted", "poll": KVPoll(req.sender.poll()).name}
+            sched.done.append(req)
+            continue
+        end = min(req.filled + CFG["chunk"], req.tokens)
+        forward(sched.pools, req, req.filled, end)
+        req.filled = end
+        last = end == req.tokens
+        send_kv_chunk(sched.pools, req, last)
+        if req.hold:
+            req.hold = False
+            emit(event="held", role=ROLE, tp_rank=TP, room=req.room)
+            sys.stdin.readline()
+        (sched.inflight if last else still).append(req)
+    sched.running = still
+
+
+def process_inflight(sched, group):
+    """process_disagg_prefill_inflight_queue."""
+    own, polls = poll_and_all_reduce([r.sender for r in sched.inflight], group)
+    keep = []
+    for req, mine, poll in zip(sched.inflight, own, polls):
+        if poll in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            keep.append(req)
+            continue
+        if poll == KVPoll.Success:
+            req.result = {"state": "Success"}
+            req.sender.clear()
+        else:
+            req.result = failed(req.sender, mine)
+        m = req.sender.get_transfer_metric()
+        req.result["metric"] = [m.transfer_total_bytes, m.alloc_latency_s,
+                                m.transfer_latency_s]
+        req.result["decode_prefix_len"] = req.decode_prefix_len
+        sched.done.append(req)
+    sched.inflight = keep
 
 
 def forward(pools, req, start, end):
@@ -330,20 +439,35 @@ def send_kv_chunk(pools, req, last_chunk):
             state_indices = [np.array(req.mamba, np.int64), np.array(
                 swa_window(req), np.int64)]
     page_indices = kv_indices[::PS] // PS
-    if not req.sender.should_send_kv_chunk(len(page_indices), last_chunk):
+    if not req.sender.should_send_kv_chunk(len(page_indices), last_chunk) or req.skip:
         return
     req.sender.send(page_indices, state_indices)
     req.start_send_idx = end_idx
 
 
-def failed(h):
+def failed(h, own):
+    """The result of a room the all-reduce said Failed: its KVTransferError,
+    ``own`` (this rank's own poll then) and how long failure_exception()
+    took."""
+    t0 = time.monotonic()
     try:
         h.failure_exception()
     except S.KVTransferError as e:
         return {"state": "Failed", "reason": e.failure_reason,
-                "from_another_rank": e.is_from_another_rank,
-                "type": type(e).__name__, "str": str(e)}
+                "from_another_rank": e.is_from_another_rank, "origin": origin_of(e),
+                "status": getattr(e, "status", None), "type": type(e).__name__,
+                "str": str(e), "own": KVPoll(own).name,
+                "waited_s": round(time.monotonic() - t0, 4)}
     return {"state": "Failed", "reason": None, "type": "no exception"}
+
+
+def origin_of(e):
+    """[side, rank, addr] of the root cause: the exception's attributes, else
+    what its str() says (kvferry's: "origin decode rank 0 at host:port")."""
+    if getattr(e, "origin_side", None) is not None:
+        return [e.origin_side, e.origin_rank, e.origin_addr]
+    m = re.search(r"origin (\w+) rank (\d+) at ([^,\]]+)", str(e))
+    return [m.group(1), int(m.group(2)), m.group(3)] if m else None
 
 
 # ---------------------------------------------------------------------------
@@ -354,116 +478,155 @@ def decode_main(group, boot_port):
     pools = Pools()
     mgr = S.KVFerryKVManager(pools.kv_args(), S.DisaggregationMode.DECODE,
                              server_args(boot_port), MLA)
+    emit(event="ready", role=ROLE, tp_rank=TP, addr=mgr.engine.address)
     addr = CFG["bootstrap"]
-    kv_alloc, aux_alloc = Allocator(POOL, 11), Allocator(AUX_ROWS, 12)
-    mamba_alloc, swa_alloc = Allocator(MAMBA_SLOTS, 13), Allocator(SWA_PAGES, 14)
+    sched = types.SimpleNamespace(
+        mgr=mgr, pools=pools, kv_alloc=Allocator(POOL, 11),
+        aux_alloc=Allocator(AUX_ROWS, 12), mamba_alloc=Allocator(MAMBA_SLOTS, 13),
+        swa_alloc=Allocator(SWA_PAGES, 14), prealloc=[], pending=[], transfer=[],
+        done=[])
     reqs = [Req(r) for r in CFG["requests"]]
-    prealloc, pending, transfer, done = [], [], [], []
     for req in reqs:                                  # DecodePreallocQueue.add
         req.receiver = S.KVFerryKVReceiver(mgr=mgr, bootstrap_addr=addr,
                                            bootstrap_room=req.room)
         req.waiting_for_input = False
+        req.aborted = req.landed = False
         info = mgr.prefill_info_table.get(addr)       # _resolve_prefill_dp_rank
         if info is not None:
             req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
         else:
-            pending.append(req)
-        prealloc.append(req)
-    while len(done) < len(reqs):
+            sched.pending.append(req)
+        sched.prealloc.append(req)
+    while len(sched.done) < len(reqs):
         if time.monotonic() > DEADLINE:
             raise RuntimeError("decode rank %d: requests not done in time: %s"
                                % (TP, [(r.room, r.receiver.poll()) for r in reqs
-                                       if r not in done]))
-        # pop_preallocated: _resolve_pending_reqs
-        if pending and mgr.try_ensure_parallel_info(addr):
-            info = mgr.prefill_info_table[addr]
-            for req in pending:
-                req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
-            pending = []
-        # _update_handshake_waiters
-        polls = poll_and_all_reduce([r.receiver for r in prealloc], group)
-        keep = []
-        for req, poll in zip(prealloc, polls):
-            if poll == KVPoll.Bootstrapping:
-                keep.append(req)
-            elif poll == KVPoll.WaitingForInput:
-                req.waiting_for_input = True
-                keep.append(req)
-            elif poll == KVPoll.Failed:
-                req.result = failed(req.receiver)
-                req.receiver.clear()
-                req.receiver = None
-                done.append(req)
-            else:
-                raise ValueError("Unexpected poll case: %s" % poll)
-        prealloc = keep
-        # AbortReq for requests still in the prealloc queue
-        for req in prealloc:
-            if req.abort and req.waiting_for_input and not getattr(req, "aborted", 0):
-                req.aborted = True
-                req.receiver.abort()
-        keep = []
-        for req in prealloc:
-            if not req.waiting_for_input or getattr(req, "aborted", False):
-                keep.append(req)
-                continue
-            delta = req.tokens - req.prefix
-            req.pages = kv_alloc.alloc(pages_of(delta))           # _pre_alloc
-            req.metadata_buffer_index = aux_alloc.alloc(1)[0]
-            state_indices = None
-            if pools.state:
-                req.mamba = mamba_alloc.alloc(1)
-                req.swa = swa_alloc.alloc(pages_of(req.tokens))
-                state_indices = [np.array(req.mamba, np.int32),
-                                 np.array(swa_window(req), np.int32)]
-            kv_indices = np.concatenate([np.arange(p * PS, (p + 1) * PS)
-                                         for p in req.pages])[:delta] \
-                if req.pages else np.zeros(0, np.int64)
-            page_indices = (kv_indices[::PS] // PS).astype(np.int32)
-            req.receiver.send_metadata(page_indices, req.metadata_buffer_index,
-                                       state_indices, decode_prefix_len=req.prefix)
-            transfer.append(req)
-        prealloc = keep
-        # pop_transferred, with the metadata gate
-        polls = [r.receiver.poll() for r in transfer]
-        for i, req in enumerate(transfer):
-            if polls[i] == KVPoll.Success and \
-                    pools.aux[2][req.metadata_buffer_index, 0] != req.room:
-                polls[i] = KVPoll.Transferring
-        polls = group.all_reduce_min(polls)
-        keep = []
-        for req, poll in zip(transfer, polls):
-            if poll == KVPoll.Failed:
-                req.result = failed(req.receiver)
-                req.receiver.clear()
-                req.receiver = None
-                done.append(req)
-            elif poll == KVPoll.Success:
-                req.result = {"state": "Success", "bad": verify(pools, req)}
-                req.receiver.clear()
-                req.receiver = None
-                pools.aux[2][req.metadata_buffer_index, 0] = 0
-                done.append(req)
-            else:
-                keep.append(req)
-        transfer = keep
+                                       if r not in sched.done]))
+        pop_preallocated(sched, group)
+        watch_first_chunks(sched)
+        pop_transferred(sched, group)
         time.sleep(0.001)
     return mgr, reqs
+
+
+def conclude_failed(sched, req, own):
+    req.result = failed(req.receiver, own)
+    req.receiver.clear()
+    req.receiver = None
+    sched.done.append(req)
+    if req in sched.pending:        # failed before this rank could init it
+        sched.pending.remove(req)
+
+
+def pop_preallocated(sched, group):
+    addr = CFG["bootstrap"]
+    if sched.pending and sched.mgr.try_ensure_parallel_info(addr):
+        info = sched.mgr.prefill_info_table[addr]      # _resolve_pending_reqs
+        for req in sched.pending:
+            req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
+        sched.pending = []
+    # _update_handshake_waiters
+    own, polls = poll_and_all_reduce([r.receiver for r in sched.prealloc], group)
+    keep = []
+    for req, mine, poll in zip(sched.prealloc, own, polls):
+        if poll == KVPoll.Bootstrapping:
+            keep.append(req)
+        elif poll == KVPoll.WaitingForInput:
+            req.waiting_for_input = True
+            keep.append(req)
+        elif poll == KVPoll.Failed:
+            conclude_failed(sched, req, mine)
+        else:
+            raise ValueError("Unexpected poll case: %s" % poll)
+    # AbortReq for requests still in the prealloc queue
+    for req in keep:
+        if req.abort == "decode" and req.waiting_for_input and not req.aborted:
+            req.aborted = True
+            req.receiver.abort()
+    sched.prealloc = []
+    for req in keep:
+        if not req.waiting_for_input or req.aborted or req.starve:
+            sched.prealloc.append(req)
+        else:
+            give_destination(sched, req)
+            sched.transfer.append(req)
+
+
+def give_destination(sched, req):
+    """_pre_alloc, then send_metadata."""
+    pools = sched.pools
+    delta = req.tokens - req.prefix
+    req.pages = sched.kv_alloc.alloc(pages_of(delta))
+    req.metadata_buffer_index = sched.aux_alloc.alloc(1)[0]
+    state_indices = None
+    if pools.state:
+        req.mamba = sched.mamba_alloc.alloc(1)
+        req.swa = sched.swa_alloc.alloc(pages_of(req.tokens))
+        state_indices = [np.array(req.mamba, np.int32),
+                         np.array(swa_window(req), np.int32)]
+    kv_indices = np.concatenate([np.arange(p * PS, (p + 1) * PS)
+                                 for p in req.pages])[:delta] \
+        if req.pages else np.zeros(0, np.int64)
+    page_indices = (kv_indices[::PS] // PS).astype(np.int32)
+    if req.refuse:
+        # An allocator that handed this rank a page past its pool.
+        page_indices[-1] = POOL + 7
+    req.receiver.send_metadata(page_indices, req.metadata_buffer_index,
+                               state_indices, decode_prefix_len=req.prefix)
+
+
+def watch_first_chunks(sched):
+    """"landed": the first chunk of a held request is in this rank's pages."""
+    for req in sched.transfer:
+        if req.watch_first_chunk and not req.landed and req.receiver is not None:
+            end = min(CFG["chunk"], req.tokens)
+            if not bad_kv(sched.pools, req, req.prefix, end):
+                req.landed = True
+                emit(event="landed", role=ROLE, tp_rank=TP, room=req.room)
+
+
+def pop_transferred(sched, group):
+    """pop_transferred, with the metadata gate."""
+    pools = sched.pools
+    own = [r.receiver.poll() for r in sched.transfer]
+    gated = list(own)
+    for i, req in enumerate(sched.transfer):
+        if own[i] == KVPoll.Success and \
+                pools.aux[2][req.metadata_buffer_index, 0] != req.room:
+            gated[i] = KVPoll.Transferring
+    polls = group.all_reduce_min(gated)
+    keep = []
+    for req, mine, poll in zip(sched.transfer, own, polls):
+        if poll == KVPoll.Failed:
+            conclude_failed(sched, req, mine)
+        elif poll == KVPoll.Success:
+            req.result = {"state": "Success", "bad": verify(pools, req)}
+            req.receiver.clear()
+            req.receiver = None
+            pools.aux[2][req.metadata_buffer_index, 0] = 0
+            sched.done.append(req)
+        else:
+            keep.append(req)
+    sched.transfer = keep
+
+
+def bad_kv(pools, req, start, end):
+    """The KV buffers whose tokens [start, end) of the request are not in
+    its pages (start >= its prefix)."""
+    if end <= start:
+        return []
+    locs = np.concatenate([np.arange(p * PS, (p + 1) * PS)
+                           for p in req.pages])[start - req.prefix:end - req.prefix]
+    toks = np.arange(start, end)
+    return ["kv buffer %d" % b for b, buf in enumerate(pools.kv)
+            if not np.array_equal(buf[locs], pattern(req.room, toks, pools.codes[b],
+                                                      pools.dims(b)))]
 
 
 def verify(pools, req):
     """Every byte of the request's destination: KV of tokens [prefix, tokens)
     in every buffer (draft included), the aux row, the state."""
-    bad = []
-    delta = req.tokens - req.prefix
-    if delta:
-        locs = np.concatenate([np.arange(p * PS, (p + 1) * PS)
-                               for p in req.pages])[:delta]
-        toks = np.arange(req.prefix, req.tokens)
-        for b, buf in enumerate(pools.kv):
-            want = pattern(req.room, toks, pools.codes[b], pools.dims(b))
-            if not np.array_equal(buf[locs], want):
-                bad.append("kv buffer %d" % b)
+    bad = bad_kv(pools, req, req.prefix, req.tokens)
     row = req.metadata_buffer_index
     if not np.array_equal(pools.aux[0][row], np.arange(16) + req.room % 1000) or \
             not np.array_equal(pools.aux[1][row], np.arange(16) * 0.5 + req.room % 7) \
@@ -482,7 +645,18 @@ def verify(pools, req):
     return bad
 
 
+def registry_main():
+    """The prefill server's bootstrap registry, in a process of its own
+    (in a network namespace of the test's)."""
+    boot = S.KVFerryKVBootstrapServer(host=CFG["host"], port=0)
+    emit(event="registry", port=boot.port)
+    sys.stdin.readline()
+    boot.close()
+
+
 def main():
+    if ROLE == "registry":
+        return registry_main()
     group = Group(int(sys.argv[2]))
     port = int(CFG["bootstrap"].rsplit(":", 1)[1])
     mgr, reqs = (prefill_main if ROLE == "prefill" else decode_main)(group, port)
