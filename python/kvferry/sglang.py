@@ -745,7 +745,13 @@ class _Room:
             except KVFerryError:
                 pass
             return _error(self.bootstrap_room, reason, True)
-        return _error(self.bootstrap_room, UNKNOWN_REASON, True)
+        # No room here (a receiver before init(): SGLang fails a request
+        # still waiting for the prefill's parallel info with the others):
+        # no cause can reach this rank.
+        return _error(self.bootstrap_room, "%s (this rank had not opened its room yet, so "
+                      "no cause could reach it; its scheduler's all-reduce said another rank "
+                      "failed the request: look for it in the other ranks' KVTransferError)"
+                      % UNKNOWN_REASON, True)
 
     def _own_record(self):
         """The library's record of the failure this object decided (its
