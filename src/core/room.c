@@ -292,6 +292,38 @@ static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort, uint8_t
 }
 
 /*
+ * The other side, when this rank's failure fails it too: a sender that
+ * was never given its last chunk leaves every decode rank it feeds
+ * without its bytes; a receiver that never acknowledged a prefill rank's
+ * DONE (or never reached every prefill rank) leaves that rank without its
+ * success.  Its FAILs say so at once, so that a rank of the other side
+ * whose own room had succeeded takes the failure from the first FAIL it
+ * hears, not from a relay that a scheduler's clear() of a sibling's room
+ * may cut.  A sender that had sent everything cannot tell (the decode
+ * side may have it all: docs/FAILURES.md), nor can a held room's ranks,
+ * which have no siblings.
+ */
+static uint8_t doomed_side(kvf_room_t *r)
+{
+    if (r->side == KVF_ROLE_PREFILL) {
+        if (sender_of(r)->held || sender_of(r)->last_sent)
+            return 0;
+        for (uint32_t i = 0; i < r->nlinks; i++)
+            if (!r->links[i].idle)
+                return KVF_SIDE_BIT(KVF_ROLE_DECODE);
+        return 0;
+    }
+    if (receiver_of(r)->remote)
+        return 0;
+    if (r->nlinks < r->expected_links)
+        return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].done && !r->links[i].confirming)
+            return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
+    return 0;
+}
+
+/*
  * Record `f` as the room's root cause and tell every peer but `from`.
  * The first cause wins: a room that failed takes no other record.  A room
  * that succeeded here takes one learned from another rank (its siblings
@@ -325,7 +357,7 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
             tell_peers(r, from, abort, sides);
         return;
     }
-    r->failed_sides |= mine;
+    r->failed_sides |= mine | doomed_side(r);
     if (r->failure == NULL)
         r->failure = f;
     else
