@@ -715,7 +715,13 @@ class _Room:
     def _make_error(self):
         self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
         if self._local_reason is not None:
-            return _error(self.bootstrap_room, self._local_reason, False, self._own_record())
+            first = self._library_record()
+            if first is not None and first.is_from_another_rank:
+                # Another rank's cause failed the room a moment before this
+                # object's own (both ranks aborted): the first cause wins,
+                # as on every other rank.
+                return _error(self.bootstrap_room, first.failure_reason, True, first)
+            return _error(self.bootstrap_room, self._local_reason, False, first)
         if self._h is not None:
             try:
                 self._h.failure_exception()
@@ -753,17 +759,15 @@ class _Room:
                       "failed the request: look for it in the other ranks' KVTransferError)"
                       % UNKNOWN_REASON, True)
 
-    def _own_record(self):
-        """The library's record of the failure this object decided (its
-        origin: this rank), or None when the library's room failed with
-        another cause first, or has no record."""
+    def _library_record(self):
+        """The library's record of the room's failure (for a failure this
+        object decided, its own: origin this rank), or None."""
         if self._h is None:
             return None
         try:
             self._h.failure_exception()
         except _FerryTransferError as e:
-            if not e.is_from_another_rank:
-                return e
+            return e
         except KVFerryError:
             pass
         return None

@@ -46,6 +46,7 @@ def check_cause(tc, res, addrs, room, causes, says, status=None):
         # Not "unknown": failure_exception() returned because the cause came,
         # not because its wait for it (RELAY_WAIT_S) ran out.
         tc.assertNotIn(S.UNKNOWN_REASON, r["reason"], ctx)
+        tc.assertIsNotNone(r["origin"], ctx)
         origin = tuple(r["origin"][:2])
         tc.assertIn(origin, causes, ctx)
         tc.assertEqual(r["origin"][2], addrs[origin], ctx)
@@ -146,7 +147,7 @@ class EveryRankNamesTheCause(unittest.TestCase):
         (linked to it by nothing but the room) included."""
         check_cause(self, self.res, self.addrs, REFUSED, (D1,),
                     {D1: ["send_metadata(3 pages, aux_index", "refused on decode rank 1",
-                          "kv_indices[2] = %d is outside the registered KV pages" % 71]},
+                          "kv_indices[2] = 71 is outside the registered KV pages"]},
                     "KVF_ERR_BAD_INDICES")
 
     def test_checksum_mismatch(self):
