@@ -823,6 +823,7 @@ class _Room:
         self.init_time = time.time()
         self._h = None                   # the kvferry KVSender / KVReceiver
         self._local_reason = None        # a failure this object decided
+        self._local_from_another = False  # ... or learned through the registry
         self._error = None               # the KVTransferError raised, once made
         self._metric = None
 
@@ -887,8 +888,17 @@ class _Room:
     def _make_error(self):
         self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
         if self._local_reason is not None:
-            return _error(self.bootstrap_room, self._local_reason,
-                          getattr(self, "_local_from_another", False))
+            first = self._library_record()
+            if first is not None and first.is_from_another_rank:
+                # Another rank's cause failed the room a moment before this
+                # object's own (both ranks aborted): the first cause wins,
+                # as on every other rank.
+                return _error(self.bootstrap_room, first.failure_reason, True, first)
+            if self._local_from_another:
+                # The cause came by another way (the registry): the library's
+                # record names this rank, which only passed it on.
+                return _error(self.bootstrap_room, self._local_reason, True)
+            return _error(self.bootstrap_room, self._local_reason, False, first)
         if self._h is not None:
             # This rank's room may not have failed yet: another rank of the
             # request did (the scheduler's all-reduce says so), and its cause
@@ -908,18 +918,35 @@ class _Room:
             except KVFerryError:
                 pass
             return _error(self.bootstrap_room, reason, True)
-        return _error(self.bootstrap_room, UNKNOWN_REASON, True)
+        # No room here (a receiver before init(): SGLang fails a request
+        # still waiting for the prefill's parallel info with the others):
+        # no cause can reach this rank.
+        return _error(self.bootstrap_room, "%s (this rank had not opened its room yet, so "
+                      "no cause could reach it; its scheduler's all-reduce said another rank "
+                      "failed the request: look for it in the other ranks' KVTransferError)"
+                      % UNKNOWN_REASON, True)
+
+    def _library_record(self):
+        """The library's record of the room's failure (for a failure this
+        object decided, its own: origin this rank), or None."""
+        if self._h is None:
+            return None
+        try:
+            self._h.failure_exception()
+        except _FerryTransferError as e:
+            return e
+        except KVFerryError:
+            pass
+        return None
 
     def _library_error(self):
         """The library room's record as SGLang's error, or None when the
         room has not failed."""
-        try:
-            self._h.failure_exception()
-        except _FerryTransferError as e:
-            return _error(self.bootstrap_room, e.failure_reason, e.is_from_another_rank, e)
-        except KVFerryStateError:
-            pass
-        return None
+        first = self._library_record()
+        if first is None:
+            return None
+        return _error(self.bootstrap_room, first.failure_reason, first.is_from_another_rank,
+                      first)
 
     def abort(self):
         """Fail the room here and on its peers ("Aborted by AbortReq.");
@@ -1170,6 +1197,8 @@ class KVFerryKVSender(_Room, BaseKVSender):
             return
         if self._h is None or self.conclude_state is not None:
             return
+        if self._h.poll() == _Poll.Failed:
+            return          # chunks scheduled before it failed: poll() says it
         if self.num_kv_indices is None:
             self._fail_here("KVSender.send before init on prefill rank %d"
                             % self.kv_mgr.attn_tp_rank)

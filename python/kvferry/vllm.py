@@ -893,16 +893,16 @@ class _Worker:
         sending, recving = set(), set()
         for rid, s in list(self.sending.items()):
             if isinstance(s, str):
-                logger.error("KVFerryConnector: request %s: %s; its blocks are freed",
-                             _shown(rid), s)
+                logger.error("KVFerryConnector: TP rank %d: request %s: %s; its blocks are "
+                             "freed", self.tp_rank, _shown(rid), s)
             else:
                 st = s.poll()
                 if st not in (KVPoll.Success, KVPoll.Failed):
                     continue
                 if st == KVPoll.Failed:
-                    logger.warning("KVFerryConnector: request %s: releasing the KV blocks held "
-                                   "for the decoder, which did not get them: %s", _shown(rid),
-                                   self._reason(s))
+                    logger.warning("KVFerryConnector: TP rank %d: request %s: releasing the KV "
+                                   "blocks held for the decoder, which did not get them: %s",
+                                   self.tp_rank, _shown(rid), self._reason(s))
                 s.close()
             del self.sending[rid]
             sending.add(rid)
@@ -919,10 +919,10 @@ class _Worker:
             if not rm.report:
                 continue                # only told P to free; vLLM waits for nothing
             if why is not None:
-                logger.warning("KVFerryConnector: request %s: loading its KV from %s request "
-                               "%s failed, its %d blocks are reported invalid: %s", _shown(rid),
-                               rm.remote_engine_id, rm.remote_request_id,
-                               len(rm.local_block_ids), why)
+                logger.warning("KVFerryConnector: TP rank %d: request %s: loading its KV from "
+                               "%s request %s failed, its %d blocks are reported invalid: %s",
+                               self.tp_rank, _shown(rid), rm.remote_engine_id,
+                               rm.remote_request_id, len(rm.local_block_ids), why)
                 self.invalid.update(rm.local_block_ids)
             recving.add(rid)
         return sending, recving

@@ -1,10 +1,11 @@
 """One TP rank of a prefill or decode server, driving kvferry.sglang the way
 SGLang's scheduler does (disaggregation/prefill.py and decode.py), call for
-call, for test_sglang: the scheduler of 0094505da741 ("old" contract) or of
-the newest SGLang ("new": num_kv_tokens on send, get_max_transfer_tokens()
-before it, mark_prefill_complete(), the decode allocation policy, the
-newest KVArgs fields and StateTypes, the KV checksum's extra metadata
-buffer, optimistic prefill).
+call, for test_sglang and test_sglang_causes: the scheduler of
+0094505da741 ("old" contract) or of the newest SGLang ("new":
+num_kv_tokens on send, get_max_transfer_tokens() before it,
+mark_prefill_complete(), the decode allocation policy, the newest KVArgs
+fields and StateTypes, the KV checksum's extra metadata buffer,
+optimistic prefill).
 
 ``python3 _sglang_rank.py '<json config>' FD``: FD is this rank's end of a
 socket pair to the other TP rank of its server: the channel of the MIN
@@ -13,25 +14,77 @@ all-reduce SGLang runs over its attn-TP gloo group
 order and take every decision from reduced values, so their queues stay in
 step, as SGLang's do.
 
-Config: role, tp_rank, tp_size, bootstrap ("host:port"), requests
-([{room, tokens, prefix?, abort?, decode?, prefill_abort?}]), chunk (tokens
-per prefill chunk), state (true: a mamba-like and a swa-like group; "new":
-the newest state types), draft (a draft model's KV), mla, env (set before
-kvferry loads), contract ("old"/"new"), optimistic (the prefill computes
-before the decode's destination is known), policy (the decode allocation
-policy), hold_mark (prefill_complete: mark rooms complete only on "go"),
-checksum (SGLang's --disaggregation-enable-kv-checksum), gpu (the pools
-are CUDA memory of the fake driver).  Events on stdout, one JSON object a
-line: "computed" (prefill, a room computed), "gated" (decode: a room
-connected but kept Bootstrapping by the policy), "go-seen", and
-{"event": "result", "rooms": {room: {...}}} once every request is done;
-stdin takes "go" and, at the end, "exit" (so that no engine goes away
-under a peer that is still finishing).
+A sibling that dies or stops.  SGLang's gloo all-reduce raises once the
+other rank's process is gone, and the scheduler then takes its whole
+server down; while the other rank is stopped it hangs (until gloo's
+timeout, then the same).  No surviving rank would ever say why its
+requests failed, and that is what these tests check, so the channel here
+goes on instead.  It waits for a silent sibling up to SILENT_S, longer
+than any test stops one: a SIGCONT within it lets the all-reduce go on,
+as gloo's would.  A sibling whose end closed (killed), or silent for
+longer, is lost: it can no longer vouch for a request, nor say one
+failed.  For LOST_GRACE_S (three heartbeat timeouts: kvferry sees a dead
+or silent rank from the other side within one, and tells every rank of
+its requests) its entries read Transferring, so that no request concludes
+Success and one whose room fails here concludes Failed, with the cause
+kvferry relayed; after that they read Failed.  The survivors thus fail
+the lost rank's requests through their own rooms, as kvferry tells them,
+not through a guess of the scheduler's.
+
+Config: role ("prefill", "decode", or "registry": a bootstrap registry on
+``host``, its port emitted), tp_rank, tp_size, bootstrap ("host:port"),
+requests, chunk (tokens per prefill chunk), state (true: a mamba-like and
+a swa-like group; "new": the newest state types), draft (a draft model's
+KV), mla, env (set before kvferry loads), contract ("old", the default, or
+"new"), optimistic (the prefill computes each request at once, before its
+decode's destination is known, and sends it whole once it is), policy (the
+decode allocation policy, "early" or "prefill_complete"), hold_mark
+(prefill: mark rooms complete only after "go"; decode: note rooms that
+reach WaitingForInput before "go"), checksum (SGLang's
+--disaggregation-enable-kv-checksum), gpu (the pools are CUDA memory of the
+fake driver).  A request is {room, tokens, prefix?, decode?, abort?,
+after?, starve?, refuse?, skip?, hold?}:
+
+- prefix: tokens the decode server already holds (decode_prefix_len).
+- decode: false: no decode rank ever asks for the request.
+- abort: an AbortReq, which SGLang hands every TP rank of the server in
+  the same step.  "prefill-bootstrap": while the request waits in the
+  bootstrap queue, once request ``after`` is done (abort_request:
+  sender.abort(); pop_bootstrapped then polls Failed and calls
+  failure_exception()); "prefill-running": after its first chunk, in the
+  running batch (process_batch_result_disagg_prefill: abort(), clear(), no
+  failure_exception()); "prefill-computed": optimistic prefill, once the
+  request is computed and before its decode's destination came
+  (sender.abort(); the pending queue then polls Failed); "decode" (or
+  true): while it waits for pages in the prealloc queue
+  (receiver.abort()).
+- starve: the decode server has no pages for the request: it waits in the
+  prealloc queue (and on prefill in the bootstrap queue) until it fails.
+- refuse: the decode rank whose allocator hands send_metadata() a page
+  past its pool (the adapter refuses it before the library sees it).
+- skip: the prefill rank whose scheduler never sends the request's chunks.
+- hold: the prefill rank that, once it sent the first chunk, emits "held"
+  and waits for "go" (the test kills, stops or cuts something meanwhile);
+  every decode rank emits "landed" once that chunk's bytes are in its
+  pages.
+
+Events on stdout, one JSON object a line: ready (the engine's address),
+computed (prefill, optimistic: a room computed), gated (decode, hold_mark:
+a room connected but kept Bootstrapping by the policy), go-seen (decode,
+hold_mark), held, landed, sibling_lost, and result ({"rooms": {room:
+{...}}}, once every request is done).  stdin takes "go" (a held request
+goes on; hold_mark: the rooms may be marked) and, at the end, "exit" (so
+that no engine goes away under a peer that is still finishing).  A failed
+room's result: state, reason, from_another_rank, origin [side, rank,
+addr], status, type and str of the KVTransferError, own (this rank's own
+poll when the all-reduce said Failed) and waited_s (how long
+failure_exception() took: it waits for a cause still on its way).
 """
 import ctypes
 import json
 import os
 import queue
+import re
 import socket
 import struct
 import sys
@@ -50,7 +103,7 @@ from kvferry import sglang as S  # noqa: E402
 from kvferry.sglang import KVPoll  # noqa: E402
 
 ROLE = CFG["role"]
-TP, TPS = CFG["tp_rank"], CFG["tp_size"]
+TP, TPS = CFG.get("tp_rank", 0), CFG.get("tp_size", 1)
 PS = 4                      # page_size
 LAYERS = 2
 HEADS = 4                   # KV heads of the model
@@ -64,24 +117,59 @@ MAMBA_SLOTS, SWA_PAGES, WINDOW = 8, 32, 2 * PS
 REQ_ROWS = 16               # per-request state rows (DSV4_REQUEST_STATE, QSA_PENDING)
 NEW = CFG.get("contract") == "new"
 DEADLINE = time.monotonic() + 90
-COMMANDS = queue.Queue()    # lines from stdin ("go", "exit")
-
-
-def read_commands():
-    for line in sys.stdin:
-        COMMANDS.put(line.strip())
-    COMMANDS.put("exit")
-
-
-def next_command():
-    try:
-        return COMMANDS.get_nowait()
-    except queue.Empty:
-        return None
+HEARTBEAT_S = int(os.environ.get("KVF_HEARTBEAT_TIMEOUT_MS") or 2500) / 1000.0
+SILENT_S = 30.0             # how long the all-reduce waits for a silent sibling
+LOST_GRACE_S = 3 * HEARTBEAT_S
 
 
 def emit(**ev):
-    print(json.dumps(dict(ev, pid=os.getpid())), flush=True)
+    print(json.dumps(ev), flush=True)
+
+
+# ---------------------------------------------------------------------------
+# stdin: one reader thread, so that the step loop never blocks on it
+# ---------------------------------------------------------------------------
+
+class Commands:
+    """The test's lines: "go" and "exit" (an end of stdin reads "exit")."""
+
+    def __init__(self):
+        self.lines = queue.Queue()
+        self.exiting = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in sys.stdin:
+            self.lines.put(line.strip())
+        self.lines.put("exit")
+
+    def _take(self, timeout):
+        try:
+            line = self.lines.get(timeout=timeout) if timeout else self.lines.get_nowait()
+        except queue.Empty:
+            return None
+        self.exiting |= line == "exit"
+        return line
+
+    def go(self):
+        """Whether a "go" came since the last call; never waits."""
+        while True:
+            line = self._take(None)
+            if line is None or line == "go":
+                return line == "go"
+
+    def wait_go(self):
+        """Until "go" comes (a held request); the case's deadline bounds it."""
+        while not self.exiting:
+            if self._take(max(DEADLINE - time.monotonic(), 0.01)) == "go":
+                return
+            if time.monotonic() > DEADLINE:
+                raise RuntimeError("%s rank %d: no \"go\" in time" % (ROLE, TP))
+        raise RuntimeError("%s rank %d: stdin ended while held" % (ROLE, TP))
+
+    def wait_exit(self):
+        while not self.exiting:
+            self._take(3600)
 
 
 # ---------------------------------------------------------------------------
@@ -91,34 +179,55 @@ def emit(**ev):
 class Group:
     def __init__(self, fd):
         self.sock = socket.socket(fileno=fd) if fd >= 0 else None
+        self.met = False            # one exchange done: both ranks are up
+        self.lost_at = None
 
     def _recv(self, n):
         buf = b""
         while len(buf) < n:
             chunk = self.sock.recv(n - len(buf))
             if not chunk:
-                raise RuntimeError("the other TP rank closed the channel")
+                raise ConnectionError("the other TP rank closed the channel")
             buf += chunk
         return buf
 
     def all_reduce_min(self, values):
         vals = [int(v) for v in values]
-        if self.sock is None:
-            return vals
-        self.sock.sendall(struct.pack("<I", len(vals)) + bytes(vals))
-        n, = struct.unpack("<I", self._recv(4))
-        theirs = self._recv(n)
-        if n != len(vals):
-            raise RuntimeError("all-reduce of %d values against %d: the ranks' queues "
-                               "diverged" % (len(vals), n))
-        return [min(a, b) for a, b in zip(vals, theirs)]
+        if self.sock is None or not vals:
+            return vals     # the ranks' queues are in step: both skip an empty one
+        if self.lost_at is None:
+            # Until both ranks are up, only the case's deadline bounds the
+            # wait: a rank may take long to start on a loaded machine.
+            self.sock.settimeout(SILENT_S if self.met else
+                                 max(DEADLINE - time.monotonic(), 1.0))
+            try:
+                self.sock.sendall(struct.pack("<I", len(vals)) + bytes(vals))
+                n, = struct.unpack("<I", self._recv(4))
+                theirs = self._recv(n)
+            except OSError as e:            # closed, reset, or silent too long
+                self._lose(e)
+            else:
+                if n != len(vals):
+                    raise RuntimeError("all-reduce of %d values against %d: the ranks' "
+                                       "queues diverged" % (len(vals), n))
+                self.met = True
+                return [min(a, b) for a, b in zip(vals, theirs)]
+        if time.monotonic() - self.lost_at < LOST_GRACE_S:
+            return [min(v, KVPoll.Transferring) for v in vals]
+        return [KVPoll.Failed] * len(vals)
+
+    def _lose(self, why):
+        emit(event="sibling_lost", role=ROLE, tp_rank=TP,
+             why="%s: %s" % (type(why).__name__, why))
+        self.lost_at = time.monotonic()
+        # Closed here too: a stopped sibling that runs again finds it lost.
+        self.sock.close()
 
 
 def poll_and_all_reduce(pollers, group):
-    # The ranks' queues are in step, so both skip an empty one.
-    if not pollers:
-        return []
-    return group.all_reduce_min([p.poll() for p in pollers])
+    """(this rank's polls, the reduced ones)."""
+    own = [p.poll() for p in pollers]
+    return own, group.all_reduce_min(own)
 
 
 # ---------------------------------------------------------------------------
@@ -233,7 +342,8 @@ class Pools:
 
 def server_args(bootstrap_port):
     sa = types.SimpleNamespace(
-        host="127.0.0.1", port=30000, disaggregation_bootstrap_port=bootstrap_port,
+        host=CFG["bootstrap"].rsplit(":", 1)[0], port=30000,
+        disaggregation_bootstrap_port=bootstrap_port,
         dist_init_addr=None, tp_size=TPS, dp_size=1, pp_size=1,
         enable_dp_attention=False, load_balance_method="round_robin",
         kv_cache_dtype="auto", dtype="bfloat16",
@@ -264,26 +374,6 @@ class Allocator:
         return [int(x) for x in out]
 
 
-def pages_of(tokens):
-    return -(-tokens // PS)
-
-
-# ---------------------------------------------------------------------------
-# Prefill: PrefillBootstrapQueue, forward with chunked prefill, inflight queue
-# ---------------------------------------------------------------------------
-
-class Req:
-    def __init__(self, r):
-        self.room = r["room"]
-        self.tokens = r["tokens"]
-        self.abort = r.get("abort", False)
-        self.prefill_abort = r.get("prefill_abort", False)
-        self.prefix = r.get("prefix", 0)
-        self.rid = "req-%d" % self.room
-        self.result = None
-        self.early = False
-
-
 class Allocs:
     """The scheduler's allocators, the same order on both TP ranks."""
 
@@ -301,6 +391,16 @@ class Allocs:
             req.rows = self.rows.alloc(2) if CFG.get("state") == "new" else None
 
 
+def pages_of(tokens):
+    return -(-tokens // PS)
+
+
+def token_locs(pages, start, end):
+    """Token slots [start, end) of a request whose pages are ``pages``."""
+    return np.concatenate([np.arange(p * PS, (p + 1) * PS) for p in pages])[start:end] \
+        if pages else np.zeros(0, np.int64)
+
+
 def state_indices_of(pools, req, dtype):
     """One index list per state type, parallel to state_types (SGLang's
     payload table: the slot, the pages, the window's pages, the rows)."""
@@ -313,124 +413,140 @@ def state_indices_of(pools, req, dtype):
     return [np.array(req.mamba, dtype), np.array(swa_window(req), dtype)]
 
 
-def prefill_main(group, boot_port):
+def swa_window(req):
+    """SWA pool pages of the window (the last WINDOW tokens, floored to a
+    page), as SGLang's prefill and decode both compute them."""
+    first = max(req.tokens - WINDOW, 0) // PS
+    return req.swa[first:pages_of(req.tokens)]
+
+
+def kv_digest(pools, locs):
+    """SGLang's KV checksum (Adler-32) of the rows at ``locs``, buffer by
+    buffer, in token order: what the prefill computes over what it sends
+    and the decode over what landed."""
+    h = 1
+    for buf in pools.kv:
+        h = zlib.adler32(np.ascontiguousarray(buf[locs]).tobytes(), h)
+    return h
+
+
+class Req:
+    def __init__(self, r):
+        self.room = r["room"]
+        self.tokens = r["tokens"]
+        self.abort = r.get("abort", False)
+        if self.abort is True:
+            self.abort = "decode"
+        self.prefix = r.get("prefix", 0)
+        self.decode = r.get("decode", True)
+        self.after = r.get("after")
+        self.starve = r.get("starve", False)
+        self.refuse = r.get("refuse") == TP
+        self.skip = r.get("skip") == TP
+        self.hold = r.get("hold") == TP
+        self.watch_first_chunk = r.get("hold") is not None
+        self.rid = "req-%d" % self.room
+        self.result = None
+
+
+def failed(h, own):
+    """The result of a room the all-reduce said Failed: its KVTransferError,
+    ``own`` (this rank's own poll then) and how long failure_exception()
+    took."""
+    t0 = time.monotonic()
+    try:
+        h.failure_exception()
+    except S.KVTransferError as e:
+        return {"state": "Failed", "reason": e.failure_reason,
+                "from_another_rank": e.is_from_another_rank, "origin": origin_of(e),
+                "status": getattr(e, "status", None), "type": type(e).__name__,
+                "str": str(e), "own": KVPoll(own).name,
+                "waited_s": round(time.monotonic() - t0, 4)}
+    return {"state": "Failed", "reason": None, "type": "no exception"}
+
+
+def origin_of(e):
+    """[side, rank, addr] of the root cause: the exception's attributes, else
+    what its str() says (kvferry's: "origin decode rank 0 at host:port")."""
+    if getattr(e, "origin_side", None) is not None:
+        return [e.origin_side, e.origin_rank, e.origin_addr]
+    m = re.search(r"origin (\w+) rank (\d+) at ([^,\]]+)", str(e))
+    return [m.group(1), int(m.group(2)), m.group(3)] if m else None
+
+
+# ---------------------------------------------------------------------------
+# Prefill: PrefillBootstrapQueue, forward with chunked prefill, the pending
+# queue of optimistic prefill, the inflight queue
+# ---------------------------------------------------------------------------
+
+def prefill_main(group, boot_port, commands):
     pools = Pools()
     mgr = S.KVFerryKVManager(pools.kv_args(), S.DisaggregationMode.PREFILL,
                              server_args(boot_port), MLA)
-    addr = CFG["bootstrap"]
-    al = Allocs(1)
+    emit(event="ready", role=ROLE, tp_rank=TP, addr=mgr.engine.address)
+    sched = types.SimpleNamespace(
+        pools=pools, al=Allocs(1), commands=commands, bootstrap_q=[], running=[],
+        pending=[], to_mark=[], inflight=[], done=[], go=not CFG.get("hold_mark"))
     reqs = [Req(r) for r in CFG["requests"]]
-    bootstrap_q, running, inflight, done = [], [], [], []
-    pending, to_mark = [], []           # optimistic: computed, waiting for decode
-    go = [not CFG.get("hold_mark")]     # hold_mark: mark rooms complete once told
     for req in reqs:                                  # PrefillBootstrapQueue.add
-        req.sender = S.KVFerryKVSender(mgr=mgr, bootstrap_addr=addr,
+        req.sender = S.KVFerryKVSender(mgr=mgr, bootstrap_addr=CFG["bootstrap"],
                                        bootstrap_room=req.room, dest_tp_ranks=[TP],
                                        pp_rank=0)
         if CFG.get("optimistic"):
             # Optimistic prefill: the request computes at once, while its
             # sender is still Bootstrapping.
-            take_pages(pools, al, req)
-            running.append(req)
+            take_pages(sched, req)
+            sched.running.append(req)
         else:
-            bootstrap_q.append(req)
-    while len(done) < len(reqs):
+            sched.bootstrap_q.append(req)
+    while len(sched.done) < len(reqs):
         if time.monotonic() > DEADLINE:
             raise RuntimeError("prefill rank %d: requests not done in time: %s"
                                % (TP, [(r.room, r.sender.poll()) for r in reqs
-                                       if r not in done]))
-        if next_command() == "go":
-            go[0] = True
-        if go[0]:
-            for req in to_mark:
+                                       if r not in sched.done]))
+        if not sched.go and commands.go():
+            sched.go = True
+        if sched.go:                        # prefill_complete: readiness
+            for req in sched.to_mark:
                 req.sender.mark_prefill_complete()
-            to_mark = []
-        # pop_bootstrapped
-        polls = poll_and_all_reduce([r.sender for r in bootstrap_q], group)
-        keep = []
-        for req, poll in zip(bootstrap_q, polls):
-            if poll == KVPoll.Bootstrapping:
-                keep.append(req)
-                continue
-            if poll == KVPoll.Failed:
-                req.result = failed(req.sender)
-                done.append(req)
-                continue
-            finalize_bootstrap(al, req)
-            take_pages(pools, al, req)
-            running.append(req)
-        bootstrap_q = keep
-        # One forward: a chunk of every running request, then send_kv_chunk.
-        still = []
-        for req in running:
-            end = min(req.filled + CFG["chunk"], req.tokens)
-            forward(pools, req, req.filled, end)
-            req.filled = end
-            last = end == req.tokens
-            if CFG.get("optimistic"):
-                if last:
-                    computed(req, pending, to_mark)
-                else:
-                    still.append(req)
-                continue
-            send_kv_chunk(pools, req, last)
-            if last:
-                inflight.append(req)
-            else:
-                still.append(req)
-        running = still
-        # Optimistic: computed requests wait for their decode's destination
-        # (pending_bootstrap), then send everything at once.
-        polls = poll_and_all_reduce([r.sender for r in pending], group)
-        keep = []
-        for req, poll in zip(pending, polls):
-            if poll == KVPoll.Bootstrapping:
-                keep.append(req)
-            elif poll == KVPoll.Failed:
-                req.result = failed(req.sender)
-                req.result["decode_prefix_len"] = None
-                done.append(req)
-            else:
-                finalize_bootstrap(al, req)
-                send_kv_chunk(pools, req, True)
-                inflight.append(req)
-        pending = keep
-        # process_disagg_prefill_inflight_queue
-        polls = poll_and_all_reduce([r.sender for r in inflight], group)
-        keep = []
-        for req, poll in zip(inflight, polls):
-            if poll in (KVPoll.WaitingForInput, KVPoll.Transferring):
-                keep.append(req)
-                continue
-            if poll == KVPoll.Success:
-                req.result = {"state": "Success"}
-                req.sender.clear()
-            else:
-                req.result = failed(req.sender)
-            m = req.sender.get_transfer_metric()
-            req.result["metric"] = [m.transfer_total_bytes, m.alloc_latency_s,
-                                    m.transfer_latency_s]
-            req.result["decode_prefix_len"] = req.decode_prefix_len
-            done.append(req)
-        inflight = keep
+            sched.to_mark = []
+        # An AbortReq, once the request it waits for is done (every rank
+        # sees that in the same step): abort_request aborts the senders of
+        # the bootstrap queue.
+        finished = {r.room for r in sched.done}
+        for req in sched.bootstrap_q:
+            if req.abort == "prefill-bootstrap" and req.after in finished | {None}:
+                req.abort = "sent"
+                req.sender.abort()
+        pop_bootstrapped(sched, group)
+        run_batch(sched)
+        pop_pending(sched, group)
+        process_inflight(sched, group)
         time.sleep(0.001)
     return mgr, reqs
 
 
-def computed(req, pending, to_mark):
-    """The prefill has computed the whole request (optimistic prefill)."""
-    emit(event="computed", role=ROLE, tp_rank=TP, room=req.room)
-    if req.prefill_abort:
-        req.sender.abort()              # e.g. the prefill's own AbortReq
-    elif NEW:
-        to_mark.append(req)             # marked complete in the loop
-    pending.append(req)
+def pop_bootstrapped(sched, group):
+    own, polls = poll_and_all_reduce([r.sender for r in sched.bootstrap_q], group)
+    keep = []
+    for req, mine, poll in zip(sched.bootstrap_q, own, polls):
+        if poll == KVPoll.Bootstrapping:
+            keep.append(req)
+            continue
+        if poll == KVPoll.Failed:
+            req.result = failed(req.sender, mine)
+            sched.done.append(req)
+            continue
+        finalize_bootstrap(sched, req)
+        take_pages(sched, req)
+        sched.running.append(req)
+    sched.bootstrap_q = keep
 
 
-def finalize_bootstrap(al, req):
+def finalize_bootstrap(sched, req):
     """The decode's destination is known: SGLang's metadata row, the prefix
     it holds, and init with the pages after it."""
-    req.metadata_buffer_index = al.aux.alloc(1)[0]
+    req.metadata_buffer_index = sched.al.aux.alloc(1)[0]
     decode_prefix_len = req.sender.pop_decode_prefix_len()
     req.start_send_idx = decode_prefix_len
     req.decode_prefix_len = decode_prefix_len
@@ -438,14 +554,97 @@ def finalize_bootstrap(al, req):
     req.sender.init(num_pages, req.metadata_buffer_index)
 
 
-def take_pages(pools, al, req):
+def take_pages(sched, req):
     """The request's own KV pages (all of the prompt: prefill computes it
     whole) and its state."""
-    req.pages = al.kv.alloc(pages_of(req.tokens))
-    req.req_to_token = np.concatenate(
-        [np.arange(p * PS, (p + 1) * PS) for p in req.pages])[:req.tokens]
-    al.state(pools, req)
+    req.pages = sched.al.kv.alloc(pages_of(req.tokens))
+    req.req_to_token = token_locs(req.pages, 0, req.tokens)
+    sched.al.state(sched.pools, req)
     req.filled = 0
+
+
+def run_batch(sched):
+    """One forward: a chunk of every running request, then send_kv_chunk
+    (optimistic prefill: nothing sent until the request is computed)."""
+    still = []
+    for req in sched.running:
+        if req.abort == "prefill-running" and req.filled:
+            # process_batch_result_disagg_prefill, a request whose to_finish
+            # is FINISH_ABORT: the sender is aborted and cleared; SGLang
+            # reports the abort itself, not a KVTransferError.
+            req.sender.abort()
+            req.sender.clear()
+            req.result = {"state": "Aborted", "poll": KVPoll(req.sender.poll()).name}
+            sched.done.append(req)
+            continue
+        end = min(req.filled + CFG["chunk"], req.tokens)
+        forward(sched.pools, req, req.filled, end)
+        req.filled = end
+        last = end == req.tokens
+        if CFG.get("optimistic"):
+            if last:
+                computed(sched, req)
+            else:
+                still.append(req)
+            continue
+        send_kv_chunk(sched.pools, req, last)
+        if req.hold:
+            req.hold = False
+            emit(event="held", role=ROLE, tp_rank=TP, room=req.room)
+            sched.commands.wait_go()
+        (sched.inflight if last else still).append(req)
+    sched.running = still
+
+
+def computed(sched, req):
+    """Optimistic prefill has computed the whole request: it waits in the
+    pending queue for its decode's destination."""
+    emit(event="computed", role=ROLE, tp_rank=TP, room=req.room)
+    if req.abort == "prefill-computed":
+        req.sender.abort()              # the prefill's own AbortReq
+    elif NEW:
+        sched.to_mark.append(req)       # marked complete in the loop
+    sched.pending.append(req)
+
+
+def pop_pending(sched, group):
+    """Optimistic prefill: computed requests wait for their decode's
+    destination (pending_bootstrap), then send everything at once."""
+    own, polls = poll_and_all_reduce([r.sender for r in sched.pending], group)
+    keep = []
+    for req, mine, poll in zip(sched.pending, own, polls):
+        if poll == KVPoll.Bootstrapping:
+            keep.append(req)
+        elif poll == KVPoll.Failed:
+            req.result = failed(req.sender, mine)
+            req.result["decode_prefix_len"] = None
+            sched.done.append(req)
+        else:
+            finalize_bootstrap(sched, req)
+            send_kv_chunk(sched.pools, req, True)
+            sched.inflight.append(req)
+    sched.pending = keep
+
+
+def process_inflight(sched, group):
+    """process_disagg_prefill_inflight_queue."""
+    own, polls = poll_and_all_reduce([r.sender for r in sched.inflight], group)
+    keep = []
+    for req, mine, poll in zip(sched.inflight, own, polls):
+        if poll in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            keep.append(req)
+            continue
+        if poll == KVPoll.Success:
+            req.result = {"state": "Success"}
+            req.sender.clear()
+        else:
+            req.result = failed(req.sender, mine)
+        m = req.sender.get_transfer_metric()
+        req.result["metric"] = [m.transfer_total_bytes, m.alloc_latency_s,
+                                m.transfer_latency_s]
+        req.result["decode_prefix_len"] = req.decode_prefix_len
+        sched.done.append(req)
+    sched.inflight = keep
 
 
 def forward(pools, req, start, end):
@@ -460,23 +659,6 @@ def forward(pools, req, start, end):
             for k, buf in enumerate(pools.state[g]):
                 for j, i in enumerate(idx):
                     buf[i] = slot_pattern(req.room, 1 + 10 * g + j, buf.shape[1], k)
-
-
-def swa_window(req):
-    """SWA pool pages of the window (the last WINDOW tokens, floored to a
-    page), as SGLang's prefill and decode both compute them."""
-    first = max(req.tokens - WINDOW, 0) // PS
-    return req.swa[first:pages_of(req.tokens)]
-
-
-def kv_digest(pools, req, locs):
-    """SGLang's KV checksum (Adler-32) of the rows at ``locs``, buffer by
-    buffer, in token order: what the prefill computes over what it sends
-    and the decode over what landed."""
-    h = 1
-    for buf in pools.kv:
-        h = zlib.adler32(np.ascontiguousarray(buf[locs]).tobytes(), h)
-    return h
 
 
 def send_kv_chunk(pools, req, last_chunk):
@@ -498,10 +680,10 @@ def send_kv_chunk(pools, req, last_chunk):
         if CFG.get("checksum"):                        # set_kv_checksum(req, ...)
             pools.aux[3][row] = 0
             pools.aux[3][row, 0] = kv_digest(
-                pools, req, req.req_to_token[req.decode_prefix_len:req.tokens])
+                pools, req.req_to_token[req.decode_prefix_len:req.tokens])
         state_indices = state_indices_of(pools, req, np.int64)
     page_indices = kv_indices[::PS] // PS
-    if not req.sender.should_send_kv_chunk(len(page_indices), last_chunk):
+    if not req.sender.should_send_kv_chunk(len(page_indices), last_chunk) or req.skip:
         return
     if NEW:
         # The newest scheduler asks how much one send may carry (None: all).
@@ -514,125 +696,93 @@ def send_kv_chunk(pools, req, last_chunk):
     req.start_send_idx = end_idx
 
 
-def failed(h):
-    try:
-        h.failure_exception()
-    except S.KVTransferError as e:
-        return {"state": "Failed", "reason": e.failure_reason,
-                "from_another_rank": e.is_from_another_rank,
-                "type": type(e).__name__, "str": str(e)}
-    return {"state": "Failed", "reason": None, "type": "no exception"}
-
-
 # ---------------------------------------------------------------------------
 # Decode: DecodePreallocQueue, DecodeTransferQueue
 # ---------------------------------------------------------------------------
 
-def decode_main(group, boot_port):
+def decode_main(group, boot_port, commands):
     pools = Pools()
     mgr = S.KVFerryKVManager(pools.kv_args(), S.DisaggregationMode.DECODE,
                              server_args(boot_port), MLA)
+    emit(event="ready", role=ROLE, tp_rank=TP, addr=mgr.engine.address)
     addr = CFG["bootstrap"]
-    al = Allocs(11)
-    reqs = [Req(r) for r in CFG["requests"] if r.get("decode", True)]
-    prealloc, pending, transfer, done = [], [], [], []
-    go = not CFG.get("hold_mark")
+    sched = types.SimpleNamespace(
+        mgr=mgr, pools=pools, al=Allocs(11), prealloc=[], pending=[], transfer=[],
+        done=[], go=not CFG.get("hold_mark"))
+    reqs = [Req(r) for r in CFG["requests"]]
+    reqs = [req for req in reqs if req.decode]
     for req in reqs:                                  # DecodePreallocQueue.add
         req.receiver = S.KVFerryKVReceiver(mgr=mgr, bootstrap_addr=addr,
                                            bootstrap_room=req.room)
         req.waiting_for_input = False
-        req.gated = False
+        req.aborted = req.landed = req.gated = req.early = False
         info = mgr.prefill_info_table.get(addr)       # _resolve_prefill_dp_rank
         if info is not None:
             req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
         else:
-            pending.append(req)
-        prealloc.append(req)
-    while len(done) < len(reqs):
+            sched.pending.append(req)
+        sched.prealloc.append(req)
+    while len(sched.done) < len(reqs):
         if time.monotonic() > DEADLINE:
             raise RuntimeError("decode rank %d: requests not done in time: %s"
                                % (TP, [(r.room, r.receiver.poll() if r.receiver
-                                        else None) for r in reqs if r not in done]))
-        if not go and next_command() == "go":
-            go = True
+                                        else None) for r in reqs
+                                       if r not in sched.done]))
+        if not sched.go and commands.go():
+            sched.go = True
             emit(event="go-seen", role=ROLE, tp_rank=TP)
-        # pop_preallocated: _resolve_pending_reqs
-        if pending and mgr.try_ensure_parallel_info(addr):
-            info = mgr.prefill_info_table[addr]
-            for req in pending:
-                # A request the all-reduce failed meanwhile left the queue.
-                if req.receiver is not None:
-                    req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
-            pending = []
-        # _update_handshake_waiters
-        polls = poll_and_all_reduce([r.receiver for r in prealloc], group)
-        keep = []
-        for req, poll in zip(prealloc, polls):
-            if poll == KVPoll.Bootstrapping:
-                note_gated(req)
-                keep.append(req)
-            elif poll == KVPoll.WaitingForInput:
-                req.early |= not go
-                req.waiting_for_input = True
-                keep.append(req)
-            elif poll == KVPoll.Failed:
-                req.result = failed(req.receiver)
-                req.receiver.clear()
-                req.receiver = None
-                done.append(req)
-            else:
-                raise ValueError("Unexpected poll case: %s" % poll)
-        prealloc = keep
-        # AbortReq for requests still in the prealloc queue
-        for req in prealloc:
-            if req.abort and req.waiting_for_input and not getattr(req, "aborted", 0):
-                req.aborted = True
-                req.receiver.abort()
-        keep = []
-        for req in prealloc:
-            if not req.waiting_for_input or getattr(req, "aborted", False):
-                keep.append(req)
-                continue
-            delta = req.tokens - req.prefix
-            req.pages = al.kv.alloc(pages_of(delta))           # _pre_alloc
-            req.metadata_buffer_index = al.aux.alloc(1)[0]
-            al.state(pools, req)
-            kv_indices = np.concatenate([np.arange(p * PS, (p + 1) * PS)
-                                         for p in req.pages])[:delta] \
-                if req.pages else np.zeros(0, np.int64)
-            page_indices = (kv_indices[::PS] // PS).astype(np.int32)
-            req.receiver.send_metadata(page_indices, req.metadata_buffer_index,
-                                       state_indices_of(pools, req, np.int32),
-                                       decode_prefix_len=req.prefix)
-            transfer.append(req)
-        prealloc = keep
-        # pop_transferred, with the metadata gate
-        polls = [r.receiver.poll() for r in transfer]
-        for i, req in enumerate(transfer):
-            if polls[i] == KVPoll.Success and \
-                    pools.aux[2][req.metadata_buffer_index, 0] != req.room:
-                polls[i] = KVPoll.Transferring
-        polls = group.all_reduce_min(polls)
-        keep = []
-        for req, poll in zip(transfer, polls):
-            if poll == KVPoll.Failed:
-                req.result = failed(req.receiver)
-                req.receiver.clear()
-                req.receiver = None
-                done.append(req)
-            elif poll == KVPoll.Success:
-                req.result = {"state": "Success", "bad": verify(pools, req)}
-                req.receiver.clear()
-                req.receiver = None
-                pools.aux[2][req.metadata_buffer_index, 0] = 0
-                done.append(req)
-            else:
-                keep.append(req)
-        transfer = keep
+        pop_preallocated(sched, group)
+        watch_first_chunks(sched)
+        pop_transferred(sched, group)
         time.sleep(0.001)
     for req in reqs:
         req.result["early"] = req.early
     return mgr, reqs
+
+
+def conclude_failed(sched, req, own):
+    req.result = failed(req.receiver, own)
+    req.receiver.clear()
+    req.receiver = None
+    sched.done.append(req)
+    if req in sched.pending:        # failed before this rank could init it
+        sched.pending.remove(req)
+
+
+def pop_preallocated(sched, group):
+    addr = CFG["bootstrap"]
+    if sched.pending and sched.mgr.try_ensure_parallel_info(addr):
+        info = sched.mgr.prefill_info_table[addr]      # _resolve_pending_reqs
+        for req in sched.pending:
+            req.receiver.init(0 if info.dp_size == 1 else req.room % info.dp_size)
+        sched.pending = []
+    # _update_handshake_waiters
+    own, polls = poll_and_all_reduce([r.receiver for r in sched.prealloc], group)
+    keep = []
+    for req, mine, poll in zip(sched.prealloc, own, polls):
+        if poll == KVPoll.Bootstrapping:
+            note_gated(req)
+            keep.append(req)
+        elif poll == KVPoll.WaitingForInput:
+            req.early |= not sched.go
+            req.waiting_for_input = True
+            keep.append(req)
+        elif poll == KVPoll.Failed:
+            conclude_failed(sched, req, mine)
+        else:
+            raise ValueError("Unexpected poll case: %s" % poll)
+    # AbortReq for requests still in the prealloc queue
+    for req in keep:
+        if req.abort == "decode" and req.waiting_for_input and not req.aborted:
+            req.aborted = True
+            req.receiver.abort()
+    sched.prealloc = []
+    for req in keep:
+        if not req.waiting_for_input or req.aborted or req.starve:
+            sched.prealloc.append(req)
+        else:
+            give_destination(sched, req)
+            sched.transfer.append(req)
 
 
 def note_gated(req):
@@ -645,27 +795,82 @@ def note_gated(req):
         emit(event="gated", role=ROLE, tp_rank=TP, room=req.room)
 
 
+def give_destination(sched, req):
+    """_pre_alloc, then send_metadata."""
+    pools = sched.pools
+    delta = req.tokens - req.prefix
+    req.pages = sched.al.kv.alloc(pages_of(delta))
+    req.metadata_buffer_index = sched.al.aux.alloc(1)[0]
+    sched.al.state(pools, req)
+    page_indices = (token_locs(req.pages, 0, delta)[::PS] // PS).astype(np.int32)
+    if req.refuse:
+        # An allocator that handed this rank a page past its pool.
+        page_indices[-1] = POOL + 7
+    req.receiver.send_metadata(page_indices, req.metadata_buffer_index,
+                               state_indices_of(pools, req, np.int32),
+                               decode_prefix_len=req.prefix)
+
+
+def watch_first_chunks(sched):
+    """"landed": the first chunk of a held request is in this rank's pages."""
+    for req in sched.transfer:
+        if req.watch_first_chunk and not req.landed and req.receiver is not None:
+            end = min(CFG["chunk"], req.tokens)
+            if not bad_kv(sched.pools, req, req.prefix, end):
+                req.landed = True
+                emit(event="landed", role=ROLE, tp_rank=TP, room=req.room)
+
+
+def pop_transferred(sched, group):
+    """pop_transferred, with the metadata gate: Success counts once the
+    aux row names the room."""
+    pools = sched.pools
+    own = [r.receiver.poll() for r in sched.transfer]
+    gated = list(own)
+    for i, req in enumerate(sched.transfer):
+        if own[i] == KVPoll.Success and \
+                pools.aux[2][req.metadata_buffer_index, 0] != req.room:
+            gated[i] = KVPoll.Transferring
+    polls = group.all_reduce_min(gated)
+    keep = []
+    for req, mine, poll in zip(sched.transfer, own, polls):
+        if poll == KVPoll.Failed:
+            conclude_failed(sched, req, mine)
+        elif poll == KVPoll.Success:
+            req.result = {"state": "Success", "bad": verify(pools, req)}
+            req.receiver.clear()
+            req.receiver = None
+            pools.aux[2][req.metadata_buffer_index, 0] = 0
+            sched.done.append(req)
+        else:
+            keep.append(req)
+    sched.transfer = keep
+
+
+def bad_kv(pools, req, start, end):
+    """The KV buffers whose tokens [start, end) of the request are not in
+    its pages (start >= its prefix)."""
+    if end <= start:
+        return []
+    locs = token_locs(req.pages, start - req.prefix, end - req.prefix)
+    toks = np.arange(start, end)
+    return ["kv buffer %d" % b for b, buf in enumerate(pools.kv)
+            if not np.array_equal(buf[locs], pattern(req.room, toks, pools.codes[b],
+                                                      pools.dims(b)))]
+
+
 def verify(pools, req):
     """Every byte of the request's destination: KV of tokens [prefix, tokens)
     in every buffer (draft included), the aux rows (SGLang's KV checksum
     included: it must match what landed), the state."""
-    bad = []
-    delta = req.tokens - req.prefix
-    locs = np.zeros(0, np.int64)
-    if delta:
-        locs = np.concatenate([np.arange(p * PS, (p + 1) * PS)
-                               for p in req.pages])[:delta]
-        toks = np.arange(req.prefix, req.tokens)
-        for b, buf in enumerate(pools.kv):
-            want = pattern(req.room, toks, pools.codes[b], pools.dims(b))
-            if not np.array_equal(buf[locs], want):
-                bad.append("kv buffer %d" % b)
+    bad = bad_kv(pools, req, req.prefix, req.tokens)
     row = req.metadata_buffer_index
     if not np.array_equal(pools.aux[0][row], np.arange(16) + req.room % 1000) or \
             not np.array_equal(pools.aux[1][row], np.arange(16) * 0.5 + req.room % 7) \
             or pools.aux[2][row, 0] != req.room:
         bad.append("aux row %d" % row)
-    if CFG.get("checksum") and pools.aux[3][row, 0] != kv_digest(pools, req, locs):
+    if CFG.get("checksum") and pools.aux[3][row, 0] != kv_digest(
+            pools, token_locs(req.pages, 0, req.tokens - req.prefix)):
         bad.append("SGLang's KV checksum")
     if pools.state:
         for g, idx in enumerate(state_indices_of(pools, req, np.int64)):
@@ -678,15 +883,25 @@ def verify(pools, req):
     return bad
 
 
+def registry_main(commands):
+    """The prefill server's bootstrap registry, in a process of its own
+    (in a network namespace of the test's)."""
+    boot = S.KVFerryKVBootstrapServer(host=CFG["host"], port=0)
+    emit(event="registry", port=boot.port)
+    commands.wait_exit()
+    boot.close()
+
+
 def main():
-    threading.Thread(target=read_commands, daemon=True).start()
+    commands = Commands()
+    if ROLE == "registry":
+        return registry_main(commands)
     group = Group(int(sys.argv[2]))
     port = int(CFG["bootstrap"].rsplit(":", 1)[1])
-    mgr, reqs = (prefill_main if ROLE == "prefill" else decode_main)(group, port)
+    mgr, reqs = (prefill_main if ROLE == "prefill" else decode_main)(group, port, commands)
     emit(event="result", role=ROLE, tp_rank=TP,
          rooms={str(r.room): r.result for r in reqs})
-    while COMMANDS.get() != "exit":
-        pass
+    commands.wait_exit()
     mgr.teardown()
 
 

@@ -18,6 +18,7 @@ own KV cache and kvferry engine), stepped like vLLM's engine core
 
 ``python3 _vllm_instance.py '<json config>'``; config: role ("prefill" /
 "decode"), tp, layout ("NHD"/"HND"), mla, lease_s, kvferry (engine settings),
+rank_kvferry ({tp rank: settings of that rank's engine, over kvferry's}),
 collide ({forged P request id: real P request id}: this process's room
 key of the forged id names the real one's room under another instance, as
 two ids whose rooms collide would).  Commands on stdin, one JSON object a
@@ -140,7 +141,8 @@ def make_cache():
 
 
 def vllm_config(tp_rank=None):
-    extra = {"lease_s": CFG.get("lease_s", 120), "kvferry": CFG.get("kvferry", {})}
+    engine = dict(CFG.get("kvferry", {}), **CFG.get("rank_kvferry", {}).get(str(tp_rank), {}))
+    extra = {"lease_s": CFG.get("lease_s", 120), "kvferry": engine}
     if tp_rank is not None:
         extra["tp_rank"] = tp_rank
     return types.SimpleNamespace(
@@ -228,7 +230,9 @@ def main():
         cmds.put({"cmd": "quit"})
     threading.Thread(target=read, daemon=True).start()
     emit(event="ready", addrs=[w.conn._worker.prefill.address for w in workers
-                               if w.conn._worker.prefill is not None])
+                               if w.conn._worker.prefill is not None],
+         decode_addrs=[w.conn._worker.decode.address for w in workers
+                       if w.conn._worker.decode is not None])
     pool = ThreadPoolExecutor(TPS)
     stopping = []
     while time.monotonic() < DEADLINE:

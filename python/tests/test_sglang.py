@@ -1,17 +1,17 @@
 """kvferry.sglang driven as SGLang's schedulers drive it: two prefill TP
-ranks and two decode TP ranks in four processes (``_sglang_rank.py``), the
-bootstrap registry here, each side's polls MIN-reduced between its ranks
-over a socket pair, every byte checked on decode with numpy.
+ranks and two decode TP ranks in four processes (``_sglang_rank.py``, run
+by ``_sglang_cluster.py``), the bootstrap registry here, each side's polls
+MIN-reduced between its ranks over a socket pair, every byte checked on
+decode with numpy.
 
 Cases: plain rooms with chunked prefill; a decode prefix (only the rest
 sent) and a full prefix hit (init(0), zero pages); typed state (a
-mamba-like slot and a swa-like page list); a draft model's KV; one rank
-failing a room (a corrupted byte under checksums, on prefill rank 0): every
-rank raises KVTransferError, with the true reason where the rank could
-know it and the right is_from_another_rank; an abort on decode.  Beyond
-the 2 + 2 ranks: prefill TP 2 into decode TP 1 and TP 1 into TP 2, and the
-failing room with TP 2 into TP 1, where the library links every rank to
-the one that saw the root cause, so every rank raises the true reason.
+mamba-like slot and a swa-like page list); a draft model's KV; MLA.
+Beyond the 2 + 2 ranks: prefill TP 2 into decode TP 1 and TP 1 into TP 2,
+and a failing room with TP 2 into TP 1, where the library links every rank
+to the one that saw the root cause, so every rank raises the true reason.
+Failures with TP 2 into TP 2, one root cause at a time, are
+test_sglang_causes.
 
 Those cases drive the scheduler of SGLang 0094505da741 (SGLangScheduler);
 NewestScheduler drives the newest one: num_kv_tokens on send, the newest
@@ -22,200 +22,13 @@ the lease; arrives after the prefill died), the prefill_complete policy
 (no WaitingForInput before the prefill marked the room) and --device cuda
 over the fake CUDA driver.
 """
-import json
 import os
-import queue
-import socket
-import subprocess
-import sys
-import threading
-import time
 import unittest
-import urllib.request
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-try:
-    import numpy  # noqa: F401
-    HAVE_NUMPY = True
-except ImportError:
-    HAVE_NUMPY = False
-
-from kvferry import _lib  # noqa: E402
-from kvferry import sglang as S  # noqa: E402
-
-NEEDS = ("kvf_receiver_set_dest", "kvf_sender_set_states",
-         "kvf_sender_decode_prefix_len", "kvf_sender_metric")
-MISSING = [n for n in NEEDS if not _lib.has(n)]
-TIMEOUT = 120                          # seconds for one case, every process
-
-ROOM = 2 ** 63 + 11                    # ids past 2^63 on purpose
+from _sglang_cluster import HAVE_NUMPY, MISSING, RANKS, ROOM, WHY_NUMPY, Cluster, S
 
 
-class Cluster:
-    """A registry, two prefill ranks and two decode ranks (or the TP sizes
-    given).  ``start``: the sides to start now; ``start_side()`` starts
-    another later (a decode that arrives after the prefill computed)."""
-
-    def __init__(self, requests, chunk=8, env=None, prefill_env=None, tp=(2, 2),
-                 start=("prefill", "decode"), **layout):
-        self.boot = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0)
-        self.addr = "127.0.0.1:%d" % self.boot.port
-        self.procs, self.events = [], queue.Queue()
-        self.side_procs = {"prefill": [], "decode": []}
-        self.kept = []                  # events seen while waiting for others
-        self.penv = dict(os.environ)
-        self.penv["PYTHONPATH"] = os.pathsep.join(
-            [os.path.dirname(HERE)] + [p for p in self.penv.get("PYTHONPATH", "").split(
-                os.pathsep) if p])
-        self.spec = dict(requests=requests, chunk=chunk, env=env or {},
-                         prefill_env=prefill_env or {}, tp=dict(zip(("prefill", "decode"),
-                                                                    tp)),
-                         layout=layout)
-        self.ranks = 0
-        for side in start:
-            self.start_side(side)
-
-    def start_side(self, side):
-        spec, size = self.spec, self.spec["tp"][side]
-        pair = socket.socketpair() if size == 2 else None
-        try:
-            for rank in range(size):
-                e = dict(spec["env"])
-                if side == "prefill":
-                    e.update(spec["prefill_env"].get(rank, {}))
-                cfg = dict(spec["layout"], role=side, tp_rank=rank, tp_size=size,
-                           bootstrap=self.addr, requests=spec["requests"],
-                           chunk=spec["chunk"], env=e)
-                fd = pair[rank].fileno() if pair is not None else -1
-                p = subprocess.Popen(
-                    [sys.executable, os.path.join(HERE, "_sglang_rank.py"),
-                     json.dumps(cfg), str(fd)], pass_fds=(fd,) if fd >= 0 else (),
-                    env=self.penv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                    text=True)
-                self.procs.append(p)
-                self.side_procs[side].append(p)
-                threading.Thread(target=self._read, args=(p,), daemon=True).start()
-        finally:
-            for sock in pair or ():
-                sock.close()
-        self.ranks += size
-
-    def _read(self, p):
-        for line in p.stdout:
-            try:
-                self.events.put(json.loads(line))
-            except ValueError:
-                self.events.put({"event": "garbage", "line": line})
-        self.events.put({"event": "eof", "rc": p.wait(), "pid": p.pid})
-
-    def _next(self, deadline, what):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise AssertionError("%s: not within %ds" % (what, TIMEOUT))
-        try:
-            return self.events.get(timeout=left)
-        except queue.Empty:
-            return None
-
-    def wait_events(self, kind, n, room=None):
-        """The first ``n`` events of ``kind`` (of ``room`` when given; other
-        events are kept for results()); a rank's error or exit fails the
-        wait."""
-        got, deadline = [], time.monotonic() + TIMEOUT
-        while len(got) < n:
-            ev = self._next(deadline, "%d %r events (have %d)" % (n, kind, len(got)))
-            if ev is None:
-                continue
-            if ev["event"] == kind and room in (None, ev.get("room")):
-                got.append(ev)
-            elif ev["event"] in ("error", "garbage", "eof") and not self._killed(ev):
-                raise AssertionError("a rank failed: %s" % ev)
-            else:
-                self.kept.append(ev)
-        return got
-
-    def _killed(self, ev):
-        """An event of a rank this test killed: its last words (a sibling's
-        dead channel, say) are no failure of the test."""
-        return ev.get("pid") in getattr(self, "killed", ())
-
-    def wait_registered(self):
-        """Until the registry answers its parallel info: every prefill rank
-        has registered (GET /route with every rank -1 answers 200)."""
-        url = ("http://%s/route?prefill_dp_rank=-1&prefill_cp_rank=-1&"
-               "target_tp_rank=-1&target_pp_rank=-1" % self.addr)
-        deadline = time.monotonic() + TIMEOUT
-        while True:
-            try:
-                with urllib.request.urlopen(url, timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (OSError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("the prefill ranks did not register in %ds"
-                                     % TIMEOUT)
-            time.sleep(0.02)
-
-    def tell(self, side, line):
-        for p in self.side_procs[side]:
-            p.stdin.write(line + "\n")
-            p.stdin.flush()
-
-    def kill_side(self, side):
-        """SIGKILL every rank of a side (by pid) and reap it."""
-        self.killed = getattr(self, "killed", set())
-        for p in self.side_procs[side]:
-            self.killed.add(p.pid)
-        for p in self.side_procs[side]:
-            p.kill()
-        for p in self.side_procs[side]:
-            p.wait(timeout=30)
-        self.ranks -= len(self.side_procs[side])
-
-    def results(self):
-        """{(role, tp_rank): {room: result}} once every live rank reported."""
-        out, deadline = {}, time.monotonic() + TIMEOUT
-        pending = list(self.kept)
-        self.kept = []
-        while len(out) < self.ranks:
-            ev = pending.pop(0) if pending else self._next(
-                deadline, "ranks to finish (have %s)" % sorted(out))
-            if ev is None:
-                continue
-            if ev["event"] == "result":
-                out[(ev["role"], ev["tp_rank"])] = {int(k): v for k, v in
-                                                    ev["rooms"].items()}
-            elif ev["event"] in ("error", "garbage", "eof") and not self._killed(ev):
-                raise AssertionError("a rank failed: %s" % ev)
-        for p in self.procs:
-            if p.poll() is None:
-                p.stdin.write("exit\n")
-                p.stdin.flush()
-        for p in self.procs:
-            p.wait(timeout=30)
-        return out
-
-    def close(self):
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=30)
-            for f in (p.stdin, p.stdout):
-                try:
-                    f.close()
-                except OSError:
-                    pass
-        self.boot.close()
-
-
-RANKS = [(side, r) for side in ("prefill", "decode") for r in range(2)]
-
-
-@unittest.skipUnless(HAVE_NUMPY, "numpy is needed to check every byte "
-                     "(Debian: python3-numpy; `make deps`)")
+@unittest.skipUnless(HAVE_NUMPY, WHY_NUMPY)
 @unittest.skipIf(MISSING, "libkvferry lacks %s" % ", ".join(MISSING))
 class SGLangScheduler(unittest.TestCase):
 
@@ -282,34 +95,6 @@ class SGLangScheduler(unittest.TestCase):
         res = self.run_cluster(reqs, chunk=8, draft=True)
         self.assertAllSucceeded(res, [r["room"] for r in reqs])
 
-    def test_one_rank_fails_a_room(self):
-        """Prefill rank 0 corrupts a byte of the big room (checksums on):
-        decode rank 0 sees the mismatch, and every other rank of both
-        sides names it; the small room succeeds everywhere."""
-        big, small = ROOM, ROOM + 1
-        reqs = [{"room": big, "tokens": 40}, {"room": small, "tokens": 2}]
-        res = self.run_cluster(reqs, chunk=16, env={"KVF_CHECKSUM": "1"},
-                               prefill_env={0: {"KVF_FAULTS": "corrupt@2048"}})
-        self.assertAllSucceeded(res, [small])
-        for rank in RANKS:
-            r = res[rank][big]
-            self.assertEqual(r["state"], "Failed", (rank, r))
-            self.assertEqual(r["type"], "KVTransferError", (rank, r))
-        root = res[("decode", 0)][big]
-        self.assertIn("checksum mismatch", root["reason"])
-        self.assertFalse(root["from_another_rank"])
-        self.assertIn("KVTransferError(bootstrap_room=%d)" % big, root["str"])
-        # Every other rank names the same cause, learned from another rank:
-        # prefill rank 0 from its pair, the rank-1 pair (whose own bytes all
-        # moved) through the room's sibling links.
-        for rank in RANKS:
-            if rank == ("decode", 0):
-                continue
-            r = res[rank][big]
-            self.assertEqual(r["reason"], root["reason"], (rank, r))
-            self.assertTrue(r["from_another_rank"], (rank, r))
-            self.assertNotIn(S.UNKNOWN_REASON, r["reason"], (rank, r))
-
     def test_different_tp_sizes(self):
         """Prefill TP 2 into decode TP 1 (each prefill rank's heads into one
         decode rank's pages, which learnt its head count from the prefill
@@ -338,9 +123,9 @@ class SGLangScheduler(unittest.TestCase):
 
     def test_one_rank_fails_a_room_all_linked(self):
         """Prefill TP 2 into decode TP 1: the decode rank is linked to both
-        prefill ranks and tells both the root cause.  Prefill rank 1 gets
-        it unless its own share was acknowledged before (its room is then
-        final, Success, and only its scheduler's all-reduce fails it)."""
+        prefill ranks and tells both the root cause, also prefill rank 1
+        when its own share was acknowledged before (its room Success): it
+        hears, through the decode rank, that its side failed."""
         big = ROOM
         res = self.run_cluster([{"room": big, "tokens": 40}], chunk=16, tp=(2, 1),
                                env={"KVF_CHECKSUM": "1"},
@@ -349,40 +134,13 @@ class SGLangScheduler(unittest.TestCase):
         self.assertEqual(root["state"], "Failed", root)
         self.assertIn("checksum mismatch", root["reason"])
         self.assertFalse(root["from_another_rank"])
-        r = res[("prefill", 0)][big]
-        self.assertEqual((r["state"], r["reason"], r["from_another_rank"]),
-                         ("Failed", root["reason"], True), r)
-        r = res[("prefill", 1)][big]
-        self.assertEqual((r["state"], r["from_another_rank"]), ("Failed", True), r)
-        if r["reason"] != root["reason"]:
-            self.assertIn(S.UNKNOWN_REASON, r["reason"])
-            self.assertIn("this rank's room was Success", r["reason"])
-
-    def test_abort_in_prealloc_queue(self):
-        """AbortReq on decode while the room waits for pages: both decode
-        ranks fail it as aborted (each got the AbortReq; the one that heard
-        its sibling's abort first says it learned it from another rank),
-        both prefill ranks from another rank; the other room succeeds."""
-        reqs = [{"room": ROOM, "tokens": 12, "abort": True},
-                {"room": ROOM + 1, "tokens": 12}]
-        res = self.run_cluster(reqs, chunk=8)
-        self.assertAllSucceeded(res, [ROOM + 1])
-        own = 0
-        for rank in (("decode", 0), ("decode", 1)):
-            r = res[rank][ROOM]
-            self.assertEqual((r["state"], r["reason"]), ("Failed", S.ABORT_REASON),
-                             (rank, r))
-            own += not r["from_another_rank"]
-        self.assertGreaterEqual(own, 1, res)
         for rank in (("prefill", 0), ("prefill", 1)):
-            r = res[rank][ROOM]
-            self.assertEqual(r["state"], "Failed", (rank, r))
-            self.assertTrue(r["from_another_rank"], (rank, r))
+            r = res[rank][big]
+            self.assertEqual((r["state"], r["reason"], r["from_another_rank"]),
+                             ("Failed", root["reason"], True), (rank, r))
 
 
-
-@unittest.skipUnless(HAVE_NUMPY, "numpy is needed to check every byte "
-                     "(Debian: python3-numpy; `make deps`)")
+@unittest.skipUnless(HAVE_NUMPY, WHY_NUMPY)
 @unittest.skipIf(MISSING, "libkvferry lacks %s" % ", ".join(MISSING))
 class NewestScheduler(unittest.TestCase):
     """The same four processes driven as the newest SGLang's schedulers
@@ -503,7 +261,7 @@ class NewestScheduler(unittest.TestCase):
         registry's readiness, whichever comes first)."""
         ok, gone = ROOM, ROOM + 1
         reqs = [{"room": ok, "tokens": 14}, {"room": gone, "tokens": 5,
-                                              "prefill_abort": True}]
+                                              "abort": "prefill-computed"}]
         c = self.cluster_of(reqs, optimistic=True, policy="prefill_complete",
                             hold_mark=True)
         # Both decode ranks connected to the room the prefill still computes

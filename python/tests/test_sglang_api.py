@@ -593,6 +593,17 @@ class HostileInputs(unittest.TestCase):
                 self.assertIn(why, logs.output[0])
                 self.assertNotIn(addr, self.dm.prefill_info_table)
 
+    def test_failed_before_init(self):
+        # SGLang's all-reduce can fail a request on a decode rank that has
+        # not called init() yet (the prefill's parallel info still on its
+        # way): no room, so no cause can reach it, and it says so.
+        rx = S.KVFerryKVReceiver(self.dm, self.addr, self.next_room())
+        with self.assertRaises(S.KVTransferError) as cm:
+            rx.failure_exception()
+        self.assertTrue(cm.exception.is_from_another_rank)
+        self.assertIn("this rank had not opened its room yet", cm.exception.failure_reason)
+        self.assertEqual(rx.poll(), S.KVPoll.Failed)
+
     def test_prefill_dp_ranks(self):
         for dp, why in {-1: "prefill_dp_rank = -1", 2 ** 40: "is outside 0..2147483647",
                         "0": "got str", 0.5: "got 0.5"}.items():
@@ -625,9 +636,17 @@ class HostileInputs(unittest.TestCase):
             with self.subTest(args=ascii(args)):
                 rx = self.ready_receiver()
                 rx.send_metadata(*args)
-                reason = self.reason(rx)
-                self.assertIn(why, reason)
-                self.assertIn("refused on decode rank 0", reason)
+                self.assertEqual(rx.poll(), S.KVPoll.Failed)
+                with self.assertRaises(S.KVTransferError) as cm:
+                    rx.failure_exception()
+                e = cm.exception
+                self.assertIn(why, e.failure_reason)
+                self.assertIn("refused on decode rank 0", e.failure_reason)
+                # The refusal is this rank's own cause, and it says so.
+                self.assertFalse(e.is_from_another_rank)
+                self.assertEqual((e.origin_side, e.origin_rank, e.origin_addr, e.status),
+                                 ("decode", 0, self.dm.engine.address,
+                                  "KVF_ERR_BAD_INDICES"))
                 rx.clear()
 
     def test_sender_calls(self):

@@ -396,7 +396,8 @@ class Instances:
                             "kvferry": fast}, **(d_extra or {})),
                       timeout=240, script="_vllm_instance.py")
         self.p_addrs = self.p.expect(lambda e: e["event"] == "ready", TIMEOUT, "P ready")["addrs"]
-        self.d.expect(lambda e: e["event"] == "ready", TIMEOUT, "D ready")
+        self.d_addrs = self.d.expect(lambda e: e["event"] == "ready", TIMEOUT,
+                                     "D ready")["decode_addrs"]
 
     def prefill(self, ext_id, tokens):
         """The proxy's request to P (do_remote_decode, max_tokens=1): P's
@@ -522,6 +523,33 @@ class FailureTest(unittest.TestCase):
         why = inst.logs(inst.d, "req-dead")
         self.assertTrue(why, inst.d.seen)
         self.assertTrue(any(a in why[0] for a in inst.p_addrs), (why, inst.p_addrs))
+        inst.no_violation(self)
+
+    def test_one_pair_fails_tp_2_to_2(self):
+        # A byte of P rank 0's share corrupted (checksums on): the D worker
+        # that reads it (TP rank 0) reports its blocks invalid and logs the
+        # true cause, the checksum mismatch it saw itself, with its origin;
+        # P's TP rank 0 logs the same cause, learned from it.  The rank-1
+        # pair moved every byte: neither of its workers logs a failure.
+        kv = {"heartbeat_interval_ms": 200, "heartbeat_timeout_ms": 2000, "checksum": True}
+        inst = Instances(2, 2, p_extra={"kvferry": kv,
+                                        "rank_kvferry": {"0": {"faults": "corrupt@100"}}},
+                         d_extra={"kvferry": kv})
+        self.addCleanup(inst.close)
+        params = inst.prefill("req-flip", 13)
+        inst.decode("req-flip", 13, params)
+        ev = inst.recv("req-flip")
+        self.assertEqual(ev["invalid"], sorted(ev["blocks"]), ev)
+        inst.freed("req-flip")
+        origin = "origin decode rank 0 at %s" % inst.d_addrs[0]
+        for peer, learned in ((inst.d, False), (inst.p, True)):
+            why = inst.logs(peer, "req-flip")
+            self.assertEqual(len(why), 1, why)
+            for text in ("TP rank 0: request", "checksum mismatch on the",
+                         "from prefill rank 0 (%s)" % inst.p_addrs[0], "KVF_ERR_CHECKSUM",
+                         origin):
+                self.assertIn(text, why[0])
+            self.assertEqual("learned from another rank" in why[0], learned, why)
         inst.no_violation(self)
 
     def test_unread_prefill_freed_on_lease(self):

@@ -268,13 +268,54 @@ static void retire_instances(kvf_room_t *r)
     }
 }
 
-/* Tell every peer of the room but `from` its record: byte links, siblings. */
-static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort)
+/*
+ * Tell every peer of the room its record: byte links, siblings.  Not
+ * `from`, which told it, unless this rank knows of a failed side that
+ * from's FAIL (`told`) did not name, its own once it failed: then from
+ * must hear it, as it may be the one way to the ranks of this side that
+ * have not (prefill TP 2 into decode TP 1: the decode rank is the one
+ * link between the prefill ranks).  Knowledge of sides only grows, so
+ * this ends.
+ */
+static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort, uint8_t told)
 {
+    const kvf_peer_t *skip = r->failed_sides & (uint8_t)~told ? NULL : from;
     for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].peer != from)
+        if (r->links[i].peer != skip)
             kvf__room_send_fail(r, r->links[i].peer, abort);
-    kvf__siblings_tell(r, from, abort);
+    kvf__siblings_tell(r, skip, abort);
+}
+
+/*
+ * The other side, when this rank's failure fails it too: a sender that
+ * was never given its last chunk leaves every decode rank it feeds
+ * without its bytes; a receiver that never acknowledged a prefill rank's
+ * DONE (or never reached every prefill rank) leaves that rank without its
+ * success.  Its FAILs say so at once, so that a rank of the other side
+ * whose own room had succeeded takes the failure from the first FAIL it
+ * hears, not from a relay that a scheduler's clear() of a sibling's room
+ * may cut.  A sender that had sent everything cannot tell (the decode
+ * side may have it all: docs/FAILURES.md), nor can a held room's ranks,
+ * which have no siblings.
+ */
+static uint8_t doomed_side(kvf_room_t *r)
+{
+    if (r->side == KVF_ROLE_PREFILL) {
+        if (sender_of(r)->held || sender_of(r)->last_sent)
+            return 0;
+        for (uint32_t i = 0; i < r->nlinks; i++)
+            if (!r->links[i].idle)
+                return KVF_SIDE_BIT(KVF_ROLE_DECODE);
+        return 0;
+    }
+    if (receiver_of(r)->remote)
+        return 0;
+    if (r->nlinks < r->expected_links)
+        return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].done && !r->links[i].confirming)
+            return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
+    return 0;
 }
 
 /*
@@ -308,10 +349,10 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
         else
             free(f);
         if (news)
-            tell_peers(r, from, abort);
+            tell_peers(r, from, abort, sides);
         return;
     }
-    r->failed_sides |= mine;
+    r->failed_sides |= mine | doomed_side(r);
     if (r->failure == NULL)
         r->failure = f;
     else
@@ -327,7 +368,7 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
              kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
              f->from_another_rank ? " (from another rank)" : "",
              was == KVF_POLL_SUCCESS ? " after it had succeeded here" : "", f->reason);
-    tell_peers(r, from, abort);
+    tell_peers(r, from, abort, sides);
     pthread_cond_broadcast(&r->eng->final_cond);
     kvf__engine_wake(r->eng);
 }

@@ -27,10 +27,12 @@
  * A sibling link binds like a byte link (docs/SECURITY.md): a FAIL counts
  * only from the peer that watched, naming the room instance it watched
  * with.  It moves no payload, so its connection takes no mover
- * (kvf__peer_get's `watch`).  Losing one fails nothing: the room's byte
- * links see to their own peers, and the failures they record still reach
- * every sibling around the lost link.  Everything here runs under the
- * engine lock.
+ * (kvf__peer_get's `watch`).  A sender that loses a watcher forgets it:
+ * the decode rank's own byte links see to it, and the failures they
+ * record still reach every sibling around the lost link.  A decode rank
+ * that loses a prefill rank it watches fails the room (lost(), below):
+ * it cannot know whether that rank's share was done.  Everything here
+ * runs under the engine lock.
  */
 #include <stdio.h>
 #include <stdlib.h>

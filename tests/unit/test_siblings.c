@@ -334,6 +334,63 @@ static void test_deadline_reaches_every_rank(void)
 }
 
 /*
+ * Prefill TP 2 into decode TP 1: the decode rank reads from both prefill
+ * ranks and is the one link between them.  Prefill rank 1's share was
+ * acknowledged (its room SUCCESS) before the checksum mismatch on prefill
+ * rank 0's: prefill rank 1 must hear through the decode rank that its
+ * side failed (the decode rank's FAIL says so, as it never acknowledged
+ * rank 0's share; and rank 0, failing its side, sends the news back to
+ * the decode rank it came from) and fail its room with the cause.
+ */
+static void test_tp_2_to_1_every_prefill_rank_names_it(void)
+{
+    cluster_t c;
+    room_t rm;
+    engine_opts_t o = {.faults = "corrupt@100", .checksum = 1};
+    cluster_init(&c, 2, 1, 1, &o);
+    room_open(&c, &rm, 1008, 0);
+    room_send(&rm, 1, NPAGES);
+    CHECK_EQ_INT(wait_sender(rm.s[1], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    room_send(&rm, 0, NPAGES);
+    CHECK(room_all_failed(&rm, 1));
+    check_records(&rm, 1, KVF_ERR_CHECKSUM, KVF_ROLE_DECODE, 0, "checksum mismatch");
+    room_close(&rm, 1);
+    cluster_fini(&c);
+}
+
+/*
+ * Prefill rank 0's scheduler never sends (its deadline), and no relay can
+ * help: prefill rank 1 let its room go once it succeeded, and prefill
+ * rank 0's is destroyed the moment it fails, as a scheduler clears a room
+ * once it raised.  Decode rank 1, whose pair had succeeded, fails all the
+ * same, from prefill rank 0's FAIL itself: a sender that was never given
+ * its last chunk says that the decode side failed with it.
+ */
+static void test_a_failure_that_dooms_the_other_side_says_so(void)
+{
+    cluster_t c;
+    room_t rm;
+    engine_opts_t o = {.waiting_timeout_ms = 500};
+    kvf_failure_t f;
+    cluster_init(&c, 2, 2, 1, &o);
+    room_open(&c, &rm, 1009, 0);
+    pair1_succeeds(&rm);
+    kvf_sender_destroy(rm.s[1]);
+    CHECK_EQ_INT(kvf_sender_await_failure(rm.s[0], KVF_TEST_WAIT_MS), KVF_OK);
+    kvf_sender_destroy(rm.s[0]);
+    for (int j = 0; j < 2; j++) {
+        CHECK_EQ_INT(kvf_receiver_await_failure(rm.r[j], KVF_TEST_WAIT_MS), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_failure(rm.r[j], &f), KVF_OK);
+        CHECK_EQ_INT(f.status, KVF_ERR_TIMED_OUT);
+        CHECK_EQ_INT(f.origin_side, KVF_ROLE_PREFILL);
+        CHECK_EQ_INT(f.origin_rank, 0);
+        CHECK_EQ_INT(f.from_another_rank, 1);
+        kvf_receiver_destroy(rm.r[j]);
+    }
+    cluster_fini(&c);
+}
+
+/*
  * A failure on one side after the other side had every byte: prefill
  * rank 0 never hears its decode's acknowledgement (its transfer deadline
  * ends it).  The prefill server failed the request, both its ranks say
@@ -429,5 +486,7 @@ KVF_TEST_MAIN(KVF_CASE(test_every_rank_succeeds),
               KVF_CASE(test_refusal_reaches_every_rank),
               KVF_CASE(test_checksum_mismatch_reaches_every_rank),
               KVF_CASE(test_deadline_reaches_every_rank),
+              KVF_CASE(test_tp_2_to_1_every_prefill_rank_names_it),
+              KVF_CASE(test_a_failure_that_dooms_the_other_side_says_so),
               KVF_CASE(test_one_side_failure_keeps_the_other_sides_success),
               KVF_CASE(test_dp_groups_stay_apart))
