@@ -63,7 +63,8 @@ class ReadinessBoard:
     ``watch(addr, room)`` starts asking about a room and ``state(room)``
     answers what is known: None (not yet), ``("ready", None)``,
     ``("failed", reason)`` (the prefill's), ``("error", why)`` (the
-    registry cannot answer: it does not serve the route).  ``forget(room)``
+    registry cannot answer: it does not serve the route); ``wait(room,
+    timeout)`` waits for it to be known.  ``forget(room)``
     stops watching; ``close()`` stops the worker.
     """
 
@@ -103,6 +104,13 @@ class ReadinessBoard:
         with self._cv:
             return self._states.get(room)
 
+    def wait(self, room, timeout):
+        """``state(room)``, once known or after ``timeout`` seconds (then
+        maybe None): for a caller that has nothing else to wait on."""
+        with self._cv:
+            self._cv.wait_for(lambda: room in self._states or self._closed, timeout)
+            return self._states.get(room)
+
     def forget(self, room):
         with self._cv:
             self._watched.pop(room, None)
@@ -111,7 +119,7 @@ class ReadinessBoard:
     def close(self):
         with self._cv:
             self._closed = True
-            self._cv.notify()
+            self._cv.notify_all()
             th = self._thread
         if th is not None and th is not threading.current_thread():
             th.join(timeout=2 * _TIMEOUT_S)
@@ -190,6 +198,7 @@ class ReadinessBoard:
                 for r in rooms:
                     if r in self._watched:
                         self._states[r] = ("error", why)
+                self._cv.notify_all()
             return
         with self._cv:
             for r in rooms:
@@ -197,3 +206,4 @@ class ReadinessBoard:
                 if r in self._watched and isinstance(e, dict) and \
                         e.get("status") in ("ready", "failed"):
                     self._states[r] = (e["status"], e.get("reason"))
+                    self._cv.notify_all()

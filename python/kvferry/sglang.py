@@ -60,7 +60,7 @@ from .errors import KVFerryError, KVFerryStateError
 from .errors import KVTransferError as _FerryTransferError
 from .manager import BootstrapServer, KVManager
 from .room import KVReceiver, KVSender
-from ._readiness import ReadinessBoard
+from ._readiness import QUERY_INTERVAL_S, ReadinessBoard
 
 logger = logging.getLogger(__name__)
 # What a request's bootstrap_host can make this process log, kept to a quota.
@@ -825,6 +825,7 @@ class _Room:
         self._local_reason = None        # a failure this object decided
         self._local_from_another = False  # ... or learned through the registry
         self._error = None               # the KVTransferError raised, once made
+        self._record = None              # the library's failure record, once read
         self._metric = None
 
     def _fail_here(self, reason, level=logging.ERROR, code=_lib.KVF_ERR_ABORTED,
@@ -876,7 +877,9 @@ class _Room:
         room has not failed yet (the scheduler's all-reduce told it another
         rank did) waits up to ``RELAY_WAIT_S`` for that rank's cause, which
         reaches every rank of the request (docs/FAILURES.md), and raises it
-        with True; only if none comes does it fail its room and raise
+        with True (a decode rank waiting for a prefill_complete room also
+        waits for the prefill's failure posted to the registry); only if
+        none comes does it fail its room and raise
         SGLang's "unknown reason from another rank", saying what it waited
         for.  Also clears the room, as SGLang's backends do."""
         if self._error is None:
@@ -887,6 +890,13 @@ class _Room:
 
     def _make_error(self):
         self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
+        # This rank's room may not have failed yet: another rank of the
+        # request did (the scheduler's all-reduce says so), and its cause is
+        # on its way here; the all-reduce can win that race.
+        deadline = time.monotonic() + RELAY_WAIT_S
+        while self._local_reason is None and self._library_record() is None and \
+                self._await_cause(deadline):
+            pass
         if self._local_reason is not None:
             first = self._library_record()
             if first is not None and first.is_from_another_rank:
@@ -899,15 +909,10 @@ class _Room:
                 # record names this rank, which only passed it on.
                 return _error(self.bootstrap_room, self._local_reason, True)
             return _error(self.bootstrap_room, self._local_reason, False, first)
+        err = self._library_error()
+        if err is not None:
+            return err
         if self._h is not None:
-            # This rank's room may not have failed yet: another rank of the
-            # request did (the scheduler's all-reduce says so), and its cause
-            # is on its way here; the all-reduce can win that race.
-            err = self._library_error()
-            if err is None and self._h.await_failure(RELAY_WAIT_S):
-                err = self._library_error()
-            if err is not None:
-                return err
             state = self._h.poll()
             reason = ("%s (this rank's room was %s; its scheduler's all-reduce said "
                       "another rank failed the request, and no cause reached this rank "
@@ -926,18 +931,25 @@ class _Room:
                       "failed the request: look for it in the other ranks' KVTransferError)"
                       % UNKNOWN_REASON, True)
 
+    def _await_cause(self, deadline):
+        """Wait until ``deadline`` for the room's cause to reach this rank:
+        True once something came (the loop in _make_error looks again),
+        False when nothing did."""
+        left = deadline - time.monotonic()
+        return self._h is not None and left > 0 and self._h.await_failure(left)
+
     def _library_record(self):
         """The library's record of the room's failure (for a failure this
-        object decided, its own: origin this rank), or None."""
-        if self._h is None:
-            return None
-        try:
-            self._h.failure_exception()
-        except _FerryTransferError as e:
-            return e
-        except KVFerryError:
-            pass
-        return None
+        object decided, its own: origin this rank), or None.  Read once: the
+        library hands a record out once."""
+        if self._record is None and self._h is not None:
+            try:
+                self._h.failure_exception()
+            except _FerryTransferError as e:
+                self._record = e
+            except KVFerryError:
+                pass
+        return self._record
 
     def _library_error(self):
         """The library room's record as SGLang's error, or None when the
@@ -1307,6 +1319,30 @@ class KVFerryKVReceiver(_Room, BaseKVReceiver):
         else:
             self._fail_here(got[1])
         return _Poll.Failed
+
+    def _await_cause(self, deadline):
+        """prefill_complete, before the prefill said the room was computed:
+        the prefill's failure comes through the registry (_gate), and that
+        may be the one way here: this rank has sent no destination, so no
+        prefill rank knows it (a held room takes no watches), and before
+        init() it has no room at all.  Waits for either way."""
+        if not self._await_ready:
+            return super()._await_cause(deadline)
+        board = self.kv_mgr.readiness()
+        board.watch(self.bootstrap_addr, self.bootstrap_room)
+        while board.state(self.bootstrap_room) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if self._h is None:
+                if board.wait(self.bootstrap_room, left) is None:
+                    return False            # timed out, or the manager's teardown
+            # The board learns no sooner than its next query: wait on the
+            # library's event for that long, then look at the board again.
+            elif self._h.await_failure(min(left, QUERY_INTERVAL_S)):
+                return True
+        self._gate(_Poll.WaitingForInput)
+        return True
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None,
                       decode_prefix_len=None, *args, **kwargs):

@@ -486,6 +486,56 @@ class Rooms(unittest.TestCase):
                 m.teardown()
             boot.close()
 
+    def test_prefill_failure_reaches_a_waiting_decode(self):
+        """prefill_complete: a room the prefill aborts before it was ready
+        fails on a decode rank whose sibling's scheduler failed it first
+        (the all-reduce), with the prefill's reason, though this rank's
+        library room never hears of it (no destination sent, so no
+        prefill rank knows it) or does not exist yet (before init): its
+        failure_exception() waits for the registry's word too."""
+        boot = S.KVFerryKVBootstrapServer(host="127.0.0.1", port=0)
+        addr = "127.0.0.1:%d" % boot.port
+        sa = server_args(boot.port,
+                         disaggregation_decode_allocation_policy="prefill_complete")
+        pm = S.KVFerryKVManager(kv_args("prefill"), S.DisaggregationMode.PREFILL, sa)
+        dm = S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE, sa)
+        try:
+            deadline = time.monotonic() + 20
+            while not dm.try_ensure_parallel_info(addr):
+                self.assertLess(time.monotonic(), deadline, "no parallel info")
+                time.sleep(0.01)
+            room = self.next_room()
+            tx = S.KVFerryKVSender(pm, addr, room, [0], 0)
+            opened = S.KVFerryKVReceiver(dm, addr, room)
+            opened.init(0)
+            while opened._h.poll() < S.KVPoll.WaitingForInput:     # connected
+                self.assertLess(time.monotonic(), deadline, "not connected")
+                time.sleep(0.005)
+            unopened = S.KVFerryKVReceiver(dm, addr, room)          # before init
+            tx.abort()
+            with self.assertRaises(S.KVTransferError):
+                tx.failure_exception()
+            # The prefill's post is on the registry before either rank asks.
+            board = pm.readiness()
+            board.watch(addr, room)
+            self.assertEqual(board.wait(room, 20), ("failed", "prefill rank 0: " +
+                                                    S.ABORT_REASON))
+            board.forget(room)
+            self.assertNotEqual(opened._h.poll(), S.KVPoll.Failed)
+            for rx in (opened, unopened):
+                with self.assertRaises(S.KVTransferError) as cm:
+                    rx.failure_exception()
+                e = cm.exception
+                self.assertTrue(e.is_from_another_rank)
+                self.assertIn("the prefill server at %s failed room %d before the room was "
+                              "ready for this decode server: prefill rank 0: %s"
+                              % (addr, room, S.ABORT_REASON), e.failure_reason)
+                self.assertEqual(rx.poll(), S.KVPoll.Failed)
+        finally:
+            for m in (pm, dm):
+                m.teardown()
+            boot.close()
+
     def test_bootstrap_server_thread_and_api_key(self):
         """Newer SGLang runs the bootstrap server in a process of its own and
         waits on its thread; with only SGLang's --api-key the registry takes
