@@ -97,7 +97,7 @@ class Cluster:
                 sock.close()
 
     def side(self, side):
-        return [key for key in self.procs if key[0] == side]
+        return [key for key in self.procs if key != "registry" and key[0] == side]
 
     def _start(self, key, cfg, sock=None):
         fd = sock.fileno() if sock is not None else -1
