@@ -17,6 +17,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "kvferry/kvferry.h"
+#include "transport/transport.h"
 #include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
 #include "unit/kvf_wire_peer.h"
@@ -323,13 +324,14 @@ static void faulty_room(const char *pre_faults, const char *dec_faults, int chec
 
 /*
  * Two rooms one after the other over one pair of engines with faults
- * (pre_faults at the prefill, dec_faults at the decode): the first fails
- * with `want` and a reason containing `why` on the decode side (and the
- * same status, as another rank's record, on the prefill side); the second
- * succeeds byte for byte over the same connection, which stays up.
+ * (pre_faults at the prefill, dec_faults at the decode): room `hit` (0,
+ * the first, or 1) fails with `want` and a reason containing `why` on the
+ * decode side (and the same status, as another rank's record, on the
+ * prefill side); the other succeeds byte for byte over the same
+ * connection, which stays up.
  */
-static void first_room_fails_alone(const char *pre_faults, const char *dec_faults,
-                                   uint64_t room, kvf_status_t want, const char *why)
+static void room_fails_alone(const char *pre_faults, const char *dec_faults, uint64_t room,
+                             int hit, kvf_status_t want, const char *why)
 {
     side_t pre, dec;
     char bs[64];
@@ -358,22 +360,23 @@ static void first_room_fails_alone(const char *pre_faults, const char *dec_fault
         wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT);
         CHECK_EQ_INT(kvf_sender_init(s[k], PAGES, 1), KVF_OK);
         kvf_status_t st = kvf_sender_send(s[k], pages, PAGES, 1);
-        CHECK(st == KVF_OK || (k == 0 && st == KVF_ERR_STATE));
+        CHECK(st == KVF_OK || (k == hit && st == KVF_ERR_STATE));
         wait_final(s[k], r[k]);
+        /* Both rooms use the same pages: check the good one's bytes now. */
+        for (int b = 0; b < NKV && k != hit; b++)
+            CHECK(memcmp(dec.kv[b], pre.kv[b], (size_t)PAGES * PAGE_B) == 0);
     }
     kvf_failure_t df, pf;
-    CHECK_EQ_INT(kvf_receiver_poll(r[0]), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_sender_poll(s[0]), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_receiver_failure(r[0], &df), KVF_OK);
-    CHECK_EQ_INT(kvf_sender_failure(s[0], &pf), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_poll(r[hit]), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_poll(s[hit]), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[hit], &df), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_failure(s[hit], &pf), KVF_OK);
     CHECK_EQ_INT(df.status, want);
     CHECK_STR_CONTAINS(df.reason, why);
     CHECK_EQ_INT(pf.status, want);
     CHECK_EQ_INT(pf.from_another_rank, 1);
-    CHECK_EQ_INT(kvf_receiver_poll(r[1]), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(kvf_sender_poll(s[1]), KVF_POLL_SUCCESS);
-    for (int b = 0; b < NKV; b++)
-        CHECK(memcmp(dec.kv[b], pre.kv[b], (size_t)PAGES * PAGE_B) == 0);
+    CHECK_EQ_INT(kvf_receiver_poll(r[1 - hit]), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_sender_poll(s[1 - hit]), KVF_POLL_SUCCESS);
     kvf_engine_stats_t st;
     kvf_engine_stats(dec.eng, &st);
     CHECK_EQ_INT((int)st.peers_connected, 1);   /* the peer was not failed */
@@ -385,6 +388,12 @@ static void first_room_fails_alone(const char *pre_faults, const char *dec_fault
     side_fini(&pre);
 }
 
+static void first_room_fails_alone(const char *pre_faults, const char *dec_faults,
+                                   uint64_t room, kvf_status_t want, const char *why)
+{
+    room_fails_alone(pre_faults, dec_faults, room, 0, want, why);
+}
+
 /*
  * A pulling receiver refuses a segment whose source is outside what the
  * sender registered (KVF_FAULTS=badaddr), and only that room fails
@@ -394,6 +403,33 @@ static void test_bad_source_fails_the_room_only(void)
 {
     first_room_fails_alone("badaddr@0", NULL, 90, KVF_ERR_BAD_INDICES,
                            "outside every region it registered");
+}
+
+/*
+ * A fault kept to one room (KIND@BYTES/ROOM) lets the rooms before it go
+ * by, whatever their bytes, and fires inside its own: the chaos test arms
+ * its resets so at start-up, one per chosen room.
+ */
+static void test_fault_kept_to_one_room(void)
+{
+    room_fails_alone("corrupt@100/86", NULL, 85, 1, KVF_ERR_CHECKSUM, "checksum mismatch");
+}
+
+/* A fault that counts no room's payload cannot be kept to one. */
+static void test_fault_spec_room(void)
+{
+    kvf_faults_t *fs = NULL;
+    char err[256];
+    CHECK_EQ_INT(kvf_faults_parse("reset@5/123,corrupt/7,stall@1:200/9", &fs, err,
+                                  sizeof(err)), KVF_OK);
+    kvf_faults_free(fs);
+    CHECK_EQ_INT(kvf_faults_parse("delay:100/5", &fs, err, sizeof(err)),
+                 KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(err, "cannot be kept to one room");
+    CHECK_EQ_INT(kvf_faults_parse("reset@5/", &fs, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(err, "KIND/ROOM");
+    CHECK_EQ_INT(kvf_faults_parse("reset@5x/1", &fs, err, sizeof(err)),
+                 KVF_ERR_INVALID_PARAM);
 }
 
 /*
@@ -1112,6 +1148,11 @@ static void test_bad_source_fails_the_room_only_shm(void)
     transport = "shm";
     test_bad_source_fails_the_room_only();
 }
+static void test_fault_kept_to_one_room_shm(void)
+{
+    transport = "shm";
+    test_fault_kept_to_one_room();
+}
 static void test_dropped_ack_times_out_shm(void)
 {
     transport = "shm";
@@ -1145,12 +1186,14 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
+              KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
               KVF_CASE(test_one_room_shm), KVF_CASE(test_one_room_shm_mapped),
               KVF_CASE(test_page_size_mismatch_shm),
               KVF_CASE(test_reset_resumes_shm), KVF_CASE(test_repeated_resets_give_up_shm),
               KVF_CASE(test_corrupt_fails_with_checksum_shm),
               KVF_CASE(test_bad_source_fails_the_room_only_shm),
+              KVF_CASE(test_fault_kept_to_one_room_shm),
               KVF_CASE(test_read_faults_shm),
               KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx),
               KVF_CASE(test_device_memory_refused))
