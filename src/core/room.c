@@ -811,6 +811,15 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
         uint64_t idle = kvf_elapsed_ms(now, r->t_state_ms);
         if (limit == 0 || idle < limit)
             continue;
+        /* Waiting for a lost connection to come back when the deadline
+         * expires: the loss is the room's cause, and names the peer. */
+        if (has_broken_link(r)) {
+            kvf__room_fail(r, KVF_ERR_CONN_RESET, "%s; the connection was not back when "
+                           "the room's %s deadline expired (%.1f s without progress)",
+                           r->last_err ? r->last_err : "connection lost",
+                           kvf_poll_name(s), limit / 1000.0);
+            continue;
+        }
         deadline_detail(r, s, detail, sizeof(detail));
         kvf__room_fail(r, KVF_ERR_TIMED_OUT, "room %llu made no progress in %s for "
                        "%.1f s (deadline %.1f s): %s", (unsigned long long)r->id,

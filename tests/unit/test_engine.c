@@ -853,15 +853,15 @@ typedef struct fake_rx {
  * offer as a build without capabilities does (accept 0: it names no caps
  * entry) or accepts strided segments.  Every DATA frame is recorded.
  */
-static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_t accept,
-                             fake_rx_t *rx)
+/* A hand-written decode rank 0 of TP 2 connected to `pre`, through the
+ * handshake (answering its offer with `accept`), which asks for `room`:
+ * one page (3), aux slot 1, one state (2). */
+static fake_peer_t *fake_decode_connect(side_t *pre, uint64_t room, uint32_t accept)
 {
     fake_peer_t *f = calloc(1, sizeof(*f));
-    char addr[64], err[256];
+    char addr[64];
     kvf_msg_t m;
-    kvf_sender_t *s;
 
-    memset(rx, 0, sizeof(*rx));
     CHECK_EQ_INT(kvf_engine_address(pre->eng, addr, sizeof(addr)), KVF_OK);
     struct sockaddr_in sa = {.sin_family = AF_INET,
                              .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
@@ -896,7 +896,18 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     req.u.room_req.state_counts = (kvf_wire_arr32_t){1, &one_state, NULL};
     req.u.room_req.state_idx = (kvf_wire_arr32_t){1, &dstate, NULL};
     fake_send(f, &req, NULL, 0);
+    return f;
+}
 
+static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_t accept,
+                             fake_rx_t *rx)
+{
+    char err[256];
+    kvf_msg_t m;
+    kvf_sender_t *s;
+
+    memset(rx, 0, sizeof(*rx));
+    fake_peer_t *f = fake_decode_connect(pre, room, accept);
     uint32_t spage = 20, sstate = 4;
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
     wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
@@ -951,6 +962,51 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     kvf_sender_destroy(s);
     close(f->fd);
     free(f);
+}
+
+/*
+ * A prefill room whose decode peer's connection broke waits one heartbeat
+ * timeout for it to come back; when the room's own deadline (Transferring,
+ * counted from its last byte) expires first, the broken connection is
+ * still its cause: the reason names the decode rank and the loss, not
+ * only "no progress".
+ */
+static void test_deadline_while_peer_lost(void)
+{
+    side_t pre;
+    char bs[64];
+    kvf_sender_t *s;
+    kvf_failure_t pf;
+    uint32_t spage = 20, sstate = 4;
+
+    transport = "tcp";
+    next_transfer_ms = 600;            /* well inside the 2.5 s wait for the peer */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    next_transfer_ms = 5000;
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    fake_peer_t *f = fake_decode_connect(&pre, 61, 0);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 61, &s), KVF_OK);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 6), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_set_state(s, &sstate, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+    /* Every byte goes into the socket; no acknowledgement comes.  Then
+     * the decode rank's connection resets. */
+    kvf_msg_t m;
+    CHECK(wp_expect(f->fd, KVF_MSG_DONE, &m, f->body, sizeof(f->body), 5000));
+    struct linger lg = {1, 0};
+    setsockopt(f->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    close(f->fd);
+    wait_final(s, NULL);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_failure(s, &pf), KVF_OK);
+    CHECK_EQ_INT(pf.status, KVF_ERR_CONN_RESET);
+    CHECK_STR_CONTAINS(pf.reason, "decode rank 0");
+    CHECK_STR_CONTAINS(pf.reason, "connection lost");
+    CHECK_STR_CONTAINS(pf.reason, "Transferring deadline expired");
+    kvf_sender_destroy(s);
+    free(f);
+    side_fini(&pre);
 }
 
 /*
@@ -1187,6 +1243,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
+              KVF_CASE(test_deadline_while_peer_lost),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
               KVF_CASE(test_one_room_shm), KVF_CASE(test_one_room_shm_mapped),
               KVF_CASE(test_page_size_mismatch_shm),
