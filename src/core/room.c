@@ -667,9 +667,15 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
             nf += done && out != NULL;
             continue;
         }
+        /* The old stream's DONE, checked or waiting for its reads, goes
+         * with it: the resumed stream sends everything again, DONE too,
+         * and reads of the old one that end now count for nothing. */
         for (uint32_t i = 0; i < r->nlinks; i++)
-            if (r->links[i].peer == p)
+            if (r->links[i].peer == p) {
                 r->links[i].broken = 1;
+                r->links[i].done_waiting = 0;
+                r->links[i].confirming = 0;
+            }
         if (r->last_err == NULL)
             r->last_err = strdup(reason);
         if (r->side == KVF_ROLE_DECODE) {
@@ -758,7 +764,6 @@ static void reconnect(kvf_room_t *r)
         p->refs++;
         lk->broken = 0;
         lk->req_sent = 0;
-        lk->done_waiting = 0;   /* the old stream's DONE: everything comes again */
     }
     kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
              r->retries, MAX_RETRIES);

@@ -415,6 +415,122 @@ static void test_fault_kept_to_one_room(void)
     room_fails_alone("corrupt@100/86", NULL, 85, 1, KVF_ERR_CHECKSUM, "checksum mismatch");
 }
 
+/*
+ * Pulled bytes: room A's DONE came while A's read was still going (held
+ * back by readstall) when the connection broke, reset inside room B's
+ * bytes.  That DONE is void: the read that ends as the connection goes
+ * (its endpoint lets go of it) counts for nothing and is not judged
+ * against it, the decode side reconnects, is sent both rooms again, and
+ * both succeed byte for byte (docs/FAILURES.md, Transient faults).
+ */
+static void test_reset_while_done_waits_for_reads(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    kvf_sender_t *s[2];
+    kvf_receiver_t *r[2];
+    uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
+    uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
+
+    next_faults = "reset@0/72";                 /* room B's first byte */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = "readstall@0:20000";          /* room A's read, until it is let go */
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    next_faults = NULL;
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 11 + b * 5 + 9);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 71 + (uint64_t)k, &s[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 71 + (uint64_t)k, -1, &r[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[k], dst[k], 4, 1 + (uint32_t)k, NULL, 0), KVF_OK);
+        wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s[k], 4, 1 + (uint32_t)k), KVF_OK);
+    }
+    /* A: all of it and its DONE, in one go; its read is held. */
+    CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
+    CHECK_EQ_INT(wait_receiver(r[0], KVF_POLL_TRANSFERRING), KVF_POLL_TRANSFERRING);
+    /* B: its first byte resets the connection. */
+    CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        wait_final(s[k], r[k]);
+        kvf_failure_t f;
+        if (kvf_receiver_failure(r[k], &f) == KVF_OK)
+            fprintf(stderr, "  room %d failed on decode: %s\n", 71 + k, f.reason);
+        CHECK_EQ_INT(kvf_receiver_poll(r[k]), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(kvf_sender_poll(s[k]), KVF_POLL_SUCCESS);
+        for (int b = 0; b < NKV; b++)
+            for (int i = 0; i < 4; i++)
+                CHECK(memcmp(dec.kv[b] + (size_t)dst[k][i] * PAGE_B,
+                             pre.kv[b] + (size_t)src[k][i] * PAGE_B, PAGE_B) == 0);
+    }
+    for (int k = 0; k < 2; k++) {
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
+ * Pulled bytes: room A was read and its DONE checked, and the decode side
+ * waits for the prefill side to confirm (its DONE_ACK is dropped, so it
+ * waits on), when the connection breaks inside room B's bytes.  The
+ * resumed stream sends A's DONE again, which is A's DONE now, not "a
+ * second DONE": A ends at its deadline, waiting for the confirmation
+ * that cannot come, not as a protocol violation.
+ */
+static void test_reset_while_link_confirms(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    kvf_sender_t *s[2];
+    kvf_receiver_t *r[2];
+    kvf_failure_t f;
+    uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
+    uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
+
+    next_transfer_ms = 1500;
+    next_faults = "reset@0/82";                 /* room B's first byte */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = "drop-ack";
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    next_faults = NULL;
+    next_transfer_ms = 5000;
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 81 + (uint64_t)k, &s[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 81 + (uint64_t)k, -1, &r[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[k], dst[k], 4, 1 + (uint32_t)k, NULL, 0), KVF_OK);
+        wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s[k], 4, 1 + (uint32_t)k), KVF_OK);
+    }
+    /* A: once its bytes count, its DONE has been checked (the same step). */
+    CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
+    kvf_engine_stats_t st;
+    uint64_t until = kvf_now_ms() + 5000;
+    do {
+        sleep_ms(1);
+        kvf_engine_stats(dec.eng, &st);
+    } while (st.bytes_received < 4 * NKV * PAGE_B && kvf_now_ms() < until);
+    CHECK(st.bytes_received >= 4 * NKV * PAGE_B);
+    CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
+    wait_final(s[0], r[0]);
+    CHECK_EQ_INT(kvf_receiver_poll(r[0]), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[0], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_TIMED_OUT);
+    if (!f.from_another_rank)
+        CHECK_STR_CONTAINS(f.reason, "confirm");
+    for (int k = 0; k < 2; k++) {
+        wait_final(s[k], r[k]);
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
 /* A fault that counts no room's payload cannot be kept to one. */
 static void test_fault_spec_room(void)
 {
@@ -1204,6 +1320,16 @@ static void test_bad_source_fails_the_room_only_shm(void)
     transport = "shm";
     test_bad_source_fails_the_room_only();
 }
+static void test_reset_while_done_waits_for_reads_shm(void)
+{
+    transport = "shm";
+    test_reset_while_done_waits_for_reads();
+}
+static void test_reset_while_link_confirms_shm(void)
+{
+    transport = "shm";
+    test_reset_while_link_confirms();
+}
 static void test_fault_kept_to_one_room_shm(void)
 {
     transport = "shm";
@@ -1229,6 +1355,7 @@ static void test_over_ucx(void)
     test_bad_source_fails_the_room_only();
     test_failed_read_fails_the_room_only();
     test_failed_room_keeps_pages_until_reads_end();
+    test_reset_while_done_waits_for_reads();
 #else
     printf("SKIP test_over_ucx: built without UCX\n");
 #endif
@@ -1251,6 +1378,8 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_corrupt_fails_with_checksum_shm),
               KVF_CASE(test_bad_source_fails_the_room_only_shm),
               KVF_CASE(test_fault_kept_to_one_room_shm),
+              KVF_CASE(test_reset_while_done_waits_for_reads_shm),
+              KVF_CASE(test_reset_while_link_confirms_shm),
               KVF_CASE(test_read_faults_shm),
               KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx),
               KVF_CASE(test_device_memory_refused))
