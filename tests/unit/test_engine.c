@@ -531,6 +531,82 @@ static void test_reset_while_link_confirms(void)
     side_fini(&pre);
 }
 
+/*
+ * Room A's destination reached the prefill engine before A's sender, and
+ * the connection it came on reset (inside room C's bytes) before the
+ * sender was created: the decode rank reconnects and asks again, as for
+ * any reset, and A goes on, whether its sender comes before that request
+ * (resume_first 0: it waits for the decode rank, as a live link would) or
+ * after it (1: the request waits for the sender, beside the first).
+ */
+static void reset_before_sender(int resume_first)
+{
+    side_t pre, dec;
+    char bs[64];
+    kvf_sender_t *s[2] = {NULL, NULL};
+    kvf_receiver_t *r[2];
+    kvf_engine_stats_t st;
+    uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
+    uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
+    const uint64_t room_c = 91, room_a = 92;
+
+    next_faults = "reset@0/91";                 /* room C's first byte */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = NULL;
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 3 + b * 17 + 5);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, room_c + (uint64_t)k, -1, &r[k]),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[k], dst[k], 4, 1 + (uint32_t)k, NULL, 0), KVF_OK);
+    }
+    /* C has its sender; A's destination waits for one. */
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, room_c, &s[0]), KVF_OK);
+    wait_sender(s[0], KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_receiver(r[1], KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s[0], 4, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
+    /* The reset: the prefill engine has no peer for a moment. */
+    uint64_t until = kvf_now_ms() + 5000;
+    do {
+        kvf_engine_stats(pre.eng, &st);
+    } while (st.peers_connected != 0 && kvf_now_ms() < until);
+    CHECK_EQ_INT((int)st.peers_connected, 0);
+    if (resume_first)    /* C goes on once the decode rank is back, and asks again */
+        wait_final(s[0], r[0]);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, room_a, &s[1]), KVF_OK);
+    wait_sender(s[1], KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s[1], 4, 2), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        wait_final(s[k], r[k]);
+        kvf_failure_t f;
+        if (kvf_sender_failure(s[k], &f) == KVF_OK)
+            fprintf(stderr, "  room %d failed on prefill: %s\n", (int)room_c + k, f.reason);
+        CHECK_EQ_INT(kvf_sender_poll(s[k]), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(kvf_receiver_poll(r[k]), KVF_POLL_SUCCESS);
+        int same = 1;
+        for (int b = 0; b < NKV; b++)
+            for (int i = 0; i < 4; i++)
+                same &= memcmp(dec.kv[b] + (size_t)dst[k][i] * PAGE_B,
+                               pre.kv[b] + (size_t)src[k][i] * PAGE_B, PAGE_B) == 0;
+        CHECK(same);
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_reset_before_sender(void)
+{
+    reset_before_sender(0);
+    reset_before_sender(1);
+}
+
 /* A fault that counts no room's payload cannot be kept to one. */
 static void test_fault_spec_room(void)
 {
@@ -1330,6 +1406,11 @@ static void test_reset_while_link_confirms_shm(void)
     transport = "shm";
     test_reset_while_link_confirms();
 }
+static void test_reset_before_sender_shm(void)
+{
+    transport = "shm";
+    test_reset_before_sender();
+}
 static void test_fault_kept_to_one_room_shm(void)
 {
     transport = "shm";
@@ -1370,7 +1451,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
-              KVF_CASE(test_deadline_while_peer_lost),
+              KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
               KVF_CASE(test_one_room_shm), KVF_CASE(test_one_room_shm_mapped),
               KVF_CASE(test_page_size_mismatch_shm),
@@ -1380,6 +1461,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_fault_kept_to_one_room_shm),
               KVF_CASE(test_reset_while_done_waits_for_reads_shm),
               KVF_CASE(test_reset_while_link_confirms_shm),
+              KVF_CASE(test_reset_before_sender_shm),
               KVF_CASE(test_read_faults_shm),
               KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx),
               KVF_CASE(test_device_memory_refused))
