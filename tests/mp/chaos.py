@@ -935,8 +935,11 @@ class Run:
         """The known limit (docs/FAILURES.md): a prefill rank whose decode
         rank reached SUCCESS over tcp, and whose DONE_ACK went with the
         connection, fails the room when the decode rank, done, does not
-        reconnect for it."""
-        if key[0] != "prefill" or "did not reconnect" not in (fr.get("reason") or ""):
+        reconnect for it (after one heartbeat timeout, or at the room's
+        deadline if that comes first)."""
+        why = fr.get("reason") or ""
+        if key[0] != "prefill" or fr.get("status") != "KVF_ERR_CONN_RESET" or \
+                ("did not reconnect" not in why and "was not back" not in why):
             return False
         decodes = [rooms.get(i) for k, rooms in self.batch_rooms.items() if k[0] == "decode"]
         if decodes and all(ev and ev.get("state") == "Success" for ev in decodes):
