@@ -94,7 +94,7 @@ ROOM_ENV = {"KVF_BOOTSTRAP_TIMEOUT_MS": "3000", "KVF_WAITING_TIMEOUT_MS": "3000"
 BUILDS = {
     "none":    {"watchdog_s": 60,  "margin_mb": 192, "shadow": 0, "quiet_cpu": 0.10},
     "address": {"watchdog_s": 120, "margin_mb": 768, "shadow": 0, "quiet_cpu": 0.20},
-    "thread":  {"watchdog_s": 180, "margin_mb": 768, "shadow": 5, "quiet_cpu": 0.30},
+    "thread":  {"watchdog_s": 180, "margin_mb": 768, "shadow": 4, "quiet_cpu": 0.30},
 }
 
 DEPLOYMENTS = [
@@ -630,7 +630,7 @@ class Run:
                               "(openucx/ucx#8175)")
         self.stats = {"cycles": 0, "rooms": 0, "finals": {}, "lost": 0, "lost_acks": 0,
                       "faults": {k: 0 for k in FAULT_WEIGHTS}, "failures": {},
-                      "quiet_cpu": 0.0, "mem_peak": {}}
+                      "quiet_cpu": 0.0, "mem_peak": (0.0, "", 0, 0)}
         self.fault = None
         self.reasons = {}
 
@@ -693,9 +693,10 @@ class Run:
             m = memory_kb(p.pid)
             if not m:
                 continue
-            peak = self.stats["mem_peak"]
-            peak[p.name] = max(peak.get(p.name, 0), m.get("VmRSS", 0))
             bound = self.bound_kb(p)
+            share = m.get("VmRSS", 0) / bound
+            if share > self.stats["mem_peak"][0]:
+                self.stats["mem_peak"] = (share, p.name, m.get("VmRSS", 0) >> 10, bound >> 10)
             if m.get("VmRSS", 0) > bound:
                 fail("%s (pid %d) holds %.0f MiB resident (anon %.0f, file %.0f, shmem %.0f "
                      "MiB), above its bound of %.0f MiB (registered memory + %d MiB); its "
@@ -1023,10 +1024,12 @@ class Run:
         return ("%d cycles in %.0f s, %d rooms over %s; room finals on every rank: %s, "
                 "%d lost with killed ranks; faults: %s; failures by status: %s (%d of them "
                 "a prefill rank's after its DONE_ACK was lost, a known limit); "
-                "quiet-window CPU at most %.1f%% of a CPU; seed %d"
+                "quiet-window CPU at most %.1f%% of a CPU; memory at most %.0f%% of a bound "
+                "(%s: %d of %d MiB); seed %d"
                 % (s["cycles"], elapsed, s["rooms"], "+".join(d.name for d in self.deps),
                    finals, s["lost"], faults, fails, s["lost_acks"], 100 * s["quiet_cpu"],
-                   self.seed))
+                   100 * s["mem_peak"][0], s["mem_peak"][1], s["mem_peak"][2],
+                   s["mem_peak"][3], self.seed))
 
 
 def main():
