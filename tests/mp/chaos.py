@@ -74,6 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.request
 
 RESOLVE_S = 5.0        # room deadline (3 s) + 2 s slack, as fault_check.py
@@ -1056,7 +1057,9 @@ def main():
             run.cycle(c)
             c += 1
         run.finish()
-    except Failure as e:
+    except (Failure, Exception) as e:
+        if not isinstance(e, Failure):     # the driver's own error: say where
+            e = "the test driver failed: %s" % traceback.format_exc()
         print("FAIL chaos (seed %d, replay with KVF_CHAOS_SEED=%d): %s"
               % (run.seed, run.seed, e), flush=True)
         print("chaos: after %s" % run.summary(time.time() - t0), flush=True)
