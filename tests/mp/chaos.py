@@ -847,8 +847,16 @@ class Run:
         log("  cycle %d ok in %.1f s" % (c, time.time() - t_cycle))
 
     def recover(self, c):
-        """Restart a killed rank and wait until its peers can find it."""
+        """Restart a killed rank and wait until its peers can find it.
+        After a cut, wait one heartbeat timeout past the link's return: a
+        connection that lived through the cut may still be silent in TCP's
+        retransmission backoff, and the engines tell only by the heartbeat
+        whether it comes back or is dead (its rooms then fail, rightly)."""
         f = self.fault
+        if f["kind"] == "cut":
+            settled = f["t1"] + HEARTBEAT_S + 0.5
+            self.pump(lambda: time.time() >= settled, HEARTBEAT_S + 5,
+                      "the connections across the link to settle")
         if f["kind"] != "kill":
             return
         d = next(x for x in self.deps if x.name == f["dep"])
