@@ -9,7 +9,8 @@ cannot hide an engine bug:
   - the fault fired, and every room of the first batch is final;
   - every failure record has a status, a reason and an origin;
   - a surviving rank that saw the fault itself names the faulty side;
-  - rooms resolved within 5 s of a kill or stop;
+  - rooms resolved within 5 s of a kill or stop (a stopped rank's own
+    rooms: within 5 s of its SIGCONT, since it cannot act before);
   - no room reported SUCCESS with data that did not verify;
   - no page was written after its room was final (the demo finds such a
     page dirty when it gives it to the next room: STALE_WRITE);

@@ -43,6 +43,13 @@ fault_big() {
     # A hang shows as rooms unresolved at the timeout: no need to wait
     # for it the tiny runs' 90 s.
     FAULT_TIMEOUT=40
+    # Pulled (shm, ucx), a room's bytes are read by the decode side after
+    # the prefill side has named them all, and the prefill side's
+    # Transferring deadline counts from then: on a loaded 2-CPU host the
+    # decode can take more than the demo's 3 s to read two 256 MiB rooms,
+    # and the prefill fails rooms that are moving.  These faults resolve
+    # by heartbeats and lost connections (2.5 s), not by that deadline.
+    export KVF_TRANSFER_TIMEOUT_MS=${KVF_TRANSFER_TIMEOUT_MS:-10000}
 }
 
 # fault_big_gate: the big rooms in the release build only.  Instrumented,
