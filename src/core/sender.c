@@ -226,7 +226,11 @@ static void chunk_complete(kvf_put_t *put, kvf_status_t st)
     if (c->peer != lk->peer || room_final(r)) {
         /* stale, or nothing left to do */
     } else if (st != KVF_OK) {
-        if (!lk->broken)   /* broken: the room waits for a reconnect */
+        /* Broken: the room waits for a reconnect.  Reset while its peer
+         * is still being failed (a put another thread queued, handed to
+         * the closing connection first): the peer's failure, next, judges
+         * the room, and may leave it to resume. */
+        if (!lk->broken && !(st == KVF_ERR_CONN_RESET && c->peer->state != KVF_PEER_DEAD))
             kvf__room_fail(r, st, "transfer to %s failed: %s",
                            kvf__peer_name(lk->peer, name, sizeof(name)),
                            kvf_status_str(st));

@@ -16,6 +16,7 @@
 #include <sys/socket.h>
 
 #include "bootstrap/bootstrap.h"
+#include "core/engine.h"
 #include "kvferry/kvferry.h"
 #include "transport/transport.h"
 #include "unit/kvf_rooms.h"
@@ -1202,6 +1203,48 @@ static void test_deadline_while_peer_lost(void)
 }
 
 /*
+ * A reset that reaches the prefill engine while the scheduler's first
+ * send of a room waits in the peer's outbox (queued from the caller's
+ * thread, for the connection's thread to hand over): the connection's
+ * loss decides for the room (a decode rank may reconnect and resume), not
+ * that put's completion with a bare "connection to peer lost".  The
+ * engine lock is held across the reset, so that the send comes before
+ * the engine sees it.
+ */
+static void test_reset_with_puts_queued(void)
+{
+    side_t pre;
+    char bs[64];
+    kvf_sender_t *s;
+    kvf_failure_t pf;
+    uint32_t spage = 20, sstate = 4;
+
+    transport = "tcp";
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    fake_peer_t *f = fake_decode_connect(&pre, 62, 0);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 62, &s), KVF_OK);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 6), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_set_state(s, &sstate, 1), KVF_OK);
+    kvf__lock(pre.eng);
+    struct linger lg = {1, 0};
+    setsockopt(f->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    close(f->fd);
+    kvf__unlock(pre.eng);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+    wait_final(s, NULL);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_failure(s, &pf), KVF_OK);
+    CHECK_EQ_INT(pf.status, KVF_ERR_CONN_RESET);
+    CHECK_STR_CONTAINS(pf.reason, "connection lost");
+    CHECK_STR_CONTAINS(pf.reason, "did not reconnect");
+    kvf_sender_destroy(s);
+    free(f);
+    side_fini(&pre);
+}
+
+/*
  * A decode rank that did not accept strided segments (an older build)
  * gets a plain segment per token of a TP slice; one that did gets one
  * strided segment per KV buffer.  The payload is the same bytes in the
@@ -1452,6 +1495,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
               KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
+              KVF_CASE(test_reset_with_puts_queued),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
               KVF_CASE(test_one_room_shm), KVF_CASE(test_one_room_shm_mapped),
               KVF_CASE(test_page_size_mismatch_shm),
