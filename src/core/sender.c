@@ -1259,17 +1259,6 @@ static int tomb_has_rank(const kvf_tomb_t *t, uint32_t rank)
     return 0;
 }
 
-/* A resume of a request its sender has not met yet: this rank asked for
- * this room instance before, and that request waits in the stash (its
- * connection broke since).  The resume waits there with it. */
-static int stashed_request(kvf_engine_t *eng, const kvf_msg_room_req_t *m)
-{
-    for (const kvf_stash_t *s = kvf_map_get(&eng->stash, m->room); s != NULL; s = s->next)
-        if (s->link.pages != NULL && s->link.rank == m->dst_rank && s->instance == m->instance)
-            return 1;
-    return 0;
-}
-
 void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
 {
     kvf_engine_t *eng = p->eng;
@@ -1321,13 +1310,15 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     }
     lk.instance = m->instance;
     const kvf_tomb_t *tomb = r == NULL ? kvf_map_get(&eng->tombs, m->room) : NULL;
-    if (r == NULL && ((m->attempt > 0 && !stashed_request(eng, m)) ||
-                      kvf__instance_retired(eng, m->instance) ||
+    if (r == NULL && (kvf__instance_retired(eng, m->instance) ||
                       (tomb != NULL && !tomb_has_rank(tomb, m->dst_rank)))) {
         /* Resuming, or asking late, for a room whose sender is gone: a
          * rank the failed sender never heard from, or an instance it
          * served.  (A new instance from a rank it had bound is a retry
-         * with the id reused: stashed for the next sender.) */
+         * with the id reused: stashed for the next sender.  So is a
+         * resume of an instance no sender served: its sender is still to
+         * come, and its first request, if it got here, may wait in the
+         * stash too, or went with the connection that broke.) */
         kvf__sender_answer_gone(p, m->room, m->instance);
         free(f);
     } else if (r == NULL) {

@@ -17,6 +17,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "core/engine.h"
+#include "core/peer.h"
 #include "kvferry/kvferry.h"
 #include "transport/transport.h"
 #include "unit/kvf_rooms.h"
@@ -1244,6 +1245,100 @@ static void test_reset_with_puts_queued(void)
     side_fini(&pre);
 }
 
+/* Unread bytes in a TCP socket of this host whose local port is `port`
+ * (/proc/net/tcp's rx_queue): what a peer sent that was not read yet. */
+static unsigned long unread_at_port(int port)
+{
+    FILE *f = fopen("/proc/net/tcp", "r");
+    char line[512];
+    unsigned long most = 0;
+    if (f == NULL)
+        return 0;
+    while (fgets(line, sizeof(line), f)) {
+        unsigned lport, st;
+        unsigned long txq, rxq;
+        if (sscanf(line, " %*d: %*x:%x %*x:%*x %x %lx:%lx", &lport, &st, &txq, &rxq) == 4 &&
+            (int)lport == port && rxq > most)
+            most = rxq;
+    }
+    fclose(f);
+    return most;
+}
+
+/*
+ * A decode rank's request that the prefill engine never read (its
+ * connection reset with it unread), then the decode rank's resume of it,
+ * before the room's sender exists: no sender served that room instance,
+ * so the resume waits for the sender like any request, and the room goes
+ * on once it comes.
+ */
+static void test_resume_of_unread_request(void)
+{
+    side_t pre, dec;
+    char bs[64], addr[64];
+    kvf_sender_t *s[2];
+    kvf_receiver_t *r[2];
+    uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
+    uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
+
+    transport = "tcp";
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
+    int port = atoi(strrchr(addr, ':') + 1);
+    /* Room C connects the pair and moves its bytes. */
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 93, &s[0]), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 93, -1, &r[0]), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r[0], dst[0], 4, 1, NULL, 0), KVF_OK);
+    wait_sender(s[0], KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s[0], 4, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
+    wait_final(s[0], r[0]);
+    CHECK_EQ_INT(kvf_sender_poll(s[0]), KVF_POLL_SUCCESS);
+    /* Room A's request reaches the prefill engine, which does not read
+     * it (its lock is held here) before its connection resets. */
+    kvf__lock(pre.eng);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 94, -1, &r[1]), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r[1], dst[1], 4, 2, NULL, 0), KVF_OK);
+    uint64_t until = kvf_now_ms() + 5000;
+    while (unread_at_port(port) == 0 && kvf_now_ms() < until)
+        sleep_ms(1);
+    CHECK(unread_at_port(port) > 0);
+    kvf_peer_t *p = pre.eng->peers;
+    CHECK(p != NULL && p->conn != NULL);
+    if (p != NULL && p->conn != NULL)
+        p->conn->ops->abort(p->conn, 1, "reset by the test with a request unread");
+    kvf__unlock(pre.eng);
+    /* The decode rank reconnects and asks again; then the sender comes. */
+    until = kvf_now_ms() + 5000;
+    kvf_engine_stats_t st;
+    do {
+        sleep_ms(1);
+        kvf_engine_stats(pre.eng, &st);
+    } while (st.peers_connected == 0 && kvf_now_ms() < until);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 94, &s[1]), KVF_OK);
+    wait_sender(s[1], KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s[1], 4, 2), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
+    wait_final(s[1], r[1]);
+    kvf_failure_t f;
+    if (kvf_receiver_failure(r[1], &f) == KVF_OK)
+        fprintf(stderr, "  room 94 failed on decode: %s\n", f.reason);
+    CHECK_EQ_INT(kvf_receiver_poll(r[1]), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_sender_poll(s[1]), KVF_POLL_SUCCESS);
+    int same = 1;
+    for (int b = 0; b < NKV; b++)
+        for (int i = 0; i < 4; i++)
+            same &= memcmp(dec.kv[b] + (size_t)dst[1][i] * PAGE_B,
+                           pre.kv[b] + (size_t)src[1][i] * PAGE_B, PAGE_B) == 0;
+    CHECK(same);
+    for (int k = 0; k < 2; k++) {
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
 /*
  * A decode rank that did not accept strided segments (an older build)
  * gets a plain segment per token of a TP slice; one that did gets one
@@ -1495,7 +1590,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
               KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
-              KVF_CASE(test_reset_with_puts_queued),
+              KVF_CASE(test_reset_with_puts_queued), KVF_CASE(test_resume_of_unread_request),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
               KVF_CASE(test_one_room_shm), KVF_CASE(test_one_room_shm_mapped),
               KVF_CASE(test_page_size_mismatch_shm),
