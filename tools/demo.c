@@ -145,7 +145,8 @@ static void kvt_demo_usage(FILE *out)
         "KVF_{BOOTSTRAP,WAITING,TRANSFER}_TIMEOUT_MS=3000 unless they are set.\n"
         "The JSON adds fault, touched_rooms (in flight at the fault), later_rooms\n"
         "(started while it lasted), max_resolve_seconds (from the fault to the\n"
-        "last final state of a room in flight), after_fault and fault_detail.\n");
+        "last final state of a room in flight; on a stopped rank, from its\n"
+        "SIGCONT), after_fault and fault_detail.\n");
     fprintf(out,
         "\nEngine settings not listed here come from KVF_* environment\n"
         "variables (KVF_LOG=info, KVF_TRANSFER_TIMEOUT_MS, ...), which every\n"
@@ -201,7 +202,8 @@ int kvt_demo_main(int argc, char **argv)
                             o->registry_auth[0] ? o->registry_auth : "unknown",
                             o->error[0] ? o->error : NULL, o->timed_out,
                             o->signal, d.o.fault, d.inj.injected,
-                            d.inj.injected_at, detail };
+                            d.inj.injected_at, detail,
+                            d.inj.resumed ? d.inj.victim : NULL, d.inj.resumed_at };
     int ok = 0;
     json_t *summary = kvt_report_summary(&d.rep, &o->kids, &info, &ok);
     json_decref(detail);

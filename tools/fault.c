@@ -349,6 +349,7 @@ static void kvt_injector_resume(kvt_injector_t *inj, uint64_t now)
     kvt_child_signal(v, SIGCONT);
     v->stopped = 0;
     inj->resumed = 1;
+    inj->resumed_at = kvt_wall_now();
     kvt_injector_log(inj, "SIGCONT %s (%s)", v->name,
                      seen ? "every other rank has resolved the rooms it hit"
                           : "hold time over");

@@ -104,6 +104,7 @@ typedef struct kvt_injector {
     kvt_child_t       *victim;           /**< the process acted on, if any */
     char               target_addr[64];  /**< its control address ("ready") */
     int                resumed;          /**< SIGCONT sent */
+    double             resumed_at;       /**< wall clock of the SIGCONT */
     int                gone_marked;      /**< a killed rank's rooms recorded */
     kvt_child_t       *restarted;        /**< its replacement */
     char               restarted_addr[64];

@@ -17,9 +17,15 @@
  * Only the last prefill stage writes the aux record.
  *
  * Protocol with the orchestrator: stdin carries commands, one per line:
- * "go" (run --requests rooms), "batch FIRST COUNT" (run the rooms of those
- * request indices: the fresh batch after a fault), "resume" (end a
- * --hold), "exit".  stdout carries events, one JSON object per line:
+ * "go" (run --requests rooms), "batch FIRST COUNT [SIZES]" (run the rooms
+ * of those request indices: the fresh batch after a fault, or a chaos
+ * test's rooms), "resume" (end a --hold), "exit".  SIZES gives each room
+ * of the batch its own size, as comma-separated TOKENS:CHUNK, one per
+ * request (CHUNK: tokens per send, a multiple of --page-size; 0 sends the
+ * room at once; TOKENS at most --tokens, which sized the page pools);
+ * without it every room has --tokens and --chunk.  Every rank of a run
+ * must get the same SIZES.  stdout carries events, one JSON object per
+ * line:
  *   {"event":"ready", side, rank, addr, at, pid, ...}   at: {dp_rank,
  *        pp_rank, tp_rank, first_layer, num_layers}
  *   {"event":"phase", side, rank, room, index, phase}   bootstrap, waiting,
@@ -68,6 +74,8 @@ typedef struct kvt_room {
     kvf_sender_t   *snd;
     kvf_receiver_t *rcv;
     kvf_poll_t      seen;      /* highest state reported as a phase */
+    uint32_t        npages;    /* this room's pages (at most room_pages) */
+    uint32_t        chunk_pages;  /* prefill: pages per send */
     uint32_t       *pages;     /* room_pages entries, owned by the rank */
     int             has_pages;
     uint32_t        sent;      /* prefill: pages sent so far */
@@ -75,6 +83,15 @@ typedef struct kvt_room {
     int             has_aux;
     double          start;
 } kvt_room_t;
+
+/* One room's size in a "batch ... SIZES" command. */
+typedef struct kvt_size {
+    uint32_t tokens;
+    uint32_t chunk;   /* tokens per send; 0: the whole room at once */
+} kvt_size_t;
+
+/* The longest command line: a batch with a size per room. */
+#define KVT_CMD_MAX 8192
 
 
 /* ------------------------------------------------------------------------ */
@@ -119,7 +136,7 @@ static void kvt_hold(kvt_rank_t *r, const kvt_room_t *rm, const char *phase)
         (index && strtoul(index, NULL, 10) != rm->index))
         return;
     r->o.hold = NULL;   /* once */
-    char cmd[128];
+    char cmd[KVT_CMD_MAX];
     while (kvt_next_command(cmd, sizeof(cmd)) == 0 && strcmp(cmd, "resume") != 0)
         fprintf(stderr, "kvferry _rank %s[%u]: ignoring command '%s' while "
                 "holding at phase %s\n", r->side, r->o.rank, cmd, phase);
@@ -208,9 +225,9 @@ uint8_t *kvt_aux(kvt_rank_t *r, uint32_t slot)
     return r->aux + (size_t)slot * KVT_AUX_SLOT_BYTES;
 }
 
-static uint64_t kvt_room_bytes(const kvt_rank_t *r)
+static uint64_t kvt_room_bytes(const kvt_rank_t *r, const kvt_room_t *rm)
 {
-    return (uint64_t)r->room_pages * r->g.page_bytes * r->g.num_buffers;
+    return (uint64_t)rm->npages * r->g.page_bytes * r->g.num_buffers;
 }
 
 /* Decode: check every byte of every page of every buffer, then the aux
@@ -219,7 +236,7 @@ static json_t *kvt_verify_room(kvt_rank_t *r, kvt_room_t *rm)
 {
     const kvt_geom_t *g = &r->g;
     for (uint32_t b = 0; b < g->num_buffers; b++) {
-        for (uint32_t i = 0; i < r->room_pages; i++) {
+        for (uint32_t i = 0; i < rm->npages; i++) {
             kvt_mismatch_t mm;
             if (kvt_pattern_verify(kvt_page(r, b, rm->pages[i]), g, rm->id,
                                    g->buf0 + b, i * g->page_size, g->page_size,
@@ -252,7 +269,7 @@ static json_t *kvt_verify_room(kvt_rank_t *r, kvt_room_t *rm)
  * of rooms in flight can use, so running out is a bug in this file. */
 static void kvt_take(kvt_rank_t *r, kvt_room_t *rm)
 {
-    if (kvt_pool_take(&r->pages, r->room_pages, rm->pages) ||
+    if (kvt_pool_take(&r->pages, rm->npages, rm->pages) ||
         kvt_pool_take(&r->slots, 1, &rm->aux_slot)) {
         fprintf(stderr, "kvferry _rank %s[%u]: internal error: page pool "
                 "exhausted with %u rooms in flight\n", r->side, r->o.rank,
@@ -273,7 +290,7 @@ static uint32_t kvt_stale_pages(kvt_rank_t *r, const kvt_room_t *rm)
 {
     static const uint8_t zero[4096];
     uint32_t stale = 0;
-    for (uint32_t i = 0; i < r->room_pages; i++) {
+    for (uint32_t i = 0; i < rm->npages; i++) {
         int dirty = 0;
         for (uint32_t b = 0; b < r->g.num_buffers && !dirty; b++) {
             const uint8_t *p = kvt_page(r, b, rm->pages[i]);
@@ -295,9 +312,9 @@ static void kvt_release(kvt_rank_t *r, kvt_room_t *rm)
          * can never verify against stale bytes of an earlier one. */
         if (!r->prefill)
             for (uint32_t b = 0; b < r->g.num_buffers; b++)
-                for (uint32_t i = 0; i < r->room_pages; i++)
+                for (uint32_t i = 0; i < rm->npages; i++)
                     memset(kvt_page(r, b, rm->pages[i]), 0, r->g.page_bytes);
-        kvt_pool_give(&r->pages, rm->pages, r->room_pages);
+        kvt_pool_give(&r->pages, rm->pages, rm->npages);
         rm->has_pages = 0;
     }
     if (rm->has_aux) {
@@ -324,11 +341,11 @@ static void kvt_finish(kvt_rank_t *r, kvt_room_t *rm, kvf_poll_t state,
         failure = kvt_engine_failure(r, rm);
     if (state == KVF_POLL_SUCCESS) {
         if (r->prefill) {
-            bytes = kvt_room_bytes(r);
+            bytes = kvt_room_bytes(r, rm);
         } else {
             failure = kvt_verify_room(r, rm);
             verified = failure == NULL;
-            bytes = verified ? kvt_room_bytes(r) : 0;
+            bytes = verified ? kvt_room_bytes(r, rm) : 0;
         }
     }
     /* Destroy before touching the pages: after kvf_receiver_destroy no
@@ -374,12 +391,20 @@ static void kvt_call_failed(kvt_rank_t *r, kvt_room_t *rm, const char *call,
     kvt_finish(r, rm, KVF_POLL_FAILED, f);
 }
 
-static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index)
+static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index,
+                      const kvt_size_t *size)
 {
     uint32_t *pages = rm->pages;
     memset(rm, 0, sizeof(*rm));
     rm->pages = pages;
     rm->index = index;
+    rm->npages = r->room_pages;
+    rm->chunk_pages = r->chunk_pages;
+    if (size) {
+        rm->npages = kvt_pages_for(size->tokens, r->prefill ? r->o.page_size
+                                                            : r->o.decode_page_size);
+        rm->chunk_pages = size->chunk ? size->chunk / r->o.page_size : rm->npages;
+    }
     rm->id = kvt_room_id(r->o.seed, index);
     rm->start = kvt_wall_now();
     rm->seen = KVF_POLL_BOOTSTRAPPING;
@@ -410,10 +435,10 @@ static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index)
         kvt_finish(r, rm, KVF_POLL_FAILED,
                    kvt_local_failure(r, rm, "STALE_WRITE", "%u of the %u pages given to "
                                      "this room held bytes written after their previous "
-                                     "room was final (engine bug)", stale, r->room_pages));
+                                     "room was final (engine bug)", stale, rm->npages));
         return;
     }
-    st = kvf_receiver_init(rm->rcv, rm->pages, r->room_pages, rm->aux_slot,
+    st = kvf_receiver_init(rm->rcv, rm->pages, rm->npages, rm->aux_slot,
                            NULL, 0);
     if (st != KVF_OK)
         kvt_call_failed(r, rm, "kvf_receiver_init", st);
@@ -422,10 +447,10 @@ static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index)
 /* Prefill: "compute" one chunk (fill its pages) and send it. */
 static void kvt_send_chunk(kvt_rank_t *r, kvt_room_t *rm)
 {
-    uint32_t n = r->room_pages - rm->sent;
-    if (n > r->chunk_pages)
-        n = r->chunk_pages;
-    int last = rm->sent + n == r->room_pages;
+    uint32_t n = rm->npages - rm->sent;
+    if (n > rm->chunk_pages)
+        n = rm->chunk_pages;
+    int last = rm->sent + n == rm->npages;
     for (uint32_t b = 0; b < r->g.num_buffers; b++)
         for (uint32_t i = rm->sent; i < rm->sent + n; i++)
             kvt_pattern_fill(kvt_page(r, b, rm->pages[i]), &r->g, rm->id,
@@ -472,7 +497,7 @@ static int kvt_progress(kvt_rank_t *r, kvt_room_t *rm)
         if (st < KVF_POLL_WAITING_FOR_INPUT)
             return changed;
         kvt_take(r, rm);
-        kvf_status_t s = kvf_sender_init(rm->snd, r->room_pages, rm->aux_slot);
+        kvf_status_t s = kvf_sender_init(rm->snd, rm->npages, rm->aux_slot);
         if (s != KVF_OK) {
             kvt_call_failed(r, rm, "kvf_sender_init", s);
             return 1;
@@ -514,8 +539,10 @@ static uint32_t kvt_next_owned(const kvt_rank_t *r, uint32_t index, uint32_t end
     return index;
 }
 
-/* Run this rank's rooms of [first, first + count) to their final state. */
-static void kvt_run(kvt_rank_t *r, uint32_t first, uint32_t count)
+/* Run this rank's rooms of [first, first + count) to their final state;
+ * sizes, if not NULL, has one entry per request of the range. */
+static void kvt_run(kvt_rank_t *r, uint32_t first, uint32_t count,
+                    const kvt_size_t *sizes)
 {
     uint32_t end = first + count, total = 0;
     for (uint32_t i = first; i < end; i++)
@@ -530,7 +557,7 @@ static void kvt_run(kvt_rank_t *r, uint32_t first, uint32_t count)
             /* Every rank starts its rooms in index order, so the windows
              * of all ranks always overlap and no room waits on a peer
              * that has not admitted it. */
-            kvt_start(r, &r->win[i], next);
+            kvt_start(r, &r->win[i], next, sizes ? &sizes[next - first] : NULL);
             next = kvt_next_owned(r, next + 1, end);
             inflight++;
             changed = 1;
@@ -602,6 +629,68 @@ static void kvt_emit_result(kvt_rank_t *r)
         "rooms_failed", (json_int_t)s.rooms_failed));
 }
 
+/*
+ * The SIZES of "batch FIRST COUNT SIZES": COUNT comma-separated
+ * TOKENS:CHUNK.  The page pools were sized for --tokens, so no room may
+ * be larger; a chunk must end on a page boundary, as --chunk must.
+ * @return 0, or -1 with the reason in why.
+ */
+static int kvt_parse_sizes(const kvt_rank_t *r, const char *text, uint32_t count,
+                           kvt_size_t *sizes, char *why, size_t len)
+{
+    const char *p = text;
+    for (uint32_t i = 0; i < count; i++) {
+        char *end;
+        unsigned long t = strtoul(p, &end, 10), c = 0;
+        if (end == p || *end != ':') {
+            snprintf(why, len, "size %u of %u: expected TOKENS:CHUNK at '%.40s'",
+                     i + 1, count, p);
+            return -1;
+        }
+        p = end + 1;
+        c = strtoul(p, &end, 10);
+        if (end == p || (*end != ',' && *end != '\0') || (*end == '\0') != (i + 1 == count)) {
+            snprintf(why, len, "size %u of %u: expected TOKENS:CHUNK, with one per room "
+                     "of the batch, at '%.40s'", i + 1, count, p);
+            return -1;
+        }
+        if (t == 0 || t > r->o.tokens || (c % r->o.page_size) != 0) {
+            snprintf(why, len, "size %u of %u: %lu:%lu is not a room this rank can run: "
+                     "TOKENS must be 1..--tokens %u, CHUNK 0 or a multiple of --page-size "
+                     "%u", i + 1, count, t, c, r->o.tokens, r->o.page_size);
+            return -1;
+        }
+        sizes[i] = (kvt_size_t){ (uint32_t)t, (uint32_t)c };
+        p = *end ? end + 1 : end;
+    }
+    return 0;
+}
+
+/* "batch FIRST COUNT [SIZES]": run those rooms, then report. */
+static void kvt_batch(kvt_rank_t *r, uint32_t first, uint32_t count, const char *rest)
+{
+    while (*rest == ' ')
+        rest++;
+    kvt_size_t *sizes = NULL;
+    if (*rest) {
+        char why[256];
+        sizes = count <= KVT_CMD_MAX ? calloc(count, sizeof(*sizes)) : NULL;
+        if (!sizes) {
+            kvt_fatal(r, "batch %u %u: a batch with sizes has at most %u rooms",
+                      first, count, KVT_CMD_MAX);
+            return;
+        }
+        if (kvt_parse_sizes(r, rest, count, sizes, why, sizeof(why)) != 0) {
+            kvt_fatal(r, "batch %u %u: %s", first, count, why);
+            free(sizes);
+            return;
+        }
+    }
+    kvt_run(r, first, count, sizes);
+    free(sizes);
+    kvt_emit_result(r);
+}
+
 static void kvt_cleanup(kvt_rank_t *r)
 {
     if (r->win)
@@ -664,7 +753,7 @@ int kvt_rank_main(int argc, char **argv)
         "heads", (int)r.g.heads_per_rank, "page_bytes", (json_int_t)r.g.page_bytes,
         "pool_pages", (json_int_t)(r.buf_len / r.g.page_bytes),
         "memory_bytes", (json_int_t)r.kv_len));
-    char cmd[128];
+    char cmd[KVT_CMD_MAX];
     int ran = 0;
     while (kvt_next_command(cmd, sizeof(cmd)) == 0) {
         if (strcmp(cmd, "exit") == 0)
@@ -673,18 +762,19 @@ int kvt_rank_main(int argc, char **argv)
             if (r.o.bench) {
                 kvt_bench_rank_run(&r);
             } else {
-                kvt_run(&r, 0, r.o.requests);
+                kvt_run(&r, 0, r.o.requests, NULL);
                 kvt_emit_result(&r);
             }
             ran = 1;
             continue;
         }
-        /* A fresh batch, after a fault: "batch FIRST COUNT" (request
-         * indices, so room ids never repeat those of the first batch). */
+        /* A fresh batch, after a fault: "batch FIRST COUNT [SIZES]"
+         * (request indices, so room ids never repeat those of the first
+         * batch). */
         uint32_t first, count;
-        if (!r.o.bench && sscanf(cmd, "batch %u %u", &first, &count) == 2) {
-            kvt_run(&r, first, count);
-            kvt_emit_result(&r);
+        int used = 0;
+        if (!r.o.bench && sscanf(cmd, "batch %u %u%n", &first, &count, &used) == 2) {
+            kvt_batch(&r, first, count, cmd + used);
             continue;
         }
         fprintf(stderr, "kvferry _rank %s[%u]: ignoring command '%s'\n",

@@ -272,7 +272,8 @@ typedef struct kvt_tally {
     uint64_t bytes;
     int      verified;     /* no decode rank reported SUCCESS with wrong data */
     double   t0, t1;
-    double   resolve;      /* latest final state of a room the fault hit, after it */
+    double   resolve;      /* latest final state of a room the fault hit, after it
+                              (a stopped rank's: after its SIGCONT) */
     json_t  *failures, *unres;
 } kvt_tally_t;
 
@@ -372,9 +373,10 @@ static void kvt_tally(const kvt_report_t *r, uint32_t first, uint32_t n,
                 t->t0 = s->start;
             if (s->end > t->t1)
                 t->t1 = s->end;
-            if (touched == KVT_HIT && info->fault_injected &&
-                s->end - info->fault_at > t->resolve)
-                t->resolve = s->end - info->fault_at;
+            double from = info->stopped && k == kvt_col(r, info->stopped) &&
+                          info->resumed_at > 0 ? info->resumed_at : info->fault_at;
+            if (touched == KVT_HIT && info->fault_injected && s->end - from > t->resolve)
+                t->resolve = s->end - from;
             if (s->state != KVF_POLL_SUCCESS || (decode && s->verified != 1))
                 all_ok = 0;
             if (decode)

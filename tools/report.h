@@ -68,6 +68,10 @@ typedef struct kvt_run_info {
     int         fault_injected;
     double      fault_at;    /**< wall clock of the injection */
     json_t     *fault_detail;   /**< borrowed; copied into the summary */
+    /* A stopped rank cannot act until continued: its own rooms are timed
+     * from its SIGCONT (resumed_at, wall clock), not from the stop. */
+    const kvt_child_t *stopped;
+    double      resumed_at;
 } kvt_run_info_t;
 
 int kvt_report_init(kvt_report_t *r, const kvt_opts_t *o);

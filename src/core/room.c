@@ -816,9 +816,15 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
             nf += done && out != NULL;
             continue;
         }
+        /* The old stream's DONE, checked or waiting for its reads, goes
+         * with it: the resumed stream sends everything again, DONE too,
+         * and reads of the old one that end now count for nothing. */
         for (uint32_t i = 0; i < r->nlinks; i++)
-            if (r->links[i].peer == p)
+            if (r->links[i].peer == p) {
                 r->links[i].broken = 1;
+                r->links[i].done_waiting = 0;
+                r->links[i].confirming = 0;
+            }
         if (r->last_err == NULL)
             r->last_err = strdup(reason);
         if (r->side == KVF_ROLE_DECODE) {
@@ -927,7 +933,6 @@ static void reconnect(kvf_room_t *r)
         p->refs++;
         lk->broken = 0;
         lk->req_sent = 0;
-        lk->done_waiting = 0;   /* the old stream's DONE: everything comes again */
     }
     kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
              r->retries, MAX_RETRIES);
@@ -983,6 +988,15 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
         uint64_t idle = kvf_elapsed_ms(now, r->t_state_ms);
         if (limit == 0 || idle < limit)
             continue;
+        /* Waiting for a lost connection to come back when the deadline
+         * expires: the loss is the room's cause, and names the peer. */
+        if (has_broken_link(r)) {
+            kvf__room_fail(r, KVF_ERR_CONN_RESET, "%s; the connection was not back when "
+                           "the room's %s deadline expired (%.1f s without progress)",
+                           r->last_err ? r->last_err : "connection lost",
+                           kvf_poll_name(s), limit / 1000.0);
+            continue;
+        }
         deadline_detail(r, s, detail, sizeof(detail));
         kvf__room_fail(r, KVF_ERR_TIMED_OUT, "room %llu made no progress in %s for "
                        "%.1f s (deadline %.1f s): %s", (unsigned long long)r->id,

@@ -226,7 +226,11 @@ static void chunk_complete(kvf_put_t *put, kvf_status_t st)
     if (c->peer != lk->peer || room_final(r)) {
         /* stale, or nothing left to do */
     } else if (st != KVF_OK) {
-        if (!lk->broken)   /* broken: the room waits for a reconnect */
+        /* Broken: the room waits for a reconnect.  Reset while its peer
+         * is still being failed (a put another thread queued, handed to
+         * the closing connection first): the peer's failure, next, judges
+         * the room, and may leave it to resume. */
+        if (!lk->broken && !(st == KVF_ERR_CONN_RESET && c->peer->state != KVF_PEER_DEAD))
             kvf__room_fail(r, st, "transfer to %s failed: %s",
                            kvf__peer_name(lk->peer, name, sizeof(name)),
                            kvf_status_str(st));
@@ -766,13 +770,50 @@ static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
     return kvf__sender_fail_unbound_applies(r, s->peer, s->instance, s->key);
 }
 
+/* Did this stashed destination's receiver (its rank, its room instance)
+ * ask again later in the chain, on a new connection? */
+static int asked_again(const kvf_stash_t *s)
+{
+    for (const kvf_stash_t *n = s->next; n != NULL; n = n->next)
+        if (n->link.pages != NULL && n->link.rank == s->link.rank &&
+            n->instance == s->instance)
+            return 1;
+    return 0;
+}
+
+/*
+ * A destination whose connection broke before its sender existed: bound
+ * all the same, as a link that broke, so that the decode rank's resume
+ * (it reconnects, as for any reset) moves it to the new connection, and
+ * the room fails only if it does not come back within one heartbeat
+ * timeout, as a live link would.
+ */
+static void take_broken(kvf_room_t *r, kvf_stash_t *s)
+{
+    char name[160], why[256];
+    uint32_t rank = s->link.rank;
+    kvf_failure_t *bad = s->failure;
+    s->failure = NULL;
+    take_request(r, s->peer, &s->link, s->expected, 0, bad);
+    kvf_link_t *lk = slot_of(r, rank);
+    if (lk == NULL || lk->peer != s->peer || room_final(r))
+        return;
+    snprintf(why, sizeof(why), "%s disconnected before the sender for room %llu was "
+             "created", kvf__peer_name(s->peer, name, sizeof(name)),
+             (unsigned long long)r->id);
+    lk->broken = 1;
+    if (r->last_err == NULL)
+        r->last_err = strdup(why);
+    r->retries++;
+    r->retry_at_ms = kvf_now_ms() + r->eng->params.heartbeat_timeout_ms;
+}
+
 /* What came for this room before its sender, oldest first. */
 static void stash_apply(kvf_room_t *r)
 {
     kvf_stash_t *s;
     for (s = kvf__stash_take(r->eng, r->id); s != NULL;) {
         kvf_stash_t *n = s->next;
-        char name[128];
         if (s->watch) {
             kvf__siblings_take(r, s->peer, s->link.rank, s->instance);
         } else if (s->link.pages == NULL) {    /* a FAIL / ABORT */
@@ -785,11 +826,8 @@ static void stash_apply(kvf_room_t *r)
                                   "the room is not bound to this peer and instance");
             }
         } else if (s->peer->state == KVF_PEER_DEAD) {
-            if (!room_final(r))
-                kvf__room_fail(r, KVF_ERR_CONN_RESET, "%s disconnected before the sender "
-                               "for room %llu was created",
-                               kvf__peer_name(s->peer, name, sizeof(name)),
-                               (unsigned long long)r->id);
+            if (!room_final(r) && !asked_again(s))
+                take_broken(r, s);
         } else {
             kvf_failure_t *bad = s->failure;
             s->failure = NULL;
@@ -1290,12 +1328,15 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     }
     lk.instance = m->instance;
     const kvf_tomb_t *tomb = r == NULL ? kvf_map_get(&eng->tombs, m->room) : NULL;
-    if (r == NULL && (m->attempt > 0 || kvf__instance_retired(eng, m->instance) ||
+    if (r == NULL && (kvf__instance_retired(eng, m->instance) ||
                       (tomb != NULL && !tomb_has_rank(tomb, m->dst_rank)))) {
         /* Resuming, or asking late, for a room whose sender is gone: a
          * rank the failed sender never heard from, or an instance it
          * served.  (A new instance from a rank it had bound is a retry
-         * with the id reused: stashed for the next sender.) */
+         * with the id reused: stashed for the next sender.  So is a
+         * resume of an instance no sender served: its sender is still to
+         * come, and its first request, if it got here, may wait in the
+         * stash too, or went with the connection that broke.) */
         kvf__sender_answer_gone(p, m->room, m->instance);
         free(f);
     } else if (r == NULL) {

@@ -9,7 +9,9 @@ cannot hide an engine bug:
   - the fault fired, and every room of the first batch is final;
   - every failure record has a status, a reason and an origin;
   - a surviving rank that saw the fault itself names the faulty side;
-  - rooms resolved within 5 s of a kill or stop;
+  - rooms resolved within 5 s of the fault (a stopped rank's own rooms:
+    within 5 s of its SIGCONT, since it cannot act before; rooms resumed
+    after a reset take what their transfer takes);
   - no room reported SUCCESS with data that did not verify;
   - no page was written after its room was final (the demo finds such a
     page dirty when it gives it to the next room: STALE_WRITE);
@@ -80,7 +82,11 @@ def main():
     if d["succeeded"] + d["failed"] != d["rooms"]:
         fail(spec, "rooms do not add up: %s" % d, d)
     res = d["max_resolve_seconds"]
-    if res is None or res > MAX_RESOLVE_S:
+    # A reset is resumed: the rooms it hit move all their bytes again, in
+    # the time their transfer takes (seconds for two 256 MiB rooms on a
+    # loaded host), and succeed; one that does not resume fails or stays
+    # unresolved, which the checks above and below catch.
+    if res is None or (res > MAX_RESOLVE_S and kind != "reset"):
         fail(spec, "max_resolve_seconds = %s, above %.1f s" % (res, MAX_RESOLVE_S), d)
     if not d["verified"] or not after["verified"]:
         fail(spec, "a room reported SUCCESS with data that did not verify", d)

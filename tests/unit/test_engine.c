@@ -16,7 +16,10 @@
 #include <sys/socket.h>
 
 #include "bootstrap/bootstrap.h"
+#include "core/engine.h"
+#include "core/peer.h"
 #include "kvferry/kvferry.h"
+#include "transport/transport.h"
 #include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
 #include "unit/kvf_wire_peer.h"
@@ -323,13 +326,14 @@ static void faulty_room(const char *pre_faults, const char *dec_faults, int chec
 
 /*
  * Two rooms one after the other over one pair of engines with faults
- * (pre_faults at the prefill, dec_faults at the decode): the first fails
- * with `want` and a reason containing `why` on the decode side (and the
- * same status, as another rank's record, on the prefill side); the second
- * succeeds byte for byte over the same connection, which stays up.
+ * (pre_faults at the prefill, dec_faults at the decode): room `hit` (0,
+ * the first, or 1) fails with `want` and a reason containing `why` on the
+ * decode side (and the same status, as another rank's record, on the
+ * prefill side); the other succeeds byte for byte over the same
+ * connection, which stays up.
  */
-static void first_room_fails_alone(const char *pre_faults, const char *dec_faults,
-                                   uint64_t room, kvf_status_t want, const char *why)
+static void room_fails_alone(const char *pre_faults, const char *dec_faults, uint64_t room,
+                             int hit, kvf_status_t want, const char *why)
 {
     side_t pre, dec;
     char bs[64];
@@ -358,22 +362,23 @@ static void first_room_fails_alone(const char *pre_faults, const char *dec_fault
         wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT);
         CHECK_EQ_INT(kvf_sender_init(s[k], PAGES, 1), KVF_OK);
         kvf_status_t st = kvf_sender_send(s[k], pages, PAGES, 1);
-        CHECK(st == KVF_OK || (k == 0 && st == KVF_ERR_STATE));
+        CHECK(st == KVF_OK || (k == hit && st == KVF_ERR_STATE));
         wait_final(s[k], r[k]);
+        /* Both rooms use the same pages: check the good one's bytes now. */
+        for (int b = 0; b < NKV && k != hit; b++)
+            CHECK(memcmp(dec.kv[b], pre.kv[b], (size_t)PAGES * PAGE_B) == 0);
     }
     kvf_failure_t df, pf;
-    CHECK_EQ_INT(kvf_receiver_poll(r[0]), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_sender_poll(s[0]), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_receiver_failure(r[0], &df), KVF_OK);
-    CHECK_EQ_INT(kvf_sender_failure(s[0], &pf), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_poll(r[hit]), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_poll(s[hit]), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[hit], &df), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_failure(s[hit], &pf), KVF_OK);
     CHECK_EQ_INT(df.status, want);
     CHECK_STR_CONTAINS(df.reason, why);
     CHECK_EQ_INT(pf.status, want);
     CHECK_EQ_INT(pf.from_another_rank, 1);
-    CHECK_EQ_INT(kvf_receiver_poll(r[1]), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(kvf_sender_poll(s[1]), KVF_POLL_SUCCESS);
-    for (int b = 0; b < NKV; b++)
-        CHECK(memcmp(dec.kv[b], pre.kv[b], (size_t)PAGES * PAGE_B) == 0);
+    CHECK_EQ_INT(kvf_receiver_poll(r[1 - hit]), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_sender_poll(s[1 - hit]), KVF_POLL_SUCCESS);
     kvf_engine_stats_t st;
     kvf_engine_stats(dec.eng, &st);
     CHECK_EQ_INT((int)st.peers_connected, 1);   /* the peer was not failed */
@@ -385,6 +390,12 @@ static void first_room_fails_alone(const char *pre_faults, const char *dec_fault
     side_fini(&pre);
 }
 
+static void first_room_fails_alone(const char *pre_faults, const char *dec_faults,
+                                   uint64_t room, kvf_status_t want, const char *why)
+{
+    room_fails_alone(pre_faults, dec_faults, room, 0, want, why);
+}
+
 /*
  * A pulling receiver refuses a segment whose source is outside what the
  * sender registered (KVF_FAULTS=badaddr), and only that room fails
@@ -394,6 +405,225 @@ static void test_bad_source_fails_the_room_only(void)
 {
     first_room_fails_alone("badaddr@0", NULL, 90, KVF_ERR_BAD_INDICES,
                            "outside every region it registered");
+}
+
+/*
+ * A fault kept to one room (KIND@BYTES/ROOM) lets the rooms before it go
+ * by, whatever their bytes, and fires inside its own: the chaos test arms
+ * its resets so at start-up, one per chosen room.
+ */
+static void test_fault_kept_to_one_room(void)
+{
+    room_fails_alone("corrupt@100/86", NULL, 85, 1, KVF_ERR_CHECKSUM, "checksum mismatch");
+}
+
+/*
+ * Pulled bytes: room A's DONE came while A's read was still going (held
+ * back by readstall) when the connection broke, reset inside room B's
+ * bytes.  That DONE is void: the read that ends as the connection goes
+ * (its endpoint lets go of it) counts for nothing and is not judged
+ * against it, the decode side reconnects, is sent both rooms again, and
+ * both succeed byte for byte (docs/FAILURES.md, Transient faults).
+ */
+static void test_reset_while_done_waits_for_reads(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    kvf_sender_t *s[2];
+    kvf_receiver_t *r[2];
+    uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
+    uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
+
+    next_faults = "reset@0/72";                 /* room B's first byte */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = "readstall@0:20000";          /* room A's read, until it is let go */
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    next_faults = NULL;
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 11 + b * 5 + 9);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 71 + (uint64_t)k, &s[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 71 + (uint64_t)k, -1, &r[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[k], dst[k], 4, 1 + (uint32_t)k, NULL, 0), KVF_OK);
+        wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s[k], 4, 1 + (uint32_t)k), KVF_OK);
+    }
+    /* A: all of it and its DONE, in one go; its read is held. */
+    CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
+    CHECK_EQ_INT(wait_receiver(r[0], KVF_POLL_TRANSFERRING), KVF_POLL_TRANSFERRING);
+    /* B: its first byte resets the connection. */
+    CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        wait_final(s[k], r[k]);
+        kvf_failure_t f;
+        if (kvf_receiver_failure(r[k], &f) == KVF_OK)
+            fprintf(stderr, "  room %d failed on decode: %s\n", 71 + k, f.reason);
+        CHECK_EQ_INT(kvf_receiver_poll(r[k]), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(kvf_sender_poll(s[k]), KVF_POLL_SUCCESS);
+        for (int b = 0; b < NKV; b++)
+            for (int i = 0; i < 4; i++)
+                CHECK(memcmp(dec.kv[b] + (size_t)dst[k][i] * PAGE_B,
+                             pre.kv[b] + (size_t)src[k][i] * PAGE_B, PAGE_B) == 0);
+    }
+    for (int k = 0; k < 2; k++) {
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
+ * Pulled bytes: room A was read and its DONE checked, and the decode side
+ * waits for the prefill side to confirm (its DONE_ACK is dropped, so it
+ * waits on), when the connection breaks inside room B's bytes.  The
+ * resumed stream sends A's DONE again, which is A's DONE now, not "a
+ * second DONE": A ends at its deadline, waiting for the confirmation
+ * that cannot come, not as a protocol violation.
+ */
+static void test_reset_while_link_confirms(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    kvf_sender_t *s[2];
+    kvf_receiver_t *r[2];
+    kvf_failure_t f;
+    uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
+    uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
+
+    next_transfer_ms = 1500;
+    next_faults = "reset@0/82";                 /* room B's first byte */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = "drop-ack";
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    next_faults = NULL;
+    next_transfer_ms = 5000;
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 81 + (uint64_t)k, &s[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 81 + (uint64_t)k, -1, &r[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[k], dst[k], 4, 1 + (uint32_t)k, NULL, 0), KVF_OK);
+        wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s[k], 4, 1 + (uint32_t)k), KVF_OK);
+    }
+    /* A: once its bytes count, its DONE has been checked (the same step). */
+    CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
+    kvf_engine_stats_t st;
+    uint64_t until = kvf_now_ms() + 5000;
+    do {
+        sleep_ms(1);
+        kvf_engine_stats(dec.eng, &st);
+    } while (st.bytes_received < 4 * NKV * PAGE_B && kvf_now_ms() < until);
+    CHECK(st.bytes_received >= 4 * NKV * PAGE_B);
+    CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
+    wait_final(s[0], r[0]);
+    CHECK_EQ_INT(kvf_receiver_poll(r[0]), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r[0], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_TIMED_OUT);
+    if (!f.from_another_rank)
+        CHECK_STR_CONTAINS(f.reason, "confirm");
+    for (int k = 0; k < 2; k++) {
+        wait_final(s[k], r[k]);
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
+ * Room A's destination reached the prefill engine before A's sender, and
+ * the connection it came on reset (inside room C's bytes) before the
+ * sender was created: the decode rank reconnects and asks again, as for
+ * any reset, and A goes on, whether its sender comes before that request
+ * (resume_first 0: it waits for the decode rank, as a live link would) or
+ * after it (1: the request waits for the sender, beside the first).
+ */
+static void reset_before_sender(int resume_first)
+{
+    side_t pre, dec;
+    char bs[64];
+    kvf_sender_t *s[2] = {NULL, NULL};
+    kvf_receiver_t *r[2];
+    kvf_engine_stats_t st;
+    uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
+    uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
+    const uint64_t room_c = 91, room_a = 92;
+
+    next_faults = "reset@0/91";                 /* room C's first byte */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = NULL;
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 3 + b * 17 + 5);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, room_c + (uint64_t)k, -1, &r[k]),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[k], dst[k], 4, 1 + (uint32_t)k, NULL, 0), KVF_OK);
+    }
+    /* C has its sender; A's destination waits for one. */
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, room_c, &s[0]), KVF_OK);
+    wait_sender(s[0], KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_receiver(r[1], KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s[0], 4, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
+    /* The reset: the prefill engine has no peer for a moment. */
+    uint64_t until = kvf_now_ms() + 5000;
+    do {
+        kvf_engine_stats(pre.eng, &st);
+    } while (st.peers_connected != 0 && kvf_now_ms() < until);
+    CHECK_EQ_INT((int)st.peers_connected, 0);
+    if (resume_first)    /* C goes on once the decode rank is back, and asks again */
+        wait_final(s[0], r[0]);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, room_a, &s[1]), KVF_OK);
+    wait_sender(s[1], KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s[1], 4, 2), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        wait_final(s[k], r[k]);
+        kvf_failure_t f;
+        if (kvf_sender_failure(s[k], &f) == KVF_OK)
+            fprintf(stderr, "  room %d failed on prefill: %s\n", (int)room_c + k, f.reason);
+        CHECK_EQ_INT(kvf_sender_poll(s[k]), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(kvf_receiver_poll(r[k]), KVF_POLL_SUCCESS);
+        int same = 1;
+        for (int b = 0; b < NKV; b++)
+            for (int i = 0; i < 4; i++)
+                same &= memcmp(dec.kv[b] + (size_t)dst[k][i] * PAGE_B,
+                               pre.kv[b] + (size_t)src[k][i] * PAGE_B, PAGE_B) == 0;
+        CHECK(same);
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_reset_before_sender(void)
+{
+    reset_before_sender(0);
+    reset_before_sender(1);
+}
+
+/* A fault that counts no room's payload cannot be kept to one. */
+static void test_fault_spec_room(void)
+{
+    kvf_faults_t *fs = NULL;
+    char err[256];
+    CHECK_EQ_INT(kvf_faults_parse("reset@5/123,corrupt/7,stall@1:200/9", &fs, err,
+                                  sizeof(err)), KVF_OK);
+    kvf_faults_free(fs);
+    CHECK_EQ_INT(kvf_faults_parse("delay:100/5", &fs, err, sizeof(err)),
+                 KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(err, "cannot be kept to one room");
+    CHECK_EQ_INT(kvf_faults_parse("reset@5/", &fs, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(err, "KIND/ROOM");
+    CHECK_EQ_INT(kvf_faults_parse("reset@5x/1", &fs, err, sizeof(err)),
+                 KVF_ERR_INVALID_PARAM);
 }
 
 /*
@@ -817,15 +1047,15 @@ typedef struct fake_rx {
  * offer as a build without capabilities does (accept 0: it names no caps
  * entry) or accepts strided segments.  Every DATA frame is recorded.
  */
-static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_t accept,
-                             fake_rx_t *rx)
+/* A hand-written decode rank 0 of TP 2 connected to `pre`, through the
+ * handshake (answering its offer with `accept`), which asks for `room`:
+ * one page (3), aux slot 1, one state (2). */
+static fake_peer_t *fake_decode_connect(side_t *pre, uint64_t room, uint32_t accept)
 {
     fake_peer_t *f = calloc(1, sizeof(*f));
-    char addr[64], err[256];
+    char addr[64];
     kvf_msg_t m;
-    kvf_sender_t *s;
 
-    memset(rx, 0, sizeof(*rx));
     CHECK_EQ_INT(kvf_engine_address(pre->eng, addr, sizeof(addr)), KVF_OK);
     struct sockaddr_in sa = {.sin_family = AF_INET,
                              .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
@@ -860,7 +1090,18 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     req.u.room_req.state_counts = (kvf_wire_arr32_t){1, &one_state, NULL};
     req.u.room_req.state_idx = (kvf_wire_arr32_t){1, &dstate, NULL};
     fake_send(f, &req, NULL, 0);
+    return f;
+}
 
+static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_t accept,
+                             fake_rx_t *rx)
+{
+    char err[256];
+    kvf_msg_t m;
+    kvf_sender_t *s;
+
+    memset(rx, 0, sizeof(*rx));
+    fake_peer_t *f = fake_decode_connect(pre, room, accept);
     uint32_t spage = 20, sstate = 4;
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
     wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
@@ -915,6 +1156,187 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     kvf_sender_destroy(s);
     close(f->fd);
     free(f);
+}
+
+/*
+ * A prefill room whose decode peer's connection broke waits one heartbeat
+ * timeout for it to come back; when the room's own deadline (Transferring,
+ * counted from its last byte) expires first, the broken connection is
+ * still its cause: the reason names the decode rank and the loss, not
+ * only "no progress".
+ */
+static void test_deadline_while_peer_lost(void)
+{
+    side_t pre;
+    char bs[64];
+    kvf_sender_t *s;
+    kvf_failure_t pf;
+    uint32_t spage = 20, sstate = 4;
+
+    transport = "tcp";
+    next_transfer_ms = 600;            /* well inside the 2.5 s wait for the peer */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    next_transfer_ms = 5000;
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    fake_peer_t *f = fake_decode_connect(&pre, 61, 0);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 61, &s), KVF_OK);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 6), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_set_state(s, &sstate, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+    /* Every byte goes into the socket; no acknowledgement comes.  Then
+     * the decode rank's connection resets. */
+    kvf_msg_t m;
+    CHECK(wp_expect(f->fd, KVF_MSG_DONE, &m, f->body, sizeof(f->body), 5000));
+    struct linger lg = {1, 0};
+    setsockopt(f->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    close(f->fd);
+    wait_final(s, NULL);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_failure(s, &pf), KVF_OK);
+    CHECK_EQ_INT(pf.status, KVF_ERR_CONN_RESET);
+    CHECK_STR_CONTAINS(pf.reason, "decode rank 0");
+    CHECK_STR_CONTAINS(pf.reason, "connection lost");
+    CHECK_STR_CONTAINS(pf.reason, "Transferring deadline expired");
+    kvf_sender_destroy(s);
+    free(f);
+    side_fini(&pre);
+}
+
+/*
+ * A reset that reaches the prefill engine while the scheduler's first
+ * send of a room waits in the peer's outbox (queued from the caller's
+ * thread, for the connection's thread to hand over): the connection's
+ * loss decides for the room (a decode rank may reconnect and resume), not
+ * that put's completion with a bare "connection to peer lost".  The
+ * engine lock is held across the reset, so that the send comes before
+ * the engine sees it.
+ */
+static void test_reset_with_puts_queued(void)
+{
+    side_t pre;
+    char bs[64];
+    kvf_sender_t *s;
+    kvf_failure_t pf;
+    uint32_t spage = 20, sstate = 4;
+
+    transport = "tcp";
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    fake_peer_t *f = fake_decode_connect(&pre, 62, 0);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 62, &s), KVF_OK);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 6), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_set_state(s, &sstate, 1), KVF_OK);
+    kvf__lock(pre.eng);
+    struct linger lg = {1, 0};
+    setsockopt(f->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof(lg));
+    close(f->fd);
+    kvf__unlock(pre.eng);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+    wait_final(s, NULL);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_failure(s, &pf), KVF_OK);
+    CHECK_EQ_INT(pf.status, KVF_ERR_CONN_RESET);
+    CHECK_STR_CONTAINS(pf.reason, "connection lost");
+    CHECK_STR_CONTAINS(pf.reason, "did not reconnect");
+    kvf_sender_destroy(s);
+    free(f);
+    side_fini(&pre);
+}
+
+/* Unread bytes in a TCP socket of this host whose local port is `port`
+ * (/proc/net/tcp's rx_queue): what a peer sent that was not read yet. */
+static unsigned long unread_at_port(int port)
+{
+    FILE *f = fopen("/proc/net/tcp", "r");
+    char line[512];
+    unsigned long most = 0;
+    if (f == NULL)
+        return 0;
+    while (fgets(line, sizeof(line), f)) {
+        unsigned lport, st;
+        unsigned long txq, rxq;
+        if (sscanf(line, " %*d: %*x:%x %*x:%*x %x %lx:%lx", &lport, &st, &txq, &rxq) == 4 &&
+            (int)lport == port && rxq > most)
+            most = rxq;
+    }
+    fclose(f);
+    return most;
+}
+
+/*
+ * A decode rank's request that the prefill engine never read (its
+ * connection reset with it unread), then the decode rank's resume of it,
+ * before the room's sender exists: no sender served that room instance,
+ * so the resume waits for the sender like any request, and the room goes
+ * on once it comes.
+ */
+static void test_resume_of_unread_request(void)
+{
+    side_t pre, dec;
+    char bs[64], addr[64];
+    kvf_sender_t *s[2];
+    kvf_receiver_t *r[2];
+    uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
+    uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
+
+    transport = "tcp";
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
+    int port = atoi(strrchr(addr, ':') + 1);
+    /* Room C connects the pair and moves its bytes. */
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 93, &s[0]), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 93, -1, &r[0]), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r[0], dst[0], 4, 1, NULL, 0), KVF_OK);
+    wait_sender(s[0], KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s[0], 4, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
+    wait_final(s[0], r[0]);
+    CHECK_EQ_INT(kvf_sender_poll(s[0]), KVF_POLL_SUCCESS);
+    /* Room A's request reaches the prefill engine, which does not read
+     * it (its lock is held here) before its connection resets. */
+    kvf__lock(pre.eng);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 94, -1, &r[1]), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r[1], dst[1], 4, 2, NULL, 0), KVF_OK);
+    uint64_t until = kvf_now_ms() + 5000;
+    while (unread_at_port(port) == 0 && kvf_now_ms() < until)
+        sleep_ms(1);
+    CHECK(unread_at_port(port) > 0);
+    kvf_peer_t *p = pre.eng->peers;
+    CHECK(p != NULL && p->conn != NULL);
+    if (p != NULL && p->conn != NULL)
+        p->conn->ops->abort(p->conn, 1, "reset by the test with a request unread");
+    kvf__unlock(pre.eng);
+    /* The decode rank reconnects and asks again; then the sender comes. */
+    until = kvf_now_ms() + 5000;
+    kvf_engine_stats_t st;
+    do {
+        sleep_ms(1);
+        kvf_engine_stats(pre.eng, &st);
+    } while (st.peers_connected == 0 && kvf_now_ms() < until);
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 94, &s[1]), KVF_OK);
+    wait_sender(s[1], KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s[1], 4, 2), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
+    wait_final(s[1], r[1]);
+    kvf_failure_t f;
+    if (kvf_receiver_failure(r[1], &f) == KVF_OK)
+        fprintf(stderr, "  room 94 failed on decode: %s\n", f.reason);
+    CHECK_EQ_INT(kvf_receiver_poll(r[1]), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(kvf_sender_poll(s[1]), KVF_POLL_SUCCESS);
+    int same = 1;
+    for (int b = 0; b < NKV; b++)
+        for (int i = 0; i < 4; i++)
+            same &= memcmp(dec.kv[b] + (size_t)dst[1][i] * PAGE_B,
+                           pre.kv[b] + (size_t)src[1][i] * PAGE_B, PAGE_B) == 0;
+    CHECK(same);
+    for (int k = 0; k < 2; k++) {
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /*
@@ -1112,6 +1534,26 @@ static void test_bad_source_fails_the_room_only_shm(void)
     transport = "shm";
     test_bad_source_fails_the_room_only();
 }
+static void test_reset_while_done_waits_for_reads_shm(void)
+{
+    transport = "shm";
+    test_reset_while_done_waits_for_reads();
+}
+static void test_reset_while_link_confirms_shm(void)
+{
+    transport = "shm";
+    test_reset_while_link_confirms();
+}
+static void test_reset_before_sender_shm(void)
+{
+    transport = "shm";
+    test_reset_before_sender();
+}
+static void test_fault_kept_to_one_room_shm(void)
+{
+    transport = "shm";
+    test_fault_kept_to_one_room();
+}
 static void test_dropped_ack_times_out_shm(void)
 {
     transport = "shm";
@@ -1134,6 +1576,7 @@ static void test_over_ucx(void)
     test_bad_source_fails_the_room_only();
     test_failed_read_fails_the_room_only();
     test_failed_room_keeps_pages_until_reads_end();
+    test_reset_while_done_waits_for_reads();
 #else
     printf("SKIP test_over_ucx: built without UCX\n");
 #endif
@@ -1147,12 +1590,19 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
+              KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
+              KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
+              KVF_CASE(test_reset_with_puts_queued), KVF_CASE(test_resume_of_unread_request),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
               KVF_CASE(test_one_room_shm), KVF_CASE(test_one_room_shm_mapped),
               KVF_CASE(test_page_size_mismatch_shm),
               KVF_CASE(test_reset_resumes_shm), KVF_CASE(test_repeated_resets_give_up_shm),
               KVF_CASE(test_corrupt_fails_with_checksum_shm),
               KVF_CASE(test_bad_source_fails_the_room_only_shm),
+              KVF_CASE(test_fault_kept_to_one_room_shm),
+              KVF_CASE(test_reset_while_done_waits_for_reads_shm),
+              KVF_CASE(test_reset_while_link_confirms_shm),
+              KVF_CASE(test_reset_before_sender_shm),
               KVF_CASE(test_read_faults_shm),
               KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx),
               KVF_CASE(test_device_memory_refused))

@@ -4,11 +4,13 @@
  * (libfabric's prov/hook idea).
  *
  * Spec (KVF_FAULTS or the engine parameter `faults`): comma-separated
- * faults, each KIND[@BYTES][:MS].  BYTES counts payload bytes per room:
- * the fault fires once, inside the first room whose own payload reaches
- * BYTES (default 0: at the first payload), so that which room it hits
- * does not depend on how concurrent rooms interleave.  MS is a duration
- * (default 1000).
+ * faults, each KIND[@BYTES][:MS][/ROOM].  BYTES counts payload bytes per
+ * room: the fault fires once, inside the first room whose own payload
+ * reaches BYTES (default 0: at the first payload), so that which room it
+ * hits does not depend on how concurrent rooms interleave.  MS is a
+ * duration (default 1000).  ROOM (a bootstrap_room id) keeps a payload
+ * fault for that room alone: a test that arms many faults at start-up
+ * places each in the room, and so at the moment, it chose.
  *
  *   reset      close the connection with an RST
  *   truncate   close it with a FIN in the middle of a DATA frame
@@ -66,6 +68,8 @@ typedef struct fault {
     uint64_t      bytes;
     uint64_t      ms;
     int           fired;
+    int           one_room; /* fires only inside room only_room (/ROOM) */
+    uint64_t      only_room;
     /* corrupt: the flipped byte, until it is put back */
     uint8_t      *at;
     uint8_t       orig;
@@ -131,8 +135,9 @@ kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *e
     }
     for (char *tok = strtok_r(copy, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         fault_t f = {.ms = 1000};
-        char *at = strchr(tok, '@'), *colon = strchr(tok, ':'), *end;
-        size_t klen = strcspn(tok, "@:");
+        char *at = strchr(tok, '@'), *colon = strchr(tok, ':'), *slash = strchr(tok, '/');
+        char *end;
+        size_t klen = strcspn(tok, "@:/");
         int k;
         for (k = 0; k < F_KINDS; k++)
             if (strlen(kind_names[k]) == klen && strncmp(tok, kind_names[k], klen) == 0)
@@ -145,15 +150,29 @@ kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *e
         f.kind = (fault_kind_t)k;
         if (at != NULL) {
             f.bytes = strtoull(at + 1, &end, 10);
-            if (end == at + 1 || (*end != '\0' && *end != ':')) {
+            if (end == at + 1 || (*end != '\0' && *end != ':' && *end != '/')) {
                 snprintf(err, errlen, "'%s': expected KIND@BYTES with BYTES a number", tok);
                 goto bad;
             }
         }
         if (colon != NULL) {
             f.ms = strtoull(colon + 1, &end, 10);
-            if (end == colon + 1 || *end != '\0') {
+            if (end == colon + 1 || (*end != '\0' && *end != '/')) {
                 snprintf(err, errlen, "'%s': expected KIND:MS with MS a number", tok);
+                goto bad;
+            }
+        }
+        if (slash != NULL) {
+            f.only_room = strtoull(slash + 1, &end, 10);
+            f.one_room = 1;
+            if (end == slash + 1 || *end != '\0') {
+                snprintf(err, errlen, "'%s': expected KIND/ROOM with ROOM a room id", tok);
+                goto bad;
+            }
+            if (f.kind == F_DELAY || f.kind == F_DROP_ACK || f.kind == F_READFAIL ||
+                f.kind == F_READSTALL) {
+                snprintf(err, errlen, "'%s': %s does not count a room's payload, so it "
+                         "cannot be kept to one room (/ROOM)", tok, kind_names[k]);
                 goto bad;
             }
         }
@@ -268,7 +287,7 @@ static int fput_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     *count += kvf_wire_seg_bytes(seg);
     for (int i = 0; i < fs->n; i++) {
         fault_t *f = &fs->f[i];
-        if (f->fired || *count <= f->bytes ||
+        if (f->fired || *count <= f->bytes || (f->one_room && f->only_room != put->room) ||
             (cut && (f->kind == F_RESET || f->kind == F_TRUNCATE)))
             continue;
         switch (f->kind) {
