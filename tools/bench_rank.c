@@ -25,7 +25,6 @@
  */
 #include <errno.h>
 #include <inttypes.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -69,8 +68,6 @@ typedef struct kvt_bench_rank {
     uint64_t     bytes;
     double       verify_cpu_s;
     json_t      *failures;
-    char         in[512];
-    size_t       inlen;
 } kvt_bench_rank_t;
 
 static uint64_t kvt_mono_ns(void)
@@ -351,25 +348,10 @@ static void kvt_bench_command(kvt_bench_rank_t *b, const char *cmd)
 /* Commands arrive on stdin while rooms run; never block on it. */
 static void kvt_bench_read_commands(kvt_bench_rank_t *b)
 {
-    struct pollfd p = { STDIN_FILENO, POLLIN, 0 };
-    if (poll(&p, 1, 0) <= 0 || !(p.revents & (POLLIN | POLLHUP)))
-        return;
-    ssize_t n = read(STDIN_FILENO, b->in + b->inlen, sizeof(b->in) - 1 - b->inlen);
-    if (n <= 0)
-        return;
-    b->inlen += (size_t)n;
-    b->in[b->inlen] = '\0';
-    char *line = b->in, *nl;
-    while ((nl = strchr(line, '\n')) != NULL) {
-        *nl = '\0';
-        if (*line)
-            kvt_bench_command(b, line);
-        line = nl + 1;
-    }
-    b->inlen = strlen(line);
-    memmove(b->in, line, b->inlen + 1);
-    if (b->inlen == sizeof(b->in) - 1)
-        b->inlen = 0;   /* a line that long is no command of ours */
+    char cmd[128];
+    kvt_cmdin_fill(&b->r->cmd, 0);
+    while (kvt_cmdin_next(&b->r->cmd, cmd, sizeof(cmd)))
+        kvt_bench_command(b, cmd);
 }
 
 static void kvt_bench_result(kvt_bench_rank_t *b, uint64_t t0, uint64_t t1,

@@ -6,7 +6,10 @@
  * rank processes (`kvferry _rank`, see rank.c; --dp x --prefill-pp x
  * --prefill-tp and --decode-pp x --decode-tp of them), releases
  * them together and relays their event lines here, where the report
- * (report.c) merges them into one verdict per room.  With --fault KIND@WHEN
+ * (report.c) merges them into one verdict per room.  Here too is the
+ * all-reduce a scheduler runs over its ranks: once a room is final on
+ * every rank that takes part in it, each of them is told the MIN of their
+ * states ("release"), and only then reports the room and lets it go.  With --fault KIND@WHEN
  * the injector (fault.c) sees every event after the report, acts on the
  * orchestrator's child table when the first room reaches WHEN, and runs
  * the recovery and the fresh batch that follow.
@@ -46,11 +49,29 @@ static const char *const kvt_fault_env[][2] = {
     { "KVF_TRANSFER_TIMEOUT_MS",  "3000" },
 };
 
+/* Room `index` is final on every rank of it: tell each the outcome. */
+static void kvt_demo_release(kvt_demo_t *d, uint32_t index)
+{
+    char line[64];
+    snprintf(line, sizeof(line), "release %u %s\n", index,
+             kvf_poll_name((kvf_poll_t)kvt_report_outcome(&d->rep, index)));
+    kvt_orch_t *o = &d->orch;
+    for (size_t i = 0; i < o->kids.n; i++)
+        if (o->kids.v[i].out_fd >= 0 && kvt_report_involves(&d->rep, index, &o->kids.v[i]))
+            kvt_child_send(&o->kids.v[i], line);
+}
+
 static void kvt_demo_on_event(void *ctx, kvt_child_t *c, const char *type,
                               json_t *ev)
 {
     kvt_demo_t *d = ctx;
-    if (strcmp(type, "phase") == 0)
+    if (strcmp(type, "final") == 0) {
+        kvt_report_final(&d->rep, c, ev);
+        json_t *ji = json_object_get(ev, "index");
+        if (json_is_integer(ji) && json_integer_value(ji) >= 0 &&
+            kvt_report_releasable(&d->rep, (uint32_t)json_integer_value(ji)))
+            kvt_demo_release(d, (uint32_t)json_integer_value(ji));
+    } else if (strcmp(type, "phase") == 0)
         kvt_report_phase(&d->rep, c, ev);
     else if (strcmp(type, "room") == 0)
         kvt_report_room(&d->rep, c, ev);
@@ -71,6 +92,10 @@ static void kvt_demo_on_tick(void *ctx, uint64_t now_ms)
 {
     kvt_demo_t *d = ctx;
     kvt_injector_tick(&d->inj);
+    /* A killed rank's rooms count as final once the injector recorded them. */
+    for (uint32_t i = 0; i < d->rep.nrooms; i++)
+        if (kvt_report_releasable(&d->rep, i))
+            kvt_demo_release(d, i);
 }
 
 static int kvt_demo_on_finished(void *ctx)
@@ -201,7 +226,9 @@ int kvt_demo_main(int argc, char **argv)
                             o->registry_auth[0] ? o->registry_auth : "unknown",
                             o->error[0] ? o->error : NULL, o->timed_out,
                             o->signal, d.o.fault, d.inj.injected,
-                            d.inj.injected_at, detail };
+                            d.inj.injected_at, detail, -1 };
+    info.victim = !d.o.fault || d.fault.target == KVT_CHILD_REGISTRY ? -1
+                : d.fault.target == KVT_CHILD_PREFILL ? 0 : (int)d.rep.nprefill;
     int ok = 0;
     json_t *summary = kvt_report_summary(&d.rep, &o->kids, &info, &ok);
     json_decref(detail);
