@@ -282,6 +282,27 @@ static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort)
     kvf__siblings_tell(r, from, abort);
 }
 
+/* The room fails here with the record it holds (r->failure), after `was`;
+ * every peer but `from` is told. */
+static void room_failed(kvf_room_t *r, kvf_poll_t was, kvf_peer_t *from, int abort,
+                        const char *how)
+{
+    const kvf_failure_t *f = r->failure;
+    r->failed_sides |= KVF_SIDE_BIT(r->side);
+    r->t_state_ms = kvf_now_ms();
+    atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
+    r->t_final_ms = kvf_now_ms();
+    if (was == KVF_POLL_SUCCESS)
+        r->eng->stats.rooms_succeeded--;
+    stats_final(r->eng, KVF_POLL_FAILED, f->status);
+    kvf_info("room %llu failed on %s%s%s: %s", (unsigned long long)r->id,
+             kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
+             f->from_another_rank ? " (from another rank)" : "", how, f->reason);
+    tell_peers(r, from, abort);
+    pthread_cond_broadcast(&r->eng->final_cond);
+    kvf__engine_wake(r->eng);
+}
+
 /*
  * Record `f` as the room's root cause and tell every peer but `from`.
  * The first cause wins: a room that failed takes no other record.  A room
@@ -316,25 +337,12 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
             tell_peers(r, from, abort);
         return;
     }
-    r->failed_sides |= mine;
     if (r->failure == NULL)
         r->failure = f;
     else
         free(f);                  /* the cause it kept while it succeeded */
-    f = r->failure;
-    r->t_state_ms = kvf_now_ms();
-    atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
-    r->t_final_ms = kvf_now_ms();
-    if (was == KVF_POLL_SUCCESS)
-        r->eng->stats.rooms_succeeded--;
-    stats_final(r->eng, KVF_POLL_FAILED, f->status);
-    kvf_info("room %llu failed on %s%s%s: %s", (unsigned long long)r->id,
-             kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
-             f->from_another_rank ? " (from another rank)" : "",
-             was == KVF_POLL_SUCCESS ? " after it had succeeded here" : "", f->reason);
-    tell_peers(r, from, abort);
-    pthread_cond_broadcast(&r->eng->final_cond);
-    kvf__engine_wake(r->eng);
+    room_failed(r, was, from, abort, was == KVF_POLL_SUCCESS ? " after it had succeeded here"
+                                                             : "");
 }
 
 static void failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
@@ -575,6 +583,24 @@ kvf_status_t kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms)
         until.tv_nsec -= 1000000000L;
     }
     kvf__lock(eng);
+    /*
+     * The caller says the request failed on another rank of this side (its
+     * scheduler's all-reduce over its ranks): this side is among those
+     * that failed the room.  A room that succeeded here and kept a cause
+     * learned from the other side, because this side had not failed when
+     * it came (kvf__room_fail_record), fails with it at once and tells its
+     * peers; one that has none takes the first that comes.  Waiting for
+     * the news that this side failed would not do: it travels through
+     * ranks of the other side, which may have let their rooms go already
+     * (they were final there), so it may never come.
+     */
+    if (room_state(r) == KVF_POLL_SUCCESS) {
+        r->failed_sides |= KVF_SIDE_BIT(r->side);
+        if (r->failure != NULL)
+            room_failed(r, KVF_POLL_SUCCESS, NULL, r->failure->status == KVF_ERR_ABORTED,
+                        " after it had succeeded here (its application says this side "
+                        "failed)");
+    }
     while (room_state(r) != KVF_POLL_FAILED)
         if (kvf__cond_timedwait(eng, &eng->final_cond, &until) == ETIMEDOUT)
             break;

@@ -359,12 +359,47 @@ static void test_one_side_failure_keeps_the_other_sides_success(void)
         CHECK_EQ_INT(f.origin_rank, 0);
         CHECK_EQ_INT(f.from_another_rank, k);
     }
-    /* Told, the decode ranks keep their success. */
-    CHECK_EQ_INT(kvf_receiver_await_failure(rm.r[0], 300), KVF_ERR_AGAIN);
+    /* Told (prefill rank 1 learned it through them), the decode ranks
+     * keep their success: their side did not fail. */
     for (int j = 0; j < 2; j++) {
         CHECK_EQ_INT(kvf_receiver_poll(rm.r[j]), KVF_POLL_SUCCESS);
         CHECK_EQ_INT(kvf_receiver_failure(rm.r[j], &f), KVF_ERR_AGAIN);
     }
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+/*
+ * Decode rank 0 fails the room after pair 1 has finished, and decode
+ * rank 1 has already let its room go (its scheduler saw it final): the
+ * news that the prefill side failed (prefill rank 0's) has no decode rank
+ * left to travel through to prefill rank 1, which keeps its success and
+ * the cause it heard from decode rank 0.  Its scheduler's all-reduce says
+ * the request failed on the prefill side; told so (await_failure), it
+ * fails at once with that cause, never "unknown reason".
+ */
+static void test_success_takes_the_kept_cause_when_its_side_failed(void)
+{
+    cluster_t c;
+    room_t rm;
+    kvf_failure_t f;
+    const char *why = "decode rank 0 refused the room: no pages left";
+    cluster_init(&c, 2, 2, 1, NULL);
+    room_open(&c, &rm, 1008, 0);
+    pair1_succeeds(&rm);
+    kvf_receiver_destroy(rm.r[1]);
+    CHECK_EQ_INT(kvf_receiver_fail(rm.r[0], KVF_ERR_ABORTED, why), KVF_OK);
+    CHECK_EQ_INT(wait_sender(rm.s[0], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_await_failure(rm.s[1], KVF_TEST_WAIT_MS), KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_sender_failure(rm.s[k], &f), KVF_OK);
+        CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
+        CHECK_EQ_INT(f.origin_side, KVF_ROLE_DECODE);
+        CHECK_EQ_INT(f.origin_rank, 0);
+        CHECK_EQ_INT(f.from_another_rank, 1);
+        CHECK_STR_CONTAINS(f.reason, "no pages left");
+    }
+    rm.r[1] = NULL;
     room_close(&rm, 2);
     cluster_fini(&c);
 }
@@ -430,4 +465,5 @@ KVF_TEST_MAIN(KVF_CASE(test_every_rank_succeeds),
               KVF_CASE(test_checksum_mismatch_reaches_every_rank),
               KVF_CASE(test_deadline_reaches_every_rank),
               KVF_CASE(test_one_side_failure_keeps_the_other_sides_success),
+              KVF_CASE(test_success_takes_the_kept_cause_when_its_side_failed),
               KVF_CASE(test_dp_groups_stay_apart))
