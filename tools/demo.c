@@ -8,8 +8,9 @@
  * them together and relays their event lines here, where the report
  * (report.c) merges them into one verdict per room.  Here too is the
  * all-reduce a scheduler runs over its ranks: once a room is final on
- * every rank that takes part in it, each of them is told the MIN of their
- * states ("release"), and only then reports the room and lets it go.  With --fault KIND@WHEN
+ * every rank that takes part in it, on both sides, each of them is told
+ * the MIN of their states ("release"), and only then reports the room and
+ * lets it go.  With --fault KIND@WHEN
  * the injector (fault.c) sees every event after the report, acts on the
  * orchestrator's child table when the first room reaches WHEN, and runs
  * the recovery and the fresh batch that follow.

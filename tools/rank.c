@@ -39,13 +39,15 @@
  *
  * Rooms live as a scheduler keeps them: a room that is final here stays
  * (its handle, its pages) until the orchestrator says that every rank of
- * the room is final, as SGLang's all-reduce of the ranks' poll states
- * does, and with which outcome.  A rank whose own room has not failed
- * while the outcome is Failed waits, at most KVT_CAUSE_WAIT_MS, for the
- * cause (kvf_*_await_failure, as kvferry.sglang does): it is on its way
- * from the rank that saw it, and a room that had succeeded here may fail
- * too (docs/FAILURES.md, "Every rank of the request names the cause").
- * Then the rank reports the room as it then is and destroys it.
+ * the room, both sides, is final, and with which outcome: the MIN of
+ * their states, as SGLang's scheduler all-reduces its ranks' states (the
+ * demo's one scheduler spans both servers: report.h).  A rank whose own
+ * room has not failed while the outcome is Failed waits, at most
+ * KVT_CAUSE_WAIT_MS, for the cause (kvf_*_await_failure, as
+ * kvferry.sglang does): it is on its way from the rank that saw it, and a
+ * room that had succeeded here may fail too (docs/FAILURES.md, "Every
+ * rank of the request names the cause").  Then the rank reports the room
+ * as it then is and destroys it.
  *
  * Per-room events let the orchestrator account for rooms of a rank that is
  * later killed, and are what a fault injector keys its timing on.  Logs go

@@ -166,13 +166,13 @@ int kvt_report_releasable(kvt_report_t *r, uint32_t index)
     return 1;
 }
 
-/* A killed rank failed nothing: its peers saw it die, and say so. */
+/* A killed rank counts as FAILED: its server lost a rank of the request. */
 int kvt_report_outcome(const kvt_report_t *r, uint32_t index)
 {
     int min = KVF_POLL_SUCCESS;
     for (uint32_t k = 0; k < r->nranks; k++) {
         const kvt_slot_t *s = kvt_slot_at(r, index, k);
-        if (kvt_involved(r, index, k) && !s->gone && s->first >= 0 && s->first < min)
+        if (kvt_involved(r, index, k) && s->first >= 0 && s->first < min)
             min = s->first;
     }
     return min;

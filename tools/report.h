@@ -9,11 +9,15 @@
  * (the first report of a slot wins), so per-room events and the rank's
  * closing result line can both be fed in.
  *
- * The table is also the demo's all-reduce: once every rank of a room is
- * final (a killed rank counts, once recorded as gone), the orchestrator
- * releases the room on each of them with the MIN of their states
- * (kvt_report_releasable, kvt_report_outcome), as a scheduler keeps a
- * room until all its ranks agree.  A room is
+ * The table is also the demo's all-reduce: once every rank of a room, on
+ * both sides, is final (a killed rank counts, once recorded as gone), the
+ * orchestrator releases the room on each of them with the MIN of all
+ * their states (kvt_report_releasable, kvt_report_outcome).  That is one
+ * scheduler over both servers, stricter than SGLang's (each server
+ * reduces over its own ranks): a failed request fails on both sides, and
+ * a side that had every byte when the other failed takes that failure too
+ * (its wait for the cause, kvf_*_await_failure, says its side failed),
+ * where SGLang's would keep its success.  A room is
  *   succeeded   every rank reported SUCCESS and every decode rank verified it,
  *   failed      every rank reported it and one FAILED or did not verify,
  *   unresolved  some rank never reported it (killed, hung, timeout).
@@ -27,7 +31,8 @@
  *               is on the other side and names a cause there (a failure
  *               after this side had every byte: docs/FAILURES.md);
  *   one cause   every FAILED record has a reason, none "unknown reason",
- *               and all of a room's records name one rank in common: as
+ *               and all of a room's records (a killed rank's aside) name
+ *               one rank in common: as
  *               their origin or in their reason (the dead, stopped or cut
  *               peer, by its address), so that two ranks that saw one
  *               peer die, or the two ends of a cut link, agree;
@@ -115,7 +120,10 @@ void kvt_report_final(kvt_report_t *r, const kvt_child_t *c, json_t *ev);
  */
 int kvt_report_releasable(kvt_report_t *r, uint32_t index);
 
-/** The MIN of the states room `index` reached on its ranks (killed ones aside). */
+/**
+ * The MIN of the states room `index` reached on its ranks, both sides; a
+ * killed rank counts as FAILED.
+ */
 int kvt_report_outcome(const kvt_report_t *r, uint32_t index);
 
 /** Does child c's rank take part in room `index`? */

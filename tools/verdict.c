@@ -117,7 +117,7 @@ int kvt_verdict_one_cause(const kvt_rank_view_t *v, size_t n, char *common,
     size_t ncand = 0;
     common[0] = '\0';
     for (size_t i = 0; i < n; i++) {
-        if (v[i].state != KVF_POLL_FAILED)
+        if (v[i].state != KVF_POLL_FAILED || v[i].gone)
             continue;
         const char *reason = kvt_field(v[i].failure, "reason");
         if (reason[0] == '\0' || strcasestr(reason, "unknown reason") != NULL) {
@@ -136,7 +136,8 @@ int kvt_verdict_one_cause(const kvt_rank_view_t *v, size_t n, char *common,
         return 1;
     for (size_t c = 0; c < ncand; c++) {
         size_t i = 0;
-        while (i < n && (v[i].state != KVF_POLL_FAILED || kvt_names(v[i].failure, cand[c])))
+        while (i < n && (v[i].state != KVF_POLL_FAILED || v[i].gone ||
+                         kvt_names(v[i].failure, cand[c])))
             i++;
         if (i == n && cand[c][0] != '\0') {
             snprintf(common, common_len, "%s", cand[c]);
@@ -145,7 +146,7 @@ int kvt_verdict_one_cause(const kvt_rank_view_t *v, size_t n, char *common,
     }
     size_t at = (size_t)snprintf(why, len, "its failure records name no rank in common:");
     for (size_t i = 0; i < n && at < len; i++)
-        if (v[i].state == KVF_POLL_FAILED)
+        if (v[i].state == KVF_POLL_FAILED && !v[i].gone)
             at += (size_t)snprintf(why + at, len - at, " %s[%u] from %s: \"%.120s\";",
                                    kvt_side(&v[i]), v[i].rank,
                                    kvt_field(v[i].failure, "origin_addr"),

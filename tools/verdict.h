@@ -6,7 +6,7 @@
  * states, so they must agree, and every rank that failed must say why,
  * naming the one root cause.  The rules, on what the ranks reported once
  * the room was released (a killed rank's record is the demo's, not
- * judged by the first rule):
+ * judged by either rule):
  *
  *   one state  every rank reports the same final state; the one exception
  *              (docs/FAILURES.md): a side whose ranks all succeeded keeps

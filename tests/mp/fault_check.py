@@ -20,10 +20,24 @@ cannot hide an engine bug:
     succeed);
   - every room of the fresh batch after the fault succeeded and verified;
   - the payload went over TRANSPORT, when given (a pair that quietly fell
-    back to tcp would test tcp twice).
+    back to tcp would test tcp twice);
+  - siblings (siblings.py): every rank of a room, both sides, ends in the
+    same state (but a side that had every byte when the other failed for
+    a cause of its own), and all of a room's failure records name one rank
+    in common; with a process or engine fault on a rank after bootstrap
+    (mid, last), the records of every room it failed name that rank (its
+    control address); and with several prefill DP groups every room of a
+    group the fault did not touch (another than prefill rank 0's)
+    succeeded.  At bootstrap the rank may be killed or stopped before it
+    told a peer of the room: that peer then fails the room at its own
+    deadline, the one cause every rank names.
 """
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import siblings  # noqa: E402
 
 MAX_RESOLVE_S = 5.0
 
@@ -57,6 +71,30 @@ def check_records(spec, records, victim_side, d):
                  % (where, victim_side, f["reason"]), d)
 
 
+def check_siblings(spec, d, rooms, target_addr):
+    """The rules of siblings.py over each room that did not succeed."""
+    records = {}
+    for f in d["failures"] + d["after_fault"]["failures"]:
+        records[(f["index"], f["side"], f["rank"])] = f
+    for room in rooms:
+        ranks = [dict(r, state=r["state"], failure=records.get((room["index"], r["side"], r["rank"])))
+                 for r in room["ranks"]]
+        why = siblings.one_state(ranks)
+        common, why2 = siblings.one_cause(ranks)
+        if why or why2:
+            fail(spec, "room %d: %s" % (room["index"], why or why2), d)
+        if target_addr and room["index"] < d["rooms"] and any(r["state"] == "Failed" for r in ranks) \
+                and target_addr not in common:
+            fail(spec, "room %d: its failure records do not all name the rank the fault acted "
+                 "on (%s); they share %s" % (room["index"], target_addr, sorted(common)), d)
+    if d.get("dp", 1) > 1 and spec.split("@")[0] not in ("kill-decode", "stop-decode",
+                                                          "registry-down"):
+        other = [r["index"] for r in rooms if r["index"] < d["rooms"] and (r["room"] % 2**64) % d["dp"] != 0]
+        if other:
+            fail(spec, "rooms %s of another DP group than prefill rank 0's did not succeed"
+                 % other, d)
+
+
 def main():
     spec, rc, after_rooms, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     try:
@@ -77,6 +115,10 @@ def main():
     after = d["after_fault"]
     check_records(spec, d["failures"], victim_side, d)
     check_records(spec, after["failures"], None, d)
+    target = (d.get("fault_detail") or {}).get("target_addr")
+    check_siblings(spec, d, d["failed_rooms"] + after["failed_rooms"],
+                   target if kind != "registry-down" and not spec.endswith("@bootstrap")
+                   else None)
     if d["succeeded"] + d["failed"] != d["rooms"]:
         fail(spec, "rooms do not add up: %s" % d, d)
     res = d["max_resolve_seconds"]
