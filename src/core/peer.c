@@ -948,10 +948,16 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
                 p->kv_src[p->kv_map[i]] = i;
         }
     }
+    /* Two stages of one pipeline never pair for bytes (a decode stage
+     * reads its own prefill stage): such a connection is a decode rank's
+     * sibling link (siblings.c), whose layers differ by design.  It stays
+     * incompatible, refusing any destination, but that is no error. */
+    int other_stage = p->pp_size == eng->params.pp_size && p->pp_rank != eng->params.pp_rank;
     if (err[0] != '\0') {
         p->incompatible = strdup(err);
-        kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
-                  p->addr, err);
+        if (!other_stage)
+            kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
+                      p->addr, err);
     } else {
         eng->layout.heads_per_rank = own.heads_per_rank;   /* adopted, or as they were */
         eng->layout.total_heads = own.total_heads;

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "kvferry/kvferry.h"
 #include "unit/kvf_rooms.h"
@@ -46,6 +47,7 @@ typedef struct engine_opts {
     unsigned    waiting_timeout_ms; /* of prefill rank 0 (0: default) */
     unsigned    transfer_timeout_ms;
     int         checksum;
+    int         pp, pps;            /* pipeline stage of this rank, of pps (0: one) */
 } engine_opts_t;
 
 static void rank_init(rank_t *r, kvf_role_t role, int tp, int tps, int dp, int dps,
@@ -69,11 +71,16 @@ static void rank_init(rank_t *r, kvf_role_t role, int tp, int tps, int dp, int d
         if (o->waiting_timeout_ms)
             p.waiting_timeout_ms = o->waiting_timeout_ms;
     }
+    /* A pipeline stage holds its share of the layers, from first_layer. */
+    int pps = o && o->pps > 1 ? o->pps : 1, stage = pps > 1 ? o->pp : 0;
+    p.pp_rank = stage;
+    p.pp_size = pps;
     CHECK_EQ_INT(kvf_engine_create(&p, &r->eng), KVF_OK);
     uint32_t hpr = HEADS / (uint32_t)tps;
     r->page_b = (size_t)PAGE * hpr * HEAD_B;
     kvf_buffer_t kv[NKV], aux;
-    for (int i = 0; i < NKV; i++) {
+    int nkv = NKV / pps;
+    for (int i = 0; i < nkv; i++) {
         r->kv[i] = calloc(PAGES, r->page_b);
         for (size_t j = 0; role == KVF_ROLE_PREFILL && j < PAGES * r->page_b; j++)
             r->kv[i][j] = (uint8_t)(j * 7 + (size_t)i * 13 + (size_t)tp * 31 + 1);
@@ -85,11 +92,12 @@ static void rank_init(rank_t *r, kvf_role_t role, int tp, int tps, int dp, int d
     kvf_layout_init(&l);
     l.page_size = PAGE;
     l.kv_dtype = "bfloat16";
-    l.num_layers = LAYERS;
+    l.num_layers = LAYERS / (uint32_t)pps;
+    l.first_layer = (uint32_t)(stage * LAYERS / pps);
     l.heads_per_rank = hpr;
     l.total_heads = HEADS;
     l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
+    l.num_kv = (uint32_t)nkv;
     l.kv = kv;
     l.num_aux = 1;
     l.aux = &aux;
@@ -404,6 +412,74 @@ static void test_success_takes_the_kept_cause_when_its_side_failed(void)
     cluster_fini(&c);
 }
 
+/* Prefill and decode with two pipeline stages each (TP 1): stage s feeds
+ * stage s, and each decode stage watches the other prefill stage. */
+static void cluster_init_pp(cluster_t *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->np = c->nd = 2;
+    c->dp = 1;
+    engine_opts_t o[2] = {{.pp = 0, .pps = 2}, {.pp = 1, .pps = 2}};
+    rank_init(&c->pre[0], KVF_ROLE_PREFILL, 0, 1, 0, 1, "127.0.0.1:0", 1, &o[0]);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(c->pre[0].eng, c->bs, sizeof(c->bs)), KVF_OK);
+    rank_init(&c->pre[1], KVF_ROLE_PREFILL, 0, 1, 0, 1, c->bs, 0, &o[1]);
+    for (int j = 0; j < 2; j++)
+        rank_init(&c->dec[j], KVF_ROLE_DECODE, 0, 1, 0, 1, NULL, 0, &o[j]);
+}
+
+/* Prefill stage 0 aborts a room after stage 1's pair finished it. */
+static void pp_abort(void *arg)
+{
+    room_t *rm = arg;
+    cluster_t c;
+    cluster_init_pp(&c);
+    room_open(&c, rm, 1009, 0);
+    pair1_succeeds(rm);
+    room_send(rm, 0, 1);
+    kvf_sender_abort(rm->s[0]);
+    CHECK(room_all_failed(rm, 2));
+    check_records(rm, 2, KVF_ERR_ABORTED, KVF_ROLE_PREFILL, 0,
+                  "aborted by the application on prefill rank 0 of stage 0");
+    room_close(rm, 2);
+    cluster_fini(&c);
+}
+
+/* Run fn(arg) with this process's stderr (the log) going to a file, and
+ * @return how many lines of it contain `needle`. */
+static int log_lines_during(void (*fn)(void *), void *arg, const char *needle)
+{
+    char path[] = "/tmp/kvf-test-log-XXXXXX", line[2048];
+    int fd = mkstemp(path), saved = dup(2), n = 0;
+    CHECK(fd >= 0 && saved >= 0);
+    if (fd < 0 || saved < 0)
+        return -1;
+    fflush(stderr);
+    dup2(fd, 2);
+    fn(arg);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    FILE *f = fdopen(fd, "r");
+    rewind(f);
+    while (fgets(line, sizeof(line), f) != NULL)
+        n += strstr(line, needle) != NULL;
+    fclose(f);
+    unlink(path);
+    return n;
+}
+
+/*
+ * Two pipeline stages on both sides: the abort on prefill stage 0 reaches
+ * both stages of both sides (the decode stages watch the other prefill
+ * stage), and those cross-stage links, whose layers differ by design, log
+ * no configuration error.
+ */
+static void test_pp_stages_hear_each_other(void)
+{
+    room_t rm;
+    CHECK_EQ_INT(log_lines_during(pp_abort, &rm, "Pipeline stage mismatch"), 0);
+}
+
 /*
  * Two prefill DP groups: a room of group 0 fails; the room of group 1
  * beside it succeeds byte for byte, and the reason names the DP group.
@@ -466,4 +542,5 @@ KVF_TEST_MAIN(KVF_CASE(test_every_rank_succeeds),
               KVF_CASE(test_deadline_reaches_every_rank),
               KVF_CASE(test_one_side_failure_keeps_the_other_sides_success),
               KVF_CASE(test_success_takes_the_kept_cause_when_its_side_failed),
-              KVF_CASE(test_dp_groups_stay_apart))
+              KVF_CASE(test_dp_groups_stay_apart),
+              KVF_CASE(test_pp_stages_hear_each_other))
