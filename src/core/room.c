@@ -273,13 +273,38 @@ static void retire_instances(kvf_room_t *r)
     }
 }
 
+/* Does a FAIL to p go now (send_fail)?  Our HELLO is out once the
+ * connection is up; before that it is dropped, or held while the peer
+ * authenticates (for a stopped one, peer.c). */
+static int can_tell(const kvf_peer_t *p)
+{
+    return p->state == KVF_PEER_READY || p->state == KVF_PEER_HANDSHAKE;
+}
+
 /* Tell every peer of the room but `from` its record: byte links, siblings. */
 static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort)
 {
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].peer != from)
-            kvf__room_send_fail(r, r->links[i].peer, abort);
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        if (lk->peer != from)
+            kvf__room_send_fail(r, lk->peer, abort);
+        lk->fail_told |= lk->peer == from || can_tell(lk->peer);
+    }
     kvf__siblings_tell(r, from, abort);
+}
+
+void kvf__receiver_tell_failed(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    if (room_state(r) != KVF_POLL_FAILED || r->failure == NULL)
+        return;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        if (lk->fail_told || !can_tell(lk->peer))
+            continue;
+        kvf__room_send_fail(r, lk->peer, r->failure->status == KVF_ERR_ABORTED);
+        lk->fail_told = 1;
+    }
 }
 
 /* The room fails here with the record it holds (r->failure), after `was`;
@@ -828,9 +853,14 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
 {
     kvf__siblings_peer_ready(eng, p);
-    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
-        if (r->side == KVF_ROLE_DECODE && link_of(r, p) != NULL)
+    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
+        if (r->side != KVF_ROLE_DECODE || link_of(r, p) == NULL)
+            continue;
+        if (room_state(r) == KVF_POLL_FAILED)
+            kvf__receiver_tell_failed(r);
+        else
             kvf__receiver_try_request(r);
+    }
 }
 
 static int awaiting_confirmation(const kvf_room_t *r)

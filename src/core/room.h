@@ -42,6 +42,8 @@ typedef struct kvf_link {
     uint64_t       bytes;         /* sender: queued; receiver: placed */
     uint64_t       expected;      /* receiver: bytes this peer must place */
     int            req_sent;      /* receiver: ROOM_REQ sent */
+    int            fail_told;     /* receiver: the peer has the room's FAIL (sent, or
+                                     it sent it) */
     int            done;          /* sender: acked; receiver: DONE checked */
     int            confirming;    /* receiver, pull: DONE checked, awaiting confirmation */
     int            last_queued;   /* sender: the last chunk's put is queued */
@@ -201,6 +203,15 @@ void kvf__room_fail_lost(kvf_room_t *room, kvf_role_t lost, kvf_status_t st,
 void kvf__room_fail_remote(kvf_room_t *room, kvf_peer_t *from, int abort,
                            const kvf_msg_fail_t *m);
 void kvf__receiver_try_request(kvf_room_t *room);
+
+/*
+ * A failed receiver tells each prefill rank it reads from that did not
+ * hear of the failure yet and can now (its connection is up): one whose
+ * connection was still being made when the room failed, or a room that
+ * failed before it knew its prefill ranks.  Their senders would otherwise
+ * wait out their own deadline for this rank's destination, and name that.
+ */
+void kvf__receiver_tell_failed(kvf_room_t *room);
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now);
 void kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
 void kvf__receiver_on_data(kvf_peer_t *peer, const kvf_msg_data_t *d,

@@ -412,6 +412,39 @@ static void test_success_takes_the_kept_cause_when_its_side_failed(void)
     cluster_fini(&c);
 }
 
+/*
+ * Decode rank 1's application fails a room right after creating it,
+ * before the engine found its prefill ranks in the registry or connected
+ * to them.  Both prefill ranks wait for decode destinations; they learn of
+ * the failure as soon as the links are up, and name decode rank 1's cause
+ * rather than their own bootstrap deadline.
+ */
+static void test_fail_before_linked_reaches_prefill(void)
+{
+    cluster_t c;
+    kvf_sender_t *s[2];
+    kvf_receiver_t *rcv;
+    kvf_failure_t f;
+    cluster_init(&c, 2, 2, 1, NULL);
+    for (int k = 0; k < 2; k++)
+        CHECK_EQ_INT(kvf_sender_create(c.pre[k].eng, c.bs, 1010, &s[k]), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(c.dec[1].eng, c.bs, 1010, -1, &rcv), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_fail(rcv, KVF_ERR_BAD_INDICES, "decode rank 1 has no pages"),
+                 KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(wait_sender(s[k], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+        CHECK_EQ_INT(kvf_sender_failure(s[k], &f), KVF_OK);
+        CHECK_EQ_INT(f.status, KVF_ERR_BAD_INDICES);
+        CHECK_EQ_INT(f.origin_side, KVF_ROLE_DECODE);
+        CHECK_EQ_INT(f.origin_rank, 1);
+        CHECK_EQ_INT(f.from_another_rank, 1);
+        CHECK_STR_CONTAINS(f.reason, "has no pages");
+        kvf_sender_destroy(s[k]);
+    }
+    kvf_receiver_destroy(rcv);
+    cluster_fini(&c);
+}
+
 /* Prefill and decode with two pipeline stages each (TP 1): stage s feeds
  * stage s, and each decode stage watches the other prefill stage. */
 static void cluster_init_pp(cluster_t *c)
@@ -543,4 +576,5 @@ KVF_TEST_MAIN(KVF_CASE(test_every_rank_succeeds),
               KVF_CASE(test_one_side_failure_keeps_the_other_sides_success),
               KVF_CASE(test_success_takes_the_kept_cause_when_its_side_failed),
               KVF_CASE(test_dp_groups_stay_apart),
-              KVF_CASE(test_pp_stages_hear_each_other))
+              KVF_CASE(test_pp_stages_hear_each_other),
+              KVF_CASE(test_fail_before_linked_reaches_prefill))
