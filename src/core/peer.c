@@ -233,8 +233,8 @@ void kvf__peer_hold(kvf_peer_t *p, const kvf_msg_t *msg)
     kvf_buf_free(&b);
 }
 
-/* Authenticated at last: what waited for it goes out, after our HELLO. */
-static void send_held(kvf_peer_t *p)
+/* Up at last: what waited for it goes out, after our HELLO. */
+void kvf__peer_send_held(kvf_peer_t *p)
 {
     while (p->held_head != NULL && p->state != KVF_PEER_DEAD) {
         kvf_outq_t *q = p->held_head;
@@ -663,7 +663,7 @@ void kvf__peer_authenticated(kvf_peer_t *p)
     if (p->lingering) {
         /* Its rooms failed while it was stopped: it learns why now, then
          * the connection ends as it would have. */
-        send_held(p);
+        kvf__peer_send_held(p);
         kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT, "told it about the rooms that failed "
                        "while it was not answering");
     }

@@ -154,9 +154,13 @@ void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
 /* Queue a message (any thread; off the owner thread it waits in the
  * outbox for the next pass).  KVF_ERR_CONN_RESET once the peer is dead. */
 kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);
-/* An outbound peer still authenticating: keep msg until it has proved
- * itself, then send it after our HELLO (kvf__send_fail uses it). */
+/* An outbound peer not up yet (connecting, authenticating, or waiting
+ * for its HELLO): keep msg until it is READY, then send it, in order
+ * (kvf__peer_send_held).  A room's FAIL goes this way (kvf__send_fail),
+ * so it reaches the peer also when the room is gone by then. */
 void         kvf__peer_hold(kvf_peer_t *peer, const kvf_msg_t *msg);
+/* The peer is READY (or resumed from a stop): what it held goes out. */
+void         kvf__peer_send_held(kvf_peer_t *peer);
 /* Queue a put the same way (it always completes). */
 void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
 /* Owner thread: give the connection what waits in the outbox. */

@@ -208,25 +208,52 @@ void kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance, uint
               KVF_SIDE_BIT(f->origin_side) | KVF_SIDE_BIT(to->eng->params.role));
 }
 
+static void fail_msg(kvf_msg_t *m, uint64_t room, uint64_t instance, uint64_t key,
+                     const kvf_failure_t *f, int abort, uint8_t sides)
+{
+    *m = (kvf_msg_t){.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
+    m->u.fail.sides = sides;
+    m->u.fail.room = room;
+    m->u.fail.instance = instance;
+    m->u.fail.sender_instance = key;
+    m->u.fail.status = f->status;
+    m->u.fail.origin_side = (uint8_t)f->origin_side;
+    m->u.fail.origin_rank = (uint32_t)f->origin_rank;
+    m->u.fail.origin_addr = (kvf_wire_str_t){f->origin_addr, (uint32_t)strlen(f->origin_addr)};
+    m->u.fail.reason = (kvf_wire_str_t){f->reason, (uint32_t)strlen(f->reason)};
+}
+
+/* Whether a FAIL to `to` goes now, waits for the connection (held), or is
+ * lost (a dead peer; one that connected to us and is not up yet). */
+static int fail_goes(const kvf_peer_t *to)
+{
+    if (to->state == KVF_PEER_READY || to->state == KVF_PEER_HANDSHAKE)
+        return 1;
+    return to->outbound && (to->state == KVF_PEER_CONNECTING || to->state == KVF_PEER_AUTH)
+               ? 0 : -1;
+}
+
+void kvf__room_hold_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
+{
+    kvf_msg_t m;
+    fail_msg(&m, r->id, instance_for(r, to), key_of(r), r->failure, abort, r->failed_sides);
+    kvf__peer_hold(to, &m);
+}
+
 static void send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
                       const kvf_failure_t *f, int abort, uint8_t sides)
 {
-    kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
-    m.u.fail.sides = sides;
-    m.u.fail.room = room;
-    m.u.fail.instance = instance;
-    m.u.fail.sender_instance = key;
-    m.u.fail.status = f->status;
-    m.u.fail.origin_side = (uint8_t)f->origin_side;
-    m.u.fail.origin_rank = (uint32_t)f->origin_rank;
-    m.u.fail.origin_addr = (kvf_wire_str_t){f->origin_addr, (uint32_t)strlen(f->origin_addr)};
-    m.u.fail.reason = (kvf_wire_str_t){f->reason, (uint32_t)strlen(f->reason)};
+    kvf_msg_t m;
+    fail_msg(&m, room, instance, key, f, abort, sides);
     /* Our HELLO is out once the connection is up: a FAIL may follow it even
-     * before the peer's HELLO arrived (it may be stopped, and read it later). */
-    if (to->state == KVF_PEER_READY || to->state == KVF_PEER_HANDSHAKE)
+     * before the peer's HELLO arrived (it may be stopped, and read it later).
+     * Before that it waits for the connection (held), whether or not the
+     * room is still there then: the peer's room may wait for this one. */
+    int goes = fail_goes(to);
+    if (goes > 0)
         kvf__peer_send(to, &m);
-    else if (to->state == KVF_PEER_AUTH && to->outbound)
-        kvf__peer_hold(to, &m);      /* sent once it has authenticated */
+    else if (goes == 0)
+        kvf__peer_hold(to, &m);
 }
 
 void kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room, uint64_t instance,
@@ -273,14 +300,6 @@ static void retire_instances(kvf_room_t *r)
     }
 }
 
-/* Does a FAIL to p go now (send_fail)?  Our HELLO is out once the
- * connection is up; before that it is dropped, or held while the peer
- * authenticates (for a stopped one, peer.c). */
-static int can_tell(const kvf_peer_t *p)
-{
-    return p->state == KVF_PEER_READY || p->state == KVF_PEER_HANDSHAKE;
-}
-
 /* Tell every peer of the room but `from` its record: byte links, siblings. */
 static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort)
 {
@@ -288,7 +307,7 @@ static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort)
         kvf_link_t *lk = &r->links[i];
         if (lk->peer != from)
             kvf__room_send_fail(r, lk->peer, abort);
-        lk->fail_told |= lk->peer == from || can_tell(lk->peer);
+        lk->fail_told |= lk->peer == from || fail_goes(lk->peer) >= 0;
     }
     kvf__siblings_tell(r, from, abort);
 }
@@ -300,7 +319,7 @@ void kvf__receiver_tell_failed(kvf_room_t *r)
         return;
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_link_t *lk = &r->links[i];
-        if (lk->fail_told || !can_tell(lk->peer))
+        if (lk->fail_told || fail_goes(lk->peer) < 0)
             continue;
         kvf__room_send_fail(r, lk->peer, r->failure->status == KVF_ERR_ABORTED);
         lk->fail_told = 1;
@@ -852,15 +871,11 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
 
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
 {
+    kvf__peer_send_held(p);          /* FAILs of rooms that failed meanwhile */
     kvf__siblings_peer_ready(eng, p);
-    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
-        if (r->side != KVF_ROLE_DECODE || link_of(r, p) == NULL)
-            continue;
-        if (room_state(r) == KVF_POLL_FAILED)
-            kvf__receiver_tell_failed(r);
-        else
+    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
+        if (r->side == KVF_ROLE_DECODE && link_of(r, p) != NULL)
             kvf__receiver_try_request(r);
-    }
 }
 
 static int awaiting_confirmation(const kvf_room_t *r)

@@ -205,11 +205,11 @@ void kvf__room_fail_remote(kvf_room_t *room, kvf_peer_t *from, int abort,
 void kvf__receiver_try_request(kvf_room_t *room);
 
 /*
- * A failed receiver tells each prefill rank it reads from that did not
- * hear of the failure yet and can now (its connection is up): one whose
- * connection was still being made when the room failed, or a room that
- * failed before it knew its prefill ranks.  Their senders would otherwise
- * wait out their own deadline for this rank's destination, and name that.
+ * A receiver that failed before it knew the prefill ranks it reads from
+ * (its lookup was under way) tells each of them, once linked: their
+ * senders would otherwise wait out their own deadline for this rank's
+ * destination, and name that.  A FAIL to a connection not up yet waits
+ * for it (kvf__peer_hold), also if the room is destroyed meanwhile.
  */
 void kvf__receiver_tell_failed(kvf_room_t *room);
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now);
@@ -436,8 +436,12 @@ kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
 /* kvf_sender_metric / kvf_receiver_metric. */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
-/* Tell `to` the room failed (its record), if the connection is up. */
+/* Tell `to` the room failed (its record): now if the connection is up,
+ * once it is if we are still making it, not at all to a dead peer. */
 void           kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
+/* Queue the room's FAIL for `to` until its connection is up, whatever its
+ * state (siblings.c: behind the watch it needs). */
+void           kvf__room_hold_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
 void           kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
                               const kvf_failure_t *f, int abort);
 /* The same naming the held room's request key the sender failed to read

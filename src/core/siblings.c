@@ -96,25 +96,53 @@ void kvf__siblings_link(kvf_room_t *r, const kvf_target_t *t, int n)
     kvf__siblings_send(r);
 }
 
+static void watch_msg(const kvf_room_t *r, kvf_msg_t *m)
+{
+    *m = (kvf_msg_t){.type = KVF_MSG_ROOM_REQ};
+    m->u.room_req.room = r->id;
+    m->u.room_req.instance = r->instance;
+    m->u.room_req.dst_rank = (uint32_t)r->eng->params.tp_rank;
+    m->u.room_req.aux_slot = KVF_NO_SLOT;
+    m->u.room_req.sender_instance = ((const kvf_receiver_t *)r)->sender_instance;
+    m->u.room_req.flags = KVF_REQ_WATCH;
+}
+
 static void send_watch(kvf_room_t *r, kvf_watch_t *w)
 {
-    kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
-    m.u.room_req.room = r->id;
-    m.u.room_req.instance = r->instance;
-    m.u.room_req.dst_rank = (uint32_t)r->eng->params.tp_rank;
-    m.u.room_req.aux_slot = KVF_NO_SLOT;
-    m.u.room_req.sender_instance = ((kvf_receiver_t *)r)->sender_instance;
-    m.u.room_req.flags = KVF_REQ_WATCH;
+    kvf_msg_t m;
+    watch_msg(r, &m);
     if (kvf__peer_send(w->peer, &m) == KVF_OK)
         w->sent = 1;
+}
+
+/*
+ * The room failed before the watch's connection was up: the watch and the
+ * FAIL behind it wait for the connection together (kvf__peer_hold), and go
+ * also if the room is gone by then (destroyed: it was final), so that the
+ * prefill rank does not wait for a destination this rank will never send.
+ */
+static void hold_watch(kvf_room_t *r, kvf_watch_t *w)
+{
+    kvf_msg_t m;
+    if (w->peer->state == KVF_PEER_DEAD || !w->peer->outbound)
+        return;
+    watch_msg(r, &m);
+    kvf__peer_hold(w->peer, &m);
+    kvf__room_hold_fail(r, w->peer, r->failure->status == KVF_ERR_ABORTED);
+    w->sent = 1;
 }
 
 void kvf__siblings_send(kvf_room_t *r)
 {
     for (uint32_t i = 0; i < r->nwatch; i++) {
         kvf_watch_t *w = &r->watch[i];
-        if (w->sent || w->peer == NULL || w->peer->state != KVF_PEER_READY)
+        if (w->sent || w->peer == NULL)
             continue;
+        if (w->peer->state != KVF_PEER_READY) {
+            if (room_state(r) == KVF_POLL_FAILED && r->failure != NULL)
+                hold_watch(r, w);
+            continue;
+        }
         send_watch(r, w);
         /* Failed before the watch could go: the watch binds the FAIL. */
         if (w->sent && room_state(r) == KVF_POLL_FAILED && r->failure != NULL)
@@ -252,9 +280,11 @@ void kvf__siblings_tell(kvf_room_t *r, const kvf_peer_t *from, int abort)
             continue;
         if (r->side == KVF_ROLE_DECODE && !w->sent) {
             /* The FAIL needs the watch first; a peer not ready yet gets
-             * both once it is (kvf__siblings_send). */
-            if (w->peer->state != KVF_PEER_READY)
+             * both once it is. */
+            if (w->peer->state != KVF_PEER_READY) {
+                hold_watch(r, w);
                 continue;
+            }
             send_watch(r, w);
         }
         kvf__room_send_fail(r, w->peer, abort);

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/engine.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
@@ -445,6 +446,46 @@ static void test_fail_before_linked_reaches_prefill(void)
     cluster_fini(&c);
 }
 
+/*
+ * Decode rank 1 fails a room (prefill rank 0 aborted it; decode rank 1
+ * hears it on its sibling link) while its own connection to prefill rank
+ * 1, the rank it reads from, is still being made, and its scheduler
+ * destroys the room at once (it is final).  Prefill rank 1, whose sender
+ * waits for decode rank 1's destination, still learns of the abort as
+ * soon as the connection is up, rather than fail at its bootstrap
+ * deadline naming that.  Prefill rank 1 is held (its engine lock) until
+ * then, so that the connection cannot be up before.
+ */
+static void test_fail_before_connected_reaches_prefill(void)
+{
+    cluster_t c;
+    kvf_sender_t *s[2];
+    kvf_receiver_t *warm, *rcv;
+    kvf_failure_t f;
+    cluster_init(&c, 2, 2, 1, NULL);
+    /* Both prefill ranks are in the registry once a room resolves. */
+    CHECK_EQ_INT(kvf_receiver_create(c.dec[0].eng, c.bs, 999, -1, &warm), KVF_OK);
+    CHECK_EQ_INT(wait_receiver(warm, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    kvf_receiver_destroy(warm);
+    for (int k = 0; k < 2; k++)
+        CHECK_EQ_INT(kvf_sender_create(c.pre[k].eng, c.bs, 1011, &s[k]), KVF_OK);
+    kvf_sender_abort(s[0]);
+    kvf__lock(c.pre[1].eng);
+    CHECK_EQ_INT(kvf_receiver_create(c.dec[1].eng, c.bs, 1011, -1, &rcv), KVF_OK);
+    CHECK_EQ_INT(wait_receiver(rcv, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    kvf_receiver_destroy(rcv);
+    kvf__unlock(c.pre[1].eng);
+    CHECK_EQ_INT(wait_sender(s[1], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_failure(s[1], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
+    CHECK_EQ_INT(f.origin_side, KVF_ROLE_PREFILL);
+    CHECK_EQ_INT(f.origin_rank, 0);
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    for (int k = 0; k < 2; k++)
+        kvf_sender_destroy(s[k]);
+    cluster_fini(&c);
+}
+
 /* Prefill and decode with two pipeline stages each (TP 1): stage s feeds
  * stage s, and each decode stage watches the other prefill stage. */
 static void cluster_init_pp(cluster_t *c)
@@ -577,4 +618,5 @@ KVF_TEST_MAIN(KVF_CASE(test_every_rank_succeeds),
               KVF_CASE(test_success_takes_the_kept_cause_when_its_side_failed),
               KVF_CASE(test_dp_groups_stay_apart),
               KVF_CASE(test_pp_stages_hear_each_other),
-              KVF_CASE(test_fail_before_linked_reaches_prefill))
+              KVF_CASE(test_fail_before_linked_reaches_prefill),
+              KVF_CASE(test_fail_before_connected_reaches_prefill))
