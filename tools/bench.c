@@ -476,7 +476,14 @@ static void kvt_bench_usage(FILE *out)
         "what the decode ranks received, summed over them: the whole transfer,\n"
         "so GB/s and CPU s/GB compare across TP pairs of the same model.\n"
         "bench/baselines.sh runs the issue's cases against iperf3, memcpy and\n"
-        "UCX on the same host; docs/BENCHMARKS.md has the figures.\n");
+        "UCX on the same host; docs/BENCHMARKS.md has the figures.\n"
+        "\n--relay measures how fast a failure reaches every rank of a room\n"
+        "instead: prefill rank 0 aborts each room after its first chunk, the\n"
+        "other prefill ranks send no more, and every rank notes when its room\n"
+        "failed (CLOCK_MONOTONIC), checking that its record names the abort.\n"
+        "Reported: abort -> the last rank's FAILED and abort -> the first\n"
+        "sibling's, p50/p99/max over rooms; exit status 1 if any rank of any\n"
+        "room failed it for another cause or never.\n");
 }
 
 int kvt_bench_main(int argc, char **argv)
