@@ -690,11 +690,6 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     }
     if (p->lingering)
         goto close;
-    /* What other threads queued goes first, while the stream is up (and
-     * a put in the outbox holds a reference to this peer); off its lane,
-     * the lane sends it before it closes (kvf__peer_close_pending). */
-    if (kvf__owns_lane(p->eng, p->lane))
-        kvf__peer_outbox_drain(p);
     kvf__peer_name(p, name, sizeof(name));
     p->eng->peer_generation++;
     snprintf(reason, sizeof(reason), "%s: %s", name, why);
@@ -709,6 +704,13 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     kvf_room_failed_t *failed;
     size_t nfailed;
     int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason, &failed, &nfailed);
+    /* What other threads queued goes out while the stream is up (and a
+     * put in the outbox holds a reference to this peer); off its lane,
+     * the lane sends it before it closes (kvf__peer_close_pending).  Only
+     * now: a closing stream fails the puts it is handed, and a room must
+     * hear why first (a reset one waits for the reconnect). */
+    if (kvf__owns_lane(p->eng, p->lane))
+        kvf__peer_outbox_drain(p);
     for (size_t i = 0; i < nfailed; i++)
         kvf__send_fail_keyed(p, failed[i].room, failed[i].instance, failed[i].key,
                              &failed[i].failure, 0);
