@@ -182,6 +182,36 @@ static json_t *kvt_bench_side(kvt_bench_t *b, kvt_child_role_t role,
                      "peak_rss_mb", kvt_num(rss), "kv_pool_mb", kvt_num(pool));
 }
 
+/* --relay: per room of [0, rooms) that every rank failed, the abort
+ * (times in `cause`) -> the first and the last other rank's FAILED, in ms.
+ * @return how many rooms. */
+static size_t kvt_relay_times(kvt_bench_t *b, json_t *cause, uint32_t rooms,
+                              double *first, double *last)
+{
+    kvt_orch_t *o = &b->orch;
+    size_t n = 0;
+    for (uint32_t k = 0; k < rooms; k++) {
+        int64_t t0 = json_integer_value(json_array_get(cause, k)), lo = INT64_MAX, hi = 0;
+        for (size_t i = 0; i < o->kids.n && t0 > 0; i++) {
+            json_t *times = json_object_get(b->results[i], "times_ns");
+            if (times == NULL || times == cause)
+                continue;                        /* the registry, the aborting rank */
+            int64_t t = json_integer_value(json_array_get(times, k));
+            if (t == 0) {                        /* not relayed there */
+                hi = 0;
+                break;
+            }
+            lo = t < lo ? t : lo;
+            hi = t > hi ? t : hi;
+        }
+        if (t0 <= 0 || hi == 0)
+            continue;
+        first[n] = (double)(lo - t0) * 1e-6;
+        last[n++] = (double)(hi - t0) * 1e-6;
+    }
+    return n;
+}
+
 /* --relay: per room, how long the abort took to reach every rank. */
 static json_t *kvt_bench_relay_figures(kvt_bench_t *b, int *ok_p)
 {
@@ -206,27 +236,8 @@ static json_t *kvt_bench_relay_figures(kvt_bench_t *b, int *ok_p)
         rooms = 0;
     double *last = calloc(rooms ? rooms : 1, sizeof(double));
     double *first = calloc(rooms ? rooms : 1, sizeof(double));
-    size_t n = 0;
+    size_t n = last && first ? kvt_relay_times(b, cause, rooms, first, last) : 0;
     json_t *failures = json_array();
-    for (uint32_t k = 0; k < rooms && last && first; k++) {
-        int64_t t0 = json_integer_value(json_array_get(cause, k)), lo = INT64_MAX, hi = 0;
-        for (size_t i = 0; i < o->kids.n && t0 > 0; i++) {
-            json_t *times = json_object_get(b->results[i], "times_ns");
-            if (times == NULL || times == cause)
-                continue;                        /* the registry, the aborting rank */
-            int64_t t = json_integer_value(json_array_get(times, k));
-            if (t == 0) {                        /* not relayed there */
-                hi = 0;
-                break;
-            }
-            lo = t < lo ? t : lo;
-            hi = t > hi ? t : hi;
-        }
-        if (t0 <= 0 || hi == 0)
-            continue;
-        first[n] = (double)(lo - t0) * 1e-6;
-        last[n++] = (double)(hi - t0) * 1e-6;
-    }
     for (size_t i = 0; i < o->kids.n; i++) {
         size_t j;
         json_t *f;

@@ -24,13 +24,14 @@ cannot hide an engine bug:
   - siblings (siblings.py): every rank of a room, both sides, ends in the
     same state (but a side that had every byte when the other failed for
     a cause of its own), and all of a room's failure records name one rank
-    in common; with a process or engine fault on a rank after bootstrap
-    (mid, last), the records of every room it failed name that rank (its
+    in common; with a process or engine fault on a rank at mid or last,
+    the records of the room that reached that phase name that rank (its
     control address); and with several prefill DP groups every room of a
     group the fault did not touch (another than prefill rank 0's)
-    succeeded.  At bootstrap the rank may be killed or stopped before it
-    told a peer of the room: that peer then fails the room at its own
-    deadline, the one cause every rank names.
+    succeeded.  Only that room is sure to have linked every rank when the
+    fault struck: another one may still be bootstrapping on a rank, whose
+    peers then fail it at their own deadline, the one cause every rank
+    names.
 """
 import json
 import os
@@ -83,8 +84,8 @@ def check_siblings(spec, d, rooms, target_addr):
         common, why2 = siblings.one_cause(ranks)
         if why or why2:
             fail(spec, "room %d: %s" % (room["index"], why or why2), d)
-        if target_addr and room["index"] < d["rooms"] and any(r["state"] == "Failed" for r in ranks) \
-                and target_addr not in common:
+        if target_addr and room["index"] == d["fault_detail"].get("room") \
+                and any(r["state"] == "Failed" for r in ranks) and target_addr not in common:
             fail(spec, "room %d: its failure records do not all name the rank the fault acted "
                  "on (%s); they share %s" % (room["index"], target_addr, sorted(common)), d)
     if d.get("dp", 1) > 1 and spec.split("@")[0] not in ("kill-decode", "stop-decode",
