@@ -8,8 +8,9 @@
 # runs once (netns_cut.py): every room ends on every rank of both sides
 # as one, FAILED naming the cut pair (the rank that saw its peer go
 # silent, or the one that told it), within 5 s of the cut; with DP 2 the
-# other group's rooms succeed; once the route is back, fresh rooms
-# succeed.  Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN): skipped otherwise.
+# other group's rooms succeed; once the route is back (a first batch may
+# still meet an end that had not timed out its dead connection, and fail
+# naming that silence), fresh rooms succeed.  Needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN): skipped otherwise.
 set -euo pipefail
 KVFERRY=$(realpath "${KVFERRY:-build/kvferry}")
 here=$(cd "$(dirname "$0")" && pwd)
