@@ -386,8 +386,9 @@ static void kvt_check_slot(const kvt_report_t *r, uint32_t i, uint32_t k,
 }
 
 /* What each rank reported of room i, for the rules of verdict.h and for
- * the summary.  @return how many ranks take part (views in v). */
-static size_t kvt_views(const kvt_report_t *r, uint32_t i, kvt_rank_view_t *v,
+ * the summary; `stopped`: the column a stop fault acted on, or -1.
+ * @return how many ranks take part (views in v). */
+static size_t kvt_views(const kvt_report_t *r, uint32_t i, int stopped, kvt_rank_view_t *v,
                         json_t *detail)
 {
     size_t n = 0;
@@ -397,7 +398,8 @@ static size_t kvt_views(const kvt_report_t *r, uint32_t i, kvt_rank_view_t *v,
             continue;
         unsigned rank;
         const char *side = kvt_col_side(r, k, &rank);
-        v[n++] = (kvt_rank_view_t){k < r->nprefill, rank, s->state, s->gone, s->failure};
+        v[n++] = (kvt_rank_view_t){k < r->nprefill, rank, s->state, s->gone,
+                                   (int)k == stopped, s->failure};
         json_array_append_new(detail, json_pack(
             "{s:s, s:i, s:s, s:s, s:b, s:f}", "side", side, "rank", (int)rank,
             "state", s->state < 0 ? "unreported" : kvf_poll_name((kvf_poll_t)s->state),
@@ -420,7 +422,8 @@ static void kvt_check_room(const kvt_report_t *r, uint32_t i, const kvt_run_info
         json_decref(detail);
         return;
     }
-    size_t n = kvt_views(r, i, v, detail);
+    int stopped = info->fault && strncmp(info->fault, "stop-", 5) == 0 ? info->victim : -1;
+    size_t n = kvt_views(r, i, stopped, v, detail);
     if (!kvt_verdict_one_state(v, n, why, sizeof(why)))
         kvt_problem(p, &p->state, "room %u (id %llu): %s", i, (unsigned long long)r->ids[i],
                     why);

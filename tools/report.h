@@ -31,8 +31,8 @@
  *               is on the other side and names a cause there (a failure
  *               after this side had every byte: docs/FAILURES.md);
  *   one cause   every FAILED record has a reason, none "unknown reason",
- *               and all of a room's records (a killed rank's aside) name
- *               one rank in common: as
+ *               and all of a room's records (a killed or stopped rank's
+ *               aside: verdict.h) name one rank in common: as
  *               their origin or in their reason (the dead, stopped or cut
  *               peer, by its address), so that two ranks that saw one
  *               peer die, or the two ends of a cut link, agree;

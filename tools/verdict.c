@@ -127,7 +127,7 @@ int kvt_verdict_one_cause(const kvt_rank_view_t *v, size_t n, char *common,
                                : "without a reason");
             return 0;
         }
-        if (ncand == 0) {    /* the first record's names are the candidates */
+        if (ncand == 0 && !v[i].stopped) {   /* the first record's names: candidates */
             snprintf(cand[0], KVT_ADDR_LEN, "%s", kvt_field(v[i].failure, "origin_addr"));
             ncand = 1 + kvt_reason_addrs(reason, cand + 1, KVT_NAMES_MAX);
         }
@@ -136,7 +136,7 @@ int kvt_verdict_one_cause(const kvt_rank_view_t *v, size_t n, char *common,
         return 1;
     for (size_t c = 0; c < ncand; c++) {
         size_t i = 0;
-        while (i < n && (v[i].state != KVF_POLL_FAILED || v[i].gone ||
+        while (i < n && (v[i].state != KVF_POLL_FAILED || v[i].gone || v[i].stopped ||
                          kvt_names(v[i].failure, cand[c])))
             i++;
         if (i == n && cand[c][0] != '\0') {

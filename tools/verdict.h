@@ -18,7 +18,10 @@
  *   one cause  every FAILED record has a reason, none of them "unknown
  *              reason", and all the records of the room name one rank in
  *              common: as their origin, or by its host:port in their
- *              reason.  A cause a rank saw itself names it as origin; the
+ *              reason; but the record of a rank the fault stopped: it
+ *              heard only what its peers had told it before they gave up
+ *              on it, and one it had not finished its handshake with told
+ *              it nothing (docs/FAILURES.md, Known limits).  A cause a rank saw itself names it as origin; the
  *              ranks that learned it copy it; two ranks that each saw one
  *              peer die (every rank of the other side sees it directly)
  *              name that peer in their reasons; the two ends of a cut
@@ -38,6 +41,8 @@ typedef struct kvt_rank_view {
     unsigned    rank;       /**< index within its side */
     int         state;      /**< kvf_poll_t as reported (SUCCESS, FAILED) */
     int         gone;       /**< killed before it reported: not judged for its state */
+    int         stopped;    /**< the rank a stop fault acted on: its record is not
+                                 judged for the one cause */
     json_t     *failure;    /**< its failure record (borrowed), or NULL */
 } kvt_rank_view_t;
 

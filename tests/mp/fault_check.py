@@ -77,8 +77,11 @@ def check_siblings(spec, d, rooms, target_addr):
     records = {}
     for f in d["failures"] + d["after_fault"]["failures"]:
         records[(f["index"], f["side"], f["rank"])] = f
+    kind = spec.split("@")[0]
+    stopped = kind.split("-")[1] if kind.startswith("stop-") else None
     for room in rooms:
-        ranks = [dict(r, state=r["state"], failure=records.get((room["index"], r["side"], r["rank"])))
+        ranks = [dict(r, failure=records.get((room["index"], r["side"], r["rank"])),
+                      stopped=r["side"] == stopped and r["rank"] == 0)
                  for r in room["ranks"]]
         why = siblings.one_state(ranks)
         common, why2 = siblings.one_cause(ranks)

@@ -24,6 +24,7 @@ Usage: netns_cut.py KVFERRY NS_PREFIX HUB_IP
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -310,6 +311,8 @@ def run_shape(exe, prefix, hub_ip, label, shape):
 
 
 def main():
+    # timeout(1)'s SIGTERM: unwind, so that every process started is ended.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("FAIL netns cut: terminated"))
     exe, prefix, hub_ip = sys.argv[1:4]
     for label, shape in SHAPES:
         run_shape(exe, prefix, hub_ip, label, shape)

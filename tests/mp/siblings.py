@@ -44,9 +44,18 @@ def one_state(ranks):
 
 def one_cause(ranks):
     """Every FAILED rank that was not killed has a reason, none "unknown
-    reason", and all their records name one rank in common.  Returns (common, why):
+    reason", and all their records (a stopped rank's aside) name one rank
+    in common.  Returns (common, why):
     the set of ranks every record names, and None or why not."""
-    ranks = [r for r in ranks if not r.get("killed")]   # the demo's records
+    judged = [r for r in ranks if not r.get("killed")]  # the demo's records
+    # A stopped rank heard only what its peers told it before they gave up
+    # on it; its reason must still be one, but needs no rank in common.
+    ranks = [r for r in judged if not r.get("stopped")]
+    for r in judged:
+        why = (r["failure"] or {}).get("reason") or ""
+        if r["state"] == "Failed" and (not why or "unknown reason" in why.lower()):
+            return set(), "%s[%s] FAILED without a reason, or an unknown one: %r" % (
+                r["side"], r["rank"], why)
     records = [r["failure"] or {} for r in ranks if r["state"] == "Failed"]
     for r in ranks:
         if r["state"] != "Failed":

@@ -9,13 +9,8 @@
 # still report FAILED, naming the rank that failed the request.
 #
 # Each shape runs every fault kind once, at the phase and over the
-# transport its script picks: the shapes together cover each kind at mid
-# or last, and most at bootstrap, over tcp and shm.  Not stop-decode at
-# bootstrap: a decode rank stopped before its handshakes ended knows
-# nothing of what the prefill ranks decided meanwhile (their bootstrap
-# deadline, which names no decode rank) and reports its own view, so no
-# rank is named in common (docs/FAILURES.md, Known limits);
-# test_fault_stop_decode.sh runs it on TP 1 -> 1.
+# transport its script picks: the shapes together cover each kind at
+# bootstrap, mid and last, over tcp and shm.
 
 source "$(dirname "${BASH_SOURCE[0]}")/fault_lib.sh"
 

@@ -7,5 +7,5 @@
 set -euo pipefail
 source "$(dirname "$0")/siblings_lib.sh"
 sibling_matrix shm "--prefill-pp 2 --decode-pp 2" \
-    kill-prefill@bootstrap kill-decode@last stop-prefill@mid stop-decode@last \
+    kill-prefill@bootstrap kill-decode@last stop-prefill@mid stop-decode@bootstrap \
     reset@bootstrap corrupt@mid
