@@ -23,6 +23,7 @@
 # Usage: make build && bash bench/baselines.sh     (about 5 minutes, 127.0.0.1 only)
 #   REPEATS=5 PROFILE=0 KVFERRY=build/kvferry OUT=/tmp/bench.json bash bench/baselines.sh
 #   ONLY=streams bash bench/baselines.sh   (just the N-stream case and its iperf3 -P N)
+#   ONLY=relay bash bench/baselines.sh     (just the failure relay, TP 2->2 and 4->4)
 # Installs nothing: `make deps` installs iperf3, python3 and ucx-utils.
 set -euo pipefail
 
@@ -33,7 +34,7 @@ IPERF_SECONDS=${IPERF_SECONDS:-5}
 UCX_MSG=${UCX_MSG:-4194304}    # kvferry's get size: segments are at most 4 MiB
 PROFILE=${PROFILE:-1}
 STREAMS=${STREAMS:-2}          # the N of --streams N and iperf3 -P N
-ONLY=${ONLY:-}                 # "streams": that case alone
+ONLY=${ONLY:-}                 # "streams" or "relay": that case alone
 OUT=${OUT:-}
 TMP=$(mktemp -d /tmp/kvferry-bench.XXXXXX)
 PIDS=()
@@ -101,7 +102,15 @@ kvf() {   # name, round, kvferry bench options
 
 LLAMA=(--model llama3-8b --page-size 64 --tokens 8192)
 QWEN=(--model qwen2.5-7b --page-size 64 --tokens 8192 --concurrency 2 --requests 16)
+relay() {   # round: prefill rank 0 aborts each room after its first chunk; every
+            # rank of the room (its pair's and the others') times its FAILED
+    for tp in 2 4; do
+        kvf "relay$tp" "$1" --relay --transport tcp --model tiny --tokens 64 --page-size 16 \
+            --prefill-tp "$tp" --decode-tp "$tp" --requests 2000 --concurrency 8
+    done
+}
 for i in $(seq "$REPEATS"); do
+    if [ "$ONLY" = relay ]; then relay "$i"; continue; fi
     # issue 11: N streams per pair against N iperf3 streams, side by side
     note "round $i/$REPEATS: iperf3 -P $STREAMS ${IPERF_SECONDS}s, kvferry --streams $STREAMS"
     iperf "$i" "$STREAMS"
@@ -130,6 +139,8 @@ for i in $(seq "$REPEATS"); do
         kvf "tp12h_$t" "$i" --transport "$t" "${QWEN[@]}" --prefill-tp 1 --decode-tp 2 \
             --kv-order hnd
     done
+    # siblings: how fast one rank's failure reaches every rank of the room
+    relay "$i"
     # issue 5: shm vs memcpy; ucx vs ucx_perftest (UCX_TLS=tcp: see docs/BENCHMARKS.md)
     kvf shm "$i" --transport shm "${LLAMA[@]}" --pattern contiguous --concurrency 4 --requests 16
     # the same with two copier threads (the default is one per two CPUs)
@@ -171,7 +182,7 @@ profile() {   # name, seconds to wait (pool population, first rooms), kvferry be
             --percent-limit 1 2>/dev/null | sed '/^$/d' | head -8
     done > "$TMP/profile.$name.txt"
 }
-if [ "$ONLY" = streams ]; then
+if [ -n "$ONLY" ]; then
     :
 elif [ "$PROFILE" = 1 ] && command -v perf >/dev/null &&
    perf record -q -o /dev/null -- true >/dev/null 2>&1; then
@@ -208,6 +219,43 @@ def iperf3(name):
         g.append(r["bytes"] / r["seconds"] / 1e9)
         c.append((u["host_total"] + u["remote_total"]) / 100.0 * r["seconds"] / (r["bytes"] / 1e9))
     return g, c
+def relay(name):
+    """kvferry bench --relay runs: every room must have reached every rank."""
+    v = []
+    for i in R:
+        try: d = load(f"{tmp}/kvf.{name}.{i}.json")
+        except Exception: d = None
+        if d is None or not d.get("ok") or d.get("relayed") != d.get("rooms"):
+            problems.append(f"{name} round {i}: " + ("no result" if d is None else
+                            f"{d.get('relayed')} of {d.get('rooms')} rooms relayed"))
+        if d and d.get("config", {}).get("transport") != "tcp":
+            problems.append(f"{name} round {i}: transport {d.get('config', {}).get('transport')}")
+        v.append(d)
+    runs[name] = v
+    for k in ("p50", "p99", "max"):
+        put(f"{name}_{k}", [d[f"relay_{k}_ms"] if d else None for d in v])
+    return v
+
+runs = {}
+if only == "relay":   # that case alone: its rows
+    for tp in (2, 4):
+        relay(f"relay{tp}")
+    rv = lambda k: [x for x in fig.get(k, []) if x is not None]
+    print(f"machine: {machine['nproc']} CPUs, {machine['cpu']}, Linux {machine['kernel']}; "
+          f"commit {machine['commit'][:12]}; medians of {reps} rounds")
+    for tp in (2, 4):
+        p50, p99, mx = (rv(f"relay{tp}_{k}") for k in ("p50", "p99", "max"))
+        if p99:
+            print(f"siblings relay TP {tp}->{tp} (abort -> the last rank's FAILED, 2,000 rooms): "
+                  f"p50 {statistics.median(p50):.3f} ms, p99 {statistics.median(p99):.3f} ms "
+                  f"({min(p99):.3f}-{max(p99):.3f}), max {statistics.median(mx):.3f} ms; "
+                  f"goal p99 < 100 ms: {'met' if statistics.median(p99) < 100 else 'MISSED'}")
+    for p in problems:
+        print("problem: " + p)
+    if out:
+        json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
+                  open(out, "w"), indent=1)
+    sys.exit(1 if problems else 0)
 put("iperf3_p", iperf3("iperf3p")[0])
 if not only:
     put("memcpy", [load(f"{tmp}/memcpy.{i}.json")["memcpy_gbps"] for i in R])
@@ -228,7 +276,6 @@ def perftest(t):
 if ucx and not only:
     put("ucp_get", perftest("ucp_get")); put("ucp_put_bw", perftest("ucp_put_bw"))
 
-runs = {}
 def kvf(name, transport=None):
     v = []
     for i in R:
@@ -329,6 +376,9 @@ ratio_row(11, "qwen2.5-7b TP 1->2 / TP 1->1, tcp", "tp12_tcp", "tp11_tcp", ">= 0
 ratio_row(11, "qwen2.5-7b TP 1->2 / TP 1->1, shm", "tp12_shm", "tp11_shm", ">= 0.6x", lo=0.6)
 ratio_row(15, "qwen2.5-7b TP 1->2 HND / TP 1->1, tcp", "tp12h_tcp", "tp11_tcp", "(HND pages)")
 ratio_row(15, "qwen2.5-7b TP 1->2 HND / TP 1->1, shm", "tp12h_shm", "tp11_shm", "(HND pages)")
+relay("relay2"); relay("relay4")
+abs_row("S", "siblings relay TP 2->2: p99 ms, abort -> last rank", "relay2_p99", 100, "< 100 ms", "<")
+abs_row("S", "siblings relay TP 4->4: p99 ms, abort -> last rank", "relay4_p99", 100, "< 100 ms", "<")
 abs_row(11, "calls under load: worst p99 / idle p99", "calls_ratio", 3.0, "<= 3x", "<=")
 abs_row(11, "calls under load: worst max, ms", "calls_max", 1.0, "<= 1 ms", "<=")
 ratio_row(5, "shm contiguous (4 in flight) / memcpy", "shm", "memcpy", ">= 0.8x", lo=0.8)

@@ -28,6 +28,13 @@
  *
  * A room counts as failed unless every rank saw it succeed; any failed
  * room makes the exit status 1.
+ *
+ * --relay measures siblings instead (bench_rank.c): prefill rank 0 aborts
+ * every room after its first chunk and each rank times its room's
+ * failure.  Per room, the relay latency is the last rank's FAILED minus
+ * the abort (p50/p99/max over rooms), the first sibling's too; a room
+ * counts as relayed when every rank failed it naming that abort, and any
+ * other room makes the exit status 1.
  */
 #include <math.h>
 #include <stdio.h>
@@ -175,9 +182,130 @@ static json_t *kvt_bench_side(kvt_bench_t *b, kvt_child_role_t role,
                      "peak_rss_mb", kvt_num(rss), "kv_pool_mb", kvt_num(pool));
 }
 
+/* --relay: per room of [0, rooms) that every rank failed, the abort
+ * (times in `cause`) -> the first and the last other rank's FAILED, in ms.
+ * @return how many rooms. */
+static size_t kvt_relay_times(kvt_bench_t *b, json_t *cause, uint32_t rooms,
+                              double *first, double *last)
+{
+    kvt_orch_t *o = &b->orch;
+    size_t n = 0;
+    for (uint32_t k = 0; k < rooms; k++) {
+        int64_t t0 = json_integer_value(json_array_get(cause, k)), lo = INT64_MAX, hi = 0;
+        for (size_t i = 0; i < o->kids.n && t0 > 0; i++) {
+            json_t *times = json_object_get(b->results[i], "times_ns");
+            if (times == NULL || times == cause)
+                continue;                        /* the registry, the aborting rank */
+            int64_t t = json_integer_value(json_array_get(times, k));
+            if (t == 0) {                        /* not relayed there */
+                hi = 0;
+                break;
+            }
+            lo = t < lo ? t : lo;
+            hi = t > hi ? t : hi;
+        }
+        if (t0 <= 0 || hi == 0)
+            continue;
+        first[n] = (double)(lo - t0) * 1e-6;
+        last[n++] = (double)(hi - t0) * 1e-6;
+    }
+    return n;
+}
+
+/* --relay: per room, how long the abort took to reach every rank. */
+static json_t *kvt_bench_relay_figures(kvt_bench_t *b, int *ok_p)
+{
+    kvt_orch_t *o = &b->orch;
+    json_t *cause = NULL;
+    uint32_t rooms = UINT32_MAX;
+    int missing = 0;
+    for (size_t i = 0; i < o->kids.n; i++) {
+        json_t *r = b->results[i];
+        if (o->kids.v[i].role == KVT_CHILD_REGISTRY)
+            continue;
+        if (!r) {
+            missing++;
+            continue;
+        }
+        uint32_t n = (uint32_t)json_integer_value(json_object_get(r, "rooms"));
+        rooms = n < rooms ? n : rooms;
+        if (o->kids.v[i].role == KVT_CHILD_PREFILL && o->kids.v[i].rank == 0)
+            cause = json_object_get(r, "times_ns");
+    }
+    if (missing || !cause || rooms == UINT32_MAX)
+        rooms = 0;
+    double *last = calloc(rooms ? rooms : 1, sizeof(double));
+    double *first = calloc(rooms ? rooms : 1, sizeof(double));
+    size_t n = last && first ? kvt_relay_times(b, cause, rooms, first, last) : 0;
+    json_t *failures = json_array();
+    for (size_t i = 0; i < o->kids.n; i++) {
+        size_t j;
+        json_t *f;
+        json_array_foreach(json_object_get(b->results[i], "failures"), j, f) {
+            json_t *g = json_copy(f);
+            json_object_set_new(g, "rank", json_string(o->kids.v[i].name));
+            json_array_append_new(failures, g);
+        }
+    }
+    if (n) {
+        qsort(last, n, sizeof(double), kvt_cmp_double);
+        qsort(first, n, sizeof(double), kvt_cmp_double);
+    }
+    *ok_p = !missing && rooms > 0 && n == rooms && !o->error[0] && !o->timed_out &&
+            !o->signal;
+    const kvt_opts_t *p = &b->o;
+    json_t *out = json_pack(
+        "{s:b, s:i, s:i, s:o, s:o, s:o, s:o, s:o, s:o, s:o,"
+        " s:{s:s, s:i, s:i, s:i, s:i, s:i, s:s}}",
+        "ok", *ok_p, "rooms", (int)rooms, "relayed", (int)n,
+        "relay_p50_ms", kvt_num(kvt_pct(last, n, 50)),
+        "relay_p99_ms", kvt_num(kvt_pct(last, n, 99)),
+        "relay_max_ms", kvt_num(n ? last[n - 1] : 0),
+        "first_p50_ms", kvt_num(kvt_pct(first, n, 50)),
+        "first_p99_ms", kvt_num(kvt_pct(first, n, 99)),
+        "failures", failures, "ranks", json_integer((json_int_t)(p->prefill_tp + p->decode_tp)),
+        "config", "model", p->model, "tokens", (int)p->tokens, "chunk", (int)p->chunk,
+        "concurrency", (int)p->concurrency, "prefill_tp", (int)p->prefill_tp,
+        "decode_tp", (int)p->decode_tp,
+        "transport", o->transport[0] ? o->transport : "unknown");
+    if (out && o->error[0])
+        json_object_set_new(out, "error", json_string(o->error));
+    free(last);
+    free(first);
+    return out;
+}
+
+static void kvt_bench_relay_print(FILE *f, json_t *j)
+{
+    json_t *c = json_object_get(j, "config");
+#define NUM(o, k) json_number_value(json_object_get(o, k))
+    fprintf(f, "kvferry bench --relay: TP %d->%d, %d rooms, transport %s\n",
+            (int)NUM(c, "prefill_tp"), (int)NUM(c, "decode_tp"), (int)NUM(j, "rooms"),
+            json_string_value(json_object_get(c, "transport")));
+    fprintf(f, "  relayed      %d of %d rooms failed on every rank naming prefill rank 0's "
+            "abort\n", (int)NUM(j, "relayed"), (int)NUM(j, "rooms"));
+    fprintf(f, "  last rank    p50 %.3f ms, p99 %.3f ms, max %.3f ms (abort -> the last "
+            "sibling's FAILED)\n", NUM(j, "relay_p50_ms"), NUM(j, "relay_p99_ms"),
+            NUM(j, "relay_max_ms"));
+    fprintf(f, "  first rank   p50 %.3f ms, p99 %.3f ms\n", NUM(j, "first_p50_ms"),
+            NUM(j, "first_p99_ms"));
+    size_t i;
+    json_t *r;
+    json_array_foreach(json_object_get(j, "failures"), i, r)
+        fprintf(f, "  FAILED       room %d on %s: %s: %s\n", (int)NUM(r, "index"),
+                json_string_value(json_object_get(r, "rank")),
+                json_string_value(json_object_get(r, "status")),
+                json_string_value(json_object_get(r, "reason")));
+    fprintf(f, "  result       %s\n", json_is_true(json_object_get(j, "ok"))
+            ? "every rank of every room named the abort" : "FAILED: see above");
+#undef NUM
+}
+
 /* The figures as one JSON object; *ok_p = 1 if every room succeeded. */
 static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
 {
+    if (b->o.relay)
+        return kvt_bench_relay_figures(b, ok_p);
     kvt_orch_t *o = &b->orch;
     uint32_t rooms = UINT32_MAX;
     int64_t t0 = INT64_MAX, t1 = 0;
@@ -359,7 +487,14 @@ static void kvt_bench_usage(FILE *out)
         "what the decode ranks received, summed over them: the whole transfer,\n"
         "so GB/s and CPU s/GB compare across TP pairs of the same model.\n"
         "bench/baselines.sh runs the issue's cases against iperf3, memcpy and\n"
-        "UCX on the same host; docs/BENCHMARKS.md has the figures.\n");
+        "UCX on the same host; docs/BENCHMARKS.md has the figures.\n"
+        "\n--relay measures how fast a failure reaches every rank of a room\n"
+        "instead: prefill rank 0 aborts each room after its first chunk, the\n"
+        "other prefill ranks send no more, and every rank notes when its room\n"
+        "failed (CLOCK_MONOTONIC), checking that its record names the abort.\n"
+        "Reported: abort -> the last rank's FAILED and abort -> the first\n"
+        "sibling's, p50/p99/max over rooms; exit status 1 if any rank of any\n"
+        "room failed it for another cause or never.\n");
 }
 
 int kvt_bench_main(int argc, char **argv)
@@ -415,6 +550,8 @@ int kvt_bench_main(int argc, char **argv)
         if (s)
             printf("%s\n", s);
         free(s);
+    } else if (b.o.relay) {
+        kvt_bench_relay_print(stdout, fig);
     } else {
         kvt_bench_print(stdout, fig);
     }

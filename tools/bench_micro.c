@@ -201,6 +201,14 @@ static int kvt_side_make(kvt_side_t *s, kvf_role_t role, const kvt_geom_t *g,
     return 0;
 }
 
+/* Room i of one side's array: its senders' or its receivers'. */
+static kvf_poll_t kvt_poll_at(kvf_sender_t **snd, kvf_receiver_t **rcv, uint32_t i)
+{
+    if (snd != NULL)
+        return kvf_sender_poll(snd[i]);
+    return rcv != NULL ? kvf_receiver_poll(rcv[i]) : KVF_POLL_FAILED;
+}
+
 /* Wait until every room of one side is at least `want` (or final).
  * @return the number that FAILED, or -1 on timeout. */
 static long kvt_wait_all(kvf_sender_t **snd, kvf_receiver_t **rcv, uint32_t n,
@@ -211,7 +219,7 @@ static long kvt_wait_all(kvf_sender_t **snd, kvf_receiver_t **rcv, uint32_t n,
         long failed = 0;
         uint32_t ready = 0;
         for (uint32_t i = 0; i < n; i++) {
-            kvf_poll_t s = snd ? kvf_sender_poll(snd[i]) : kvf_receiver_poll(rcv[i]);
+            kvf_poll_t s = kvt_poll_at(snd, rcv, i);
             failed += s == KVF_POLL_FAILED;
             ready += s == KVF_POLL_FAILED || s >= want;
         }

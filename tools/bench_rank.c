@@ -22,10 +22,18 @@
  * stops admitting rooms and answers {"event":"admitted","next":N}; the
  * orchestrator then sends "until M" (the largest N) and every rank runs
  * rooms up to M, so both sides hold the same set of rooms.
+ *
+ * --relay: how fast a failure reaches every rank of a room.  Every prefill
+ * rank sends a room's first chunk and no more, so no pair can finish it;
+ * prefill rank 0 then aborts it (its timestamp: just before
+ * kvf_sender_abort, which records the cause).  Every other rank notes when
+ * its poll first saw the room FAILED, and checks that its record names
+ * that abort (learned from prefill rank 0); a room whose record names
+ * anything else counts as failed.  Polls back off to 50 us at most here,
+ * so a timestamp is late by that much at worst.
  */
 #include <errno.h>
 #include <inttypes.h>
-#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +52,7 @@
 #define KVT_BENCH_FAILURES  8                 /* failure records kept */
 #define KVT_BENCH_IDLE_NS   20000             /* first sleep when a pass did nothing */
 #define KVT_BENCH_IDLE_MAX  1000000           /* ... doubling up to this */
+#define KVT_RELAY_IDLE_MAX  50000             /* ... or this, with --relay */
 
 enum { KVT_B_FREE = 0, KVT_B_BOOT, KVT_B_SEND, KVT_B_WAIT };
 
@@ -69,8 +78,6 @@ typedef struct kvt_bench_rank {
     uint64_t     bytes;
     double       verify_cpu_s;
     json_t      *failures;
-    char         in[512];
-    size_t       inlen;
 } kvt_bench_rank_t;
 
 static uint64_t kvt_mono_ns(void)
@@ -280,11 +287,71 @@ static void kvt_bench_start(kvt_bench_rank_t *b, kvt_bslot_t *s)
                                        : "kvf_receiver_create", st);
 }
 
+/* --relay: the room is final here at t (prefill rank 0: failed by its own
+ * abort, timed when it aborted).  Note when, if it names that abort. */
+static void kvt_bench_relay_final(kvt_bench_rank_t *b, kvt_bslot_t *s, kvf_poll_t st,
+                                  uint64_t t)
+{
+    kvt_rank_t *r = b->r;
+    int cause = r->prefill && r->o.rank == 0;
+    kvf_failure_t f;
+    memset(&f, 0, sizeof(f));
+    kvf_status_t got = st != KVF_POLL_FAILED ? KVF_ERR_STATE
+                     : r->prefill ? kvf_sender_failure(s->snd, &f)
+                                  : kvf_receiver_failure(s->rcv, &f);
+    f.reason[sizeof(f.reason) - 1] = '\0';
+    char why[KVF_REASON_MAX + 128] = "";
+    if (st != KVF_POLL_FAILED)
+        snprintf(why, sizeof(why), "the room ended %s, though prefill rank 0 aborted it",
+                 kvf_poll_name(st));
+    else if (got != KVF_OK)
+        snprintf(why, sizeof(why), "FAILED without a failure record (engine bug)");
+    else if (f.status != KVF_ERR_ABORTED || f.origin_side != KVF_ROLE_PREFILL ||
+             f.origin_rank != 0 || f.from_another_rank == cause)
+        snprintf(why, sizeof(why), "its record names another cause than prefill rank 0's "
+                 "abort: %s from %s rank %d%s: %s", kvf_status_name(f.status),
+                 kvf_role_name(f.origin_side), f.origin_rank,
+                 f.from_another_rank ? " (learned)" : "", f.reason);
+    if (why[0] != '\0') {
+        kvt_bench_failure(b, s, got == KVF_OK ? kvf_status_name(f.status) : "RELAY", why);
+        kvt_bench_note_time(b, s->index, 0);
+    } else if (!cause && kvt_bench_note_time(b, s->index, t) != 0) {
+        kvt_bench_failure(b, s, "KVF_ERR_NO_MEMORY", "out of memory for room timestamps");
+    }
+    kvt_bench_release(b, s);
+}
+
+/* --relay: the first chunk, then prefill rank 0 aborts; the others wait. */
+static int kvt_bench_relay_send(kvt_bench_rank_t *b, kvt_bslot_t *s)
+{
+    kvt_rank_t *r = b->r;
+    kvf_status_t e = kvf_sender_send(s->snd, s->pages, r->chunk_pages, 0);
+    if (e != KVF_OK) {
+        if (kvf_sender_poll(s->snd) == KVF_POLL_FAILED)
+            kvt_bench_relay_final(b, s, KVF_POLL_FAILED, kvt_mono_ns());
+        else
+            kvt_bench_refused(b, s, "kvf_sender_send", e);
+        return 1;
+    }
+    s->stage = KVT_B_WAIT;
+    if (r->o.rank == 0) {
+        uint64_t t = kvt_mono_ns();
+        kvf_sender_abort(s->snd);
+        if (kvt_bench_note_time(b, s->index, t) != 0)
+            kvt_bench_failure(b, s, "KVF_ERR_NO_MEMORY", "out of memory for room timestamps");
+    }
+    return 1;
+}
+
 /* One poll of one room.  @return 1 if anything happened. */
 static int kvt_bench_progress(kvt_bench_rank_t *b, kvt_bslot_t *s)
 {
     kvt_rank_t *r = b->r;
     kvf_poll_t st = r->prefill ? kvf_sender_poll(s->snd) : kvf_receiver_poll(s->rcv);
+    if (r->o.relay && (st == KVF_POLL_FAILED || st == KVF_POLL_SUCCESS)) {
+        kvt_bench_relay_final(b, s, st, kvt_mono_ns());
+        return 1;
+    }
     if (st == KVF_POLL_FAILED || (st == KVF_POLL_SUCCESS && s->stage == KVT_B_WAIT)) {
         kvt_bench_finish(b, s, st, kvt_mono_ns());
         return 1;
@@ -302,6 +369,8 @@ static int kvt_bench_progress(kvt_bench_rank_t *b, kvt_bslot_t *s)
         s->stage = KVT_B_SEND;
         return 1;
     }
+    if (s->stage == KVT_B_SEND && r->o.relay)
+        return kvt_bench_relay_send(b, s);
     if (s->stage == KVT_B_SEND) {
         /* One chunk per pass, as chunked prefill sends one per step. */
         uint32_t n = r->room_pages - s->sent;
@@ -351,25 +420,10 @@ static void kvt_bench_command(kvt_bench_rank_t *b, const char *cmd)
 /* Commands arrive on stdin while rooms run; never block on it. */
 static void kvt_bench_read_commands(kvt_bench_rank_t *b)
 {
-    struct pollfd p = { STDIN_FILENO, POLLIN, 0 };
-    if (poll(&p, 1, 0) <= 0 || !(p.revents & (POLLIN | POLLHUP)))
-        return;
-    ssize_t n = read(STDIN_FILENO, b->in + b->inlen, sizeof(b->in) - 1 - b->inlen);
-    if (n <= 0)
-        return;
-    b->inlen += (size_t)n;
-    b->in[b->inlen] = '\0';
-    char *line = b->in, *nl;
-    while ((nl = strchr(line, '\n')) != NULL) {
-        *nl = '\0';
-        if (*line)
-            kvt_bench_command(b, line);
-        line = nl + 1;
-    }
-    b->inlen = strlen(line);
-    memmove(b->in, line, b->inlen + 1);
-    if (b->inlen == sizeof(b->in) - 1)
-        b->inlen = 0;   /* a line that long is no command of ours */
+    char cmd[128];
+    kvt_cmdin_fill(&b->r->cmd, 0);
+    while (kvt_cmdin_next(&b->r->cmd, cmd, sizeof(cmd)))
+        kvt_bench_command(b, cmd);
 }
 
 static void kvt_bench_result(kvt_bench_rank_t *b, uint64_t t0, uint64_t t1,
@@ -417,6 +471,7 @@ void kvt_bench_rank_run(kvt_rank_t *r)
 
     uint64_t t0 = kvt_mono_ns(), t1 = t0, last_progress = t0;
     long idle_ns = KVT_BENCH_IDLE_NS;
+    long idle_max = r->o.relay ? KVT_RELAY_IDLE_MAX : KVT_BENCH_IDLE_MAX;
     double cpu0 = kvt_rusage_cpu_s();
     while (!(b.limit_known && b.done >= b.limit)) {
         int changed = 0;
@@ -455,7 +510,7 @@ void kvt_bench_rank_run(kvt_rank_t *r)
         } else {
             struct timespec ts = { 0, idle_ns };
             nanosleep(&ts, NULL);
-            idle_ns = idle_ns * 2 > KVT_BENCH_IDLE_MAX ? KVT_BENCH_IDLE_MAX : idle_ns * 2;
+            idle_ns = idle_ns * 2 > idle_max ? idle_max : idle_ns * 2;
         }
     }
     double cpu = kvt_rusage_cpu_s() - cpu0 - b.verify_cpu_s;

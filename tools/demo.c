@@ -6,7 +6,11 @@
  * rank processes (`kvferry _rank`, see rank.c; --dp x --prefill-pp x
  * --prefill-tp and --decode-pp x --decode-tp of them), releases
  * them together and relays their event lines here, where the report
- * (report.c) merges them into one verdict per room.  With --fault KIND@WHEN
+ * (report.c) merges them into one verdict per room.  Here too is the
+ * all-reduce a scheduler runs over its ranks: once a room is final on
+ * every rank that takes part in it, on both sides, each of them is told
+ * the MIN of their states ("release"), and only then reports the room and
+ * lets it go.  With --fault KIND@WHEN
  * the injector (fault.c) sees every event after the report, acts on the
  * orchestrator's child table when the first room reaches WHEN, and runs
  * the recovery and the fresh batch that follow.
@@ -46,11 +50,29 @@ static const char *const kvt_fault_env[][2] = {
     { "KVF_TRANSFER_TIMEOUT_MS",  "3000" },
 };
 
+/* Room `index` is final on every rank of it: tell each the outcome. */
+static void kvt_demo_release(kvt_demo_t *d, uint32_t index)
+{
+    char line[64];
+    snprintf(line, sizeof(line), "release %u %s\n", index,
+             kvf_poll_name((kvf_poll_t)kvt_report_outcome(&d->rep, index)));
+    kvt_orch_t *o = &d->orch;
+    for (size_t i = 0; i < o->kids.n; i++)
+        if (o->kids.v[i].out_fd >= 0 && kvt_report_involves(&d->rep, index, &o->kids.v[i]))
+            kvt_child_send(&o->kids.v[i], line);
+}
+
 static void kvt_demo_on_event(void *ctx, kvt_child_t *c, const char *type,
                               json_t *ev)
 {
     kvt_demo_t *d = ctx;
-    if (strcmp(type, "phase") == 0)
+    if (strcmp(type, "final") == 0) {
+        kvt_report_final(&d->rep, c, ev);
+        json_t *ji = json_object_get(ev, "index");
+        if (json_is_integer(ji) && json_integer_value(ji) >= 0 &&
+            kvt_report_releasable(&d->rep, (uint32_t)json_integer_value(ji)))
+            kvt_demo_release(d, (uint32_t)json_integer_value(ji));
+    } else if (strcmp(type, "phase") == 0)
         kvt_report_phase(&d->rep, c, ev);
     else if (strcmp(type, "room") == 0)
         kvt_report_room(&d->rep, c, ev);
@@ -71,6 +93,10 @@ static void kvt_demo_on_tick(void *ctx, uint64_t now_ms)
 {
     kvt_demo_t *d = ctx;
     kvt_injector_tick(&d->inj);
+    /* A killed rank's rooms count as final once the injector recorded them. */
+    for (uint32_t i = 0; i < d->rep.nrooms; i++)
+        if (kvt_report_releasable(&d->rep, i))
+            kvt_demo_release(d, i);
 }
 
 static int kvt_demo_on_finished(void *ctx)
@@ -116,6 +142,12 @@ static void kvt_demo_usage(FILE *out)
         "its DP rank).  --requests rooms of --tokens tokens go from prefill\n"
         "pages into randomly scattered decode pages; decode verifies every byte\n"
         "of its heads and layers, and the aux tag from the last prefill stage.\n"
+        "Each rank keeps a room until every rank of it, both sides, is final,\n"
+        "then is told the MIN of their states (a scheduler's all-reduce); a\n"
+        "rank whose room did not fail waits up to 1 s for the cause\n"
+        "(kvf_*_await_failure) and reports the room as it then is.  Every room\n"
+        "must end in one state on all its ranks, and its failure records must\n"
+        "name one rank in common (docs/GUIDE.md, Faults).\n"
         "Exit status 0 only when every room succeeded and verified (under\n"
         "--fault: see Faults below), 1 otherwise, 2 for bad options.\n"
         "\n"
@@ -138,15 +170,21 @@ static void kvt_demo_usage(FILE *out)
         "                              registered memory (shm, ucx: the decode side\n"
         "                              pulls); that room alone must fail\n"
         "  registry-down               kill the registry; restarted on the same port\n"
-        "Then every room must be final (SUCCESS, or FAILED with a reason), rooms\n"
-        "the fault did not touch must succeed, no room may report SUCCESS with\n"
-        "wrong data, and --after-fault-requests fresh rooms must all succeed.\n"
+        "Then every room must be final (SUCCESS, or FAILED with a reason) as\n"
+        "above, rooms the fault did not touch must succeed (with --dp, every\n"
+        "room of a DP group without the rank it acted on), no room may report\n"
+        "SUCCESS with wrong data, and --after-fault-requests fresh rooms must\n"
+        "all succeed.  Any --prefill-tp, --decode-tp, --prefill-pp, --decode-pp\n"
+        "and --dp: rank 0 of a side is TP rank 0 of stage 0 of DP group 0.\n"
         "A fault run sends rooms in 4 chunks unless --chunk is given, and sets\n"
         "KVF_{BOOTSTRAP,WAITING,TRANSFER}_TIMEOUT_MS=3000 unless they are set.\n"
         "The JSON adds fault, touched_rooms (in flight at the fault), later_rooms\n"
         "(started while it lasted), max_resolve_seconds (from the fault to the\n"
         "last final state of a room in flight; on a stopped rank, from its\n"
-        "SIGCONT), after_fault and fault_detail.\n");
+        "SIGCONT), after_fault and fault_detail.\n"
+        "Every run's JSON has failed_rooms (per room that did not succeed: each\n"
+        "rank's state, first final state, wait for the cause, and the rank its\n"
+        "records name in common) and max_awaited_ms.\n");
     fprintf(out,
         "\nEngine settings not listed here come from KVF_* environment\n"
         "variables (KVF_LOG=info, KVF_TRANSFER_TIMEOUT_MS, ...), which every\n"
@@ -203,7 +241,9 @@ int kvt_demo_main(int argc, char **argv)
                             o->error[0] ? o->error : NULL, o->timed_out,
                             o->signal, d.o.fault, d.inj.injected,
                             d.inj.injected_at, detail,
-                            d.inj.resumed ? d.inj.victim : NULL, d.inj.resumed_at };
+                            d.inj.resumed ? d.inj.victim : NULL, d.inj.resumed_at, -1 };
+    info.victim = !d.o.fault || d.fault.target == KVT_CHILD_REGISTRY ? -1
+                : d.fault.target == KVT_CHILD_PREFILL ? 0 : (int)d.rep.nprefill;
     int ok = 0;
     json_t *summary = kvt_report_summary(&d.rep, &o->kids, &info, &ok);
     json_decref(detail);

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "models.h"
+#include "pattern.h"
 #include "tool.h"
 
 static const struct {
@@ -84,14 +85,6 @@ int kvt_fault_parse(const char *spec, kvt_fault_t *f, char *err, size_t len)
 int kvt_fault_check(const kvt_fault_t *f, const kvt_opts_t *o, char *err,
                     size_t len)
 {
-    /* The injector targets rank 0 of a side and times engine faults on
-     * its bytes of the whole model: one DP group, one stage. */
-    if (o->prefill_pp != 1 || o->decode_pp != 1 || o->dp != 1) {
-        snprintf(err, len, "--fault %s runs with one pipeline stage and one "
-                 "DP group: drop --prefill-pp, --decode-pp and --dp (or set "
-                 "them to 1)", f->spec);
-        return -1;
-    }
     if (f->when == KVT_WHEN_MID && o->chunk >= o->tokens) {
         snprintf(err, len, "--fault %s needs rooms sent in two or more "
                  "chunks (a 'mid' to stop at), but each room of --tokens %u "
@@ -110,9 +103,11 @@ void kvt_fault_engine_spec(const kvt_fault_t *f, const kvt_opts_t *o,
     buf[0] = '\0';
     if (!f->engine)
         return;
+    /* Prefill rank 0: TP rank 0 of the first stage of DP group 0. */
     kvt_geom_t g;
     kvt_geom_init(&g, kvt_model_find(o->model), kvt_dtype_find(o->kv_dtype),
                   o->prefill_tp, 0, o->page_size);
+    kvt_geom_set_stage(&g, o->prefill_pp, 0);
     uint64_t room = (uint64_t)kvt_pages_for(o->tokens, o->page_size) *
                     g.page_bytes * g.num_buffers;
     uint64_t bytes = f->when == KVT_WHEN_BOOTSTRAP ? 0
@@ -121,6 +116,20 @@ void kvt_fault_engine_spec(const kvt_fault_t *f, const kvt_opts_t *o,
     snprintf(buf, len, "%s@%" PRIu64,
              f->kind == KVT_FAULT_RESET     ? "reset"
              : f->kind == KVT_FAULT_CORRUPT ? "corrupt" : "badaddr", bytes);
+}
+
+/* The last room of the trigger rank's first window: --concurrency rooms
+ * of those it runs (a prefill rank runs its DP group's, room % --dp). */
+static int kvt_fault_window_last(const kvt_fault_t *f, const kvt_opts_t *o)
+{
+    int last = -1;
+    uint32_t seen = 0;
+    for (uint32_t i = 0; i < o->requests && seen < o->concurrency; i++)
+        if (f->trigger == KVT_CHILD_DECODE || kvt_room_id(o->seed, i) % o->dp == 0) {
+            last = (int)i;
+            seen++;
+        }
+    return last;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -180,8 +189,7 @@ int kvt_injector_init(kvt_injector_t *inj, const kvt_fault_t *f,
         return -1;
     kvt_fault_engine_spec(f, o, inj->engine_spec, sizeof(inj->engine_spec));
     if (f->when == KVT_WHEN_BOOTSTRAP)   /* see fault.h: the window's last room */
-        inj->f.index = (int)(o->concurrency < o->requests ? o->concurrency
-                                                          : o->requests) - 1;
+        inj->f.index = kvt_fault_window_last(f, o);
     size_t n = 0;
     if (f->hold && inj->f.index >= 0)
         snprintf(inj->hold_arg, sizeof(inj->hold_arg), "--hold=%s:%d",
@@ -506,11 +514,12 @@ int kvt_injector_on_finished(kvt_injector_t *inj)
 json_t *kvt_injector_detail(const kvt_injector_t *inj)
 {
     const kvt_child_t *v = inj->victim;
-    return json_pack("{s:s, s:s, s:s, s:s?, s:b, s:o, s:s?, s:b, s:i, s:O}",
+    return json_pack("{s:s, s:s, s:s, s:s?, s:s?, s:b, s:o, s:s?, s:b, s:i, s:O}",
                      "spec", inj->f.spec, "phase", inj->f.phase,
                      "trigger", inj->f.trigger == KVT_CHILD_PREFILL
                                     ? "prefill[0]" : "decode[0]",
                      "target", v ? v->name : inj->f.engine ? "prefill[0] engine" : NULL,
+                     "target_addr", inj->target_addr[0] ? inj->target_addr : NULL,
                      "injected", inj->injected,
                      "room", inj->room >= 0 ? json_integer(inj->room) : json_null(),
                      "engine_faults", inj->engine_spec[0] ? inj->engine_spec : NULL,

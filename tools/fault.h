@@ -21,7 +21,8 @@
  * PHASE[:INDEX]`: it stops its room loop after emitting that phase until
  * the injector writes "resume" (its engine keeps running).  Mid and last
  * fire on the first room to get there.  Bootstrap fires on the last room
- * of the first window (--concurrency rooms), while the first is still
+ * of the trigger rank's first window (--concurrency of the rooms it runs:
+ * a prefill rank runs its DP group's), while the first is still
  * bootstrapping: a stop that landed between two room creations would
  * leave the rest of the window to be created after SIGCONT, for peers
  * that failed those rooms long before.

@@ -97,6 +97,10 @@ static const kvt_opt_t kvt_opt_table[] = {
       "decode pages: consecutive, or drawn at random from a pool twice the size" },
     { "verify", KVT_FLAG, OFF(verify), KVT_IN_BENCH | KVT_IN_RANK | KVT_FORWARD,
       0, NULL, "check every byte on decode (CPU time of the check is left out)" },
+    { "relay", KVT_FLAG, OFF(relay), KVT_IN_BENCH | KVT_IN_RANK | KVT_FORWARD,
+      0, NULL, "time how fast a failure reaches every rank: prefill rank 0 aborts each "
+      "room after its first chunk, the others send no more, and each rank notes when "
+      "its room failed (default --chunk: one page)" },
     { "timeout", KVT_U32, OFF(timeout), KVT_IN_DEMO | KVT_IN_BENCH, 1, "SECONDS",
       "kill every process after this; rooms not final are unresolved" },
     { "json", KVT_FLAG, OFF(json), KVT_IN_DEMO | KVT_IN_BENCH, 0, NULL,
@@ -308,6 +312,15 @@ int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode)
     }
     if (!o->decode_page_size)
         o->decode_page_size = o->page_size;
+    if (o->relay && !o->chunk)
+        o->chunk = o->page_size;   /* the first chunk is one page */
+    if (o->relay && (o->chunk >= o->tokens || o->prefill_tp != o->decode_tp)) {
+        fprintf(stderr, "kvferry %s: --relay needs rooms of two or more chunks (--chunk "
+                "below --tokens %u) and equal --prefill-tp and --decode-tp (prefill rank "
+                "k feeding decode rank k alone: nothing but the siblings' relay joins the "
+                "pairs)\n", cmd, o->tokens);
+        return -1;
+    }
     if (!o->chunk || o->chunk > o->tokens)
         o->chunk = o->tokens;
     if (o->chunk < o->tokens && o->chunk % o->page_size != 0) {

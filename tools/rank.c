@@ -19,23 +19,41 @@
  * Protocol with the orchestrator: stdin carries commands, one per line:
  * "go" (run --requests rooms), "batch FIRST COUNT [SIZES]" (run the rooms
  * of those request indices: the fresh batch after a fault, or a chaos
- * test's rooms), "resume" (end a --hold), "exit".  SIZES gives each room
- * of the batch its own size, as comma-separated TOKENS:CHUNK, one per
- * request (CHUNK: tokens per send, a multiple of --page-size; 0 sends the
- * room at once; TOKENS at most --tokens, which sized the page pools);
- * without it every room has --tokens and --chunk.  Every rank of a run
- * must get the same SIZES.  stdout carries events, one JSON object per
- * line:
+ * test's rooms), "release INDEX STATE" (every rank of the room is final;
+ * STATE is their MIN, Success or Failed), "resume" (end a --hold),
+ * "exit".  SIZES gives each room of the batch its own size, as
+ * comma-separated TOKENS:CHUNK, one per request (CHUNK: tokens per send,
+ * a multiple of --page-size; 0 sends the room at once; TOKENS at most
+ * --tokens, which sized the page pools); without it every room has
+ * --tokens and --chunk.  Every rank of a run must get the same SIZES.
+ * stdout carries events, one JSON object per line:
  *   {"event":"ready", side, rank, addr, at, pid, ...}   at: {dp_rank,
  *        pp_rank, tp_rank, first_layer, num_layers}
  *   {"event":"phase", side, rank, room, index, phase}   bootstrap, waiting,
  *        mid (prefill sent a non-last chunk), last (prefill sent the last
  *        chunk), transferring (decode saw TRANSFERRING)
+ *   {"event":"final", side, rank, room, index, state}   the room became
+ *        final here (its poll state, as a scheduler all-reduces it)
  *   {"event":"room", side, rank, room, index, state, verified, bytes,
- *        start, end, failure?}                          a room became final
+ *        start, end, final_state, outcome, awaited_ms, failure?}
+ *                                                       released: the state
+ *        and record the room then has
  *   {"event":"result", side, rank, at, rooms[], failures[], bytes, start,
  *        end, stats}                                    after each batch
  *   {"event":"error", side, rank, message}              a fatal setup error
+ *
+ * Rooms live as a scheduler keeps them: a room that is final here stays
+ * (its handle, its pages) until the orchestrator says that every rank of
+ * the room, both sides, is final, and with which outcome: the MIN of
+ * their states, as SGLang's scheduler all-reduces its ranks' states (the
+ * demo's one scheduler spans both servers: report.h).  A rank whose own
+ * room has not failed while the outcome is Failed waits, at most
+ * KVT_CAUSE_WAIT_MS, for the cause (kvf_*_await_failure, as
+ * kvferry.sglang does): it is on its way from the rank that saw it, and a
+ * room that had succeeded here may fail too (docs/FAILURES.md, "Every
+ * rank of the request names the cause").  Then the rank reports the room
+ * as it then is and destroys it.
+ *
  * Per-room events let the orchestrator account for rooms of a rank that is
  * later killed, and are what a fault injector keys its timing on.  Logs go
  * to stderr.
@@ -53,6 +71,7 @@
 #include <unistd.h>
 
 #include "kvferry/kvferry.h"
+#include "cmdin.h"
 #include "models.h"
 #include "opts.h"
 #include "pattern.h"
@@ -65,7 +84,13 @@ typedef enum kvt_stage {
     KVT_BOOT,       /* prefill: waiting for WAITING_FOR_INPUT */
     KVT_SEND,       /* prefill: sending chunks, one per loop turn */
     KVT_WAIT,       /* waiting for SUCCESS or FAILED */
+    KVT_FINAL,      /* final here; kept until the orchestrator releases it */
 } kvt_stage_t;
+
+/* How long a rank whose room has not failed waits for the cause once the
+ * outcome of its ranks says Failed: what kvferry.sglang waits
+ * (RELAY_WAIT_S).  The cause comes within milliseconds. */
+#define KVT_CAUSE_WAIT_MS 1000
 
 typedef struct kvt_room {
     kvt_stage_t     stage;
@@ -82,6 +107,9 @@ typedef struct kvt_room {
     uint32_t        aux_slot;
     int             has_aux;
     double          start;
+    double          final_at;  /* wall clock when it became final here */
+    kvf_poll_t      final_state;
+    json_t         *failure;   /* a cause this process saw itself, or NULL */
 } kvt_room_t;
 
 /* One room's size in a "batch ... SIZES" command. */
@@ -120,8 +148,6 @@ void kvt_emit(kvt_rank_t *r, const char *event, json_t *ev)
     json_decref(ev);
 }
 
-static int kvt_next_command(char *cmd, size_t len);
-
 /* --hold PHASE[:INDEX] (set by the demo's fault injector): stop the room
  * loop right after the first PHASE event (of request INDEX, if given)
  * until the orchestrator says "resume", so that it can kill or stop a
@@ -136,10 +162,10 @@ static void kvt_hold(kvt_rank_t *r, const kvt_room_t *rm, const char *phase)
         (index && strtoul(index, NULL, 10) != rm->index))
         return;
     r->o.hold = NULL;   /* once */
-    char cmd[KVT_CMD_MAX];
-    while (kvt_next_command(cmd, sizeof(cmd)) == 0 && strcmp(cmd, "resume") != 0)
-        fprintf(stderr, "kvferry _rank %s[%u]: ignoring command '%s' while "
-                "holding at phase %s\n", r->side, r->o.rank, cmd, phase);
+    /* Other lines (releases of rooms final everywhere) stay queued. */
+    while (!kvt_cmdin_take(&r->cmd, "resume"))
+        if (kvt_cmdin_fill(&r->cmd, -1) < 0)
+            return;
 }
 
 static void kvt_emit_phase(kvt_rank_t *r, const kvt_room_t *rm,
@@ -281,10 +307,10 @@ static void kvt_take(kvt_rank_t *r, kvt_room_t *rm)
 
 /*
  * Decode: how many of a new room's pages are not all zero.  Pages go back
- * to the pool zeroed once their room is final (kvt_release), and a final
- * room's pages must never be written again: a page found dirty here was
- * written after that (a read that landed late), which the failure model
- * forbids.
+ * to the pool zeroed once their room is destroyed (kvt_give_back), and a
+ * final room's pages must never be written again: a page found dirty here
+ * was written after that (a read that landed late), which the failure
+ * model forbids.
  */
 static uint32_t kvt_stale_pages(kvt_rank_t *r, const kvt_room_t *rm)
 {
@@ -305,7 +331,7 @@ static uint32_t kvt_stale_pages(kvt_rank_t *r, const kvt_room_t *rm)
     return stale;
 }
 
-static void kvt_release(kvt_rank_t *r, kvt_room_t *rm)
+static void kvt_give_back(kvt_rank_t *r, kvt_room_t *rm)
 {
     if (rm->has_pages) {
         /* Decode zeroes what it returns, so a later room that got no data
@@ -328,15 +354,36 @@ static void kvt_release(kvt_rank_t *r, kvt_room_t *rm)
 /* Rooms                                                                    */
 /* ------------------------------------------------------------------------ */
 
-/* The room is final on this rank: verify (decode, SUCCESS), report,
- * destroy the handle, then give its pages back. */
-static void kvt_finish(kvt_rank_t *r, kvt_room_t *rm, kvf_poll_t state,
-                       json_t *failure)
+static kvf_poll_t kvt_poll(const kvt_room_t *rm)
 {
-    double end = kvt_wall_now();
+    return rm->snd ? kvf_sender_poll(rm->snd)
+         : rm->rcv ? kvf_receiver_poll(rm->rcv) : KVF_POLL_FAILED;
+}
+
+/* The room became final here: say so (the orchestrator reduces the
+ * ranks' states) and keep it until it is released.  `failure`: a cause
+ * this process saw itself (stolen), else NULL. */
+static void kvt_final(kvt_rank_t *r, kvt_room_t *rm, kvf_poll_t state, json_t *failure)
+{
+    rm->stage = KVT_FINAL;
+    rm->final_state = state;
+    rm->final_at = kvt_wall_now();
+    rm->failure = failure;
+    kvt_emit(r, "final", json_pack("{s:I, s:i, s:s}", "room", (json_int_t)rm->id,
+                                   "index", (int)rm->index, "state", kvf_poll_name(state)));
+}
+
+/* The room is released: verify (decode, SUCCESS), report the state and
+ * record it has now, destroy the handle, then give its pages back. */
+static void kvt_finish(kvt_rank_t *r, kvt_room_t *rm, kvf_poll_t outcome, double awaited_ms)
+{
+    double now = kvt_wall_now();
     uint64_t bytes = 0;
     int verified = 0;
+    json_t *failure = rm->failure;
+    kvf_poll_t state = failure ? KVF_POLL_FAILED : kvt_poll(rm);
 
+    rm->failure = NULL;
     if (state == KVF_POLL_FAILED && !failure)
         failure = kvt_engine_failure(r, rm);
     if (state == KVF_POLL_SUCCESS) {
@@ -356,17 +403,22 @@ static void kvt_finish(kvt_rank_t *r, kvt_room_t *rm, kvf_poll_t state,
         kvf_receiver_destroy(rm->rcv);
     rm->snd = NULL;
     rm->rcv = NULL;
-    kvt_release(r, rm);
+    kvt_give_back(r, rm);
 
+    /* A state that changed after the room was final here (a success a
+     * sibling's failure overrode) was seen to change now. */
+    double end = state == rm->final_state ? rm->final_at : now;
     r->bytes += bytes;
     if (end > r->last_end)
         r->last_end = end;
-    json_t *res = json_pack("{s:I, s:i, s:s, s:o, s:I, s:f, s:f}",
+    json_t *res = json_pack("{s:I, s:i, s:s, s:o, s:I, s:f, s:f, s:s, s:s, s:f, s:f}",
                             "room", (json_int_t)rm->id, "index", (int)rm->index,
                             "state", kvf_poll_name(state),
                             "verified", r->prefill ? json_null() : json_boolean(verified),
                             "bytes", (json_int_t)bytes, "start", rm->start,
-                            "end", end);
+                            "end", end, "final_state", kvf_poll_name(rm->final_state),
+                            "outcome", kvf_poll_name(outcome), "awaited_ms", awaited_ms,
+                            "released", now);
     if (failure) {
         json_array_append(r->failures, failure);
         json_object_set_new(res, "failure", failure);
@@ -376,19 +428,72 @@ static void kvt_finish(kvt_rank_t *r, kvt_room_t *rm, kvf_poll_t state,
     rm->stage = KVT_FREE;
 }
 
+/*
+ * "release INDEX STATE": every rank of the room is final and STATE is the
+ * MIN of their states.  A room that has not failed here while another
+ * rank's did waits for the cause until deadline_ms (monotonic), then is
+ * reported as it is.
+ */
+static void kvt_on_release(kvt_rank_t *r, const char *cmd, uint64_t deadline_ms)
+{
+    unsigned index;
+    char state[32];
+    kvt_room_t *rm = NULL;
+    if (sscanf(cmd, "release %u %31s", &index, state) == 2)
+        for (uint32_t i = 0; i < r->o.concurrency && !rm; i++)
+            if (r->win[i].stage == KVT_FINAL && r->win[i].index == index)
+                rm = &r->win[i];
+    if (!rm) {
+        fprintf(stderr, "kvferry _rank %s[%u]: ignoring '%s': no room of that request is "
+                "final here (orchestrator bug)\n", r->side, r->o.rank, cmd);
+        return;
+    }
+    kvf_poll_t outcome = strcmp(state, kvf_poll_name(KVF_POLL_FAILED)) == 0
+                             ? KVF_POLL_FAILED : KVF_POLL_SUCCESS;
+    double waited = 0;
+    if (outcome == KVF_POLL_FAILED && !rm->failure && kvt_poll(rm) != KVF_POLL_FAILED) {
+        uint64_t now = kvt_mono_ms();
+        unsigned left = deadline_ms > now ? (unsigned)(deadline_ms - now) : 0;
+        double t0 = kvt_wall_now();
+        if (rm->snd)
+            kvf_sender_await_failure(rm->snd, left);
+        else
+            kvf_receiver_await_failure(rm->rcv, left);
+        waited = (kvt_wall_now() - t0) * 1000.0;
+    }
+    kvt_finish(r, rm, outcome, waited);
+}
+
+/* The orchestrator's lines that came while rooms run. */
+static void kvt_commands(kvt_rank_t *r)
+{
+    /* Rooms released together wait for their causes together: each wait
+     * ends KVT_CAUSE_WAIT_MS after the outcome arrived, not after the
+     * previous room's wait. */
+    uint64_t deadline = kvt_mono_ms() + KVT_CAUSE_WAIT_MS;
+    char cmd[128];
+    while (kvt_cmdin_next(&r->cmd, cmd, sizeof(cmd))) {
+        if (strncmp(cmd, "release ", 8) == 0)
+            kvt_on_release(r, cmd, deadline);
+        else
+            fprintf(stderr, "kvferry _rank %s[%u]: ignoring command '%s' while rooms "
+                    "run\n", r->side, r->o.rank, cmd);
+    }
+}
+
 /* A call the demo makes was refused: the room fails here with that reason,
- * and the abort tells its peers. */
+ * which every rank of the room then names (kvf_*_fail). */
 static void kvt_call_failed(kvt_rank_t *r, kvt_room_t *rm, const char *call,
                             kvf_status_t st)
 {
-    json_t *f = kvt_local_failure(r, rm, kvf_status_name(st),
-                                  "%s refused the room: %s (%s)", call,
-                                  kvf_status_str(st), kvf_status_name(st));
+    char why[256];
+    snprintf(why, sizeof(why), "%s refused the room: %s (%s)", call, kvf_status_str(st),
+             kvf_status_name(st));
     if (rm->snd)
-        kvf_sender_abort(rm->snd);
+        kvf_sender_fail(rm->snd, st, why);
     if (rm->rcv)
-        kvf_receiver_abort(rm->rcv);
-    kvt_finish(r, rm, KVF_POLL_FAILED, f);
+        kvf_receiver_fail(rm->rcv, st, why);
+    kvt_final(r, rm, KVF_POLL_FAILED, kvt_local_failure(r, rm, kvf_status_name(st), "%s", why));
 }
 
 static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index,
@@ -431,11 +536,12 @@ static void kvt_start(kvt_rank_t *r, kvt_room_t *rm, uint32_t index,
     kvt_take(r, rm);
     uint32_t stale = kvt_stale_pages(r, rm);
     if (stale > 0) {
-        kvf_receiver_abort(rm->rcv);
-        kvt_finish(r, rm, KVF_POLL_FAILED,
-                   kvt_local_failure(r, rm, "STALE_WRITE", "%u of the %u pages given to "
-                                     "this room held bytes written after their previous "
-                                     "room was final (engine bug)", stale, rm->npages));
+        json_t *f = kvt_local_failure(r, rm, "STALE_WRITE", "%u of the %u pages given to "
+                                      "this room held bytes written after their previous "
+                                      "room was final (engine bug)", stale, rm->npages);
+        kvf_receiver_fail(rm->rcv, KVF_ERR_ABORTED,
+                          json_string_value(json_object_get(f, "reason")));
+        kvt_final(r, rm, KVF_POLL_FAILED, f);
         return;
     }
     st = kvf_receiver_init(rm->rcv, rm->pages, rm->npages, rm->aux_slot,
@@ -463,7 +569,7 @@ static void kvt_send_chunk(kvt_rank_t *r, kvt_room_t *rm)
     if (st != KVF_OK) {
         /* Refused because the room failed meanwhile: report that cause. */
         if (kvf_sender_poll(rm->snd) == KVF_POLL_FAILED)
-            kvt_finish(r, rm, KVF_POLL_FAILED, NULL);
+            kvt_final(r, rm, KVF_POLL_FAILED, NULL);
         else
             kvt_call_failed(r, rm, "kvf_sender_send", st);
         return;
@@ -480,7 +586,7 @@ static int kvt_progress(kvt_rank_t *r, kvt_room_t *rm)
     kvf_poll_t st = r->prefill ? kvf_sender_poll(rm->snd)
                                : kvf_receiver_poll(rm->rcv);
     if (st == KVF_POLL_FAILED) {
-        kvt_finish(r, rm, st, NULL);
+        kvt_final(r, rm, st, NULL);
         return 1;
     }
     int changed = 0;
@@ -510,11 +616,12 @@ static int kvt_progress(kvt_rank_t *r, kvt_room_t *rm)
         return 1;
     case KVT_WAIT:
         if (st == KVF_POLL_SUCCESS) {
-            kvt_finish(r, rm, st, NULL);
+            kvt_final(r, rm, st, NULL);
             return 1;
         }
         return changed;
     case KVT_FREE:
+    case KVT_FINAL:
         break;
     }
     return changed;
@@ -539,8 +646,9 @@ static uint32_t kvt_next_owned(const kvt_rank_t *r, uint32_t index, uint32_t end
     return index;
 }
 
-/* Run this rank's rooms of [first, first + count) to their final state;
- * sizes, if not NULL, has one entry per request of the range. */
+/* Run this rank's rooms of [first, first + count) until each one is
+ * final on every rank and released (kvt_on_release); sizes, if not NULL,
+ * has one entry per request of the range. */
 static void kvt_run(kvt_rank_t *r, uint32_t first, uint32_t count,
                     const kvt_size_t *sizes)
 {
@@ -564,18 +672,22 @@ static void kvt_run(kvt_rank_t *r, uint32_t first, uint32_t count,
         }
         for (uint32_t i = 0; i < conc; i++) {
             kvt_room_t *rm = &r->win[i];
-            if (rm->stage == KVT_FREE)
+            if (rm->stage == KVT_FREE || rm->stage == KVT_FINAL)
                 continue;
             changed |= kvt_progress(r, rm);
         }
+        kvt_commands(r);
         uint32_t live = 0;
         for (uint32_t i = 0; i < conc; i++)
             live += r->win[i].stage != KVT_FREE;
         done += inflight - live;
         inflight = live;
-        if (!changed) {
-            struct timespec ts = { 0, 200 * 1000 };
-            nanosleep(&ts, NULL);
+        /* Idle: sleep until a command comes, 200 us at most. */
+        if (kvt_cmdin_fill(&r->cmd, changed ? 0 : 200 * 1000) < 0 && done < total) {
+            fprintf(stderr, "kvferry _rank %s[%u]: the orchestrator is gone (stdin "
+                    "closed) with %u rooms unreleased; stopping\n", r->side, r->o.rank,
+                    total - done);
+            return;
         }
     }
 }
@@ -597,20 +709,6 @@ static int kvt_setup_window(kvt_rank_t *r)
     for (uint32_t i = 0; i < conc; i++)
         r->win[i].pages = r->page_store + (size_t)i * r->room_pages;
     return 0;
-}
-
-/* The next command from the orchestrator, one per stdin line: "go" runs
- * the batch of rooms, "exit" or EOF ends the process.  Ranks that are done
- * keep their engines up until then, so no rank tears down connections
- * that a slower rank still uses. */
-static int kvt_next_command(char *cmd, size_t len)
-{
-    while (fgets(cmd, (int)len, stdin)) {
-        cmd[strcspn(cmd, "\r\n")] = '\0';
-        if (cmd[0])
-            return 0;
-    }
-    return -1;
 }
 
 static void kvt_emit_result(kvt_rank_t *r)
@@ -695,6 +793,7 @@ static void kvt_cleanup(kvt_rank_t *r)
 {
     if (r->win)
         for (uint32_t i = 0; i < r->o.concurrency; i++) {
+            json_decref(r->win[i].failure);
             if (r->win[i].snd)
                 kvf_sender_destroy(r->win[i].snd);
             if (r->win[i].rcv)
@@ -723,9 +822,6 @@ int kvt_rank_main(int argc, char **argv)
     /* The engine's sockets must not kill us; a closed stdout is handled by
      * the orchestrator's death signal instead. */
     signal(SIGPIPE, SIG_IGN);
-    /* Unbuffered: the bench reads later commands with read(2), which must
-     * not find them already swallowed into stdio's buffer by fgets. */
-    setvbuf(stdin, NULL, _IONBF, 0);
     r.prefill = strcmp(r.o.role, "prefill") == 0;
     r.side = r.prefill ? "prefill" : "decode";
     r.at = kvt_opts_coord(&r.o, r.prefill, r.o.rank);
@@ -753,9 +849,13 @@ int kvt_rank_main(int argc, char **argv)
         "heads", (int)r.g.heads_per_rank, "page_bytes", (json_int_t)r.g.page_bytes,
         "pool_pages", (json_int_t)(r.buf_len / r.g.page_bytes),
         "memory_bytes", (json_int_t)r.kv_len));
+    /* Commands, one per stdin line (cmdin.h): "go" runs the batch of
+     * rooms, "exit" or EOF ends the process.  Ranks that are done keep
+     * their engines up until then, so no rank tears down connections that
+     * a slower rank still uses. */
     char cmd[KVT_CMD_MAX];
     int ran = 0;
-    while (kvt_next_command(cmd, sizeof(cmd)) == 0) {
+    while (kvt_cmdin_wait(&r.cmd, cmd, sizeof(cmd)) == 0) {
         if (strcmp(cmd, "exit") == 0)
             break;
         if (strcmp(cmd, "go") == 0 && !ran) {

@@ -12,6 +12,7 @@
 #include <stdint.h>
 
 #include "kvferry/kvferry.h"
+#include "cmdin.h"
 #include "models.h"
 #include "opts.h"
 #include "pool.h"
@@ -42,6 +43,7 @@ typedef struct kvt_rank {
     uint64_t        bytes;
     double          first_start;
     double          last_end;
+    kvt_cmdin_t     cmd;           /* the orchestrator's command lines */
 } kvt_rank_t;
 
 /** Write one event line to the orchestrator, stealing `ev`. */

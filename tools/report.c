@@ -12,6 +12,7 @@
 
 #include "kvferry/kvferry.h"
 #include "pattern.h"
+#include "verdict.h"
 
 static const char *const kvt_phase_names[] = {
     "none", "bootstrap", "waiting", "mid", "transferring", "last",
@@ -31,12 +32,14 @@ int kvt_report_init(kvt_report_t *r, const kvt_opts_t *o)
     r->ids = malloc((size_t)r->nrooms * sizeof(*r->ids));
     r->slots = calloc((size_t)r->nrooms * r->nranks, sizeof(*r->slots));
     r->touched = calloc(r->nrooms, 1);
+    r->released = calloc(r->nrooms, 1);
     r->ranks = json_array();
-    if (!r->ids || !r->slots || !r->touched || !r->ranks)
+    if (!r->ids || !r->slots || !r->touched || !r->released || !r->ranks)
         return -1;
     for (uint32_t i = 0; i < r->nrooms; i++)
         r->ids[i] = kvt_room_id(o->seed, i);
     for (size_t i = 0; i < (size_t)r->nrooms * r->nranks; i++) {
+        r->slots[i].first = -1;
         r->slots[i].state = -1;
         r->slots[i].verified = -1;
     }
@@ -51,6 +54,7 @@ void kvt_report_fini(kvt_report_t *r)
     free(r->slots);
     free(r->ids);
     free(r->touched);
+    free(r->released);
     json_decref(r->ranks);
     memset(r, 0, sizeof(*r));
 }
@@ -130,9 +134,48 @@ void kvt_report_room(kvt_report_t *r, const kvt_child_t *c, json_t *room)
     s->bytes = (uint64_t)json_integer_value(json_object_get(room, "bytes"));
     s->start = json_number_value(json_object_get(room, "start"));
     s->end = json_number_value(json_object_get(room, "end"));
+    s->awaited_ms = json_number_value(json_object_get(room, "awaited_ms"));
     json_t *f = json_object_get(room, "failure");
     if (json_is_object(f))
         s->failure = json_incref(f);
+    if (s->first < 0)
+        s->first = s->state;   /* a rank that reported at once (a result line) */
+}
+
+void kvt_report_final(kvt_report_t *r, const kvt_child_t *c, json_t *ev)
+{
+    kvt_slot_t *s = kvt_slot(r, c, ev);
+    const char *state = json_string_value(json_object_get(ev, "state"));
+    if (!s || !state || s->first >= 0)
+        return;
+    s->first = strcmp(state, kvf_poll_name(KVF_POLL_SUCCESS)) == 0 ? KVF_POLL_SUCCESS
+                                                                   : KVF_POLL_FAILED;
+}
+
+int kvt_report_involves(const kvt_report_t *r, uint32_t index, const kvt_child_t *c)
+{
+    return c->role != KVT_CHILD_REGISTRY && index < r->nrooms &&
+           kvt_involved(r, index, kvt_col(r, c));
+}
+
+int kvt_report_releasable(kvt_report_t *r, uint32_t index)
+{
+    if (index >= r->nrooms || r->released[index] || !kvt_report_room_final(r, index))
+        return 0;
+    r->released[index] = 1;
+    return 1;
+}
+
+/* A killed rank counts as FAILED: its server lost a rank of the request. */
+int kvt_report_outcome(const kvt_report_t *r, uint32_t index)
+{
+    int min = KVF_POLL_SUCCESS;
+    for (uint32_t k = 0; k < r->nranks; k++) {
+        const kvt_slot_t *s = kvt_slot_at(r, index, k);
+        if (kvt_involved(r, index, k) && s->first >= 0 && s->first < min)
+            min = s->first;
+    }
+    return min;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -144,7 +187,7 @@ int kvt_report_room_final(const kvt_report_t *r, uint32_t index)
     if (index >= r->nrooms)
         return 0;
     for (uint32_t k = 0; k < r->nranks; k++)
-        if (kvt_involved(r, index, k) && kvt_slot_at(r, index, k)->state < 0)
+        if (kvt_involved(r, index, k) && kvt_slot_at(r, index, k)->first < 0)
             return 0;
     return 1;
 }
@@ -161,7 +204,7 @@ static int kvt_room_started(const kvt_report_t *r, uint32_t index)
 {
     for (uint32_t k = 0; k < r->nranks; k++) {
         const kvt_slot_t *s = kvt_slot_at(r, index, k);
-        if (s->phase > 0 || s->state >= 0)
+        if (s->phase > 0 || s->first >= 0)
             return 1;
     }
     return 0;
@@ -191,7 +234,7 @@ int kvt_report_hit_final_except(const kvt_report_t *r, const kvt_child_t *c)
     for (uint32_t i = 0; i < r->nfirst; i++)
         for (uint32_t k = 0; r->touched[i] == KVT_HIT && k < r->nranks; k++)
             if (k != skip && kvt_involved(r, i, k) &&
-                kvt_slot_at(r, i, k)->state < 0)
+                kvt_slot_at(r, i, k)->first < 0)
                 return 0;
     return 1;
 }
@@ -212,8 +255,11 @@ void kvt_report_rank_gone(kvt_report_t *r, const kvt_child_t *c,
     const char *side = c->role == KVT_CHILD_PREFILL ? "prefill" : "decode";
     for (uint32_t i = first; i < first + n && i < r->nrooms; i++) {
         kvt_slot_t *s = kvt_slot_at(r, i, col);
-        if (s->state >= 0)
+        if (s->state >= 0 || !kvt_involved(r, i, col))
             continue;
+        s->gone = 1;
+        if (s->first < 0)
+            s->first = KVF_POLL_FAILED;
         s->state = KVF_POLL_FAILED;
         s->verified = c->role == KVT_CHILD_DECODE ? 0 : -1;
         s->start = s->end = at;
@@ -274,14 +320,16 @@ typedef struct kvt_tally {
     double   t0, t1;
     double   resolve;      /* latest final state of a room the fault hit, after it
                               (a stopped rank's: after its SIGCONT) */
+    double   awaited_ms;   /* longest wait of a rank for its room's cause */
     json_t  *failures, *unres;
+    json_t  *split;        /* per room that did not succeed: what each rank reported */
 } kvt_tally_t;
 
 /* Problem lines of one kind: the first few in full, then a count, so a
  * systematic failure over 1,000 rooms stays readable. */
 typedef struct kvt_problems {
     json_t  *a;
-    unsigned verify, reasonless, untouched;
+    unsigned verify, reasonless, untouched, state, cause, reach;
 } kvt_problems_t;
 
 #define KVT_PROBLEMS_PER_KIND 10
@@ -303,8 +351,8 @@ static void kvt_problem(kvt_problems_t *p, unsigned *count, const char *fmt, ...
 
 static void kvt_problems_close(kvt_problems_t *p)
 {
-    unsigned n[3] = { p->verify, p->reasonless, p->untouched };
-    for (int i = 0; i < 3; i++)
+    unsigned n[] = { p->verify, p->reasonless, p->untouched, p->state, p->cause, p->reach };
+    for (size_t i = 0; i < sizeof(n) / sizeof(n[0]); i++)
         if (n[i] > KVT_PROBLEMS_PER_KIND)
             json_array_append_new(p->a, json_sprintf(
                 "... and %u more problem(s) like the ones above",
@@ -332,12 +380,70 @@ static void kvt_check_slot(const kvt_report_t *r, uint32_t i, uint32_t k,
                     "corrupt transfer passed as complete)", i,
                     (unsigned long long)r->ids[i], side, rank, kvt_reason(s));
     }
-    if (s->state == KVF_POLL_FAILED && (s->verified == 1 || !kvt_reason(s)[0]))
+    if (s->state == KVF_POLL_FAILED && s->verified == 1)
         kvt_problem(p, &p->reasonless, "room %u (id %llu): %s[%u] reported "
-                    "FAILED %s", i, (unsigned long long)r->ids[i], side, rank,
-                    s->verified == 1 ? "yet counted it as verified"
-                                     : "without a reason (every failure must "
-                                       "say what happened)");
+                    "FAILED yet counted it as verified", i,
+                    (unsigned long long)r->ids[i], side, rank);
+}
+
+/* What each rank reported of room i, for the rules of verdict.h and for
+ * the summary; `stopped`: the column a stop fault acted on, or -1.
+ * @return how many ranks take part (views in v). */
+static size_t kvt_views(const kvt_report_t *r, uint32_t i, int stopped, kvt_rank_view_t *v,
+                        json_t *detail)
+{
+    size_t n = 0;
+    for (uint32_t k = 0; k < r->nranks; k++) {
+        const kvt_slot_t *s = kvt_slot_at(r, i, k);
+        if (!kvt_involved(r, i, k))
+            continue;
+        unsigned rank;
+        const char *side = kvt_col_side(r, k, &rank);
+        v[n++] = (kvt_rank_view_t){k < r->nprefill, rank, s->state, s->gone,
+                                   (int)k == stopped, s->failure};
+        json_array_append_new(detail, json_pack(
+            "{s:s, s:i, s:s, s:s, s:b, s:f}", "side", side, "rank", (int)rank,
+            "state", s->state < 0 ? "unreported" : kvf_poll_name((kvf_poll_t)s->state),
+            "final_state", s->first < 0 ? "unreported" : kvf_poll_name((kvf_poll_t)s->first),
+            "killed", s->gone, "awaited_ms", s->awaited_ms));
+    }
+    return n;
+}
+
+/* The rules of verdict.h over a room every rank reported, and whether a
+ * fault could reach it at all. */
+static void kvt_check_room(const kvt_report_t *r, uint32_t i, const kvt_run_info_t *info,
+                           int all_ok, kvt_problems_t *p, kvt_tally_t *t)
+{
+    kvt_rank_view_t *v = calloc(r->nranks, sizeof(*v));
+    json_t *detail = json_array();
+    char why[KVF_REASON_MAX * 2], common[64];
+    if (!v || !detail) {
+        free(v);
+        json_decref(detail);
+        return;
+    }
+    int stopped = info->fault && strncmp(info->fault, "stop-", 5) == 0 ? info->victim : -1;
+    size_t n = kvt_views(r, i, stopped, v, detail);
+    if (!kvt_verdict_one_state(v, n, why, sizeof(why)))
+        kvt_problem(p, &p->state, "room %u (id %llu): %s", i, (unsigned long long)r->ids[i],
+                    why);
+    common[0] = '\0';
+    if (!kvt_verdict_one_cause(v, n, common, sizeof(common), why, sizeof(why)))
+        kvt_problem(p, &p->cause, "room %u (id %llu): %s", i, (unsigned long long)r->ids[i],
+                    why);
+    if (!all_ok && info->fault_injected && info->victim >= 0 &&
+        !kvt_involved(r, i, (uint32_t)info->victim))
+        kvt_problem(p, &p->reach, "room %u (id %llu) failed although the rank the fault "
+                    "acted on takes no part in it (another DP group's room)", i,
+                    (unsigned long long)r->ids[i]);
+    if (all_ok)
+        json_decref(detail);
+    else
+        json_array_append_new(t->split, json_pack("{s:i, s:I, s:s, s:o}", "index", (int)i,
+                                                  "room", (json_int_t)r->ids[i],
+                                                  "cause_addr", common, "ranks", detail));
+    free(v);
 }
 
 /* Tally rooms [first, first + n): states, bytes, failures, problems. */
@@ -350,6 +456,7 @@ static void kvt_tally(const kvt_report_t *r, uint32_t first, uint32_t n,
     t->verified = 1;
     t->failures = json_array();
     t->unres = json_array();
+    t->split = json_array();
     for (uint32_t i = first; i < first + n; i++) {
         int all_final = 1, all_ok = 1, touched = r->touched[i];
         uint64_t room_bytes = 0;
@@ -379,6 +486,8 @@ static void kvt_tally(const kvt_report_t *r, uint32_t first, uint32_t n,
                 t->resolve = s->end - from;
             if (s->state != KVF_POLL_SUCCESS || (decode && s->verified != 1))
                 all_ok = 0;
+            if (s->awaited_ms > t->awaited_ms)
+                t->awaited_ms = s->awaited_ms;
             if (decode)
                 room_bytes += s->bytes;
         }
@@ -388,7 +497,10 @@ static void kvt_tally(const kvt_report_t *r, uint32_t first, uint32_t n,
                 json_array_append_new(t->unres, json_pack(
                     "{s:I, s:i, s:o}", "room", (json_int_t)r->ids[i],
                     "index", (int)i, "pending", kvt_pending((kvt_report_t *)r, i)));
-        } else if (all_ok) {
+            continue;
+        }
+        kvt_check_room(r, i, info, all_ok, p, t);
+        if (all_ok) {
             t->ok++;
             t->bytes += room_bytes;
         } else {
@@ -424,11 +536,12 @@ static int kvt_processes(const kvt_children_t *kids, json_t *procs,
 
 static json_t *kvt_after_json(const kvt_tally_t *t)
 {
-    return json_pack("{s:i, s:i, s:i, s:i, s:I, s:b, s:O, s:O}",
+    return json_pack("{s:i, s:i, s:i, s:i, s:I, s:b, s:O, s:O, s:O, s:f}",
                      "rooms", (int)t->rooms, "succeeded", (int)t->ok,
                      "failed", (int)t->failed, "unresolved", (int)t->unresolved,
                      "bytes", (json_int_t)t->bytes, "verified", t->verified,
-                     "failures", t->failures, "unresolved_rooms", t->unres);
+                     "failures", t->failures, "unresolved_rooms", t->unres,
+                     "failed_rooms", t->split, "max_awaited_ms", t->awaited_ms);
 }
 
 /* The fault's own verdict lines, and its fields in the summary. */
@@ -467,7 +580,7 @@ json_t *kvt_report_summary(kvt_report_t *r, const kvt_children_t *kids,
 {
     const kvt_opts_t *o = r->o;
     json_t *procs = json_array();
-    kvt_problems_t p = { json_array(), 0, 0, 0 };
+    kvt_problems_t p = { json_array(), 0, 0, 0, 0, 0, 0 };
     kvt_tally_t first, after;
 
     if (info->error)   /* the root cause first; exits below follow from it */
@@ -511,6 +624,8 @@ json_t *kvt_report_summary(kvt_report_t *r, const kvt_children_t *kids,
         json_object_set_new(out, "dp", json_integer(o->dp));
         json_object_set_new(out, "registry_auth",
                             json_string(info->registry_auth));
+        json_object_set(out, "failed_rooms", first.split);
+        json_object_set_new(out, "max_awaited_ms", json_real(first.awaited_ms));
         kvt_fault_summary(r, info, &first, &after, p.a, out);
     }
     /* Without a fault every room must succeed; with one, every room must
@@ -526,6 +641,8 @@ json_t *kvt_report_summary(kvt_report_t *r, const kvt_children_t *kids,
     json_decref(p.a);
     json_decref(first.failures);
     json_decref(first.unres);
+    json_decref(first.split);
+    json_decref(after.split);
     json_decref(after.failures);
     json_decref(after.unres);
     return out;

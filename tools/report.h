@@ -2,16 +2,42 @@
  * The demo's room table: what every rank said about every room, merged
  * into the final verdict.
  *
- * One slot per (room, rank): its final state, whether decode verified it,
- * its bytes, times, failure record, and the last phase it reported.  Rank
- * events feed it as they arrive; merging is idempotent (the first final
- * report of a slot wins), so per-room events and the rank's closing result
- * line can both be fed in.  A room is
- *   succeeded   every rank reached SUCCESS and every decode rank verified it,
- *   failed      every rank is final and one FAILED or did not verify,
- *   unresolved  some rank never reported it final (killed, hung, timeout).
+ * One slot per (room, rank): the state the room first reached there (its
+ * "final" event), the state and failure record it reported once released,
+ * whether decode verified it, its bytes, times, and the last phase it
+ * reported.  Rank events feed it as they arrive; merging is idempotent
+ * (the first report of a slot wins), so per-room events and the rank's
+ * closing result line can both be fed in.
+ *
+ * The table is also the demo's all-reduce: once every rank of a room, on
+ * both sides, is final (a killed rank counts, once recorded as gone), the
+ * orchestrator releases the room on each of them with the MIN of all
+ * their states (kvt_report_releasable, kvt_report_outcome).  That is one
+ * scheduler over both servers, stricter than SGLang's (each server
+ * reduces over its own ranks): a failed request fails on both sides, and
+ * a side that had every byte when the other failed takes that failure too
+ * (its wait for the cause, kvf_*_await_failure, says its side failed),
+ * where SGLang's would keep its success.  A room is
+ *   succeeded   every rank reported SUCCESS and every decode rank verified it,
+ *   failed      every rank reported it and one FAILED or did not verify,
+ *   unresolved  some rank never reported it (killed, hung, timeout).
  * "Every rank" is every rank that takes part in the room: every decode
  * rank, and the prefill ranks of the room's DP group (room % --dp).
+ *
+ * The verdict on each room (kvt_report_summary) holds for every run:
+ *   one state   every rank that reported it (a killed rank's record is
+ *               the injector's, not judged here) reports the same state,
+ *               except that a side may keep SUCCESS when every failed rank
+ *               is on the other side and names a cause there (a failure
+ *               after this side had every byte: docs/FAILURES.md);
+ *   one cause   every FAILED record has a reason, none "unknown reason",
+ *               and all of a room's records (a killed or stopped rank's
+ *               aside: verdict.h) name one rank in common: as
+ *               their origin or in their reason (the dead, stopped or cut
+ *               peer, by its address), so that two ranks that saw one
+ *               peer die, or the two ends of a cut link, agree;
+ *   reach       a room without the rank a fault acted on (another
+ *               prefill DP group's) succeeds, whenever it ran.
  *
  * Under --fault the table also holds the fresh batch that follows the
  * fault (indices from --requests on), judged apart from the first batch,
@@ -36,11 +62,14 @@
 #include "proc.h"
 
 typedef struct kvt_slot {
-    int8_t   state;      /* -1 not final, else kvf_poll_t */
+    int8_t   first;      /* -1 not final there yet, else kvf_poll_t ("final") */
+    int8_t   state;      /* -1 not reported, else kvf_poll_t ("room", released) */
     int8_t   verified;   /* decode: 1 / 0; prefill: -1 */
     int8_t   phase;      /* last phase reported (kvt_phase_names) */
+    int8_t   gone;       /* killed before it reported: the injector's record */
     uint64_t bytes;
     double   start, end;
+    double   awaited_ms; /* how long it waited for the cause once released */
     json_t  *failure;
 } kvt_slot_t;
 
@@ -51,6 +80,7 @@ typedef struct kvt_report {
     uint32_t          nprefill;  /* prefill rank processes (dp x pp x tp) */
     uint32_t          nranks;    /* prefill and decode rank processes */
     uint8_t          *touched;   /* per room: KVT_UNTOUCHED, KVT_HIT, KVT_LATER */
+    uint8_t          *released;  /* per room: its outcome went to its ranks */
     uint64_t         *ids;       /* room id per index */
     kvt_slot_t       *slots;     /* [room][prefill ranks, decode ranks] */
     json_t           *ranks;     /* per-rank summary from "result" lines */
@@ -72,6 +102,8 @@ typedef struct kvt_run_info {
      * from its SIGCONT (resumed_at, wall clock), not from the stop. */
     const kvt_child_t *stopped;
     double      resumed_at;
+    int         victim;      /**< the rank the fault acted on: prefill index,
+                                  or nprefill + decode index; -1 none */
 } kvt_run_info_t;
 
 int kvt_report_init(kvt_report_t *r, const kvt_opts_t *o);
@@ -80,8 +112,26 @@ void kvt_report_fini(kvt_report_t *r);
 /** A "phase" event of room `index` from child c. */
 void kvt_report_phase(kvt_report_t *r, const kvt_child_t *c, json_t *ev);
 
-/** A room's final result from child c ("room" event or result entry). */
+/** A room's report from child c once released ("room" event or result entry). */
 void kvt_report_room(kvt_report_t *r, const kvt_child_t *c, json_t *room);
+
+/** A room became final on child c ("final" event). */
+void kvt_report_final(kvt_report_t *r, const kvt_child_t *c, json_t *ev);
+
+/**
+ * Is room `index` final on every rank that takes part in it, and not yet
+ * released?  If so it is marked released: @return 1 once per room.
+ */
+int kvt_report_releasable(kvt_report_t *r, uint32_t index);
+
+/**
+ * The MIN of the states room `index` reached on its ranks, both sides; a
+ * killed rank counts as FAILED.
+ */
+int kvt_report_outcome(const kvt_report_t *r, uint32_t index);
+
+/** Does child c's rank take part in room `index`? */
+int kvt_report_involves(const kvt_report_t *r, uint32_t index, const kvt_child_t *c);
 
 enum { KVT_UNTOUCHED = 0, KVT_HIT = 1, KVT_LATER = 2 };
 
@@ -98,7 +148,7 @@ int kvt_report_hit_final_except(const kvt_report_t *r, const kvt_child_t *c);
 /** How many first-batch rooms are marked `how`. */
 uint32_t kvt_report_touched(const kvt_report_t *r, int how);
 
-/** 1 if every rank has reported room `index` final. */
+/** 1 if room `index` is final on every rank ("final" events). */
 int kvt_report_room_final(const kvt_report_t *r, uint32_t index);
 
 /** 1 if rooms [first, first + n) are final on every rank. */
@@ -106,8 +156,8 @@ int kvt_report_batch_final(const kvt_report_t *r, uint32_t first, uint32_t n);
 
 /**
  * Rank c is gone (killed by the fault): record every room of [first,
- * first + n) it had not reported as FAILED at time `at`, with `reason`
- * and c itself (control address `addr`) as origin.
+ * first + n) it takes part in and had not reported as FAILED at time
+ * `at`, with `reason` and c itself (control address `addr`) as origin.
  */
 void kvt_report_rank_gone(kvt_report_t *r, const kvt_child_t *c,
                           const char *addr, uint32_t first, uint32_t n,

@@ -703,10 +703,15 @@ KVF_API kvf_status_t kvf_sender_fail(kvf_sender_t *sender, kvf_status_t status,
 /**
  * Wait, at most `timeout_ms`, for the room to fail: the one call that
  * waits, for an application that learned from elsewhere (its scheduler's
- * all-reduce over its ranks, say) that the request failed on another rank
- * before this rank's room heard why (the failure reaches every rank of
- * the room within milliseconds: docs/FAILURES.md, "Siblings").  It waits
- * on an event, not by polling.  Any thread.
+ * all-reduce over this side's ranks, say) that the request failed on
+ * another rank of this side before this rank's room heard why (the
+ * failure reaches every rank of the room within milliseconds:
+ * docs/FAILURES.md, "Siblings").  It waits on an event, not by polling.
+ * Call it only then: the call says that this side failed the request, so
+ * a room that succeeded here and kept a cause it heard from the other
+ * side (kept because this side had not failed then) fails with that
+ * cause at once, and one that kept none takes the first that comes.  Any
+ * thread.
  * @return KVF_OK (the room is FAILED: kvf_sender_failure has its record),
  *         KVF_ERR_AGAIN (it has not failed within the time).
  */

@@ -100,10 +100,12 @@ class _Room(_Closing):
 
     def await_failure(self, timeout):
         """Wait up to ``timeout`` seconds for the room to fail: for a rank
-        told by its scheduler that the request failed on another rank,
-        before that rank's cause has reached this one (it does within
-        milliseconds).  Waits on an event.  Returns True when the room has
-        failed (``failure_exception()`` then raises its cause)."""
+        told by its scheduler that the request failed on another rank of
+        its side, before that rank's cause has reached this one (it does
+        within milliseconds).  The call says this side failed: a room that
+        succeeded here fails at once with a cause it kept from the other
+        side.  Waits on an event.  Returns True when the room has failed
+        (``failure_exception()`` then raises its cause)."""
         name = "kvf_%s_await_failure" % self._kind
         if not _lib.has(name):
             return self.poll() == KVPoll.Failed

@@ -813,11 +813,6 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     }
     if (p->lingering)
         goto close;
-    /* What other threads queued goes first, while the stream is up (and
-     * a put in the outbox holds a reference to this peer); off its lane,
-     * the lane sends it before it closes (kvf__peer_close_pending). */
-    if (kvf__owns_lane(p->eng, p->lane))
-        kvf__peer_outbox_drain(p);
     kvf__peer_name(p, name, sizeof(name));
     p->eng->peer_generation++;
     snprintf(reason, sizeof(reason), "%s: %s", name, why);
@@ -832,6 +827,13 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     kvf_room_failed_t *failed;
     size_t nfailed;
     int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason, &failed, &nfailed);
+    /* What other threads queued goes out while the stream is up (and a
+     * put in the outbox holds a reference to this peer); off its lane,
+     * the lane sends it before it closes (kvf__peer_close_pending).  Only
+     * now: a closing stream fails the puts it is handed, and a room must
+     * hear why first (a reset one waits for the reconnect). */
+    if (kvf__owns_lane(p->eng, p->lane))
+        kvf__peer_outbox_drain(p);
     for (size_t i = 0; i < nfailed; i++)
         kvf__send_fail_keyed(p, failed[i].room, failed[i].instance, failed[i].key,
                              &failed[i].failure, 0);
@@ -1073,10 +1075,16 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
                 p->kv_src[p->kv_map[i]] = i;
         }
     }
+    /* Two stages of one pipeline never pair for bytes (a decode stage
+     * reads its own prefill stage): such a connection is a decode rank's
+     * sibling link (siblings.c), whose layers differ by design.  It stays
+     * incompatible, refusing any destination, but that is no error. */
+    int other_stage = p->pp_size == eng->params.pp_size && p->pp_rank != eng->params.pp_rank;
     if (err[0] != '\0') {
         p->incompatible = strdup(err);
-        kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
-                  p->addr, err);
+        if (!other_stage)
+            kvf_error("%s rank %d at %s: %s", kvf_role_name(p->role), p->tp_rank,
+                      p->addr, err);
     } else {
         eng->layout.heads_per_rank = own.heads_per_rank;   /* adopted, or as they were */
         eng->layout.total_heads = own.total_heads;

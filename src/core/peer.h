@@ -180,8 +180,8 @@ void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
 /* Queue a message (any thread; off the owner thread it waits in the
  * outbox for the next pass).  KVF_ERR_CONN_RESET once the peer is dead. */
 kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);
-/* An outbound peer still authenticating: keep msg until it has proved
- * itself, then send it after our HELLO (kvf__send_fail uses it). */
+/* An outbound peer still connecting or authenticating: keep msg until it
+ * has proved itself, then send it after our HELLO (kvf__peer_send_soon). */
 void         kvf__peer_hold(kvf_peer_t *peer, const kvf_msg_t *msg);
 /* Queue a put the same way (it always completes). */
 void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);

@@ -78,6 +78,7 @@ void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
         r->nlinks++;
     }
     r->expected_links = r->nlinks;
+    kvf__receiver_tell_failed(r);          /* failed before it knew them */
     kvf__receiver_try_request(r);
     kvf__engine_wake(eng);
 }

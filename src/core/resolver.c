@@ -257,11 +257,29 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
     out->res = RES_OK;
 }
 
+/*
+ * Does room r need its prefill ranks looked up?  While it bootstraps; and
+ * once it failed before it knew them (its application failed or aborted
+ * it), for as long as their senders would wait for its destination (the
+ * bootstrap deadline): linked, it tells them (kvf__receiver_tell_failed)
+ * rather than leave them to fail at that deadline, naming it.
+ */
+static int wants_lookup(const kvf_engine_t *eng, const kvf_room_t *r)
+{
+    kvf_poll_t st = atomic_load(&r->state);
+    return r->attached &&
+           (st == KVF_POLL_BOOTSTRAPPING ||
+            (st == KVF_POLL_FAILED && r->nlinks == 0 && r->nwatch == 0 &&
+             kvf_elapsed_ms(kvf_now_ms(), r->t_create_ms) < eng->params.bootstrap_timeout_ms));
+}
+
 /* Under the lock: apply a resolution to its room. */
 static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
 {
-    if (!r->attached || atomic_load(&r->state) != KVF_POLL_BOOTSTRAPPING)
+    if (!wants_lookup(eng, r))
         return;
+    if (res->res == RES_FATAL && room_final(r))
+        return;                   /* failed already: it has no one to tell */
     if (res->res == RES_FATAL) {
         kvf__room_fail(r, res->status, "%s", res->err);
         return;
@@ -483,7 +501,7 @@ static void *resolver_main(void *arg)
             batch = receiver_of(r)->rq_next;
             receiver_of(r)->rq_next = NULL;
             result_t res = {.res = RES_OK};
-            if (r->attached && atomic_load(&r->state) == KVF_POLL_BOOTSTRAPPING) {
+            if (wants_lookup(eng, r)) {
                 char *addr = strdup(receiver_of(r)->bootstrap_addr);
                 uint64_t id = r->id;
                 int dp = receiver_of(r)->dp_rank;

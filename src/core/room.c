@@ -184,13 +184,13 @@ static uint64_t key_of(const kvf_room_t *r)
     return r->side == KVF_ROLE_DECODE ? ((const kvf_receiver_t *)r)->sender_instance : 0;
 }
 
-static void send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
-                      const kvf_failure_t *f, int abort, uint8_t sides);
+static int send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
+                     const kvf_failure_t *f, int abort, uint8_t sides);
 
-void kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
+int kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
 {
-    send_fail(to, r->id, instance_for(r, to), key_of(r), r->failure, abort,
-              r->failed_sides);
+    return send_fail(to, r->id, instance_for(r, to), key_of(r), r->failure, abort,
+                     r->failed_sides);
 }
 
 void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
@@ -208,8 +208,9 @@ void kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance, uint
               KVF_SIDE_BIT(f->origin_side) | KVF_SIDE_BIT(to->eng->params.role));
 }
 
-static void send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
-                      const kvf_failure_t *f, int abort, uint8_t sides)
+/* Send now, or hold for a connection still being made: 1; 0 if lost. */
+static int send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
+                     const kvf_failure_t *f, int abort, uint8_t sides)
 {
     kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
     m.u.fail.sides = sides;
@@ -221,7 +222,7 @@ static void send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t
     m.u.fail.origin_rank = (uint32_t)f->origin_rank;
     m.u.fail.origin_addr = (kvf_wire_str_t){f->origin_addr, (uint32_t)strlen(f->origin_addr)};
     m.u.fail.reason = (kvf_wire_str_t){f->reason, (uint32_t)strlen(f->reason)};
-    kvf__peer_send_soon(to, &m);
+    return kvf__peer_send_soon(to, &m);
 }
 
 void kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room, uint64_t instance,
@@ -280,9 +281,13 @@ static void retire_instances(kvf_room_t *r)
 static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort, uint8_t told)
 {
     const kvf_peer_t *skip = r->failed_sides & (uint8_t)~told ? NULL : from;
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].peer != skip)
-            kvf__room_send_fail(r, r->links[i].peer, abort);
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        if (lk->peer != skip)
+            lk->fail_told |= kvf__room_send_fail(r, lk->peer, abort);
+        else
+            lk->fail_told = 1;            /* it told us */
+    }
     kvf__siblings_tell(r, skip, abort);
 }
 
@@ -316,6 +321,40 @@ static uint8_t doomed_side(kvf_room_t *r)
         if (!r->links[i].done && !r->links[i].confirming)
             return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
     return 0;
+}
+
+void kvf__receiver_tell_failed(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    if (room_state(r) != KVF_POLL_FAILED || r->failure == NULL)
+        return;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        if (!lk->fail_told)
+            lk->fail_told = kvf__room_send_fail(r, lk->peer,
+                                                r->failure->status == KVF_ERR_ABORTED);
+    }
+}
+
+/* The room fails here with the record it holds (r->failure), after `was`;
+ * its peers are told (tell_peers: `from` told it, with `told`). */
+static void room_failed(kvf_room_t *r, kvf_poll_t was, kvf_peer_t *from, int abort,
+                        uint8_t told, const char *how)
+{
+    const kvf_failure_t *f = r->failure;
+    r->failed_sides |= KVF_SIDE_BIT(r->side);
+    r->t_state_ms = kvf_now_ms();
+    atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
+    r->t_final_ms = kvf_now_ms();
+    if (was == KVF_POLL_SUCCESS)
+        r->eng->stats.rooms_succeeded--;
+    stats_final(r->eng, KVF_POLL_FAILED, f->status);
+    kvf_info("room %llu failed on %s%s%s: %s", (unsigned long long)r->id,
+             kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
+             f->from_another_rank ? " (from another rank)" : "", how, f->reason);
+    tell_peers(r, from, abort, told);
+    pthread_cond_broadcast(&r->eng->final_cond);
+    kvf__engine_wake(r->eng);
 }
 
 /*
@@ -357,20 +396,8 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
         r->failure = f;
     else
         free(f);                  /* the cause it kept while it succeeded */
-    f = r->failure;
-    r->t_state_ms = kvf_now_ms();
-    atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
-    r->t_final_ms = kvf_now_ms();
-    if (was == KVF_POLL_SUCCESS)
-        r->eng->stats.rooms_succeeded--;
-    stats_final(r->eng, KVF_POLL_FAILED, f->status);
-    kvf_info("room %llu failed on %s%s%s: %s", (unsigned long long)r->id,
-             kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
-             f->from_another_rank ? " (from another rank)" : "",
-             was == KVF_POLL_SUCCESS ? " after it had succeeded here" : "", f->reason);
-    tell_peers(r, from, abort, sides);
-    pthread_cond_broadcast(&r->eng->final_cond);
-    kvf__engine_wake(r->eng);
+    room_failed(r, was, from, abort, sides,
+                was == KVF_POLL_SUCCESS ? " after it had succeeded here" : "");
 }
 
 static void failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
@@ -611,6 +638,24 @@ kvf_status_t kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms)
         until.tv_nsec -= 1000000000L;
     }
     kvf__lock(eng);
+    /*
+     * The caller says the request failed on another rank of this side (its
+     * scheduler's all-reduce over its ranks): this side is among those
+     * that failed the room.  A room that succeeded here and kept a cause
+     * learned from the other side, because this side had not failed when
+     * it came (kvf__room_fail_record), fails with it at once and tells its
+     * peers; one that has none takes the first that comes.  Waiting for
+     * the news that this side failed would not do: it travels through
+     * ranks of the other side, which may have let their rooms go already
+     * (they were final there), so it may never come.
+     */
+    if (room_state(r) == KVF_POLL_SUCCESS) {
+        r->failed_sides |= KVF_SIDE_BIT(r->side);
+        if (r->failure != NULL)
+            room_failed(r, KVF_POLL_SUCCESS, NULL, r->failure->status == KVF_ERR_ABORTED, 0,
+                        " after it had succeeded here (its application says this side "
+                        "failed)");
+    }
     while (room_state(r) != KVF_POLL_FAILED)
         if (kvf__cond_timedwait(eng, &eng->final_cond, &until) == ETIMEDOUT)
             break;

@@ -42,6 +42,8 @@ typedef struct kvf_link {
     uint64_t       bytes;         /* sender: queued; receiver: placed */
     uint64_t       expected;      /* receiver: bytes this peer must place */
     int            req_sent;      /* receiver: ROOM_REQ sent */
+    int            fail_told;     /* receiver: the peer has the room's FAIL (sent, or
+                                     it sent it) */
     int            done;          /* sender: acked; receiver: DONE checked */
     int            confirming;    /* receiver, pull: DONE checked, awaiting confirmation */
     int            last_queued;   /* sender: the last chunk's put is queued */
@@ -201,6 +203,15 @@ void kvf__room_fail_lost(kvf_room_t *room, kvf_role_t lost, kvf_status_t st,
 void kvf__room_fail_remote(kvf_room_t *room, kvf_peer_t *from, int abort,
                            const kvf_msg_fail_t *m);
 void kvf__receiver_try_request(kvf_room_t *room);
+
+/*
+ * A receiver that failed before it knew the prefill ranks it reads from
+ * (its lookup was under way) tells each of them, once linked: their
+ * senders would otherwise wait out their own deadline for this rank's
+ * destination, and name that.  A FAIL to a connection not up yet waits
+ * for it (kvf__peer_send_soon), also if the room is destroyed meanwhile.
+ */
+void kvf__receiver_tell_failed(kvf_room_t *room);
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now);
 void kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
 void kvf__receiver_on_data(kvf_peer_t *peer, const kvf_msg_data_t *d,
@@ -427,8 +438,10 @@ kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
 /* kvf_sender_metric / kvf_receiver_metric. */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
-/* Tell `to` the room failed (its record), if the connection is up. */
-void           kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
+/* Tell `to` the room failed (its record): now if the connection is up,
+ * once it is if we are still making it (kvf__peer_send_soon), not at all
+ * to a dead peer.  @return 1 if sent or kept. */
+int            kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
 void           kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
                               const kvf_failure_t *f, int abort);
 /* The same naming the held room's request key the sender failed to read

@@ -22,10 +22,25 @@ cannot hide an engine bug:
     succeed);
   - every room of the fresh batch after the fault succeeded and verified;
   - the payload went over TRANSPORT, when given (a pair that quietly fell
-    back to tcp would test tcp twice).
+    back to tcp would test tcp twice);
+  - siblings (siblings.py): every rank of a room, both sides, ends in the
+    same state (but a side that had every byte when the other failed for
+    a cause of its own), and all of a room's failure records name one rank
+    in common; with a process or engine fault on a rank at mid or last,
+    the records of the room that reached that phase name that rank (its
+    control address); and with several prefill DP groups every room of a
+    group the fault did not touch (another than prefill rank 0's)
+    succeeded.  Only that room is sure to have linked every rank when the
+    fault struck: another one may still be bootstrapping on a rank, whose
+    peers then fail it at their own deadline, the one cause every rank
+    names.
 """
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import siblings  # noqa: E402
 
 MAX_RESOLVE_S = 5.0
 
@@ -59,6 +74,33 @@ def check_records(spec, records, victim_side, d):
                  % (where, victim_side, f["reason"]), d)
 
 
+def check_siblings(spec, d, rooms, target_addr):
+    """The rules of siblings.py over each room that did not succeed."""
+    records = {}
+    for f in d["failures"] + d["after_fault"]["failures"]:
+        records[(f["index"], f["side"], f["rank"])] = f
+    kind = spec.split("@")[0]
+    stopped = kind.split("-")[1] if kind.startswith("stop-") else None
+    for room in rooms:
+        ranks = [dict(r, failure=records.get((room["index"], r["side"], r["rank"])),
+                      stopped=r["side"] == stopped and r["rank"] == 0)
+                 for r in room["ranks"]]
+        why = siblings.one_state(ranks)
+        common, why2 = siblings.one_cause(ranks)
+        if why or why2:
+            fail(spec, "room %d: %s" % (room["index"], why or why2), d)
+        if target_addr and room["index"] == d["fault_detail"].get("room") \
+                and any(r["state"] == "Failed" for r in ranks) and target_addr not in common:
+            fail(spec, "room %d: its failure records do not all name the rank the fault acted "
+                 "on (%s); they share %s" % (room["index"], target_addr, sorted(common)), d)
+    if d.get("dp", 1) > 1 and spec.split("@")[0] not in ("kill-decode", "stop-decode",
+                                                          "registry-down"):
+        other = [r["index"] for r in rooms if r["index"] < d["rooms"] and (r["room"] % 2**64) % d["dp"] != 0]
+        if other:
+            fail(spec, "rooms %s of another DP group than prefill rank 0's did not succeed"
+                 % other, d)
+
+
 def main():
     spec, rc, after_rooms, path = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     try:
@@ -79,6 +121,10 @@ def main():
     after = d["after_fault"]
     check_records(spec, d["failures"], victim_side, d)
     check_records(spec, after["failures"], None, d)
+    target = (d.get("fault_detail") or {}).get("target_addr")
+    check_siblings(spec, d, d["failed_rooms"] + after["failed_rooms"],
+                   target if kind != "registry-down" and not spec.endswith("@bootstrap")
+                   else None)
     if d["succeeded"] + d["failed"] != d["rooms"]:
         fail(spec, "rooms do not add up: %s" % d, d)
     res = d["max_resolve_seconds"]

@@ -34,3 +34,20 @@ check "$out" 20
 out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 16 --page-size 16 \
       --concurrency 8 --duration 1 --timeout 60)
 check "$out" 0
+
+# --relay, TP 4 -> 4: prefill rank 0 aborts every room after its first
+# chunk; every rank of every room, its pair's and the three others', must
+# fail it naming that abort (a room whose relay was lost fails the run).
+# The first window starts while every connection is still being made.
+out=$(timeout 120 "$KVFERRY" bench --json --relay --model tiny --tokens 64 --page-size 16 \
+      --prefill-tp 4 --decode-tp 4 --requests 40 --concurrency 4 --transport tcp --timeout 60)
+python3 -c '
+import json, numbers, sys
+d = json.loads(sys.argv[1])
+assert d["ok"] is True and d["rooms"] == 40 and d["relayed"] == 40, d
+assert not d["failures"] and d["ranks"] == 8, d
+for k in ("relay_p50_ms", "relay_p99_ms", "relay_max_ms", "first_p50_ms", "first_p99_ms"):
+    assert isinstance(d[k], numbers.Number) and d[k] >= 0, (k, d)
+print("ok: --relay, TP 4 -> 4: %d/%d rooms relayed to every rank, p99 %.3f ms"
+      % (d["relayed"], d["rooms"], d["relay_p99_ms"]))
+' "$out"

@@ -1389,6 +1389,63 @@ static void test_reset_resumes(void)
     CHECK(ok);
 }
 
+/*
+ * A reset while the application keeps sending: eight rooms, each in eight
+ * chunks handed over one after the other from this thread, so puts wait
+ * in the peer's outbox when the connection goes.  The closing connection
+ * fails those puts; the rooms must first hear that their connection was
+ * reset (they wait for the reconnect), and all resume and succeed.
+ */
+static void test_reset_with_sends_queued(void)
+{
+    enum { ROOMS = 8, ROOM_PAGES = PAGES / ROOMS, CHUNK = 1 };
+    side_t pre, dec;
+    char bs[64];
+    kvf_sender_t *s[ROOMS];
+    kvf_receiver_t *r[ROOMS];
+    uint32_t src[PAGES], dst[PAGES];
+
+    next_faults = "reset@4096";         /* half a room's bytes */
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    next_faults = NULL;
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 13 + b * 5 + 1);
+    for (int i = 0; i < PAGES; i++) {
+        src[i] = (uint32_t)i;
+        dst[i] = (uint32_t)((i * 37) % PAGES);
+    }
+    for (int k = 0; k < ROOMS; k++) {
+        CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 500 + (uint64_t)k, &s[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 500 + (uint64_t)k, -1, &r[k]), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r[k], dst + k * ROOM_PAGES, ROOM_PAGES, (uint32_t)k,
+                                       NULL, 0), KVF_OK);
+    }
+    for (int k = 0; k < ROOMS; k++) {
+        CHECK_EQ_INT(wait_sender(s[k], KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(kvf_sender_init(s[k], ROOM_PAGES, (uint32_t)k), KVF_OK);
+    }
+    for (int c = 0; c < ROOM_PAGES; c += CHUNK)
+        for (int k = 0; k < ROOMS; k++)
+            CHECK_EQ_INT(kvf_sender_send(s[k], src + k * ROOM_PAGES + c, CHUNK,
+                                         c + CHUNK == ROOM_PAGES), KVF_OK);
+    for (int k = 0; k < ROOMS; k++) {
+        wait_final(s[k], r[k]);
+        CHECK_EQ_INT(kvf_sender_poll(s[k]), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(kvf_receiver_poll(r[k]), KVF_POLL_SUCCESS);
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    for (int b = 0; b < NKV; b++)
+        for (int i = 0; i < PAGES; i++)
+            CHECK(memcmp(dec.kv[b] + (size_t)dst[i] * PAGE_B,
+                         pre.kv[b] + (size_t)src[i] * PAGE_B, PAGE_B) == 0);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
 static void test_repeated_resets_give_up(void)
 {
     kvf_poll_t ps, ds;
@@ -1588,6 +1645,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_strided_only_when_accepted),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
+              KVF_CASE(test_reset_with_sends_queued),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),

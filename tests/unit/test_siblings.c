@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "core/engine.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
@@ -46,6 +48,7 @@ typedef struct engine_opts {
     unsigned    waiting_timeout_ms; /* of prefill rank 0 (0: default) */
     unsigned    transfer_timeout_ms;
     int         checksum;
+    int         pp, pps;            /* pipeline stage of this rank, of pps (0: one) */
 } engine_opts_t;
 
 static void rank_init(rank_t *r, kvf_role_t role, int tp, int tps, int dp, int dps,
@@ -69,11 +72,16 @@ static void rank_init(rank_t *r, kvf_role_t role, int tp, int tps, int dp, int d
         if (o->waiting_timeout_ms)
             p.waiting_timeout_ms = o->waiting_timeout_ms;
     }
+    /* A pipeline stage holds its share of the layers, from first_layer. */
+    int pps = o && o->pps > 1 ? o->pps : 1, stage = pps > 1 ? o->pp : 0;
+    p.pp_rank = stage;
+    p.pp_size = pps;
     CHECK_EQ_INT(kvf_engine_create(&p, &r->eng), KVF_OK);
     uint32_t hpr = HEADS / (uint32_t)tps;
     r->page_b = (size_t)PAGE * hpr * HEAD_B;
     kvf_buffer_t kv[NKV], aux;
-    for (int i = 0; i < NKV; i++) {
+    int nkv = NKV / pps;
+    for (int i = 0; i < nkv; i++) {
         r->kv[i] = calloc(PAGES, r->page_b);
         for (size_t j = 0; role == KVF_ROLE_PREFILL && j < PAGES * r->page_b; j++)
             r->kv[i][j] = (uint8_t)(j * 7 + (size_t)i * 13 + (size_t)tp * 31 + 1);
@@ -85,11 +93,12 @@ static void rank_init(rank_t *r, kvf_role_t role, int tp, int tps, int dp, int d
     kvf_layout_init(&l);
     l.page_size = PAGE;
     l.kv_dtype = "bfloat16";
-    l.num_layers = LAYERS;
+    l.num_layers = LAYERS / (uint32_t)pps;
+    l.first_layer = (uint32_t)(stage * LAYERS / pps);
     l.heads_per_rank = hpr;
     l.total_heads = HEADS;
     l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
+    l.num_kv = (uint32_t)nkv;
     l.kv = kv;
     l.num_aux = 1;
     l.aux = &aux;
@@ -416,14 +425,190 @@ static void test_one_side_failure_keeps_the_other_sides_success(void)
         CHECK_EQ_INT(f.origin_rank, 0);
         CHECK_EQ_INT(f.from_another_rank, k);
     }
-    /* Told, the decode ranks keep their success. */
-    CHECK_EQ_INT(kvf_receiver_await_failure(rm.r[0], 300), KVF_ERR_AGAIN);
+    /* Told (prefill rank 1 learned it through them), the decode ranks
+     * keep their success: their side did not fail. */
     for (int j = 0; j < 2; j++) {
         CHECK_EQ_INT(kvf_receiver_poll(rm.r[j]), KVF_POLL_SUCCESS);
         CHECK_EQ_INT(kvf_receiver_failure(rm.r[j], &f), KVF_ERR_AGAIN);
     }
     room_close(&rm, 2);
     cluster_fini(&c);
+}
+
+/*
+ * Decode rank 0 fails the room after pair 1 has finished, and decode
+ * rank 1 has already let its room go (its scheduler saw it final): the
+ * news that the prefill side failed (prefill rank 0's) has no decode rank
+ * left to travel through to prefill rank 1, which keeps its success and
+ * the cause it heard from decode rank 0.  Its scheduler's all-reduce says
+ * the request failed on the prefill side; told so (await_failure), it
+ * fails at once with that cause, never "unknown reason".
+ */
+static void test_success_takes_the_kept_cause_when_its_side_failed(void)
+{
+    cluster_t c;
+    room_t rm;
+    kvf_failure_t f;
+    const char *why = "decode rank 0 refused the room: no pages left";
+    cluster_init(&c, 2, 2, 1, NULL);
+    room_open(&c, &rm, 1008, 0);
+    pair1_succeeds(&rm);
+    kvf_receiver_destroy(rm.r[1]);
+    CHECK_EQ_INT(kvf_receiver_fail(rm.r[0], KVF_ERR_ABORTED, why), KVF_OK);
+    CHECK_EQ_INT(wait_sender(rm.s[0], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_await_failure(rm.s[1], KVF_TEST_WAIT_MS), KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(kvf_sender_failure(rm.s[k], &f), KVF_OK);
+        CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
+        CHECK_EQ_INT(f.origin_side, KVF_ROLE_DECODE);
+        CHECK_EQ_INT(f.origin_rank, 0);
+        CHECK_EQ_INT(f.from_another_rank, 1);
+        CHECK_STR_CONTAINS(f.reason, "no pages left");
+    }
+    rm.r[1] = NULL;
+    room_close(&rm, 2);
+    cluster_fini(&c);
+}
+
+/*
+ * Decode rank 1's application fails a room right after creating it,
+ * before the engine found its prefill ranks in the registry or connected
+ * to them.  Both prefill ranks wait for decode destinations; they learn of
+ * the failure as soon as the links are up, and name decode rank 1's cause
+ * rather than their own bootstrap deadline.
+ */
+static void test_fail_before_linked_reaches_prefill(void)
+{
+    cluster_t c;
+    kvf_sender_t *s[2];
+    kvf_receiver_t *rcv;
+    kvf_failure_t f;
+    cluster_init(&c, 2, 2, 1, NULL);
+    for (int k = 0; k < 2; k++)
+        CHECK_EQ_INT(kvf_sender_create(c.pre[k].eng, c.bs, 1010, &s[k]), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(c.dec[1].eng, c.bs, 1010, -1, &rcv), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_fail(rcv, KVF_ERR_BAD_INDICES, "decode rank 1 has no pages"),
+                 KVF_OK);
+    for (int k = 0; k < 2; k++) {
+        CHECK_EQ_INT(wait_sender(s[k], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+        CHECK_EQ_INT(kvf_sender_failure(s[k], &f), KVF_OK);
+        CHECK_EQ_INT(f.status, KVF_ERR_BAD_INDICES);
+        CHECK_EQ_INT(f.origin_side, KVF_ROLE_DECODE);
+        CHECK_EQ_INT(f.origin_rank, 1);
+        CHECK_EQ_INT(f.from_another_rank, 1);
+        CHECK_STR_CONTAINS(f.reason, "has no pages");
+        kvf_sender_destroy(s[k]);
+    }
+    kvf_receiver_destroy(rcv);
+    cluster_fini(&c);
+}
+
+/*
+ * Decode rank 1 fails a room (prefill rank 0 aborted it; decode rank 1
+ * hears it on its sibling link) while its own connection to prefill rank
+ * 1, the rank it reads from, is still being made, and its scheduler
+ * destroys the room at once (it is final).  Prefill rank 1, whose sender
+ * waits for decode rank 1's destination, still learns of the abort as
+ * soon as the connection is up, rather than fail at its bootstrap
+ * deadline naming that.  Prefill rank 1 is held (its engine lock) until
+ * then, so that the connection cannot be up before.
+ */
+static void test_fail_before_connected_reaches_prefill(void)
+{
+    cluster_t c;
+    kvf_sender_t *s[2];
+    kvf_receiver_t *warm, *rcv;
+    kvf_failure_t f;
+    cluster_init(&c, 2, 2, 1, NULL);
+    /* Both prefill ranks are in the registry once a room resolves. */
+    CHECK_EQ_INT(kvf_receiver_create(c.dec[0].eng, c.bs, 999, -1, &warm), KVF_OK);
+    CHECK_EQ_INT(wait_receiver(warm, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    kvf_receiver_destroy(warm);
+    for (int k = 0; k < 2; k++)
+        CHECK_EQ_INT(kvf_sender_create(c.pre[k].eng, c.bs, 1011, &s[k]), KVF_OK);
+    kvf_sender_abort(s[0]);
+    kvf__lock(c.pre[1].eng);
+    CHECK_EQ_INT(kvf_receiver_create(c.dec[1].eng, c.bs, 1011, -1, &rcv), KVF_OK);
+    CHECK_EQ_INT(wait_receiver(rcv, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    kvf_receiver_destroy(rcv);
+    kvf__unlock(c.pre[1].eng);
+    CHECK_EQ_INT(wait_sender(s[1], KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_sender_failure(s[1], &f), KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
+    CHECK_EQ_INT(f.origin_side, KVF_ROLE_PREFILL);
+    CHECK_EQ_INT(f.origin_rank, 0);
+    CHECK_EQ_INT(f.from_another_rank, 1);
+    for (int k = 0; k < 2; k++)
+        kvf_sender_destroy(s[k]);
+    cluster_fini(&c);
+}
+
+/* Prefill and decode with two pipeline stages each (TP 1): stage s feeds
+ * stage s, and each decode stage watches the other prefill stage. */
+static void cluster_init_pp(cluster_t *c)
+{
+    memset(c, 0, sizeof(*c));
+    c->np = c->nd = 2;
+    c->dp = 1;
+    engine_opts_t o[2] = {{.pp = 0, .pps = 2}, {.pp = 1, .pps = 2}};
+    rank_init(&c->pre[0], KVF_ROLE_PREFILL, 0, 1, 0, 1, "127.0.0.1:0", 1, &o[0]);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(c->pre[0].eng, c->bs, sizeof(c->bs)), KVF_OK);
+    rank_init(&c->pre[1], KVF_ROLE_PREFILL, 0, 1, 0, 1, c->bs, 0, &o[1]);
+    for (int j = 0; j < 2; j++)
+        rank_init(&c->dec[j], KVF_ROLE_DECODE, 0, 1, 0, 1, NULL, 0, &o[j]);
+}
+
+/* Prefill stage 0 aborts a room after stage 1's pair finished it. */
+static void pp_abort(void *arg)
+{
+    room_t *rm = arg;
+    cluster_t c;
+    cluster_init_pp(&c);
+    room_open(&c, rm, 1009, 0);
+    pair1_succeeds(rm);
+    room_send(rm, 0, 1);
+    kvf_sender_abort(rm->s[0]);
+    CHECK(room_all_failed(rm, 2));
+    check_records(rm, 2, KVF_ERR_ABORTED, KVF_ROLE_PREFILL, 0,
+                  "aborted by the application on prefill rank 0 of stage 0");
+    room_close(rm, 2);
+    cluster_fini(&c);
+}
+
+/* Run fn(arg) with this process's stderr (the log) going to a file, and
+ * @return how many lines of it contain `needle`. */
+static int log_lines_during(void (*fn)(void *), void *arg, const char *needle)
+{
+    char path[] = "/tmp/kvf-test-log-XXXXXX", line[2048];
+    int fd = mkstemp(path), saved = dup(2), n = 0;
+    CHECK(fd >= 0 && saved >= 0);
+    if (fd < 0 || saved < 0)
+        return -1;
+    fflush(stderr);
+    dup2(fd, 2);
+    fn(arg);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    FILE *f = fdopen(fd, "r");
+    rewind(f);
+    while (fgets(line, sizeof(line), f) != NULL)
+        n += strstr(line, needle) != NULL;
+    fclose(f);
+    unlink(path);
+    return n;
+}
+
+/*
+ * Two pipeline stages on both sides: the abort on prefill stage 0 reaches
+ * both stages of both sides (the decode stages watch the other prefill
+ * stage), and those cross-stage links, whose layers differ by design, log
+ * no configuration error.
+ */
+static void test_pp_stages_hear_each_other(void)
+{
+    room_t rm;
+    CHECK_EQ_INT(log_lines_during(pp_abort, &rm, "Pipeline stage mismatch"), 0);
 }
 
 /*
@@ -489,4 +674,8 @@ KVF_TEST_MAIN(KVF_CASE(test_every_rank_succeeds),
               KVF_CASE(test_tp_2_to_1_every_prefill_rank_names_it),
               KVF_CASE(test_a_failure_that_dooms_the_other_side_says_so),
               KVF_CASE(test_one_side_failure_keeps_the_other_sides_success),
-              KVF_CASE(test_dp_groups_stay_apart))
+              KVF_CASE(test_success_takes_the_kept_cause_when_its_side_failed),
+              KVF_CASE(test_dp_groups_stay_apart),
+              KVF_CASE(test_pp_stages_hear_each_other),
+              KVF_CASE(test_fail_before_linked_reaches_prefill),
+              KVF_CASE(test_fail_before_connected_reaches_prefill))
