@@ -43,6 +43,8 @@ typedef struct kvt_opts {
     uint32_t    duration;          /**< seconds; 0: run --requests rooms */
     int         verify;            /**< decode checks every byte, off the figures */
     int         bench;             /**< _rank: run the bench loop (bench_rank.c) */
+    const char *plot;              /**< bench: draw the figures into this PNG (plot.h) */
+    const char *baselines;         /**< bench: bench/baselines.sh's JSON, for --plot */
     /* demo: faults (fault.h) */
     const char *fault;             /**< "KIND@WHEN", or NULL */
     uint32_t    after_fault_requests;  /**< fresh rooms after the fault */
