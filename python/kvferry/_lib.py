@@ -94,6 +94,8 @@ class EngineParams(Structure):
         ("prefill_http_port", c_int),
         ("dsa_cache_layer_split", c_int),
         ("streams", c_uint),
+        ("metrics_addr", c_char_p),
+        ("trace", c_char_p),
     ]
 
 
@@ -314,6 +316,9 @@ _OPTIONAL = {
     "kvf_receiver_fail": (c_int, [c_void_p, c_int, c_char_p]),
     "kvf_sender_await_failure": (c_int, [c_void_p, c_uint]),
     "kvf_receiver_await_failure": (c_int, [c_void_p, c_uint]),
+    # metrics (Prometheus text) and the endpoint's address
+    "kvf_engine_metrics": (c_int, [c_void_p, c_char_p, c_size_t, POINTER(c_size_t)]),
+    "kvf_engine_metrics_addr": (c_int, [c_void_p, c_char_p, c_size_t]),
 }
 
 
