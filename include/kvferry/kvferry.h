@@ -268,7 +268,10 @@ typedef struct kvf_engine_params {
     /**
      * Serve this engine's metrics (kvf_engine_metrics, Prometheus text
      * format) over HTTP, GET /metrics, on "host:port" (port 0: any free
-     * one; kvf_engine_metrics_addr says which).  Its own listener and
+     * one; kvf_engine_metrics_addr says which), or "host:port+": the port
+     * plus this rank's index in its server, (dp_rank * pp_size + pp_rank)
+     * * tp_size + tp_rank, so that one setting serves every rank of a
+     * server on ports a scrape config can list.  Its own listener and
      * thread (libmicrohttpd), apart from the control port.  Bound like the
      * bootstrap registry: a host that is not a loopback address needs a
      * cluster token (see auth_token) unless KVF_AUTH=none (protected mode);

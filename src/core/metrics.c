@@ -366,14 +366,43 @@ static int scrape_text(void *arg, char **text_p)
     return -1;
 }
 
+/*
+ * "host:PORT+": every rank of a server on one setting, each on its own
+ * port: PORT plus the rank's index in its server (DP group, stage, TP
+ * rank), so that a scrape config can list them.  @return 0, or -1 when
+ * the port would pass 65535.
+ */
+static int port_per_rank(const kvf_engine_t *eng, const char *spec, char *out, size_t len)
+{
+    const kvf_engine_params_t *p = &eng->params;
+    size_t n = strlen(spec);
+    const char *colon = strrchr(spec, ':');
+    snprintf(out, len, "%s", spec);
+    if (n == 0 || spec[n - 1] != '+' || colon == NULL)
+        return 0;
+    long port = strtol(colon + 1, NULL, 10);
+    if (port > 0)
+        port += ((long)p->dp_rank * p->pp_size + p->pp_rank) * p->tp_size + p->tp_rank;
+    if (port > 65535)
+        return -1;
+    snprintf(out + (colon - spec) + 1, len - (size_t)(colon - spec) - 1, "%ld", port);
+    return 0;
+}
+
 kvf_status_t kvf__metrics_start(kvf_engine_t *eng)
 {
-    const char *addr = eng->params.metrics_addr;
-    if (addr == NULL || addr[0] == '\0')
-        addr = getenv("KVF_METRICS_ADDR");
+    const char *spec = eng->params.metrics_addr;
+    char addr[160];
+    if (spec == NULL || spec[0] == '\0')
+        spec = getenv("KVF_METRICS_ADDR");
     eng->params.metrics_addr = NULL;      /* the caller's string: never kept */
-    if (addr == NULL || addr[0] == '\0')
+    if (spec == NULL || spec[0] == '\0')
         return KVF_OK;
+    if (port_per_rank(eng, spec, addr, sizeof(addr)) != 0) {
+        kvf_error("metrics endpoint '%s': this rank's port (the base plus its index) is "
+                  "past 65535: pick a lower base", spec);
+        return KVF_ERR_INVALID_PARAM;
+    }
     kvf_status_t st = kvf__scrape_create(addr, eng->has_token, eng->auth_open, scrape_text,
                                          eng, &eng->scrape, eng->metrics_addr,
                                          sizeof(eng->metrics_addr));

@@ -353,6 +353,33 @@ static void test_metrics_protected_mode(void)
     kvf_engine_destroy(s.eng);
     unsetenv("KVF_AUTH");
 
+    /* "port+": the base plus the rank's index in its server (TP rank 1 here). */
+    CHECK_EQ_INT(try_metrics("127.0.0.1:0+", NULL, &s), KVF_OK);   /* 0 stays "any" */
+    kvf_engine_destroy(s.eng);
+    {
+        kvf_engine_params_t p;
+        kvf_engine_t *e = NULL;
+        kvf_engine_params_init(&p);
+        p.tp_rank = 1;
+        p.tp_size = 2;
+        p.metrics_addr = "127.0.0.1:65535+";
+        CHECK_EQ_INT(kvf_engine_create(&p, &e), KVF_ERR_INVALID_PARAM);
+        CHECK_STR_CONTAINS(kvf_last_error(), "past 65535");
+        /* A free base found by binding 0 first, then the rank above it. */
+        p.metrics_addr = "127.0.0.1:0";
+        CHECK_EQ_INT(kvf_engine_create(&p, &e), KVF_OK);
+        CHECK_EQ_INT(kvf_engine_metrics_addr(e, addr, sizeof(addr)), KVF_OK);
+        kvf_engine_destroy(e);
+        char spec[64];
+        int base = atoi(strrchr(addr, ':') + 1) - 1;
+        snprintf(spec, sizeof(spec), "127.0.0.1:%d+", base);
+        p.metrics_addr = spec;
+        CHECK_EQ_INT(kvf_engine_create(&p, &e), KVF_OK);
+        CHECK_EQ_INT(kvf_engine_metrics_addr(e, addr, sizeof(addr)), KVF_OK);
+        CHECK_EQ_INT(atoi(strrchr(addr, ':') + 1), base + 1);
+        kvf_engine_destroy(e);
+    }
+
     /* From the environment; without one, no endpoint. */
     CHECK_EQ_INT(setenv("KVF_METRICS_ADDR", "127.0.0.1:0", 1), 0);
     CHECK_EQ_INT(try_metrics(NULL, NULL, &s), KVF_OK);
