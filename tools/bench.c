@@ -59,6 +59,7 @@ typedef struct kvt_bench {
     uint32_t    admitted_max, admitted_n;
     kvt_progress_t prog;      /* the live line (progress.h) */
     kvt_series_t   series;    /* decode bytes over time, for --plot (plot.h) */
+    double         t_end;     /* the run's end, seconds after "go" (the ticks' clock) */
 } kvt_bench_t;
 
 static void kvt_bench_on_event(void *ctx, kvt_child_t *c, const char *type,
@@ -331,6 +332,8 @@ static int kvt_bench_plot(kvt_bench_t *b, json_t *fig, const double *lat, size_t
 {
     kvt_baseline_t bl[8];
     char err[512], title[256];
+    kvt_series_end(&b->series, b->t_end, (uint64_t)json_integer_value(json_object_get(fig,
+                                                                                   "bytes")));
     int nbl = kvt_plot_baselines(b->o.baselines, bl, 8, err, sizeof(err));
     json_t *c = json_object_get(fig, "config");
     snprintf(title, sizeof(title), "kvferry bench: %s, %s pages, %d tokens per room, TP %d->%d, "
@@ -431,6 +434,8 @@ int kvt_bench_main(int argc, char **argv)
     b.orch.on_tick = kvt_bench_on_tick;
     b.orch.ctx = &b;
     kvt_orch_run(&b.orch, &b.o, fwd);
+    if (b.orch.go_at_ms != 0)
+        b.t_end = (double)(kvt_mono_ms() - b.orch.go_at_ms) / 1000.0;
     kvt_orch_stop(&b.orch);
     kvt_progress_end(&b.prog);
 

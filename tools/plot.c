@@ -19,10 +19,8 @@
 
 #define KVT_SAMPLE_S 0.25
 
-void kvt_series_add(kvt_series_t *s, double t, uint64_t bytes)
+static void kvt_series_put(kvt_series_t *s, double t, uint64_t bytes)
 {
-    if (s->n > 0 && t - s->t[s->n - 1] < KVT_SAMPLE_S)
-        return;
     if (s->n == s->cap) {
         size_t c = s->cap ? 2 * s->cap : 256;
         double *nt = realloc(s->t, c * sizeof(*nt));
@@ -37,6 +35,20 @@ void kvt_series_add(kvt_series_t *s, double t, uint64_t bytes)
     }
     s->t[s->n] = t;
     s->bytes[s->n++] = bytes;
+}
+
+void kvt_series_add(kvt_series_t *s, double t, uint64_t bytes)
+{
+    if (s->n == 0 || t - s->t[s->n - 1] >= KVT_SAMPLE_S)
+        kvt_series_put(s, t, bytes);
+}
+
+void kvt_series_end(kvt_series_t *s, double t, uint64_t bytes)
+{
+    if (s->n == 0)
+        kvt_series_put(s, 0, 0);
+    if (t > s->t[s->n - 1])
+        kvt_series_put(s, t, bytes);
 }
 
 void kvt_series_free(kvt_series_t *s)
@@ -192,7 +204,7 @@ static int kvt_write_script(const char *dir, const kvt_plot_t *p)
     fprintf(f, "set title 'Throughput (decode ranks, per quarter second)'\n"
             "set xlabel 'seconds since the rooms started'\nset ylabel 'GB/s (10^9 B/s)'\n"
             "set yrange [0:*]\n");
-    fprintf(f, "plot '%s/throughput.dat' using 1:2 with lines lw 2 title 'kvferry'", dir);
+    fprintf(f, "plot '%s/throughput.dat' using 1:2 with linespoints lw 2 pt 7 ps 0.6 title 'kvferry'", dir);
     fprintf(f, ", %.6f with lines dt 2 lw 2 title 'kvferry mean %.2f GB/s'", p->gbps, p->gbps);
     for (size_t i = 0; i < p->nbl; i++) {
         char name[128];

@@ -21,6 +21,9 @@ typedef struct kvt_series {
 } kvt_series_t;
 
 void kvt_series_add(kvt_series_t *s, double t, uint64_t bytes);
+/* The run's last point, however soon after the previous one (a short run
+ * has a line too). */
+void kvt_series_end(kvt_series_t *s, double t, uint64_t bytes);
 void kvt_series_free(kvt_series_t *s);
 
 typedef struct kvt_baseline {
