@@ -16,7 +16,8 @@ every decode rank, say the same.
 
 SGLang: a deadline a rank saw itself counts in SGLang's own
 ``sglang:kv_transfer_timeouts_total{stage}`` (a recording stand-in of its
-module here), on the rank that saw it only.
+module here), on the rank that saw it only; a room's KVTransferMetric has
+a latency above 0 even for a sub-millisecond room.
 """
 import os
 import sys
@@ -183,10 +184,11 @@ class _Counter:
             stage, self.counts.get(stage, 0) + 1))
 
 
-class SglangTimeoutTest(unittest.TestCase):
+class SglangMetricsTest(unittest.TestCase):
     """Two deadlines on the prefill side: one while bootstrapping (no decode
     rank ever asks), one while waiting for input (the scheduler never
-    sends); the decode side learns the second and counts nothing."""
+    sends); the decode side learns the second and counts nothing.  Then a
+    room that succeeds, and its KVTransferMetric."""
 
     def setUp(self):
         self.counter = _Counter()
@@ -257,6 +259,30 @@ class SglangTimeoutTest(unittest.TestCase):
                           str(cm.exception))
         self.assertEqual(self.counter.counts, {"bootstrap": 1, "transfer": 1})
         self.assertTrue(all(self.enabled), self.enabled)
+
+        # A room that succeeds: SGLang observes its KVTransferMetric only
+        # with a latency above 0, which a sub-millisecond room has too.
+        tx = S.KVFerryKVSender(pm, addr, 7003, [0], 0)
+        rx = S.KVFerryKVReceiver(dm, addr, 7003)
+        rx.init(0)
+        deadline = time.monotonic() + 20
+        while rx.poll() != S.KVPoll.WaitingForInput:
+            self.assertLess(time.monotonic(), deadline, "the receiver never connected")
+            time.sleep(0.005)
+        rx.send_metadata([1, 2], 0)
+        while tx.poll() != S.KVPoll.WaitingForInput:
+            self.assertLess(time.monotonic(), deadline, "the sender never got its pages")
+            time.sleep(0.005)
+        tx.init(2, 0)
+        tx.send([3, 4])
+        self.assertEqual(final(tx), S.KVPoll.Success)
+        self.assertEqual(final(rx), S.KVPoll.Success)
+        m = tx.get_transfer_metric()
+        self.assertGreater(m.transfer_latency_s, 0)
+        self.assertGreater(m.transfer_total_bytes, 0)
+        tx.clear()
+        rx.clear()
+        self.assertEqual(self.counter.counts, {"bootstrap": 1, "transfer": 1})
 
 
 if __name__ == "__main__":
