@@ -226,6 +226,8 @@ class SglangMetricsTest(unittest.TestCase):
         sa = server_args(boot.port, enable_metrics=True)
         pm = S.KVFerryKVManager(kv_args("prefill"), S.DisaggregationMode.PREFILL, sa, False)
         self.addCleanup(pm.teardown)
+        # The decode side's own deadlines are long: the prefill's fire first.
+        os.environ.update(KVF_BOOTSTRAP_TIMEOUT_MS="30000", KVF_WAITING_TIMEOUT_MS="30000")
         dm = S.KVFerryKVManager(kv_args("decode"), S.DisaggregationMode.DECODE, sa, False)
         self.addCleanup(dm.teardown)
 
