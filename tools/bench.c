@@ -48,6 +48,8 @@
 #include "models.h"
 #include "opts.h"
 #include "orch.h"
+#include "plot.h"
+#include "progress.h"
 #include "tool.h"
 
 /* The hidden micro-benchmarks (bench_micro.c). */
@@ -58,12 +60,13 @@ typedef struct kvt_bench {
     kvt_orch_t  orch;
     json_t    **results;      /* per child index: its "result" event */
     uint32_t   *done;         /* per child index: last progress */
+    uint32_t   *failed;
     uint64_t   *bytes;
-    int         tty;
     int         stop_sent, until_sent;
     uint32_t    admitted_max, admitted_n;
-    uint64_t    last_line_ms;
-    double      last_bytes, last_t;
+    kvt_progress_t prog;      /* the live line (progress.h) */
+    kvt_series_t   series;    /* decode bytes over time, for --plot (plot.h) */
+    double         t_end;     /* the run's end, seconds after "go" (the ticks' clock) */
 } kvt_bench_t;
 
 static void kvt_bench_on_event(void *ctx, kvt_child_t *c, const char *type,
@@ -73,6 +76,7 @@ static void kvt_bench_on_event(void *ctx, kvt_child_t *c, const char *type,
     size_t i = (size_t)(c - b->orch.kids.v);
     if (strcmp(type, "progress") == 0) {
         b->done[i] = (uint32_t)json_integer_value(json_object_get(ev, "done"));
+        b->failed[i] = (uint32_t)json_integer_value(json_object_get(ev, "failed"));
         b->bytes[i] = (uint64_t)json_integer_value(json_object_get(ev, "bytes"));
     } else if (strcmp(type, "admitted") == 0) {
         uint32_t n = (uint32_t)json_integer_value(json_object_get(ev, "next"));
@@ -103,27 +107,20 @@ static void kvt_bench_on_tick(void *ctx, uint64_t now)
         kvt_orch_send_ranks(o, line);
         b->until_sent = 1;
     }
-    if (!b->tty || now - b->last_line_ms < 250)
-        return;
     /* Decode's view: a room is done when decode has it. */
     uint64_t bytes = 0;
-    uint32_t done = UINT32_MAX;
-    for (size_t i = 0; i < o->kids.n; i++)
+    uint32_t done = UINT32_MAX, failed = 0;
+    for (size_t i = 0; i < o->kids.n; i++) {
+        failed += b->failed[i];
         if (o->kids.v[i].role == KVT_CHILD_DECODE) {
             bytes += b->bytes[i];
             if (b->done[i] < done)
                 done = b->done[i];
         }
-    double t = (double)(now - o->go_at_ms) / 1000.0;
-    double rate = t > b->last_t ? ((double)bytes - b->last_bytes) / (t - b->last_t) / 1e9 : 0;
-    char total[32] = "";
-    if (!b->o.duration)
-        snprintf(total, sizeof(total), "/%u", b->o.requests);
-    fprintf(stderr, "\rkvferry bench: %6.1f s  %u%s rooms  %.2f GB/s   ", t,
-            done == UINT32_MAX ? 0 : done, total, rate);
-    b->last_line_ms = now;
-    b->last_bytes = (double)bytes;
-    b->last_t = t;
+    }
+    kvt_series_add(&b->series, (double)(now - o->go_at_ms) / 1000.0, bytes);
+    kvt_progress_show(&b->prog, now, o->go_at_ms, done == UINT32_MAX ? 0 : done,
+                      b->o.duration ? 0 : b->o.requests, bytes, failed);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -302,7 +299,7 @@ static void kvt_bench_relay_print(FILE *f, json_t *j)
 }
 
 /* The figures as one JSON object; *ok_p = 1 if every room succeeded. */
-static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
+static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p, double **lat_p, size_t *nlat_p)
 {
     if (b->o.relay)
         return kvt_bench_relay_figures(b, ok_p);
@@ -413,7 +410,8 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p)
         o->registry_auth[0] ? o->registry_auth : "unknown"));
     if (o->error[0])
         json_object_set_new(out, "error", json_string(o->error));
-    free(lat);
+    *lat_p = lat;
+    *nlat_p = nlat;
     return out;
 }
 
@@ -455,6 +453,34 @@ static void kvt_bench_print(FILE *f, json_t *j)
             ? "every room succeeded" : "FAILED: see above");
 #undef NUM
 #undef STR
+}
+
+/* --plot: draw the figures; the file's name goes into them ("plot"). */
+static int kvt_bench_plot(kvt_bench_t *b, json_t *fig, const double *lat, size_t nlat)
+{
+    kvt_baseline_t bl[8];
+    char err[512], title[256];
+    kvt_series_end(&b->series, b->t_end, (uint64_t)json_integer_value(json_object_get(fig,
+                                                                                   "bytes")));
+    int nbl = kvt_plot_baselines(b->o.baselines, bl, 8, err, sizeof(err));
+    json_t *c = json_object_get(fig, "config");
+    snprintf(title, sizeof(title), "kvferry bench: %s, %s pages, %d tokens per room, TP %d->%d, "
+             "%s", json_string_value(json_object_get(c, "model")),
+             json_string_value(json_object_get(c, "pattern")),
+             (int)json_integer_value(json_object_get(c, "tokens")), (int)b->o.prefill_tp,
+             (int)b->o.decode_tp, json_string_value(json_object_get(c, "transport")));
+    kvt_plot_t p = {.png = b->o.plot, .title = title, .series = &b->series, .lat_ms = lat,
+                    .nlat = nlat, .bl = bl, .nbl = nbl > 0 ? (size_t)nbl : 0,
+                    .gbps = json_real_value(json_object_get(fig, "gbps")),
+                    .p50_ms = json_real_value(json_object_get(fig, "p50_ms")),
+                    .p99_ms = json_real_value(json_object_get(fig, "p99_ms"))};
+    if (nbl < 0 || kvt_plot_bench(&p, err, sizeof(err)) != 0) {
+        fprintf(stderr, "kvferry bench: --plot %s: %s\n", b->o.plot, err);
+        json_object_set_new(fig, "error", json_string(err));
+        return -1;
+    }
+    json_object_set_new(fig, "plot", json_string(b->o.plot));
+    return 0;
 }
 
 /* ------------------------------------------------------------------------ */
@@ -519,7 +545,12 @@ int kvt_bench_main(int argc, char **argv)
     unsigned timeout = b.o.timeout;
     if (b.o.duration && timeout < b.o.duration + 60)
         timeout = b.o.duration + 60;
-    b.tty = isatty(STDOUT_FILENO) && isatty(STDERR_FILENO);
+    if (b.o.plot != NULL && strpbrk(b.o.plot, "'\"\\") != NULL) {
+        fprintf(stderr, "kvferry bench: --plot %s: a file name without quotes or "
+                "backslashes, please\n", b.o.plot);
+        return 2;
+    }
+    kvt_progress_init(&b.prog, "bench", b.o.json);
 
     if (kvt_orch_init(&b.orch, "bench", &b.o, timeout) != 0)
         return 1;
@@ -527,9 +558,10 @@ int kvt_bench_main(int argc, char **argv)
     char **fwd = kvt_opts_argv(&b.o);
     b.results = calloc(n, sizeof(*b.results));
     b.done = calloc(n, sizeof(*b.done));
+    b.failed = calloc(n, sizeof(*b.failed));
     b.bytes = calloc(n, sizeof(*b.bytes));
     int ok = 0;
-    if (!fwd || !b.results || !b.done || !b.bytes) {
+    if (!fwd || !b.results || !b.done || !b.failed || !b.bytes) {
         fprintf(stderr, "kvferry bench: out of memory\n");
         goto out;
     }
@@ -537,11 +569,17 @@ int kvt_bench_main(int argc, char **argv)
     b.orch.on_tick = kvt_bench_on_tick;
     b.orch.ctx = &b;
     kvt_orch_run(&b.orch, &b.o, fwd);
+    if (b.orch.go_at_ms != 0)
+        b.t_end = (double)(kvt_mono_ms() - b.orch.go_at_ms) / 1000.0;
     kvt_orch_stop(&b.orch);
-    if (b.tty)
-        fprintf(stderr, "\n");
+    kvt_progress_end(&b.prog);
 
-    json_t *fig = kvt_bench_figures(&b, &ok);
+    double *lat = NULL;
+    size_t nlat = 0;
+    json_t *fig = kvt_bench_figures(&b, &ok, &lat, &nlat);
+    if (fig != NULL && b.o.plot != NULL && kvt_bench_plot(&b, fig, lat, nlat) != 0)
+        ok = 0;
+    free(lat);
     if (!fig) {
         fprintf(stderr, "kvferry bench: cannot build the figures (out of memory)\n");
         ok = 0;
@@ -562,7 +600,9 @@ out:
         json_decref(b.results[i]);
     free(b.results);
     free(b.done);
+    free(b.failed);
     free(b.bytes);
+    kvt_series_free(&b.series);
     kvt_opts_argv_free(fwd);
     kvt_orch_fini(&b.orch);
     return ok ? 0 : 1;

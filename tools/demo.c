@@ -30,6 +30,7 @@
 #include "models.h"
 #include "opts.h"
 #include "orch.h"
+#include "progress.h"
 #include "report.h"
 #include "tool.h"
 
@@ -39,7 +40,32 @@ typedef struct kvt_demo {
     kvt_report_t   rep;
     kvt_fault_t    fault;
     kvt_injector_t inj;        /* used only with --fault */
+    /* The progress line (progress.h): per room index, the decode ranks
+     * that reported it final and whether any rank failed it. */
+    kvt_progress_t prog;
+    uint32_t       nrooms, done, failed;
+    uint64_t       bytes;
+    uint8_t       *dec_final, *room_failed;
 } kvt_demo_t;
+
+/* A rank's "room" event, for the progress line: a room is done once every
+ * decode rank has it final, failed once any rank failed it. */
+static void kvt_demo_count(kvt_demo_t *d, const kvt_child_t *c, json_t *ev)
+{
+    json_int_t i = json_integer_value(json_object_get(ev, "index"));
+    if (d->dec_final == NULL || i < 0 || (uint64_t)i >= d->nrooms)
+        return;
+    const char *state = json_string_value(json_object_get(ev, "state"));
+    if (state != NULL && strcmp(state, "Failed") == 0 && !d->room_failed[i]) {
+        d->room_failed[i] = 1;
+        d->failed++;
+    }
+    if (c->role != KVT_CHILD_DECODE)
+        return;
+    d->bytes += (uint64_t)json_integer_value(json_object_get(ev, "bytes"));
+    if (++d->dec_final[i] == kvt_opts_nranks(&d->o, 0))
+        d->done++;
+}
 
 /* Room deadlines of a fault run, each set only if the environment does not
  * set it: a room on a dead peer fails within heartbeat_timeout (2.5 s),
@@ -74,8 +100,10 @@ static void kvt_demo_on_event(void *ctx, kvt_child_t *c, const char *type,
             kvt_demo_release(d, (uint32_t)json_integer_value(ji));
     } else if (strcmp(type, "phase") == 0)
         kvt_report_phase(&d->rep, c, ev);
-    else if (strcmp(type, "room") == 0)
+    else if (strcmp(type, "room") == 0) {
         kvt_report_room(&d->rep, c, ev);
+        kvt_demo_count(d, c, ev);
+    }
     else if (strcmp(type, "result") == 0)
         kvt_report_result(&d->rep, c, ev);
     if (d->o.fault)
@@ -97,6 +125,8 @@ static void kvt_demo_on_tick(void *ctx, uint64_t now_ms)
     for (uint32_t i = 0; i < d->rep.nrooms; i++)
         if (kvt_report_releasable(&d->rep, i))
             kvt_demo_release(d, i);
+    kvt_progress_show(&d->prog, now_ms, d->orch.go_at_ms, d->done, d->nrooms, d->bytes,
+                      d->failed);
 }
 
 static int kvt_demo_on_finished(void *ctx)
@@ -227,12 +257,20 @@ int kvt_demo_main(int argc, char **argv)
     }
     if (d.o.fault) {
         d.orch.rank_args = kvt_demo_rank_args;
-        d.orch.on_tick = kvt_demo_on_tick;
         d.orch.on_finished = kvt_demo_on_finished;
         d.orch.tick_ms = 20;   /* SIGCONT and recovery are timed by ticks */
     }
+    d.orch.on_tick = kvt_demo_on_tick;
+    kvt_progress_init(&d.prog, "demo", d.o.json);
+    d.nrooms = d.o.requests + (d.o.fault ? d.o.after_fault_requests : 0);
+    d.dec_final = calloc(d.nrooms, 1);
+    d.room_failed = calloc(d.nrooms, 1);
     kvt_orch_run(&d.orch, &d.o, fwd);
     kvt_orch_stop(&d.orch);
+    kvt_progress_end(&d.prog);
+    free(d.dec_final);
+    free(d.room_failed);
+    d.dec_final = d.room_failed = NULL;
 
     kvt_orch_t *o = &d.orch;
     json_t *detail = d.o.fault ? kvt_injector_detail(&d.inj) : NULL;

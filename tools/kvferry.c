@@ -5,6 +5,7 @@
  *   bench      the same deployment, measured (bench.c; bench_rank.c in the
  *              ranks; bench_micro.c: --memcpy, --rooms-in-flight)
  *   bootstrap  a standalone bootstrap registry (here)
+ *   trace      one room's trace lines of every rank, merged (trace.c)
  *   version    the library version
  *   help       usage
  *   _rank      one rank process of the demo (rank.c); hidden: the demo
@@ -36,17 +37,20 @@ static void kvt_usage(FILE *out)
         "  bench       measure throughput, room latency, CPU and memory of a\n"
         "              local prefill/decode pair\n"
         "  bootstrap   run a bootstrap registry (SGLang-compatible routes)\n"
+        "  trace ROOM FILE...\n"
+        "              merge every rank's trace of one room into one timeline\n"
+        "              and say where its failure started\n"
         "  version     print the version\n"
         "  help [CMD]  print this text, or the options of CMD\n"
         "\n"
-        "Run 'kvferry help demo', 'kvferry help bench' or 'kvferry help\n"
-        "bootstrap' for options.\n");
+        "Run 'kvferry help demo', 'kvferry help bench', 'kvferry help\n"
+        "bootstrap' or 'kvferry help trace' for options.\n");
 }
 
 static void kvt_bootstrap_usage(FILE *out)
 {
     fprintf(out,
-        "Usage: kvferry bootstrap [--host HOST] [--port PORT]\n"
+        "Usage: kvferry bootstrap [--host HOST] [--port PORT] [--quiet]\n"
         "\n"
         "Run a bootstrap registry: prefill ranks register with it (PUT /route),\n"
         "decode ranks look them up (GET /route).  Prints\n"
@@ -56,6 +60,9 @@ static void kvt_bootstrap_usage(FILE *out)
         "Options:\n"
         "  --host HOST   address to listen on (default 127.0.0.1: this host only)\n"
         "  --port PORT   port to listen on; 0 picks a free one (default 8998)\n"
+        "  --quiet       print nothing on stderr but errors (not the access rule,\n"
+        "                not the line saying a signal stopped it): for a parent\n"
+        "                that starts and stops the registry itself\n"
         "\n"
         "Access (docs/SECURITY.md): registering (PUT /route, POST\n"
         "/register_dp_rank, POST /room_ready) needs the cluster token, sent as\n"
@@ -73,11 +80,16 @@ static int kvt_bootstrap_main(int argc, char **argv)
 {
     const char *host = "127.0.0.1";
     long port = 8998;
+    int quiet = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
         if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
             kvt_bootstrap_usage(stdout);
             return 0;
+        }
+        if (strcmp(a, "--quiet") == 0) {
+            quiet = 1;
+            continue;
         }
         int is_host = strcmp(a, "--host") == 0, is_port = strcmp(a, "--port") == 0;
         if (!is_host && !is_port) {
@@ -130,13 +142,14 @@ static int kvt_bootstrap_main(int argc, char **argv)
     /* The access rule on stderr, then the address on stdout, the line
      * scripts wait for: when they have it, the rule is written too. */
     const char *access = kvf_bootstrap_access(bs);
-    fprintf(stderr, "kvferry bootstrap: %s\n",
-            strcmp(access, "token") == 0
-            ? "registering needs the cluster token (Authorization: Bearer)"
-            : strcmp(access, "open") == 0
-            ? "KVF_AUTH=none: anyone who reaches this registry may register"
-            : "no cluster token: only clients on this host may register "
-              "(set KVF_AUTH_TOKEN to accept other hosts' ranks)");
+    if (!quiet)
+        fprintf(stderr, "kvferry bootstrap: %s\n",
+                strcmp(access, "token") == 0
+                ? "registering needs the cluster token (Authorization: Bearer)"
+                : strcmp(access, "open") == 0
+                ? "KVF_AUTH=none: anyone who reaches this registry may register"
+                : "no cluster token: only clients on this host may register "
+                  "(set KVF_AUTH_TOKEN to accept other hosts' ranks)");
     printf("kvferry bootstrap registry listening on %s:%d\n", host,
            kvf_bootstrap_port(bs));
     fflush(stdout);
@@ -144,8 +157,9 @@ static int kvt_bootstrap_main(int argc, char **argv)
     int sig = 0;
     while (sigwait(&stop, &sig) != 0)
         ;
-    fprintf(stderr, "kvferry bootstrap: SIG%s received, stopping\n",
-            sigabbrev_np(sig));
+    if (!quiet)
+        fprintf(stderr, "kvferry bootstrap: SIG%s received, stopping\n",
+                sigabbrev_np(sig));
     kvf_bootstrap_destroy(bs);
     return 0;
 }
@@ -159,6 +173,8 @@ int main(int argc, char **argv)
         return kvt_bench_main(argc, argv);
     if (strcmp(cmd, "bootstrap") == 0)
         return kvt_bootstrap_main(argc, argv);
+    if (strcmp(cmd, "trace") == 0)
+        return kvt_trace_main(argc, argv);
     if (strcmp(cmd, "_rank") == 0)
         return kvt_rank_main(argc, argv);
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
@@ -175,6 +191,10 @@ int main(int argc, char **argv)
         if (topic && strcmp(topic, "bench") == 0) {
             char *a[] = { argv[0], "bench", "--help", NULL };
             return kvt_bench_main(3, a);
+        }
+        if (topic && strcmp(topic, "trace") == 0) {
+            char *a[] = { argv[0], "trace", "--help", NULL };
+            return kvt_trace_main(3, a);
         }
         if (topic && strcmp(topic, "bootstrap") == 0) {
             kvt_bootstrap_usage(stdout);

@@ -105,6 +105,12 @@ static const kvt_opt_t kvt_opt_table[] = {
       "kill every process after this; rooms not final are unresolved" },
     { "json", KVT_FLAG, OFF(json), KVT_IN_DEMO | KVT_IN_BENCH, 0, NULL,
       "print exactly one JSON object on stdout (logs go to stderr)" },
+    { "plot", KVT_STR, OFF(plot), KVT_IN_BENCH, 0, "FILE.png",
+      "draw throughput over time and the room latencies against the baselines "
+      "into FILE.png (gnuplot)" },
+    { "baselines", KVT_STR, OFF(baselines), KVT_IN_BENCH, 0, "FILE.json",
+      "the baselines --plot draws: bench/baselines.sh's JSON (OUT=FILE.json); "
+      "default: a memcpy measured after the run" },
     { "fault", KVT_STR, OFF(fault), KVT_IN_DEMO, 0, "KIND@WHEN",
       "inject a fault when the first room reaches WHEN (see Faults below)" },
     { "after-fault-requests", KVT_U32, OFF(after_fault_requests), KVT_IN_DEMO,

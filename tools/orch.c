@@ -219,8 +219,10 @@ static int kvt_orch_token(kvt_orch_t *d)
  * address. */
 static int kvt_start_registry(kvt_orch_t *d, const char *port)
 {
+    /* --quiet: the run's own lines say what the registry would (its
+     * address and access rule), and its stop is ours. */
     char *argv[] = { d->exe, "bootstrap", "--host", "127.0.0.1", "--port",
-                     (char *)port, NULL };
+                     (char *)port, "--quiet", NULL };
     d->registry = kvt_children_add(&d->kids, KVT_CHILD_REGISTRY, 0);
     if (!d->registry || kvt_child_spawn(d->registry, d->exe, argv) != 0) {
         kvt_orch_error(d, "cannot start the registry process");

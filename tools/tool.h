@@ -16,6 +16,9 @@ int kvt_demo_main(int argc, char **argv);
 /** `kvferry bench`: the orchestrator of a measured run (bench.c). */
 int kvt_bench_main(int argc, char **argv);
 
+/** `kvferry trace`: one room's trace lines of every rank, merged (trace.c). */
+int kvt_trace_main(int argc, char **argv);
+
 /** `kvferry _rank`: one prefill or decode rank of the demo (rank.c). */
 int kvt_rank_main(int argc, char **argv);
 

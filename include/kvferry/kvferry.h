@@ -282,6 +282,35 @@ typedef struct kvf_engine_params {
      * create.  Default NULL.
      */
     const char *decode_allocation_policy;
+    /**
+     * Serve this engine's metrics (kvf_engine_metrics, Prometheus text
+     * format) over HTTP, GET /metrics, on "host:port" (port 0: any free
+     * one; kvf_engine_metrics_addr says which), or "host:port+": the port
+     * plus this rank's index in its server, (dp_rank * pp_size + pp_rank)
+     * * tp_size + tp_rank, so that one setting serves every rank of a
+     * server on ports a scrape config can list.  Its own listener and
+     * thread (libmicrohttpd), apart from the control port.  Bound like the
+     * bootstrap registry: a host that is not a loopback address needs a
+     * cluster token (see auth_token) unless KVF_AUTH=none (protected mode);
+     * scrapes are read-only and need no token.  NULL or "" means the
+     * default: KVF_METRICS_ADDR, else no endpoint.  Copied at create.
+     */
+    const char *metrics_addr;
+    /**
+     * Write the room trace: one JSON line per room event (created,
+     * resolved, connected, destination, state, chunk queued and completed,
+     * done, ack, failed, watch sent and received, destroyed) with the room
+     * id, this rank and a monotonic and a wall-clock time stamp
+     * (docs/OPERATIONS.md; `kvferry trace` merges the ranks' lines into
+     * one timeline).  A file path (opened for appending, created with mode
+     * 0600: the lines name rooms and peers, never KV bytes), or "fd:N" for
+     * a descriptor the application opened (the engine writes to it, never
+     * closes it).  Several engines, in one process or several, may share
+     * one file: each line is one write() in append mode.  When off, the
+     * engine does nothing for it but test one field.  NULL or "" means the
+     * default: KVF_TRACE, else off.  Read at create.
+     */
+    const char *trace;
 } kvf_engine_params_t;
 
 /** kvf_engine_params_t as kvferry 0.1.0 has it: the least `size` accepted. */
@@ -351,6 +380,15 @@ KVF_API kvf_status_t kvf_engine_bootstrap_addr(const kvf_engine_t *engine,
  * `transport` parameter.  Valid while the engine lives.
  */
 KVF_API const char *kvf_engine_transport(const kvf_engine_t *engine);
+
+/**
+ * The address of the engine's metrics endpoint ("host:port",
+ * kvf_engine_params_t.metrics_addr, its port resolved) into buf.
+ * @return KVF_OK, KVF_ERR_STATE (the engine serves no endpoint),
+ *         KVF_ERR_INVALID_PARAM (buf NULL or too short).
+ */
+KVF_API kvf_status_t kvf_engine_metrics_addr(const kvf_engine_t *engine, char *buf,
+                                             size_t len);
 
 /** The engine's 64-bit instance id: random, new at every kvf_engine_create. */
 KVF_API uint64_t kvf_engine_instance_id(const kvf_engine_t *engine);
@@ -1065,6 +1103,33 @@ KVF_API uint64_t kvf_engine_room_msgs_dropped(kvf_engine_t *engine);
  * kvf_engine_stats_t, for the reason above.  Any thread.
  */
 KVF_API uint64_t kvf_engine_stash_dropped(kvf_engine_t *engine);
+
+/**
+ * The engine's metrics as Prometheus text (exposition format 0.0.4): what
+ * its endpoint (kvf_engine_params_t.metrics_addr) serves, for an
+ * application that serves its own /metrics.  Every metric is named in
+ * docs/OPERATIONS.md: rooms by final state and side, failures by status
+ * and by origin (seen here, or learned from another rank), room latency
+ * and bytes as histograms, payload bytes by path, peers by kind, path and
+ * state, heartbeat losses, authentication refusals, dropped room
+ * messages, stash drops, reads in flight.  Counters only grow while the
+ * engine lives.
+ *
+ * The caller owns buf; the text is written NUL-terminated when it fits.
+ * Any thread: it takes the engine lock for one snapshot (counters and a
+ * walk over the live rooms and peers) and formats after releasing it.
+ *
+ * @param [out] buf       where the text goes (may be NULL with len 0)
+ * @param [in]  len       bytes at buf
+ * @param [out] needed_p  (may be NULL) the bytes the text needs, its NUL
+ *                        included; also set when KVF_ERR_AGAIN is returned
+ * @return KVF_OK, KVF_ERR_AGAIN (buf is too short for the text: nothing
+ *         is written; call again with *needed_p bytes or more, and allow
+ *         for growth between the calls), KVF_ERR_INVALID_PARAM (engine
+ *         NULL).
+ */
+KVF_API kvf_status_t kvf_engine_metrics(kvf_engine_t *engine, char *buf, size_t len,
+                                        size_t *needed_p);
 
 /* ------------------------------------------------------------------------ */
 /* Bootstrap registry                                                       */

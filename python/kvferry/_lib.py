@@ -99,6 +99,8 @@ class EngineParams(Structure):
         # decode allocation policy a prefill registers
         ("api_key", c_char_p),
         ("decode_allocation_policy", c_char_p),
+        ("metrics_addr", c_char_p),
+        ("trace", c_char_p),
     ]
 
 
@@ -324,6 +326,9 @@ _OPTIONAL = {
                                        c_size_t]),
     "kvf_bootstrap_create_keyed": (c_int, [c_char_p, c_int, c_char_p,
                                            POINTER(c_void_p)]),
+    # metrics (Prometheus text) and the endpoint's address
+    "kvf_engine_metrics": (c_int, [c_void_p, c_char_p, c_size_t, POINTER(c_size_t)]),
+    "kvf_engine_metrics_addr": (c_int, [c_void_p, c_char_p, c_size_t]),
 }
 
 

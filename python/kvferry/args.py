@@ -102,7 +102,11 @@ class KVArgs:
     docs/SECURITY.md), ``api_key`` (the token's last source: SGLang's
     ``--api-key``, in SGLang's order),
     ``streams`` (tcp connections and progress threads per peer pair, 1..8,
-    see docs/GUIDE.md).
+    see docs/GUIDE.md), ``metrics_addr`` (``"host:port"``: serve the
+    engine's Prometheus metrics there, GET /metrics; ``None`` takes
+    ``KVF_METRICS_ADDR``, else none) and ``trace`` (a file path, or
+    ``"fd:N"``: write the room trace there; ``None`` takes ``KVF_TRACE``,
+    else off), see docs/OPERATIONS.md.
 
     Registration fields (prefill; what SGLang's decode servers and routers
     read from the registry): ``cp_rank``/``cp_size`` (attention context
@@ -170,6 +174,8 @@ class KVArgs:
     dsa_cache_layer_split: bool = False
     decode_allocation_policy: Optional[str] = None
     streams: Optional[int] = None
+    metrics_addr: Optional[str] = None
+    trace: Optional[str] = None
 
     def replace(self, **changes):
         """A copy with some fields changed (``dataclasses.replace``)."""

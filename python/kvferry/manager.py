@@ -308,6 +308,10 @@ class KVManager(_Closing):
                                               a.decode_allocation_policy)
         if a.streams is not None:
             p.streams = _u32("streams", a.streams)
+        if a.metrics_addr is not None:
+            p.metrics_addr = _addr("metrics_addr", a.metrics_addr)
+        if a.trace is not None:
+            p.trace = _str("trace", a.trace)
         for f in ("bootstrap_timeout_ms", "waiting_timeout_ms", "transfer_timeout_ms",
                   "heartbeat_interval_ms", "heartbeat_timeout_ms"):
             v = getattr(a, f)
@@ -453,6 +457,36 @@ class KVManager(_Closing):
         buf = ctypes.create_string_buffer(_lib.DESCRIPTOR_MAX)
         check(lib.kvf_engine_descriptor(self._ptr(), buf, len(buf)),
               "kvf_engine_descriptor")
+        return buf.value.decode()
+
+    def metrics(self):
+        """The engine's metrics as Prometheus text (``kvf_engine_metrics``):
+        what its endpoint serves (``metrics_addr``), for an application that
+        serves its own ``/metrics``; ``kvferry.metrics.parse`` reads it.
+        Every metric is named in docs/OPERATIONS.md.  Any thread."""
+        _lib.require("kvf_engine_metrics", "KVManager.metrics")
+        need = ctypes.c_size_t(0)
+        size = 16384
+        for _ in range(4):
+            buf = ctypes.create_string_buffer(size)
+            st = lib.kvf_engine_metrics(self._ptr(), buf, size, ctypes.byref(need))
+            if st == _lib.KVF_OK:
+                return buf.value.decode()
+            if st != _lib.KVF_ERR_AGAIN:
+                check(st, "kvf_engine_metrics")
+            size = need.value + need.value // 4     # it may grow meanwhile
+        raise KVFerryStateError("kvf_engine_metrics: the text kept growing past %d bytes"
+                                % size)
+
+    @property
+    def metrics_addr(self):
+        """``"host:port"`` of the engine's metrics endpoint, or None when it
+        serves none (``KVArgs.metrics_addr``, ``KVF_METRICS_ADDR``)."""
+        if not _lib.has("kvf_engine_metrics_addr"):
+            return None
+        buf = ctypes.create_string_buffer(_lib.ADDR_MAX)
+        if lib.kvf_engine_metrics_addr(self._ptr(), buf, len(buf)) != _lib.KVF_OK:
+            return None
         return buf.value.decode()
 
     def stats(self):

@@ -827,6 +827,7 @@ class _Room:
         self._error = None               # the KVTransferError raised, once made
         self._record = None              # the library's failure record, once read
         self._metric = None
+        self._stage = "bootstrap"        # "transfer" once it waited for input
 
     def _fail_here(self, reason, level=logging.ERROR, code=_lib.KVF_ERR_ABORTED,
                    from_another=False):
@@ -857,6 +858,8 @@ class _Room:
 
     def _poll_handle(self):
         s = self._h.poll()
+        if s in (_Poll.WaitingForInput, _Poll.Transferring):
+            self._stage = "transfer"
         if s in _FINAL:
             self.conclude_state = s
             self._snapshot()
@@ -911,6 +914,7 @@ class _Room:
             return _error(self.bootstrap_room, self._local_reason, False, first)
         err = self._library_error()
         if err is not None:
+            _count_timeout(self.kv_mgr, err, self._stage)
             return err
         if self._h is not None:
             state = self._h.poll()
@@ -987,6 +991,26 @@ class _Room:
         return KVTransferMetric(transfer_latency_s=m["transfer_s"],
                                 alloc_latency_s=m["alloc_s"],
                                 transfer_total_bytes=m["bytes"])
+
+
+def _count_timeout(mgr, err, stage):
+    """A deadline this rank saw itself, in SGLang's
+    ``sglang:kv_transfer_timeouts_total{stage}`` (its shared KV protocol's
+    counter: bootstrap, or transfer once the room waited for input), when
+    SGLang has it and its metrics are on.  A timeout learned from another
+    rank is that rank's observation, not this one's."""
+    if getattr(err, "status", None) != "KVF_ERR_TIMED_OUT" or \
+            getattr(err, "is_from_another_rank", True):
+        return
+    try:
+        from sglang.srt.observability.kv_transfer_metrics import (
+            get_kv_transfer_timeout_counter)
+    except ImportError:
+        return
+    counter = get_kv_transfer_timeout_counter(
+        enabled=bool(_get(mgr.server_args, "enable_metrics", False)))
+    if counter is not None:
+        counter.labels(stage=stage).inc()
 
 
 def _error(room, reason, from_another, ferry=None):

@@ -149,7 +149,141 @@ _HANDED_OFF = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 # kv_connector_extra_config["kvferry"]: KVArgs engine fields a deployment may set.
 _ENGINE_KEYS = ("host", "port", "transport", "checksum", "streams", "bootstrap_timeout_ms",
                 "waiting_timeout_ms", "transfer_timeout_ms", "heartbeat_interval_ms",
-                "heartbeat_timeout_ms", "faults")
+                "heartbeat_timeout_ms", "faults", "metrics_addr", "trace")
+
+
+# ---------------------------------------------------------------------------
+# Stats: what vLLM's /metrics and its "KV Transfer metrics" log line show
+# ---------------------------------------------------------------------------
+
+try:  # pragma: no cover - vLLM is not installed where the tests run
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics, KVConnectorStats)
+except ImportError:
+    @dataclass
+    class KVConnectorStats:
+        """vLLM's ``KVConnectorStats``: a serializable ``data`` dict."""
+        data: dict = None
+
+        def __post_init__(self):
+            if self.data is None:
+                self.data = {}
+
+    class KVConnectorPromMetrics:
+        """vLLM's ``KVConnectorPromMetrics``: the metric classes by kind
+        (``metric_types``: vLLM's Gauge, Counter, Histogram -> the classes
+        to create), the label names, and each engine's label values."""
+
+        def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+            kinds = {getattr(k, "__name__", str(k)): v for k, v in metric_types.items()}
+            self._gauge_cls = kinds.get("Gauge")
+            self._counter_cls = kinds.get("Counter")
+            self._histogram_cls = kinds.get("Histogram")
+            self._labelnames = labelnames
+            self.per_engine_labelvalues = per_engine_labelvalues
+
+
+# Keys of KVFerryConnectorStats.data: per room that succeeded on a worker,
+# its transfer seconds and bytes; per room that failed, its status name and
+# where its root cause was seen ("local": this rank; "another_rank").
+_STATS_KEYS = ("transfer_duration", "bytes_transferred", "failed_status", "failed_origin")
+
+
+@dataclass
+class KVFerryConnectorStats(KVConnectorStats):
+    """kvferry's transfers as vLLM collects connector stats (NIXL's
+    ``NixlKVConnectorStats`` is the model): each worker records the rooms it
+    saw end since it was last asked (``get_kv_connector_stats``), vLLM
+    aggregates the workers' and the steps' (``aggregate``: the lists are
+    pooled, every TP rank's rooms counted), logs ``reduce()`` and feeds
+    ``KVFerryPromMetrics``.  A room is one request on one worker: a P worker
+    records its held room when every reader has its bytes, a D worker its
+    read.  Failures carry their status and origin, so a dashboard tells one
+    sick rank (failures learned from another rank) from local trouble."""
+
+    def __post_init__(self):
+        if not self.data:
+            self.reset()
+
+    def reset(self):
+        self.data = {k: [] for k in _STATS_KEYS}
+
+    def record_transfer(self, seconds, nbytes):
+        self.data["transfer_duration"].append(float(seconds))
+        self.data["bytes_transferred"].append(int(nbytes))
+
+    def record_failure(self, status, from_another_rank):
+        self.data["failed_status"].append(str(status))
+        self.data["failed_origin"].append("another_rank" if from_another_rank else "local")
+
+    def clone_and_reset(self):
+        old = KVFerryConnectorStats(data={k: list(v) for k, v in self.data.items()})
+        self.reset()
+        return old
+
+    def is_empty(self):
+        return not self.data["transfer_duration"] and not self.data["failed_status"]
+
+    def aggregate(self, other):
+        if other is not None and not other.is_empty():
+            for k in _STATS_KEYS:
+                self.data.setdefault(k, []).extend(other.data.get(k, []))
+        return self
+
+    def reduce(self):
+        d = sorted(self.data["transfer_duration"])
+        n = len(d)
+        total = sum(self.data["bytes_transferred"])
+        secs = sum(d)
+        learned = self.data["failed_origin"].count("another_rank")
+        return {
+            "Num successful transfers": n,
+            "Avg xfer time (ms)": round(secs / n * 1e3, 3) if n else 0,
+            "P90 xfer time (ms)": round(d[min(n - 1, (9 * n) // 10)] * 1e3, 3) if n else 0,
+            "Avg MB per transfer": round(total / n / 2**20, 3) if n else 0,
+            "Throughput (MB/s)": round(total / 2**20 / secs, 3) if secs > 0 else 0,
+            "Num failed transfers": len(self.data["failed_status"]),
+            "Num failed, cause on another rank": learned,
+        }
+
+
+class KVFerryPromMetrics(KVConnectorPromMetrics):
+    """kvferry's transfers in vLLM's /metrics: histograms of each room's
+    transfer seconds and bytes, and failed rooms by status and origin."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        seconds = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0]
+        self.xfer_time = self._per_engine(self._histogram_cls(
+            name="vllm:kvferry_xfer_time_seconds",
+            documentation="Seconds from the moment a kvferry room's pages were known until "
+                          "it succeeded, per room and worker.",
+            buckets=seconds, labelnames=labelnames))
+        self.xfer_bytes = self._per_engine(self._histogram_cls(
+            name="vllm:kvferry_bytes_transferred",
+            documentation="Bytes a kvferry room moved (P: sent, D: placed), per room and "
+                          "worker.",
+            buckets=[2 ** (10 + i) for i in range(1, 25, 2)], labelnames=labelnames))
+        self.failed = self._counter_cls(
+            name="vllm:kvferry_num_failed_transfers",
+            documentation="kvferry rooms that failed, per worker, by status and by where "
+                          "the root cause was seen: local, or another_rank.",
+            labelnames=list(labelnames) + ["status", "origin"])
+
+    def _per_engine(self, metric):
+        return {idx: metric.labels(*values)
+                for idx, values in self.per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data, engine_idx=0):
+        d = transfer_stats_data
+        for v in d.get("transfer_duration", []):
+            self.xfer_time[engine_idx].observe(v)
+        for v in d.get("bytes_transferred", []):
+            self.xfer_bytes[engine_idx].observe(v)
+        values = list(self.per_engine_labelvalues[engine_idx])
+        for status, origin in zip(d.get("failed_status", []), d.get("failed_origin", [])):
+            self.failed.labels(*(values + [status, origin])).inc(1)
 
 
 # ---------------------------------------------------------------------------
@@ -206,6 +340,12 @@ def _room_key(request_id):
 # ---------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------
+
+def _lib_status_name(code):
+    """``KVF_ERR_TIMED_OUT`` and so on, for a failure's code."""
+    from kvferry import _lib
+    return _lib.status_name(code) if code is not None else "unknown"
+
 
 def _status_name(status):
     return getattr(status, "name", str(status))
@@ -761,6 +901,7 @@ class _Worker:
         self.sending = {}               # req_id -> KVSender (held), or a failure text
         self.recving = {}               # req_id -> (KVReceiver or failure text, RecvMeta)
         self.invalid = set()
+        self.stats = KVFerryConnectorStats()    # rooms ended since vLLM last asked
 
     # -- registration -----------------------------------------------------
 
@@ -879,14 +1020,21 @@ class _Worker:
             return
         self.recving[rid] = (r, rm)
 
-    @staticmethod
-    def _reason(h):
+    def _reason(self, h):
+        """Why a room failed (it is recorded in the stats too)."""
         import kvferry
         try:
             h.failure_exception()
         except kvferry.KVTransferError as e:
+            self.stats.record_failure(_lib_status_name(e.code), e.is_from_another_rank)
             return str(e)
+        self.stats.record_failure("unknown", False)     # pragma: no cover
         return "failed"                 # pragma: no cover - poll said Failed
+
+    def _succeeded(self, h):
+        m = h.metric()
+        if m is not None:
+            self.stats.record_transfer(m["transfer_s"], m["bytes"])
 
     def get_finished(self):
         from kvferry import KVPoll
@@ -903,6 +1051,8 @@ class _Worker:
                     logger.warning("KVFerryConnector: TP rank %d: request %s: releasing the KV "
                                    "blocks held for the decoder, which did not get them: %s",
                                    self.tp_rank, _shown(rid), self._reason(s))
+                else:
+                    self._succeeded(s)
                 s.close()
             del self.sending[rid]
             sending.add(rid)
@@ -914,6 +1064,8 @@ class _Worker:
                 if st not in (KVPoll.Success, KVPoll.Failed):
                     continue
                 why = self._reason(r) if st == KVPoll.Failed else None
+                if why is None:
+                    self._succeeded(r)
                 r.close()
             del self.recving[rid]
             if not rm.report:
@@ -930,6 +1082,11 @@ class _Worker:
     def get_block_ids_with_load_errors(self):
         out, self.invalid = self.invalid, set()
         return out
+
+    def get_kv_connector_stats(self):
+        if self.stats.is_empty():
+            return None
+        return self.stats.clone_and_reset()
 
     def shutdown(self):
         for s in self.sending.values():
@@ -1061,6 +1218,29 @@ class KVFerryConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self):
         return self._work().get_block_ids_with_load_errors()
+
+    # -- metrics (vLLM's /metrics and its log line) -----------------------
+
+    def get_kv_connector_stats(self):
+        """The rooms this worker saw end since the last call
+        (``KVFerryConnectorStats``), or None (none, or the scheduler side)."""
+        if self._worker is None:
+            return None
+        return self._worker.get_kv_connector_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        """Stats from the ``data`` dict vLLM shipped between processes."""
+        return KVFerryConnectorStats(data=data) if data is not None \
+            else KVFerryConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+                           per_engine_labelvalues):
+        """kvferry's Prometheus metrics in vLLM's registry (vLLM asks every
+        connector that returns stats for these)."""
+        return KVFerryPromMetrics(vllm_config, metric_types, labelnames,
+                                  per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:

@@ -23,8 +23,10 @@ collide ({forged P request id: real P request id}: this process's room
 key of the forged id names the real one's room under another instance, as
 two ids whose rooms collide would).  Commands on stdin, one JSON object a
 line: {"cmd": "prefill", "id", "tokens"}, {"cmd": "decode", "id", "tokens",
-"params", "prefix_blocks", "abort"}, {"cmd": "quit"}.  Events on stdout: ready,
-params, freed, recv, log, violation (a broken scheduler invariant), error.
+"params", "prefix_blocks", "abort"}, {"cmd": "metrics"}, {"cmd": "quit"}.
+Events on stdout: ready, params, freed, recv, stats (the workers' connector
+stats of a step, aggregated), metrics (each rank's engine metrics text and
+endpoint), log, violation (a broken scheduler invariant), error.
 """
 import json
 import logging
@@ -203,12 +205,19 @@ class Worker:
         sending, recving = c.get_finished(set(finished_req_ids))
         invalid = c.get_block_ids_with_load_errors()
         c.clear_connector_metadata()
-        out = (set(sending or ()), set(recving or ()), set(invalid or ()))
+        # What vLLM's model runner ships with the step's output.
+        stats = c.get_kv_connector_stats()
+        out = (set(sending or ()), set(recving or ()), set(invalid or ()), stats)
         for rid in out[0] | out[1]:
             if rid in self.reported:
                 emit(event="violation", what="rank %d reported %s twice" % (self.rank, rid))
             self.reported.add(rid)
         return out
+
+    def manager(self):
+        """The engine of this instance's role (a kv_both worker has two)."""
+        w = self.conn._worker
+        return w.decode if ROLE == "decode" else w.prefill
 
 
 def main():
@@ -242,6 +251,10 @@ def main():
                 c = cmds.get_nowait()
                 if c["cmd"] == "quit":
                     raise SystemExit
+                if c["cmd"] == "metrics":   # each rank's engine: its text and endpoint
+                    emit(event="metrics", texts=[w.manager().metrics() for w in workers],
+                         addrs=[w.manager().metrics_addr for w in workers])
+                    continue
                 req = Request(c["id"], c["tokens"], c.get("params"))
                 nblocks = -(-c["tokens"] // BS)
                 if ROLE == "prefill":
@@ -282,7 +295,14 @@ def main():
         announced |= finished_ids
         finished_ids = set()
         done_send, done_recv = set(), set()
-        for sending, recving, inv in results:
+        # The workers' stats, aggregated as vLLM's KVOutputAggregator does.
+        stats = None
+        for r in results:
+            if r[3] is not None:
+                stats = r[3] if stats is None else stats.aggregate(r[3])
+        if stats is not None and not stats.is_empty():
+            emit(event="stats", data=stats.data)
+        for sending, recving, inv, _ in results:
             invalid |= inv
             if sending - announced:
                 emit(event="violation", what="finished_sending %s before finished_req_ids"

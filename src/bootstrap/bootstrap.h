@@ -12,6 +12,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 #include "kvferry/kvferry.h"
 
@@ -230,6 +231,28 @@ const char *kvf__registry_allowed(const char *path);
 kvf_status_t kvf__bootstrap_create_auth(const char *host, int port,
                                         const char *token, int open,
                                         kvf_bootstrap_t **bootstrap_p);
+
+/* Is `sa` a loopback address (127.0.0.0/8, ::1, v4-mapped 127/8)? */
+int kvf__bs_loopback(const struct sockaddr *sa);
+
+/*
+ * A metrics endpoint (scrape.c): GET /metrics on its own libmicrohttpd
+ * thread, answered with the text `cb` makes (malloc'd, NUL-terminated,
+ * freed by the server; cb returns 0, or -1 for a 500).  `addr` is
+ * "host:port" (port 0: any).  Bound like the registry: without a token
+ * (has_token 0) and with open 0, a host that is not a loopback address
+ * is refused, saying how to set a token.  The port bound goes into
+ * `bound` as "host:port".  @return KVF_OK, KVF_ERR_INVALID_PARAM (a
+ * malformed address, a refused host), KVF_ERR_IO (cannot resolve or
+ * listen), KVF_ERR_NO_MEMORY.
+ */
+typedef struct kvf_scrape kvf_scrape_t;
+typedef int (*kvf_scrape_cb_t)(void *arg, char **text_p);
+kvf_status_t kvf__scrape_create(const char *addr, int has_token, int open,
+                                kvf_scrape_cb_t cb, void *arg, kvf_scrape_t **scrape_p,
+                                char *bound, size_t boundlen);
+/* Stop serving; when it returns, cb is not running and will not run. */
+void kvf__scrape_destroy(kvf_scrape_t *scrape);
 
 /* The registry state of a running server (tests set its clock). */
 kvf_registry_state_t *kvf__bootstrap_state(kvf_bootstrap_t *bs);

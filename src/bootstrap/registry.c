@@ -102,7 +102,7 @@ static void mhd_log(void *cls, const char *fmt, va_list ap)
         kvf_info("bootstrap registry (libmicrohttpd): %s", msg);
 }
 
-static int sockaddr_is_loopback(const struct sockaddr *sa)
+int kvf__bs_loopback(const struct sockaddr *sa)
 {
     if (sa == NULL)
         return 0;
@@ -168,7 +168,7 @@ static void take_client(req_ctx_t *rc, struct MHD_Connection *conn)
     const char *auth = MHD_lookup_connection_value(
         conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
 
-    rc->loopback = sockaddr_is_loopback(sa);
+    rc->loopback = kvf__bs_loopback(sa);
     sockaddr_text(sa, rc->addr, sizeof(rc->addr));
     rc->auth = auth ? strdup(auth) : NULL;
     rc->have_client = 1;
@@ -361,7 +361,7 @@ static kvf_status_t create(const char *host, int port, const char *token,
     if (!have_token && !open) {
         for (const struct addrinfo *ai = res; ai != NULL; ai = ai->ai_next) {
             if ((ai->ai_family == AF_INET || ai->ai_family == AF_INET6) &&
-                !sockaddr_is_loopback(ai->ai_addr)) {
+                !kvf__bs_loopback(ai->ai_addr)) {
                 freeaddrinfo(res);
                 kvf_error("bootstrap registry: refusing to listen on %s:%d "
                           "without a cluster token: %s is not a loopback "

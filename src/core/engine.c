@@ -21,6 +21,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
 #include "core/stage.h"
+#include "core/trace.h"
 #include "transport/copier.h"
 #include "transport/mover.h"
 #include "util/log.h"
@@ -172,6 +173,8 @@ static void *lane_main(void *arg);
 /* What create made and destroy unmakes last: descriptors, strings, locks. */
 static void engine_free(kvf_engine_t *eng)
 {
+    kvf__metrics_stop(eng);
+    kvf__trace_close(eng);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         if (eng->movers[i] != NULL)
             eng->movers[i]->ops->destroy(eng->movers[i]);   /* after the peers' endpoints */
@@ -237,7 +240,7 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     eng->params = full;
     if (eng->params.handshake_timeout_ms == 0)
         eng->params.handshake_timeout_ms = KVF_HANDSHAKE_TIMEOUT_MS;
-    eng->epfd = eng->wakefd = eng->listenfd = eng->reserve_fd = -1;
+    eng->epfd = eng->wakefd = eng->listenfd = eng->reserve_fd = eng->trace_fd = -1;
     if (eng->params.streams == 0)
         eng->params.streams = kvf__streams_default();
     eng->nlanes = eng->params.streams;
@@ -302,6 +305,9 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     eng->params.auth_token = NULL;     /* the caller's strings: never kept */
     eng->params.api_key = NULL;
     if (st != KVF_OK)
+        goto err;
+    /* After the token: the metrics endpoint binds by the same rule. */
+    if ((st = kvf__trace_open(eng)) != KVF_OK || (st = kvf__metrics_start(eng)) != KVF_OK)
         goto err;
 
     st = KVF_ERR_IO;
@@ -371,6 +377,8 @@ void kvf_engine_destroy(kvf_engine_t *eng)
 {
     if (eng == NULL)
         return;
+    /* First: a scrape walks the rooms and peers the teardown frees. */
+    kvf__metrics_stop(eng);
     kvf__lock(eng);
     eng->stopping = 1;
     pthread_cond_broadcast(&eng->resolver_cond);

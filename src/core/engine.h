@@ -38,6 +38,7 @@
 
 #include "kvferry/kvferry.h"
 #include "core/auth.h"
+#include "core/metrics.h"
 #include "core/parallel.h"
 #include "core/planner.h"
 #include "transport/mover.h"
@@ -234,6 +235,16 @@ struct kvf_engine {
     uint64_t            listen_paused_until_ms;
     uint64_t            shed_unlogged, shed_log_ms;
     int                 shed_errno;
+
+    /* Observability: the counters of kvf_engine_metrics (metrics.h), its
+     * HTTP endpoint and address (none: NULL, ""), and the room trace
+     * (trace.h): where its lines go (-1: off) and whether this engine
+     * opened that descriptor (then it closes it). */
+    kvf_metrics_t       metrics;
+    struct kvf_scrape  *scrape;
+    char                metrics_addr[KVF_ADDR_MAX];
+    int                 trace_fd;
+    int                 trace_owned;
 };
 
 /*

@@ -20,7 +20,7 @@
  * is added.  The assertions catch a new last field that grew the struct,
  * not one that fits in its trailing padding.
  */
-#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, decode_allocation_policy)
+#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, trace)
 #define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, kv_order)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");

@@ -1269,6 +1269,7 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
             p->mep->ops->tick(p->mep);
         uint64_t silent = kvf_elapsed_ms(now, ops->last_rx(p->conn));
         if (silent >= pr->heartbeat_timeout_ms && now >= p->grace_until_ms) {
+            eng->metrics.heartbeat_losses++;
             kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT,
                            "sent nothing for %.1f s (heartbeat timeout %.1f s): the "
                            "process is stopped, hung or cut off from the network",

@@ -16,6 +16,7 @@
 #include "core/descriptor.h"
 #include "core/room.h"
 #include "core/stage.h"
+#include "core/trace.h"
 #include "transport/copier.h"
 #include "util/log.h"
 #include "util/time.h"
@@ -78,6 +79,17 @@ void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
         r->nlinks++;
     }
     r->expected_links = r->nlinks;
+    if (kvf__tracing(eng)) {
+        kvf_trace_t tr;
+        char list[512] = "";
+        for (int i = 0; i < n; i++)
+            snprintf(list + strlen(list), sizeof(list) - strlen(list), "%s%s:%d",
+                     i ? "," : "", t[i].host, t[i].port);
+        kvf__trace_begin(&tr, r, "resolved");
+        kvf__trace_u64(&tr, "ranks", (uint64_t)n);
+        kvf__trace_str(&tr, "targets", list);
+        kvf__trace_end(&tr, eng);
+    }
     kvf__receiver_tell_failed(r);          /* failed before it knew them */
     kvf__receiver_try_request(r);
     kvf__engine_wake(eng);
@@ -356,7 +368,8 @@ kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *rv, const kvf_dest_t *dest)
         /* The waiting deadline runs from here: the time the scheduler took
          * to find pages is not the prefill's. */
         r->t_state_ms = kvf_now_ms();
-        r->t_dest_ms = r->t_state_ms;
+        r->t_dest_ns = kvf_now_ns();
+        kvf__trace_peer_event(r, "dest_set", NULL, -1, rv->n_pages, -1);
         kvf__receiver_try_request(r);
     }
     kvf__unlock(eng);
@@ -588,6 +601,8 @@ void kvf__receiver_try_request(kvf_room_t *r)
     }
     /* Resolved, connected and compatible: the scheduler may now give the
      * room its pages (SGLang allocates them only then). */
+    if (room_state(r) == KVF_POLL_BOOTSTRAPPING)
+        kvf__trace_peer_event(r, "connected", NULL, -1, -1, -1);
     if (!r->initialized) {
         kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
         return;
@@ -669,6 +684,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
             return;
         }
         lk->req_sent = 1;
+        kvf__trace_peer_event(r, "request_sent", p, -1, lk->idle ? 0 : rv->n_pages, -1);
     }
     kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
     if (all_done(r))          /* every link owes nothing: no DONE will come */
@@ -1143,6 +1159,8 @@ static void read_finish(kvf_read_t *rd)
             lk->bytes += rd->bytes;
             lk->stream_bytes[0] += rd->bytes;
             eng->stats.bytes_received += rd->bytes;
+            eng->metrics.path_bytes[kvf__metrics_path(p->mover, rd->bounce != NULL)] +=
+                rd->bytes;
             r->t_state_ms = kvf_now_ms();
         }
     } else if (rd->bounce != NULL) {
@@ -1306,6 +1324,7 @@ void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
     p->rx_link->bytes += placed;
     p->rx_link->stream_bytes[p->stream] += placed;
     p->eng->stats.bytes_received += placed;
+    p->eng->metrics.path_bytes[KVF_PATH_TCP] += placed;
     p->eng->stream_bytes[p->stream] += placed;
     r->t_state_ms = kvf_now_ms();
     p->rx_room = NULL;
@@ -1386,6 +1405,7 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
     ack.u.done_ack.status = KVF_OK;
     ack.u.done_ack.bytes = lk->bytes;
     kvf__peer_send(p, &ack);
+    kvf__trace_peer_event(r, "ack_sent", p, -1, -1, (int64_t)lk->bytes);
     /*
      * Pulled bytes were read from the sender's memory, which is the
      * sender's only while its room is live: if it failed meanwhile (this
@@ -1415,6 +1435,7 @@ void kvf__receiver_on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_a
     }
     lk->confirming = 0;
     lk->done = 1;
+    kvf__trace_peer_event(r, "confirmed", p, -1, -1, -1);
     if (all_done(r))
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }

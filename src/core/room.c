@@ -19,6 +19,7 @@
 #include <sys/random.h>
 
 #include "core/room.h"
+#include "core/trace.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -127,16 +128,20 @@ void kvf__room_put(kvf_room_t *r)
     free(r);
 }
 
-static void stats_final(kvf_engine_t *eng, kvf_poll_t s, kvf_status_t st)
+/* Room r turned final: f NULL for SUCCESS; `reversed` after a SUCCESS. */
+static void stats_final(kvf_room_t *r, const kvf_failure_t *f, int reversed)
 {
-    if (s == KVF_POLL_SUCCESS) {
+    kvf_engine_t *eng = r->eng;
+    r->t_final_ns = kvf_now_ns();
+    kvf__metrics_room_final(r, f, reversed);
+    if (f == NULL) {
         eng->stats.rooms_succeeded++;
         return;
     }
     eng->stats.rooms_failed++;
-    if (st <= -40)
+    if (f->status <= -40)
         eng->stats.failures_peer++;
-    else if (st <= -20)
+    else if (f->status <= -20)
         eng->stats.failures_room++;
     else
         eng->stats.failures_other++;
@@ -152,11 +157,10 @@ void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
     /* Release: a poller that sees SUCCESS also sees the bytes in place. */
     atomic_store_explicit(&r->state, (int)s, memory_order_release);
     if (s == KVF_POLL_WAITING_FOR_INPUT && r->side == KVF_ROLE_PREFILL)
-        r->t_dest_ms = r->t_state_ms;    /* every decode rank's pages arrived */
-    if (s == KVF_POLL_SUCCESS) {
-        r->t_final_ms = r->t_state_ms;
-        stats_final(r->eng, s, KVF_OK);
-    }
+        r->t_dest_ns = kvf_now_ns();     /* every decode rank's pages arrived */
+    if (s == KVF_POLL_SUCCESS)
+        stats_final(r, NULL, 0);
+    kvf__trace_state(r, s);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -345,10 +349,10 @@ static void room_failed(kvf_room_t *r, kvf_poll_t was, kvf_peer_t *from, int abo
     r->failed_sides |= KVF_SIDE_BIT(r->side);
     r->t_state_ms = kvf_now_ms();
     atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
-    r->t_final_ms = kvf_now_ms();
     if (was == KVF_POLL_SUCCESS)
         r->eng->stats.rooms_succeeded--;
-    stats_final(r->eng, KVF_POLL_FAILED, f->status);
+    stats_final(r, f, was == KVF_POLL_SUCCESS);
+    kvf__trace_failed(r, f, from, was == KVF_POLL_SUCCESS);
     kvf_info("room %llu failed on %s%s%s: %s", (unsigned long long)r->id,
              kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
              f->from_another_rank ? " (from another rank)" : "", how, f->reason);
@@ -535,6 +539,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
     r->refs = 1;
     r->attached = 1;
     r->t_state_ms = r->t_create_ms = kvf_now_ms();
+    r->t_create_ns = kvf_now_ns();
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
     if (side == KVF_ROLE_DECODE) {
         /* Fresh per receiver: what every frame of this room will name. */
@@ -548,6 +553,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
     if (eng->rooms)
         eng->rooms->prev = r;
     eng->rooms = r;
+    kvf__trace_event(r, "created");
     *room_p = r;
     return KVF_OK;
 }
@@ -600,6 +606,7 @@ void kvf__room_destroy(kvf_room_t *r)
     /* From here on no inbound byte is placed into this room's pages:
      * rx_valid() checks `attached` before every placement. */
     r->attached = 0;
+    kvf__trace_event(r, "destroyed");
     wait_reads(r);
     kvf__room_put(r);
     kvf__unlock(eng);
@@ -1061,10 +1068,10 @@ kvf_status_t kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m)
     kvf__lock(r->eng);
     for (uint32_t i = 0; i < r->nlinks; i++)
         v.bytes += r->links[i].bytes;
-    if (r->t_dest_ms != 0) {
-        uint64_t end = r->t_final_ms ? r->t_final_ms : kvf_now_ms();
-        v.alloc_s = (double)kvf_elapsed_ms(r->t_dest_ms, r->t_create_ms) / 1000.0;
-        v.transfer_s = (double)kvf_elapsed_ms(end, r->t_dest_ms) / 1000.0;
+    if (r->t_dest_ns != 0) {
+        uint64_t end = r->t_final_ns ? r->t_final_ns : kvf_now_ns();
+        v.alloc_s = (double)(r->t_dest_ns - r->t_create_ns) * 1e-9;
+        v.transfer_s = (double)(end - r->t_dest_ns) * 1e-9;
     }
     kvf__unlock(r->eng);
     memcpy(m, &v, m->size < sizeof(v) ? m->size : sizeof(v));

@@ -119,8 +119,10 @@ struct kvf_room {
     int              attached;    /* the application handle is live */
     int              initialized;
     uint64_t         t_state_ms;  /* entered the state, or last progress */
-    /* For kvf_*_metric: created, decode pages known, final (0: not yet). */
-    uint64_t         t_create_ms, t_dest_ms, t_final_ms;
+    uint64_t         t_create_ms;
+    /* For kvf_*_metric and the metrics' histograms (monotonic ns): created,
+     * decode pages known, final (0: not yet). */
+    uint64_t         t_create_ns, t_dest_ns, t_final_ns;
     kvf_failure_t   *failure;     /* first root cause, or NULL (a room that
                                      succeeded may keep one it did not take:
                                      siblings.c) */

@@ -22,6 +22,7 @@
 
 #include "core/room.h"
 #include "core/stage.h"
+#include "core/trace.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -37,6 +38,7 @@ typedef struct chunk_put {
     uint32_t    extra;        /* aux segments, on the last chunk */
     int         last;
     int         staged;       /* wrapped by a staged put, which hashes the bytes */
+    unsigned    path;         /* its bytes' path, for the metrics (metrics.h) */
     /* The last chunk's state: runs of (source, destination) indices per
      * group, group g's at sruns[srun_first[g] .. srun_first[g+1]), sent
      * for every buffer of the group in turn; sb, sr: the next one. */
@@ -180,6 +182,7 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     lk->stream_bytes[c->stream] += bytes;
     eng->stats.bytes_sent += bytes;
     eng->stream_bytes[c->stream] += bytes;
+    eng->metrics.path_bytes[c->path] += bytes;
     r->t_state_ms = kvf_now_ms();    /* per segment (lanes >= 1 have no now_ms) */
     /* Piece by piece, in payload order: what the receiver hashes as it
      * places them (a strided segment's source is not one range). */
@@ -208,6 +211,7 @@ static void send_done(kvf_room_t *r, kvf_link_t *lk, uint32_t k)
     }
     if (s != NULL)                 /* else the peer is failing: no DONE */
         kvf__peer_send(s, &m);
+    kvf__trace_peer_event(r, "done_sent", lk->peer, k, -1, (int64_t)lk->stream_bytes[k]);
 }
 
 /*
@@ -234,8 +238,11 @@ static void chunk_complete(kvf_put_t *put, kvf_status_t st)
             kvf__room_fail(r, st, "transfer to %s failed: %s",
                            kvf__peer_name(lk->peer, name, sizeof(name)),
                            kvf_status_str(st));
-    } else if (c->last) {
-        send_done(r, lk, c->stream);
+    } else {
+        kvf__trace_peer_event(r, "chunk_done", lk->peer, c->stream, -1,
+                              (int64_t)lk->stream_bytes[c->stream]);
+        if (c->last)
+            send_done(r, lk, c->stream);
     }
     kvf__peer_put(c->peer);
     kvf__room_put(r);
@@ -401,6 +408,9 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
         r->refs++;
         lk->peer->refs++;
         kvf_put_t *put = &c[k]->put;
+        c[k]->path = kvf__metrics_path(lk->peer->mover, !put->by_ref && kvf__stages(r->eng));
+        kvf__trace_peer_event(r, last ? "last_chunk_queued" : "chunk_queued", lk->peer, k,
+                              ns == 1 || k == 0 ? (int64_t)n : -1, -1);
         if (!put->by_ref && kvf__stages(r->eng)) {
             /* Pushed from device memory: through bounce buffers (stage.h). */
             c[k]->staged = 1;
@@ -620,6 +630,7 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     memset(dst, 0, sizeof(*dst));
     lk->peer = p;
     p->refs++;
+    kvf__trace_peer_event(r, "dest_received", p, -1, lk->n_pages, -1);
     kvf__siblings_evict(r, p);
     kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     if (lk->prefix != r->links[0].prefix) {
@@ -1200,6 +1211,7 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
         return;
     }
     lk->done = 1;
+    kvf__trace_peer_event(r, "ack_received", p, -1, -1, (int64_t)m->bytes);
     if (kvf__peer_pulls(p)) {
         /* The room is live: what the decode rank read was still ours. */
         kvf_msg_t c = {.type = KVF_MSG_DONE_ACK};

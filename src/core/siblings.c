@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "core/room.h"
+#include "core/trace.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -108,6 +109,8 @@ static void send_watch(kvf_room_t *r, kvf_watch_t *w)
     m.u.room_req.sender_instance = ((kvf_receiver_t *)r)->sender_instance;
     m.u.room_req.flags = KVF_REQ_WATCH;
     w->sent = kvf__peer_send_soon(w->peer, &m);
+    if (w->sent)
+        kvf__trace_peer_event(r, "watch_sent", w->peer, -1, -1, -1);
 }
 
 void kvf__siblings_send(kvf_room_t *r)
@@ -197,6 +200,7 @@ void kvf__siblings_take(kvf_room_t *r, kvf_peer_t *p, uint32_t rank, uint64_t in
     r->watch[r->nwatch++] = (kvf_watch_t){.peer = p, .rank = rank, .instance = instance,
                                           .sent = 1};
     p->refs++;
+    kvf__trace_peer_event(r, "watch_received", p, -1, -1, -1);
 }
 
 void kvf__siblings_evict(kvf_room_t *r, const kvf_peer_t *p)

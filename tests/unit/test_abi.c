@@ -99,7 +99,7 @@ static void test_init_writes_only_size(void)
         }
         /* A field added after 0.1.0 gets its default when the size holds
          * it; past the fields the library knows: zeroed, never garbage. */
-        const size_t known = KVF_FIELD_END(kvf_engine_params_t, decode_allocation_policy);
+        const size_t known = KVF_FIELD_END(kvf_engine_params_t, trace);
         const kvf_engine_params_t *ip = (const kvf_engine_params_t *)s.b;
         if (psizes[i] >= KVF_FIELD_END(kvf_engine_params_t, handshake_timeout_ms))
             CHECK_EQ_INT(ip->handshake_timeout_ms, 5000);
@@ -117,6 +117,8 @@ static void test_init_writes_only_size(void)
             CHECK_EQ_INT(ip->streams, 0);
             CHECK(ip->api_key == NULL);
             CHECK(ip->decode_allocation_policy == NULL);
+            CHECK(ip->metrics_addr == NULL);
+            CHECK(ip->trace == NULL);
         }
         for (size_t j = known; j < psizes[i]; j++)
             CHECK_EQ_INT(s.b[j], 0);
