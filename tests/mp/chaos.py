@@ -9,7 +9,10 @@ deployment and one fault per run, and everything this test adds lives
 outside the ranks: a seeded plan of many faults, link cuts in network
 namespaces, and /proc accounting of memory and CPU per process and per
 thread.  The ranks themselves are the demo's: they move rooms of a real
-model's layout through the library and verify every byte.
+model's layout through the library and verify every byte, and each keeps
+a room that is final there until the driver releases it, once every live
+rank of the room is final ("release INDEX STATE", as a scheduler's
+all-reduce over its ranks; Deployment.release_due).
 
 The one idea: every cycle is [rooms flow + one fault] -> [recovery] ->
 [fresh rooms] -> [a quiet window], and each phase has a property that
@@ -470,7 +473,8 @@ class Deployment:
         live = {k: p for k, p in self.ranks.items() if p.live()}
         self.batch = dict(first=first, sizes=sizes, what=what, t0=time.time(),
                           waiting={k: p.results for k, p in live.items()},
-                          rooms={k: {} for k in live}, phases={}, lost=set())
+                          rooms={k: {} for k in live}, phases={}, lost=set(),
+                          procs=live, finals={}, released=set())
         line = "batch %d %d %s" % (first, len(sizes), ",".join("%d:%d" % s for s in sizes))
         for p in live.values():
             p.send(line)
@@ -486,16 +490,39 @@ class Deployment:
             return
         kind = ev.get("event")
         idx = ev.get("index")
-        if kind not in ("phase", "room") or not isinstance(idx, int):
+        if kind not in ("phase", "final", "room") or not isinstance(idx, int):
             return
         if not b["first"] <= idx < b["first"] + len(b["sizes"]):
             return
-        if kind == "phase":
+        if kind == "final":
+            b["finals"].setdefault(idx, {})[proc.key] = ev.get("state")
+            self.release_due()
+        elif kind == "phase":
             b["phases"].setdefault((idx, proc.key[0], ev["phase"]), ev["t"])
             self.run.on_phase(self, proc, idx, ev["phase"])
         else:
             b["rooms"][proc.key][idx] = ev
             self.run.on_phase(self, proc, idx, "final")
+
+    def release_due(self):
+        """A rank keeps a room that is final there until every rank of it is
+        (a scheduler's all-reduce): "release INDEX STATE", with the MIN of
+        their states, to each once all the batch's live ranks are final in
+        it.  A killed rank's rooms count as final (it reports none)."""
+        b = self.batch
+        if b is None:
+            return
+        for idx, finals in b["finals"].items():
+            if idx in b["released"]:
+                continue
+            live = [(k, p) for k, p in b["procs"].items() if p.live()]
+            if any(k not in finals for k, _ in live):
+                continue
+            b["released"].add(idx)
+            lost = any(k not in finals for k, p in b["procs"].items() if not p.live())
+            state = "Failed" if lost or "Failed" in finals.values() else "Success"
+            for _, p in live:
+                p.send("release %d %s" % (idx, state))
 
     def pending(self):
         """'decode[0]: rooms 3 (last phase: waiting), 5 (...)' for each
@@ -666,6 +693,8 @@ class Run:
             if now >= next_mem:
                 self.check_memory()
                 next_mem = now + 0.5
+            for d in self.deps:
+                d.release_due()         # a killed rank's rooms are final
             due = [t for t in self.timers if t[0] <= now]
             if due:
                 self.timers = [t for t in self.timers if t[0] > now]
