@@ -473,7 +473,12 @@ void kvt_injector_tick(kvt_injector_t *inj)
 
 int kvt_injector_on_finished(kvt_injector_t *inj)
 {
+    /* The tick may send the fresh batch (recovery done): the ranks have
+     * finished the batch before it, not that one. */
+    int recovering = inj->stage == KVT_FSTAGE_RECOVER;
     kvt_injector_tick(inj);
+    if (recovering)
+        return inj->stage != KVT_FSTAGE_DONE;
     switch (inj->stage) {
     case KVT_FSTAGE_FIRST:
         if (!inj->injected) {
