@@ -1299,6 +1299,10 @@ static void test_resume_of_unread_request(void)
     kvf__lock(pre.eng);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 94, -1, &r[1]), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r[1], dst[1], 4, 2, NULL, 0), KVF_OK);
+    /* Those calls took and let go the decode engine's lock on this thread,
+     * and the debug record of the lock held names one engine per thread:
+     * it names the prefill engine's again, still held. */
+    kvf__lock_held = pre.eng;
     uint64_t until = kvf_now_ms() + 5000;
     while (unread_at_port(port) == 0 && kvf_now_ms() < until)
         sleep_ms(1);
