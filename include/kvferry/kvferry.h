@@ -35,6 +35,7 @@
 #include <stdint.h>
 
 #include "kvferry/status.h"
+#include "kvferry/version.h"   /* generated: KVF_VERSION_MAJOR/MINOR/PATCH */
 
 #ifdef __cplusplus
 extern "C" {
@@ -45,10 +46,6 @@ extern "C" {
 #else
 #define KVF_API
 #endif
-
-#define KVF_VERSION_MAJOR 0
-#define KVF_VERSION_MINOR 1
-#define KVF_VERSION_PATCH 0
 
 /** @return the library version as "MAJOR.MINOR.PATCH" (static string). */
 KVF_API const char *kvf_version(void);

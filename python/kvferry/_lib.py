@@ -1,7 +1,10 @@
 """Finding libkvferry and declaring its C API for ctypes.
 
 This is the only module that knows the C header: the struct layouts
-mirror ``include/kvferry/kvferry.h`` field for field, and every function
+mirror ``include/kvferry/kvferry.h`` field for field (each class's docstring
+names its C struct first), the status codes and constants are the header's,
+and python/tests/test_abi_binding.py holds all of them to what the C
+compiler sees (offset and size of every field, by name).  Every function
 gets its ``argtypes``/``restype`` here so that a wrong Python value is a
 ``ctypes.ArgumentError`` instead of a corrupted call.  The parameter structs
 follow the header's growth rules: the binding passes its own struct size to
@@ -28,8 +31,10 @@ LIBRARY_NAME = "libkvferry.so"
 REASON_MAX = 512
 ADDR_MAX = 64
 
-# Status codes used by the binding itself (the full table is in status.h;
-# names and texts come from kvf_status_name / kvf_status_str).
+# Status codes: the whole table of include/kvferry/status.h.
+# python/tests/test_abi_binding.py holds this list to the header both ways,
+# and _declare() refuses a library that gives one of these values another
+# name.
 KVF_OK = 0
 KVF_ERR_INVALID_PARAM = -1
 KVF_ERR_NO_MEMORY = -2
@@ -40,10 +45,22 @@ KVF_ERR_IO = -6
 KVF_ERR_NOT_FOUND = -7
 KVF_ERR_UNSUPPORTED = -8
 KVF_ERR_AGAIN = -9
+KVF_ERR_TIMED_OUT = -20
 KVF_ERR_ABORTED = -21
 KVF_ERR_BAD_INDICES = -22
+KVF_ERR_INCOMPLETE = -23
+KVF_ERR_CHECKSUM = -24
 KVF_ERR_ROOM_CONFLICT = -25
+KVF_ERR_BOOTSTRAP = -26
 KVF_ERR_LEASE_EXPIRED = -27
+KVF_ERR_CONN_RESET = -40
+KVF_ERR_UNREACHABLE = -41
+KVF_ERR_PEER_TIMEOUT = -42
+KVF_ERR_PROTOCOL = -43
+KVF_ERR_INCOMPATIBLE = -44
+KVF_ERR_VERSION = -45
+KVF_ERR_PEER_RESTARTED = -46
+KVF_ERR_AUTH = -47
 
 DESCRIPTOR_MAX = 512        # KVF_DESCRIPTOR_MAX, the NUL included
 TOKEN_MAX = 512             # KVF_TOKEN_MAX (util/token.h), without the NUL
@@ -382,6 +399,13 @@ def _declare(lib, path):
         if fn is not None:
             fn.restype = restype
             fn.argtypes = argtypes
+    for name, value in statuses().items():
+        known = lib.kvf_status_name(value).decode()
+        if known not in (name, "KVF_ERR_UNKNOWN"):     # unknown: an older library
+            raise ImportError(
+                "kvferry: %s names status %d %s, this binding names it %s; use "
+                "the binding and the library of the same kvferry version"
+                % (path, value, known, name))
     # Sizes say nothing of a field inserted mid-struct; the documented
     # defaults of kvf_engine_params_init() catch a shifted params layout.
     p = new_params()
@@ -391,6 +415,12 @@ def _declare(lib, path):
             "kvferry: %s does not lay out kvf_engine_params_t as this binding "
             "does (its defaults read back wrong); use the binding and the "
             "library of the same kvferry version" % path)
+
+
+def statuses():
+    """``{"KVF_OK": 0, "KVF_ERR_...": code, ...}``: the codes above."""
+    return {name: value for name, value in globals().items()
+            if name == "KVF_OK" or name.startswith("KVF_ERR_")}
 
 
 def _new(init, struct):
