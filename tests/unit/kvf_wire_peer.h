@@ -285,17 +285,28 @@ static inline void wp_close(wp_peer_t *f)
     f->fd = f->lfd = -1;
 }
 
-/* The next frame of `type` (others, heartbeats among them, skipped), 5 s
- * at most; a ROOM_REQ's instance and aux slot are remembered. */
+/* The next frame of `type` (others, heartbeats among them, skipped as
+ * wp_expect does), 5 s at most; the instance and aux slot of every
+ * ROOM_REQ on the way are remembered. */
 static inline int wp_peer_expect(wp_peer_t *f, uint8_t type, kvf_msg_t *m)
 {
-    if (!wp_expect(f->fd, type, m, f->body, sizeof(f->body), 5000))
-        return 0;
-    if (type == KVF_MSG_ROOM_REQ) {
-        f->inst[m->u.room_req.room % 256] = m->u.room_req.instance;
-        f->aux_slot[m->u.room_req.room % 256] = m->u.room_req.aux_slot;
+    for (;;) {
+        int t = wp_recv(f->fd, m, f->body, sizeof(f->body), 5000);
+        if (t == 0)
+            return 0;
+        if (t == KVF_MSG_DATA) {
+            static uint8_t sink[1 << 16];
+            if (m->u.data.payload_len > sizeof(sink) ||
+                !wp_read(f->fd, sink, m->u.data.payload_len, 5000))
+                return 0;
+        }
+        if (t == KVF_MSG_ROOM_REQ) {
+            f->inst[m->u.room_req.room % 256] = m->u.room_req.instance;
+            f->aux_slot[m->u.room_req.room % 256] = m->u.room_req.aux_slot;
+        }
+        if (t == type)
+            return 1;
     }
-    return 1;
 }
 
 /* Send one frame (and a DATA payload) from f; a short send fails the case. */
@@ -368,10 +379,10 @@ static inline void wp_xport(wp_peer_t *f, uint32_t caps)
 }
 
 /* Take a decode engine's connection and run the handshake as a prefill
- * rank offering `caps`: AUTH, its HELLO then ours, our XPORT then its.
- * hello_p (unless NULL): the decode engine's HELLO (its numbers only:
- * its strings and arrays pointed into a buffer reused since). */
-static inline void wp_accept_decode(wp_peer_t *f, uint32_t caps, kvf_msg_hello_t *hello_p)
+ * rank up to the XPORT offers: AUTH, its HELLO then ours.  hello_p
+ * (unless NULL): the decode engine's HELLO (its numbers only: its
+ * strings and arrays pointed into a buffer reused since). */
+static inline void wp_accept_hello(wp_peer_t *f, kvf_msg_hello_t *hello_p)
 {
     kvf_msg_t m;
     wp_accept(f);
@@ -380,19 +391,33 @@ static inline void wp_accept_decode(wp_peer_t *f, uint32_t caps, kvf_msg_hello_t
     if (hello_p != NULL)
         *hello_p = m.u.hello;
     wp_hello(f, KVF_ROLE_PREFILL);
+}
+
+/* The whole handshake so, offering `caps`: our XPORT, then its. */
+static inline void wp_accept_decode(wp_peer_t *f, uint32_t caps)
+{
+    kvf_msg_t m;
+    wp_accept_hello(f, NULL);
     wp_xport(f, caps);
     CHECK(wp_peer_expect(f, KVF_MSG_XPORT, &m));
 }
 
-/* Dial a prefill engine and run the handshake as a decode rank: AUTH, our
- * HELLO then its, its XPORT then ours (offering nothing). */
-static inline void wp_connect_prefill(wp_peer_t *f, kvf_engine_t *pre)
+/* Dial a prefill engine and run the handshake as a decode rank up to the
+ * XPORT offers: AUTH, our HELLO then its. */
+static inline void wp_connect_hello(wp_peer_t *f, kvf_engine_t *pre)
 {
     kvf_msg_t m;
     wp_connect(f, pre);
     CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_DECODE, 1, NULL));
     wp_hello(f, KVF_ROLE_DECODE);
     CHECK(wp_peer_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
+}
+
+/* The whole handshake so: its XPORT, then ours (offering nothing). */
+static inline void wp_connect_prefill(wp_peer_t *f, kvf_engine_t *pre)
+{
+    kvf_msg_t m;
+    wp_connect_hello(f, pre);
     CHECK(wp_peer_expect(f, KVF_MSG_XPORT, &m));
     wp_xport(f, 0);
 }

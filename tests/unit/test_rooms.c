@@ -202,13 +202,13 @@ static void test_receiver_takes_only_its_peer_and_instance(void)
     side_init(&dec, KVF_ROLE_DECODE, addr_a, NULL);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr_a, 1, -1, &r1), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r1, &p1, 1, 1, NULL, 0), KVF_OK);
-    wp_accept_decode(a, 0, NULL);
+    wp_accept_decode(a, 0);
     CHECK(wp_peer_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 1);
     uint64_t inst1 = m.u.room_req.instance;
     CHECK(inst1 != 0);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr_b, 2, -1, &r2), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r2, &p2, 1, 2, NULL, 0), KVF_OK);
-    wp_accept_decode(b, 0, NULL);
+    wp_accept_decode(b, 0);
     CHECK(wp_peer_expect(b, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 2);
     CHECK(m.u.room_req.instance != 0 && m.u.room_req.instance != inst1);
     CHECK_EQ_INT(wait_receiver(r1, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
@@ -274,7 +274,7 @@ static void test_reused_id_gets_only_its_own_frames(void)
     side_init(&dec, KVF_ROLE_DECODE, addr, NULL);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 7, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, &page, 1, 3, NULL, 0), KVF_OK);
-    wp_accept_decode(a, 0, NULL);
+    wp_accept_decode(a, 0);
     CHECK(wp_peer_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 7);
     uint64_t old = m.u.room_req.instance;
     kvf_receiver_abort(r);
@@ -442,7 +442,7 @@ static void test_each_byte_counts_once(void)
         CHECK_EQ_INT(kvf_receiver_init(r[i], pages[i], npages[i], (uint32_t)i, NULL, 0),
                      KVF_OK);
     }
-    wp_accept_decode(a, KVF_CAP_STRIDED, NULL);
+    wp_accept_decode(a, KVF_CAP_STRIDED);
     for (int i = 0; i < NR; i++) {
         CHECK(wp_peer_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room - 300 < NR);
         inst[(m.u.room_req.room - 300) % NR] = m.u.room_req.instance;
