@@ -403,21 +403,23 @@ static inline void wp_accept_decode(wp_peer_t *f, uint32_t caps)
 }
 
 /* Dial a prefill engine and run the handshake as a decode rank up to the
- * XPORT offers: AUTH, our HELLO then its. */
-static inline void wp_connect_hello(wp_peer_t *f, kvf_engine_t *pre)
+ * XPORT offers: AUTH, our HELLO then its (*hello_p, as wp_accept_hello). */
+static inline void wp_connect_hello(wp_peer_t *f, kvf_engine_t *pre, kvf_msg_hello_t *hello_p)
 {
     kvf_msg_t m;
     wp_connect(f, pre);
     CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_DECODE, 1, NULL));
     wp_hello(f, KVF_ROLE_DECODE);
     CHECK(wp_peer_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
+    if (hello_p != NULL)
+        *hello_p = m.u.hello;
 }
 
 /* The whole handshake so: its XPORT, then ours (offering nothing). */
 static inline void wp_connect_prefill(wp_peer_t *f, kvf_engine_t *pre)
 {
     kvf_msg_t m;
-    wp_connect_hello(f, pre);
+    wp_connect_hello(f, pre, NULL);
     CHECK(wp_peer_expect(f, KVF_MSG_XPORT, &m));
     wp_xport(f, 0);
 }

@@ -879,7 +879,7 @@ static fake_peer_t *fake_decode_connect(side_t *pre, uint64_t room, uint32_t acc
     kvf_msg_t m;
 
     fake_init(f, 1);
-    wp_connect_hello(f, pre->eng);
+    wp_connect_hello(f, pre->eng, NULL);
     CHECK(wp_peer_expect(f, KVF_MSG_XPORT, &m));
     int offered = 0;
     for (uint32_t i = 0; i < m.u.xport.count; i++)
