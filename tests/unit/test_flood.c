@@ -473,6 +473,20 @@ static void test_descriptor_flood_sheds(void)
     tune_bootstrap_ms = 0;
 }
 
+/* The prefill engine turned a connection away, or the room moved on. */
+typedef struct refusal {
+    kvf_engine_t   *pre;
+    kvf_receiver_t *r;
+    uint64_t        before;
+} refusal_t;
+
+static int refused_or_moved(const void *arg)
+{
+    const refusal_t *rf = arg;
+    return kvf_engine_auth_refused(rf->pre) != rf->before ||
+           kvf_receiver_poll(rf->r) != KVF_POLL_BOOTSTRAPPING;
+}
+
 /*
  * The pending queue.  Strangers hold all 128 slots for connections from
  * 127.0.0.1 that are still authenticating; a decode engine on the same
@@ -502,9 +516,8 @@ static void test_dialler_waits_out_a_full_queue(void)
     CHECK_EQ_INT(strangers_open(fds, N, port), N);
     uint64_t before = kvf_engine_auth_refused(pre.eng);
     kvf_receiver_t *r = legit_recv_start(&dec, bs, 4);
-    while (kvf_engine_auth_refused(pre.eng) == before &&
-           kvf_receiver_poll(r) == KVF_POLL_BOOTSTRAPPING)
-        sleep_ms(1);
+    refusal_t rf = {pre.eng, r, before};
+    CHECK(wait_until(refused_or_moved, &rf, KVF_TEST_WAIT_MS));
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPING);
     strangers_close(fds, N);
     CHECK_EQ_INT(legit_send(&pre, bs, 4), KVF_POLL_SUCCESS);
