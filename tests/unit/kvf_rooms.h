@@ -1,7 +1,12 @@
 /*
- * Waiting on rooms in unit tests: poll a sender or a receiver until it
- * reaches a state or fails, 20 s at most (far past any test's need: only
- * a broken room takes that long, and the test then fails on its state).
+ * Waiting in unit tests, always against a deadline on the monotonic clock:
+ * a sender or a receiver until it reaches a state or fails, an engine
+ * until a condition the test names holds, and the failure a room ended
+ * with.  The library's only event to wait on is a room's failure
+ * (kvf_*_await_failure); everything else is poll(), which takes no lock,
+ * checked every millisecond until its deadline.  The default deadline,
+ * 20 s, is far past any test's need: only a broken room takes that long,
+ * and the test then fails on its state.
  */
 #ifndef KVF_ROOMS_H
 #define KVF_ROOMS_H
@@ -9,6 +14,7 @@
 #include <time.h>
 
 #include "kvferry/kvferry.h"
+#include "unit/kvf_test.h"
 
 #define KVF_TEST_WAIT_MS 20000
 
@@ -31,10 +37,24 @@ static inline long long kvf_test_now_ms(void)
     return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-/* Until the sender is at least `want`, or failed.  @return its state. */
-static inline kvf_poll_t wait_sender(const kvf_sender_t *s, kvf_poll_t want)
+/* Until cond(arg) holds, limit_ms at most.  @return 1 if it held. */
+static inline int wait_until(int (*cond)(const void *arg), const void *arg, int limit_ms)
 {
-    long long end = kvf_test_now_ms() + KVF_TEST_WAIT_MS;
+    long long end = kvf_test_now_ms() + limit_ms;
+    for (;;) {
+        if (cond(arg))
+            return 1;
+        if (kvf_test_now_ms() >= end)
+            return 0;
+        sleep_ms(1);
+    }
+}
+
+/* Until the sender is at least `want`, or failed, limit_ms at most.
+ * @return its state. */
+static inline kvf_poll_t wait_sender_ms(const kvf_sender_t *s, kvf_poll_t want, int limit_ms)
+{
+    long long end = kvf_test_now_ms() + limit_ms;
     kvf_poll_t p = kvf_sender_poll(s);
     while (p < want && p != KVF_POLL_FAILED && kvf_test_now_ms() < end) {
         sleep_ms(1);
@@ -43,15 +63,26 @@ static inline kvf_poll_t wait_sender(const kvf_sender_t *s, kvf_poll_t want)
     return p;
 }
 
-static inline kvf_poll_t wait_receiver(const kvf_receiver_t *r, kvf_poll_t want)
+static inline kvf_poll_t wait_receiver_ms(const kvf_receiver_t *r, kvf_poll_t want,
+                                          int limit_ms)
 {
-    long long end = kvf_test_now_ms() + KVF_TEST_WAIT_MS;
+    long long end = kvf_test_now_ms() + limit_ms;
     kvf_poll_t p = kvf_receiver_poll(r);
     while (p < want && p != KVF_POLL_FAILED && kvf_test_now_ms() < end) {
         sleep_ms(1);
         p = kvf_receiver_poll(r);
     }
     return p;
+}
+
+static inline kvf_poll_t wait_sender(const kvf_sender_t *s, kvf_poll_t want)
+{
+    return wait_sender_ms(s, want, KVF_TEST_WAIT_MS);
+}
+
+static inline kvf_poll_t wait_receiver(const kvf_receiver_t *r, kvf_poll_t want)
+{
+    return wait_receiver_ms(r, want, KVF_TEST_WAIT_MS);
 }
 
 /* Until both are final (either may be NULL). */
@@ -61,6 +92,31 @@ static inline void wait_final(const kvf_sender_t *s, const kvf_receiver_t *r)
         wait_sender(s, KVF_POLL_SUCCESS);
     if (r != NULL)
         wait_receiver(r, KVF_POLL_SUCCESS);
+}
+
+/* The receiver's room fails, with `status` and a reason that says `why`
+ * (and `why2`, unless NULL). */
+static inline void check_recv_failed(kvf_receiver_t *r, kvf_status_t status, const char *why,
+                                     const char *why2)
+{
+    kvf_failure_t f;
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+    CHECK_EQ_INT(f.status, status);
+    CHECK_STR_CONTAINS(f.reason, why);
+    if (why2 != NULL)
+        CHECK_STR_CONTAINS(f.reason, why2);
+}
+
+/* A room's final state, the failure call's status and its record: the
+ * room failed with `want`, its reason saying `part`. */
+static inline void check_failed_with(kvf_poll_t state, kvf_status_t got, kvf_status_t want,
+                                     const kvf_failure_t *f, const char *part)
+{
+    CHECK_EQ_INT(state, KVF_POLL_FAILED);
+    CHECK_EQ_INT(got, KVF_OK);
+    CHECK_EQ_INT(f->status, want);
+    CHECK_STR_CONTAINS(f->reason, part);
 }
 
 #endif /* KVF_ROOMS_H */

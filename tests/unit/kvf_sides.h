@@ -1,48 +1,75 @@
 /*
- * Engines with a small layout for the tests that put strangers beside
- * legitimate rooms (test_auth.c, test_flood.c): a prefill or decode side
- * with its token, a room moved between two sides and checked byte for
- * byte (in one process, or its halves in two), raw sockets to an
- * engine's control port, and stranger processes forked before any engine
- * thread exists.  Header-only, like kvf_test.h.
+ * A side: one engine on loopback with its KV, aux and (optionally) state
+ * buffers registered as one small layout, the same in every test that
+ * moves rooms between real engines.  The one idea: a test says only what
+ * differs from that side (its transport, a token, an engine parameter,
+ * the layout's shape) and what it checks.  It gives:
+ *   - the shape (LAYERS ... SLOTS): defaults a test may #define first;
+ *   - side_init / side_try / side_fini, and side_pair (a prefill hosting
+ *     the registry on a free port, and a decode engine that finds it),
+ *     set by side_transport, side_mem_alloc, side_state_b, side_page,
+ *     side_dtype and side_tune (any other engine parameter);
+ *   - a prefill's KV holds side_kv_byte() from the start;
+ *   - a "legit" room moved whole and checked byte for byte (in one
+ *     process, or its halves in two), beside whatever a test does;
+ *   - stranger processes forked before any engine thread exists.
+ * Waits are kvf_rooms.h's, raw sockets kvf_wire_peer.h's.  Header-only.
  */
 #ifndef KVF_SIDES_H
 #define KVF_SIDES_H
 
-#include <arpa/inet.h>
 #include <stdio.h>
-#include <netinet/in.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "kvferry/kvferry.h"
+#include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
+#include "unit/kvf_wire_peer.h"
 
+#ifndef LAYERS
 #define LAYERS 2
+#endif
 #define NKV    (2 * LAYERS)
+#ifndef HEADS
 #define HEADS  2
+#endif
+#ifndef HEAD_B
 #define HEAD_B 32
+#endif
+#ifndef PAGE
 #define PAGE   4
+#endif
+#ifndef PAGES
 #define PAGES  32
+#endif
 #define PAGE_B (PAGE * HEADS * HEAD_B)
+#ifndef AUX_B
 #define AUX_B  16
+#endif
+#ifndef SLOTS
 #define SLOTS  8
+#endif
 
 typedef struct side {
     kvf_engine_t *eng;
     uint8_t      *kv[NKV];
     uint8_t      *aux;
+    uint8_t      *state;      /* SLOTS items of side_state_b, or NULL */
 } side_t;
 
 /* What the next side_init makes: its transport, its KV in kvf_mem_alloc()
- * memory, and any other parameter a test sets (side_tune). */
+ * memory, a state buffer of SLOTS items this big (0: none), tokens per
+ * page (0: PAGE) and KV dtype (NULL: bfloat16) of its layout, and any
+ * other engine parameter a test sets (side_tune). */
 static const char *side_transport = "tcp";
 static int side_mem_alloc;
+static size_t side_state_b;
+static uint32_t side_page;
+static const char *side_dtype;
 static void (*side_tune)(kvf_engine_params_t *p);
 
 /* No token from the environment: every case says which one each engine holds. */
@@ -54,6 +81,8 @@ static inline void clear_env(void)
     unsetenv("KVF_AUTH");
 }
 
+/* The engine alone: it hosts the registry when it is a prefill asked to
+ * bind one on a free port ("127.0.0.1:0"). */
 static inline kvf_status_t side_try(side_t *s, kvf_role_t role, const char *bs,
                                     const char *token, const char *host)
 {
@@ -75,28 +104,37 @@ static inline kvf_status_t side_try(side_t *s, kvf_role_t role, const char *bs,
     return kvf_engine_create(&p, &s->eng);
 }
 
-/* The byte a prefill side holds at offset j of KV buffer i. */
-static inline uint8_t side_kv_byte(int i, size_t j)
+/* Bytes of one KV page of the next side's layout. */
+static inline size_t side_page_b(void)
 {
-    return (uint8_t)(j * 7 + (size_t)i * 13 + 1);
+    return (size_t)(side_page ? side_page : PAGE) * HEADS * HEAD_B;
 }
 
-/* Register s's KV (s->kv[], already placed) and aux (s->aux) as its
+/* The byte a prefill side holds at offset j of KV buffer i: it differs
+ * from page to page, so a page placed in the wrong slot shows. */
+static inline uint8_t side_kv_byte(int i, size_t j)
+{
+    return (uint8_t)(j * 7 + j / PAGE_B + (size_t)i * 13 + 1);
+}
+
+/* Register s's KV (s->kv[], already placed), aux and state as its
  * layout; a prefill's KV gets its pattern first. */
 static inline void side_register(side_t *s, kvf_role_t role)
 {
-    kvf_buffer_t kv[NKV], aux;
+    size_t page_b = side_page_b();
+    kvf_buffer_t kv[NKV], aux, st;
     for (int i = 0; i < NKV; i++) {
         if (role == KVF_ROLE_PREFILL)
-            for (size_t j = 0; j < (size_t)PAGES * PAGE_B; j++)
+            for (size_t j = 0; j < (size_t)PAGES * page_b; j++)
                 s->kv[i][j] = side_kv_byte(i, j);
-        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)PAGES * PAGE_B, PAGE_B};
+        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)PAGES * page_b, page_b};
     }
     aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
+    st = (kvf_buffer_t){s->state, SLOTS * side_state_b, side_state_b};
     kvf_layout_t l;
     kvf_layout_init(&l);
-    l.page_size = PAGE;
-    l.kv_dtype = "bfloat16";
+    l.page_size = side_page ? side_page : PAGE;
+    l.kv_dtype = side_dtype ? side_dtype : "bfloat16";
     l.num_layers = LAYERS;
     l.heads_per_rank = l.total_heads = HEADS;
     l.bytes_per_head = HEAD_B;
@@ -104,19 +142,24 @@ static inline void side_register(side_t *s, kvf_role_t role)
     l.kv = kv;
     l.num_aux = 1;
     l.aux = &aux;
+    l.num_state = s->state != NULL ? 1 : 0;
+    l.state = &st;
     CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
 }
 
 static inline void side_init(side_t *s, kvf_role_t role, const char *bs, const char *token)
 {
+    size_t page_b = side_page_b();
     CHECK_EQ_INT(side_try(s, role, bs, token, NULL), KVF_OK);
     for (int i = 0; i < NKV; i++) {
         if (side_mem_alloc)
-            CHECK_EQ_INT(kvf_mem_alloc((size_t)PAGES * PAGE_B, (void **)&s->kv[i]), KVF_OK);
+            CHECK_EQ_INT(kvf_mem_alloc((size_t)PAGES * page_b, (void **)&s->kv[i]), KVF_OK);
         else
-            s->kv[i] = calloc(PAGES, PAGE_B);
+            s->kv[i] = calloc(PAGES, page_b);
     }
     s->aux = calloc(SLOTS, AUX_B);
+    if (side_state_b)
+        s->state = calloc(SLOTS, side_state_b);
     side_register(s, role);
 }
 
@@ -130,38 +173,17 @@ static inline void side_fini(side_t *s)
             free(s->kv[i]);
     }
     free(s->aux);
+    free(s->state);
 }
 
-static inline void pause_ms(int ms)
+/* A prefill side hosting the registry (its address in bs) and a decode
+ * side that finds the prefill through it, both holding `token`. */
+static inline void side_pair(side_t *pre, side_t *dec, char *bs, size_t bslen,
+                             const char *token)
 {
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-/* The room's state once it is final or past `want` (limit_ms at most). */
-static inline kvf_poll_t recv_wait_ms(kvf_receiver_t *r, kvf_poll_t want, int limit_ms)
-{
-    kvf_poll_t st = kvf_receiver_poll(r);
-    for (int i = 0; i < limit_ms && st != KVF_POLL_FAILED && st < want; i++) {
-        pause_ms(1);
-        st = kvf_receiver_poll(r);
-    }
-    return st;
-}
-
-static inline kvf_poll_t recv_wait(kvf_receiver_t *r, kvf_poll_t want)
-{
-    return recv_wait_ms(r, want, 10000);
-}
-
-static inline kvf_poll_t send_wait(kvf_sender_t *s, kvf_poll_t want)
-{
-    kvf_poll_t st = kvf_sender_poll(s);
-    for (int i = 0; i < 10000 && st != KVF_POLL_FAILED && st < want; i++) {
-        pause_ms(1);
-        st = kvf_sender_poll(s);
-    }
-    return st;
+    side_init(pre, KVF_ROLE_PREFILL, "127.0.0.1:0", token);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre->eng, bs, bslen), KVF_OK);
+    side_init(dec, KVF_ROLE_DECODE, NULL, token);
 }
 
 static const uint32_t src_pages[3] = {3, 4, 9}, dst_pages[3] = {20, 5, 6};
@@ -181,11 +203,11 @@ static inline kvf_sender_t *legit_send_start(side_t *pre, const char *bs, uint64
 
 static inline kvf_poll_t legit_send_finish(kvf_sender_t *s)
 {
-    kvf_poll_t st = send_wait(s, KVF_POLL_WAITING_FOR_INPUT);
+    kvf_poll_t st = wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
     if (st == KVF_POLL_WAITING_FOR_INPUT) {
         CHECK_EQ_INT(kvf_sender_init(s, 3, 1), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s, src_pages, 3, 1), KVF_OK);
-        st = send_wait(s, KVF_POLL_SUCCESS);
+        st = wait_sender(s, KVF_POLL_SUCCESS);
     }
     kvf_sender_destroy(s);
     return st;
@@ -223,29 +245,9 @@ static inline int legit_room(side_t *pre, side_t *dec, const char *bs, uint64_t 
     kvf_sender_t *s = legit_send_start(pre, bs, room);
     kvf_receiver_t *r = legit_recv_start(dec, bs, room);
     int ok = legit_send_finish(s) == KVF_POLL_SUCCESS &&
-             recv_wait(r, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS && legit_bytes(dec);
+             wait_receiver(r, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS && legit_bytes(dec);
     kvf_receiver_destroy(r);
     return ok;
-}
-
-static inline int port_of(kvf_engine_t *eng)
-{
-    char addr[64];
-    CHECK_EQ_INT(kvf_engine_address(eng, addr, sizeof(addr)), KVF_OK);
-    return atoi(strrchr(addr, ':') + 1);
-}
-
-/* A blocking connection to 127.0.0.1:port, or -1. */
-static inline int dial(int port)
-{
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
 }
 
 /* ---- stranger processes ------------------------------------------------ */

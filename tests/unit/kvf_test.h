@@ -86,4 +86,13 @@ static inline int kvf_test_run(const kvf_test_case_t *cases, size_t n, int argc,
 
 #define KVF_CASE(fn) { #fn, fn }
 
+/* 1 if the n bytes at p are all zero (pages nothing was placed in). */
+static inline int all_zero(const unsigned char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i] != 0)
+            return 0;
+    return 1;
+}
+
 #endif /* KVF_TEST_H */

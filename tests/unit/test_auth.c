@@ -90,8 +90,8 @@ static void test_wrong_token_refused(void)
     kvf_receiver_t *rw, *rn;
     CHECK_EQ_INT(kvf_receiver_create(wrong.eng, bs, 7, -1, &rw), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(none.eng, bs, 7, -1, &rn), KVF_OK);
-    CHECK_EQ_INT(recv_wait(rw, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
-    CHECK_EQ_INT(recv_wait(rn, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(rw, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(rn, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(rw, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_AUTH);
     CHECK_STR_CONTAINS(f.reason, "authentication failed");
@@ -994,7 +994,7 @@ static void test_version1_peer(void)
     kvf_put_u32(frame + 8, KVF_WIRE_MAGIC);
     kvf_put_u16(frame + 12, 1);
     CHECK(send(fd, frame, sizeof(frame), MSG_NOSIGNAL) == (ssize_t)sizeof(frame));
-    CHECK_EQ_INT(recv_wait(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
     kvf_failure_t f;
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_VERSION);

@@ -20,101 +20,45 @@
 #include "core/peer.h"
 #include "kvferry/kvferry.h"
 #include "transport/transport.h"
-#include "unit/kvf_rooms.h"
-#include "unit/kvf_test.h"
-#include "unit/kvf_wire_peer.h"
+#define PAGES 64
+#include "unit/kvf_sides.h"
 #include "util/time.h"
 #include "wire/wire.h"
 
-#define LAYERS   2
-#define NKV      (2 * LAYERS)
-#define HEADS    2
-#define HEAD_B   32
-#define PAGE     4
-#define PAGES    64
-#define PAGE_B   (PAGE * HEADS * HEAD_B)
-#define AUX_B    16
-#define SLOTS    8
-
-typedef struct side {
-    kvf_engine_t *eng;
-    uint8_t      *kv[NKV];
-    uint8_t      *aux;
-    uint8_t      *state;
-} side_t;
-
-/* Engine settings of the next side_init (tests change them). */
-static const char *transport = "tcp";   /* every case runs over tcp, then shm */
-static int mem_alloc;                    /* KV buffers from kvf_mem_alloc */
+/* Engine settings of the next side (tests change them); every case runs
+ * over tcp, then shm (side_transport). */
 static const char *next_faults;
 static int next_checksum;
 static unsigned next_transfer_ms = 5000, next_hb_interval_ms = 500, next_hb_timeout_ms = 2500;
 
-static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs,
-                      uint32_t page_size, const char *dtype, int with_state)
+static void tune(kvf_engine_params_t *p)
 {
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = host_bs;
-    p.bootstrap_timeout_ms = 5000;
-    p.transfer_timeout_ms = next_transfer_ms;
-    p.heartbeat_interval_ms = next_hb_interval_ms;
-    p.heartbeat_timeout_ms = next_hb_timeout_ms;
-    p.faults = next_faults;
-    p.transport = transport;
-    p.checksum = next_checksum;
-    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
-
-    kvf_buffer_t kv[NKV], aux, st;
-    size_t page_b = (size_t)page_size * HEADS * HEAD_B;
-    for (int i = 0; i < NKV; i++) {
-        if (mem_alloc)
-            CHECK_EQ_INT(kvf_mem_alloc(PAGES * page_b, (void **)&s->kv[i]), KVF_OK);
-        else
-            s->kv[i] = calloc(PAGES, page_b);
-        kv[i] = (kvf_buffer_t){s->kv[i], PAGES * page_b, page_b};
-    }
-    s->aux = calloc(SLOTS, AUX_B);
-    aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
-    s->state = calloc(SLOTS, 8);
-    st = (kvf_buffer_t){s->state, SLOTS * 8, 8};
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = page_size;
-    l.kv_dtype = dtype;
-    l.num_layers = LAYERS;
-    l.heads_per_rank = l.total_heads = HEADS;
-    l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    l.num_state = with_state ? 1 : 0;
-    l.state = &st;
-    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
+    p->transfer_timeout_ms = next_transfer_ms;
+    p->heartbeat_interval_ms = next_hb_interval_ms;
+    p->heartbeat_timeout_ms = next_hb_timeout_ms;
+    p->faults = next_faults;
+    p->checksum = next_checksum;
 }
 
-static void side_fini(side_t *s)
+/* A side with the settings above, with a state buffer of 8-byte items
+ * (with_state) or none. */
+static void eside(side_t *s, kvf_role_t role, const char *bs, int with_state)
 {
-    kvf_engine_destroy(s->eng);
-    for (int i = 0; i < NKV; i++) {
-        if (mem_alloc)
-            kvf_mem_free(s->kv[i]);
-        else
-            free(s->kv[i]);
-    }
-    free(s->aux);
-    free(s->state);
+    side_tune = tune;
+    side_state_b = with_state ? 8 : 0;
+    side_init(s, role, bs, NULL);
 }
 
 static void pair_up(side_t *pre, side_t *dec, uint32_t dec_page, const char *dec_dtype,
                     char *bs, size_t bslen)
 {
-    side_init(pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    eside(pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre->eng, bs, bslen), KVF_OK);
-    side_init(dec, KVF_ROLE_DECODE, NULL, 0, dec_page, dec_dtype, 1);
+    side_page = dec_page;
+    side_dtype = dec_dtype;
+    eside(dec, KVF_ROLE_DECODE, NULL, 1);
+    side_page = 0;
+    side_dtype = NULL;
 }
 
 static void test_one_room(void)
@@ -169,8 +113,8 @@ static void test_one_room(void)
     kvf_engine_stats_t st;
     kvf_engine_stats(dec.eng, &st);
     CHECK_EQ_INT(st.rooms_succeeded, 1);
-    CHECK(strcmp(kvf_engine_transport(dec.eng), transport) == 0);
-    CHECK(strcmp(kvf_engine_transport(pre.eng), transport) == 0);
+    CHECK(strcmp(kvf_engine_transport(dec.eng), side_transport) == 0);
+    CHECK(strcmp(kvf_engine_transport(pre.eng), side_transport) == 0);
     CHECK(st.bytes_received == 6ull * PAGE_B * NKV + AUX_B + 8);
     side_fini(&dec);
     side_fini(&pre);
@@ -271,10 +215,10 @@ static void faulty_room(const char *pre_faults, const char *dec_faults, int chec
 
     next_checksum = checksum;
     next_faults = pre_faults;
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     next_faults = dec_faults;
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
     next_faults = NULL;
     next_checksum = 0;
     for (int b = 0; b < NKV; b++)
@@ -343,10 +287,10 @@ static void room_fails_alone(const char *pre_faults, const char *dec_faults, uin
 
     next_checksum = 1;
     next_faults = pre_faults;
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     next_faults = dec_faults;
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
     next_faults = NULL;
     next_checksum = 0;
     for (int b = 0; b < NKV; b++)
@@ -435,10 +379,10 @@ static void test_reset_while_done_waits_for_reads(void)
     uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
 
     next_faults = "reset@0/72";                 /* room B's first byte */
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     next_faults = "readstall@0:20000";          /* room A's read, until it is let go */
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
     next_faults = NULL;
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
@@ -495,10 +439,10 @@ static void test_reset_while_link_confirms(void)
 
     next_transfer_ms = 1500;
     next_faults = "reset@0/82";                 /* room B's first byte */
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     next_faults = "drop-ack";
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
     next_faults = NULL;
     next_transfer_ms = 5000;
     for (int k = 0; k < 2; k++) {
@@ -553,10 +497,10 @@ static void reset_before_sender(int resume_first)
     const uint64_t room_c = 91, room_a = 92;
 
     next_faults = "reset@0/91";                 /* room C's first byte */
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     next_faults = NULL;
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
             pre.kv[b][i] = (uint8_t)(i * 3 + b * 17 + 5);
@@ -652,10 +596,10 @@ static void test_failed_room_keeps_pages_until_reads_end(void)
     kvf_receiver_t *r;
     kvf_failure_t df;
 
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     next_faults = "readstall@0:2000";
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
     next_faults = NULL;
     for (int i = 0; i < PAGES; i++)
         pages[i] = (uint32_t)i;
@@ -702,7 +646,7 @@ static void test_trickling_handshake_is_closed(void)
 
     setenv("KVF_HANDSHAKE_TIMEOUT_MS", "500", 1);
     next_hb_timeout_ms = 10000;       /* far past the handshake deadline */
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     next_hb_timeout_ms = 2500;
     unsetenv("KVF_HANDSHAKE_TIMEOUT_MS");
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
@@ -713,11 +657,8 @@ static void test_trickling_handshake_is_closed(void)
     kvf_buf_init(&frame);
     kvf_msg_t m = {.type = KVF_MSG_HEARTBEAT};
     CHECK_EQ_INT(kvf_wire_encode(&frame, &m), KVF_OK);
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
+    int fd = dial(port_of(pre.eng));
+    CHECK(fd >= 0);
     uint64_t t0 = kvf_now_ms();
     int closed = 0;
     for (size_t i = 0; !closed && kvf_now_ms() - t0 < 4000; i++) {
@@ -747,108 +688,22 @@ static void test_trickling_handshake_is_closed(void)
  * engine's connection on a plain socket and speaks the wire protocol
  * through the codec.
  */
-typedef struct fake_peer {
-    int     lfd, fd, port;
-    uint8_t body[1 << 16];
-} fake_peer_t;
+typedef wp_peer_t fake_peer_t;
 
-static void fake_listen(fake_peer_t *f)
+/* The layout side_init registers, with `heads` of the HEADS per rank, as
+ * rank 0 of TP HEADS / heads. */
+static void fake_init(fake_peer_t *f, uint32_t heads)
 {
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    socklen_t len = sizeof(sa);
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    f->lfd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(f->lfd >= 0 && bind(f->lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
-          listen(f->lfd, 1) == 0);
-    getsockname(f->lfd, (struct sockaddr *)&sa, &len);
-    f->port = ntohs(sa.sin_port);
-    f->fd = -1;
+    f->lay = (wp_layout_t){.page = PAGE, .pages = PAGES, .layers = LAYERS, .num_kv = NKV,
+                           .hpr = heads, .total_heads = HEADS, .head_b = HEAD_B,
+                           .aux_b = AUX_B, .slots = SLOTS, .state_slots = SLOTS,
+                           .tp_size = HEADS / heads, .instance_id = 0x5eed};
 }
 
 /* Exactly n bytes, or 0 after 5 s (or at EOF). */
 static int fake_read(int fd, uint8_t *p, size_t n)
 {
     return wp_read(fd, p, n, 5000);
-}
-
-/* The room instance of each ROOM_REQ a fake prefill saw, by room id % 256:
- * what its frames for the room must name. */
-static uint64_t fake_inst[256];
-
-/* The next message of `type` the decode engine sends (others skipped). */
-static int fake_expect(fake_peer_t *f, uint8_t type, kvf_msg_t *m)
-{
-    char err[256];
-    for (;;) {
-        uint8_t h[KVF_WIRE_HDR_LEN];
-        kvf_wire_hdr_t hdr;
-        if (!fake_read(f->fd, h, sizeof(h)) ||
-            kvf_wire_parse_header(h, &hdr, err, sizeof(err)) != KVF_OK ||
-            hdr.length > sizeof(f->body) || !fake_read(f->fd, f->body, hdr.length) ||
-            kvf_wire_decode(&hdr, f->body, m, err, sizeof(err)) != KVF_OK)
-            return 0;
-        if (hdr.type == KVF_MSG_ROOM_REQ)
-            fake_inst[m->u.room_req.room % 256] = m->u.room_req.instance;
-        if (hdr.type == type)
-            return 1;
-    }
-}
-
-static void fake_send(fake_peer_t *f, const kvf_msg_t *m, const uint8_t *payload, size_t n)
-{
-    kvf_buf_t b;
-    kvf_buf_init(&b);
-    CHECK_EQ_INT(kvf_wire_encode(&b, m), KVF_OK);
-    CHECK(kvf_buf_append(&b, payload, n) == KVF_OK);
-    CHECK(send(f->fd, b.data, b.len, MSG_NOSIGNAL) == (ssize_t)b.len);
-    kvf_buf_free(&b);
-}
-
-/* The layout side_init registers, with `heads` of the HEADS per rank, as
- * rank 0 of TP HEADS / heads. */
-static void fake_hello(fake_peer_t *f, kvf_role_t role, uint32_t heads)
-{
-    uint64_t kb[NKV], ki[NKV], kt[NKV], ab = AUX_B, ai = SLOTS, sb = 8, si = SLOTS;
-    uint32_t one = 1;
-    char addr[32];
-    for (int i = 0; i < NKV; i++) {
-        kb[i] = (uint64_t)PAGE * heads * HEAD_B;
-        ki[i] = PAGES;
-        kt[i] = kvf_wire_tag((uint32_t)i / 2, (uint32_t)i % 2, 0);   /* K, V per layer */
-    }
-    snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
-    kvf_msg_t m = {.type = KVF_MSG_HELLO};
-    kvf_msg_hello_t *h = &m.u.hello;
-    h->magic = KVF_WIRE_MAGIC;
-    h->version = KVF_WIRE_VERSION;
-    h->role = (uint8_t)role;
-    h->instance_id = 0x5eed;
-    h->tp_size = HEADS / heads;
-    h->pp_size = h->dp_size = 1;
-    h->addr = (kvf_wire_str_t){addr, (uint32_t)strlen(addr)};
-    h->layout.page_size = PAGE;
-    h->layout.kv_dtype = (kvf_wire_str_t){"bfloat16", 8};
-    h->layout.attn = KVF_ATTN_MHA;
-    h->layout.num_layers = LAYERS;
-    h->layout.heads_per_rank = heads;
-    h->layout.total_heads = HEADS;
-    h->layout.bytes_per_head = HEAD_B;
-    h->layout.kv_item_bytes = (kvf_wire_arr64_t){NKV, kb, NULL};
-    h->layout.kv_items = (kvf_wire_arr64_t){NKV, ki, NULL};
-    h->layout.aux_item_bytes = (kvf_wire_arr64_t){1, &ab, NULL};
-    h->layout.aux_items = (kvf_wire_arr64_t){1, &ai, NULL};
-    h->layout.state_item_bytes = (kvf_wire_arr64_t){1, &sb, NULL};
-    h->layout.state_items = (kvf_wire_arr64_t){1, &si, NULL};
-    h->layout.state_groups = (kvf_wire_arr32_t){1, &one, NULL};   /* a plain state buffer */
-    h->layout.kv_tags = (kvf_wire_arr64_t){NKV, kt, NULL};
-    fake_send(f, &m, NULL, 0);
-}
-
-/* The XPORT entry of capabilities, `bits` in `blob`. */
-static kvf_wire_xport_t caps_xport(uint8_t blob[4], uint32_t bits)
-{
-    kvf_put_u32(blob, bits);
-    return (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, blob, 4};
 }
 
 /* DATA for `room`: segments, then as many payload bytes as they hold. */
@@ -863,29 +718,12 @@ static void fake_data(fake_peer_t *f, uint64_t room, const kvf_wire_seg_t *segs,
     for (size_t i = 0; i < bytes; i++)
         payload[i] = (uint8_t)(i * 31 + 7);
     m.u.data.room = room;
-    m.u.data.instance = fake_inst[room % 256];
+    m.u.data.instance = f->inst[room % 256];
     m.u.data.payload_len = bytes;
     m.u.data.nseg = n;
     m.u.data.segs = segs;
     m.u.data.strided = 1;
-    fake_send(f, &m, payload, bytes);
-}
-
-static int all_zero(const uint8_t *p, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (p[i] != 0)
-            return 0;
-    return 1;
-}
-
-static void check_refused(kvf_receiver_t *r, kvf_status_t status, const char *why)
-{
-    kvf_failure_t f;
-    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
-    CHECK_EQ_INT(f.status, status);
-    CHECK_STR_CONTAINS(f.reason, why);
+    wp_peer_send(f, &m, payload, bytes);
 }
 
 #define SEG(kind, buf, off, len, count, dstr, sstr) \
@@ -905,21 +743,17 @@ static void test_hostile_strided_segments(void)
     kvf_bootstrap_t *bs;
     kvf_receiver_t *r[NR];
     fake_peer_t *f = calloc(1, sizeof(*f));
-    char addr[64], err[256];
+    char addr[64];
     side_t dec;
     kvf_msg_t m;
 
-    transport = "tcp";
+    side_transport = "tcp";
     CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 0, &bs), KVF_OK);
     snprintf(addr, sizeof(addr), "127.0.0.1:%d", kvf_bootstrap_port(bs));
-    fake_listen(f);
-    kvf_bs_reg_t reg = {
-        .attn_tp_size = 1, .attn_cp_size = 1, .attn_dp_size = 1, .pp_size = 1,
-        .system_dp_size = 1, .rank_ip = "127.0.0.1", .rank_port = f->port,
-        .page_size = PAGE, .kv_cache_dtype = "bfloat16",
-    };
-    CHECK_EQ_INT(kvf__bs_register(addr, &reg, 3000, err, sizeof(err)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, addr, 0, PAGE, "bfloat16", 1);
+    fake_init(f, HEADS);
+    wp_listen(f);
+    wp_register(f, addr);
+    eside(&dec, KVF_ROLE_DECODE, addr, 1);
     for (int i = 0; i < NR; i++) {
         uint32_t state = (uint32_t)i;
         CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 100 + (uint64_t)i, -1, &r[i]),
@@ -927,26 +761,16 @@ static void test_hostile_strided_segments(void)
         CHECK_EQ_INT(kvf_receiver_init(r[i], &page[i], 1, (uint32_t)i, &state, 1), KVF_OK);
     }
 
-    struct pollfd pfd = {f->lfd, POLLIN, 0};
-    CHECK(poll(&pfd, 1, 5000) == 1);
-    f->fd = accept(f->lfd, NULL, NULL);
-    CHECK(f->fd >= 0);
-    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_PREFILL, 0, NULL));
-    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
-    fake_hello(f, KVF_ROLE_PREFILL, HEADS);
-    uint8_t caps[4];
-    kvf_msg_t x = {.type = KVF_MSG_XPORT};
-    x.u.xport.count = 1;
-    x.u.xport.x[0] = caps_xport(caps, KVF_CAP_STRIDED);
-    fake_send(f, &x, NULL, 0);
+    wp_accept_hello(f, NULL);
+    wp_xport(f, KVF_CAP_STRIDED);
     /* The decode engine takes the stream and accepts strided segments. */
-    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    CHECK(wp_peer_expect(f, KVF_MSG_XPORT, &m));
     CHECK(m.u.xport.count == 1 && m.u.xport.x[0].name.len == 4 &&
           memcmp(m.u.xport.x[0].name.ptr, "caps", 4) == 0 &&
           m.u.xport.x[0].blob_len == 4 &&
           kvf_get_u32(m.u.xport.x[0].blob) == KVF_CAP_STRIDED);
     for (int i = 0; i < NR; i++)
-        CHECK(fake_expect(f, KVF_MSG_ROOM_REQ, &m));
+        CHECK(wp_peer_expect(f, KVF_MSG_ROOM_REQ, &m));
 
     /* Good: every KV buffer's page as PAGE pieces of a token, then aux and
      * state; the payload is the pieces in order. */
@@ -959,9 +783,9 @@ static void test_hostile_strided_segments(void)
     fake_data(f, 100 + R_GOOD, good, NKV + 2);
     kvf_msg_t done = {.type = KVF_MSG_DONE};
     done.u.done.room = 100 + R_GOOD;
-    done.u.done.instance = fake_inst[100 + R_GOOD];
+    done.u.done.instance = f->inst[100 + R_GOOD];
     done.u.done.bytes = NKV * PAGE_B + AUX_B + 8;
-    fake_send(f, &done, NULL, 0);
+    wp_peer_send(f, &done, NULL, 0);
     CHECK_EQ_INT(wait_receiver(r[R_GOOD], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < PAGE_B; i++)
@@ -975,7 +799,7 @@ static void test_hostile_strided_segments(void)
     kvf_wire_seg_t past = SEG(KVF_BUF_KV, 0, page[R_PAST] * (uint64_t)PAGE_B,
                               (uint32_t)tok, PAGE + 1, tok, tok);
     fake_data(f, 100 + R_PAST, &past, 1);
-    check_refused(r[R_PAST], KVF_ERR_BAD_INDICES, "outside the pages the room declared");
+    check_recv_failed(r[R_PAST], KVF_ERR_BAD_INDICES, "outside the pages the room declared", NULL);
 
     /* A good segment, then one whose last piece reaches into page 10, which
      * room R_OTHER declared: nothing of the frame is placed. */
@@ -984,7 +808,7 @@ static void test_hostile_strided_segments(void)
         SEG(KVF_BUF_KV, 0, page[R_INTO] * (uint64_t)PAGE_B + tok, HEAD_B, PAGE, tok, tok),
     };
     fake_data(f, 100 + R_INTO, into, 2);
-    check_refused(r[R_INTO], KVF_ERR_BAD_INDICES, "segment 1: bytes");
+    check_recv_failed(r[R_INTO], KVF_ERR_BAD_INDICES, "segment 1: bytes", NULL);
     CHECK(all_zero(dec.kv[1] + page[R_INTO] * PAGE_B, PAGE_B));
     CHECK(all_zero(dec.kv[0] + page[R_INTO] * PAGE_B, 2 * PAGE_B));
     CHECK(kvf_receiver_poll(r[R_OTHER]) == KVF_POLL_WAITING_FOR_INPUT);
@@ -993,12 +817,12 @@ static void test_hostile_strided_segments(void)
     kvf_wire_seg_t far = SEG(KVF_BUF_KV, 0, page[R_FAR] * (uint64_t)PAGE_B, (uint32_t)tok,
                              2, 1ull << 40, tok);
     fake_data(f, 100 + R_FAR, &far, 1);
-    check_refused(r[R_FAR], KVF_ERR_BAD_INDICES, "outside the pages the room declared");
+    check_recv_failed(r[R_FAR], KVF_ERR_BAD_INDICES, "outside the pages the room declared", NULL);
 
     /* Aux: three 8-byte pieces from the slot's start run past its 16 bytes. */
     kvf_wire_seg_t aux = SEG(KVF_BUF_AUX, 0, R_AUX * AUX_B, 8, 3, 8, 8);
     fake_data(f, 100 + R_AUX, &aux, 1);
-    check_refused(r[R_AUX], KVF_ERR_BAD_INDICES, "outside the room's slot");
+    check_recv_failed(r[R_AUX], KVF_ERR_BAD_INDICES, "outside the room's slot", NULL);
     CHECK(all_zero(dec.aux + (R_AUX + 1) * AUX_B, AUX_B));
 
     /* Still untouched, still live; then a stride that wraps around 64 bits,
@@ -1008,7 +832,7 @@ static void test_hostile_strided_segments(void)
     kvf_wire_seg_t ws = SEG(KVF_BUF_KV, 0, page[R_OTHER] * (uint64_t)PAGE_B, 8, 3,
                             UINT64_MAX / 2, 8);
     wrap.u.data.room = 100 + R_OTHER;
-    wrap.u.data.instance = fake_inst[100 + R_OTHER];
+    wrap.u.data.instance = f->inst[100 + R_OTHER];
     wrap.u.data.payload_len = 24;
     wrap.u.data.nseg = 1;
     wrap.u.data.segs = &ws;
@@ -1021,14 +845,13 @@ static void test_hostile_strided_segments(void)
     kvf_put_u64(b.data + KVF_WIRE_HDR_LEN + 32 + 21, UINT64_MAX / 2);  /* dst_stride */
     CHECK(send(f->fd, b.data, b.len, MSG_NOSIGNAL) == (ssize_t)b.len);
     kvf_buf_free(&b);
-    check_refused(r[R_OTHER], KVF_ERR_PROTOCOL, "overflows");
+    check_recv_failed(r[R_OTHER], KVF_ERR_PROTOCOL, "overflows", NULL);
     CHECK(all_zero(dec.kv[0] + page[R_OTHER] * PAGE_B, PAGE_B));
 
     for (int i = 0; i < NR; i++)
         kvf_receiver_destroy(r[i]);
     side_fini(&dec);
-    close(f->fd);
-    close(f->lfd);
+    wp_close(f);
     free(f);
     kvf_bootstrap_destroy(bs);
 }
@@ -1053,20 +876,11 @@ typedef struct fake_rx {
 static fake_peer_t *fake_decode_connect(side_t *pre, uint64_t room, uint32_t accept)
 {
     fake_peer_t *f = calloc(1, sizeof(*f));
-    char addr[64];
     kvf_msg_t m;
 
-    CHECK_EQ_INT(kvf_engine_address(pre->eng, addr, sizeof(addr)), KVF_OK);
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    f->fd = socket(AF_INET, SOCK_STREAM, 0);
-    f->lfd = -1;
-    CHECK(connect(f->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
-    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_DECODE, 1, NULL));
-    fake_hello(f, KVF_ROLE_DECODE, 1);
-    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
-    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    fake_init(f, 1);
+    wp_connect_hello(f, pre->eng, NULL);
+    CHECK(wp_peer_expect(f, KVF_MSG_XPORT, &m));
     int offered = 0;
     for (uint32_t i = 0; i < m.u.xport.count; i++)
         offered |= m.u.xport.x[i].name.len == 4 &&
@@ -1074,11 +888,7 @@ static fake_peer_t *fake_decode_connect(side_t *pre, uint64_t room, uint32_t acc
                    m.u.xport.x[i].blob_len == 4 &&
                    (kvf_get_u32(m.u.xport.x[i].blob) & KVF_CAP_STRIDED) != 0;
     CHECK(offered);
-    uint8_t caps[4];
-    kvf_msg_t x = {.type = KVF_MSG_XPORT};
-    if (accept != 0)
-        x.u.xport.x[x.u.xport.count++] = caps_xport(caps, accept);
-    fake_send(f, &x, NULL, 0);
+    wp_xport(f, accept);
     uint32_t dpage = 3, dstate = 2;
     kvf_msg_t req = {.type = KVF_MSG_ROOM_REQ};
     req.u.room_req.room = room;
@@ -1089,7 +899,7 @@ static fake_peer_t *fake_decode_connect(side_t *pre, uint64_t room, uint32_t acc
     uint32_t one_state = 1;
     req.u.room_req.state_counts = (kvf_wire_arr32_t){1, &one_state, NULL};
     req.u.room_req.state_idx = (kvf_wire_arr32_t){1, &dstate, NULL};
-    fake_send(f, &req, NULL, 0);
+    wp_peer_send(f, &req, NULL, 0);
     return f;
 }
 
@@ -1150,11 +960,11 @@ static void fake_decode_room(side_t *pre, const char *bs, uint64_t room, uint32_
     ack.u.done_ack.room = room;
     ack.u.done_ack.instance = 0x1257a9ce0000ull + room;
     ack.u.done_ack.bytes = rx->bytes;
-    fake_send(f, &ack, NULL, 0);
+    wp_peer_send(f, &ack, NULL, 0);
     wait_final(s, NULL);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     kvf_sender_destroy(s);
-    close(f->fd);
+    wp_close(f);
     free(f);
 }
 
@@ -1173,9 +983,9 @@ static void test_deadline_while_peer_lost(void)
     kvf_failure_t pf;
     uint32_t spage = 20, sstate = 4;
 
-    transport = "tcp";
+    side_transport = "tcp";
     next_transfer_ms = 600;            /* well inside the 2.5 s wait for the peer */
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
     next_transfer_ms = 5000;
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     fake_peer_t *f = fake_decode_connect(&pre, 61, 0);
@@ -1220,8 +1030,8 @@ static void test_reset_with_puts_queued(void)
     kvf_failure_t pf;
     uint32_t spage = 20, sstate = 4;
 
-    transport = "tcp";
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    side_transport = "tcp";
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     fake_peer_t *f = fake_decode_connect(&pre, 62, 0);
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 62, &s), KVF_OK);
@@ -1281,7 +1091,7 @@ static void test_resume_of_unread_request(void)
     uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
     uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
 
-    transport = "tcp";
+    side_transport = "tcp";
     pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
     CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
     int port = atoi(strrchr(addr, ':') + 1);
@@ -1355,8 +1165,8 @@ static void test_strided_only_when_accepted(void)
     char bs[64];
     static fake_rx_t plain, strided;
 
-    transport = "tcp";
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 1);
+    side_transport = "tcp";
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
@@ -1410,10 +1220,10 @@ static void test_reset_with_sends_queued(void)
     uint32_t src[PAGES], dst[PAGES];
 
     next_faults = "reset@4096";         /* half a room's bytes */
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, PAGE, "bfloat16", 0);
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     next_faults = NULL;
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0, PAGE, "bfloat16", 0);
+    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
             pre.kv[b][i] = (uint8_t)(i * 13 + b * 5 + 1);
@@ -1489,7 +1299,7 @@ static void test_dropped_ack_times_out(void)
     next_transfer_ms = 1000;
     faulty_room(NULL, "drop-ack", 0, &ps, &ds, &pf, &df, &ok);
     next_transfer_ms = 5000;
-    if (strcmp(transport, "tcp") == 0) {
+    if (strcmp(side_transport, "tcp") == 0) {
         CHECK_EQ_INT(ds, KVF_POLL_SUCCESS);   /* the bytes came in the stream */
         CHECK(ok);
     } else {
@@ -1562,62 +1372,62 @@ static void test_status_strings(void)
 }
 
 /* The same cases again with payload pulled over shm. */
-static void test_one_room_shm(void) { transport = "shm"; test_one_room(); }
+static void test_one_room_shm(void) { side_transport = "shm"; test_one_room(); }
 /* Prefill memory from kvf_mem_alloc: the decode side maps it (memcpy). */
 static void test_one_room_shm_mapped(void)
 {
-    transport = "shm";
-    mem_alloc = 1;
+    side_transport = "shm";
+    side_mem_alloc = 1;
     test_one_room();
     test_reset_resumes();
-    mem_alloc = 0;
+    side_mem_alloc = 0;
 }
-static void test_page_size_mismatch_shm(void) { transport = "shm"; test_page_size_mismatch(); }
-static void test_reset_resumes_shm(void) { transport = "shm"; test_reset_resumes(); }
+static void test_page_size_mismatch_shm(void) { side_transport = "shm"; test_page_size_mismatch(); }
+static void test_reset_resumes_shm(void) { side_transport = "shm"; test_reset_resumes(); }
 static void test_repeated_resets_give_up_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_repeated_resets_give_up();
 }
 static void test_corrupt_fails_with_checksum_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_corrupt_fails_with_checksum();
 }
 static void test_read_faults_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_failed_read_fails_the_room_only();
     test_failed_room_keeps_pages_until_reads_end();
 }
 static void test_bad_source_fails_the_room_only_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_bad_source_fails_the_room_only();
 }
 static void test_reset_while_done_waits_for_reads_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_reset_while_done_waits_for_reads();
 }
 static void test_reset_while_link_confirms_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_reset_while_link_confirms();
 }
 static void test_reset_before_sender_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_reset_before_sender();
 }
 static void test_fault_kept_to_one_room_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_fault_kept_to_one_room();
 }
 static void test_dropped_ack_times_out_shm(void)
 {
-    transport = "shm";
+    side_transport = "shm";
     test_dropped_ack_times_out();
 }
 
@@ -1628,7 +1438,7 @@ static void test_over_ucx(void)
 #ifdef KVF_HAVE_UCX
     setenv("UCX_TLS", "tcp", 1);
     setenv("KVF_UCX_SOFTWARE_RMA", "allow", 1);
-    transport = "ucx";
+    side_transport = "ucx";
     test_one_room();
     test_page_size_mismatch();
     test_reset_resumes();

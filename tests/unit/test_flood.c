@@ -212,7 +212,7 @@ static double proc_cpu_s(pid_t pid)
  * nothing left in their receive queues (waits 10 s at most). */
 static int engine_read_all(int port, int n)
 {
-    for (uint64_t until = kvf_now_ms() + 10000; kvf_now_ms() < until; pause_ms(5)) {
+    for (uint64_t until = kvf_now_ms() + 10000; kvf_now_ms() < until; sleep_ms(5)) {
         char line[512];
         int seen = 0, queued = 0;
         FILE *f = fopen("/proc/net/tcp", "r");
@@ -335,7 +335,7 @@ static void test_strangers_cost_little_memory(void)
     /* A room first: what a legitimate peer costs is in the baseline. */
     kvf_receiver_t *r = legit_recv_start(&dec, bs, 1);
     engine_child_serve(&ch, 1);
-    CHECK_EQ_INT(recv_wait(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(engine_child_result(&ch), KVF_POLL_SUCCESS);
     kvf_receiver_destroy(r);
     uint64_t refused0 = engine_child_ask(&ch, CMD_REFUSED);
@@ -373,7 +373,7 @@ static void test_strangers_cost_little_memory(void)
 
     r = legit_recv_start(&dec, bs, 2);
     engine_child_serve(&ch, 2);
-    CHECK_EQ_INT(recv_wait(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(legit_bytes(&dec));
     CHECK_EQ_INT(engine_child_result(&ch), KVF_POLL_SUCCESS);
     kvf_receiver_destroy(r);
@@ -451,7 +451,7 @@ static void test_descriptor_flood_sheds(void)
     /* The window ends when the engine has closed every one of them. */
     CHECK_EQ_INT(strangers_closed(fds, n, 10000), n);
     double cpu = proc_cpu_s(ch.pid) - cpu0, wall = (double)(kvf_now_ms() - t0) / 1000.0;
-    CHECK_EQ_INT(recv_wait(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(legit_bytes(&dec));
     CHECK_EQ_INT(engine_child_result(&ch), KVF_POLL_SUCCESS);
     kvf_receiver_destroy(r);
@@ -471,6 +471,20 @@ static void test_descriptor_flood_sheds(void)
     close(logfd);
     side_tune = NULL;
     tune_bootstrap_ms = 0;
+}
+
+/* The prefill engine turned a connection away, or the room moved on. */
+typedef struct refusal {
+    kvf_engine_t   *pre;
+    kvf_receiver_t *r;
+    uint64_t        before;
+} refusal_t;
+
+static int refused_or_moved(const void *arg)
+{
+    const refusal_t *rf = arg;
+    return kvf_engine_auth_refused(rf->pre) != rf->before ||
+           kvf_receiver_poll(rf->r) != KVF_POLL_BOOTSTRAPPING;
 }
 
 /*
@@ -502,13 +516,12 @@ static void test_dialler_waits_out_a_full_queue(void)
     CHECK_EQ_INT(strangers_open(fds, N, port), N);
     uint64_t before = kvf_engine_auth_refused(pre.eng);
     kvf_receiver_t *r = legit_recv_start(&dec, bs, 4);
-    while (kvf_engine_auth_refused(pre.eng) == before &&
-           kvf_receiver_poll(r) == KVF_POLL_BOOTSTRAPPING)
-        pause_ms(1);
+    refusal_t rf = {pre.eng, r, before};
+    CHECK(wait_until(refused_or_moved, &rf, KVF_TEST_WAIT_MS));
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_BOOTSTRAPPING);
     strangers_close(fds, N);
     CHECK_EQ_INT(legit_send(&pre, bs, 4), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(recv_wait(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(legit_bytes(&dec));
     kvf_receiver_destroy(r);
     side_fini(&dec);
@@ -553,7 +566,7 @@ static void test_full_queue_fails_at_the_deadline(void)
 
     CHECK_EQ_INT(strangers_open(fds, N, port_of(pre.eng)), N);
     kvf_receiver_t *r = legit_recv_start(&dec, bs, 6);
-    CHECK_EQ_INT(recv_wait(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_TIMED_OUT);
     CHECK_STR_CONTAINS(f.reason, "room 6 made no progress in Bootstrapping");

@@ -345,69 +345,17 @@ static void test_unknown_order_refused(void)
 /* ---- hand-written peers -------------------------------------------------- */
 
 typedef struct fake {
-    int      lfd, fd, port;
-    int      tp_rank, tp_size;
-    uint32_t hpr, total;             /* heads per rank, of the model */
-    uint64_t inst[256];              /* per room id % 256: its ROOM_REQ's */
-    uint32_t aux_slot[256];
-    uint64_t sum;                    /* XXH3 of the last DATA's payload */
-    uint8_t  body[1 << 16];
+    wp_peer_t p;
+    uint64_t  sum;                   /* XXH3 of the last DATA's payload */
 } fake_t;
 
-/* The next frame of `type` (others skipped); a ROOM_REQ's instance and
- * aux slot are remembered. */
-static int fake_expect(fake_t *f, uint8_t type, kvf_msg_t *m)
+/* An HND layout of NKV buffers, one head of 2, as rank `rank` of TP 2. */
+static void fake_init(fake_t *f, int rank)
 {
-    if (!wp_expect(f->fd, type, m, f->body, sizeof(f->body), 5000))
-        return 0;
-    if (type == KVF_MSG_ROOM_REQ) {
-        f->inst[m->u.room_req.room % 256] = m->u.room_req.instance;
-        f->aux_slot[m->u.room_req.room % 256] = m->u.room_req.aux_slot;
-    }
-    return 1;
-}
-
-/* An HND layout of NKV buffers, f's heads, as rank tp_rank of tp_size. */
-static void fake_hello(fake_t *f, kvf_role_t role)
-{
-    uint64_t kb[NKV], ki[NKV], kt[NKV], ab = AUX_B, ai = SLOTS;
-    char addr[32];
-    for (int i = 0; i < NKV; i++) {
-        kb[i] = (uint64_t)PAGE * f->hpr * HEAD_B;
-        ki[i] = PAGES;
-        kt[i] = kvf_wire_tag((uint32_t)i / 2, (uint32_t)i % 2, 0);
-    }
-    snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
-    kvf_msg_t m = {.type = KVF_MSG_HELLO};
-    kvf_msg_hello_t *h = &m.u.hello;
-    h->magic = KVF_WIRE_MAGIC;
-    h->version = KVF_WIRE_VERSION;
-    h->role = (uint8_t)role;
-    h->instance_id = 0x5eed0000ull + (uint64_t)f->port;
-    h->tp_rank = (uint32_t)f->tp_rank;
-    h->tp_size = (uint32_t)f->tp_size;
-    h->pp_size = h->dp_size = 1;
-    h->addr = (kvf_wire_str_t){addr, (uint32_t)strlen(addr)};
-    h->layout.page_size = PAGE;
-    h->layout.kv_dtype = (kvf_wire_str_t){"bfloat16", 8};
-    h->layout.attn = KVF_ATTN_MHA;
-    h->layout.num_layers = LAYERS;
-    h->layout.heads_per_rank = f->hpr;
-    h->layout.total_heads = f->total;
-    h->layout.bytes_per_head = HEAD_B;
-    h->layout.kv_item_bytes = (kvf_wire_arr64_t){NKV, kb, NULL};
-    h->layout.kv_items = (kvf_wire_arr64_t){NKV, ki, NULL};
-    h->layout.aux_item_bytes = (kvf_wire_arr64_t){1, &ab, NULL};
-    h->layout.aux_items = (kvf_wire_arr64_t){1, &ai, NULL};
-    h->layout.kv_tags = (kvf_wire_arr64_t){NKV, kt, NULL};
-    h->layout.kv_order = KVF_KV_HND;
-    CHECK(wp_send(f->fd, &m, NULL, 0));
-}
-
-static kvf_wire_xport_t caps_xport(uint8_t blob[4], uint32_t bits)
-{
-    kvf_put_u32(blob, bits);
-    return (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, blob, 4};
+    f->p.lay = (wp_layout_t){.page = PAGE, .pages = PAGES, .layers = LAYERS, .num_kv = NKV,
+                             .hpr = 1, .total_heads = 2, .head_b = HEAD_B, .aux_b = AUX_B,
+                             .slots = SLOTS, .tp_rank = (uint32_t)rank, .tp_size = 2,
+                             .kv_order = KVF_KV_HND};
 }
 
 /* What a hand-written decode rank saw of one room. */
@@ -427,33 +375,17 @@ typedef struct fake_rx {
 static void fake_decode_room(side_t *pre, uint64_t room, uint32_t accept, fake_rx_t *rx)
 {
     fake_t *f = calloc(1, sizeof(*f));
-    char addr[64];
     kvf_msg_t m;
     kvf_sender_t *s;
 
     memset(rx, 0, sizeof(*rx));
     rx->min_len = UINT32_MAX;
-    CHECK_EQ_INT(kvf_engine_address(pre->eng, addr, sizeof(addr)), KVF_OK);
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    f->fd = socket(AF_INET, SOCK_STREAM, 0);
-    f->lfd = -1;
-    CHECK(connect(f->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
-    f->tp_rank = 1;
-    f->tp_size = 2;
-    f->hpr = 1;
-    f->total = 2;
-    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_DECODE, 1, NULL));
-    fake_hello(f, KVF_ROLE_DECODE);
-    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
-    CHECK_EQ_INT(m.u.hello.layout.kv_order, KVF_KV_HND);
-    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
-    uint8_t caps[4];
-    kvf_msg_t x = {.type = KVF_MSG_XPORT};
-    if (accept != 0)
-        x.u.xport.x[x.u.xport.count++] = caps_xport(caps, accept);
-    CHECK(wp_send(f->fd, &x, NULL, 0));
+    kvf_msg_hello_t theirs;
+    fake_init(f, 1);
+    wp_connect_hello(&f->p, pre->eng, &theirs);
+    CHECK_EQ_INT(theirs.layout.kv_order, KVF_KV_HND);
+    CHECK(wp_peer_expect(&f->p, KVF_MSG_XPORT, &m));
+    wp_xport(&f->p, accept);
     kvf_msg_t req = {.type = KVF_MSG_ROOM_REQ};
     req.u.room_req.room = room;
     req.u.room_req.instance = 0x1257a9ce0000ull + room;
@@ -461,7 +393,7 @@ static void fake_decode_room(side_t *pre, uint64_t room, uint32_t accept, fake_r
     req.u.room_req.expected_receivers = 1;
     req.u.room_req.aux_slot = KVF_NO_SLOT;
     req.u.room_req.pages = (kvf_wire_arr32_t){NPAGES, dst_pages, NULL};
-    CHECK(wp_send(f->fd, &req, NULL, 0));
+    CHECK(wp_send(f->p.fd, &req, NULL, 0));
 
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs_addr, room, &s), KVF_OK);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
@@ -471,10 +403,10 @@ static void fake_decode_room(side_t *pre, uint64_t room, uint32_t accept, fake_r
         uint8_t h[KVF_WIRE_HDR_LEN];
         kvf_wire_hdr_t hdr;
         char err[256];
-        if (!wp_read(f->fd, h, sizeof(h), 5000) ||
+        if (!wp_read(f->p.fd, h, sizeof(h), 5000) ||
             kvf_wire_parse_header(h, &hdr, err, sizeof(err)) != KVF_OK ||
-            hdr.length > sizeof(f->body) || !wp_read(f->fd, f->body, hdr.length, 5000) ||
-            kvf_wire_decode(&hdr, f->body, &m, err, sizeof(err)) != KVF_OK) {
+            hdr.length > sizeof(f->p.body) || !wp_read(f->p.fd, f->p.body, hdr.length, 5000) ||
+            kvf_wire_decode(&hdr, f->p.body, &m, err, sizeof(err)) != KVF_OK) {
             CHECK(!"the prefill engine's stream ended before DONE");
             break;
         }
@@ -498,17 +430,17 @@ static void fake_decode_room(side_t *pre, uint64_t room, uint32_t accept, fake_r
                 CHECK((sg.offset + (uint64_t)k * sg.dst_stride) % (PAGE * HEAD_B) == 0);
         }
         CHECK(rx->bytes + m.u.data.payload_len <= sizeof(rx->payload));
-        CHECK(wp_read(f->fd, rx->payload + rx->bytes, m.u.data.payload_len, 5000));
+        CHECK(wp_read(f->p.fd, rx->payload + rx->bytes, m.u.data.payload_len, 5000));
         rx->bytes += m.u.data.payload_len;
     }
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = room;
     ack.u.done_ack.instance = 0x1257a9ce0000ull + room;
     ack.u.done_ack.bytes = rx->bytes;
-    CHECK(wp_send(f->fd, &ack, NULL, 0));
+    CHECK(wp_send(f->p.fd, &ack, NULL, 0));
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     kvf_sender_destroy(s);
-    close(f->fd);
+    wp_close(&f->p);
     free(f);
 }
 
@@ -553,46 +485,20 @@ static void test_hnd_segments_per_page(void)
  * and registered in the registry at bs. */
 static void fake_prefill_listen(fake_t *f, int rank, const char *bs)
 {
-    char err[256];
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    socklen_t sl = sizeof(sa);
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    f->lfd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(f->lfd >= 0 && bind(f->lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
-          listen(f->lfd, 4) == 0);
-    getsockname(f->lfd, (struct sockaddr *)&sa, &sl);
-    f->port = ntohs(sa.sin_port);
-    f->fd = -1;
-    f->tp_rank = rank;
-    f->tp_size = 2;
-    f->hpr = 1;
-    f->total = 2;
-    kvf_bs_reg_t reg = {
-        .attn_tp_size = 2, .attn_tp_rank = rank, .attn_cp_size = 1, .attn_dp_size = 1,
-        .pp_size = 1, .system_dp_size = 1, .rank_ip = "127.0.0.1", .rank_port = f->port,
-        .page_size = PAGE, .kv_cache_dtype = "bfloat16",
-    };
-    CHECK_EQ_INT(kvf__bs_register(bs, &reg, 3000, err, sizeof(err)), KVF_OK);
+    fake_init(f, rank);
+    wp_listen(&f->p);
+    wp_register(&f->p, bs);
 }
 
 /* Take the decode engine's connection; handshake, offering strided segments. */
 static void fake_prefill_accept(fake_t *f)
 {
     kvf_msg_t m;
-    uint8_t caps[4];
-    struct pollfd pfd = {f->lfd, POLLIN, 0};
-    CHECK(poll(&pfd, 1, 5000) == 1);
-    f->fd = accept(f->lfd, NULL, NULL);
-    CHECK(f->fd >= 0);
-    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_PREFILL, 0, NULL));
-    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
-    CHECK_EQ_INT(m.u.hello.layout.kv_order, KVF_KV_HND);
-    fake_hello(f, KVF_ROLE_PREFILL);
-    kvf_msg_t x = {.type = KVF_MSG_XPORT};
-    x.u.xport.count = 1;
-    x.u.xport.x[0] = caps_xport(caps, KVF_CAP_STRIDED);
-    CHECK(wp_send(f->fd, &x, NULL, 0));
-    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    kvf_msg_hello_t theirs;
+    wp_accept_hello(&f->p, &theirs);
+    CHECK_EQ_INT(theirs.layout.kv_order, KVF_KV_HND);
+    wp_xport(&f->p, KVF_CAP_STRIDED);
+    CHECK(wp_peer_expect(&f->p, KVF_MSG_XPORT, &m));
 }
 
 /* DATA for `room` from f: the segments, and as many payload bytes, each a
@@ -609,14 +515,14 @@ static void fake_data(fake_t *f, uint64_t room, const kvf_wire_seg_t *segs, uint
         payload[i] = (uint8_t)(i * 31 + 7 + salt * 101);
     kvf_msg_t m = {.type = KVF_MSG_DATA};
     m.u.data.room = room;
-    m.u.data.instance = f->inst[room % 256];
-    m.u.data.src_rank = (uint32_t)f->tp_rank;
+    m.u.data.instance = f->p.inst[room % 256];
+    m.u.data.src_rank = (uint32_t)f->p.lay.tp_rank;
     m.u.data.payload_len = bytes;
     m.u.data.nseg = n;
     m.u.data.segs = segs;
     m.u.data.strided = 1;
     f->sum = XXH3_64bits(payload, bytes);
-    CHECK(wp_send(f->fd, &m, payload, bytes));
+    CHECK(wp_send(f->p.fd, &m, payload, bytes));
 }
 
 /* DONE after one DATA frame: its bytes and checksum. */
@@ -624,36 +530,16 @@ static void fake_done(fake_t *f, uint64_t room, uint64_t bytes)
 {
     kvf_msg_t m = {.type = KVF_MSG_DONE};
     m.u.done.room = room;
-    m.u.done.instance = f->inst[room % 256];
-    m.u.done.src_rank = (uint32_t)f->tp_rank;
+    m.u.done.instance = f->p.inst[room % 256];
+    m.u.done.src_rank = (uint32_t)f->p.lay.tp_rank;
     m.u.done.bytes = bytes;
     m.u.done.has_checksum = 1;
     m.u.done.checksum = f->sum;
-    CHECK(wp_send(f->fd, &m, NULL, 0));
+    CHECK(wp_send(f->p.fd, &m, NULL, 0));
 }
 
 #define SEG(buf, off, len, count, dstr, sstr) \
     ((kvf_wire_seg_t){KVF_BUF_KV, (buf), (off), (len), (count), (dstr), (sstr)})
-
-/* The room failed with `status`, its reason saying `why` and `why2`. */
-static void check_refused(kvf_receiver_t *r, kvf_status_t status, const char *why,
-                          const char *why2)
-{
-    kvf_failure_t f;
-    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
-    CHECK_EQ_INT(f.status, status);
-    CHECK_STR_CONTAINS(f.reason, why);
-    CHECK_STR_CONTAINS(f.reason, why2);
-}
-
-static int all_zero(const uint8_t *p, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        if (p[i] != 0)
-            return 0;
-    return 1;
-}
 
 /*
  * A real HND decode engine (TP 1, 2 heads) fed by two hand-written HND
@@ -690,7 +576,7 @@ static void test_hostile_hnd_segments(void)
         fake_prefill_accept(f[k]);
     for (int k = 0; k < 2; k++)
         for (int i = 0; i < NR; i++)
-            CHECK(fake_expect(f[k], KVF_MSG_ROOM_REQ, &m));
+            CHECK(wp_peer_expect(&f[k]->p, KVF_MSG_ROOM_REQ, &m));
 
     /* Good: rank k's head of both pages of every buffer, a strided segment
      * each (a piece per page), plus aux from the rank asked for it. */
@@ -701,9 +587,9 @@ static void test_hostile_hnd_segments(void)
         for (uint32_t b = 0; b < NKV; b++)
             good[n++] = SEG(b, page[R_GOOD][0] * pb + (uint64_t)k * hb, (uint32_t)hb, 2, pb,
                             hb);
-        if (f[k]->aux_slot[40 + R_GOOD] != KVF_NO_SLOT)
+        if (f[k]->p.aux_slot[40 + R_GOOD] != KVF_NO_SLOT)
             good[n++] = (kvf_wire_seg_t){KVF_BUF_AUX, 0,
-                                         f[k]->aux_slot[40 + R_GOOD] * (uint64_t)AUX_B,
+                                         f[k]->p.aux_slot[40 + R_GOOD] * (uint64_t)AUX_B,
                                          AUX_B, 1, 0, 0};
         fake_data(f[k], 40 + R_GOOD, good, n, k);
         for (uint32_t i = 0; i < n; i++)
@@ -727,7 +613,7 @@ static void test_hostile_hnd_segments(void)
     /* Rank 1 sends its bytes at head 0 of the page: rank 0's. */
     kvf_wire_seg_t head = SEG(0, page[R_HEAD][0] * pb, (uint32_t)hb, 2, pb, hb);
     fake_data(f[1], 40 + R_HEAD, &head, 1, 1);
-    check_refused(r[R_HEAD], KVF_ERR_PROTOCOL, "segment 0: bytes [",
+    check_recv_failed(r[R_HEAD], KVF_ERR_PROTOCOL, "segment 0: bytes [",
                   "of KV buffer 0 are not this peer's heads of one page (HND pages)");
     CHECK(all_zero(dec.kv[0] + page[R_HEAD][0] * pb, 2 * pb));
 
@@ -735,7 +621,7 @@ static void test_hostile_hnd_segments(void)
     kvf_wire_seg_t lng[2] = {SEG(1, page[R_LONG][0] * pb, (uint32_t)hb, 1, 0, 0),
                              SEG(0, page[R_LONG][0] * pb, (uint32_t)pb, 1, 0, 0)};
     fake_data(f[0], 40 + R_LONG, lng, 2, 0);
-    check_refused(r[R_LONG], KVF_ERR_PROTOCOL, "segment 1: bytes [",
+    check_recv_failed(r[R_LONG], KVF_ERR_PROTOCOL, "segment 1: bytes [",
                   "are not this peer's heads of one page");
     CHECK(all_zero(dec.kv[0] + page[R_LONG][0] * pb, 2 * pb));
     CHECK(all_zero(dec.kv[1] + page[R_LONG][0] * pb, 2 * pb));
@@ -746,7 +632,7 @@ static void test_hostile_hnd_segments(void)
     kvf_wire_seg_t twice[2] = {SEG(3, page[R_TWICE][0] * pb + hb, (uint32_t)hb, 1, 0, 0),
                                SEG(2, page[R_TWICE][0] * pb + hb, (uint32_t)hb, 2, pb, hb)};
     fake_data(f[1], 40 + R_TWICE, twice, 2, 2);
-    check_refused(r[R_TWICE], KVF_ERR_PROTOCOL, "token 0 of page 18 of KV buffer 2 (this "
+    check_recv_failed(r[R_TWICE], KVF_ERR_PROTOCOL, "token 0 of page 18 of KV buffer 2 (this "
                   "peer's heads of the page: bytes", "is written a second time");
     CHECK(all_zero(dec.kv[3] + page[R_TWICE][0] * pb, 2 * pb));
     CHECK(all_zero(dec.kv[2] + page[R_TWICE][0] * pb, pb));
@@ -755,8 +641,7 @@ static void test_hostile_hnd_segments(void)
         kvf_receiver_destroy(r[i]);
     side_fini(&dec);
     for (int k = 0; k < 2; k++) {
-        close(f[k]->fd);
-        close(f[k]->lfd);
+        wp_close(&f[k]->p);
         free(f[k]);
     }
     kvf_bootstrap_destroy(bs);

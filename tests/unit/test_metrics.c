@@ -162,7 +162,7 @@ static void room(side_t *pre, side_t *dec, const char *bs, uint64_t id, int how,
 {
     kvf_sender_t *s = legit_send_start(pre, bs, id);
     kvf_receiver_t *r = legit_recv_start(dec, bs, id);
-    CHECK_EQ_INT(send_wait(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     if (how == 1)
         CHECK_EQ_INT(kvf_receiver_fail(r, KVF_ERR_BAD_INDICES, "the test refused the room"),
                      KVF_OK);
@@ -172,7 +172,7 @@ static void room(side_t *pre, side_t *dec, const char *bs, uint64_t id, int how,
         CHECK_EQ_INT(kvf_sender_init(s, 3, 1), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s, src_pages, 3, 1), KVF_OK);
     }
-    kvf_poll_t ss = send_wait(s, KVF_POLL_SUCCESS), rs = recv_wait(r, KVF_POLL_SUCCESS);
+    kvf_poll_t ss = wait_sender(s, KVF_POLL_SUCCESS), rs = wait_receiver(r, KVF_POLL_SUCCESS);
     kvf_failure_t f;
     if (want != KVF_OK) {
         CHECK_EQ_INT(ss, KVF_POLL_FAILED);
@@ -247,10 +247,10 @@ static void test_metrics_match_outcomes(void)
                  valuef(mid, "kvferry_engine_rooms{side=\"decode\",state=\"transferring\"}") +
                  valuef(mid, "kvferry_engine_rooms{side=\"decode\",state=\"success\"}"), 1);
     free(mid);
-    CHECK_EQ_INT(send_wait(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 3, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src_pages, 3, 1), KVF_OK);
-    kvf_poll_t ss = send_wait(s, KVF_POLL_SUCCESS), rs = recv_wait(r, KVF_POLL_SUCCESS);
+    kvf_poll_t ss = wait_sender(s, KVF_POLL_SUCCESS), rs = wait_receiver(r, KVF_POLL_SUCCESS);
     count(&t, 0, ss, sender_bytes(s));
     count(&t, 1, rs, receiver_bytes(r));
     CHECK(legit_bytes(&dec));

@@ -21,219 +21,96 @@
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
 #include "kvferry/kvferry.h"
-#include "unit/kvf_rooms.h"
-#include "unit/kvf_test.h"
-#include "unit/kvf_wire_peer.h"
 #include "util/time.h"
 #include "wire/wire.h"
 
-#define LAYERS 2
-#define NKV    (2 * LAYERS)
-#define HEADS  2
-#define HEAD_B 32
-#define PAGE   4
-#define PAGES  64
-#define PAGE_B (PAGE * HEADS * HEAD_B)
-#define AUX_B  16
-#define SLOTS  8
-
-typedef struct side {
-    kvf_engine_t *eng;
-    uint8_t      *kv[NKV];
-    uint8_t      *aux;
-} side_t;
-
-static const char *next_faults;
-
-static void side_init(side_t *s, kvf_role_t role, const char *bs, int host_bs)
-{
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = host_bs;
-    p.bootstrap_timeout_ms = 5000;
-    p.transfer_timeout_ms = 5000;
-    p.transport = "tcp";
-    p.faults = next_faults;
-    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
-    kvf_buffer_t kv[NKV], aux;
-    for (int i = 0; i < NKV; i++) {
-        s->kv[i] = calloc(PAGES, PAGE_B);
-        kv[i] = (kvf_buffer_t){s->kv[i], PAGES * PAGE_B, PAGE_B};
-    }
-    s->aux = calloc(SLOTS, AUX_B);
-    aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = PAGE;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = LAYERS;
-    l.heads_per_rank = l.total_heads = HEADS;
-    l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
-}
-
-static void side_fini(side_t *s)
-{
-    kvf_engine_destroy(s->eng);
-    for (int i = 0; i < NKV; i++)
-        free(s->kv[i]);
-    free(s->aux);
-}
+#define PAGES 64
+#include "unit/kvf_sides.h"
 
 /* Room messages an engine dropped as not its rooms' (room.c). */
 static uint64_t dropped(kvf_engine_t *eng) { return kvf_engine_room_msgs_dropped(eng); }
 
+typedef struct dropped_arg {
+    kvf_engine_t *eng;
+    uint64_t      n;
+} dropped_arg_t;
+
+static int has_dropped(const void *arg)
+{
+    const dropped_arg_t *d = arg;
+    return dropped(d->eng) >= d->n;
+}
+
 /* Wait until the engine has dropped at least `n` (5 s at most). */
 static int wait_dropped(kvf_engine_t *eng, uint64_t n)
 {
-    for (int i = 0; i < 5000; i++) {
-        if (dropped(eng) >= n)
-            return 1;
-        sleep_ms(1);
-    }
-    return 0;
+    dropped_arg_t d = {eng, n};
+    return wait_until(has_dropped, &d, 5000);
+}
+
+/* What an engine's stash (room messages before their room) holds. */
+typedef struct stash_arg {
+    kvf_engine_t *eng;
+    uint64_t      id;
+    size_t        n;
+} stash_arg_t;
+
+static int stash_holds_any(const void *arg)
+{
+    kvf_engine_t *eng = (kvf_engine_t *)arg;
+    kvf__lock(eng);
+    size_t n = eng->stash.count;
+    kvf__unlock(eng);
+    return n > 0;
+}
+
+/* The stash kept or dropped n messages. */
+static int stash_took(const void *arg)
+{
+    const stash_arg_t *a = arg;
+    kvf__lock(a->eng);
+    size_t count = a->eng->stash_count;
+    kvf__unlock(a->eng);
+    return count + kvf_engine_stash_dropped(a->eng) >= a->n;
+}
+
+static int stash_has_room(const void *arg)
+{
+    const stash_arg_t *a = arg;
+    kvf__lock(a->eng);
+    int there = kvf_map_get(&a->eng->stash, a->id) != NULL;
+    kvf__unlock(a->eng);
+    return there;
 }
 
 /* ---- a hand-written engine on a plain socket -------------------------- */
 
-typedef struct fake {
-    int     lfd, fd, port;
-    uint8_t body[1 << 16];
-} fake_t;
+typedef wp_peer_t fake_t;
 
-/* The next frame of `type` (others, heartbeats among them, skipped). */
-static int fake_expect(fake_t *f, uint8_t type, kvf_msg_t *m)
+/* A prefill rank with the layout side_init registers (rank 0 of TP 1). */
+static void fake_init(fake_t *f)
 {
-    return wp_expect(f->fd, type, m, f->body, sizeof(f->body), 5000);
-}
-
-static void fake_send(fake_t *f, const kvf_msg_t *m, const uint8_t *payload, size_t n)
-{
-    CHECK(wp_send(f->fd, m, payload, n));
-}
-
-/* The layout side_init registers, as rank 0 of TP 1. */
-static void fake_hello(fake_t *f, kvf_role_t role)
-{
-    uint64_t kb[NKV], ki[NKV], kt[NKV], ab = AUX_B, ai = SLOTS;
-    char addr[32];
-    for (int i = 0; i < NKV; i++) {
-        kb[i] = PAGE_B;
-        ki[i] = PAGES;
-        kt[i] = kvf_wire_tag((uint32_t)i / 2, (uint32_t)i % 2, 0);   /* K, V per layer */
-    }
-    snprintf(addr, sizeof(addr), "127.0.0.1:%d", f->port);
-    kvf_msg_t m = {.type = KVF_MSG_HELLO};
-    kvf_msg_hello_t *h = &m.u.hello;
-    h->magic = KVF_WIRE_MAGIC;
-    h->version = KVF_WIRE_VERSION;
-    h->role = (uint8_t)role;
-    h->instance_id = 0x5eed0000ull + (uint64_t)f->port;
-    h->tp_size = h->pp_size = h->dp_size = 1;
-    h->addr = (kvf_wire_str_t){addr, (uint32_t)strlen(addr)};
-    h->layout.page_size = PAGE;
-    h->layout.kv_dtype = (kvf_wire_str_t){"bfloat16", 8};
-    h->layout.attn = KVF_ATTN_MHA;
-    h->layout.num_layers = LAYERS;
-    h->layout.heads_per_rank = HEADS;
-    h->layout.total_heads = HEADS;
-    h->layout.bytes_per_head = HEAD_B;
-    h->layout.kv_item_bytes = (kvf_wire_arr64_t){NKV, kb, NULL};
-    h->layout.kv_items = (kvf_wire_arr64_t){NKV, ki, NULL};
-    h->layout.aux_item_bytes = (kvf_wire_arr64_t){1, &ab, NULL};
-    h->layout.aux_items = (kvf_wire_arr64_t){1, &ai, NULL};
-    h->layout.kv_tags = (kvf_wire_arr64_t){NKV, kt, NULL};
-    fake_send(f, &m, NULL, 0);
+    f->lay = (wp_layout_t){.page = PAGE, .pages = PAGES, .layers = LAYERS, .num_kv = NKV,
+                           .hpr = HEADS, .total_heads = HEADS, .head_b = HEAD_B,
+                           .aux_b = AUX_B, .slots = SLOTS, .tp_size = 1};
 }
 
 /* A fake prefill rank listening, registered in a fresh registry; *bs_p
  * the registry, its address in bs. */
 static void fake_prefill_listen(fake_t *f, kvf_bootstrap_t **bs_p, char *bs, size_t len)
 {
-    char err[256];
-    struct sockaddr_in sa = {.sin_family = AF_INET};
-    socklen_t sl = sizeof(sa);
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    f->lfd = socket(AF_INET, SOCK_STREAM, 0);
-    CHECK(f->lfd >= 0 && bind(f->lfd, (struct sockaddr *)&sa, sizeof(sa)) == 0 &&
-          listen(f->lfd, 4) == 0);
-    getsockname(f->lfd, (struct sockaddr *)&sa, &sl);
-    f->port = ntohs(sa.sin_port);
-    f->fd = -1;
+    fake_init(f);
+    wp_listen(f);
     CHECK_EQ_INT(kvf_bootstrap_create("127.0.0.1", 0, bs_p), KVF_OK);
     snprintf(bs, len, "127.0.0.1:%d", kvf_bootstrap_port(*bs_p));
-    kvf_bs_reg_t reg = {
-        .attn_tp_size = 1, .attn_cp_size = 1, .attn_dp_size = 1, .pp_size = 1,
-        .system_dp_size = 1, .rank_ip = "127.0.0.1", .rank_port = f->port,
-        .page_size = PAGE, .kv_cache_dtype = "bfloat16",
-    };
-    CHECK_EQ_INT(kvf__bs_register(bs, &reg, 3000, err, sizeof(err)), KVF_OK);
-}
-
-/* Take the decode engine's connection and run the handshake as a prefill
- * rank that offers nothing but DATA frames. */
-static void fake_prefill_accept_caps(fake_t *f, uint32_t caps);
-
-static void fake_prefill_accept(fake_t *f) { fake_prefill_accept_caps(f, 0); }
-
-/* The same, offering (and expecting accepted) capabilities `caps`. */
-static void fake_prefill_accept_caps(fake_t *f, uint32_t caps)
-{
-    kvf_msg_t m;
-    uint8_t blob[4];
-    struct pollfd pfd = {f->lfd, POLLIN, 0};
-    CHECK(poll(&pfd, 1, 5000) == 1);
-    f->fd = accept(f->lfd, NULL, NULL);
-    CHECK(f->fd >= 0);
-    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_PREFILL, 0, NULL));
-    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_DECODE);
-    fake_hello(f, KVF_ROLE_PREFILL);
-    kvf_msg_t x = {.type = KVF_MSG_XPORT};
-    if (caps != 0) {
-        kvf_put_u32(blob, caps);
-        x.u.xport.x[x.u.xport.count++] =
-            (kvf_wire_xport_t){{KVF_WIRE_CAPS_NAME, 4}, blob, 4};
-    }
-    fake_send(f, &x, NULL, 0);
-    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
+    wp_register(f, bs);
 }
 
 /* A fake decode rank connected to a real prefill engine, handshake done. */
 static void fake_decode_connect(fake_t *f, kvf_engine_t *pre)
 {
-    char addr[64];
-    kvf_msg_t m;
-    CHECK_EQ_INT(kvf_engine_address(pre, addr, sizeof(addr)), KVF_OK);
-    struct sockaddr_in sa = {.sin_family = AF_INET,
-                             .sin_port = htons((uint16_t)atoi(strrchr(addr, ':') + 1))};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    f->fd = socket(AF_INET, SOCK_STREAM, 0);
-    f->lfd = -1;
-    CHECK(connect(f->fd, (struct sockaddr *)&sa, sizeof(sa)) == 0);
-    struct sockaddr_in me;
-    socklen_t ml = sizeof(me);
-    getsockname(f->fd, (struct sockaddr *)&me, &ml);
-    f->port = ntohs(me.sin_port);
-    CHECK(wp_authenticate(f->fd, wp_engine_token(), KVF_ROLE_DECODE, 1, NULL));
-    fake_hello(f, KVF_ROLE_DECODE);
-    CHECK(fake_expect(f, KVF_MSG_HELLO, &m) && m.u.hello.role == KVF_ROLE_PREFILL);
-    CHECK(fake_expect(f, KVF_MSG_XPORT, &m));
-    kvf_msg_t x = {.type = KVF_MSG_XPORT};
-    fake_send(f, &x, NULL, 0);
-}
-
-static void fake_close(fake_t *f)
-{
-    if (f->fd >= 0)
-        close(f->fd);
-    if (f->lfd >= 0)
-        close(f->lfd);
+    fake_init(f);
+    wp_connect_prefill(f, pre);
 }
 
 /* One page per KV buffer and the aux slot, as a sender of `pattern` writes
@@ -259,14 +136,14 @@ static void fake_room_data(fake_t *f, uint64_t room, uint64_t inst, uint32_t pag
     m.u.data.payload_len = ROOM_BYTES;
     m.u.data.nseg = NKV + 1;
     m.u.data.segs = segs;
-    fake_send(f, &m, payload, ROOM_BYTES);
+    wp_peer_send(f, &m, payload, ROOM_BYTES);
     if (!with_done)
         return;
     kvf_msg_t d = {.type = KVF_MSG_DONE};
     d.u.done.room = room;
     d.u.done.instance = inst;
     d.u.done.bytes = ROOM_BYTES;
-    fake_send(f, &d, NULL, 0);
+    wp_peer_send(f, &d, NULL, 0);
 }
 
 /* Did the receiver's page and slot get exactly pattern's bytes? */
@@ -322,17 +199,17 @@ static void test_receiver_takes_only_its_peer_and_instance(void)
 
     fake_prefill_listen(a, &bsa, addr_a, sizeof(addr_a));
     fake_prefill_listen(b, &bsb, addr_b, sizeof(addr_b));
-    side_init(&dec, KVF_ROLE_DECODE, addr_a, 0);
+    side_init(&dec, KVF_ROLE_DECODE, addr_a, NULL);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr_a, 1, -1, &r1), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r1, &p1, 1, 1, NULL, 0), KVF_OK);
-    fake_prefill_accept(a);
-    CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 1);
+    wp_accept_decode(a, 0);
+    CHECK(wp_peer_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 1);
     uint64_t inst1 = m.u.room_req.instance;
     CHECK(inst1 != 0);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr_b, 2, -1, &r2), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r2, &p2, 1, 2, NULL, 0), KVF_OK);
-    fake_prefill_accept(b);
-    CHECK(fake_expect(b, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 2);
+    wp_accept_decode(b, 0);
+    CHECK(wp_peer_expect(b, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 2);
     CHECK(m.u.room_req.instance != 0 && m.u.room_req.instance != inst1);
     CHECK_EQ_INT(wait_receiver(r1, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
 
@@ -342,13 +219,13 @@ static void test_receiver_takes_only_its_peer_and_instance(void)
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = 1;
     ack.u.done_ack.instance = inst1;
-    fake_send(b, &ack, NULL, 0);
+    wp_peer_send(b, &ack, NULL, 0);
     kvf_msg_t fail = fail_msg(1, inst1, "a hostile rank says room 1 failed");
-    fake_send(b, &fail, NULL, 0);
+    wp_peer_send(b, &fail, NULL, 0);
     /* A, room 1's peer, naming another instance of room 1. */
     fake_room_data(a, 1, inst1 ^ 1, p1, 1, 8, 1);
     fail = fail_msg(1, inst1 + 1, "an earlier room 1 failed");
-    fake_send(a, &fail, NULL, 0);
+    wp_peer_send(a, &fail, NULL, 0);
     /* Room 2's own frames from B, after all of that: B is room 2's peer. */
     fake_room_data(b, 2, m.u.room_req.instance, p2, 2, 2, 1);
     CHECK_EQ_INT(wait_receiver(r2, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
@@ -361,14 +238,14 @@ static void test_receiver_takes_only_its_peer_and_instance(void)
     fake_room_data(a, 1, inst1, p1, 1, 1, 1);
     CHECK_EQ_INT(wait_receiver(r1, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(room_bytes_are(&dec, p1, 1, 1));
-    CHECK(fake_expect(a, KVF_MSG_DONE_ACK, &m) && m.u.done_ack.room == 1 &&
+    CHECK(wp_peer_expect(a, KVF_MSG_DONE_ACK, &m) && m.u.done_ack.room == 1 &&
           m.u.done_ack.instance == inst1 && m.u.done_ack.status == KVF_OK);
 
     kvf_receiver_destroy(r1);
     kvf_receiver_destroy(r2);
     side_fini(&dec);
-    fake_close(a);
-    fake_close(b);
+    wp_close(a);
+    wp_close(b);
     free(a);
     free(b);
     kvf_bootstrap_destroy(bsa);
@@ -394,21 +271,21 @@ static void test_reused_id_gets_only_its_own_frames(void)
     kvf_failure_t f;
 
     fake_prefill_listen(a, &bs, addr, sizeof(addr));
-    side_init(&dec, KVF_ROLE_DECODE, addr, 0);
+    side_init(&dec, KVF_ROLE_DECODE, addr, NULL);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 7, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, &page, 1, 3, NULL, 0), KVF_OK);
-    fake_prefill_accept(a);
-    CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 7);
+    wp_accept_decode(a, 0);
+    CHECK(wp_peer_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 7);
     uint64_t old = m.u.room_req.instance;
     kvf_receiver_abort(r);
-    CHECK(fake_expect(a, KVF_MSG_ABORT, &m) && m.u.fail.room == 7 &&
+    CHECK(wp_peer_expect(a, KVF_MSG_ABORT, &m) && m.u.fail.room == 7 &&
           m.u.fail.instance == old);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_FAILED);
     kvf_receiver_destroy(r);
 
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 7, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, &page, 1, 3, NULL, 0), KVF_OK);
-    CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 7);
+    CHECK(wp_peer_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 7);
     uint64_t fresh = m.u.room_req.instance;
     CHECK(fresh != 0 && fresh != old);
     CHECK_EQ_INT(m.u.room_req.attempt, 0);
@@ -416,7 +293,7 @@ static void test_reused_id_gets_only_its_own_frames(void)
     /* The old room's frames, still in flight, then the new room's. */
     fake_room_data(a, 7, old, page, 3, 6, 1);
     kvf_msg_t fail = fail_msg(7, old, "the old room 7 timed out");
-    fake_send(a, &fail, NULL, 0);
+    wp_peer_send(a, &fail, NULL, 0);
     fake_room_data(a, 7, fresh, page, 3, 1, 1);
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(room_bytes_are(&dec, page, 3, 1));
@@ -427,7 +304,7 @@ static void test_reused_id_gets_only_its_own_frames(void)
 
     kvf_receiver_destroy(r);
     side_fini(&dec);
-    fake_close(a);
+    wp_close(a);
     free(a);
     kvf_bootstrap_destroy(bs);
 }
@@ -441,6 +318,8 @@ static void test_reused_id_gets_only_its_own_frames(void)
  * right after the old one was destroyed failed).  The new room succeeds
  * byte for byte with the new source pages.
  */
+static void puts_held(kvf_engine_params_t *p) { p->faults = "delay@0:300"; }
+
 static void test_reused_id_real_engines(void)
 {
     side_t pre, dec;
@@ -450,11 +329,11 @@ static void test_reused_id_real_engines(void)
     uint32_t dst = 20, src1 = 3, src2 = 4;
     kvf_failure_t f;
 
-    next_faults = "delay@0:300";
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
-    next_faults = NULL;
+    side_tune = puts_held;
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
+    side_tune = NULL;
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, NULL);
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < PAGE_B; i++) {
             pre.kv[b][src1 * PAGE_B + i] = 0xee;
@@ -479,14 +358,7 @@ static void test_reused_id_real_engines(void)
     CHECK_EQ_INT(kvf_receiver_init(r, &dst, 1, 0, NULL, 0), KVF_OK);
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     /* Its request is at the prefill engine before the sender exists. */
-    for (int i = 0; i < 5000; i++) {
-        kvf__lock(pre.eng);
-        size_t n = pre.eng->stash.count;
-        kvf__unlock(pre.eng);
-        if (n > 0)
-            break;
-        sleep_ms(1);
-    }
+    wait_until(stash_holds_any, pre.eng, 5000);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 77, &s), KVF_OK);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
@@ -522,7 +394,7 @@ static void fake_segs(fake_t *f, uint64_t room, uint64_t inst, const kvf_wire_se
     m.u.data.nseg = n;
     m.u.data.segs = segs;
     m.u.data.strided = (uint8_t)strided;
-    fake_send(f, &m, payload, bytes);
+    wp_peer_send(f, &m, payload, bytes);
 }
 
 static void fake_done(fake_t *f, uint64_t room, uint64_t inst, uint64_t bytes)
@@ -531,7 +403,7 @@ static void fake_done(fake_t *f, uint64_t room, uint64_t inst, uint64_t bytes)
     d.u.done.room = room;
     d.u.done.instance = inst;
     d.u.done.bytes = bytes;
-    fake_send(f, &d, NULL, 0);
+    wp_peer_send(f, &d, NULL, 0);
 }
 
 #define KV(b, off, len, cnt, str) \
@@ -563,16 +435,16 @@ static void test_each_byte_counts_once(void)
     kvf_failure_t f;
 
     fake_prefill_listen(a, &bs, addr, sizeof(addr));
-    side_init(&dec, KVF_ROLE_DECODE, addr, 0);
+    side_init(&dec, KVF_ROLE_DECODE, addr, NULL);
     for (int i = 0; i < NR; i++) {
         CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr, 300 + (uint64_t)i, -1, &r[i]),
                      KVF_OK);
         CHECK_EQ_INT(kvf_receiver_init(r[i], pages[i], npages[i], (uint32_t)i, NULL, 0),
                      KVF_OK);
     }
-    fake_prefill_accept_caps(a, KVF_CAP_STRIDED);
+    wp_accept_decode(a, KVF_CAP_STRIDED);
     for (int i = 0; i < NR; i++) {
-        CHECK(fake_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room - 300 < NR);
+        CHECK(wp_peer_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room - 300 < NR);
         inst[(m.u.room_req.room - 300) % NR] = m.u.room_req.instance;
     }
 
@@ -632,7 +504,7 @@ static void test_each_byte_counts_once(void)
     for (int i = 0; i < NR; i++)
         kvf_receiver_destroy(r[i]);
     side_fini(&dec);
-    fake_close(a);
+    wp_close(a);
     free(a);
     kvf_bootstrap_destroy(bs);
 }
@@ -675,7 +547,7 @@ static void test_sender_takes_only_its_peer_and_instance(void)
     uint32_t dpage = 6, spage = 8;
     const uint64_t A = 0xa11ce00000000001ull, B = 0xb0b0000000000002ull;
 
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
     for (int b = 0; b < NKV; b++)
         for (size_t i = 0; i < PAGE_B; i++)
             pre.kv[b][spage * PAGE_B + i] = (uint8_t)(i + 3 * b);
@@ -683,25 +555,25 @@ static void test_sender_takes_only_its_peer_and_instance(void)
     fake_decode_connect(d, pre.eng);
     fake_decode_connect(e, pre.eng);
     kvf_msg_t req = room_req(9, A, &dpage);
-    fake_send(d, &req, NULL, 0);
+    wp_peer_send(d, &req, NULL, 0);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
 
     uint64_t before = dropped(pre.eng);
     kvf_msg_t bad = fail_msg(9, A, "a hostile rank says room 9 failed");
-    fake_send(e, &bad, NULL, 0);
+    wp_peer_send(e, &bad, NULL, 0);
     bad.type = KVF_MSG_ABORT;
-    fake_send(e, &bad, NULL, 0);
+    wp_peer_send(e, &bad, NULL, 0);
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = 9;
     ack.u.done_ack.instance = A;
-    fake_send(e, &ack, NULL, 0);
+    wp_peer_send(e, &ack, NULL, 0);
     req = room_req(9, B, &dpage);
-    fake_send(e, &req, NULL, 0);
+    wp_peer_send(e, &req, NULL, 0);
     /* E is told its request was refused, naming its instance. */
     kvf_msg_t got;
     int told = 0;
     for (int i = 0; i < 3 && !told; i++) {
-        CHECK(fake_expect(e, KVF_MSG_FAIL, &got));
+        CHECK(wp_peer_expect(e, KVF_MSG_FAIL, &got));
         told = got.u.fail.room == 9 && got.u.fail.instance == B &&
                got.u.fail.status == KVF_ERR_ROOM_CONFLICT;
     }
@@ -713,34 +585,34 @@ static void test_sender_takes_only_its_peer_and_instance(void)
         CHECK_STR_CONTAINS(reason, "this request was refused");
     }
     bad = fail_msg(9, A ^ 0xff, "an earlier room 9 failed");
-    fake_send(d, &bad, NULL, 0);
+    wp_peer_send(d, &bad, NULL, 0);
     CHECK(wait_dropped(pre.eng, before + 5));
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
 
     /* The room is D's: its bytes go to D, naming A, and D's ack ends it. */
     CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
-    CHECK(fake_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 9 && m.u.done.instance == A);
+    CHECK(wp_peer_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 9 && m.u.done.instance == A);
     CHECK(m.u.done.bytes == ROOM_BYTES);
     ack.u.done_ack.bytes = ROOM_BYTES;
-    fake_send(d, &ack, NULL, 0);
+    wp_peer_send(d, &ack, NULL, 0);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     kvf_sender_destroy(s);
 
     /* Room 10: E binds first; D, the legitimate one, is told at once. */
     s = sender(&pre, 10);
     req = room_req(10, B, &dpage);
-    fake_send(e, &req, NULL, 0);
+    wp_peer_send(e, &req, NULL, 0);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     req = room_req(10, A, &dpage);
-    fake_send(d, &req, NULL, 0);
-    CHECK(fake_expect(d, KVF_MSG_FAIL, &got) && got.u.fail.room == 10 &&
+    wp_peer_send(d, &req, NULL, 0);
+    CHECK(wp_peer_expect(d, KVF_MSG_FAIL, &got) && got.u.fail.room == 10 &&
           got.u.fail.instance == A && got.u.fail.status == KVF_ERR_ROOM_CONFLICT);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
     kvf_sender_destroy(s);
 
-    fake_close(d);
-    fake_close(e);
+    wp_close(d);
+    wp_close(e);
     free(d);
     free(e);
     side_fini(&pre);
@@ -757,26 +629,34 @@ static kvf_msg_t watch_req(uint64_t room, uint64_t inst, uint32_t rank)
     return m;
 }
 
+typedef struct watches_arg {
+    kvf_engine_t *eng;
+    uint64_t      id;
+    uint32_t      n;
+} watches_arg_t;
+
+static int has_watches(const void *arg)
+{
+    const watches_arg_t *w = arg;
+    kvf__lock(w->eng);
+    const kvf_room_t *r = kvf_map_get(&w->eng->rooms_by_id, w->id);
+    uint32_t have = r != NULL ? r->nwatch : 0;
+    kvf__unlock(w->eng);
+    return have == w->n;
+}
+
 /* Until room `id` of eng holds n watches (5 s at most). */
 static int wait_watches(kvf_engine_t *eng, uint64_t id, uint32_t n)
 {
-    for (int i = 0; i < 5000; i++) {
-        kvf__lock(eng);
-        const kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, id);
-        uint32_t have = r != NULL ? r->nwatch : 0;
-        kvf__unlock(eng);
-        if (have == n)
-            return 1;
-        sleep_ms(1);
-    }
-    return 0;
+    watches_arg_t w = {eng, id, n};
+    return wait_until(has_watches, &w, 5000);
 }
 
 /* E's next FAIL for `room` names `inst` with `st`. */
 static int told_fail(fake_t *e, uint64_t room, uint64_t inst, kvf_status_t st)
 {
     kvf_msg_t got;
-    return fake_expect(e, KVF_MSG_FAIL, &got) && got.u.fail.room == room &&
+    return wp_peer_expect(e, KVF_MSG_FAIL, &got) && got.u.fail.room == room &&
            got.u.fail.instance == inst && got.u.fail.status == st;
 }
 
@@ -797,7 +677,7 @@ static void test_watch_binds_like_a_destination(void)
     uint32_t dpage = 6, spage = 8;
     const uint64_t A = 0xa11ce00000000011ull, B = 0xb0b0000000000012ull;
 
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
     fake_decode_connect(d, pre.eng);
     fake_decode_connect(e, pre.eng);
     for (uint64_t room = 11; room <= 12; room++) {
@@ -805,39 +685,39 @@ static void test_watch_binds_like_a_destination(void)
         uint64_t before = dropped(pre.eng);
         kvf_msg_t req = room_req(room, A, &dpage), w = watch_req(room, B, 0);
         if (room == 11) {
-            fake_send(d, &req, NULL, 0);
+            wp_peer_send(d, &req, NULL, 0);
             CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT),
                          KVF_POLL_WAITING_FOR_INPUT);
-            fake_send(e, &w, NULL, 0);
+            wp_peer_send(e, &w, NULL, 0);
             CHECK(told_fail(e, room, B, KVF_ERR_ROOM_CONFLICT));
             w = watch_req(room, B + 1, 3);       /* not E's own rank */
-            fake_send(e, &w, NULL, 0);
+            wp_peer_send(e, &w, NULL, 0);
             CHECK(told_fail(e, room, B + 1, KVF_ERR_ROOM_CONFLICT));
         } else {
-            fake_send(e, &w, NULL, 0);
+            wp_peer_send(e, &w, NULL, 0);
             CHECK(wait_watches(pre.eng, room, 1));  /* taken */
-            fake_send(d, &req, NULL, 0);
+            wp_peer_send(d, &req, NULL, 0);
             CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT),
                          KVF_POLL_WAITING_FOR_INPUT);
         }
         kvf_msg_t bad = fail_msg(room, B, "a hostile watch says the room failed");
-        fake_send(e, &bad, NULL, 0);
+        wp_peer_send(e, &bad, NULL, 0);
         CHECK(wait_dropped(pre.eng, before + 2));
         CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
         CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
-        CHECK(fake_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == room &&
+        CHECK(wp_peer_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == room &&
               m.u.done.instance == A);
         kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
         ack.u.done_ack.room = room;
         ack.u.done_ack.instance = A;
         ack.u.done_ack.bytes = ROOM_BYTES;
-        fake_send(d, &ack, NULL, 0);
+        wp_peer_send(d, &ack, NULL, 0);
         CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
         kvf_sender_destroy(s);
     }
-    fake_close(d);
-    fake_close(e);
+    wp_close(d);
+    wp_close(e);
     free(d);
     free(e);
     side_fini(&pre);
@@ -857,13 +737,13 @@ static void test_refused_receiver_fails_at_once(void)
     kvf_receiver_t *r;
     kvf_failure_t f;
 
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 0);
+    side_init(&dec, KVF_ROLE_DECODE, NULL, NULL);
     kvf_sender_t *s = sender(&pre, 11);
     fake_decode_connect(e, pre.eng);
     kvf_msg_t req = room_req(11, 0xbadull, &dpage);
-    fake_send(e, &req, NULL, 0);
+    wp_peer_send(e, &req, NULL, 0);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     uint64_t t0 = kvf_now_ms();
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 11, -1, &r), KVF_OK);
@@ -877,7 +757,7 @@ static void test_refused_receiver_fails_at_once(void)
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
     kvf_receiver_destroy(r);
     kvf_sender_destroy(s);
-    fake_close(e);
+    wp_close(e);
     free(e);
     side_fini(&dec);
     side_fini(&pre);
@@ -899,7 +779,7 @@ static void test_stashes_are_bounded(void)
     kvf_msg_t m;
     uint32_t dpage = 2, spage = 3;
 
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
     fake_decode_connect(d, pre.eng);
     kvf_buf_init(&b);
     for (uint32_t i = 0; i < N; i++) {
@@ -920,15 +800,12 @@ static void test_stashes_are_bounded(void)
     }
     kvf_buf_free(&b);
     size_t count = 0, bytes = 0;
-    for (int i = 0; i < 60000; i++) {
-        kvf__lock(pre.eng);
-        count = pre.eng->stash_count;
-        bytes = pre.eng->stash_bytes;
-        kvf__unlock(pre.eng);
-        if (count + kvf_engine_stash_dropped(pre.eng) >= N)
-            break;
-        sleep_ms(1);
-    }
+    stash_arg_t sa = {pre.eng, 0, N};
+    wait_until(stash_took, &sa, 60000);
+    kvf__lock(pre.eng);
+    count = pre.eng->stash_count;
+    bytes = pre.eng->stash_bytes;
+    kvf__unlock(pre.eng);
     CHECK(count + kvf_engine_stash_dropped(pre.eng) == N);
     CHECK(count <= KVF_STASH_MAX);
     CHECK(bytes <= KVF_STASH_BYTES);
@@ -938,29 +815,23 @@ static void test_stashes_are_bounded(void)
     for (int b2 = 0; b2 < NKV; b2++)
         memset(pre.kv[b2] + spage * PAGE_B, 0x40 + b2, PAGE_B);
     kvf_msg_t req = room_req(5, 0x5555, &dpage);
-    fake_send(d, &req, NULL, 0);
-    for (int i = 0; i < 5000; i++) {
-        kvf__lock(pre.eng);
-        int there = kvf_map_get(&pre.eng->stash, 5) != NULL;
-        kvf__unlock(pre.eng);
-        if (there)
-            break;
-        sleep_ms(1);
-    }
+    wp_peer_send(d, &req, NULL, 0);
+    sa.id = 5;
+    wait_until(stash_has_room, &sa, 5000);
     kvf_sender_t *s = sender(&pre, 5);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
-    CHECK(fake_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 5 &&
+    CHECK(wp_peer_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 5 &&
           m.u.done.instance == 0x5555 && m.u.done.bytes == ROOM_BYTES);
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
     ack.u.done_ack.room = 5;
     ack.u.done_ack.instance = 0x5555;
     ack.u.done_ack.bytes = ROOM_BYTES;
-    fake_send(d, &ack, NULL, 0);
+    wp_peer_send(d, &ack, NULL, 0);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     kvf_sender_destroy(s);
-    fake_close(d);
+    wp_close(d);
     free(d);
     side_fini(&pre);
 }

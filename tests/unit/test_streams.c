@@ -19,115 +19,42 @@
 #include <sys/socket.h>
 
 #include "kvferry/kvferry.h"
-#include "unit/kvf_test.h"
-#include "unit/kvf_wire_peer.h"
 #include "util/time.h"
 #include "wire/wire.h"
 
-#define LAYERS 2
-#define NKV    (2 * LAYERS)
-#define HEADS  2
-#define HEAD_B 64
-#define PAGE   16
-#define PAGES  256
-#define PAGE_B (PAGE * HEADS * HEAD_B)
-#define AUX_B  16
-#define SLOTS  8
+#define HEAD_B  64
+#define PAGE    16
+#define PAGES   256
 #define STATE_B 24
+#include "unit/kvf_sides.h"
 
-typedef struct side {
-    kvf_engine_t *eng;
-    uint8_t      *kv[NKV];
-    uint8_t      *aux;
-    uint8_t      *state;
-} side_t;
-
-/* Engine settings of the next side_init (a case changes them). */
+/* Engine settings of the next side (a case changes them). */
 static const char *next_faults;
 static unsigned next_transfer_ms = 5000, next_hb_interval_ms = 500, next_hb_timeout_ms = 2500;
+static unsigned next_streams, next_handshake_ms;
 
-static void side_init(side_t *s, kvf_role_t role, const char *bs, unsigned streams,
-                      unsigned handshake_ms)
+static void tune(kvf_engine_params_t *p)
 {
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = role == KVF_ROLE_PREFILL;
-    p.bootstrap_timeout_ms = 5000;
-    p.transfer_timeout_ms = next_transfer_ms;
-    p.heartbeat_interval_ms = next_hb_interval_ms;
-    p.heartbeat_timeout_ms = next_hb_timeout_ms;
-    p.faults = next_faults;
-    p.handshake_timeout_ms = handshake_ms;
-    p.transport = "tcp";
-    p.checksum = 1;
-    p.streams = streams;
-    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
+    p->transfer_timeout_ms = next_transfer_ms;
+    p->heartbeat_interval_ms = next_hb_interval_ms;
+    p->heartbeat_timeout_ms = next_hb_timeout_ms;
+    p->faults = next_faults;
+    p->handshake_timeout_ms = next_handshake_ms;
+    p->checksum = 1;
+    p->streams = next_streams;
+}
+
+/* A side with the settings above, `streams` streams per peer, and a
+ * state buffer of STATE_B items. */
+static void stream_side(side_t *s, kvf_role_t role, const char *bs, unsigned streams,
+                        unsigned handshake_ms)
+{
+    next_streams = streams;
+    next_handshake_ms = handshake_ms;
+    side_tune = tune;
+    side_state_b = STATE_B;
+    side_init(s, role, bs, NULL);
     CHECK_EQ_INT(kvf_engine_streams(s->eng), streams);
-
-    kvf_buffer_t kv[NKV], aux, st;
-    for (int i = 0; i < NKV; i++) {
-        s->kv[i] = calloc(PAGES, PAGE_B);
-        if (role == KVF_ROLE_PREFILL)
-            for (size_t j = 0; j < (size_t)PAGES * PAGE_B; j++)
-                s->kv[i][j] = (uint8_t)(j * 7 + (j >> 11) + (size_t)i * 13 + 1);
-        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)PAGES * PAGE_B, PAGE_B};
-    }
-    s->aux = calloc(SLOTS, AUX_B);
-    s->state = calloc(SLOTS, STATE_B);
-    aux = (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
-    st = (kvf_buffer_t){s->state, SLOTS * STATE_B, STATE_B};
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = PAGE;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = LAYERS;
-    l.heads_per_rank = l.total_heads = HEADS;
-    l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    l.num_state = 1;
-    l.state = &st;
-    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
-}
-
-static void side_fini(side_t *s)
-{
-    kvf_engine_destroy(s->eng);
-    for (int i = 0; i < NKV; i++)
-        free(s->kv[i]);
-    free(s->aux);
-    free(s->state);
-}
-
-static void pause_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-/* Until the sender is final or past `want` (10 s at most). */
-static kvf_poll_t send_wait(kvf_sender_t *s, kvf_poll_t want)
-{
-    kvf_poll_t st = kvf_sender_poll(s);
-    for (int i = 0; i < 10000 && st < want && st != KVF_POLL_FAILED; i++) {
-        pause_ms(1);
-        st = kvf_sender_poll(s);
-    }
-    return st;
-}
-
-static kvf_poll_t recv_wait(kvf_receiver_t *r, kvf_poll_t want)
-{
-    kvf_poll_t st = kvf_receiver_poll(r);
-    for (int i = 0; i < 10000 && st < want && st != KVF_POLL_FAILED; i++) {
-        pause_ms(1);
-        st = kvf_receiver_poll(r);
-    }
-    return st;
 }
 
 /*
@@ -148,7 +75,7 @@ static int room(side_t *pre, side_t *dec, const char *bs, uint64_t id, const uin
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, id, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec->eng, bs, id, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, n, 5, &dslot, 1), KVF_OK);
-    CHECK_EQ_INT(send_wait(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, n, 3), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_state(s, &sslot, 1), KVF_OK);
     for (uint32_t c = 0, at = 0; c < chunks; c++) {
@@ -156,8 +83,8 @@ static int room(side_t *pre, side_t *dec, const char *bs, uint64_t id, const uin
         CHECK_EQ_INT(kvf_sender_send(s, src + at, len, c + 1 == chunks), KVF_OK);
         at += len;
     }
-    int ok = send_wait(s, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS &&
-             recv_wait(r, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS;
+    int ok = wait_sender(s, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS &&
+             wait_receiver(r, KVF_POLL_SUCCESS) == KVF_POLL_SUCCESS;
     if (!ok) {
         kvf_failure_t f;
         if (kvf_receiver_failure(r, &f) == KVF_OK)
@@ -190,9 +117,9 @@ static void test_two_streams(void)
     char bs[64];
     uint32_t src[PAGES], dst[PAGES];
 
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 2, 0);
+    stream_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 2, 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 2, 0);
+    stream_side(&dec, KVF_ROLE_DECODE, NULL, 2, 0);
     for (uint32_t i = 0; i < PAGES; i++)
         src[i] = dst[i] = i;
     /* One run per buffer: cut in two, half a room per stream. */
@@ -231,9 +158,9 @@ static void test_smaller_setting_wins(void)
     for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
         side_t pre, dec;
         char bs[64];
-        side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", cases[c][0], 0);
+        stream_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", cases[c][0], 0);
         CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-        side_init(&dec, KVF_ROLE_DECODE, NULL, cases[c][1], 0);
+        stream_side(&dec, KVF_ROLE_DECODE, NULL, cases[c][1], 0);
         CHECK(room(&pre, &dec, bs, 100 + c, src, dst, PAGES, 2));
         unsigned want = cases[c][0] < cases[c][1] ? cases[c][0] : cases[c][1];
         for (unsigned k = 0; k < 4; k++) {
@@ -262,10 +189,10 @@ static void test_stalled_stream_fails_the_room(void)
         next_transfer_ms = 1500;
         next_hb_interval_ms = 100;
         next_hb_timeout_ms = 600;
-        side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 2, 0);
+        stream_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 2, 0);
         next_faults = NULL;
         CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-        side_init(&dec, KVF_ROLE_DECODE, NULL, 2, 0);
+        stream_side(&dec, KVF_ROLE_DECODE, NULL, 2, 0);
         next_transfer_ms = 5000;
         next_hb_interval_ms = 500;
         next_hb_timeout_ms = 2500;
@@ -277,13 +204,13 @@ static void test_stalled_stream_fails_the_room(void)
         CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 500, &s), KVF_OK);
         CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 500, -1, &r), KVF_OK);
         CHECK_EQ_INT(kvf_receiver_init(r, pages, PAGES, 1, &slot, 1), KVF_OK);
-        CHECK_EQ_INT(send_wait(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
         CHECK_EQ_INT(kvf_sender_init(s, PAGES, 1), KVF_OK);
         CHECK_EQ_INT(kvf_sender_set_state(s, &slot, 1), KVF_OK);
         uint64_t t0 = kvf_now_ms();
         CHECK_EQ_INT(kvf_sender_send(s, pages, PAGES, 1), KVF_OK);
-        CHECK_EQ_INT(recv_wait(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
-        CHECK_EQ_INT(send_wait(s, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+        CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+        CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
         CHECK(kvf_now_ms() - t0 < 6000);           /* the stall lasts 10 s */
         kvf_failure_t f;
         CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
@@ -301,34 +228,11 @@ static void test_stalled_stream_fails_the_room(void)
 
 /* ---- joins that must be refused ---------------------------------------- */
 
-static int port_of(kvf_engine_t *eng)
-{
-    char addr[64];
-    CHECK_EQ_INT(kvf_engine_address(eng, addr, sizeof(addr)), KVF_OK);
-    return atoi(strrchr(addr, ':') + 1);
-}
-
-static int dial(int port)
-{
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
-    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-    /* Frames go out as written (the engines do the same), not held back
-     * for the peer's delayed acknowledgement. */
-    if (fd >= 0)
-        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    if (fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
-        close(fd);
-        fd = -1;
-    }
-    return fd;
-}
-
 /* Still open after ms: no EOF or reset (heartbeats may have come). */
 static int still_open(int fd, int ms)
 {
     uint8_t b;
-    pause_ms(ms);
+    sleep_ms(ms);
     ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
     return n > 0 || (n < 0 && errno == EAGAIN);
 }
@@ -374,9 +278,9 @@ static void test_joins_refused(void)
     uint32_t src[PAGES], dst[PAGES];
     kvf_msg_t m;
 
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 2, 1000);
+    stream_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 2, 1000);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 2, 0);
+    stream_side(&dec, KVF_ROLE_DECODE, NULL, 2, 0);
     int port = port_of(pre.eng);
 
     /* The played decode engine: authenticated, HELLO, two streams agreed. */
@@ -425,7 +329,7 @@ static void test_joins_refused(void)
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 42, -1, &r), KVF_OK);
     uint32_t dslot = 1;
     CHECK_EQ_INT(kvf_receiver_init(r, dst, PAGES, 1, &dslot, 1), KVF_OK);
-    CHECK_EQ_INT(send_wait(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     uint64_t refused = kvf_engine_auth_refused(pre.eng);
 
     /* A JOIN before authenticating: refused as any stranger is. */
@@ -493,8 +397,8 @@ static void test_joins_refused(void)
     CHECK_EQ_INT(kvf_sender_init(s, PAGES, 0), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_state(s, &sslot, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, PAGES, 1), KVF_OK);
-    CHECK_EQ_INT(send_wait(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
-    CHECK_EQ_INT(recv_wait(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     for (int b = 0; b < NKV; b++)
         CHECK(memcmp(dec.kv[b], pre.kv[b], (size_t)PAGES * PAGE_B) == 0);
     CHECK(kvf_engine_stream_bytes(dec.eng, 1) > 0);
