@@ -222,7 +222,6 @@ static bool kvf_wire_check_hello(const kvf_msg_t *m, uint32_t *pieces_p,
 {
     const kvf_msg_hello_t *h = &m->u.hello;
 
-    (void)pieces_p;
     if (h->magic != KVF_WIRE_MAGIC || h->version != KVF_WIRE_VERSION) {
         kvf_wire_errf(err, errlen, "HELLO: magic 0x%08x version %u, expected "
                       "0x%08x version %u", h->magic, h->version,
@@ -367,7 +366,6 @@ static bool kvf_wire_check_room_req(const kvf_msg_t *m, uint32_t *pieces_p,
 {
     const char *what = "ROOM_REQ";
 
-    (void)pieces_p;
     return KVF_WIRE_CHECK_ARR(&m->u.room_req.pages, UINT32_MAX, "page") &&
            KVF_WIRE_CHECK_ARR(&m->u.room_req.state_counts, KVF_WIRE_MAX_BUFS,
                               "state group") &&
@@ -390,7 +388,6 @@ static bool kvf_wire_check_data_ref(const kvf_msg_t *m, uint32_t *pieces_p,
 static bool kvf_wire_check_xport(const kvf_msg_t *m, uint32_t *pieces_p,
                                  char *err, size_t errlen)
 {
-    (void)pieces_p;
     if (m->u.xport.count > KVF_WIRE_MAX_XPORTS) {
         kvf_wire_errf(err, errlen, "XPORT: %u transports, at most %u",
                       m->u.xport.count, KVF_WIRE_MAX_XPORTS);
@@ -412,7 +409,6 @@ static bool kvf_wire_check_xport(const kvf_msg_t *m, uint32_t *pieces_p,
 static bool kvf_wire_check_done(const kvf_msg_t *m, uint32_t *pieces_p,
                                 char *err, size_t errlen)
 {
-    (void)pieces_p;
     if (m->u.done.has_checksum > 1) {
         kvf_wire_errf(err, errlen, "DONE: has_checksum is %u, not 0 or 1",
                       m->u.done.has_checksum);
@@ -430,7 +426,6 @@ static bool kvf_wire_check_done(const kvf_msg_t *m, uint32_t *pieces_p,
 static bool kvf_wire_check_join(const kvf_msg_t *m, uint32_t *pieces_p,
                                 char *err, size_t errlen)
 {
-    (void)pieces_p;
     if (m->u.join.stream == 0 || m->u.join.stream >= KVF_WIRE_MAX_STREAMS) {
         kvf_wire_errf(err, errlen, "JOIN: stream %u, not 1..%u", m->u.join.stream,
                       KVF_WIRE_MAX_STREAMS - 1);
@@ -442,7 +437,6 @@ static bool kvf_wire_check_join(const kvf_msg_t *m, uint32_t *pieces_p,
 static bool kvf_wire_check_done_ack(const kvf_msg_t *m, uint32_t *pieces_p,
                                     char *err, size_t errlen)
 {
-    (void)pieces_p;
     if (m->u.done_ack.status > 0) {
         kvf_wire_errf(err, errlen, "DONE_ACK: status %d is positive",
                       (int)m->u.done_ack.status);
@@ -457,7 +451,6 @@ static bool kvf_wire_check_fail(const kvf_msg_t *m, uint32_t *pieces_p,
 {
     const char *what = kvf_wire_type_name((uint8_t)m->type);
 
-    (void)pieces_p;
     if (m->u.fail.status >= 0) {
         kvf_wire_errf(err, errlen, "%s: status %d is not an error", what,
                       (int)m->u.fail.status);
@@ -482,7 +475,6 @@ static bool kvf_wire_check_fail(const kvf_msg_t *m, uint32_t *pieces_p,
 static bool kvf_wire_check_auth(const kvf_msg_t *m, uint32_t *pieces_p,
                                 char *err, size_t errlen)
 {
-    (void)pieces_p;
     if (m->u.auth.magic != KVF_WIRE_MAGIC || m->u.auth.version != KVF_WIRE_VERSION) {
         kvf_wire_errf(err, errlen, "AUTH: magic 0x%08x version %u, expected "
                       "0x%08x version %u", m->u.auth.magic, m->u.auth.version,
@@ -506,10 +498,6 @@ static bool kvf_wire_check_auth(const kvf_msg_t *m, uint32_t *pieces_p,
 static bool kvf_wire_check_any(const kvf_msg_t *m, uint32_t *pieces_p,
                                char *err, size_t errlen)
 {
-    (void)m;
-    (void)pieces_p;
-    (void)err;
-    (void)errlen;
     return true;
 }
 
