@@ -133,24 +133,14 @@ static size_t on_data(char *p, size_t size, size_t nmemb, void *arg)
     return n;
 }
 
-/*
- * `method` `target` on the registry at addr, with an optional JSON body.
- * @return KVF_OK with resp->status set (any status: callers judge it), or
- *         KVF_ERR_BOOTSTRAP (no HTTP answer), KVF_ERR_INVALID_PARAM,
- *         KVF_ERR_NO_MEMORY; err says why.
- */
-static kvf_status_t bs_http(const char *addr, const char *method,
-                            const char *target, const char *json,
-                            const char *token, unsigned timeout_ms,
-                            bs_resp_t *resp, char *err, size_t errlen)
+/* The URL of target on the registry at addr, once libcurl is ready:
+ * KVF_OK, or KVF_ERR_INVALID_PARAM / KVF_ERR_BOOTSTRAP and err. */
+static kvf_status_t bs_url(const char *addr, const char *target, char *url,
+                           size_t urllen, char *err, size_t errlen)
 {
-    char host[256], url[512], cerr[CURL_ERROR_SIZE] = "";
-    char authz[KVF_TOKEN_MAX + 32];
+    char host[256];
     int port;
-    struct curl_slist *hdrs = NULL;
-    kvf_status_t st = KVF_OK;
 
-    memset(resp, 0, sizeof(*resp));
     if (kvf__split_addr(addr, host, sizeof(host), &port) != KVF_OK ||
         port == 0) {
         set_err(err, errlen, "bootstrap address \"%s\" is not host:port "
@@ -163,9 +153,83 @@ static kvf_status_t bs_http(const char *addr, const char *method,
                 "initialise: %s", addr, curl_easy_strerror(curl_init_rc));
         return KVF_ERR_BOOTSTRAP;
     }
-    snprintf(url, sizeof(url), strchr(host, ':') ? "http://[%s]:%d%s"
+    snprintf(url, urllen, strchr(host, ':') ? "http://[%s]:%d%s"
              : "http://%s:%d%s", host, port, target);
+    return KVF_OK;
+}
 
+/* A JSON body sent with `method`, with the token's Authorization header
+ * when there is one: 0, or -1 when out of memory (*hdrs_p, whatever it
+ * holds, is the caller's to free). */
+static int bs_set_body(CURL *c, struct curl_slist **hdrs_p, const char *method,
+                       const char *json, const char *token)
+{
+    char authz[KVF_TOKEN_MAX + 32];
+    struct curl_slist *hdrs;
+
+    hdrs = *hdrs_p = curl_slist_append(NULL, "Content-Type: application/json");
+    /* No "Expect: 100-continue" round trip for our small bodies. */
+    struct curl_slist *h2 = hdrs ? curl_slist_append(hdrs, "Expect:") : NULL;
+    if (h2 == NULL)
+        return -1;
+    hdrs = *hdrs_p = h2;
+    if (token != NULL && token[0] != '\0') {
+        snprintf(authz, sizeof(authz), "Authorization: Bearer %s", token);
+        h2 = curl_slist_append(hdrs, authz);
+        OPENSSL_cleanse(authz, sizeof(authz));
+        if (h2 == NULL)
+            return -1;
+        hdrs = *hdrs_p = h2;
+    }
+    curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDS, json);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, (long)strlen(json));
+    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
+    return 0;
+}
+
+/* What curl_easy_perform's rc means for the caller: KVF_OK with the
+ * status in resp, or KVF_ERR_BOOTSTRAP and err naming the failure. */
+static kvf_status_t bs_result(CURL *c, CURLcode rc, bs_resp_t *resp,
+                              const char *addr, const char *method,
+                              const char *target, long tmo, const char *cerr,
+                              char *err, size_t errlen)
+{
+    if (rc == CURLE_OK) {
+        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &resp->status);
+        return KVF_OK;
+    }
+    if (resp->too_large)
+        set_err(err, errlen, "bootstrap registry %s: answer larger than %u "
+                "bytes (%s %s)", addr, KVF_BS_MAX_BODY, method, target);
+    else if (rc == CURLE_OPERATION_TIMEDOUT)
+        set_err(err, errlen, "bootstrap registry %s did not answer within "
+                "%ld ms: %s (%s %s)", addr, tmo, cerr[0] ? cerr
+                : curl_easy_strerror(rc), method, target);
+    else
+        set_err(err, errlen, "bootstrap registry %s unreachable: %s (%s %s)",
+                addr, curl_easy_strerror(rc), method, target);
+    return KVF_ERR_BOOTSTRAP;
+}
+
+/*
+ * `method` `target` on the registry at addr, with an optional JSON body.
+ * @return KVF_OK with resp->status set (any status: callers judge it), or
+ *         KVF_ERR_BOOTSTRAP (no HTTP answer), KVF_ERR_INVALID_PARAM,
+ *         KVF_ERR_NO_MEMORY; err says why.
+ */
+static kvf_status_t bs_http(const char *addr, const char *method,
+                            const char *target, const char *json,
+                            const char *token, unsigned timeout_ms,
+                            bs_resp_t *resp, char *err, size_t errlen)
+{
+    char url[512], cerr[CURL_ERROR_SIZE] = "";
+    struct curl_slist *hdrs = NULL;
+    kvf_status_t st;
+
+    memset(resp, 0, sizeof(*resp));
+    if ((st = bs_url(addr, target, url, sizeof(url), err, errlen)) != KVF_OK)
+        return st;
     CURL *c = curl_easy_init();
     if (c == NULL) {
         set_err(err, errlen, "bootstrap registry %s: out of memory (%s %s)",
@@ -181,54 +245,14 @@ static kvf_status_t bs_http(const char *addr, const char *method,
     curl_easy_setopt(c, CURLOPT_ERRORBUFFER, cerr);
     curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
     curl_easy_setopt(c, CURLOPT_WRITEDATA, resp);
-    if (json != NULL) {
-        hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
-        /* No "Expect: 100-continue" round trip for our small bodies. */
-        struct curl_slist *h2 = hdrs ? curl_slist_append(hdrs, "Expect:")
-                                     : NULL;
-        if (h2 == NULL) {
-            st = KVF_ERR_NO_MEMORY;
-            set_err(err, errlen, "bootstrap registry %s: out of memory "
-                    "(%s %s)", addr, method, target);
-            goto out;
-        }
-        hdrs = h2;
-        if (token != NULL && token[0] != '\0') {
-            snprintf(authz, sizeof(authz), "Authorization: Bearer %s", token);
-            h2 = curl_slist_append(hdrs, authz);
-            OPENSSL_cleanse(authz, sizeof(authz));
-            if (h2 == NULL) {
-                st = KVF_ERR_NO_MEMORY;
-                set_err(err, errlen, "bootstrap registry %s: out of memory "
-                        "(%s %s)", addr, method, target);
-                goto out;
-            }
-            hdrs = h2;
-        }
-        curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
-        curl_easy_setopt(c, CURLOPT_POSTFIELDS, json);
-        curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE, (long)strlen(json));
-        curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, method);
-    }
-
-    CURLcode rc = curl_easy_perform(c);
-    if (rc == CURLE_OK) {
-        curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &resp->status);
-    } else if (resp->too_large) {
-        set_err(err, errlen, "bootstrap registry %s: answer larger than %u "
-                "bytes (%s %s)", addr, KVF_BS_MAX_BODY, method, target);
-        st = KVF_ERR_BOOTSTRAP;
-    } else if (rc == CURLE_OPERATION_TIMEDOUT) {
-        set_err(err, errlen, "bootstrap registry %s did not answer within "
-                "%ld ms: %s (%s %s)", addr, tmo, cerr[0] ? cerr
-                : curl_easy_strerror(rc), method, target);
-        st = KVF_ERR_BOOTSTRAP;
+    if (json != NULL && bs_set_body(c, &hdrs, method, json, token) != 0) {
+        st = KVF_ERR_NO_MEMORY;
+        set_err(err, errlen, "bootstrap registry %s: out of memory "
+                "(%s %s)", addr, method, target);
     } else {
-        set_err(err, errlen, "bootstrap registry %s unreachable: %s (%s %s)",
-                addr, curl_easy_strerror(rc), method, target);
-        st = KVF_ERR_BOOTSTRAP;
+        st = bs_result(c, curl_easy_perform(c), resp, addr, method, target,
+                       tmo, cerr, err, errlen);
     }
-out:
     curl_slist_free_all(hdrs);
     curl_easy_cleanup(c);
     if (st != KVF_OK) {
@@ -316,20 +340,12 @@ kvf_status_t kvf__bs_register(const char *addr, const kvf_bs_reg_t *reg,
     return kvf__bs_register_auth(addr, reg, NULL, timeout_ms, err, errlen);
 }
 
-kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
-                                   const char *token, unsigned timeout_ms,
-                                   char *err, size_t errlen)
+/* SGLang's CommonKVManager.register_to_bootstrap() body, key for key
+ * and in its order; load_balance_method is left out when NULL (SGLang
+ * then assumes "follow_bootstrap_room").  NULL and err when out of memory. */
+static char *register_body(const char *addr, const kvf_bs_reg_t *reg,
+                           char *err, size_t errlen)
 {
-    char tok[KVF_TOKEN_MAX + 1];
-    const char *from = "";
-
-    if (reg == NULL) {
-        set_err(err, errlen, "bootstrap registration without parameters");
-        return KVF_ERR_INVALID_PARAM;
-    }
-    /* SGLang's CommonKVManager.register_to_bootstrap() body, key for key
-     * and in its order; load_balance_method is left out when NULL (SGLang
-     * then assumes "follow_bootstrap_room"). */
     json_t *j = json_pack(
         "{s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:s?, s:i, s:i, "
         "s:s?}",
@@ -361,11 +377,82 @@ kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
     }
     char *body = j ? json_dumps(j, JSON_COMPACT) : NULL;
     json_decref(j);
-    if (body == NULL) {
+    if (body == NULL)
         set_err(err, errlen, "bootstrap registry %s: cannot encode the "
                 "registration (out of memory)", addr ? addr : "");
-        return KVF_ERR_NO_MEMORY;
+    return body;
+}
+
+/* One PUT /route with what is left of the deadline: KVF_OK on a 200, else
+ * the error (err says why) and *final_p set when asking again cannot
+ * help. */
+static kvf_status_t register_once(const char *addr, const char *body,
+                                  const char *tok, const char *from,
+                                  uint64_t deadline, int *final_p, char *err,
+                                  size_t errlen)
+{
+    bs_resp_t r;
+    uint64_t now = kvf_now_ms();
+    kvf_status_t st = bs_http(addr, "PUT", "/route", body, tok,
+                              (unsigned)(deadline > now ? deadline - now : 1),
+                              &r, err, errlen);
+    *final_p = 0;
+    if (st != KVF_OK) {
+        *final_p = st != KVF_ERR_BOOTSTRAP;
+        return st;
     }
+    long code = r.status;
+    if (code != 200)
+        set_http_err(err, errlen, addr, "PUT", "/route", &r);
+    if (code == 401 || code == 403)
+        add_auth_hint(err, errlen, from);
+    free(r.body);
+    if (code == 200)
+        return KVF_OK;
+    /* The registry refused this registration: asking again cannot
+     * change its mind. */
+    *final_p = code == 400 || code == 401 || code == 403 || code == 409 ||
+               code == 413;
+    return KVF_ERR_BOOTSTRAP;
+}
+
+/* The nap before the next attempt, doubling *delay_p up to
+ * BS_BACKOFF_MAX_MS: 0, or -1 when the deadline leaves no attempt. */
+static int register_backoff(uint64_t deadline, unsigned *delay_p,
+                            unsigned attempts, const char *err)
+{
+    /* The last attempt gets BS_LAST_ATTEMPT_MS at least: one started
+     * with a millisecond left can only time out, and its "did not
+     * answer" would hide why the earlier ones failed. */
+    uint64_t now = kvf_now_ms();
+    if (now + BS_LAST_ATTEMPT_MS >= deadline)
+        return -1;
+    uint64_t left = deadline - now - BS_LAST_ATTEMPT_MS;
+    uint64_t nap = left < *delay_p ? left : *delay_p;
+    kvf_debug("bootstrap register attempt %u failed (%s); retrying in "
+              "%llu ms", attempts, err ? err : "", (unsigned long long)nap);
+    struct timespec ts = {(time_t)(nap / 1000),
+                          (long)(nap % 1000) * 1000000};
+    nanosleep(&ts, NULL);
+    *delay_p = *delay_p * 2 > BS_BACKOFF_MAX_MS ? BS_BACKOFF_MAX_MS
+                                                : *delay_p * 2;
+    return 0;
+}
+
+kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
+                                   const char *token, unsigned timeout_ms,
+                                   char *err, size_t errlen)
+{
+    char tok[KVF_TOKEN_MAX + 1];
+    const char *from = "";
+
+    if (reg == NULL) {
+        set_err(err, errlen, "bootstrap registration without parameters");
+        return KVF_ERR_INVALID_PARAM;
+    }
+    char *body = register_body(addr, reg, err, errlen);
+    if (body == NULL)
+        return KVF_ERR_NO_MEMORY;
     kvf_status_t tst = call_token(addr, token, tok, sizeof(tok), &from, err,
                                   errlen);
     if (tst != KVF_OK) {
@@ -376,49 +463,13 @@ kvf_status_t kvf__bs_register_auth(const char *addr, const kvf_bs_reg_t *reg,
     uint64_t start = kvf_now_ms(), deadline = start + timeout_ms;
     unsigned delay = BS_BACKOFF_FIRST_MS, attempts = 0;
     kvf_status_t st;
-    for (;;) {
-        bs_resp_t r;
-        uint64_t now = kvf_now_ms();
+    int final;
+    do {
         attempts++;
-        st = bs_http(addr, "PUT", "/route", body, tok,
-                     (unsigned)(deadline > now ? deadline - now : 1), &r, err,
-                     errlen);
-        if (st == KVF_OK) {
-            long code = r.status;
-            if (code != 200)
-                set_http_err(err, errlen, addr, "PUT", "/route", &r);
-            if (code == 401 || code == 403)
-                add_auth_hint(err, errlen, from);
-            free(r.body);
-            if (code == 200) {
-                free(body);
-                OPENSSL_cleanse(tok, sizeof(tok));
-                return KVF_OK;
-            }
-            st = KVF_ERR_BOOTSTRAP;
-            /* The registry refused this registration: asking again cannot
-             * change its mind. */
-            if (code == 400 || code == 401 || code == 403 || code == 409 ||
-                code == 413)
-                break;
-        } else if (st != KVF_ERR_BOOTSTRAP) {
-            break;
-        }
-        /* The last attempt gets BS_LAST_ATTEMPT_MS at least: one started
-         * with a millisecond left can only time out, and its "did not
-         * answer" would hide why the earlier ones failed. */
-        now = kvf_now_ms();
-        if (now + BS_LAST_ATTEMPT_MS >= deadline)
-            break;
-        uint64_t left = deadline - now - BS_LAST_ATTEMPT_MS;
-        uint64_t nap = left < delay ? left : delay;
-        kvf_debug("bootstrap register attempt %u failed (%s); retrying in "
-                  "%llu ms", attempts, err ? err : "", (unsigned long long)nap);
-        struct timespec ts = {(time_t)(nap / 1000),
-                              (long)(nap % 1000) * 1000000};
-        nanosleep(&ts, NULL);
-        delay = delay * 2 > BS_BACKOFF_MAX_MS ? BS_BACKOFF_MAX_MS : delay * 2;
-    }
+        st = register_once(addr, body, tok, from, deadline, &final, err,
+                           errlen);
+    } while (st != KVF_OK && !final &&
+             register_backoff(deadline, &delay, attempts, err) == 0);
     free(body);
     OPENSSL_cleanse(tok, sizeof(tok));
     if (st == KVF_ERR_BOOTSTRAP && attempts > 1 && err != NULL && errlen > 0) {

@@ -324,75 +324,80 @@ static int bind_errno(const struct addrinfo *ai)
     return err;
 }
 
-/* The one way in: with the access rule already decided. */
-static kvf_status_t create(const char *host, int port, const char *token,
-                           const char *token_from, int open,
-                           kvf_bootstrap_t **bootstrap_p)
+/* The addresses host:port names, for the daemon to bind: KVF_OK and
+ * *res_p (caller frees), or KVF_ERR_IO. */
+static kvf_status_t resolve_listen(const char *host, int port,
+                                   struct addrinfo **res_p)
 {
-    struct addrinfo hints = {0}, *res = NULL;
+    struct addrinfo hints = {0};
     char portstr[8];
-    int rc;
 
-    if (host == NULL || bootstrap_p == NULL || port < 0 || port > 65535) {
-        kvf_error("kvf_bootstrap_create: need a host, a port in 0..65535 "
-                  "and bootstrap_p (got host=%s port=%d)",
-                  host ? host : "NULL", port);
-        return KVF_ERR_INVALID_PARAM;
-    }
-    int have_token = token != NULL && token[0] != '\0';
-    if (have_token && open) {
-        kvf_warn("bootstrap registry: KVF_AUTH=none is ignored: a cluster "
-                 "token is configured (%s), and it is required", token_from);
-        open = 0;
-    }
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
     hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
     snprintf(portstr, sizeof(portstr), "%d", port);
-    rc = getaddrinfo(host, portstr, &hints, &res);
+    int rc = getaddrinfo(host, portstr, &hints, res_p);
     if (rc != 0) {
         kvf_error("bootstrap registry: cannot resolve host \"%s\": %s", host,
                   gai_strerror(rc));
         return KVF_ERR_IO;
     }
-    /* Protected mode, as Redis has it: without a token, a registry that
-     * others can reach would let anyone point decode servers at their own
-     * "prefill rank", so it listens on loopback only. */
-    if (!have_token && !open) {
-        for (const struct addrinfo *ai = res; ai != NULL; ai = ai->ai_next) {
-            if ((ai->ai_family == AF_INET || ai->ai_family == AF_INET6) &&
-                !kvf__bs_loopback(ai->ai_addr)) {
-                freeaddrinfo(res);
-                kvf_error("bootstrap registry: refusing to listen on %s:%d "
-                          "without a cluster token: %s is not a loopback "
-                          "address, and anyone who reaches the registry "
-                          "could register prefill ranks and send decode "
-                          "servers' requests elsewhere. Set KVF_AUTH_TOKEN="
-                          "<secret> (or KVF_AUTH_TOKEN_FILE=<file>) here and "
-                          "on every rank, or listen on 127.0.0.1, or set "
-                          "KVF_AUTH=none to run it open anyway", host, port,
-                          host);
-                return KVF_ERR_INVALID_PARAM;
-            }
+    return KVF_OK;
+}
+
+/* Protected mode, as Redis has it: without a token, a registry that
+ * others can reach would let anyone point decode servers at their own
+ * "prefill rank", so it listens on loopback only.  KVF_OK when every
+ * address of res is loopback, else KVF_ERR_INVALID_PARAM. */
+static kvf_status_t check_protected(const struct addrinfo *res,
+                                    const char *host, int port)
+{
+    for (const struct addrinfo *ai = res; ai != NULL; ai = ai->ai_next) {
+        if ((ai->ai_family == AF_INET || ai->ai_family == AF_INET6) &&
+            !kvf__bs_loopback(ai->ai_addr)) {
+            kvf_error("bootstrap registry: refusing to listen on %s:%d "
+                      "without a cluster token: %s is not a loopback "
+                      "address, and anyone who reaches the registry "
+                      "could register prefill ranks and send decode "
+                      "servers' requests elsewhere. Set KVF_AUTH_TOKEN="
+                      "<secret> (or KVF_AUTH_TOKEN_FILE=<file>) here and "
+                      "on every rank, or listen on 127.0.0.1, or set "
+                      "KVF_AUTH=none to run it open anyway", host, port,
+                      host);
+            return KVF_ERR_INVALID_PARAM;
         }
     }
+    return KVF_OK;
+}
 
+/* The registry object and its state, with the access rule set, before
+ * anything listens: KVF_OK and *bs_p, or an error with nothing left. */
+static kvf_status_t bs_alloc(const char *token, int open,
+                             kvf_bootstrap_t **bs_p)
+{
     kvf_bootstrap_t *bs = calloc(1, sizeof(*bs));
     if (bs == NULL || (bs->st = kvf__registry_state_create(0)) == NULL) {
         free(bs);
-        freeaddrinfo(res);
         kvf_error("bootstrap registry: out of memory");
         return KVF_ERR_NO_MEMORY;
     }
     pthread_mutex_init(&bs->log_lock, NULL);
     if (kvf__registry_set_auth(bs->st, token, open) != KVF_OK) {
-        freeaddrinfo(res);
         kvf__registry_state_destroy(bs->st);
         pthread_mutex_destroy(&bs->log_lock);
         free(bs);
         return KVF_ERR_INVALID_PARAM;
     }
-    bs->access = have_token ? "token" : open ? "open" : "protected";
+    *bs_p = bs;
+    return KVF_OK;
+}
+
+/* MHD's daemon on the first IPv4/IPv6 address of res it can bind; when
+ * none starts, bs->daemon stays NULL and the last bind's errno (0: MHD
+ * failed for another reason) is returned, for the log. */
+static int start_daemon(kvf_bootstrap_t *bs, const struct addrinfo *res,
+                        int port)
+{
     int err = 0;
     for (const struct addrinfo *ai = res; ai != NULL && bs->daemon == NULL;
          ai = ai->ai_next) {
@@ -416,6 +421,44 @@ static kvf_status_t create(const char *host, int port, const char *token,
         if (bs->daemon == NULL)
             err = bind_errno(ai);
     }
+    return err;
+}
+
+/* The one way in: with the access rule already decided. */
+static kvf_status_t create(const char *host, int port, const char *token,
+                           const char *token_from, int open,
+                           kvf_bootstrap_t **bootstrap_p)
+{
+    struct addrinfo *res = NULL;
+    kvf_status_t st;
+
+    if (host == NULL || bootstrap_p == NULL || port < 0 || port > 65535) {
+        kvf_error("kvf_bootstrap_create: need a host, a port in 0..65535 "
+                  "and bootstrap_p (got host=%s port=%d)",
+                  host ? host : "NULL", port);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    int have_token = token != NULL && token[0] != '\0';
+    if (have_token && open) {
+        kvf_warn("bootstrap registry: KVF_AUTH=none is ignored: a cluster "
+                 "token is configured (%s), and it is required", token_from);
+        open = 0;
+    }
+    if ((st = resolve_listen(host, port, &res)) != KVF_OK)
+        return st;
+    if (!have_token && !open &&
+        (st = check_protected(res, host, port)) != KVF_OK) {
+        freeaddrinfo(res);
+        return st;
+    }
+
+    kvf_bootstrap_t *bs;
+    if ((st = bs_alloc(token, open, &bs)) != KVF_OK) {
+        freeaddrinfo(res);
+        return st;
+    }
+    bs->access = have_token ? "token" : open ? "open" : "protected";
+    int err = start_daemon(bs, res, port);
     freeaddrinfo(res);
     if (bs->daemon == NULL) {
         kvf_error("bootstrap registry: cannot listen on %s:%d: %s", host,

@@ -564,34 +564,37 @@ static void set_info_locked(kvf_registry_state_t *st, const put_fields_t *f,
              json_is_string(pol) ? json_string_value(pol) : "");
 }
 
-static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
-                      reply_t *r)
-{
-    json_t *o = parse_object("PUT /route", body, len, r);
+/* A PUT /route body, read and checked, before it touches the state. */
+typedef struct put_req {
     put_fields_t f;
-    const char *ip, *dtype;
-    int dtype_null;
+    const char  *ip, *dtype;       /* borrowed from the parsed JSON */
+    int          dtype_null, http_port;
+    int          dp_size, dp;      /* the DP coordinate, SGLang's rule */
+    uint64_t     total;            /* ranks of the configuration it names */
+    char         coords[64];       /* "dpX cpX tpX ppX", for messages */
+} put_req_t;
 
-    if (o == NULL)
-        return;
+/* The body's fields, each typed and bounded: 0, or -1 and a 400 in r. */
+static int put_read_fields(json_t *o, put_req_t *q, reply_t *r)
+{
     for (size_t i = 0; i < sizeof(put_ints) / sizeof(put_ints[0]); i++)
         if (field_int(o, put_ints[i].name, put_ints[i].min, put_ints[i].max,
-                      (int *)((char *)&f + put_ints[i].off), r) != 0)
-            goto out;
-    if (field_str(o, "rank_ip", 255, NULL, &ip, r) != 0 ||
-        field_str(o, "kv_cache_dtype", 63, &dtype_null, &dtype, r) != 0)
-        goto out;
+                      (int *)((char *)&q->f + put_ints[i].off), r) != 0)
+            return -1;
+    if (field_str(o, "rank_ip", 255, NULL, &q->ip, r) != 0 ||
+        field_str(o, "kv_cache_dtype", 63, &q->dtype_null, &q->dtype, r) != 0)
+        return -1;
     json_t *lbm = json_object_get(o, "load_balance_method");
     if (lbm != NULL && !json_is_string(lbm) && !json_is_null(lbm)) {
         reply_text(r, 400, "PUT /route: field \"load_balance_method\" must "
                    "be a string");
-        goto out;
+        return -1;
     }
     json_t *dsa = json_object_get(o, "enable_dsa_cache_layer_split");
     if (dsa != NULL && !json_is_boolean(dsa) && !json_is_null(dsa)) {
         reply_text(r, 400, "PUT /route: field \"enable_dsa_cache_layer_split\""
                    " must be true or false");
-        goto out;
+        return -1;
     }
     /* Optional: SGLang before the decode allocation policy sends none. */
     json_t *pol = json_object_get(o, "decode_allocation_policy");
@@ -599,41 +602,145 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
     int policy_null;
     if (pol != NULL &&
         field_str(o, "decode_allocation_policy", 63, &policy_null, &policy, r) != 0)
-        goto out;
+        return -1;
     /* Optional, null when the prefill server does not know its HTTP port. */
-    int http_port = 0;
+    q->http_port = 0;
     json_t *hp = json_object_get(o, "prefill_http_port");
     if (hp != NULL && !json_is_null(hp) &&
-        field_int(o, "prefill_http_port", 1, 65535, &http_port, r) != 0)
-        goto out;
+        field_int(o, "prefill_http_port", 1, 65535, &q->http_port, r) != 0)
+        return -1;
+    return 0;
+}
+
+/* The rank's coordinates inside its sizes, and a rank table small enough
+ * to allocate: 0, or -1 and a 400 in r. */
+static int put_check_shape(put_req_t *q, reply_t *r)
+{
+    const put_fields_t *f = &q->f;
+
     /* SGLang uses system DP when it is on (no DP attention), attention DP
      * otherwise; the unused rank carries no meaning and is not checked. */
-    int sys_dp = f.system_dp_size > 1;
-    int dp_size = sys_dp ? f.system_dp_size : f.attn_dp_size;
-    int dp = sys_dp ? f.system_dp_rank : f.attn_dp_rank;
-    if (check_rank("attn_tp_rank", f.attn_tp_rank, "attn_tp_size",
-                   f.attn_tp_size, r) ||
-        check_rank("attn_cp_rank", f.attn_cp_rank, "attn_cp_size",
-                   f.attn_cp_size, r) ||
-        check_rank("pp_rank", f.pp_rank, "pp_size", f.pp_size, r) ||
-        check_rank(sys_dp ? "system_dp_rank" : "attn_dp_rank", dp,
-                   sys_dp ? "system_dp_size" : "attn_dp_size", dp_size, r))
-        goto out;
-    uint64_t total = 1;
-    const int sizes[] = {f.attn_tp_size, f.attn_cp_size, dp_size, f.pp_size};
+    int sys_dp = f->system_dp_size > 1;
+    q->dp_size = sys_dp ? f->system_dp_size : f->attn_dp_size;
+    q->dp = sys_dp ? f->system_dp_rank : f->attn_dp_rank;
+    if (check_rank("attn_tp_rank", f->attn_tp_rank, "attn_tp_size",
+                   f->attn_tp_size, r) ||
+        check_rank("attn_cp_rank", f->attn_cp_rank, "attn_cp_size",
+                   f->attn_cp_size, r) ||
+        check_rank("pp_rank", f->pp_rank, "pp_size", f->pp_size, r) ||
+        check_rank(sys_dp ? "system_dp_rank" : "attn_dp_rank", q->dp,
+                   sys_dp ? "system_dp_size" : "attn_dp_size", q->dp_size, r))
+        return -1;
+    q->total = 1;
+    const int sizes[] = {f->attn_tp_size, f->attn_cp_size, q->dp_size,
+                         f->pp_size};
     for (int i = 0; i < 4; i++) {
-        total *= (uint64_t)sizes[i];
-        if (total > KVF_BS_MAX_RANKS) {
+        q->total *= (uint64_t)sizes[i];
+        if (q->total > KVF_BS_MAX_RANKS) {
             reply_text(r, 400, "PUT /route: attn_tp_size*attn_cp_size*"
                        "dp_size*pp_size exceeds %d ranks", KVF_BS_MAX_RANKS);
-            goto out;
+            return -1;
         }
     }
+    snprintf(q->coords, sizeof(q->coords), "dp%d cp%d tp%d pp%d", q->dp,
+             f->attn_cp_rank, f->attn_tp_rank, f->pp_rank);
+    return 0;
+}
 
-    char coords[64];
-    snprintf(coords, sizeof(coords), "dp%d cp%d tp%d pp%d", dp,
-             f.attn_cp_rank, f.attn_tp_rank, f.pp_rank);
-    char *ipcopy = strdup(ip);
+/* The configuration rule (top of the file) for a registration that
+ * conflicts with the info (why): the reason it may replace the info in
+ * *rule_p and 0, or -1 and a 409 in r. */
+static int put_may_replace_locked(kvf_registry_state_t *st,
+                                  const put_req_t *q, uint64_t now,
+                                  const char *why, const char **rule_p,
+                                  reply_t *r)
+{
+    const rank_entry_t *prev = rank_at_locked(st, q->dp, q->f.attn_cp_rank,
+                                              q->f.attn_tp_rank, q->f.pp_rank);
+    if (prev != NULL && prev->ip != NULL) {
+        *rule_p = "the rank at these coordinates restarted with a new "
+                  "configuration";
+        return 0;
+    }
+    if (now - st->info_touched_ms >= KVF_BS_STALE_MS) {
+        *rule_p = "no rank of the old configuration has registered for "
+                  "15 s";
+        return 0;
+    }
+    reply_text(r, 409, "Registration of prefill rank %s (%s:%d) "
+               "conflicts with this bootstrap registry: %s (set by "
+               "%s, %llu ms since a rank of it last registered). "
+               "Every prefill rank must use the same parallel "
+               "configuration, page size and KV cache dtype. A "
+               "different configuration replaces the registry's when "
+               "it comes from a rank already registered (a restart), "
+               "or once no rank of the old one has registered for "
+               "15 s.", q->coords, q->ip, q->f.rank_port, why, st->first_desc,
+               (unsigned long long)(now - st->info_touched_ms));
+    return -1;
+}
+
+/* The first registration, or one that replaces the info (rule != NULL):
+ * a fresh rank table and the newcomer's info.  0, or -1 and a 500 in r. */
+static int put_set_config_locked(kvf_registry_state_t *st, const put_req_t *q,
+                                 json_t *o, const char *why, const char *rule,
+                                 reply_t *r)
+{
+    rank_entry_t *ranks = calloc(q->total, sizeof(*ranks));
+    if (ranks == NULL) {
+        reply_text(r, 500, "out of memory");
+        return -1;
+    }
+    size_t dropped = st->nregistered;
+    for (size_t i = 0; i < st->nranks; i++)
+        free(st->ranks[i].ip);
+    free(st->ranks);
+    st->ranks = ranks;
+    st->nranks = q->total;
+    st->nregistered = 0;
+    set_info_locked(st, &q->f, q->dp_size, q->dtype_null, q->dtype,
+                    q->http_port, o);
+    if (rule != NULL) {
+        st->replaced++;
+        kvf_warn("bootstrap registry: prefill rank %s at %s:%d replaces "
+                 "the registry's configuration (%s; set by %s) because %s; "
+                 "the %zu registered rank(s) of the old configuration are "
+                 "dropped", q->coords, q->ip, q->f.rank_port, why,
+                 st->first_desc, rule, dropped);
+    }
+    snprintf(st->first_desc, sizeof(st->first_desc), "rank %s at %s:%d",
+             q->coords, q->ip, q->f.rank_port);
+    return 0;
+}
+
+/* The rank's address at its coordinates; ipcopy becomes the table's. */
+static void put_record_locked(kvf_registry_state_t *st, const put_req_t *q,
+                              char *ipcopy)
+{
+    rank_entry_t *e = rank_at_locked(st, q->dp, q->f.attn_cp_rank,
+                                     q->f.attn_tp_rank, q->f.pp_rank);
+    if (e->ip != NULL)
+        kvf_info("bootstrap registry: prefill rank %s re-registered: "
+                 "%s:%d replaces %s:%d", q->coords, q->ip, q->f.rank_port,
+                 e->ip, e->port);
+    else
+        st->nregistered++;
+    free(e->ip);
+    e->ip = ipcopy;
+    e->port = q->f.rank_port;
+}
+
+static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
+                      reply_t *r)
+{
+    json_t *o = parse_object("PUT /route", body, len, r);
+    put_req_t q;
+
+    if (o == NULL)
+        return;
+    if (put_read_fields(o, &q, r) != 0 || put_check_shape(&q, r) != 0)
+        goto out;
+    char *ipcopy = strdup(q.ip);
     if (ipcopy == NULL) {
         reply_text(r, 500, "out of memory");
         goto out;
@@ -643,79 +750,29 @@ static void route_put(kvf_registry_state_t *st, const char *body, size_t len,
     uint64_t now = now_ms(st);
     char why[200] = "";
     const char *rule = NULL;
-    if (st->have_info && conflict_locked(st, &f, dp_size, dtype_null, dtype,
-                                         why, sizeof(why))) {
-        /* The configuration rule (top of the file). */
-        const rank_entry_t *prev = rank_at_locked(st, dp, f.attn_cp_rank,
-                                                  f.attn_tp_rank, f.pp_rank);
-        if (prev != NULL && prev->ip != NULL)
-            rule = "the rank at these coordinates restarted with a new "
-                   "configuration";
-        else if (now - st->info_touched_ms >= KVF_BS_STALE_MS)
-            rule = "no rank of the old configuration has registered for "
-                   "15 s";
-        if (rule == NULL) {
-            reply_text(r, 409, "Registration of prefill rank %s (%s:%d) "
-                       "conflicts with this bootstrap registry: %s (set by "
-                       "%s, %llu ms since a rank of it last registered). "
-                       "Every prefill rank must use the same parallel "
-                       "configuration, page size and KV cache dtype. A "
-                       "different configuration replaces the registry's when "
-                       "it comes from a rank already registered (a restart), "
-                       "or once no rank of the old one has registered for "
-                       "15 s.", coords, ip, f.rank_port, why, st->first_desc,
-                       (unsigned long long)(now - st->info_touched_ms));
-            pthread_mutex_unlock(&st->lock);
-            kvf_warn("bootstrap registry: %s", r->body ? r->body : why);
-            free(ipcopy);
-            goto out;
-        }
+    if (st->have_info && conflict_locked(st, &q.f, q.dp_size, q.dtype_null,
+                                         q.dtype, why, sizeof(why)) &&
+        put_may_replace_locked(st, &q, now, why, &rule, r) != 0) {
+        pthread_mutex_unlock(&st->lock);
+        kvf_warn("bootstrap registry: %s", r->body ? r->body : why);
+        free(ipcopy);
+        goto out;
     }
     if (!st->have_info || rule != NULL) {
-        rank_entry_t *ranks = calloc(total, sizeof(*ranks));
-        if (ranks == NULL) {
+        if (put_set_config_locked(st, &q, o, why, rule, r) != 0) {
             pthread_mutex_unlock(&st->lock);
             free(ipcopy);
-            reply_text(r, 500, "out of memory");
             goto out;
         }
-        size_t dropped = st->nregistered;
-        for (size_t i = 0; i < st->nranks; i++)
-            free(st->ranks[i].ip);
-        free(st->ranks);
-        st->ranks = ranks;
-        st->nranks = total;
-        st->nregistered = 0;
-        set_info_locked(st, &f, dp_size, dtype_null, dtype, http_port, o);
-        if (rule != NULL) {
-            st->replaced++;
-            kvf_warn("bootstrap registry: prefill rank %s at %s:%d replaces "
-                     "the registry's configuration (%s; set by %s) because %s; "
-                     "the %zu registered rank(s) of the old configuration are "
-                     "dropped", coords, ip, f.rank_port, why, st->first_desc,
-                     rule, dropped);
-        }
-        snprintf(st->first_desc, sizeof(st->first_desc), "rank %s at %s:%d",
-                 coords, ip, f.rank_port);
     } else {
-        merge_info_locked(st, dtype_null, dtype, http_port);
+        merge_info_locked(st, q.dtype_null, q.dtype, q.http_port);
     }
     st->info_touched_ms = now;
-    rank_entry_t *e = rank_at_locked(st, dp, f.attn_cp_rank, f.attn_tp_rank,
-                                     f.pp_rank);
-    if (e->ip != NULL)
-        kvf_info("bootstrap registry: prefill rank %s re-registered: "
-                 "%s:%d replaces %s:%d", coords, ip, f.rank_port, e->ip,
-                 e->port);
-    else
-        st->nregistered++;
-    free(e->ip);
-    e->ip = ipcopy;
-    e->port = f.rank_port;
+    put_record_locked(st, &q, ipcopy);
     size_t nreg = st->nregistered, ntotal = st->nranks;
     pthread_mutex_unlock(&st->lock);
     kvf_info("bootstrap registry: prefill rank %s at %s:%d registered "
-             "(%zu/%zu)", coords, ip, f.rank_port, nreg, ntotal);
+             "(%zu/%zu)", q.coords, q.ip, q.f.rank_port, nreg, ntotal);
     reply_text(r, 200, "OK");
 out:
     json_decref(o);
@@ -997,24 +1054,28 @@ static void metric_head(FILE *f, const char *name, const char *type,
     fprintf(f, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
-static void route_metrics(kvf_registry_state_t *st, reply_t *r)
-{
+/* What /metrics reports of the registry, copied under its lock. */
+typedef struct metrics_snap {
     uint64_t req[R_N][M_N][C_N];
-    kvf_engine_stats_t es;
+    size_t   nreg, ntotal, nrooms;
+    uint64_t refused[REF_N], replaced;
+    kvf_engine_stats_t es;         /* zero when no engine is attached */
+    int      have_engine;
+} metrics_snap_t;
+
+/* The registry's counters, then the engine's through its callback. */
+static void metrics_snapshot(kvf_registry_state_t *st, metrics_snap_t *s)
+{
     kvf_bs_stats_cb_t cb;
     void *arg;
-    size_t nreg, ntotal, nrooms;
-    uint64_t refused[REF_N], replaced;
-    char *text = NULL;
-    size_t textlen = 0;
 
     pthread_mutex_lock(&st->lock);
-    memcpy(req, st->requests, sizeof(req));
-    nreg = st->nregistered;
-    ntotal = st->nranks;
-    nrooms = st->rooms.count;
-    memcpy(refused, st->refused, sizeof(refused));
-    replaced = st->replaced;
+    memcpy(s->req, st->requests, sizeof(s->req));
+    s->nreg = st->nregistered;
+    s->ntotal = st->nranks;
+    s->nrooms = st->rooms.count;
+    memcpy(s->refused, st->refused, sizeof(s->refused));
+    s->replaced = st->replaced;
     cb = st->stats_cb;
     arg = st->stats_arg;
     if (cb != NULL)
@@ -1022,29 +1083,30 @@ static void route_metrics(kvf_registry_state_t *st, reply_t *r)
     pthread_mutex_unlock(&st->lock);
 
     /* The engine's callback takes engine locks: call it with ours released. */
-    memset(&es, 0, sizeof(es));
+    memset(&s->es, 0, sizeof(s->es));
+    s->have_engine = cb != NULL;
     if (cb != NULL) {
-        cb(arg, &es);
+        cb(arg, &s->es);
         pthread_mutex_lock(&st->lock);
         if (--st->stats_busy == 0)
             pthread_cond_broadcast(&st->stats_idle);
         pthread_mutex_unlock(&st->lock);
     }
+}
 
-    FILE *f = open_memstream(&text, &textlen);
-    if (f == NULL) {
-        reply_text(r, 500, "out of memory");
-        return;
-    }
+/* The registry's own metrics: ranks, rooms, access rule, requests. */
+static void metrics_write_registry(FILE *f, const kvf_registry_state_t *st,
+                                   const metrics_snap_t *s)
+{
     metric_head(f, "kvferry_registry_ranks_registered", "gauge",
                 "Prefill ranks registered with this bootstrap registry.");
-    fprintf(f, "kvferry_registry_ranks_registered %zu\n", nreg);
+    fprintf(f, "kvferry_registry_ranks_registered %zu\n", s->nreg);
     metric_head(f, "kvferry_registry_ranks_expected", "gauge",
                 "Prefill ranks the registry waits for (0: none registered).");
-    fprintf(f, "kvferry_registry_ranks_expected %zu\n", ntotal);
+    fprintf(f, "kvferry_registry_ranks_expected %zu\n", s->ntotal);
     metric_head(f, "kvferry_registry_rooms_tracked", "gauge",
                 "Rooms with a DP rank from POST /register_dp_rank.");
-    fprintf(f, "kvferry_registry_rooms_tracked %zu\n", nrooms);
+    fprintf(f, "kvferry_registry_rooms_tracked %zu\n", s->nrooms);
     metric_head(f, "kvferry_registry_auth", "gauge",
                 "The registry's access rule for mutating requests (1).");
     fprintf(f, "kvferry_registry_auth{mode=\"%s\"} 1\n",
@@ -1053,17 +1115,17 @@ static void route_metrics(kvf_registry_state_t *st, reply_t *r)
                 "Mutating requests refused (401/403), by reason.");
     for (int i = 0; i < REF_N; i++)
         fprintf(f, "kvferry_registry_refused_total{reason=\"%s\"} %llu\n",
-                refusal_names[i], (unsigned long long)refused[i]);
+                refusal_names[i], (unsigned long long)s->refused[i]);
     metric_head(f, "kvferry_registry_config_replaced_total", "counter",
                 "Parallel configurations replaced by a newer registration.");
     fprintf(f, "kvferry_registry_config_replaced_total %llu\n",
-            (unsigned long long)replaced);
+            (unsigned long long)s->replaced);
     metric_head(f, "kvferry_registry_requests_total", "counter",
                 "HTTP requests answered, by route, method and status code.");
     for (int a = 0; a < R_N; a++)
         for (int m = 0; m < M_N; m++)
             for (int c = 0; c < C_N; c++) {
-                if (req[a][m][c] == 0)
+                if (s->req[a][m][c] == 0)
                     continue;
                 char code[8];
                 if (c < C_N - 1)
@@ -1073,48 +1135,67 @@ static void route_metrics(kvf_registry_state_t *st, reply_t *r)
                 fprintf(f, "kvferry_registry_requests_total{route=\"%s\","
                         "method=\"%s\",code=\"%s\"} %llu\n", route_names[a],
                         method_names[m], code,
-                        (unsigned long long)req[a][m][c]);
+                        (unsigned long long)s->req[a][m][c]);
             }
+}
 
-    if (cb != NULL) {
-        static const char *const states[] = {NULL, "bootstrapping",
-            "waiting_for_input", "transferring"};
-        metric_head(f, "kvferry_rooms", "gauge", "Live rooms by poll state.");
-        for (int s = KVF_POLL_BOOTSTRAPPING; s <= KVF_POLL_TRANSFERRING; s++)
-            fprintf(f, "kvferry_rooms{state=\"%s\"} %llu\n", states[s],
-                    (unsigned long long)es.rooms_by_state[s]);
-        metric_head(f, "kvferry_rooms_total", "counter",
-                    "Rooms that ended, by result.");
-        fprintf(f, "kvferry_rooms_total{result=\"success\"} %llu\n"
-                "kvferry_rooms_total{result=\"failed\"} %llu\n",
-                (unsigned long long)es.rooms_succeeded,
-                (unsigned long long)es.rooms_failed);
-        metric_head(f, "kvferry_bytes_total", "counter",
-                    "KV payload bytes moved, by direction.");
-        fprintf(f, "kvferry_bytes_total{direction=\"sent\"} %llu\n"
-                "kvferry_bytes_total{direction=\"received\"} %llu\n",
-                (unsigned long long)es.bytes_sent,
-                (unsigned long long)es.bytes_received);
-        metric_head(f, "kvferry_failures_total", "counter",
-                    "Room failures by blast radius of their status.");
-        fprintf(f, "kvferry_failures_total{class=\"room\"} %llu\n"
-                "kvferry_failures_total{class=\"peer\"} %llu\n"
-                "kvferry_failures_total{class=\"other\"} %llu\n",
-                (unsigned long long)es.failures_room,
-                (unsigned long long)es.failures_peer,
-                (unsigned long long)es.failures_other);
-        metric_head(f, "kvferry_peers_connected", "gauge",
-                    "Peers with a live control connection.");
-        fprintf(f, "kvferry_peers_connected %llu\n",
-                (unsigned long long)es.peers_connected);
-        metric_head(f, "kvferry_peers", "gauge",
-                    "Connected peers by the transport their payload uses.");
-        fprintf(f, "kvferry_peers{transport=\"tcp\"} %llu\n"
-                "kvferry_peers{transport=\"shm\"} %llu\n"
-                "kvferry_peers{transport=\"ucx\"} %llu\n",
-                (unsigned long long)es.peers_tcp, (unsigned long long)es.peers_shm,
-                (unsigned long long)es.peers_ucx);
+/* The attached engine's metrics: rooms, bytes, failures, peers. */
+static void metrics_write_engine(FILE *f, const kvf_engine_stats_t *es)
+{
+    static const char *const states[] = {NULL, "bootstrapping",
+        "waiting_for_input", "transferring"};
+    metric_head(f, "kvferry_rooms", "gauge", "Live rooms by poll state.");
+    for (int s = KVF_POLL_BOOTSTRAPPING; s <= KVF_POLL_TRANSFERRING; s++)
+        fprintf(f, "kvferry_rooms{state=\"%s\"} %llu\n", states[s],
+                (unsigned long long)es->rooms_by_state[s]);
+    metric_head(f, "kvferry_rooms_total", "counter",
+                "Rooms that ended, by result.");
+    fprintf(f, "kvferry_rooms_total{result=\"success\"} %llu\n"
+            "kvferry_rooms_total{result=\"failed\"} %llu\n",
+            (unsigned long long)es->rooms_succeeded,
+            (unsigned long long)es->rooms_failed);
+    metric_head(f, "kvferry_bytes_total", "counter",
+                "KV payload bytes moved, by direction.");
+    fprintf(f, "kvferry_bytes_total{direction=\"sent\"} %llu\n"
+            "kvferry_bytes_total{direction=\"received\"} %llu\n",
+            (unsigned long long)es->bytes_sent,
+            (unsigned long long)es->bytes_received);
+    metric_head(f, "kvferry_failures_total", "counter",
+                "Room failures by blast radius of their status.");
+    fprintf(f, "kvferry_failures_total{class=\"room\"} %llu\n"
+            "kvferry_failures_total{class=\"peer\"} %llu\n"
+            "kvferry_failures_total{class=\"other\"} %llu\n",
+            (unsigned long long)es->failures_room,
+            (unsigned long long)es->failures_peer,
+            (unsigned long long)es->failures_other);
+    metric_head(f, "kvferry_peers_connected", "gauge",
+                "Peers with a live control connection.");
+    fprintf(f, "kvferry_peers_connected %llu\n",
+            (unsigned long long)es->peers_connected);
+    metric_head(f, "kvferry_peers", "gauge",
+                "Connected peers by the transport their payload uses.");
+    fprintf(f, "kvferry_peers{transport=\"tcp\"} %llu\n"
+            "kvferry_peers{transport=\"shm\"} %llu\n"
+            "kvferry_peers{transport=\"ucx\"} %llu\n",
+            (unsigned long long)es->peers_tcp, (unsigned long long)es->peers_shm,
+            (unsigned long long)es->peers_ucx);
+}
+
+static void route_metrics(kvf_registry_state_t *st, reply_t *r)
+{
+    metrics_snap_t s;
+    char *text = NULL;
+    size_t textlen = 0;
+
+    metrics_snapshot(st, &s);
+    FILE *f = open_memstream(&text, &textlen);
+    if (f == NULL) {
+        reply_text(r, 500, "out of memory");
+        return;
     }
+    metrics_write_registry(f, st, &s);
+    if (s.have_engine)
+        metrics_write_engine(f, &s.es);
     if (fclose(f) != 0 || text == NULL) {
         free(text);
         reply_text(r, 500, "out of memory");

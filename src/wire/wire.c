@@ -15,6 +15,12 @@
  * The parser keeps its first error and turns every later read into a no-op
  * returning zero, so the per-message decoders read straight down the layout
  * without a check after every field.
+ *
+ * Each message type is one row of kvf_wire_msgs (after the decoder): its
+ * name, the frame flags it may carry, whether its body opens with the
+ * frozen version prefix, and its value rules, writer and reader.  Adding a
+ * message type is a row and those three functions; check, encode and
+ * decode only dispatch through the table.
  */
 #include "wire/wire.h"
 
@@ -24,30 +30,32 @@
 #include <stdio.h>
 #include <string.h>
 
-static const char *const kvf_wire_type_names[] = {
-    [KVF_MSG_HELLO]     = "HELLO",
-    [KVF_MSG_ROOM_REQ]  = "ROOM_REQ",
-    [KVF_MSG_DATA]      = "DATA",
-    [KVF_MSG_DONE]      = "DONE",
-    [KVF_MSG_DONE_ACK]  = "DONE_ACK",
-    [KVF_MSG_FAIL]      = "FAIL",
-    [KVF_MSG_ABORT]     = "ABORT",
-    [KVF_MSG_HEARTBEAT] = "HEARTBEAT",
-    [KVF_MSG_XPORT]     = "XPORT",
-    [KVF_MSG_DATA_REF]  = "DATA_REF",
-    [KVF_MSG_AUTH]      = "AUTH",
-    [KVF_MSG_AUTH_PROOF] = "AUTH_PROOF",
-    [KVF_MSG_JOIN]      = "JOIN",
-};
+struct kvf_wire_wr;
+struct kvf_wire_rd;
+
+/* One message type: a row of kvf_wire_msgs. */
+typedef struct kvf_wire_msg_ops {
+    const char *name;
+    uint8_t     frame_flags;   /* header flags a frame of it may carry */
+    uint8_t     prefix_len;    /* frozen magic+version prefix: 0 or 6 */
+    /* the value rules; DATA and DATA_REF count pieces into *pieces_p */
+    bool (*check)(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
+                  size_t errlen);
+    void (*wr)(struct kvf_wire_wr *w, const kvf_msg_t *m);
+    void (*rd)(struct kvf_wire_rd *rd, kvf_msg_t *m);
+} kvf_wire_msg_ops_t;
+
+#define KVF_WIRE_NTYPES (KVF_MSG_JOIN + 1)
+static const kvf_wire_msg_ops_t kvf_wire_msgs[KVF_WIRE_NTYPES];
 
 static bool kvf_wire_type_valid(unsigned type)
 {
-    return type >= KVF_MSG_HELLO && type <= KVF_MSG_JOIN;
+    return type >= KVF_MSG_HELLO && type < KVF_WIRE_NTYPES;
 }
 
 const char *kvf_wire_type_name(uint8_t type)
 {
-    return kvf_wire_type_valid(type) ? kvf_wire_type_names[type] : "UNKNOWN";
+    return kvf_wire_type_valid(type) ? kvf_wire_msgs[type].name : "UNKNOWN";
 }
 
 __attribute__((format(printf, 3, 4)))
@@ -209,9 +217,11 @@ static bool kvf_wire_check_layout(const kvf_wire_layout_t *l, char *err,
     return true;
 }
 
-static bool kvf_wire_check_hello(const kvf_msg_hello_t *h, char *err,
-                                 size_t errlen)
+static bool kvf_wire_check_hello(const kvf_msg_t *m, uint32_t *pieces_p,
+                                 char *err, size_t errlen)
 {
+    const kvf_msg_hello_t *h = &m->u.hello;
+
     if (h->magic != KVF_WIRE_MAGIC || h->version != KVF_WIRE_VERSION) {
         kvf_wire_errf(err, errlen, "HELLO: magic 0x%08x version %u, expected "
                       "0x%08x version %u", h->magic, h->version,
@@ -285,9 +295,11 @@ static bool kvf_wire_check_seg(const kvf_msg_data_t *d, uint32_t i,
     return true;
 }
 
-static bool kvf_wire_check_data(const kvf_msg_data_t *d, uint32_t *pieces_p,
+static bool kvf_wire_check_data(const kvf_msg_t *m, uint32_t *pieces_p,
                                 char *err, size_t errlen)
 {
+    const kvf_msg_data_t *d = &m->u.data;
+
     if (d->nseg < 1 || d->nseg > KVF_WIRE_MAX_SEGS) {
         kvf_wire_errf(err, errlen, "DATA: segment count %u outside 1..%u",
                       d->nseg, KVF_WIRE_MAX_SEGS);
@@ -349,118 +361,154 @@ static bool kvf_wire_check_state_idx(const kvf_msg_room_req_t *r, char *err, siz
     return true;
 }
 
-static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
-                           size_t errlen)
+static bool kvf_wire_check_room_req(const kvf_msg_t *m, uint32_t *pieces_p,
+                                    char *err, size_t errlen)
+{
+    const char *what = "ROOM_REQ";
+
+    return KVF_WIRE_CHECK_ARR(&m->u.room_req.pages, UINT32_MAX, "page") &&
+           KVF_WIRE_CHECK_ARR(&m->u.room_req.state_counts, KVF_WIRE_MAX_BUFS,
+                              "state group") &&
+           KVF_WIRE_CHECK_ARR(&m->u.room_req.state_idx, UINT32_MAX, "state index") &&
+           kvf_wire_check_state_idx(&m->u.room_req, err, errlen);
+}
+
+/* DATA_REF: DATA's rules, with one source address per segment. */
+static bool kvf_wire_check_data_ref(const kvf_msg_t *m, uint32_t *pieces_p,
+                                    char *err, size_t errlen)
+{
+    if (m->u.data.src_addrs.count != m->u.data.nseg) {
+        kvf_wire_errf(err, errlen, "DATA_REF: %u source addresses for %u segments",
+                      m->u.data.src_addrs.count, m->u.data.nseg);
+        return false;
+    }
+    return kvf_wire_check_data(m, pieces_p, err, errlen);
+}
+
+static bool kvf_wire_check_xport(const kvf_msg_t *m, uint32_t *pieces_p,
+                                 char *err, size_t errlen)
+{
+    if (m->u.xport.count > KVF_WIRE_MAX_XPORTS) {
+        kvf_wire_errf(err, errlen, "XPORT: %u transports, at most %u",
+                      m->u.xport.count, KVF_WIRE_MAX_XPORTS);
+        return false;
+    }
+    for (uint32_t i = 0; i < m->u.xport.count; i++) {
+        const kvf_wire_xport_t *x = &m->u.xport.x[i];
+        if (!kvf_wire_check_str(&x->name, "XPORT", "name", err, errlen))
+            return false;
+        if (x->blob_len > KVF_WIRE_MAX_BLOB || (x->blob_len && x->blob == NULL)) {
+            kvf_wire_errf(err, errlen, "XPORT: blob of %u bytes (limit %u)",
+                          x->blob_len, KVF_WIRE_MAX_BLOB);
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool kvf_wire_check_done(const kvf_msg_t *m, uint32_t *pieces_p,
+                                char *err, size_t errlen)
+{
+    if (m->u.done.has_checksum > 1) {
+        kvf_wire_errf(err, errlen, "DONE: has_checksum is %u, not 0 or 1",
+                      m->u.done.has_checksum);
+        return false;
+    }
+    if (m->u.done.streams > KVF_WIRE_MAX_STREAMS ||
+        (m->u.done.streams > 0 && m->u.done.stream >= m->u.done.streams)) {
+        kvf_wire_errf(err, errlen, "DONE: stream %u of %u (at most %u streams)",
+                      m->u.done.stream, m->u.done.streams, KVF_WIRE_MAX_STREAMS);
+        return false;
+    }
+    return true;
+}
+
+static bool kvf_wire_check_join(const kvf_msg_t *m, uint32_t *pieces_p,
+                                char *err, size_t errlen)
+{
+    if (m->u.join.stream == 0 || m->u.join.stream >= KVF_WIRE_MAX_STREAMS) {
+        kvf_wire_errf(err, errlen, "JOIN: stream %u, not 1..%u", m->u.join.stream,
+                      KVF_WIRE_MAX_STREAMS - 1);
+        return false;
+    }
+    return true;
+}
+
+static bool kvf_wire_check_done_ack(const kvf_msg_t *m, uint32_t *pieces_p,
+                                    char *err, size_t errlen)
+{
+    if (m->u.done_ack.status > 0) {
+        kvf_wire_errf(err, errlen, "DONE_ACK: status %d is positive",
+                      (int)m->u.done_ack.status);
+        return false;
+    }
+    return true;
+}
+
+/* FAIL and ABORT share a body; `what` names which one in the error. */
+static bool kvf_wire_check_fail(const kvf_msg_t *m, uint32_t *pieces_p,
+                                char *err, size_t errlen)
 {
     const char *what = kvf_wire_type_name((uint8_t)m->type);
 
-    switch (m->type) {
-    case KVF_MSG_HELLO:
-        return kvf_wire_check_hello(&m->u.hello, err, errlen);
-    case KVF_MSG_ROOM_REQ:
-        return KVF_WIRE_CHECK_ARR(&m->u.room_req.pages, UINT32_MAX, "page") &&
-               KVF_WIRE_CHECK_ARR(&m->u.room_req.state_counts, KVF_WIRE_MAX_BUFS,
-                                  "state group") &&
-               KVF_WIRE_CHECK_ARR(&m->u.room_req.state_idx, UINT32_MAX, "state index") &&
-               kvf_wire_check_state_idx(&m->u.room_req, err, errlen);
-    case KVF_MSG_DATA:
-        return kvf_wire_check_data(&m->u.data, pieces_p, err, errlen);
-    case KVF_MSG_DATA_REF:
-        if (m->u.data.src_addrs.count != m->u.data.nseg) {
-            kvf_wire_errf(err, errlen, "DATA_REF: %u source addresses for %u segments",
-                          m->u.data.src_addrs.count, m->u.data.nseg);
-            return false;
-        }
-        return kvf_wire_check_data(&m->u.data, pieces_p, err, errlen);
-    case KVF_MSG_XPORT:
-        if (m->u.xport.count > KVF_WIRE_MAX_XPORTS) {
-            kvf_wire_errf(err, errlen, "XPORT: %u transports, at most %u",
-                          m->u.xport.count, KVF_WIRE_MAX_XPORTS);
-            return false;
-        }
-        for (uint32_t i = 0; i < m->u.xport.count; i++) {
-            const kvf_wire_xport_t *x = &m->u.xport.x[i];
-            if (!kvf_wire_check_str(&x->name, what, "name", err, errlen))
-                return false;
-            if (x->blob_len > KVF_WIRE_MAX_BLOB || (x->blob_len && x->blob == NULL)) {
-                kvf_wire_errf(err, errlen, "XPORT: blob of %u bytes (limit %u)",
-                              x->blob_len, KVF_WIRE_MAX_BLOB);
-                return false;
-            }
-        }
-        return true;
-    case KVF_MSG_DONE:
-        if (m->u.done.has_checksum > 1) {
-            kvf_wire_errf(err, errlen, "DONE: has_checksum is %u, not 0 or 1",
-                          m->u.done.has_checksum);
-            return false;
-        }
-        if (m->u.done.streams > KVF_WIRE_MAX_STREAMS ||
-            (m->u.done.streams > 0 && m->u.done.stream >= m->u.done.streams)) {
-            kvf_wire_errf(err, errlen, "DONE: stream %u of %u (at most %u streams)",
-                          m->u.done.stream, m->u.done.streams, KVF_WIRE_MAX_STREAMS);
-            return false;
-        }
-        return true;
-    case KVF_MSG_JOIN:
-        if (m->u.join.stream == 0 || m->u.join.stream >= KVF_WIRE_MAX_STREAMS) {
-            kvf_wire_errf(err, errlen, "JOIN: stream %u, not 1..%u", m->u.join.stream,
-                          KVF_WIRE_MAX_STREAMS - 1);
-            return false;
-        }
-        return true;
-    case KVF_MSG_DONE_ACK:
-        if (m->u.done_ack.status > 0) {
-            kvf_wire_errf(err, errlen, "DONE_ACK: status %d is positive",
-                          (int)m->u.done_ack.status);
-            return false;
-        }
-        return true;
-    case KVF_MSG_FAIL:
-    case KVF_MSG_ABORT:
-        if (m->u.fail.status >= 0) {
-            kvf_wire_errf(err, errlen, "%s: status %d is not an error", what,
-                          (int)m->u.fail.status);
-            return false;
-        }
-        if (m->u.fail.sides & ~KVF_SIDES_ALL) {
-            kvf_wire_errf(err, errlen, "%s: sides 0x%02x name neither prefill nor decode",
-                          what, m->u.fail.sides);
-            return false;
-        }
-        if (m->u.fail.origin_side > 1) {
-            kvf_wire_errf(err, errlen, "%s: origin side %u is neither prefill "
-                          "(0) nor decode (1)", what, m->u.fail.origin_side);
-            return false;
-        }
-        return kvf_wire_check_str(&m->u.fail.origin_addr, what, "origin_addr",
-                                  err, errlen) &&
-               kvf_wire_check_str(&m->u.fail.reason, what, "reason", err,
-                                  errlen);
-    case KVF_MSG_HEARTBEAT:
-    case KVF_MSG_AUTH_PROOF:
-        return true;
-    case KVF_MSG_AUTH:
-        if (m->u.auth.magic != KVF_WIRE_MAGIC || m->u.auth.version != KVF_WIRE_VERSION) {
-            kvf_wire_errf(err, errlen, "AUTH: magic 0x%08x version %u, expected "
-                          "0x%08x version %u", m->u.auth.magic, m->u.auth.version,
-                          KVF_WIRE_MAGIC, KVF_WIRE_VERSION);
-            return false;
-        }
-        if (m->u.auth.role > 1) {
-            kvf_wire_errf(err, errlen, "AUTH: role %u is neither prefill (0) nor "
-                          "decode (1)", m->u.auth.role);
-            return false;
-        }
-        if (m->u.auth.flags & ~(KVF_AUTH_F_TOKEN | KVF_AUTH_F_JOIN)) {
-            kvf_wire_errf(err, errlen, "AUTH: unknown flags 0x%02x",
-                          m->u.auth.flags & ~(KVF_AUTH_F_TOKEN | KVF_AUTH_F_JOIN));
-            return false;
-        }
-        return true;
+    if (m->u.fail.status >= 0) {
+        kvf_wire_errf(err, errlen, "%s: status %d is not an error", what,
+                      (int)m->u.fail.status);
+        return false;
     }
-    kvf_wire_errf(err, errlen, "unknown message type %d", (int)m->type);
-    return false;
+    if (m->u.fail.sides & ~KVF_SIDES_ALL) {
+        kvf_wire_errf(err, errlen, "%s: sides 0x%02x name neither prefill nor decode",
+                      what, m->u.fail.sides);
+        return false;
+    }
+    if (m->u.fail.origin_side > 1) {
+        kvf_wire_errf(err, errlen, "%s: origin side %u is neither prefill "
+                      "(0) nor decode (1)", what, m->u.fail.origin_side);
+        return false;
+    }
+    return kvf_wire_check_str(&m->u.fail.origin_addr, what, "origin_addr",
+                              err, errlen) &&
+           kvf_wire_check_str(&m->u.fail.reason, what, "reason", err,
+                              errlen);
+}
+
+static bool kvf_wire_check_auth(const kvf_msg_t *m, uint32_t *pieces_p,
+                                char *err, size_t errlen)
+{
+    if (m->u.auth.magic != KVF_WIRE_MAGIC || m->u.auth.version != KVF_WIRE_VERSION) {
+        kvf_wire_errf(err, errlen, "AUTH: magic 0x%08x version %u, expected "
+                      "0x%08x version %u", m->u.auth.magic, m->u.auth.version,
+                      KVF_WIRE_MAGIC, KVF_WIRE_VERSION);
+        return false;
+    }
+    if (m->u.auth.role > 1) {
+        kvf_wire_errf(err, errlen, "AUTH: role %u is neither prefill (0) nor "
+                      "decode (1)", m->u.auth.role);
+        return false;
+    }
+    if (m->u.auth.flags & ~(KVF_AUTH_F_TOKEN | KVF_AUTH_F_JOIN)) {
+        kvf_wire_errf(err, errlen, "AUTH: unknown flags 0x%02x",
+                      m->u.auth.flags & ~(KVF_AUTH_F_TOKEN | KVF_AUTH_F_JOIN));
+        return false;
+    }
+    return true;
+}
+
+/* HEARTBEAT and AUTH_PROOF: every value of their fixed fields is valid. */
+static bool kvf_wire_check_any(const kvf_msg_t *m, uint32_t *pieces_p,
+                               char *err, size_t errlen)
+{
+    return true;
+}
+
+static bool kvf_wire_check(const kvf_msg_t *m, uint32_t *pieces_p, char *err,
+                           size_t errlen)
+{
+    if (!kvf_wire_type_valid(m->type)) {
+        kvf_wire_errf(err, errlen, "unknown message type %d", (int)m->type);
+        return false;
+    }
+    return kvf_wire_msgs[m->type].check(m, pieces_p, err, errlen);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -538,8 +586,9 @@ static void kvf_wire_wr_arr64(kvf_wire_wr_t *w, const kvf_wire_arr64_t *a)
         kvf_wire_wr_u64(w, kvf_wire_arr64_at(a, i));
 }
 
-static void kvf_wire_wr_hello(kvf_wire_wr_t *w, const kvf_msg_hello_t *h)
+static void kvf_wire_wr_hello(kvf_wire_wr_t *w, const kvf_msg_t *m)
 {
+    const kvf_msg_hello_t *h = &m->u.hello;
     const kvf_wire_layout_t *l = &h->layout;
 
     kvf_wire_wr_u32(w, h->magic);
@@ -575,8 +624,10 @@ static void kvf_wire_wr_hello(kvf_wire_wr_t *w, const kvf_msg_hello_t *h)
     kvf_wire_wr_u8(w, l->kv_order);
 }
 
-static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_data_t *d)
+static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_t *m)
 {
+    const kvf_msg_data_t *d = &m->u.data;
+
     kvf_wire_wr_u64(w, d->room);
     kvf_wire_wr_u64(w, d->instance);
     kvf_wire_wr_u32(w, d->src_rank);
@@ -601,93 +652,108 @@ static void kvf_wire_wr_data(kvf_wire_wr_t *w, const kvf_msg_data_t *d)
     }
 }
 
+/* DATA_REF: a DATA body without payload, then the source addresses. */
+static void kvf_wire_wr_data_ref(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_data(w, m);
+    kvf_wire_wr_arr64(w, &m->u.data.src_addrs);
+}
+
+static void kvf_wire_wr_room_req(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_u64(w, m->u.room_req.room);
+    kvf_wire_wr_u64(w, m->u.room_req.instance);
+    kvf_wire_wr_u32(w, m->u.room_req.dst_rank);
+    kvf_wire_wr_u32(w, m->u.room_req.expected_receivers);
+    kvf_wire_wr_u32(w, m->u.room_req.aux_slot);
+    kvf_wire_wr_arr32(w, &m->u.room_req.pages);
+    kvf_wire_wr_arr32(w, &m->u.room_req.state_counts);
+    kvf_wire_wr_arr32(w, &m->u.room_req.state_idx);
+    kvf_wire_wr_u32(w, m->u.room_req.attempt);
+    kvf_wire_wr_u32(w, m->u.room_req.decode_prefix_len);
+    kvf_wire_wr_u64(w, m->u.room_req.sender_instance);
+    kvf_wire_wr_u32(w, m->u.room_req.flags);
+}
+
+static void kvf_wire_wr_xport(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_u32(w, m->u.xport.count);
+    for (uint32_t i = 0; i < m->u.xport.count; i++) {
+        const kvf_wire_xport_t *x = &m->u.xport.x[i];
+        kvf_wire_wr_str(w, &x->name);
+        kvf_wire_wr_u32(w, x->blob_len);
+        kvf_wire_wr_bytes(w, x->blob, x->blob_len);
+    }
+}
+
+static void kvf_wire_wr_done(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_u64(w, m->u.done.room);
+    kvf_wire_wr_u64(w, m->u.done.instance);
+    kvf_wire_wr_u32(w, m->u.done.src_rank);
+    kvf_wire_wr_u64(w, m->u.done.bytes);
+    kvf_wire_wr_u8(w, m->u.done.has_checksum);
+    kvf_wire_wr_u64(w, m->u.done.checksum);
+    if (m->u.done.streams > 0) {
+        kvf_wire_wr_u32(w, m->u.done.stream);
+        kvf_wire_wr_u32(w, m->u.done.streams);
+    }
+}
+
+static void kvf_wire_wr_done_ack(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_u64(w, m->u.done_ack.room);
+    kvf_wire_wr_u64(w, m->u.done_ack.instance);
+    kvf_wire_wr_u32(w, (uint32_t)m->u.done_ack.status);
+    kvf_wire_wr_u64(w, m->u.done_ack.bytes);
+}
+
+/* FAIL and ABORT share this body. */
+static void kvf_wire_wr_fail(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_u64(w, m->u.fail.room);
+    kvf_wire_wr_u64(w, m->u.fail.instance);
+    kvf_wire_wr_u32(w, (uint32_t)m->u.fail.status);
+    kvf_wire_wr_u8(w, m->u.fail.origin_side);
+    kvf_wire_wr_u32(w, m->u.fail.origin_rank);
+    kvf_wire_wr_str(w, &m->u.fail.origin_addr);
+    kvf_wire_wr_str(w, &m->u.fail.reason);
+    kvf_wire_wr_u64(w, m->u.fail.sender_instance);
+    kvf_wire_wr_u8(w, m->u.fail.sides);
+}
+
+static void kvf_wire_wr_heartbeat(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_u64(w, m->u.heartbeat.seq);
+    kvf_wire_wr_u64(w, m->u.heartbeat.time_ns);
+}
+
+static void kvf_wire_wr_auth(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_u32(w, m->u.auth.magic);
+    kvf_wire_wr_u16(w, m->u.auth.version);
+    kvf_wire_wr_u8(w, m->u.auth.role);
+    kvf_wire_wr_u8(w, m->u.auth.flags);
+    kvf_wire_wr_u64(w, m->u.auth.instance_id);
+    kvf_wire_wr_u32(w, m->u.auth.pid);
+    kvf_wire_wr_bytes(w, m->u.auth.nonce, KVF_WIRE_NONCE_LEN);
+}
+
+static void kvf_wire_wr_proof(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_bytes(w, m->u.proof.mac, KVF_WIRE_MAC_LEN);
+}
+
+static void kvf_wire_wr_join(kvf_wire_wr_t *w, const kvf_msg_t *m)
+{
+    kvf_wire_wr_bytes(w, m->u.join.cookie, KVF_WIRE_COOKIE_LEN);
+    kvf_wire_wr_u32(w, m->u.join.stream);
+}
+
+/* Only after kvf_wire_check() passed: the type is valid. */
 static void kvf_wire_wr_body(kvf_wire_wr_t *w, const kvf_msg_t *m)
 {
-    switch (m->type) {
-    case KVF_MSG_HELLO:
-        kvf_wire_wr_hello(w, &m->u.hello);
-        break;
-    case KVF_MSG_ROOM_REQ:
-        kvf_wire_wr_u64(w, m->u.room_req.room);
-        kvf_wire_wr_u64(w, m->u.room_req.instance);
-        kvf_wire_wr_u32(w, m->u.room_req.dst_rank);
-        kvf_wire_wr_u32(w, m->u.room_req.expected_receivers);
-        kvf_wire_wr_u32(w, m->u.room_req.aux_slot);
-        kvf_wire_wr_arr32(w, &m->u.room_req.pages);
-        kvf_wire_wr_arr32(w, &m->u.room_req.state_counts);
-        kvf_wire_wr_arr32(w, &m->u.room_req.state_idx);
-        kvf_wire_wr_u32(w, m->u.room_req.attempt);
-        kvf_wire_wr_u32(w, m->u.room_req.decode_prefix_len);
-        kvf_wire_wr_u64(w, m->u.room_req.sender_instance);
-        kvf_wire_wr_u32(w, m->u.room_req.flags);
-        break;
-    case KVF_MSG_DATA:
-        kvf_wire_wr_data(w, &m->u.data);
-        break;
-    case KVF_MSG_DATA_REF:
-        kvf_wire_wr_data(w, &m->u.data);
-        kvf_wire_wr_arr64(w, &m->u.data.src_addrs);
-        break;
-    case KVF_MSG_XPORT:
-        kvf_wire_wr_u32(w, m->u.xport.count);
-        for (uint32_t i = 0; i < m->u.xport.count; i++) {
-            const kvf_wire_xport_t *x = &m->u.xport.x[i];
-            kvf_wire_wr_str(w, &x->name);
-            kvf_wire_wr_u32(w, x->blob_len);
-            kvf_wire_wr_bytes(w, x->blob, x->blob_len);
-        }
-        break;
-    case KVF_MSG_DONE:
-        kvf_wire_wr_u64(w, m->u.done.room);
-        kvf_wire_wr_u64(w, m->u.done.instance);
-        kvf_wire_wr_u32(w, m->u.done.src_rank);
-        kvf_wire_wr_u64(w, m->u.done.bytes);
-        kvf_wire_wr_u8(w, m->u.done.has_checksum);
-        kvf_wire_wr_u64(w, m->u.done.checksum);
-        if (m->u.done.streams > 0) {
-            kvf_wire_wr_u32(w, m->u.done.stream);
-            kvf_wire_wr_u32(w, m->u.done.streams);
-        }
-        break;
-    case KVF_MSG_DONE_ACK:
-        kvf_wire_wr_u64(w, m->u.done_ack.room);
-        kvf_wire_wr_u64(w, m->u.done_ack.instance);
-        kvf_wire_wr_u32(w, (uint32_t)m->u.done_ack.status);
-        kvf_wire_wr_u64(w, m->u.done_ack.bytes);
-        break;
-    case KVF_MSG_FAIL:
-    case KVF_MSG_ABORT:
-        kvf_wire_wr_u64(w, m->u.fail.room);
-        kvf_wire_wr_u64(w, m->u.fail.instance);
-        kvf_wire_wr_u32(w, (uint32_t)m->u.fail.status);
-        kvf_wire_wr_u8(w, m->u.fail.origin_side);
-        kvf_wire_wr_u32(w, m->u.fail.origin_rank);
-        kvf_wire_wr_str(w, &m->u.fail.origin_addr);
-        kvf_wire_wr_str(w, &m->u.fail.reason);
-        kvf_wire_wr_u64(w, m->u.fail.sender_instance);
-        kvf_wire_wr_u8(w, m->u.fail.sides);
-        break;
-    case KVF_MSG_HEARTBEAT:
-        kvf_wire_wr_u64(w, m->u.heartbeat.seq);
-        kvf_wire_wr_u64(w, m->u.heartbeat.time_ns);
-        break;
-    case KVF_MSG_AUTH:
-        kvf_wire_wr_u32(w, m->u.auth.magic);
-        kvf_wire_wr_u16(w, m->u.auth.version);
-        kvf_wire_wr_u8(w, m->u.auth.role);
-        kvf_wire_wr_u8(w, m->u.auth.flags);
-        kvf_wire_wr_u64(w, m->u.auth.instance_id);
-        kvf_wire_wr_u32(w, m->u.auth.pid);
-        kvf_wire_wr_bytes(w, m->u.auth.nonce, KVF_WIRE_NONCE_LEN);
-        break;
-    case KVF_MSG_AUTH_PROOF:
-        kvf_wire_wr_bytes(w, m->u.proof.mac, KVF_WIRE_MAC_LEN);
-        break;
-    case KVF_MSG_JOIN:
-        kvf_wire_wr_bytes(w, m->u.join.cookie, KVF_WIRE_COOKIE_LEN);
-        kvf_wire_wr_u32(w, m->u.join.stream);
-        break;
-    }
+    kvf_wire_msgs[m->type].wr(w, m);
 }
 
 kvf_status_t kvf_wire_encode(kvf_buf_t *out, const kvf_msg_t *msg)
@@ -710,7 +776,7 @@ kvf_status_t kvf_wire_encode(kvf_buf_t *out, const kvf_msg_t *msg)
     uint8_t *p = out->data + out->len;
     kvf_put_u32(p, length);
     p[4] = (uint8_t)msg->type;
-    p[5] = (msg->type == KVF_MSG_DATA || msg->type == KVF_MSG_DATA_REF) &&
+    p[5] = (kvf_wire_msgs[msg->type].frame_flags & KVF_WIRE_F_STRIDED) &&
            msg->u.data.strided ? KVF_WIRE_F_STRIDED : 0;
     kvf_put_u16(p + 6, 0);
     w = (kvf_wire_wr_t){ p + KVF_WIRE_HDR_LEN, 0 };
@@ -743,8 +809,7 @@ kvf_status_t kvf_wire_parse_header(const uint8_t *p, kvf_wire_hdr_t *hdr_p,
                           "lost sync)", type);
         return KVF_ERR_PROTOCOL;
     }
-    uint8_t allowed = type == KVF_MSG_DATA || type == KVF_MSG_DATA_REF
-                          ? KVF_WIRE_F_STRIDED : 0;
+    uint8_t allowed = kvf_wire_msgs[type].frame_flags;
     if ((flags & ~allowed) != 0 || reserved != 0) {
         kvf_wire_errf(err, errlen, "frame header: %s frame has non-zero "
                       "reserved bits (flags 0x%02x, reserved 0x%04x)",
@@ -906,8 +971,9 @@ static void kvf_wire_rd_arr64(kvf_wire_rd_t *rd, kvf_wire_arr64_t *a,
     a->raw = kvf_wire_rd_items(rd, 8, KVF_WIRE_MAX_BUFS, field, &a->count);
 }
 
-static void kvf_wire_rd_hello(kvf_wire_rd_t *rd, kvf_msg_hello_t *h)
+static void kvf_wire_rd_hello(kvf_wire_rd_t *rd, kvf_msg_t *m)
 {
+    kvf_msg_hello_t *h = &m->u.hello;
     kvf_wire_layout_t *l = &h->layout;
 
     h->magic       = kvf_wire_rd_u32(rd, "magic");
@@ -943,123 +1009,176 @@ static void kvf_wire_rd_hello(kvf_wire_rd_t *rd, kvf_msg_hello_t *h)
     l->kv_order = kvf_wire_rd_u8(rd, "kv_order");
 }
 
+static void kvf_wire_rd_room_req(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    kvf_msg_room_req_t *r = &m->u.room_req;
+    r->room               = kvf_wire_rd_u64(rd, "room");
+    r->instance           = kvf_wire_rd_u64(rd, "instance");
+    r->dst_rank           = kvf_wire_rd_u32(rd, "dst_rank");
+    r->expected_receivers = kvf_wire_rd_u32(rd, "expected_receivers");
+    r->aux_slot           = kvf_wire_rd_u32(rd, "aux_slot");
+    kvf_wire_rd_arr32(rd, &r->pages, UINT32_MAX, "page");
+    kvf_wire_rd_arr32(rd, &r->state_counts, KVF_WIRE_MAX_BUFS, "state group");
+    kvf_wire_rd_arr32(rd, &r->state_idx, UINT32_MAX, "state index");
+    r->attempt            = kvf_wire_rd_u32(rd, "attempt");
+    r->decode_prefix_len  = kvf_wire_rd_u32(rd, "decode_prefix_len");
+    r->sender_instance    = kvf_wire_rd_u64(rd, "sender_instance");
+    r->flags              = kvf_wire_rd_u32(rd, "flags");
+}
+
+/* d->strided is already set from the frame header. */
+static void kvf_wire_rd_data(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    kvf_msg_data_t *d = &m->u.data;
+    d->room        = kvf_wire_rd_u64(rd, "room");
+    d->instance    = kvf_wire_rd_u64(rd, "instance");
+    d->src_rank    = kvf_wire_rd_u32(rd, "src_rank");
+    d->payload_len = kvf_wire_rd_u64(rd, "payload_len");
+    d->raw_segs    = kvf_wire_rd_items(rd, d->strided ? KVF_WIRE_SSEG_LEN
+                                                      : KVF_WIRE_SEG_LEN,
+                                       KVF_WIRE_MAX_SEGS, "segment",
+                                       &d->nseg);
+}
+
+static void kvf_wire_rd_data_ref(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    kvf_msg_data_t *d = &m->u.data;
+    kvf_wire_rd_data(rd, m);
+    d->src_addrs.raw = kvf_wire_rd_items(rd, 8, KVF_WIRE_MAX_SEGS,
+                                         "source address",
+                                         &d->src_addrs.count);
+}
+
+static void kvf_wire_rd_xport(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    kvf_msg_xport_t *x = &m->u.xport;
+    x->count = kvf_wire_rd_u32(rd, "count");
+    if (x->count > KVF_WIRE_MAX_XPORTS) {
+        kvf_wire_rd_fail(rd, "%u transports, at most %u", x->count,
+                         KVF_WIRE_MAX_XPORTS);
+        return;
+    }
+    for (uint32_t i = 0; i < x->count && !rd->bad; i++) {
+        kvf_wire_rd_str(rd, &x->x[i].name, "name");
+        x->x[i].blob = kvf_wire_rd_items(rd, 1, KVF_WIRE_MAX_BLOB, "blob",
+                                         &x->x[i].blob_len);
+    }
+}
+
+static void kvf_wire_rd_done(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    m->u.done.room         = kvf_wire_rd_u64(rd, "room");
+    m->u.done.instance     = kvf_wire_rd_u64(rd, "instance");
+    m->u.done.src_rank     = kvf_wire_rd_u32(rd, "src_rank");
+    m->u.done.bytes        = kvf_wire_rd_u64(rd, "bytes");
+    m->u.done.has_checksum = kvf_wire_rd_u8(rd, "has_checksum");
+    m->u.done.checksum     = kvf_wire_rd_u64(rd, "checksum");
+    if (rd->left == 8) {      /* the optional stream fields; else trailing */
+        m->u.done.stream   = kvf_wire_rd_u32(rd, "stream");
+        m->u.done.streams  = kvf_wire_rd_u32(rd, "streams");
+        if (m->u.done.streams == 0)
+            kvf_wire_rd_fail(rd, "streams is 0 (omit both fields instead)");
+    }
+}
+
+static void kvf_wire_rd_done_ack(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    m->u.done_ack.room   = kvf_wire_rd_u64(rd, "room");
+    m->u.done_ack.instance = kvf_wire_rd_u64(rd, "instance");
+    m->u.done_ack.status = (int32_t)kvf_wire_rd_u32(rd, "status");
+    m->u.done_ack.bytes  = kvf_wire_rd_u64(rd, "bytes");
+}
+
+/* FAIL and ABORT share this body. */
+static void kvf_wire_rd_fail_msg(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    m->u.fail.room        = kvf_wire_rd_u64(rd, "room");
+    m->u.fail.instance    = kvf_wire_rd_u64(rd, "instance");
+    m->u.fail.status      = (int32_t)kvf_wire_rd_u32(rd, "status");
+    m->u.fail.origin_side = kvf_wire_rd_u8(rd, "origin_side");
+    m->u.fail.origin_rank = kvf_wire_rd_u32(rd, "origin_rank");
+    kvf_wire_rd_str(rd, &m->u.fail.origin_addr, "origin_addr");
+    kvf_wire_rd_str(rd, &m->u.fail.reason, "reason");
+    m->u.fail.sender_instance = kvf_wire_rd_u64(rd, "sender_instance");
+    m->u.fail.sides       = kvf_wire_rd_u8(rd, "sides");
+}
+
+static void kvf_wire_rd_heartbeat(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    m->u.heartbeat.seq     = kvf_wire_rd_u64(rd, "seq");
+    m->u.heartbeat.time_ns = kvf_wire_rd_u64(rd, "time_ns");
+}
+
+static void kvf_wire_rd_auth(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    kvf_msg_auth_t *a = &m->u.auth;
+    a->magic       = kvf_wire_rd_u32(rd, "magic");
+    a->version     = kvf_wire_rd_u16(rd, "version");
+    a->role        = kvf_wire_rd_u8(rd, "role");
+    a->flags       = kvf_wire_rd_u8(rd, "flags");
+    a->instance_id = kvf_wire_rd_u64(rd, "instance_id");
+    a->pid         = kvf_wire_rd_u32(rd, "pid");
+    const uint8_t *n = kvf_wire_rd_take(rd, KVF_WIRE_NONCE_LEN, "nonce");
+    if (n != NULL)
+        memcpy(a->nonce, n, KVF_WIRE_NONCE_LEN);
+}
+
+static void kvf_wire_rd_proof(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    const uint8_t *mac = kvf_wire_rd_take(rd, KVF_WIRE_MAC_LEN, "mac");
+    if (mac != NULL)
+        memcpy(m->u.proof.mac, mac, KVF_WIRE_MAC_LEN);
+}
+
+static void kvf_wire_rd_join(kvf_wire_rd_t *rd, kvf_msg_t *m)
+{
+    const uint8_t *c = kvf_wire_rd_take(rd, KVF_WIRE_COOKIE_LEN, "cookie");
+    if (c != NULL)
+        memcpy(m->u.join.cookie, c, KVF_WIRE_COOKIE_LEN);
+    m->u.join.stream = kvf_wire_rd_u32(rd, "stream");
+}
+
+/* ------------------------------------------------------------------------ */
+/* The message table                                                        */
+/* ------------------------------------------------------------------------ */
+
+static const kvf_wire_msg_ops_t kvf_wire_msgs[KVF_WIRE_NTYPES] = {
+#define KVF_WIRE_MSG(t, n, flags, prefix, chk, w, r)                           \
+    [t] = { n, flags, prefix, chk, w, r }
+    KVF_WIRE_MSG(KVF_MSG_HELLO, "HELLO", 0, KVF_WIRE_PREFIX_LEN,
+                 kvf_wire_check_hello, kvf_wire_wr_hello, kvf_wire_rd_hello),
+    KVF_WIRE_MSG(KVF_MSG_ROOM_REQ, "ROOM_REQ", 0, 0, kvf_wire_check_room_req,
+                 kvf_wire_wr_room_req, kvf_wire_rd_room_req),
+    KVF_WIRE_MSG(KVF_MSG_DATA, "DATA", KVF_WIRE_F_STRIDED, 0,
+                 kvf_wire_check_data, kvf_wire_wr_data, kvf_wire_rd_data),
+    KVF_WIRE_MSG(KVF_MSG_DONE, "DONE", 0, 0, kvf_wire_check_done,
+                 kvf_wire_wr_done, kvf_wire_rd_done),
+    KVF_WIRE_MSG(KVF_MSG_DONE_ACK, "DONE_ACK", 0, 0, kvf_wire_check_done_ack,
+                 kvf_wire_wr_done_ack, kvf_wire_rd_done_ack),
+    KVF_WIRE_MSG(KVF_MSG_FAIL, "FAIL", 0, 0, kvf_wire_check_fail,
+                 kvf_wire_wr_fail, kvf_wire_rd_fail_msg),
+    KVF_WIRE_MSG(KVF_MSG_ABORT, "ABORT", 0, 0, kvf_wire_check_fail,
+                 kvf_wire_wr_fail, kvf_wire_rd_fail_msg),
+    KVF_WIRE_MSG(KVF_MSG_HEARTBEAT, "HEARTBEAT", 0, 0, kvf_wire_check_any,
+                 kvf_wire_wr_heartbeat, kvf_wire_rd_heartbeat),
+    KVF_WIRE_MSG(KVF_MSG_XPORT, "XPORT", 0, 0, kvf_wire_check_xport,
+                 kvf_wire_wr_xport, kvf_wire_rd_xport),
+    KVF_WIRE_MSG(KVF_MSG_DATA_REF, "DATA_REF", KVF_WIRE_F_STRIDED, 0,
+                 kvf_wire_check_data_ref, kvf_wire_wr_data_ref,
+                 kvf_wire_rd_data_ref),
+    KVF_WIRE_MSG(KVF_MSG_AUTH, "AUTH", 0, KVF_WIRE_PREFIX_LEN,
+                 kvf_wire_check_auth, kvf_wire_wr_auth, kvf_wire_rd_auth),
+    KVF_WIRE_MSG(KVF_MSG_AUTH_PROOF, "AUTH_PROOF", 0, 0, kvf_wire_check_any,
+                 kvf_wire_wr_proof, kvf_wire_rd_proof),
+    KVF_WIRE_MSG(KVF_MSG_JOIN, "JOIN", 0, 0, kvf_wire_check_join,
+                 kvf_wire_wr_join, kvf_wire_rd_join),
+#undef KVF_WIRE_MSG
+};
+
+/* Only for a valid type: kvf_wire_decode() checked the header. */
 static void kvf_wire_rd_body(kvf_wire_rd_t *rd, kvf_msg_t *m)
 {
-    switch (m->type) {
-    case KVF_MSG_HELLO:
-        kvf_wire_rd_hello(rd, &m->u.hello);
-        break;
-    case KVF_MSG_ROOM_REQ: {
-        kvf_msg_room_req_t *r = &m->u.room_req;
-        r->room               = kvf_wire_rd_u64(rd, "room");
-        r->instance           = kvf_wire_rd_u64(rd, "instance");
-        r->dst_rank           = kvf_wire_rd_u32(rd, "dst_rank");
-        r->expected_receivers = kvf_wire_rd_u32(rd, "expected_receivers");
-        r->aux_slot           = kvf_wire_rd_u32(rd, "aux_slot");
-        kvf_wire_rd_arr32(rd, &r->pages, UINT32_MAX, "page");
-        kvf_wire_rd_arr32(rd, &r->state_counts, KVF_WIRE_MAX_BUFS, "state group");
-        kvf_wire_rd_arr32(rd, &r->state_idx, UINT32_MAX, "state index");
-        r->attempt            = kvf_wire_rd_u32(rd, "attempt");
-        r->decode_prefix_len  = kvf_wire_rd_u32(rd, "decode_prefix_len");
-        r->sender_instance    = kvf_wire_rd_u64(rd, "sender_instance");
-        r->flags              = kvf_wire_rd_u32(rd, "flags");
-        break;
-    }
-    case KVF_MSG_DATA:
-    case KVF_MSG_DATA_REF: {
-        kvf_msg_data_t *d = &m->u.data;
-        d->room        = kvf_wire_rd_u64(rd, "room");
-        d->instance    = kvf_wire_rd_u64(rd, "instance");
-        d->src_rank    = kvf_wire_rd_u32(rd, "src_rank");
-        d->payload_len = kvf_wire_rd_u64(rd, "payload_len");
-        d->raw_segs    = kvf_wire_rd_items(rd, d->strided ? KVF_WIRE_SSEG_LEN
-                                                          : KVF_WIRE_SEG_LEN,
-                                           KVF_WIRE_MAX_SEGS, "segment",
-                                           &d->nseg);
-        if (m->type == KVF_MSG_DATA_REF)
-            d->src_addrs.raw = kvf_wire_rd_items(rd, 8, KVF_WIRE_MAX_SEGS,
-                                                 "source address",
-                                                 &d->src_addrs.count);
-        break;
-    }
-    case KVF_MSG_XPORT: {
-        kvf_msg_xport_t *x = &m->u.xport;
-        x->count = kvf_wire_rd_u32(rd, "count");
-        if (x->count > KVF_WIRE_MAX_XPORTS) {
-            kvf_wire_rd_fail(rd, "%u transports, at most %u", x->count,
-                             KVF_WIRE_MAX_XPORTS);
-            break;
-        }
-        for (uint32_t i = 0; i < x->count && !rd->bad; i++) {
-            kvf_wire_rd_str(rd, &x->x[i].name, "name");
-            x->x[i].blob = kvf_wire_rd_items(rd, 1, KVF_WIRE_MAX_BLOB, "blob",
-                                             &x->x[i].blob_len);
-        }
-        break;
-    }
-    case KVF_MSG_DONE:
-        m->u.done.room         = kvf_wire_rd_u64(rd, "room");
-        m->u.done.instance     = kvf_wire_rd_u64(rd, "instance");
-        m->u.done.src_rank     = kvf_wire_rd_u32(rd, "src_rank");
-        m->u.done.bytes        = kvf_wire_rd_u64(rd, "bytes");
-        m->u.done.has_checksum = kvf_wire_rd_u8(rd, "has_checksum");
-        m->u.done.checksum     = kvf_wire_rd_u64(rd, "checksum");
-        if (rd->left == 8) {      /* the optional stream fields; else trailing */
-            m->u.done.stream   = kvf_wire_rd_u32(rd, "stream");
-            m->u.done.streams  = kvf_wire_rd_u32(rd, "streams");
-            if (m->u.done.streams == 0)
-                kvf_wire_rd_fail(rd, "streams is 0 (omit both fields instead)");
-        }
-        break;
-    case KVF_MSG_DONE_ACK:
-        m->u.done_ack.room   = kvf_wire_rd_u64(rd, "room");
-        m->u.done_ack.instance = kvf_wire_rd_u64(rd, "instance");
-        m->u.done_ack.status = (int32_t)kvf_wire_rd_u32(rd, "status");
-        m->u.done_ack.bytes  = kvf_wire_rd_u64(rd, "bytes");
-        break;
-    case KVF_MSG_FAIL:
-    case KVF_MSG_ABORT:
-        m->u.fail.room        = kvf_wire_rd_u64(rd, "room");
-        m->u.fail.instance    = kvf_wire_rd_u64(rd, "instance");
-        m->u.fail.status      = (int32_t)kvf_wire_rd_u32(rd, "status");
-        m->u.fail.origin_side = kvf_wire_rd_u8(rd, "origin_side");
-        m->u.fail.origin_rank = kvf_wire_rd_u32(rd, "origin_rank");
-        kvf_wire_rd_str(rd, &m->u.fail.origin_addr, "origin_addr");
-        kvf_wire_rd_str(rd, &m->u.fail.reason, "reason");
-        m->u.fail.sender_instance = kvf_wire_rd_u64(rd, "sender_instance");
-        m->u.fail.sides       = kvf_wire_rd_u8(rd, "sides");
-        break;
-    case KVF_MSG_HEARTBEAT:
-        m->u.heartbeat.seq     = kvf_wire_rd_u64(rd, "seq");
-        m->u.heartbeat.time_ns = kvf_wire_rd_u64(rd, "time_ns");
-        break;
-    case KVF_MSG_AUTH: {
-        kvf_msg_auth_t *a = &m->u.auth;
-        a->magic       = kvf_wire_rd_u32(rd, "magic");
-        a->version     = kvf_wire_rd_u16(rd, "version");
-        a->role        = kvf_wire_rd_u8(rd, "role");
-        a->flags       = kvf_wire_rd_u8(rd, "flags");
-        a->instance_id = kvf_wire_rd_u64(rd, "instance_id");
-        a->pid         = kvf_wire_rd_u32(rd, "pid");
-        const uint8_t *n = kvf_wire_rd_take(rd, KVF_WIRE_NONCE_LEN, "nonce");
-        if (n != NULL)
-            memcpy(a->nonce, n, KVF_WIRE_NONCE_LEN);
-        break;
-    }
-    case KVF_MSG_AUTH_PROOF: {
-        const uint8_t *mac = kvf_wire_rd_take(rd, KVF_WIRE_MAC_LEN, "mac");
-        if (mac != NULL)
-            memcpy(m->u.proof.mac, mac, KVF_WIRE_MAC_LEN);
-        break;
-    }
-    case KVF_MSG_JOIN: {
-        const uint8_t *c = kvf_wire_rd_take(rd, KVF_WIRE_COOKIE_LEN, "cookie");
-        if (c != NULL)
-            memcpy(m->u.join.cookie, c, KVF_WIRE_COOKIE_LEN);
-        m->u.join.stream = kvf_wire_rd_u32(rd, "stream");
-        break;
-    }
-    }
+    kvf_wire_msgs[m->type].rd(rd, m);
 }
 
 /*
@@ -1101,7 +1220,7 @@ static kvf_status_t kvf_wire_check_version(const char *what, const uint8_t *body
 
 uint32_t kvf_wire_prefix_len(uint8_t type)
 {
-    return type == KVF_MSG_HELLO || type == KVF_MSG_AUTH ? KVF_WIRE_PREFIX_LEN : 0;
+    return kvf_wire_type_valid(type) ? kvf_wire_msgs[type].prefix_len : 0;
 }
 
 kvf_status_t kvf_wire_check_prefix(uint8_t type, const uint8_t *body, uint32_t len,
@@ -1133,8 +1252,7 @@ kvf_status_t kvf_wire_decode(const kvf_wire_hdr_t *hdr, const uint8_t *body,
     if (vst != KVF_OK)
         return vst;
 
-    uint8_t allowed = hdr->type == KVF_MSG_DATA || hdr->type == KVF_MSG_DATA_REF
-                          ? KVF_WIRE_F_STRIDED : 0;
+    uint8_t allowed = kvf_wire_msgs[hdr->type].frame_flags;
     if ((hdr->flags & ~allowed) != 0) {
         kvf_wire_errf(err, errlen, "%s: unknown frame flags 0x%02x",
                       kvf_wire_type_name(hdr->type), hdr->flags);

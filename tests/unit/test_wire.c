@@ -10,6 +10,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -1445,6 +1446,112 @@ static void test_roundtrip_xport_data_ref(void)
     kvf_buf_free(&b);
 }
 
+/* One frame of every message type and shape (strided DATA, DONE with its
+ * stream fields), with the length and FNV-1a hash of its exact bytes as
+ * the encoder wrote them when the table was taken: a change to any
+ * message's layout shows here, byte for byte, whatever the decoder
+ * thinks of it. */
+static uint64_t fnv1a(const uint8_t *p, size_t n)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static kvf_msg_t golden_sample(int i)
+{
+    static const uint8_t blob[] = {1, 2, 3, 4, 5};
+    static const kvf_wire_seg_t ssegs[] = {
+        { KVF_BUF_KV, 3, 4096, 100, 4, 1000, 2000 },
+        { KVF_BUF_AUX, 0, 64, 8, 1, 0, 0 },
+    };
+    static const uint64_t addrs[] = {0x7f0000001000ull, 0x7f0000002000ull};
+    kvf_msg_t m;
+
+    if (i < NSAMPLES)
+        return sample(i);
+    memset(&m, 0, sizeof(m));
+    switch (i) {
+    case NSAMPLES:
+        m.type = KVF_MSG_XPORT;
+        m.u.xport.count = 2;
+        m.u.xport.x[0] = (kvf_wire_xport_t){{"shm", 3}, blob, sizeof(blob)};
+        m.u.xport.x[1] = (kvf_wire_xport_t){{"ucx", 3}, NULL, 0};
+        break;
+    case NSAMPLES + 1:
+    case NSAMPLES + 2:
+        m.type = i == NSAMPLES + 1 ? KVF_MSG_DATA_REF : KVF_MSG_DATA;
+        m.u.data.room = BIG64;
+        m.u.data.instance = 0x5152535455565758ull;
+        m.u.data.src_rank = 2;
+        m.u.data.payload_len = 408;
+        m.u.data.nseg = 2;
+        m.u.data.segs = ssegs;
+        m.u.data.strided = 1;
+        if (m.type == KVF_MSG_DATA_REF)
+            m.u.data.src_addrs = (kvf_wire_arr64_t){2, addrs, NULL};
+        break;
+    case NSAMPLES + 3:
+        m = sample_done();
+        m.u.done.stream = 2;
+        m.u.done.streams = 4;
+        break;
+    default:
+        m.type = KVF_MSG_JOIN;
+        for (int k = 0; k < KVF_WIRE_COOKIE_LEN; k++)
+            m.u.join.cookie[k] = (uint8_t)(0x40 + k);
+        m.u.join.stream = 3;
+        break;
+    }
+    return m;
+}
+
+static void test_golden_every_type(void)
+{
+    static const struct { size_t len; uint64_t hash; } want[] = {
+                {295, 0xd8664522a847b3b1ull},   /* HELLO */
+        {108, 0x1f1f8a93f3073762ull},   /* ROOM_REQ */
+        {108, 0x23e5a937e416a9b1ull},   /* DATA */
+        {45, 0xbda62833d38462a4ull},   /* DONE */
+        {36, 0x6569dedb56fd244eull},   /* DONE_ACK */
+        {97, 0x89e11da763eea125ull},   /* FAIL */
+        {97, 0xf04b5e21720ef75dull},   /* ABORT */
+        {24, 0xa8c382ce95f6e8a5ull},   /* HEARTBEAT */
+        {60, 0x17c1a3d32dfa0dddull},   /* AUTH */
+        {40, 0xcfa456083cf88809ull},   /* AUTH_PROOF */
+        {39, 0x54550242207fd7edull},   /* XPORT */
+        {134, 0xb3d13269fdf88bb0ull},   /* DATA_REF */
+        {114, 0x69a21189227e2543ull},   /* DATA */
+        {53, 0x8d78013129de590aull},   /* DONE */
+        {44, 0xc1f5f70f78a9400full},   /* JOIN */
+
+    };
+    bool seen[KVF_MSG_JOIN + 1] = {false};
+
+    for (int i = 0; i < (int)(sizeof(want) / sizeof(want[0])); i++) {
+        kvf_msg_t m = golden_sample(i), d;
+        kvf_buf_t b, b2;
+        char err[256];
+        CHECK_EQ_INT(encode_decode(&m, &b, &d, err, sizeof(err)), KVF_OK);
+        if (getenv("KVF_WIRE_GOLDEN_PRINT") != NULL)
+            printf("        {%zu, 0x%016llxull},   /* %s */\n", b.len,
+                   (unsigned long long)fnv1a(b.data, b.len),
+                   kvf_wire_type_name((uint8_t)m.type));
+        CHECK_EQ_INT(b.len, want[i].len);
+        CHECK(fnv1a(b.data, b.len) == want[i].hash);
+        /* what the decoder read re-encodes to the same bytes */
+        kvf_buf_init(&b2);
+        CHECK_EQ_INT(kvf_wire_encode(&b2, &d), KVF_OK);
+        CHECK(b.len == b2.len && memcmp(b.data, b2.data, b.len) == 0);
+        seen[m.type] = true;
+        kvf_buf_free(&b);
+        kvf_buf_free(&b2);
+    }
+    for (int t = KVF_MSG_HELLO; t <= KVF_MSG_JOIN; t++)
+        CHECK(seen[t]);
+}
+
 KVF_TEST_MAIN(
     KVF_CASE(test_roundtrip_xport_data_ref),
     KVF_CASE(test_roundtrip_hello),
@@ -1454,6 +1561,7 @@ KVF_TEST_MAIN(
     KVF_CASE(test_roundtrip_small),
     KVF_CASE(test_roundtrip_fail_abort),
     KVF_CASE(test_golden_bytes),
+    KVF_CASE(test_golden_every_type),
     KVF_CASE(test_type_names),
     KVF_CASE(test_streams),
     KVF_CASE(test_header_errors),

@@ -449,6 +449,101 @@ static int next_seg(kvf_tcp_conn_t *c, kvf_wire_seg_t *seg, const uint8_t **src)
     return rc;
 }
 
+/* What a DATA frame being built holds so far. */
+typedef struct tcp_fill {
+    uint64_t payload;
+    uint32_t n, pieces;     /* segments in the table, pieces in them */
+    uint8_t  strided;
+} tcp_fill_t;
+
+/* A strided segment that would cross the frame's byte or piece limit is
+ * cut there, and its other pieces become the carry that starts the next
+ * frame.  @return the pieces that stay in this frame. */
+static uint32_t cut_strided(kvf_tcp_conn_t *c, kvf_wire_seg_t *s,
+                            const uint8_t *src, const tcp_fill_t *f)
+{
+    uint32_t cnt = kvf_wire_seg_pieces(s);
+    uint64_t fit = (TCP_FRAME_BYTES - f->payload + s->len - 1) / s->len;
+    if (fit > TCP_FRAME_PIECES - f->pieces)
+        fit = TCP_FRAME_PIECES - f->pieces;
+    if (fit < cnt) {
+        c->carry = *s;
+        c->carry.count = cnt - (uint32_t)fit;
+        c->carry.offset += fit * s->dst_stride;
+        c->carry_src = src + fit * s->src_stride;
+        c->has_carry = 1;
+        s->count = cnt = (uint32_t)fit;
+    }
+    return cnt;
+}
+
+/* Segments of the current put into the frame's table (and, sent by value,
+ * their pieces into the iovecs) up to the frame's limits.  @return 0, or
+ * the put's failure (negative: its room failed); *st_p becomes
+ * KVF_ERR_NO_MEMORY when the iovecs cannot grow. */
+static int fill_frame(kvf_tcp_conn_t *c, tcp_fill_t *f, kvf_status_t *st_p)
+{
+    kvf_put_t *p = c->cur_put;
+
+    while (f->n < TCP_FRAME_SEGS && f->pieces < TCP_FRAME_PIECES &&
+           f->payload < TCP_FRAME_BYTES) {
+        kvf_wire_seg_t *s = &c->txf->segs[f->n];
+        const uint8_t *src;
+        int rc = next_seg(c, s, &src);
+        if (rc < 0)
+            return rc;
+        if (rc == 0) {
+            c->cur_put_ended = 1;
+            break;
+        }
+        if (rc == KVF_PUT_WAIT) {
+            c->cur_put_waiting = f->n == 0;   /* nothing to send: stop flushing it */
+            break;
+        }
+        uint32_t cnt = kvf_wire_seg_pieces(s);
+        if (cnt > 1) {
+            cnt = cut_strided(c, s, src, f);
+            f->strided = 1;
+        }
+        /* By reference, only the header goes: the receiver reads the rest. */
+        if (!p->by_ref) {
+            if (!reserve_iov(c, f->pieces + cnt + 1)) {
+                *st_p = KVF_ERR_NO_MEMORY;
+                break;
+            }
+            for (uint32_t k = 0; k < cnt; k++)
+                c->iov[1 + f->pieces + k] = (struct iovec){(void *)(src + (size_t)k * s->src_stride),
+                                                           s->len};
+        }
+        c->txf->addrs[f->n] = (uint64_t)(uintptr_t)src;
+        f->payload += (uint64_t)cnt * s->len;
+        f->pieces += cnt;
+        f->n++;
+    }
+    return 0;
+}
+
+/* The frame's DATA or DATA_REF header and segment table, into c->frame. */
+static kvf_status_t encode_frame(kvf_tcp_conn_t *c, const kvf_put_t *p,
+                                 const tcp_fill_t *f)
+{
+    kvf_msg_t m = {.type = p->by_ref ? KVF_MSG_DATA_REF : KVF_MSG_DATA};
+    m.u.data.room = p->room;
+    m.u.data.instance = p->instance;
+    m.u.data.src_rank = p->src_rank;
+    m.u.data.payload_len = f->payload;
+    m.u.data.nseg = f->n;
+    m.u.data.segs = c->txf->segs;
+    m.u.data.strided = f->strided;
+    for (uint32_t i = 0; f->strided && i < f->n; i++)
+        if (c->txf->segs[i].count == 0)
+            c->txf->segs[i].count = 1;      /* a plain one among strided ones */
+    if (p->by_ref)
+        m.u.data.src_addrs = (kvf_wire_arr64_t){f->n, c->txf->addrs, NULL};
+    c->frame.len = 0;
+    return reserve_iov(c, 1) ? kvf_wire_encode(&c->frame, &m) : KVF_ERR_NO_MEMORY;
+}
+
 /*
  * Pull segments from the current put into one DATA frame, up to its
  * limits in segments, pieces and bytes; a strided segment that would cross
@@ -458,9 +553,7 @@ static int next_seg(kvf_tcp_conn_t *c, kvf_wire_seg_t *seg, const uint8_t **src)
 static int build_frame(kvf_tcp_conn_t *c)
 {
     kvf_put_t *p = c->cur_put;
-    uint64_t payload = 0;
-    uint32_t n = 0, pieces = 0;
-    uint8_t strided = 0;
+    tcp_fill_t f = {0};
     kvf_status_t st = KVF_OK;
 
     if (c->txf == NULL && (c->txf = malloc(sizeof(*c->txf))) == NULL) {
@@ -468,77 +561,22 @@ static int build_frame(kvf_tcp_conn_t *c)
         p->complete(p, KVF_ERR_NO_MEMORY);
         return 0;
     }
-    while (n < TCP_FRAME_SEGS && pieces < TCP_FRAME_PIECES && payload < TCP_FRAME_BYTES) {
-        kvf_wire_seg_t *s = &c->txf->segs[n];
-        const uint8_t *src;
-        int rc = next_seg(c, s, &src);
-        if (rc < 0) {
-            /* Room failed: drop what was collected, it was never sent. */
-            c->cur_put = NULL;
-            p->complete(p, (kvf_status_t)rc);
-            return 0;
-        }
-        if (rc == 0) {
-            c->cur_put_ended = 1;
-            break;
-        }
-        if (rc == KVF_PUT_WAIT) {
-            c->cur_put_waiting = n == 0;   /* nothing to send: stop flushing it */
-            break;
-        }
-        uint32_t cnt = kvf_wire_seg_pieces(s);
-        if (cnt > 1) {
-            uint64_t fit = (TCP_FRAME_BYTES - payload + s->len - 1) / s->len;
-            if (fit > TCP_FRAME_PIECES - pieces)
-                fit = TCP_FRAME_PIECES - pieces;
-            if (fit < cnt) {
-                c->carry = *s;
-                c->carry.count = cnt - (uint32_t)fit;
-                c->carry.offset += fit * s->dst_stride;
-                c->carry_src = src + fit * s->src_stride;
-                c->has_carry = 1;
-                s->count = cnt = (uint32_t)fit;
-            }
-            strided = 1;
-        }
-        /* By reference, only the header goes: the receiver reads the rest. */
-        if (!p->by_ref) {
-            if (!reserve_iov(c, pieces + cnt + 1)) {
-                st = KVF_ERR_NO_MEMORY;
-                break;
-            }
-            for (uint32_t k = 0; k < cnt; k++)
-                c->iov[1 + pieces + k] = (struct iovec){(void *)(src + (size_t)k * s->src_stride),
-                                                        s->len};
-        }
-        c->txf->addrs[n] = (uint64_t)(uintptr_t)src;
-        payload += (uint64_t)cnt * s->len;
-        pieces += cnt;
-        n++;
-    }
-    if (st == KVF_OK && n == 0 && c->cur_put_waiting)
+    int rc = fill_frame(c, &f, &st);
+    if (rc < 0) {
+        /* Room failed: drop what was collected, it was never sent. */
+        c->cur_put = NULL;
+        p->complete(p, (kvf_status_t)rc);
         return 0;
-    if (st == KVF_OK && n == 0) {
+    }
+    if (st == KVF_OK && f.n == 0 && c->cur_put_waiting)
+        return 0;
+    if (st == KVF_OK && f.n == 0) {
         c->cur_put = NULL;
         p->complete(p, KVF_OK);
         return 0;
     }
-    kvf_msg_t m = {.type = p->by_ref ? KVF_MSG_DATA_REF : KVF_MSG_DATA};
-    m.u.data.room = p->room;
-    m.u.data.instance = p->instance;
-    m.u.data.src_rank = p->src_rank;
-    m.u.data.payload_len = payload;
-    m.u.data.nseg = n;
-    m.u.data.segs = c->txf->segs;
-    m.u.data.strided = strided;
-    for (uint32_t i = 0; strided && i < n; i++)
-        if (c->txf->segs[i].count == 0)
-            c->txf->segs[i].count = 1;      /* a plain one among strided ones */
-    if (p->by_ref)
-        m.u.data.src_addrs = (kvf_wire_arr64_t){n, c->txf->addrs, NULL};
-    c->frame.len = 0;
     if (st == KVF_OK)
-        st = reserve_iov(c, 1) ? kvf_wire_encode(&c->frame, &m) : KVF_ERR_NO_MEMORY;
+        st = encode_frame(c, p, &f);
     if (st != KVF_OK) {
         c->cur_put = NULL;
         c->has_carry = 0;
@@ -547,7 +585,7 @@ static int build_frame(kvf_tcp_conn_t *c)
     }
     c->iov[0].iov_base = c->frame.data;
     c->iov[0].iov_len = c->frame.len;
-    c->iov_n = p->by_ref ? 1 : (int)pieces + 1;
+    c->iov_n = p->by_ref ? 1 : (int)f.pieces + 1;
     c->iov_i = 0;
     c->frame_active = 1;
     c->frame_zeroed = 0;
@@ -608,6 +646,138 @@ static void input_ended(kvf_tcp_conn_t *c, const char *what)
         conn_fail(c, KVF_ERR_CONN_RESET, "%s", what);
 }
 
+/* A fault's truncation: the header and segment table go out, the payload
+ * never does, and nothing after them: the FAILs the dying connection's
+ * rooms send while it closes (conn_fail re-enters tcp_flush) would
+ * otherwise follow, or the frame go out twice. */
+static void cut_frame(kvf_tcp_conn_t *c)
+{
+    ssize_t n = send(c->fd, c->iov[c->iov_i].iov_base, c->iov[c->iov_i].iov_len,
+                     MSG_NOSIGNAL);
+    (void)n;
+    c->tx_cut = 1;
+    conn_fail(c, KVF_ERR_CONN_RESET, "%s", c->truncate_reason);
+}
+
+/* One sendmsg of the current frame's next iovecs.  @return as sendmsg,
+ * with its errno. */
+static ssize_t send_frame_part(kvf_tcp_conn_t *c, size_t budget)
+{
+    kvf_put_t *cp = c->cur_put;
+    if (!c->frame_zeroed && cp != NULL && cp->live != NULL && !cp->live(cp))
+        zero_rest(c);
+    /* No more than the budget per call: a pass stays bounded (the
+     * tick and the other connections wait for it). */
+    int cnt = 0;
+    size_t sum = 0, clipped = 0;
+    struct iovec *v = c->iov + c->iov_i;
+    while (c->iov_i + cnt < c->iov_n && sum < budget && cnt < TCP_IOV_MAX)
+        sum += v[cnt++].iov_len;
+    if (sum > budget) {
+        clipped = v[cnt - 1].iov_len;
+        v[cnt - 1].iov_len -= sum - budget;
+    }
+    kvf_put_t *src = c->cur_put;   /* the frame's source pages: pinned */
+    if (src != NULL && src->busy != NULL)
+        src->busy(src, 1);
+    /* sendmsg, not writev: a peer that closed gives EPIPE, never
+     * a SIGPIPE to the application (one stream of a failing peer
+     * may still be written while the peer closes the others). */
+    struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)cnt};
+    io_begin(c);
+    ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+    int werr = errno;
+    io_end(c);
+    if (src != NULL && src->busy != NULL)
+        src->busy(src, 0);
+    errno = werr;
+    if (clipped)
+        v[cnt - 1].iov_len = clipped;
+    return n;
+}
+
+/* The current frame is written: tell its put, and complete a put that
+ * has ended. */
+static void frame_written(kvf_tcp_conn_t *c)
+{
+    c->frame_active = 0;
+    if (c->cur_put != NULL && c->cur_put->sent != NULL)
+        c->cur_put->sent(c->cur_put);
+    if (c->cur_put_ended) {
+        kvf_put_t *p = c->cur_put;
+        c->cur_put = NULL;
+        c->cur_put_ended = 0;
+        p->complete(p, KVF_OK);
+    }
+}
+
+/* After a send: 1 to go on (EINTR), 0 to stop (EAGAIN, or the write
+ * failed). */
+static int send_error(kvf_tcp_conn_t *c)
+{
+    if (errno == EINTR)
+        return 1;
+    if (errno != EAGAIN)
+        write_failed(c, errno);
+    return 0;
+}
+
+/* Some of the current frame, within *budget.  @return 1 to go on
+ * flushing, 0 to stop. */
+static int flush_frame(kvf_tcp_conn_t *c, size_t *budget)
+{
+    ssize_t n = send_frame_part(c, *budget);
+    if (n < 0)
+        return send_error(c);
+    c->last_tx_ms = kvf_now_ms();
+    c->moved++;
+    *budget -= (size_t)n < *budget ? (size_t)n : *budget;
+    iov_advance(c, (size_t)n);
+    if (c->iov_i == c->iov_n)
+        frame_written(c);
+    return 1;
+}
+
+/* Some of the queued control frames.  @return 1 to go on, 0 to stop. */
+static int flush_ctrl(kvf_tcp_conn_t *c)
+{
+    io_begin(c);
+    ssize_t n = send(c->fd, c->ctrl.data + c->ctrl_off,
+                     c->ctrl.len - c->ctrl_off, MSG_NOSIGNAL);
+    int serr = errno;
+    io_end(c);
+    errno = serr;
+    if (n < 0)
+        return send_error(c);
+    c->last_tx_ms = kvf_now_ms();
+    c->moved++;
+    c->ctrl_off += (size_t)n;
+    if (c->ctrl_off == c->ctrl.len)
+        c->ctrl.len = c->ctrl_off = 0;
+    return 1;
+}
+
+/* The next DATA frame, from the current put or the next queued one.
+ * @return 1 to go on, 0 to stop (nothing to send, or the put waits). */
+static int next_frame(kvf_tcp_conn_t *c)
+{
+    if (c->cur_put == NULL && c->q_head != NULL) {
+        c->cur_put = c->q_head;
+        c->q_head = c->cur_put->qnext;
+        if (c->q_head == NULL)
+            c->q_tail = NULL;
+        c->cur_put_ended = 0;
+    }
+    if (c->cur_put == NULL)
+        return 0;
+    build_frame(c);
+    if (c->cur_put_waiting) {
+        c->cur_put_waiting = 0;   /* asked again on the next flush */
+        return 0;
+    }
+    return 1;
+}
+
 static void tcp_flush(kvf_conn_t *base)
 {
     kvf_tcp_conn_t *c = (kvf_tcp_conn_t *)base;
@@ -620,107 +790,19 @@ static void tcp_flush(kvf_conn_t *base)
             c->paused_until_ms = 0;
         }
         if (c->truncate_reason != NULL && c->frame_active) {
-            /* The header and segment table go out, the payload never does,
-             * and nothing after them: the FAILs the dying connection's
-             * rooms send while it closes (conn_fail re-enters this loop)
-             * would otherwise follow, or the frame go out twice. */
-            ssize_t n = send(c->fd, c->iov[c->iov_i].iov_base, c->iov[c->iov_i].iov_len,
-                             MSG_NOSIGNAL);
-            (void)n;
-            c->tx_cut = 1;
-            conn_fail(c, KVF_ERR_CONN_RESET, "%s", c->truncate_reason);
+            cut_frame(c);
             return;
         }
-        if (c->frame_active) {
-            kvf_put_t *cp = c->cur_put;
-            if (!c->frame_zeroed && cp != NULL && cp->live != NULL && !cp->live(cp))
-                zero_rest(c);
-            /* No more than the budget per call: a pass stays bounded (the
-             * tick and the other connections wait for it). */
-            int cnt = 0;
-            size_t sum = 0, clipped = 0;
-            struct iovec *v = c->iov + c->iov_i;
-            while (c->iov_i + cnt < c->iov_n && sum < budget && cnt < TCP_IOV_MAX)
-                sum += v[cnt++].iov_len;
-            if (sum > budget) {
-                clipped = v[cnt - 1].iov_len;
-                v[cnt - 1].iov_len -= sum - budget;
-            }
-            kvf_put_t *src = c->cur_put;   /* the frame's source pages: pinned */
-            if (src != NULL && src->busy != NULL)
-                src->busy(src, 1);
-            /* sendmsg, not writev: a peer that closed gives EPIPE, never
-             * a SIGPIPE to the application (one stream of a failing peer
-             * may still be written while the peer closes the others). */
-            struct msghdr mh = {.msg_iov = v, .msg_iovlen = (size_t)cnt};
-            io_begin(c);
-            ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
-            int werr = errno;
-            io_end(c);
-            if (src != NULL && src->busy != NULL)
-                src->busy(src, 0);
-            errno = werr;
-            if (clipped)
-                v[cnt - 1].iov_len = clipped;
-            if (n < 0) {
-                if (errno == EINTR)
-                    continue;
-                if (errno != EAGAIN)
-                    write_failed(c, errno);
-                break;
-            }
-            c->last_tx_ms = kvf_now_ms();
-            c->moved++;
-            budget -= (size_t)n < budget ? (size_t)n : budget;
-            iov_advance(c, (size_t)n);
-            if (c->iov_i < c->iov_n)
-                continue;
-            c->frame_active = 0;
-            if (c->cur_put != NULL && c->cur_put->sent != NULL)
-                c->cur_put->sent(c->cur_put);
-            if (c->cur_put_ended) {
-                kvf_put_t *p = c->cur_put;
-                c->cur_put = NULL;
-                c->cur_put_ended = 0;
-                p->complete(p, KVF_OK);
-            }
-            continue;
-        }
-        if (c->ctrl_off < c->ctrl.len) {
-            io_begin(c);
-            ssize_t n = send(c->fd, c->ctrl.data + c->ctrl_off,
-                             c->ctrl.len - c->ctrl_off, MSG_NOSIGNAL);
-            int serr = errno;
-            io_end(c);
-            errno = serr;
-            if (n < 0) {
-                if (errno == EINTR)
-                    continue;
-                if (errno != EAGAIN)
-                    write_failed(c, errno);
-                break;
-            }
-            c->last_tx_ms = kvf_now_ms();
-            c->moved++;
-            c->ctrl_off += (size_t)n;
-            if (c->ctrl_off == c->ctrl.len)
-                c->ctrl.len = c->ctrl_off = 0;
-            continue;
-        }
-        if (c->cur_put == NULL && c->q_head != NULL) {
-            c->cur_put = c->q_head;
-            c->q_head = c->cur_put->qnext;
-            if (c->q_head == NULL)
-                c->q_tail = NULL;
-            c->cur_put_ended = 0;
-        }
-        if (c->cur_put == NULL)
+        /* A frame under way first, then control frames, then payload. */
+        int go;
+        if (c->frame_active)
+            go = flush_frame(c, &budget);
+        else if (c->ctrl_off < c->ctrl.len)
+            go = flush_ctrl(c);
+        else
+            go = next_frame(c);
+        if (!go)
             break;
-        build_frame(c);
-        if (c->cur_put_waiting) {
-            c->cur_put_waiting = 0;   /* asked again on the next flush */
-            break;
-        }
     }
     update_events(c);
 }
@@ -781,109 +863,145 @@ static void refuse_frame(kvf_tcp_conn_t *c, const uint8_t *body, size_t have)
                   c->limit->why != NULL ? c->limit->why : "beyond this connection's limit");
 }
 
-/* Parse the complete frames the receive buffer holds, up to the bound. */
-static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
+/* Some of the current frame's payload from the buffer into its targets.
+ * @return 1 to parse on, 0 to wait for more bytes. */
+static int rx_payload(kvf_tcp_conn_t *c, const uint8_t *p, size_t have)
+{
+    if (c->payload_left == 0) {
+        payload_done(c);
+        return 1;
+    }
+    if (have == 0)
+        return 0;
+    size_t left = c->tgt[c->tgt_i].len - c->tgt_off;
+    size_t n = have < left ? have : left;
+    place(c, p, n);
+    c->rx_off += n;
+    return 1;
+}
+
+/* The next frame's header, once the handler is ready for a frame.
+ * @return 1 to parse on, 0 to stop (short, held, or failed). */
+static int rx_header(kvf_tcp_conn_t *c, const uint8_t *p, size_t have)
 {
     char err[256];
 
+    if (have < KVF_WIRE_HDR_LEN)
+        return 0;
+    if (c->h->rx_ready != NULL && !c->h->rx_ready(c->arg)) {
+        c->held = 1;
+        c->backlog = 1;
+        update_events(c);
+        return 0;
+    }
+    if (kvf_wire_parse_header(p, &c->hdr, err, sizeof(err)) != KVF_OK) {
+        conn_fail(c, KVF_ERR_PROTOCOL, "malformed frame header: %s", err);
+        return 0;
+    }
+    c->rx_off += KVF_WIRE_HDR_LEN;
+    /* Beyond the limit: not one byte of its body is buffered. */
+    c->rx_state = limit_admits(c->limit, &c->hdr) ? RX_BODY : RX_REFUSE;
+    return 1;
+}
+
+/* A body larger than the buffer: room for all of it, read bytes first. */
+static void rx_make_room(kvf_tcp_conn_t *c)
+{
+    size_t need = c->hdr.length;
+    if (c->rx.cap < need) {
+        kvf_buf_consume(&c->rx, c->rx_off);
+        c->rx_off = 0;
+        if (kvf_buf_reserve(&c->rx, need - c->rx.len) != KVF_OK) {
+            conn_fail(c, KVF_ERR_PROTOCOL, "no memory for a %zu-byte frame", need);
+        }
+    }
+}
+
+/* One target per piece: the payload is the pieces concatenated; on_data
+ * says where each goes.  @return 1, or 0 when out of memory. */
+static int rx_data_begin(kvf_tcp_conn_t *c, const kvf_msg_t *m)
+{
+    uint32_t np = m->u.data.npieces;
+    if (c->tgt_cap < np) {
+        kvf_rx_target_t *t = realloc(c->tgt, np * sizeof(*t));
+        if (t == NULL) {
+            conn_fail(c, KVF_ERR_NO_MEMORY, "no memory for DATA targets");
+            return 0;
+        }
+        c->tgt = t;
+        c->tgt_cap = np;
+    }
+    for (uint32_t i = 0, k = 0; i < m->u.data.nseg; i++) {
+        kvf_wire_seg_t s;
+        kvf_wire_seg_at(&m->u.data, i, &s);
+        for (uint32_t j = 0; j < kvf_wire_seg_pieces(&s) && k < np; j++, k++)
+            c->tgt[k] = (kvf_rx_target_t){NULL, s.len};
+    }
+    c->tgt_n = np;
+    c->tgt_i = c->tgt_off = 0;
+    c->payload_left = m->u.data.payload_len;
+    c->placed = 0;
+    c->rx_state = RX_PAYLOAD;
+    c->moved++;
+    c->h->on_data(c->arg, &m->u.data, c->tgt);
+    return 1;
+}
+
+/* The buffered frame, decoded and handed to the handler.  @return 1 to
+ * parse on, 0 to stop (failed, or this event's share is spent). */
+static int rx_message(kvf_tcp_conn_t *c, const uint8_t *p, pass_t *pass)
+{
+    char err[256];
+    kvf_msg_t m;
+
+    kvf_status_t st = kvf_wire_decode(&c->hdr, p, &m, err, sizeof(err));
+    if (st != KVF_OK) {
+        conn_fail(c, st, "malformed %s message: %s",
+                  kvf_wire_type_name(c->hdr.type), err);
+        return 0;
+    }
+    c->rx_off += c->hdr.length;
+    if (m.type == KVF_MSG_DATA)
+        return rx_data_begin(c, &m);
+    c->rx_state = RX_HDR;
+    c->moved++;
+    c->h->on_msg(c->arg, &m);
+    /* A DATA_REF's payload is read by the engine while we wait:
+     * count it, so one event never holds the engine for long. */
+    if (m.type == KVF_MSG_DATA_REF)
+        pass->pulled += m.u.data.payload_len;
+    if (++pass->msgs >= TCP_PASS_MSGS || pass->pulled >= TCP_PASS_REFS) {
+        c->backlog = 1;     /* the engine calls back: see pending() */
+        return 0;
+    }
+    return 1;
+}
+
+/* Parse the complete frames the receive buffer holds, up to the bound. */
+static void parse_buffered(kvf_tcp_conn_t *c, pass_t *pass)
+{
     c->backlog = 0;
     while (!c->dead) {
         size_t have = c->rx.len - c->rx_off;
         const uint8_t *p = c->rx.data + c->rx_off;
+        int go;
 
         if (c->rx_state == RX_REFUSE) {
             refuse_frame(c, p, have);
             return;
         }
         if (c->rx_state == RX_PAYLOAD) {
-            if (c->payload_left == 0) {
-                payload_done(c);
-                continue;
-            }
-            if (have == 0)
-                return;
-            size_t left = c->tgt[c->tgt_i].len - c->tgt_off;
-            size_t n = have < left ? have : left;
-            place(c, p, n);
-            c->rx_off += n;
-            continue;
-        }
-        if (c->rx_state == RX_HDR) {
-            if (have < KVF_WIRE_HDR_LEN)
-                return;
-            if (c->h->rx_ready != NULL && !c->h->rx_ready(c->arg)) {
-                c->held = 1;
-                c->backlog = 1;
-                update_events(c);
-                return;
-            }
-            if (kvf_wire_parse_header(p, &c->hdr, err, sizeof(err)) != KVF_OK) {
-                conn_fail(c, KVF_ERR_PROTOCOL, "malformed frame header: %s", err);
-                return;
-            }
-            c->rx_off += KVF_WIRE_HDR_LEN;
-            /* Beyond the limit: not one byte of its body is buffered. */
-            c->rx_state = limit_admits(c->limit, &c->hdr) ? RX_BODY : RX_REFUSE;
-            continue;
-        }
-        /* RX_BODY */
-        if (have < c->hdr.length) {
-            size_t need = c->hdr.length;
-            if (c->rx.cap < need) {
-                kvf_buf_consume(&c->rx, c->rx_off);
-                c->rx_off = 0;
-                if (kvf_buf_reserve(&c->rx, need - c->rx.len) != KVF_OK) {
-                    conn_fail(c, KVF_ERR_PROTOCOL, "no memory for a %zu-byte frame", need);
-                }
-            }
+            go = rx_payload(c, p, have);
+        } else if (c->rx_state == RX_HDR) {
+            go = rx_header(c, p, have);
+        } else if (have < c->hdr.length) {   /* RX_BODY */
+            rx_make_room(c);
             return;
+        } else {
+            go = rx_message(c, p, pass);
         }
-        kvf_msg_t m;
-        kvf_status_t st = kvf_wire_decode(&c->hdr, p, &m, err, sizeof(err));
-        if (st != KVF_OK) {
-            conn_fail(c, st, "malformed %s message: %s",
-                      kvf_wire_type_name(c->hdr.type), err);
+        if (!go)
             return;
-        }
-        c->rx_off += c->hdr.length;
-        if (m.type != KVF_MSG_DATA) {
-            c->rx_state = RX_HDR;
-            c->moved++;
-            c->h->on_msg(c->arg, &m);
-            /* A DATA_REF's payload is read by the engine while we wait:
-             * count it, so one event never holds the engine for long. */
-            if (m.type == KVF_MSG_DATA_REF)
-                pass->pulled += m.u.data.payload_len;
-            if (++pass->msgs >= TCP_PASS_MSGS || pass->pulled >= TCP_PASS_REFS) {
-                c->backlog = 1;     /* the engine calls back: see pending() */
-                return;
-            }
-            continue;
-        }
-        /* One target per piece: the payload is the pieces concatenated. */
-        uint32_t np = m.u.data.npieces;
-        if (c->tgt_cap < np) {
-            kvf_rx_target_t *t = realloc(c->tgt, np * sizeof(*t));
-            if (t == NULL) {
-                conn_fail(c, KVF_ERR_NO_MEMORY, "no memory for DATA targets");
-                return;
-            }
-            c->tgt = t;
-            c->tgt_cap = np;
-        }
-        for (uint32_t i = 0, k = 0; i < m.u.data.nseg; i++) {
-            kvf_wire_seg_t s;
-            kvf_wire_seg_at(&m.u.data, i, &s);
-            for (uint32_t j = 0; j < kvf_wire_seg_pieces(&s) && k < np; j++, k++)
-                c->tgt[k] = (kvf_rx_target_t){NULL, s.len};
-        }
-        c->tgt_n = np;
-        c->tgt_i = c->tgt_off = 0;
-        c->payload_left = m.u.data.payload_len;
-        c->placed = 0;
-        c->rx_state = RX_PAYLOAD;
-        c->moved++;
-        c->h->on_data(c->arg, &m.u.data, c->tgt);
     }
 }
 

@@ -488,42 +488,24 @@ static int rregion_cmp(const void *a, const void *b)
     return x->base < y->base ? -1 : x->base > y->base;
 }
 
-kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
-                             kvf_ucx_ep_t **ep_p, char *err, size_t errlen)
-{
-    kvf_status_t s = KVF_ERR_PROTOCOL;
-    kvf_ucx_ep_t *ep = NULL;
-    void *addr = NULL, *tmp = NULL;
-    size_t off = 0;
+/* A peer's offer, checked: where its parts lie in the blob. */
+typedef struct ucx_offer {
+    const uint8_t *addr;          /* the peer's worker address */
+    size_t         addr_len;
+    size_t         nregs;
+    size_t         first;         /* offset of the first region */
+} ucx_offer_t;
 
-    /* Parse everything before touching UCX. */
-    if (len < 12 || len > KVF_WIRE_MAX_BLOB) {
-        snprintf(err, errlen, "malformed ucx offer: %zu bytes", len);
-        goto out;
-    }
-    if (kvf_get_u32(blob) != BLOB_VERSION) {
-        snprintf(err, errlen, "ucx offer of version %u, this build reads version %u: "
-                 "run the same kvferry build on both sides", kvf_get_u32(blob), BLOB_VERSION);
-        goto out;
-    }
-    size_t addr_len = kvf_get_u32(blob + 4);
-    off = 8;
-    if (addr_len == 0 || addr_len > len - off || len - off - addr_len < 4) {
-        snprintf(err, errlen, "malformed ucx offer: worker address of %zu bytes in a "
-                 "%zu-byte blob", addr_len, len);
-        goto out;
-    }
-    const uint8_t *addr_p = blob + off;
-    off += addr_len;
-    size_t nregs = kvf_get_u32(blob + off);
-    off += 4;
-    if (nregs > (len - off) / REGION_HDR) {
-        snprintf(err, errlen, "malformed ucx offer: %zu regions in %zu bytes", nregs,
-                 len - off);
-        goto out;
-    }
-    size_t first = off;   /* start of the regions: walked again below */
-    for (size_t i = 0; i < nregs; i++) {
+/* The region list from o->first: every region's header and key inside
+ * the blob, and nothing after the last.  KVF_OK, or KVF_ERR_PROTOCOL and
+ * err. */
+static kvf_status_t check_regions(const uint8_t *blob, size_t len,
+                                  const ucx_offer_t *o, char *err,
+                                  size_t errlen)
+{
+    size_t off = o->first;
+
+    for (size_t i = 0; i < o->nregs; i++) {
         if (len - off < REGION_HDR)
             goto truncated;
         uint64_t base = kvf_get_u64(blob + off), rlen = kvf_get_u64(blob + off + 8);
@@ -535,30 +517,61 @@ kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
             snprintf(err, errlen, "malformed ucx offer: region %zu (base 0x%llx, %llu "
                      "bytes, key %zu bytes)", i, (unsigned long long)base,
                      (unsigned long long)rlen, klen);
-            goto out;
+            return KVF_ERR_PROTOCOL;
         }
         off += klen;
     }
     if (off != len) {
         snprintf(err, errlen, "malformed ucx offer: %zu trailing bytes", len - off);
-        goto out;
+        return KVF_ERR_PROTOCOL;
     }
+    return KVF_OK;
 
-    s = KVF_ERR_NO_MEMORY;
-    ep = calloc(1, sizeof(*ep));
-    addr = malloc(addr_len);
-    tmp = malloc(len);   /* aligned copies of the keys */
-    if (ep == NULL || addr == NULL || tmp == NULL ||
-        (nregs && (ep->regs = calloc(nregs, sizeof(*ep->regs))) == NULL)) {
-        snprintf(err, errlen, "out of memory connecting a UCX endpoint");
-        goto out;
+truncated:
+    snprintf(err, errlen, "malformed ucx offer: truncated region list (%zu bytes)", len);
+    return KVF_ERR_PROTOCOL;
+}
+
+/* The whole offer, parsed before anything touches UCX: version, worker
+ * address, region count, then the regions.  KVF_OK and *o, or
+ * KVF_ERR_PROTOCOL and err. */
+static kvf_status_t parse_offer(const uint8_t *blob, size_t len, ucx_offer_t *o,
+                                char *err, size_t errlen)
+{
+    if (len < 12 || len > KVF_WIRE_MAX_BLOB) {
+        snprintf(err, errlen, "malformed ucx offer: %zu bytes", len);
+        return KVF_ERR_PROTOCOL;
     }
-    memcpy(addr, addr_p, addr_len);
-    ep->base.ops = &kvf_ucx_mover;
-    ep->u = u;
-    ep->failed = UCS_OK;
-    ep->batches_tail = &ep->batches;
+    if (kvf_get_u32(blob) != BLOB_VERSION) {
+        snprintf(err, errlen, "ucx offer of version %u, this build reads version %u: "
+                 "run the same kvferry build on both sides", kvf_get_u32(blob), BLOB_VERSION);
+        return KVF_ERR_PROTOCOL;
+    }
+    size_t addr_len = kvf_get_u32(blob + 4), off = 8;
+    if (addr_len == 0 || addr_len > len - off || len - off - addr_len < 4) {
+        snprintf(err, errlen, "malformed ucx offer: worker address of %zu bytes in a "
+                 "%zu-byte blob", addr_len, len);
+        return KVF_ERR_PROTOCOL;
+    }
+    o->addr = blob + off;
+    o->addr_len = addr_len;
+    off += addr_len;
+    o->nregs = kvf_get_u32(blob + off);
+    off += 4;
+    if (o->nregs > (len - off) / REGION_HDR) {
+        snprintf(err, errlen, "malformed ucx offer: %zu regions in %zu bytes", o->nregs,
+                 len - off);
+        return KVF_ERR_PROTOCOL;
+    }
+    o->first = off;
+    return check_regions(blob, len, o, err, errlen);
+}
 
+/* The UCX endpoint to the worker at addr, with peer-failure detection,
+ * linked into u's list.  KVF_OK, or KVF_ERR_UNREACHABLE and err. */
+static kvf_status_t ep_open(kvf_ucx_t *u, kvf_ucx_ep_t *ep, void *addr,
+                            char *err, size_t errlen)
+{
     ucp_ep_params_t epp = {
         .field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
                       UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER,
@@ -578,8 +591,7 @@ kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
                  "(%s): UCX_TLS needs a transport both sides have that reports dead "
                  "peers (tcp, rc, dc; not posix/sysv in UCX 1.13); on one host use "
                  "--transport shm", ucs_status_string(st));
-        s = KVF_ERR_UNREACHABLE;
-        goto out;
+        return KVF_ERR_UNREACHABLE;
     }
     /* Linked before anything can fail, so that the cleanup below is ep_close. */
     ep->next = u->eps;
@@ -587,26 +599,67 @@ kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
         u->eps->pprev = &ep->next;
     ep->pprev = &u->eps;
     u->eps = ep;
+    return KVF_OK;
+}
 
-    off = first;
-    for (size_t i = 0; i < nregs; i++) {
+/* The peer's remote keys, one per region (tmp: room for an aligned copy
+ * of any key).  KVF_OK, or the error and err; ep->nregs counts the
+ * regions tried, for the cleanup. */
+static kvf_status_t unpack_rkeys(kvf_ucx_ep_t *ep, const uint8_t *blob,
+                                 const ucx_offer_t *o, void *tmp, char *err,
+                                 size_t errlen)
+{
+    size_t off = o->first;
+
+    for (size_t i = 0; i < o->nregs; i++) {
         rregion_t *r = &ep->regs[i];
         r->base = kvf_get_u64(blob + off);
         r->len = kvf_get_u64(blob + off + 8);
         size_t klen = kvf_get_u32(blob + off + 16);
         memcpy(tmp, blob + off + REGION_HDR, klen);
         off += REGION_HDR + klen;
-        st = ucp_ep_rkey_unpack(ep->ep, tmp, &r->rkey);
+        ucs_status_t st = ucp_ep_rkey_unpack(ep->ep, tmp, &r->rkey);
         ep->nregs = i + 1;
         if (st != UCS_OK) {
             r->rkey = NULL;
             snprintf(err, errlen, "UCX cannot use the peer's remote key for region %zu: "
                      "%s (the peer's memory is not reachable with our UCX transports)",
                      i, ucs_status_string(st));
-            s = st == UCS_ERR_NO_MEMORY ? KVF_ERR_NO_MEMORY : KVF_ERR_UNREACHABLE;
-            goto out;
+            return st == UCS_ERR_NO_MEMORY ? KVF_ERR_NO_MEMORY : KVF_ERR_UNREACHABLE;
         }
     }
+    return KVF_OK;
+}
+
+kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
+                             kvf_ucx_ep_t **ep_p, char *err, size_t errlen)
+{
+    kvf_status_t s;
+    kvf_ucx_ep_t *ep = NULL;
+    void *addr = NULL, *tmp = NULL;
+    ucx_offer_t o;
+
+    /* Parse everything before touching UCX. */
+    if ((s = parse_offer(blob, len, &o, err, errlen)) != KVF_OK)
+        goto out;
+
+    s = KVF_ERR_NO_MEMORY;
+    ep = calloc(1, sizeof(*ep));
+    addr = malloc(o.addr_len);
+    tmp = malloc(len);   /* aligned copies of the keys */
+    if (ep == NULL || addr == NULL || tmp == NULL ||
+        (o.nregs && (ep->regs = calloc(o.nregs, sizeof(*ep->regs))) == NULL)) {
+        snprintf(err, errlen, "out of memory connecting a UCX endpoint");
+        goto out;
+    }
+    memcpy(addr, o.addr, o.addr_len);
+    ep->base.ops = &kvf_ucx_mover;
+    ep->u = u;
+    ep->failed = UCS_OK;
+    ep->batches_tail = &ep->batches;
+    if ((s = ep_open(u, ep, addr, err, errlen)) != KVF_OK ||
+        (s = unpack_rkeys(ep, blob, &o, tmp, err, errlen)) != KVF_OK)
+        goto out;
     qsort(ep->regs, ep->nregs, sizeof(*ep->regs), rregion_cmp);
     kvf_debug("ucx: connected, %zu remote regions", ep->nregs);
     *ep_p = ep;
@@ -614,8 +667,6 @@ kvf_status_t kvf_ucx_connect(kvf_ucx_t *u, const uint8_t *blob, size_t len,
     s = KVF_OK;
     goto done;
 
-truncated:
-    snprintf(err, errlen, "malformed ucx offer: truncated region list (%zu bytes)", len);
 out:
     kvf_error("%s", err);
 done:
