@@ -509,21 +509,19 @@ static int links_match_heads(kvf_room_t *r, char *err, size_t errlen)
     return 1;
 }
 
-void kvf__receiver_try_request(kvf_room_t *r)
+/* Is every link's handshake done, with the instance the room expects?
+ * @return 1, or 0: not yet, a link is to be retried, or the room failed. */
+static int links_ready(kvf_room_t *r)
 {
-    kvf_engine_t *eng = r->eng;
-    KVF_ASSERT_LOCKED(eng);
-    kvf_receiver_t *rv = receiver_of(r);
+    KVF_ASSERT_LOCKED(r->eng);
     char name[128];
 
-    if (r->nlinks == 0 || room_final(r))
-        return;
     /* Wait for every handshake before judging, so that a refusal reaches
      * every prefill rank of the room. */
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_peer_t *p = r->links[i].peer;
         if (r->links[i].broken)
-            return;
+            return 0;
         if (p->state == KVF_PEER_DEAD) {
             char why[160];
             snprintf(why, sizeof(why), "cannot reach %s",
@@ -532,7 +530,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
                 r->links[i].broken = 1;
                 r->retries++;
                 r->retry_at_ms = kvf_now_ms() + (RETRY_BASE_MS << (r->retries - 1));
-                return;
+                return 0;
             }
             if (r->retries > 0)
                 kvf__room_fail_lost(r, KVF_ROLE_PREFILL, KVF_ERR_UNREACHABLE, "%s after %u "
@@ -540,10 +538,10 @@ void kvf__receiver_try_request(kvf_room_t *r)
                                     r->retries, r->last_err ? r->last_err : "unknown");
             else
                 kvf__room_fail_lost(r, KVF_ROLE_PREFILL, KVF_ERR_UNREACHABLE, "%s", why);
-            return;
+            return 0;
         }
         if (p->state != KVF_PEER_READY)
-            return;
+            return 0;
         if (r->links[i].want_instance != 0 && r->links[i].want_instance != p->instance_id) {
             kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s is engine instance %016llx, but "
                            "room %llu's descriptor names instance %016llx: the prefill "
@@ -551,7 +549,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
                            kvf__peer_name(p, name, sizeof(name)),
                            (unsigned long long)p->instance_id, (unsigned long long)r->id,
                            (unsigned long long)r->links[i].want_instance);
-            return;
+            return 0;
         }
         if (r->links[i].resume_instance != 0 &&
             r->links[i].resume_instance != p->instance_id) {
@@ -561,22 +559,38 @@ void kvf__receiver_try_request(kvf_room_t *r)
                            (unsigned long long)p->instance_id,
                            (unsigned long long)r->links[i].resume_instance,
                            (unsigned long long)r->id);
-            return;
+            return 0;
         }
     }
+    return 1;
+}
+
+/* Every linked peer's layout agrees with this engine's, and the links are
+ * the ranks the heads call for.  @return 1, or 0: the room failed. */
+static int links_compatible(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
     for (uint32_t i = 0; i < r->nlinks; i++) {
         if (r->links[i].peer->incompatible) {
             kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", r->links[i].peer->incompatible);
-            return;
+            return 0;
         }
     }
     char why[KVF_REASON_MAX];
     if (!links_match_heads(r, why, sizeof(why))) {
         kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", why);
-        return;
+        return 0;
     }
-    /* Which links carry data, which one also carries aux and state (the
-     * last pipeline stage's lowest TP rank), and how many bytes each owes. */
+    return 1;
+}
+
+/* Which links carry data, which one also carries aux and state (the
+ * last pipeline stage's lowest TP rank, in *designated_p), and each
+ * data link's slice.  @return 1, or 0: the room failed. */
+static int plan_links(kvf_room_t *r, int *designated_p)
+{
+    kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
     kvf_par_t mine, theirs;
     kvf__par_fill(&mine, eng->params.tp_rank, eng->params.tp_size, eng->params.pp_rank,
                   eng->params.pp_size, &eng->layout);
@@ -592,13 +606,128 @@ void kvf__receiver_try_request(kvf_room_t *r)
             continue;
         if (st != KVF_OK) {
             kvf__room_fail(r, st, "%s", err);
-            return;
+            return 0;
         }
         kvf_peer_t *d = designated < 0 ? NULL : r->links[designated].peer;
         if (d == NULL || p->pp_rank > d->pp_rank ||
             (p->pp_rank == d->pp_rank && p->tp_rank < d->tp_rank))
             designated = (int)i;
     }
+    *designated_p = designated;
+    return 1;
+}
+
+/* The ROOM_REQ for one link: the destination it may write (pages, aux
+ * slot, state indices) and how many decode ranks it serves.
+ * @return the bytes per page the link owes (0 for an idle one). */
+static uint64_t fill_request(kvf_room_t *r, kvf_link_t *lk, int aux, int state,
+                             kvf_msg_t *m)
+{
+    kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    kvf_peer_t *p = lk->peer;
+    uint64_t per_page = 0;
+
+    *m = (kvf_msg_t){.type = KVF_MSG_ROOM_REQ};
+    m->u.room_req.room = r->id;
+    m->u.room_req.instance = r->instance;
+    m->u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
+    m->u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
+    m->u.room_req.attempt = lk->resume_instance ? r->retries : 0;
+    m->u.room_req.sender_instance = rv->sender_instance;
+    if (lk->idle) {
+        /* Tell it the room exists; it owes nothing. */
+        m->u.room_req.expected_receivers = 1;
+    } else {
+        int src[KVF_MAX_SOURCES], n = 0;
+        for (int d = 0; d < eng->params.tp_size; d++) {
+            int k = kvf__sources(eng->layout.attn, eng->layout.total_heads, p->tp_size,
+                                 eng->params.tp_size, d, src);
+            for (int j = 0; j < k; j++)
+                n += src[j] == p->tp_rank;
+        }
+        m->u.room_req.expected_receivers = (uint32_t)n;
+        m->u.room_req.pages = (kvf_wire_arr32_t){rv->n_pages, rv->pages, NULL};
+        if (state) {
+            m->u.room_req.state_counts = (kvf_wire_arr32_t){rv->state_dst.ngroups,
+                                                            rv->state_dst.count, NULL};
+            m->u.room_req.state_idx = (kvf_wire_arr32_t){rv->state_dst.total,
+                                                         rv->state_dst.idx, NULL};
+        }
+        /* A slice: its heads of every token, whichever the page order. */
+        for (uint32_t b = 0; b < p->layout.num_kv; b++)
+            per_page += lk->slice.sliced
+                ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
+                      kvf__head_bytes(&p->layout, b)
+                : p->layout.kv[b].item_bytes;
+    }
+    /* A resumed link starts over: the prefill rank resends everything. */
+    m->u.room_req.decode_prefix_len = rv->decode_prefix;
+    return per_page;
+}
+
+/* Ask one link's prefill rank for its share: what it owes, the coverage
+ * bitmap its bytes are checked against, then the ROOM_REQ itself.
+ * @return 1, or 0: the room failed. */
+static int send_request(kvf_room_t *r, kvf_link_t *lk, int designee)
+{
+    kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    kvf_peer_t *p = lk->peer;
+    char name[128];
+    kvf_msg_t m;
+
+    /* Aux holds the first output token, which only the last pipeline
+     * stage has: a decode stage paired with an earlier one gets none.
+     * A link is named aux and state only where there is some to move,
+     * so that "owes nothing" reads the same on both sides (no pages, no
+     * aux slot, no state groups: sender.c, add_destination). */
+    int state = designee && rv->state_dst.total > 0;
+    int aux = designee && eng->layout.num_aux > 0 &&
+              (eng->params.pp_size == 1 || eng->params.pp_rank == eng->params.pp_size - 1);
+    uint64_t per_page = fill_request(r, lk, aux, state, &m);
+    lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
+        (state ? states_bytes(&eng->layout, &rv->state_dst) : 0);
+    /* What this peer may write, each unit once (cover_mark). */
+    lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
+    lk->sends_state = state && rv->state_dst.ngroups > 0;
+    free(lk->cover);
+    lk->cover = NULL;
+    if (!lk->idle) {
+        uint64_t bits = rv->state_bit0[rv->state_dst.ngroups];
+        if ((lk->cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to track room %llu's "
+                           "%llu destination units", (unsigned long long)r->id,
+                           (unsigned long long)bits);
+            return 0;
+        }
+    }
+    /* Nothing owed (a zero-page room's link that carries neither aux
+     * nor state): the prefill rank treats it as idle too. */
+    lk->done = lk->idle || (rv->n_pages == 0 && !aux && !state);
+    kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(eng, p));
+    kvf_status_t st = kvf__peer_send(p, &m);
+    if (st != KVF_OK) {
+        kvf__room_fail(r, st, "cannot send the room's destination to %s: %s",
+                       kvf__peer_name(p, name, sizeof(name)), kvf_status_str(st));
+        return 0;
+    }
+    lk->req_sent = 1;
+    kvf__trace_peer_event(r, "request_sent", p, -1, lk->idle ? 0 : rv->n_pages, -1);
+    return 1;
+}
+
+void kvf__receiver_try_request(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    int designated;
+
+    if (r->nlinks == 0 || room_final(r))
+        return;
+    if (!links_ready(r) || !links_compatible(r) || !plan_links(r, &designated))
+        return;
     /* Resolved, connected and compatible: the scheduler may now give the
      * room its pages (SGLang allocates them only then). */
     if (room_state(r) == KVF_POLL_BOOTSTRAPPING)
@@ -608,83 +737,10 @@ void kvf__receiver_try_request(kvf_room_t *r)
         return;
     }
     for (uint32_t i = 0; i < r->nlinks; i++) {
-        kvf_link_t *lk = &r->links[i];
-        kvf_peer_t *p = lk->peer;
-        /* Aux holds the first output token, which only the last pipeline
-         * stage has: a decode stage paired with an earlier one gets none.
-         * A link is named aux and state only where there is some to move,
-         * so that "owes nothing" reads the same on both sides (no pages, no
-         * aux slot, no state groups: sender.c, add_destination). */
-        int designee = (int)i == designated;
-        int state = designee && rv->state_dst.total > 0;
-        int aux = designee && eng->layout.num_aux > 0 &&
-                  (eng->params.pp_size == 1 || eng->params.pp_rank == eng->params.pp_size - 1);
-        if (lk->req_sent)
+        if (r->links[i].req_sent)
             continue;
-        kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
-        m.u.room_req.room = r->id;
-        m.u.room_req.instance = r->instance;
-        m.u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
-        m.u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-        m.u.room_req.attempt = lk->resume_instance ? r->retries : 0;
-        m.u.room_req.sender_instance = rv->sender_instance;
-        uint64_t per_page = 0;
-        if (lk->idle) {
-            /* Tell it the room exists; it owes nothing. */
-            m.u.room_req.expected_receivers = 1;
-        } else {
-            int src[KVF_MAX_SOURCES], n = 0;
-            for (int d = 0; d < eng->params.tp_size; d++) {
-                int k = kvf__sources(eng->layout.attn, eng->layout.total_heads, p->tp_size,
-                                     eng->params.tp_size, d, src);
-                for (int j = 0; j < k; j++)
-                    n += src[j] == p->tp_rank;
-            }
-            m.u.room_req.expected_receivers = (uint32_t)n;
-            m.u.room_req.pages = (kvf_wire_arr32_t){rv->n_pages, rv->pages, NULL};
-            if (state) {
-                m.u.room_req.state_counts = (kvf_wire_arr32_t){rv->state_dst.ngroups,
-                                                               rv->state_dst.count, NULL};
-                m.u.room_req.state_idx = (kvf_wire_arr32_t){rv->state_dst.total,
-                                                            rv->state_dst.idx, NULL};
-            }
-            /* A slice: its heads of every token, whichever the page order. */
-            for (uint32_t b = 0; b < p->layout.num_kv; b++)
-                per_page += lk->slice.sliced
-                    ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
-                          kvf__head_bytes(&p->layout, b)
-                    : p->layout.kv[b].item_bytes;
-        }
-        /* A resumed link starts over: the prefill rank resends everything. */
-        m.u.room_req.decode_prefix_len = rv->decode_prefix;
-        lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
-            (state ? states_bytes(&eng->layout, &rv->state_dst) : 0);
-        /* What this peer may write, each unit once (cover_mark). */
-        lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-        lk->sends_state = state && rv->state_dst.ngroups > 0;
-        free(lk->cover);
-        lk->cover = NULL;
-        if (!lk->idle) {
-            uint64_t bits = rv->state_bit0[rv->state_dst.ngroups];
-            if ((lk->cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
-                kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to track room %llu's "
-                               "%llu destination units", (unsigned long long)r->id,
-                               (unsigned long long)bits);
-                return;
-            }
-        }
-        /* Nothing owed (a zero-page room's link that carries neither aux
-         * nor state): the prefill rank treats it as idle too. */
-        lk->done = lk->idle || (rv->n_pages == 0 && !aux && !state);
-        kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(eng, p));
-        kvf_status_t st = kvf__peer_send(p, &m);
-        if (st != KVF_OK) {
-            kvf__room_fail(r, st, "cannot send the room's destination to %s: %s",
-                           kvf__peer_name(p, name, sizeof(name)), kvf_status_str(st));
+        if (!send_request(r, &r->links[i], (int)i == designated))
             return;
-        }
-        lk->req_sent = 1;
-        kvf__trace_peer_event(r, "request_sent", p, -1, lk->idle ? 0 : rv->n_pages, -1);
     }
     kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
     if (all_done(r))          /* every link owes nothing: no DONE will come */
