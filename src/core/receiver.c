@@ -851,6 +851,133 @@ static int cover_set(uint8_t *c, uint64_t i)
     return 1;
 }
 
+/* cover_mark for a KV segment: each piece is whole tokens, or this link's
+ * run of heads of one token (NHD) or one page (HND), each unit once. */
+static int cover_mark_kv(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s,
+                         char *err, size_t errlen)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    uint64_t ps = l->page_size;
+    uint32_t pieces = kvf_wire_seg_pieces(s);
+    const kvf_buffer_t *b = &l->kv[s->buf];
+    uint64_t tok = b->item_bytes / ps;
+    const kvf_slice_t *sl = &lk->slice;
+    /* A sliced link's piece: its heads of one token (NHD), at `at` in
+     * the token, or of one page (HND: every token), at `at` in the page. */
+    int hnd = sl->sliced && l->kv_order == KVF_KV_HND;
+    uint64_t unit = hnd ? b->item_bytes : tok, ntok = hnd ? ps : 1;
+    uint64_t bph = sl->sliced ? kvf__head_bytes(l, s->buf) : 0;
+    uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * bph * ntok : 0;
+    uint64_t want = sl->sliced ? (uint64_t)sl->nheads * bph * ntok : 0;
+    if (lk->peer->kv_src == NULL || lk->peer->kv_src[s->buf] == UINT32_MAX) {
+        snprintf(err, errlen, "KV buffer %u holds layers this peer does not send to "
+                 "this rank", s->buf);
+        return 0;
+    }
+    for (uint32_t k = 0; k < pieces; k++) {
+        uint64_t off = s->offset + (uint64_t)k * s->dst_stride;
+        if (off % unit != at || (want ? s->len != want : s->len % tok != 0)) {
+            snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are not %s",
+                     (unsigned long long)off, (unsigned long long)(off + s->len),
+                     s->buf, !want ? "whole tokens"
+                             : hnd ? "this peer's heads of one page (HND pages)"
+                                   : "this peer's heads of one token");
+            return 0;
+        }
+        uint64_t t0 = hnd ? off / unit * ps : off / tok, n = want ? ntok : s->len / tok;
+        uint64_t first = t0 / ps, idx0 = sorted_index(rv->sorted_pages, rv->n_pages, first);
+        for (uint64_t t = t0; t < t0 + n; t++) {
+            /* Consecutive pages: seg_target found them all declared. */
+            uint64_t idx = idx0 + (t / ps - first);
+            if (cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
+                                         t % ps))
+                continue;
+            if (hnd)
+                snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (this "
+                         "peer's heads of the page: bytes [%llu, %llu)) is written a "
+                         "second time: each destination byte is placed once",
+                         (unsigned long long)(t % ps), (unsigned long long)(t / ps),
+                         s->buf, (unsigned long long)off,
+                         (unsigned long long)(off + want));
+            else
+                snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (bytes "
+                         "[%llu, %llu)) is written a second time: each destination "
+                         "byte is placed once", (unsigned long long)(t % ps),
+                         (unsigned long long)(t / ps), s->buf,
+                         (unsigned long long)(t * tok + at),
+                         (unsigned long long)(t * tok + at + (want ? want : tok)));
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* cover_mark for a state segment: whole items of the room's state
+ * indices, from the link that sends state, each item once. */
+static int cover_mark_state(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s,
+                            char *err, size_t errlen)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    const kvf_buffer_t *b = &l->state[s->buf];
+    uint32_t g = kvf__group_of(l, s->buf), at = group_at(rv, g);
+    uint32_t cnt = rv->state_dst.count[g];
+    if (!lk->sends_state) {
+        snprintf(err, errlen, "this peer does not send the room's state");
+        return 0;
+    }
+    if (kvf_wire_seg_pieces(s) != 1 || s->offset % b->item_bytes != 0 ||
+        s->len % b->item_bytes != 0) {
+        snprintf(err, errlen, "bytes [%llu, %llu) of state buffer %u are not whole "
+                 "items", (unsigned long long)s->offset,
+                 (unsigned long long)(s->offset + s->len), s->buf);
+        return 0;
+    }
+    uint64_t first = s->offset / b->item_bytes, n = s->len / b->item_bytes;
+    uint64_t bit0 = rv->state_bit0[g] + (uint64_t)(s->buf - l->group_first[g]) * cnt;
+    for (uint64_t it = first; it < first + n; it++) {
+        if (!cover_set(lk->cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
+            snprintf(err, errlen, "item %llu of state buffer %u is written a second "
+                     "time: each destination byte is placed once",
+                     (unsigned long long)it, s->buf);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* cover_mark for an aux segment: the room's whole slot, from the link
+ * that sends aux, once.  Its bits follow the KV tokens' in the bitmap. */
+static int cover_mark_aux(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s,
+                          char *err, size_t errlen)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    uint64_t nkv = (uint64_t)l->num_kv * rv->n_pages * l->page_size;
+    const kvf_buffer_t *b = &l->aux[s->buf];
+    if (lk->aux_slot == KVF_NO_SLOT) {
+        snprintf(err, errlen, "this peer does not send the room's aux");
+        return 0;
+    }
+    if (kvf_wire_seg_pieces(s) != 1 || s->offset != (uint64_t)r->aux_slot * b->item_bytes ||
+        s->len != b->item_bytes) {
+        snprintf(err, errlen, "bytes [%llu, %llu) of aux buffer %u are not its whole slot",
+                 (unsigned long long)s->offset, (unsigned long long)(s->offset + s->len),
+                 s->buf);
+        return 0;
+    }
+    if (!cover_set(lk->cover, nkv + s->buf)) {
+        snprintf(err, errlen, "aux buffer %u's slot is written a second time: each "
+                 "destination byte is placed once", s->buf);
+        return 0;
+    }
+    return 1;
+}
+
 /*
  * Exact coverage: a receiver counts each destination byte once.  Every
  * piece a peer sends must be whole destination units of its own share:
@@ -866,110 +993,13 @@ static int cover_set(uint8_t *c, uint64_t i)
 static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, char *err,
                       size_t errlen)
 {
-    kvf_receiver_t *rv = receiver_of(r);
-    const kvf_layout_int_t *l = &r->eng->layout;
-    uint64_t ps = l->page_size, nkv = (uint64_t)l->num_kv * rv->n_pages * ps;
-    uint32_t pieces = kvf_wire_seg_pieces(s);
-
     if (lk->cover == NULL)
         return 1;     /* an idle link: any byte it sends fails the count */
-    if (s->kind == KVF_BUF_KV) {
-        const kvf_buffer_t *b = &l->kv[s->buf];
-        uint64_t tok = b->item_bytes / ps;
-        const kvf_slice_t *sl = &lk->slice;
-        /* A sliced link's piece: its heads of one token (NHD), at `at` in
-         * the token, or of one page (HND: every token), at `at` in the page. */
-        int hnd = sl->sliced && l->kv_order == KVF_KV_HND;
-        uint64_t unit = hnd ? b->item_bytes : tok, ntok = hnd ? ps : 1;
-        uint64_t bph = sl->sliced ? kvf__head_bytes(l, s->buf) : 0;
-        uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * bph * ntok : 0;
-        uint64_t want = sl->sliced ? (uint64_t)sl->nheads * bph * ntok : 0;
-        if (lk->peer->kv_src == NULL || lk->peer->kv_src[s->buf] == UINT32_MAX) {
-            snprintf(err, errlen, "KV buffer %u holds layers this peer does not send to "
-                     "this rank", s->buf);
-            return 0;
-        }
-        for (uint32_t k = 0; k < pieces; k++) {
-            uint64_t off = s->offset + (uint64_t)k * s->dst_stride;
-            if (off % unit != at || (want ? s->len != want : s->len % tok != 0)) {
-                snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are not %s",
-                         (unsigned long long)off, (unsigned long long)(off + s->len),
-                         s->buf, !want ? "whole tokens"
-                                 : hnd ? "this peer's heads of one page (HND pages)"
-                                       : "this peer's heads of one token");
-                return 0;
-            }
-            uint64_t t0 = hnd ? off / unit * ps : off / tok, n = want ? ntok : s->len / tok;
-            uint64_t first = t0 / ps, idx0 = sorted_index(rv->sorted_pages, rv->n_pages, first);
-            for (uint64_t t = t0; t < t0 + n; t++) {
-                /* Consecutive pages: seg_target found them all declared. */
-                uint64_t idx = idx0 + (t / ps - first);
-                if (cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
-                                             t % ps))
-                    continue;
-                if (hnd)
-                    snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (this "
-                             "peer's heads of the page: bytes [%llu, %llu)) is written a "
-                             "second time: each destination byte is placed once",
-                             (unsigned long long)(t % ps), (unsigned long long)(t / ps),
-                             s->buf, (unsigned long long)off,
-                             (unsigned long long)(off + want));
-                else
-                    snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (bytes "
-                             "[%llu, %llu)) is written a second time: each destination "
-                             "byte is placed once", (unsigned long long)(t % ps),
-                             (unsigned long long)(t / ps), s->buf,
-                             (unsigned long long)(t * tok + at),
-                             (unsigned long long)(t * tok + at + (want ? want : tok)));
-                return 0;
-            }
-        }
-        return 1;
-    }
-    if (s->kind == KVF_BUF_STATE) {
-        const kvf_buffer_t *b = &l->state[s->buf];
-        uint32_t g = kvf__group_of(l, s->buf), at = group_at(rv, g);
-        uint32_t cnt = rv->state_dst.count[g];
-        if (!lk->sends_state) {
-            snprintf(err, errlen, "this peer does not send the room's state");
-            return 0;
-        }
-        if (pieces != 1 || s->offset % b->item_bytes != 0 || s->len % b->item_bytes != 0) {
-            snprintf(err, errlen, "bytes [%llu, %llu) of state buffer %u are not whole "
-                     "items", (unsigned long long)s->offset,
-                     (unsigned long long)(s->offset + s->len), s->buf);
-            return 0;
-        }
-        uint64_t first = s->offset / b->item_bytes, n = s->len / b->item_bytes;
-        uint64_t bit0 = rv->state_bit0[g] + (uint64_t)(s->buf - l->group_first[g]) * cnt;
-        for (uint64_t it = first; it < first + n; it++) {
-            if (!cover_set(lk->cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
-                snprintf(err, errlen, "item %llu of state buffer %u is written a second "
-                         "time: each destination byte is placed once",
-                         (unsigned long long)it, s->buf);
-                return 0;
-            }
-        }
-        return 1;
-    }
-    const kvf_buffer_t *b = &l->aux[s->buf];
-    if (lk->aux_slot == KVF_NO_SLOT) {
-        snprintf(err, errlen, "this peer does not send the room's aux");
-        return 0;
-    }
-    if (pieces != 1 || s->offset != (uint64_t)r->aux_slot * b->item_bytes ||
-        s->len != b->item_bytes) {
-        snprintf(err, errlen, "bytes [%llu, %llu) of aux buffer %u are not its whole slot",
-                 (unsigned long long)s->offset, (unsigned long long)(s->offset + s->len),
-                 s->buf);
-        return 0;
-    }
-    if (!cover_set(lk->cover, nkv + s->buf)) {
-        snprintf(err, errlen, "aux buffer %u's slot is written a second time: each "
-                 "destination byte is placed once", s->buf);
-        return 0;
-    }
-    return 1;
+    if (s->kind == KVF_BUF_KV)
+        return cover_mark_kv(r, lk, s, err, errlen);
+    if (s->kind == KVF_BUF_STATE)
+        return cover_mark_state(r, lk, s, err, errlen);
+    return cover_mark_aux(r, lk, s, err, errlen);
 }
 
 /*
