@@ -628,8 +628,10 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
     return st;
 }
 
-kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
-                               char *err, size_t errlen)
+/* What every page must agree on: size, dtype, attention kind, heads and
+ * page order. */
+static kvf_status_t check_pages(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
+                                char *err, size_t errlen)
 {
     if (p->page_size != d->page_size) {
         snprintf(err, errlen,
@@ -670,6 +672,13 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
                  "the same kv_order.", order_name(p->kv_order), order_name(d->kv_order));
         return KVF_ERR_INCOMPATIBLE;
     }
+    return KVF_OK;
+}
+
+/* The aux buffers: as many, each slot the same size. */
+static kvf_status_t check_aux(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
+                              char *err, size_t errlen)
+{
     if (p->num_aux != d->num_aux) {
         snprintf(err, errlen,
                  "Aux buffer mismatch: prefill server registered %u aux buffers, but "
@@ -685,6 +694,14 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
             return KVF_ERR_INCOMPATIBLE;
         }
     }
+    return KVF_OK;
+}
+
+/* The state pools: the same types in the same groups, each group as many
+ * buffers, each slot the same size. */
+static kvf_status_t check_state(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
+                                char *err, size_t errlen)
+{
     if (strcmp(p->state_types, d->state_types) != 0 || p->num_groups != d->num_groups) {
         snprintf(err, errlen,
                  "State type mismatch: prefill server registered state [%s] (%u groups), "
@@ -715,4 +732,14 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
         }
     }
     return KVF_OK;
+}
+
+kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
+                               char *err, size_t errlen)
+{
+    kvf_status_t st;
+    if ((st = check_pages(p, d, err, errlen)) != KVF_OK ||
+        (st = check_aux(p, d, err, errlen)) != KVF_OK)
+        return st;
+    return check_state(p, d, err, errlen);
 }
