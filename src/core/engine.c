@@ -212,6 +212,154 @@ static void engine_free(kvf_engine_t *eng)
     free(eng);
 }
 
+/* The fields that hold no resource: defaults, "-1" fds, event tags, locks
+ * and maps, so that engine_free can unwind from any later step. */
+static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
+{
+    eng->params = *full;
+    if (eng->params.handshake_timeout_ms == 0)
+        eng->params.handshake_timeout_ms = KVF_HANDSHAKE_TIMEOUT_MS;
+    eng->epfd = eng->wakefd = eng->listenfd = eng->reserve_fd = eng->trace_fd = -1;
+    if (eng->params.streams == 0)
+        eng->params.streams = kvf__streams_default();
+    eng->nlanes = eng->params.streams;
+    for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
+        eng->lanes[k] = (kvf_lane_t){.eng = eng, .index = k, .epfd = -1, .wakefd = -1,
+                                     .ev_wake = KVF_EV_WAKE};
+    eng->ev_listener = KVF_EV_LISTENER;
+    eng->ev_wake = KVF_EV_WAKE;
+    eng->ev_copier = KVF_EV_COPIER;
+    for (int i = 0; i < KVF_MAX_MOVERS; i++)
+        eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
+    pthread_mutex_init(&eng->lock, NULL);
+    pthread_cond_init(&eng->resolver_cond, NULL);
+    pthread_cond_init(&eng->reads_cond, NULL);
+    pthread_cond_init(&eng->final_cond, NULL);
+    eng->reads_done_tail = &eng->reads_done;
+    kvf_map_init(&eng->rooms_by_id);
+    kvf_map_init(&eng->stash);
+    kvf_map_init(&eng->tombs);
+    kvf_map_init(&eng->retired);
+}
+
+/* The engine's own copies of the caller's strings, the rings, the fault
+ * spec and the instance id: nothing the caller passed is kept by pointer. */
+static kvf_status_t engine_own_params(kvf_engine_t *eng, const kvf_engine_params_t *params)
+{
+    char err[512];
+    kvf_status_t st = KVF_ERR_NO_MEMORY;
+
+    eng->tomb_ring = calloc(KVF_TOMBS, sizeof(*eng->tomb_ring));
+    eng->retired_ring = calloc(KVF_RETIRED, sizeof(uint64_t));
+    eng->host = strdup(params->host);
+    eng->transport = strdup(params->transport ? params->transport : "auto");
+    if (params->bootstrap_addr)
+        eng->bootstrap_addr = strdup(params->bootstrap_addr);
+    if (!eng->host || !eng->transport || !eng->tomb_ring || !eng->retired_ring ||
+        (params->bootstrap_addr && !eng->bootstrap_addr))
+        return st;
+    eng->params.host = eng->host;
+    eng->params.transport = eng->transport;
+    eng->params.faults = NULL;
+    kvf__registration_setup(eng);
+    if (params->faults != NULL) {
+        st = kvf_faults_parse(params->faults, &eng->faults, err, sizeof(err));
+        if (st != KVF_OK) {
+            kvf_error("invalid fault spec '%s': %s", params->faults, err);
+            return st;
+        }
+        kvf_warn("fault injection active: %s", params->faults);
+    }
+    if (getrandom(&eng->instance_id, sizeof(eng->instance_id), 0) !=
+        sizeof(eng->instance_id))
+        eng->instance_id = kvf_now_ns() ^ ((uint64_t)getpid() << 32);
+    return KVF_OK;
+}
+
+/* The control listener, then what depends on the address it bound: the
+ * token and protected mode, the trace file and the metrics endpoint. */
+static kvf_status_t engine_listen(kvf_engine_t *eng, const kvf_engine_params_t *params)
+{
+    kvf_status_t st = kvf_control_listen(eng->host, params->port, &eng->listenfd, &eng->port);
+    if (st != KVF_OK)
+        return st;
+    snprintf(eng->addr, sizeof(eng->addr), "%s:%d", eng->host, eng->port);
+    /* The token, and protected mode, from the address actually bound. */
+    struct sockaddr_storage bound;
+    socklen_t blen = sizeof(bound);
+    if (getsockname(eng->listenfd, (struct sockaddr *)&bound, &blen) != 0) {
+        kvf_error("getsockname: %m");
+        return KVF_ERR_IO;
+    }
+    st = kvf__auth_setup(eng, params->auth_token, params->api_key,
+                         (struct sockaddr *)&bound);
+    eng->params.auth_token = NULL;     /* the caller's strings: never kept */
+    eng->params.api_key = NULL;
+    if (st != KVF_OK)
+        return st;
+    /* After the token: the metrics endpoint binds by the same rule. */
+    if ((st = kvf__trace_open(eng)) != KVF_OK || (st = kvf__metrics_start(eng)) != KVF_OK)
+        return st;
+    return KVF_OK;
+}
+
+/* Every lane's epoll set and wake-up eventfd; lane 0's also watches the
+ * listener.  Before any thread starts, so a failure leaves nothing running. */
+static kvf_status_t engine_open_lanes(kvf_engine_t *eng)
+{
+    eng->epfd = epoll_create1(EPOLL_CLOEXEC);
+    eng->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (eng->epfd < 0 || eng->wakefd < 0) {
+        kvf_error("epoll/eventfd: %m");
+        return KVF_ERR_IO;
+    }
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_listener};
+    struct epoll_event wev = {.events = EPOLLIN, .data.ptr = &eng->ev_wake};
+    if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->listenfd, &ev) != 0 ||
+        epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->wakefd, &wev) != 0) {
+        kvf_error("epoll_ctl: %m");
+        return KVF_ERR_IO;
+    }
+    eng->lanes[0].epfd = eng->epfd;
+    eng->lanes[0].wakefd = eng->wakefd;
+    kvf__listener_init(eng);
+    for (unsigned k = 1; k < eng->nlanes; k++) {
+        kvf_lane_t *ln = &eng->lanes[k];
+        ln->epfd = epoll_create1(EPOLL_CLOEXEC);
+        ln->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        struct epoll_event lev = {.events = EPOLLIN, .data.ptr = &ln->ev_wake};
+        if (ln->epfd < 0 || ln->wakefd < 0 ||
+            epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->wakefd, &lev) != 0) {
+            kvf_error("epoll/eventfd for lane %u: %m", k);
+            return KVF_ERR_IO;
+        }
+    }
+    return KVF_OK;
+}
+
+/* The resolver, lane 0's progress thread and the other lanes' threads: the
+ * last step, since a lane that cannot start only lowers the stream count. */
+static kvf_status_t engine_start_threads(kvf_engine_t *eng)
+{
+    kvf_status_t st = kvf__resolver_start(eng);
+    if (st != KVF_OK)
+        return st;
+    if (pthread_create(&eng->progress_thread, NULL, progress_main, eng) != 0) {
+        kvf_error("cannot start the progress thread");
+        kvf__resolver_stop(eng);
+        return KVF_ERR_NO_MEMORY;
+    }
+    for (unsigned k = 1; k < eng->nlanes; k++) {
+        if (pthread_create(&eng->lanes[k].thread, NULL, lane_main, &eng->lanes[k]) != 0) {
+            kvf_error("cannot start progress thread %u; this engine uses %u streams", k, k);
+            eng->nlanes = k;
+            break;
+        }
+        eng->lanes[k].started = 1;
+    }
+    return KVF_OK;
+}
+
 kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
                                kvf_engine_t **engine_p)
 {
@@ -237,128 +385,16 @@ kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,
     kvf_engine_t *eng = calloc(1, sizeof(*eng));
     if (eng == NULL)
         return KVF_ERR_NO_MEMORY;
-    eng->params = full;
-    if (eng->params.handshake_timeout_ms == 0)
-        eng->params.handshake_timeout_ms = KVF_HANDSHAKE_TIMEOUT_MS;
-    eng->epfd = eng->wakefd = eng->listenfd = eng->reserve_fd = eng->trace_fd = -1;
-    if (eng->params.streams == 0)
-        eng->params.streams = kvf__streams_default();
-    eng->nlanes = eng->params.streams;
-    for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
-        eng->lanes[k] = (kvf_lane_t){.eng = eng, .index = k, .epfd = -1, .wakefd = -1,
-                                     .ev_wake = KVF_EV_WAKE};
-    eng->ev_listener = KVF_EV_LISTENER;
-    eng->ev_wake = KVF_EV_WAKE;
-    eng->ev_copier = KVF_EV_COPIER;
-    for (int i = 0; i < KVF_MAX_MOVERS; i++)
-        eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
-    pthread_mutex_init(&eng->lock, NULL);
-    pthread_cond_init(&eng->resolver_cond, NULL);
-    pthread_cond_init(&eng->reads_cond, NULL);
-    pthread_cond_init(&eng->final_cond, NULL);
-    eng->reads_done_tail = &eng->reads_done;
-    kvf_map_init(&eng->rooms_by_id);
-    kvf_map_init(&eng->stash);
-    kvf_map_init(&eng->tombs);
-    kvf_map_init(&eng->retired);
-
-    st = KVF_ERR_NO_MEMORY;
-    eng->tomb_ring = calloc(KVF_TOMBS, sizeof(*eng->tomb_ring));
-    eng->retired_ring = calloc(KVF_RETIRED, sizeof(uint64_t));
-    eng->host = strdup(params->host);
-    eng->transport = strdup(params->transport ? params->transport : "auto");
-    if (params->bootstrap_addr)
-        eng->bootstrap_addr = strdup(params->bootstrap_addr);
-    if (!eng->host || !eng->transport || !eng->tomb_ring || !eng->retired_ring ||
-        (params->bootstrap_addr && !eng->bootstrap_addr))
+    engine_init(eng, params);
+    if ((st = engine_own_params(eng, params)) != KVF_OK ||
+        (st = engine_listen(eng, params)) != KVF_OK ||
+        (st = engine_open_lanes(eng)) != KVF_OK)
         goto err;
-    eng->params.host = eng->host;
-    eng->params.transport = eng->transport;
-    eng->params.faults = NULL;
-    kvf__registration_setup(eng);
-    if (params->faults != NULL) {
-        st = kvf_faults_parse(params->faults, &eng->faults, err, sizeof(err));
-        if (st != KVF_OK) {
-            kvf_error("invalid fault spec '%s': %s", params->faults, err);
-            goto err;
-        }
-        kvf_warn("fault injection active: %s", params->faults);
-    }
-    if (getrandom(&eng->instance_id, sizeof(eng->instance_id), 0) !=
-        sizeof(eng->instance_id))
-        eng->instance_id = kvf_now_ns() ^ ((uint64_t)getpid() << 32);
-
-    st = kvf_control_listen(eng->host, params->port, &eng->listenfd, &eng->port);
-    if (st != KVF_OK)
-        goto err;
-    snprintf(eng->addr, sizeof(eng->addr), "%s:%d", eng->host, eng->port);
-    /* The token, and protected mode, from the address actually bound. */
-    struct sockaddr_storage bound;
-    socklen_t blen = sizeof(bound);
-    if (getsockname(eng->listenfd, (struct sockaddr *)&bound, &blen) != 0) {
-        kvf_error("getsockname: %m");
-        st = KVF_ERR_IO;
-        goto err;
-    }
-    st = kvf__auth_setup(eng, params->auth_token, params->api_key,
-                         (struct sockaddr *)&bound);
-    eng->params.auth_token = NULL;     /* the caller's strings: never kept */
-    eng->params.api_key = NULL;
-    if (st != KVF_OK)
-        goto err;
-    /* After the token: the metrics endpoint binds by the same rule. */
-    if ((st = kvf__trace_open(eng)) != KVF_OK || (st = kvf__metrics_start(eng)) != KVF_OK)
-        goto err;
-
-    st = KVF_ERR_IO;
-    eng->epfd = epoll_create1(EPOLL_CLOEXEC);
-    eng->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (eng->epfd < 0 || eng->wakefd < 0) {
-        kvf_error("epoll/eventfd: %m");
-        goto err;
-    }
-    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_listener};
-    struct epoll_event wev = {.events = EPOLLIN, .data.ptr = &eng->ev_wake};
-    if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->listenfd, &ev) != 0 ||
-        epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->wakefd, &wev) != 0) {
-        kvf_error("epoll_ctl: %m");
-        goto err;
-    }
-    eng->lanes[0].epfd = eng->epfd;
-    eng->lanes[0].wakefd = eng->wakefd;
-    kvf__listener_init(eng);
-    for (unsigned k = 1; k < eng->nlanes; k++) {
-        kvf_lane_t *ln = &eng->lanes[k];
-        ln->epfd = epoll_create1(EPOLL_CLOEXEC);
-        ln->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-        struct epoll_event lev = {.events = EPOLLIN, .data.ptr = &ln->ev_wake};
-        if (ln->epfd < 0 || ln->wakefd < 0 ||
-            epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->wakefd, &lev) != 0) {
-            kvf_error("epoll/eventfd for lane %u: %m", k);
-            goto err;
-        }
-    }
     if (params->host_bootstrap && (st = start_bootstrap(eng)) != KVF_OK)
         goto err;
     eng->params.bootstrap_addr = eng->bootstrap_addr;
-
-    st = kvf__resolver_start(eng);
-    if (st != KVF_OK)
+    if ((st = engine_start_threads(eng)) != KVF_OK)
         goto err;
-    if (pthread_create(&eng->progress_thread, NULL, progress_main, eng) != 0) {
-        kvf_error("cannot start the progress thread");
-        kvf__resolver_stop(eng);
-        st = KVF_ERR_NO_MEMORY;
-        goto err;
-    }
-    for (unsigned k = 1; k < eng->nlanes; k++) {
-        if (pthread_create(&eng->lanes[k].thread, NULL, lane_main, &eng->lanes[k]) != 0) {
-            kvf_error("cannot start progress thread %u; this engine uses %u streams", k, k);
-            eng->nlanes = k;
-            break;
-        }
-        eng->lanes[k].started = 1;
-    }
     kvf_info("%s engine tp %d/%d at %s (instance %016llx, %u stream%s per peer)",
              kvf_role_name(params->role), params->tp_rank, params->tp_size,
              eng->addr, (unsigned long long)eng->instance_id, eng->nlanes,

@@ -243,17 +243,11 @@ static kvf_status_t check_heads(const kvf_layout_int_t *l, char *err, size_t err
     return KVF_OK;
 }
 
-kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
-                              int may_omit_heads, char *err, size_t errlen)
+/* The caller's shape: sizes, dtype, attention kind and heads, before any
+ * of it is copied.  dtype_cap is the room kvf_layout_int_t has for the name. */
+static kvf_status_t check_shape(const kvf_layout_t *src, int may_omit_heads,
+                                size_t dtype_cap, char *err, size_t errlen)
 {
-    kvf_layout_t full;
-    const kvf_layout_t *src = &full;   /* never the caller's: it may be shorter */
-
-    memset(l, 0, sizeof(*l));
-    kvf_status_t st = kvf__layout_import(&full, caller, "kvf_engine_register_layout",
-                                         err, errlen);
-    if (st != KVF_OK)
-        return st;
     if (src->page_size == 0 || src->num_layers == 0 || src->num_kv == 0) {
         snprintf(err, errlen, "page_size, num_layers and num_kv must be positive "
                  "(got %u, %u, %u)", src->page_size, src->num_layers, src->num_kv);
@@ -265,7 +259,7 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
         return KVF_ERR_INVALID_PARAM;
     }
     if (src->kv_dtype == NULL || src->kv_dtype[0] == '\0' ||
-        strlen(src->kv_dtype) >= sizeof(l->kv_dtype)) {
+        strlen(src->kv_dtype) >= dtype_cap) {
         snprintf(err, errlen, "kv_dtype must be a name such as \"bfloat16\"");
         return KVF_ERR_INVALID_PARAM;
     }
@@ -282,11 +276,13 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
                  "engine: taken from the prefill)" : "");
         return KVF_ERR_INVALID_PARAM;
     }
-    /* A caller from before the per-family kinds declared one for all. */
-    if (caller->size < KVF_FIELD_END(kvf_layout_t, aux_mem_kind))
-        full.aux_mem_kind = full.mem_kind;
-    if (caller->size < KVF_FIELD_END(kvf_layout_t, state_mem_kind))
-        full.state_mem_kind = full.mem_kind;
+    return KVF_OK;
+}
+
+/* The enumerations and counts: each family's memory kind, the device, the
+ * page order, and the bound on how many buffers of each kind. */
+static kvf_status_t check_kinds(const kvf_layout_t *src, char *err, size_t errlen)
+{
     const kvf_mem_kind_t kinds[3] = {src->mem_kind, src->aux_mem_kind, src->state_mem_kind};
     for (int f = 0; f < 3; f++) {
         if (kinds[f] != KVF_MEM_HOST && kinds[f] != KVF_MEM_CUDA) {
@@ -310,6 +306,12 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
         snprintf(err, errlen, "at most 4096 buffers of each kind");
         return KVF_ERR_INVALID_PARAM;
     }
+    return KVF_OK;
+}
+
+/* The scalar fields, once checked; the buffers follow (copy_bufs...). */
+static void copy_scalars(kvf_layout_int_t *l, const kvf_layout_t *src)
+{
     l->page_size = src->page_size;
     strcpy(l->kv_dtype, src->kv_dtype);
     l->attn = src->attn;
@@ -325,6 +327,29 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
     l->bytes_per_head = src->bytes_per_head;
     l->num_kv = src->num_kv;
     l->num_aux = src->num_aux;
+}
+
+kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
+                              int may_omit_heads, char *err, size_t errlen)
+{
+    kvf_layout_t full;
+    const kvf_layout_t *src = &full;   /* never the caller's: it may be shorter */
+
+    memset(l, 0, sizeof(*l));
+    kvf_status_t st = kvf__layout_import(&full, caller, "kvf_engine_register_layout",
+                                         err, errlen);
+    if (st != KVF_OK)
+        return st;
+    if ((st = check_shape(src, may_omit_heads, sizeof(l->kv_dtype), err, errlen)) != KVF_OK)
+        return st;
+    /* A caller from before the per-family kinds declared one for all. */
+    if (caller->size < KVF_FIELD_END(kvf_layout_t, aux_mem_kind))
+        full.aux_mem_kind = full.mem_kind;
+    if (caller->size < KVF_FIELD_END(kvf_layout_t, state_mem_kind))
+        full.state_mem_kind = full.mem_kind;
+    if ((st = check_kinds(src, err, errlen)) != KVF_OK)
+        return st;
+    copy_scalars(l, src);
     if ((st = copy_bufs(&l->kv, src->kv, src->num_kv, "KV", 1, err, errlen)) ||
         (st = copy_bufs(&l->aux, src->aux, src->num_aux, "aux", 1, err, errlen)) ||
         (st = copy_groups(l, src, err, errlen)) ||
@@ -603,8 +628,10 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
     return st;
 }
 
-kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
-                               char *err, size_t errlen)
+/* What every page must agree on: size, dtype, attention kind, heads and
+ * page order. */
+static kvf_status_t check_pages(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
+                                char *err, size_t errlen)
 {
     if (p->page_size != d->page_size) {
         snprintf(err, errlen,
@@ -645,6 +672,13 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
                  "the same kv_order.", order_name(p->kv_order), order_name(d->kv_order));
         return KVF_ERR_INCOMPATIBLE;
     }
+    return KVF_OK;
+}
+
+/* The aux buffers: as many, each slot the same size. */
+static kvf_status_t check_aux(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
+                              char *err, size_t errlen)
+{
     if (p->num_aux != d->num_aux) {
         snprintf(err, errlen,
                  "Aux buffer mismatch: prefill server registered %u aux buffers, but "
@@ -660,6 +694,14 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
             return KVF_ERR_INCOMPATIBLE;
         }
     }
+    return KVF_OK;
+}
+
+/* The state pools: the same types in the same groups, each group as many
+ * buffers, each slot the same size. */
+static kvf_status_t check_state(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
+                                char *err, size_t errlen)
+{
     if (strcmp(p->state_types, d->state_types) != 0 || p->num_groups != d->num_groups) {
         snprintf(err, errlen,
                  "State type mismatch: prefill server registered state [%s] (%u groups), "
@@ -690,4 +732,14 @@ kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t
         }
     }
     return KVF_OK;
+}
+
+kvf_status_t kvf__layout_check(const kvf_layout_int_t *p, const kvf_layout_int_t *d,
+                               char *err, size_t errlen)
+{
+    kvf_status_t st;
+    if ((st = check_pages(p, d, err, errlen)) != KVF_OK ||
+        (st = check_aux(p, d, err, errlen)) != KVF_OK)
+        return st;
+    return check_state(p, d, err, errlen);
 }

@@ -997,19 +997,22 @@ static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout
     return KVF_OK;
 }
 
-static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
+/* The checks a HELLO must pass before anything of it is kept, then the
+ * peer's ranks, instance and layout.  @return 1, or 0: the peer failed. */
+static int hello_accept(kvf_peer_t *p, const kvf_msg_hello_t *h)
 {
     kvf_engine_t *eng = p->eng;
+    KVF_ASSERT_LOCKED(eng);
     char err[KVF_REASON_MAX];
 
     if (p->state != KVF_PEER_HANDSHAKE) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "second HELLO on an established connection");
-        return;
+        return 0;
     }
     if (h->role == (uint8_t)eng->params.role) {
         kvf__peer_fail(p, KVF_ERR_INCOMPATIBLE, "peer is also a %s engine",
                        kvf_role_name(eng->params.role));
-        return;
+        return 0;
     }
     if (h->tp_size == 0 || h->tp_rank >= h->tp_size || h->pp_size == 0 ||
         h->pp_rank >= h->pp_size || h->dp_size == 0 || h->dp_rank >= h->dp_size ||
@@ -1017,12 +1020,12 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "HELLO with impossible ranks (tp %u/%u, pp "
                        "%u/%u, dp %u/%u)", h->tp_rank, h->tp_size, h->pp_rank, h->pp_size,
                        h->dp_rank, h->dp_size);
-        return;
+        return 0;
     }
     kvf_status_t st = layout_from_hello(&p->layout, &h->layout, err, sizeof(err));
     if (st != KVF_OK) {
         kvf__peer_fail(p, st, "%s", err);
-        return;
+        return 0;
     }
     p->role = (kvf_role_t)h->role;
     p->tp_rank = (int)h->tp_rank;
@@ -1041,40 +1044,62 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
          p->layout.bytes_per_head == 0)) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "HELLO of an MHA prefill layout without its "
                        "KV heads");
-        return;
+        return 0;
     }
+    return 1;
+}
+
+/* Is the pair compatible?  Fills *own with this engine's layout as it
+ * would be with the heads adopted, and the peer's buffer maps (kv_map,
+ * and kv_src from a prefill).  @return with err empty, or the reason. */
+static void hello_pair_check(kvf_peer_t *p, kvf_layout_int_t *own, char *err, size_t errlen)
+{
+    kvf_engine_t *eng = p->eng;
+    KVF_ASSERT_LOCKED(eng);
+
     /* A decode layout without heads takes the prefill's (the same model),
      * on both sides of the pair; our own only once the pair is found
      * compatible, so that a stray prefill of another model cannot set it. */
     err[0] = '\0';
-    kvf_layout_int_t own = eng->layout;   /* shallow: only the heads may change */
+    *own = eng->layout;   /* shallow: only the heads may change */
     if (p->role == KVF_ROLE_PREFILL)
-        kvf__layout_adopt_heads(&own, eng->params.tp_size, &p->layout, err, sizeof(err));
+        kvf__layout_adopt_heads(own, eng->params.tp_size, &p->layout, err, errlen);
     else
-        kvf__layout_adopt_heads(&p->layout, p->tp_size, &eng->layout, err, sizeof(err));
+        kvf__layout_adopt_heads(&p->layout, p->tp_size, &eng->layout, err, errlen);
     kvf_par_t mine, theirs;
     kvf__par_fill(&mine, eng->params.tp_rank, eng->params.tp_size, eng->params.pp_rank,
-                  eng->params.pp_size, &own);
+                  eng->params.pp_size, own);
     kvf__par_fill(&theirs, p->tp_rank, p->tp_size, p->pp_rank, p->pp_size, &p->layout);
-    const kvf_layout_int_t *pl = p->role == KVF_ROLE_PREFILL ? &p->layout : &own;
-    const kvf_layout_int_t *dl = p->role == KVF_ROLE_PREFILL ? &own : &p->layout;
+    const kvf_layout_int_t *pl = p->role == KVF_ROLE_PREFILL ? &p->layout : own;
+    const kvf_layout_int_t *dl = p->role == KVF_ROLE_PREFILL ? own : &p->layout;
     /* The check also finds which decode buffer each prefill buffer goes to. */
     if (err[0] == '\0' && (p->kv_map = malloc(pl->num_kv * sizeof(uint32_t))) == NULL)
-        snprintf(err, sizeof(err), "no memory for the KV buffer map");
+        snprintf(err, errlen, "no memory for the KV buffer map");
     if (err[0] == '\0' &&
         kvf__pair_check(pl, p->role == KVF_ROLE_PREFILL ? &theirs : &mine, dl,
                         p->role == KVF_ROLE_PREFILL ? &mine : &theirs, p->kv_map, err,
-                        sizeof(err)) != KVF_OK && err[0] == '\0')
-        snprintf(err, sizeof(err), "no memory to check the pair");
+                        errlen) != KVF_OK && err[0] == '\0')
+        snprintf(err, errlen, "no memory to check the pair");
     if (err[0] == '\0' && p->role == KVF_ROLE_PREFILL) {
         if ((p->kv_src = malloc(dl->num_kv * sizeof(uint32_t))) == NULL) {
-            snprintf(err, sizeof(err), "no memory for the KV buffer map");
+            snprintf(err, errlen, "no memory for the KV buffer map");
         } else {
             memset(p->kv_src, 0xff, dl->num_kv * sizeof(uint32_t));
             for (uint32_t i = 0; i < pl->num_kv; i++)
                 p->kv_src[p->kv_map[i]] = i;
         }
     }
+}
+
+static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
+{
+    kvf_engine_t *eng = p->eng;
+    char err[KVF_REASON_MAX];
+    kvf_layout_int_t own;
+
+    if (!hello_accept(p, h))
+        return;
+    hello_pair_check(p, &own, err, sizeof(err));
     /* Two stages of one pipeline never pair for bytes (a decode stage
      * reads its own prefill stage): such a connection is a decode rank's
      * sibling link (siblings.c), whose layers differ by design.  It stays

@@ -509,21 +509,19 @@ static int links_match_heads(kvf_room_t *r, char *err, size_t errlen)
     return 1;
 }
 
-void kvf__receiver_try_request(kvf_room_t *r)
+/* Is every link's handshake done, with the instance the room expects?
+ * @return 1, or 0: not yet, a link is to be retried, or the room failed. */
+static int links_ready(kvf_room_t *r)
 {
-    kvf_engine_t *eng = r->eng;
-    KVF_ASSERT_LOCKED(eng);
-    kvf_receiver_t *rv = receiver_of(r);
+    KVF_ASSERT_LOCKED(r->eng);
     char name[128];
 
-    if (r->nlinks == 0 || room_final(r))
-        return;
     /* Wait for every handshake before judging, so that a refusal reaches
      * every prefill rank of the room. */
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_peer_t *p = r->links[i].peer;
         if (r->links[i].broken)
-            return;
+            return 0;
         if (p->state == KVF_PEER_DEAD) {
             char why[160];
             snprintf(why, sizeof(why), "cannot reach %s",
@@ -532,7 +530,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
                 r->links[i].broken = 1;
                 r->retries++;
                 r->retry_at_ms = kvf_now_ms() + (RETRY_BASE_MS << (r->retries - 1));
-                return;
+                return 0;
             }
             if (r->retries > 0)
                 kvf__room_fail_lost(r, KVF_ROLE_PREFILL, KVF_ERR_UNREACHABLE, "%s after %u "
@@ -540,10 +538,10 @@ void kvf__receiver_try_request(kvf_room_t *r)
                                     r->retries, r->last_err ? r->last_err : "unknown");
             else
                 kvf__room_fail_lost(r, KVF_ROLE_PREFILL, KVF_ERR_UNREACHABLE, "%s", why);
-            return;
+            return 0;
         }
         if (p->state != KVF_PEER_READY)
-            return;
+            return 0;
         if (r->links[i].want_instance != 0 && r->links[i].want_instance != p->instance_id) {
             kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s is engine instance %016llx, but "
                            "room %llu's descriptor names instance %016llx: the prefill "
@@ -551,7 +549,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
                            kvf__peer_name(p, name, sizeof(name)),
                            (unsigned long long)p->instance_id, (unsigned long long)r->id,
                            (unsigned long long)r->links[i].want_instance);
-            return;
+            return 0;
         }
         if (r->links[i].resume_instance != 0 &&
             r->links[i].resume_instance != p->instance_id) {
@@ -561,22 +559,38 @@ void kvf__receiver_try_request(kvf_room_t *r)
                            (unsigned long long)p->instance_id,
                            (unsigned long long)r->links[i].resume_instance,
                            (unsigned long long)r->id);
-            return;
+            return 0;
         }
     }
+    return 1;
+}
+
+/* Every linked peer's layout agrees with this engine's, and the links are
+ * the ranks the heads call for.  @return 1, or 0: the room failed. */
+static int links_compatible(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
     for (uint32_t i = 0; i < r->nlinks; i++) {
         if (r->links[i].peer->incompatible) {
             kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", r->links[i].peer->incompatible);
-            return;
+            return 0;
         }
     }
     char why[KVF_REASON_MAX];
     if (!links_match_heads(r, why, sizeof(why))) {
         kvf__room_fail(r, KVF_ERR_INCOMPATIBLE, "%s", why);
-        return;
+        return 0;
     }
-    /* Which links carry data, which one also carries aux and state (the
-     * last pipeline stage's lowest TP rank), and how many bytes each owes. */
+    return 1;
+}
+
+/* Which links carry data, which one also carries aux and state (the
+ * last pipeline stage's lowest TP rank, in *designated_p), and each
+ * data link's slice.  @return 1, or 0: the room failed. */
+static int plan_links(kvf_room_t *r, int *designated_p)
+{
+    kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
     kvf_par_t mine, theirs;
     kvf__par_fill(&mine, eng->params.tp_rank, eng->params.tp_size, eng->params.pp_rank,
                   eng->params.pp_size, &eng->layout);
@@ -592,13 +606,128 @@ void kvf__receiver_try_request(kvf_room_t *r)
             continue;
         if (st != KVF_OK) {
             kvf__room_fail(r, st, "%s", err);
-            return;
+            return 0;
         }
         kvf_peer_t *d = designated < 0 ? NULL : r->links[designated].peer;
         if (d == NULL || p->pp_rank > d->pp_rank ||
             (p->pp_rank == d->pp_rank && p->tp_rank < d->tp_rank))
             designated = (int)i;
     }
+    *designated_p = designated;
+    return 1;
+}
+
+/* The ROOM_REQ for one link: the destination it may write (pages, aux
+ * slot, state indices) and how many decode ranks it serves.
+ * @return the bytes per page the link owes (0 for an idle one). */
+static uint64_t fill_request(kvf_room_t *r, kvf_link_t *lk, int aux, int state,
+                             kvf_msg_t *m)
+{
+    kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    kvf_peer_t *p = lk->peer;
+    uint64_t per_page = 0;
+
+    *m = (kvf_msg_t){.type = KVF_MSG_ROOM_REQ};
+    m->u.room_req.room = r->id;
+    m->u.room_req.instance = r->instance;
+    m->u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
+    m->u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
+    m->u.room_req.attempt = lk->resume_instance ? r->retries : 0;
+    m->u.room_req.sender_instance = rv->sender_instance;
+    if (lk->idle) {
+        /* Tell it the room exists; it owes nothing. */
+        m->u.room_req.expected_receivers = 1;
+    } else {
+        int src[KVF_MAX_SOURCES], n = 0;
+        for (int d = 0; d < eng->params.tp_size; d++) {
+            int k = kvf__sources(eng->layout.attn, eng->layout.total_heads, p->tp_size,
+                                 eng->params.tp_size, d, src);
+            for (int j = 0; j < k; j++)
+                n += src[j] == p->tp_rank;
+        }
+        m->u.room_req.expected_receivers = (uint32_t)n;
+        m->u.room_req.pages = (kvf_wire_arr32_t){rv->n_pages, rv->pages, NULL};
+        if (state) {
+            m->u.room_req.state_counts = (kvf_wire_arr32_t){rv->state_dst.ngroups,
+                                                            rv->state_dst.count, NULL};
+            m->u.room_req.state_idx = (kvf_wire_arr32_t){rv->state_dst.total,
+                                                         rv->state_dst.idx, NULL};
+        }
+        /* A slice: its heads of every token, whichever the page order. */
+        for (uint32_t b = 0; b < p->layout.num_kv; b++)
+            per_page += lk->slice.sliced
+                ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
+                      kvf__head_bytes(&p->layout, b)
+                : p->layout.kv[b].item_bytes;
+    }
+    /* A resumed link starts over: the prefill rank resends everything. */
+    m->u.room_req.decode_prefix_len = rv->decode_prefix;
+    return per_page;
+}
+
+/* Ask one link's prefill rank for its share: what it owes, the coverage
+ * bitmap its bytes are checked against, then the ROOM_REQ itself.
+ * @return 1, or 0: the room failed. */
+static int send_request(kvf_room_t *r, kvf_link_t *lk, int designee)
+{
+    kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    kvf_peer_t *p = lk->peer;
+    char name[128];
+    kvf_msg_t m;
+
+    /* Aux holds the first output token, which only the last pipeline
+     * stage has: a decode stage paired with an earlier one gets none.
+     * A link is named aux and state only where there is some to move,
+     * so that "owes nothing" reads the same on both sides (no pages, no
+     * aux slot, no state groups: sender.c, add_destination). */
+    int state = designee && rv->state_dst.total > 0;
+    int aux = designee && eng->layout.num_aux > 0 &&
+              (eng->params.pp_size == 1 || eng->params.pp_rank == eng->params.pp_size - 1);
+    uint64_t per_page = fill_request(r, lk, aux, state, &m);
+    lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
+        (state ? states_bytes(&eng->layout, &rv->state_dst) : 0);
+    /* What this peer may write, each unit once (cover_mark). */
+    lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
+    lk->sends_state = state && rv->state_dst.ngroups > 0;
+    free(lk->cover);
+    lk->cover = NULL;
+    if (!lk->idle) {
+        uint64_t bits = rv->state_bit0[rv->state_dst.ngroups];
+        if ((lk->cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to track room %llu's "
+                           "%llu destination units", (unsigned long long)r->id,
+                           (unsigned long long)bits);
+            return 0;
+        }
+    }
+    /* Nothing owed (a zero-page room's link that carries neither aux
+     * nor state): the prefill rank treats it as idle too. */
+    lk->done = lk->idle || (rv->n_pages == 0 && !aux && !state);
+    kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(eng, p));
+    kvf_status_t st = kvf__peer_send(p, &m);
+    if (st != KVF_OK) {
+        kvf__room_fail(r, st, "cannot send the room's destination to %s: %s",
+                       kvf__peer_name(p, name, sizeof(name)), kvf_status_str(st));
+        return 0;
+    }
+    lk->req_sent = 1;
+    kvf__trace_peer_event(r, "request_sent", p, -1, lk->idle ? 0 : rv->n_pages, -1);
+    return 1;
+}
+
+void kvf__receiver_try_request(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    int designated;
+
+    if (r->nlinks == 0 || room_final(r))
+        return;
+    if (!links_ready(r) || !links_compatible(r) || !plan_links(r, &designated))
+        return;
     /* Resolved, connected and compatible: the scheduler may now give the
      * room its pages (SGLang allocates them only then). */
     if (room_state(r) == KVF_POLL_BOOTSTRAPPING)
@@ -608,83 +737,10 @@ void kvf__receiver_try_request(kvf_room_t *r)
         return;
     }
     for (uint32_t i = 0; i < r->nlinks; i++) {
-        kvf_link_t *lk = &r->links[i];
-        kvf_peer_t *p = lk->peer;
-        /* Aux holds the first output token, which only the last pipeline
-         * stage has: a decode stage paired with an earlier one gets none.
-         * A link is named aux and state only where there is some to move,
-         * so that "owes nothing" reads the same on both sides (no pages, no
-         * aux slot, no state groups: sender.c, add_destination). */
-        int designee = (int)i == designated;
-        int state = designee && rv->state_dst.total > 0;
-        int aux = designee && eng->layout.num_aux > 0 &&
-                  (eng->params.pp_size == 1 || eng->params.pp_rank == eng->params.pp_size - 1);
-        if (lk->req_sent)
+        if (r->links[i].req_sent)
             continue;
-        kvf_msg_t m = {.type = KVF_MSG_ROOM_REQ};
-        m.u.room_req.room = r->id;
-        m.u.room_req.instance = r->instance;
-        m.u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
-        m.u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-        m.u.room_req.attempt = lk->resume_instance ? r->retries : 0;
-        m.u.room_req.sender_instance = rv->sender_instance;
-        uint64_t per_page = 0;
-        if (lk->idle) {
-            /* Tell it the room exists; it owes nothing. */
-            m.u.room_req.expected_receivers = 1;
-        } else {
-            int src[KVF_MAX_SOURCES], n = 0;
-            for (int d = 0; d < eng->params.tp_size; d++) {
-                int k = kvf__sources(eng->layout.attn, eng->layout.total_heads, p->tp_size,
-                                     eng->params.tp_size, d, src);
-                for (int j = 0; j < k; j++)
-                    n += src[j] == p->tp_rank;
-            }
-            m.u.room_req.expected_receivers = (uint32_t)n;
-            m.u.room_req.pages = (kvf_wire_arr32_t){rv->n_pages, rv->pages, NULL};
-            if (state) {
-                m.u.room_req.state_counts = (kvf_wire_arr32_t){rv->state_dst.ngroups,
-                                                               rv->state_dst.count, NULL};
-                m.u.room_req.state_idx = (kvf_wire_arr32_t){rv->state_dst.total,
-                                                            rv->state_dst.idx, NULL};
-            }
-            /* A slice: its heads of every token, whichever the page order. */
-            for (uint32_t b = 0; b < p->layout.num_kv; b++)
-                per_page += lk->slice.sliced
-                    ? (uint64_t)eng->layout.page_size * lk->slice.nheads *
-                          kvf__head_bytes(&p->layout, b)
-                    : p->layout.kv[b].item_bytes;
-        }
-        /* A resumed link starts over: the prefill rank resends everything. */
-        m.u.room_req.decode_prefix_len = rv->decode_prefix;
-        lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
-            (state ? states_bytes(&eng->layout, &rv->state_dst) : 0);
-        /* What this peer may write, each unit once (cover_mark). */
-        lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-        lk->sends_state = state && rv->state_dst.ngroups > 0;
-        free(lk->cover);
-        lk->cover = NULL;
-        if (!lk->idle) {
-            uint64_t bits = rv->state_bit0[rv->state_dst.ngroups];
-            if ((lk->cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
-                kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to track room %llu's "
-                               "%llu destination units", (unsigned long long)r->id,
-                               (unsigned long long)bits);
-                return;
-            }
-        }
-        /* Nothing owed (a zero-page room's link that carries neither aux
-         * nor state): the prefill rank treats it as idle too. */
-        lk->done = lk->idle || (rv->n_pages == 0 && !aux && !state);
-        kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(eng, p));
-        kvf_status_t st = kvf__peer_send(p, &m);
-        if (st != KVF_OK) {
-            kvf__room_fail(r, st, "cannot send the room's destination to %s: %s",
-                           kvf__peer_name(p, name, sizeof(name)), kvf_status_str(st));
+        if (!send_request(r, &r->links[i], (int)i == designated))
             return;
-        }
-        lk->req_sent = 1;
-        kvf__trace_peer_event(r, "request_sent", p, -1, lk->idle ? 0 : rv->n_pages, -1);
     }
     kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
     if (all_done(r))          /* every link owes nothing: no DONE will come */
@@ -795,6 +851,133 @@ static int cover_set(uint8_t *c, uint64_t i)
     return 1;
 }
 
+/* cover_mark for a KV segment: each piece is whole tokens, or this link's
+ * run of heads of one token (NHD) or one page (HND), each unit once. */
+static int cover_mark_kv(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s,
+                         char *err, size_t errlen)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    uint64_t ps = l->page_size;
+    uint32_t pieces = kvf_wire_seg_pieces(s);
+    const kvf_buffer_t *b = &l->kv[s->buf];
+    uint64_t tok = b->item_bytes / ps;
+    const kvf_slice_t *sl = &lk->slice;
+    /* A sliced link's piece: its heads of one token (NHD), at `at` in
+     * the token, or of one page (HND: every token), at `at` in the page. */
+    int hnd = sl->sliced && l->kv_order == KVF_KV_HND;
+    uint64_t unit = hnd ? b->item_bytes : tok, ntok = hnd ? ps : 1;
+    uint64_t bph = sl->sliced ? kvf__head_bytes(l, s->buf) : 0;
+    uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * bph * ntok : 0;
+    uint64_t want = sl->sliced ? (uint64_t)sl->nheads * bph * ntok : 0;
+    if (lk->peer->kv_src == NULL || lk->peer->kv_src[s->buf] == UINT32_MAX) {
+        snprintf(err, errlen, "KV buffer %u holds layers this peer does not send to "
+                 "this rank", s->buf);
+        return 0;
+    }
+    for (uint32_t k = 0; k < pieces; k++) {
+        uint64_t off = s->offset + (uint64_t)k * s->dst_stride;
+        if (off % unit != at || (want ? s->len != want : s->len % tok != 0)) {
+            snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are not %s",
+                     (unsigned long long)off, (unsigned long long)(off + s->len),
+                     s->buf, !want ? "whole tokens"
+                             : hnd ? "this peer's heads of one page (HND pages)"
+                                   : "this peer's heads of one token");
+            return 0;
+        }
+        uint64_t t0 = hnd ? off / unit * ps : off / tok, n = want ? ntok : s->len / tok;
+        uint64_t first = t0 / ps, idx0 = sorted_index(rv->sorted_pages, rv->n_pages, first);
+        for (uint64_t t = t0; t < t0 + n; t++) {
+            /* Consecutive pages: seg_target found them all declared. */
+            uint64_t idx = idx0 + (t / ps - first);
+            if (cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
+                                         t % ps))
+                continue;
+            if (hnd)
+                snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (this "
+                         "peer's heads of the page: bytes [%llu, %llu)) is written a "
+                         "second time: each destination byte is placed once",
+                         (unsigned long long)(t % ps), (unsigned long long)(t / ps),
+                         s->buf, (unsigned long long)off,
+                         (unsigned long long)(off + want));
+            else
+                snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (bytes "
+                         "[%llu, %llu)) is written a second time: each destination "
+                         "byte is placed once", (unsigned long long)(t % ps),
+                         (unsigned long long)(t / ps), s->buf,
+                         (unsigned long long)(t * tok + at),
+                         (unsigned long long)(t * tok + at + (want ? want : tok)));
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* cover_mark for a state segment: whole items of the room's state
+ * indices, from the link that sends state, each item once. */
+static int cover_mark_state(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s,
+                            char *err, size_t errlen)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    const kvf_buffer_t *b = &l->state[s->buf];
+    uint32_t g = kvf__group_of(l, s->buf), at = group_at(rv, g);
+    uint32_t cnt = rv->state_dst.count[g];
+    if (!lk->sends_state) {
+        snprintf(err, errlen, "this peer does not send the room's state");
+        return 0;
+    }
+    if (kvf_wire_seg_pieces(s) != 1 || s->offset % b->item_bytes != 0 ||
+        s->len % b->item_bytes != 0) {
+        snprintf(err, errlen, "bytes [%llu, %llu) of state buffer %u are not whole "
+                 "items", (unsigned long long)s->offset,
+                 (unsigned long long)(s->offset + s->len), s->buf);
+        return 0;
+    }
+    uint64_t first = s->offset / b->item_bytes, n = s->len / b->item_bytes;
+    uint64_t bit0 = rv->state_bit0[g] + (uint64_t)(s->buf - l->group_first[g]) * cnt;
+    for (uint64_t it = first; it < first + n; it++) {
+        if (!cover_set(lk->cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
+            snprintf(err, errlen, "item %llu of state buffer %u is written a second "
+                     "time: each destination byte is placed once",
+                     (unsigned long long)it, s->buf);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* cover_mark for an aux segment: the room's whole slot, from the link
+ * that sends aux, once.  Its bits follow the KV tokens' in the bitmap. */
+static int cover_mark_aux(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s,
+                          char *err, size_t errlen)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    uint64_t nkv = (uint64_t)l->num_kv * rv->n_pages * l->page_size;
+    const kvf_buffer_t *b = &l->aux[s->buf];
+    if (lk->aux_slot == KVF_NO_SLOT) {
+        snprintf(err, errlen, "this peer does not send the room's aux");
+        return 0;
+    }
+    if (kvf_wire_seg_pieces(s) != 1 || s->offset != (uint64_t)r->aux_slot * b->item_bytes ||
+        s->len != b->item_bytes) {
+        snprintf(err, errlen, "bytes [%llu, %llu) of aux buffer %u are not its whole slot",
+                 (unsigned long long)s->offset, (unsigned long long)(s->offset + s->len),
+                 s->buf);
+        return 0;
+    }
+    if (!cover_set(lk->cover, nkv + s->buf)) {
+        snprintf(err, errlen, "aux buffer %u's slot is written a second time: each "
+                 "destination byte is placed once", s->buf);
+        return 0;
+    }
+    return 1;
+}
+
 /*
  * Exact coverage: a receiver counts each destination byte once.  Every
  * piece a peer sends must be whole destination units of its own share:
@@ -810,110 +993,13 @@ static int cover_set(uint8_t *c, uint64_t i)
 static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, char *err,
                       size_t errlen)
 {
-    kvf_receiver_t *rv = receiver_of(r);
-    const kvf_layout_int_t *l = &r->eng->layout;
-    uint64_t ps = l->page_size, nkv = (uint64_t)l->num_kv * rv->n_pages * ps;
-    uint32_t pieces = kvf_wire_seg_pieces(s);
-
     if (lk->cover == NULL)
         return 1;     /* an idle link: any byte it sends fails the count */
-    if (s->kind == KVF_BUF_KV) {
-        const kvf_buffer_t *b = &l->kv[s->buf];
-        uint64_t tok = b->item_bytes / ps;
-        const kvf_slice_t *sl = &lk->slice;
-        /* A sliced link's piece: its heads of one token (NHD), at `at` in
-         * the token, or of one page (HND: every token), at `at` in the page. */
-        int hnd = sl->sliced && l->kv_order == KVF_KV_HND;
-        uint64_t unit = hnd ? b->item_bytes : tok, ntok = hnd ? ps : 1;
-        uint64_t bph = sl->sliced ? kvf__head_bytes(l, s->buf) : 0;
-        uint64_t at = sl->sliced ? (uint64_t)sl->dst_head * bph * ntok : 0;
-        uint64_t want = sl->sliced ? (uint64_t)sl->nheads * bph * ntok : 0;
-        if (lk->peer->kv_src == NULL || lk->peer->kv_src[s->buf] == UINT32_MAX) {
-            snprintf(err, errlen, "KV buffer %u holds layers this peer does not send to "
-                     "this rank", s->buf);
-            return 0;
-        }
-        for (uint32_t k = 0; k < pieces; k++) {
-            uint64_t off = s->offset + (uint64_t)k * s->dst_stride;
-            if (off % unit != at || (want ? s->len != want : s->len % tok != 0)) {
-                snprintf(err, errlen, "bytes [%llu, %llu) of KV buffer %u are not %s",
-                         (unsigned long long)off, (unsigned long long)(off + s->len),
-                         s->buf, !want ? "whole tokens"
-                                 : hnd ? "this peer's heads of one page (HND pages)"
-                                       : "this peer's heads of one token");
-                return 0;
-            }
-            uint64_t t0 = hnd ? off / unit * ps : off / tok, n = want ? ntok : s->len / tok;
-            uint64_t first = t0 / ps, idx0 = sorted_index(rv->sorted_pages, rv->n_pages, first);
-            for (uint64_t t = t0; t < t0 + n; t++) {
-                /* Consecutive pages: seg_target found them all declared. */
-                uint64_t idx = idx0 + (t / ps - first);
-                if (cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
-                                             t % ps))
-                    continue;
-                if (hnd)
-                    snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (this "
-                             "peer's heads of the page: bytes [%llu, %llu)) is written a "
-                             "second time: each destination byte is placed once",
-                             (unsigned long long)(t % ps), (unsigned long long)(t / ps),
-                             s->buf, (unsigned long long)off,
-                             (unsigned long long)(off + want));
-                else
-                    snprintf(err, errlen, "token %llu of page %llu of KV buffer %u (bytes "
-                             "[%llu, %llu)) is written a second time: each destination "
-                             "byte is placed once", (unsigned long long)(t % ps),
-                             (unsigned long long)(t / ps), s->buf,
-                             (unsigned long long)(t * tok + at),
-                             (unsigned long long)(t * tok + at + (want ? want : tok)));
-                return 0;
-            }
-        }
-        return 1;
-    }
-    if (s->kind == KVF_BUF_STATE) {
-        const kvf_buffer_t *b = &l->state[s->buf];
-        uint32_t g = kvf__group_of(l, s->buf), at = group_at(rv, g);
-        uint32_t cnt = rv->state_dst.count[g];
-        if (!lk->sends_state) {
-            snprintf(err, errlen, "this peer does not send the room's state");
-            return 0;
-        }
-        if (pieces != 1 || s->offset % b->item_bytes != 0 || s->len % b->item_bytes != 0) {
-            snprintf(err, errlen, "bytes [%llu, %llu) of state buffer %u are not whole "
-                     "items", (unsigned long long)s->offset,
-                     (unsigned long long)(s->offset + s->len), s->buf);
-            return 0;
-        }
-        uint64_t first = s->offset / b->item_bytes, n = s->len / b->item_bytes;
-        uint64_t bit0 = rv->state_bit0[g] + (uint64_t)(s->buf - l->group_first[g]) * cnt;
-        for (uint64_t it = first; it < first + n; it++) {
-            if (!cover_set(lk->cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
-                snprintf(err, errlen, "item %llu of state buffer %u is written a second "
-                         "time: each destination byte is placed once",
-                         (unsigned long long)it, s->buf);
-                return 0;
-            }
-        }
-        return 1;
-    }
-    const kvf_buffer_t *b = &l->aux[s->buf];
-    if (lk->aux_slot == KVF_NO_SLOT) {
-        snprintf(err, errlen, "this peer does not send the room's aux");
-        return 0;
-    }
-    if (pieces != 1 || s->offset != (uint64_t)r->aux_slot * b->item_bytes ||
-        s->len != b->item_bytes) {
-        snprintf(err, errlen, "bytes [%llu, %llu) of aux buffer %u are not its whole slot",
-                 (unsigned long long)s->offset, (unsigned long long)(s->offset + s->len),
-                 s->buf);
-        return 0;
-    }
-    if (!cover_set(lk->cover, nkv + s->buf)) {
-        snprintf(err, errlen, "aux buffer %u's slot is written a second time: each "
-                 "destination byte is placed once", s->buf);
-        return 0;
-    }
-    return 1;
+    if (s->kind == KVF_BUF_KV)
+        return cover_mark_kv(r, lk, s, err, errlen);
+    if (s->kind == KVF_BUF_STATE)
+        return cover_mark_state(r, lk, s, err, errlen);
+    return cover_mark_aux(r, lk, s, err, errlen);
 }
 
 /*

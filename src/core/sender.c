@@ -561,14 +561,13 @@ static void release_held(kvf_room_t *r)
     queue_all(r, s->src_pages, 0, s->pages_sent, s->last_sent);
 }
 
-/* A decode rank's destination for a live sender, for a slot not bound
- * yet: the first valid request binds it. */
-static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
-                            uint32_t expected)
+/* May this request take one of the room's decode slots?  The first one
+ * sizes the slots; a request that disagrees, or finds them all bound, is
+ * refused.  @return 1, or 0: refused, or the room failed. */
+static int dest_slot_open(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *dst,
+                          uint32_t expected, const char *name)
 {
-    char name[128];
-    kvf__peer_name(p, name, sizeof(name));
-
+    KVF_ASSERT_LOCKED(r->eng);
     if (expected == 0 || expected > MAX_LINKS) {
         if (r->nlinks > 0)
             refuse(r, p, dst->instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
@@ -576,13 +575,13 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
         else
             kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s announced %u receivers for room %llu",
                            name, expected, (unsigned long long)r->id);
-        goto out;
+        return 0;
     }
     if (r->links == NULL) {
         r->links = calloc(expected, sizeof(kvf_link_t));
         if (r->links == NULL) {
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory for room destinations");
-            goto out;
+            return 0;
         }
         r->expected_links = expected;
     } else if (expected != r->expected_links) {
@@ -590,7 +589,7 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
         refuse(r, p, dst->instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
                "room %llu, the decode ranks bound to it announced %u", name, expected,
                (unsigned long long)r->id, r->expected_links);
-        goto out;
+        return 0;
     }
     if (link_of(r, p) != NULL || r->nlinks == r->expected_links) {
         refuse(r, p, dst->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
@@ -599,8 +598,17 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
                "retry, or a bootstrap_room drawn twice?); this request was refused",
                name, (unsigned long long)r->id, (unsigned long long)dst->instance,
                r->eng->params.tp_rank, r->expected_links);
-        goto out;
+        return 0;
     }
+    return 1;
+}
+
+/* Does the destination fit this rank: its slice of the heads, and pages,
+ * aux and state the room can fill?  Sets dst's slice, idle and peer.
+ * @return 1, or 0: the room failed and the decode rank was told. */
+static int dest_fits(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst, const char *name)
+{
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_par_t mine, theirs;
     char err[KVF_REASON_MAX - 128];
     kvf__par_fill(&mine, r->eng->params.tp_rank, r->eng->params.tp_size,
@@ -616,15 +624,28 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
                        (unsigned long long)r->id, r->eng->params.tp_rank,
                        st == KVF_ERR_NOT_FOUND ? "holds none of its heads" : err);
         kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
-        goto out;
+        return 0;
     }
     char why[KVF_REASON_MAX - 64];
     dst->peer = p;
     if (dest_misfit(r, dst, why, sizeof(why)) != NULL) {
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s", why);
         kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
-        goto out;
+        return 0;
     }
+    return 1;
+}
+
+/* A decode rank's destination for a live sender, for a slot not bound
+ * yet: the first valid request binds it. */
+static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
+                            uint32_t expected)
+{
+    char name[128];
+    kvf__peer_name(p, name, sizeof(name));
+
+    if (!dest_slot_open(r, p, dst, expected, name) || !dest_fits(r, p, dst, name))
+        goto out;
     kvf_link_t *lk = &r->links[r->nlinks++];
     *lk = *dst;
     memset(dst, 0, sizeof(*dst));

@@ -195,93 +195,92 @@ static int inner_next(stage_put_t *sp, kvf_wire_seg_t *seg, const uint8_t **src)
     return rc;
 }
 
-/*
- * Fill slots[tail] with whole segments, up to one frame of payload (a
- * strided segment is cut between pieces where it would not fit, so that
- * the connection never cuts one itself and carries a rest across frames),
- * and start the copy of its device pieces.  @return 1 a slot was filled,
- * 0 nothing more to fill now.
- */
-static int fill_one(stage_put_t *sp)
+/* The next segment for slot s, cut between pieces to what the slot still
+ * holds (the rest carried to the next slot): *fit_p of its *cnt_p pieces.
+ * @return 1, or 0: the slot is done (inner ended or failed, or the whole
+ * segment waits for the next slot). */
+static int take_segment(stage_put_t *sp, const slot_t *s, uint64_t payload,
+                        kvf_wire_seg_t *seg, const uint8_t **src, uint32_t *fit_p,
+                        uint32_t *cnt_p)
 {
-    slot_t *s = &sp->slots[sp->tail];
+    int rc = inner_next(sp, seg, src);
+    if (rc < 0) {
+        sp->stop = (kvf_status_t)rc;
+        return 0;
+    }
+    if (rc == 0) {
+        sp->inner_end = 1;
+        return 0;
+    }
+    uint32_t cnt = kvf_wire_seg_pieces(seg), fit = cnt;
+    uint64_t room = SLOT_BYTES - payload;
+    if (cnt > 1) {
+        uint64_t by_bytes = room / seg->len;
+        fit = SLOT_PIECES - s->pieces;
+        fit = by_bytes < fit ? (uint32_t)by_bytes : fit;
+        fit = fit > cnt ? cnt : fit;
+    } else if (seg->len > room) {
+        fit = 0;
+    }
+    if (fit == 0 && s->nsegs > 0) {
+        sp->carry = *seg, sp->carry_src = *src, sp->has_carry = 1;
+        return 0;     /* the next slot starts with it */
+    }
+    if (fit == 0)
+        fit = cnt;  /* alone in its slot: a plain segment over a frame */
+    if (fit < cnt) {
+        sp->carry = *seg;
+        sp->carry.count = cnt - fit;
+        sp->carry.offset += (uint64_t)fit * seg->dst_stride;
+        sp->carry_src = *src + (size_t)fit * seg->src_stride;
+        sp->has_carry = 1;
+        seg->count = fit;
+    }
+    *fit_p = fit;
+    *cnt_p = cnt;
+    return 1;
+}
+
+/* A device segment's pieces go through the slot's bounce buffer: queue
+ * their copies (sp->dst/src from *ncp_p on) and point the segment at the
+ * buffer.  @return where the connection sends from, or NULL: no memory. */
+static const uint8_t *bounce_pieces(stage_put_t *sp, slot_t *s, kvf_wire_seg_t *seg,
+                                    uint32_t fit, const uint8_t *src, uint32_t *ncp_p)
+{
     kvf_engine_t *eng = sp->eng;
-    uint64_t payload = 0;
-    uint32_t ncp = 0;
+    KVF_ASSERT_LOCKED(eng);
+    uint32_t ncp = *ncp_p;
+    uint64_t need = s->bytes + (uint64_t)fit * seg->len;
+    if (need > s->cap) {
+        /* The first use, or an oversized segment alone in its slot. */
+        if (s->buf != NULL)
+            kvf__bounce_put(eng, s->buf, s->cap);
+        s->buf = kvf__bounce_get(eng, need, &s->cap);
+        if (s->buf == NULL) {
+            sp->stop = KVF_ERR_NO_MEMORY;
+            return NULL;
+        }
+    }
+    for (uint32_t k = 0; k < fit; k++) {
+        sp->dst[ncp] = (struct iovec){s->buf + s->bytes + (size_t)k * seg->len,
+                                      seg->len};
+        sp->src[ncp++] = (struct iovec){(void *)(src + (size_t)k * seg->src_stride),
+                                        seg->len};
+    }
+    const uint8_t *from = s->buf + s->bytes;
+    seg->src_stride = seg->len;    /* contiguous in the bounce buffer */
+    s->bytes += (uint64_t)fit * seg->len;
+    *ncp_p = ncp;
+    return from;
+}
+
+/* A filled slot is ready at once (host memory only), or once its copies
+ * end.  @return 1, or 0: the copy could not start and the put failed. */
+static int start_slot(stage_put_t *sp, slot_t *s, uint32_t ncp)
+{
+    kvf_engine_t *eng = sp->eng;
     char err[256];
 
-    if (s->state != SLOT_FREE || sp->inner_end || sp->stop != KVF_OK)
-        return 0;
-    s->nsegs = s->yielded = s->pieces = 0;
-    s->bytes = 0;
-    while (s->nsegs < SLOT_SEGS && s->pieces < SLOT_PIECES && payload < SLOT_BYTES) {
-        kvf_wire_seg_t seg;
-        const uint8_t *src;
-        int rc = inner_next(sp, &seg, &src);
-        if (rc < 0) {
-            sp->stop = (kvf_status_t)rc;
-            break;
-        }
-        if (rc == 0) {
-            sp->inner_end = 1;
-            break;
-        }
-        uint32_t cnt = kvf_wire_seg_pieces(&seg), fit = cnt;
-        uint64_t room = SLOT_BYTES - payload;
-        if (cnt > 1) {
-            uint64_t by_bytes = room / seg.len;
-            fit = SLOT_PIECES - s->pieces;
-            fit = by_bytes < fit ? (uint32_t)by_bytes : fit;
-            fit = fit > cnt ? cnt : fit;
-        } else if (seg.len > room) {
-            fit = 0;
-        }
-        if (fit == 0 && s->nsegs > 0) {
-            sp->carry = seg, sp->carry_src = src, sp->has_carry = 1;
-            break;     /* the next slot starts with it */
-        }
-        if (fit == 0)
-            fit = cnt;  /* alone in its slot: a plain segment over a frame */
-        if (fit < cnt) {
-            sp->carry = seg;
-            sp->carry.count = cnt - fit;
-            sp->carry.offset += (uint64_t)fit * seg.dst_stride;
-            sp->carry_src = src + (size_t)fit * seg.src_stride;
-            sp->has_carry = 1;
-            seg.count = fit;
-        }
-        const uint8_t *from = src;    /* what the connection sends from */
-        if (kvf__seg_on_device(eng, seg.kind)) {
-            uint64_t need = s->bytes + (uint64_t)fit * seg.len;
-            if (need > s->cap) {
-                /* The first use, or an oversized segment alone in its slot. */
-                if (s->buf != NULL)
-                    kvf__bounce_put(eng, s->buf, s->cap);
-                s->buf = kvf__bounce_get(eng, need, &s->cap);
-                if (s->buf == NULL) {
-                    sp->stop = KVF_ERR_NO_MEMORY;
-                    break;
-                }
-            }
-            for (uint32_t k = 0; k < fit; k++) {
-                sp->dst[ncp] = (struct iovec){s->buf + s->bytes + (size_t)k * seg.len,
-                                              seg.len};
-                sp->src[ncp++] = (struct iovec){(void *)(src + (size_t)k * seg.src_stride),
-                                                seg.len};
-            }
-            from = s->buf + s->bytes;
-            seg.src_stride = seg.len;    /* contiguous in the bounce buffer */
-            s->bytes += (uint64_t)fit * seg.len;
-        }
-        s->segs[s->nsegs] = seg;
-        s->srcs[s->nsegs++] = from;
-        payload += (uint64_t)fit * seg.len;
-        s->pieces += fit;
-        if (fit < cnt)
-            break;
-    }
-    if (s->nsegs == 0 || sp->stop != KVF_OK)
-        return 0;      /* a stop drops what this slot collected: never sent */
     if (ncp == 0) {
         s->state = SLOT_READY;     /* host memory only */
     } else if (eng->copier_ops->copy(eng->copier, &s->cp, sp->dst, sp->src, ncp, err,
@@ -297,6 +296,45 @@ static int fill_one(stage_put_t *sp)
     }
     sp->tail = (sp->tail + 1) % SLOTS;
     return 1;
+}
+
+/*
+ * Fill slots[tail] with whole segments, up to one frame of payload (a
+ * strided segment is cut between pieces where it would not fit, so that
+ * the connection never cuts one itself and carries a rest across frames),
+ * and start the copy of its device pieces.  @return 1 a slot was filled,
+ * 0 nothing more to fill now.
+ */
+static int fill_one(stage_put_t *sp)
+{
+    slot_t *s = &sp->slots[sp->tail];
+    uint64_t payload = 0;
+    uint32_t ncp = 0;
+
+    if (s->state != SLOT_FREE || sp->inner_end || sp->stop != KVF_OK)
+        return 0;
+    s->nsegs = s->yielded = s->pieces = 0;
+    s->bytes = 0;
+    while (s->nsegs < SLOT_SEGS && s->pieces < SLOT_PIECES && payload < SLOT_BYTES) {
+        kvf_wire_seg_t seg;
+        const uint8_t *src;
+        uint32_t fit, cnt;
+        if (!take_segment(sp, s, payload, &seg, &src, &fit, &cnt))
+            break;
+        const uint8_t *from = src;    /* what the connection sends from */
+        if (kvf__seg_on_device(sp->eng, seg.kind) &&
+            (from = bounce_pieces(sp, s, &seg, fit, src, &ncp)) == NULL)
+            break;
+        s->segs[s->nsegs] = seg;
+        s->srcs[s->nsegs++] = from;
+        payload += (uint64_t)fit * seg.len;
+        s->pieces += fit;
+        if (fit < cnt)
+            break;
+    }
+    if (s->nsegs == 0 || sp->stop != KVF_OK)
+        return 0;      /* a stop drops what this slot collected: never sent */
+    return start_slot(sp, s, ncp);
 }
 
 static void fill(stage_put_t *sp)
