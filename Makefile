@@ -17,8 +17,8 @@ CTEST_ARGS ?= --output-on-failure -j2
 # Debian packages the build, the tests and the benchmarks need.
 DEB_PACKAGES = cmake make gcc clang libclang-rt-14-dev pkg-config \
                libmicrohttpd-dev libcurl4-openssl-dev libjansson-dev \
-               libxxhash-dev libssl-dev python3 python3-numpy iperf3 iproute2 procps libucx-dev ucx-utils \
-               gnuplot-nox
+               libxxhash-dev libssl-dev python3 python3-numpy iperf3 sockperf iproute2 procps libucx-dev \
+               ucx-utils gnuplot-nox
 
 .PHONY: all deps build asan tsan fuzz test test-release test-asan test-tsan test-fuzz \
         demo bench clean

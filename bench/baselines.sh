@@ -50,6 +50,7 @@ need() {
 [ -x "$KVFERRY" ] || { echo "baselines.sh: $KVFERRY not found; run 'make build' first" >&2; exit 1; }
 need python3 "run 'make deps' (installs python3, iperf3 and ucx-utils)"
 need iperf3 "run 'make deps' (installs python3, iperf3 and ucx-utils)"
+need sockperf "run 'make deps' (installs sockperf)"
 
 free_port() {
     python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
@@ -102,8 +103,21 @@ kvf() {   # name, round, kvferry bench options
 
 LLAMA=(--model llama3-8b --page-size 64 --tokens 8192)
 QWEN=(--model qwen2.5-7b --page-size 64 --tokens 8192 --concurrency 2 --requests 16)
+sockperf_pp() {   # round: sockperf's TCP ping-pong over loopback, 64-byte messages;
+                  # its "latency" is half the round trip: one hop
+    local port; port=$(free_port)
+    sockperf server --tcp -i 127.0.0.1 -p "$port" >/dev/null 2>&1 &
+    PIDS+=($!)
+    sleep 0.5   # until it listens
+    sockperf ping-pong --tcp -i 127.0.0.1 -p "$port" -t 5 -m 64 > "$TMP/sockperf.$1.txt" 2>&1 || true
+    kill "${PIDS[-1]}" 2>/dev/null || true
+    wait "${PIDS[-1]}" 2>/dev/null || true
+}
 relay() {   # round: prefill rank 0 aborts each room after its first chunk; every
-            # rank of the room (its pair's and the others') times its FAILED
+            # rank of the room (its pair's and the others') times its FAILED;
+            # beside it, one hop of a 64-byte message (sockperf)
+    note "sockperf ping-pong, TCP, 64 B, 5 s ($1/$REPEATS)"
+    sockperf_pp "$1"
     for tp in 2 4; do
         kvf "relay$tp" "$1" --relay --transport tcp --model tiny --tokens 64 --page-size 16 \
             --prefill-tp "$tp" --decode-tp "$tp" --requests 2000 --concurrency 8
@@ -219,6 +233,18 @@ def iperf3(name):
         g.append(r["bytes"] / r["seconds"] / 1e9)
         c.append((u["host_total"] + u["remote_total"]) / 100.0 * r["seconds"] / (r["bytes"] / 1e9))
     return g, c
+def sockperf():
+    """One hop: sockperf ping-pong's median latency (half the round trip), ms."""
+    v = []
+    for i in R:
+        try:
+            txt = open(f"{tmp}/sockperf.{i}.txt").read()
+            v.append(float(txt.split("percentile 50.000 =")[1].split()[0]) / 1000.0)
+        except (OSError, IndexError, ValueError):
+            problems.append(f"sockperf round {i}: no figure")
+            v.append(None)
+    put("sockperf_p50", v)
+
 def relay(name):
     """kvferry bench --relay runs: every room must have reached every rank."""
     v = []
@@ -238,16 +264,26 @@ def relay(name):
 
 runs = {}
 if only == "relay":   # that case alone: its rows
+    sockperf()
     for tp in (2, 4):
         relay(f"relay{tp}")
     rv = lambda k: [x for x in fig.get(k, []) if x is not None]
     print(f"machine: {machine['nproc']} CPUs, {machine['cpu']}, Linux {machine['kernel']}; "
           f"commit {machine['commit'][:12]}; medians of {reps} rounds")
+    hop = rv("sockperf_p50")
+    if hop:
+        print(f"one hop (sockperf ping-pong, TCP, 64 B): p50 {statistics.median(hop) * 1000:.1f} us "
+              f"({min(hop) * 1000:.1f}-{max(hop) * 1000:.1f})")
     for tp in (2, 4):
         p50, p99, mx = (rv(f"relay{tp}_{k}") for k in ("p50", "p99", "max"))
+        ratio = [a / b for a, b in zip(fig[f"relay{tp}_p50"], fig["sockperf_p50"])
+                 if a is not None and b]
         if p99:
             print(f"siblings relay TP {tp}->{tp} (abort -> the last rank's FAILED, 2,000 rooms): "
-                  f"p50 {statistics.median(p50):.3f} ms, p99 {statistics.median(p99):.3f} ms "
+                  f"p50 {statistics.median(p50):.3f} ms"
+                  + (f" = {statistics.median(ratio):.1f}x one hop ({min(ratio):.1f}-{max(ratio):.1f})"
+                     if ratio else "") +
+                  f", p99 {statistics.median(p99):.3f} ms "
                   f"({min(p99):.3f}-{max(p99):.3f}), max {statistics.median(mx):.3f} ms; "
                   f"goal p99 < 100 ms: {'met' if statistics.median(p99) < 100 else 'MISSED'}")
     for p in problems:
@@ -376,7 +412,7 @@ ratio_row(11, "qwen2.5-7b TP 1->2 / TP 1->1, tcp", "tp12_tcp", "tp11_tcp", ">= 0
 ratio_row(11, "qwen2.5-7b TP 1->2 / TP 1->1, shm", "tp12_shm", "tp11_shm", ">= 0.6x", lo=0.6)
 ratio_row(15, "qwen2.5-7b TP 1->2 HND / TP 1->1, tcp", "tp12h_tcp", "tp11_tcp", "(HND pages)")
 ratio_row(15, "qwen2.5-7b TP 1->2 HND / TP 1->1, shm", "tp12h_shm", "tp11_shm", "(HND pages)")
-relay("relay2"); relay("relay4")
+sockperf(); relay("relay2"); relay("relay4")
 abs_row("S", "siblings relay TP 2->2: p99 ms, abort -> last rank", "relay2_p99", 100, "< 100 ms", "<")
 abs_row("S", "siblings relay TP 4->4: p99 ms, abort -> last rank", "relay4_p99", 100, "< 100 ms", "<")
 abs_row(11, "calls under load: worst p99 / idle p99", "calls_ratio", 3.0, "<= 3x", "<=")
