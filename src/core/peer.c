@@ -794,7 +794,7 @@ void kvf__peer_authenticated(kvf_peer_t *p)
 
 void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
 {
-    char why[384], name[128], reason[KVF_REASON_MAX];
+    char why[KVF_REASON_MAX], name[128], reason[KVF_REASON_MAX];
     va_list ap;
 
     KVF_ASSERT_LOCKED(p->eng);

@@ -912,7 +912,7 @@ static void rx_make_room(kvf_tcp_conn_t *c)
         kvf_buf_consume(&c->rx, c->rx_off);
         c->rx_off = 0;
         if (kvf_buf_reserve(&c->rx, need - c->rx.len) != KVF_OK) {
-            conn_fail(c, KVF_ERR_PROTOCOL, "no memory for a %zu-byte frame", need);
+            conn_fail(c, KVF_ERR_NO_MEMORY, "no memory for a %zu-byte frame", need);
         }
     }
 }
