@@ -69,10 +69,10 @@ def binding_structs():
     in whichever module, keyed by the C struct its docstring names first."""
     for mod in pkgutil.iter_modules(kvferry.__path__):
         importlib.import_module("kvferry." + mod.name)
-    found, todo = {}, list(ctypes.Structure.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        todo.extend(cls.__subclasses__())
+    found, pending = {}, list(ctypes.Structure.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
         if not cls.__module__.startswith("kvferry"):
             continue
         m = re.match(r"``(kvf_\w+_t)``", (cls.__doc__ or "").strip())

@@ -54,7 +54,7 @@ unsigned kvf__metrics_path(const kvf_mover_ops_t *ops, int staged)
 static const char *path_name(unsigned path)
 {
     if (path == KVF_PATH_TCP)
-        return "tcp";
+        return kvf_control_ops->name;     /* the control stream's own transport */
     if (path == KVF_PATH_STAGED)
         return "staged";
     return kvf_movers[path - KVF_PATH_MOVER0]->name;
