@@ -462,6 +462,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
         eng->copier_ops->drain(eng->copier);
     kvf__receiver_reads_done(eng);
     kvf__peers_free(eng);
+    kvf__acks_free(eng);
     for (size_t i = 0; i < eng->stash.cap; i++)
         kvf__stash_free(eng->stash.slots[i].val);
     kvf__unlock(eng);
@@ -837,6 +838,7 @@ static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
         own_stall(eng, now - *next_tick);
     }
     kvf__peers_tick(eng, now);
+    kvf__acks_tick(eng, now);
     kvf__rooms_tick(eng, now);
     kvf__listener_tick(eng, now);
     /* Movers' own deadlines (the shm handout's slot for a connection that

@@ -179,6 +179,8 @@ struct kvf_engine {
     uint64_t            drop_log_ms, drops_unlogged;
     kvf_peer_t         *peers;
     uint64_t            peer_generation;  /* bumped when a peer dies */
+    struct kvf_reack   *reacks;           /* decode: acknowledgements to say again
+                                             on a new connection (acks.c) */
     kvf_peer_t         *peers_free;       /* last reference dropped off the
                                              owner thread: freed by it */
 

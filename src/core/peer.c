@@ -121,6 +121,7 @@ static void peer_free(kvf_peer_t *p)
         kvf__bounce_put(p->eng, p->rx_bounce, p->rx_bounce_cap);
     free(p->rx_dev);
     free(p->rx_bnc);
+    free(p->owed);
     free(p);
 }
 
@@ -859,6 +860,7 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     }
 close:
     p->state = KVF_PEER_DEAD;
+    kvf__acks_peer_lost(p, st);
     kvf__streams_close(p);
     p->close_pending = 1;
     if (kvf__owns_lane(p->eng, p->lane))
@@ -1161,7 +1163,12 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
     /* A decode engine's peer waits for its streams to join, READY after. */
     if (msg->type == KVF_MSG_HEARTBEAT && p->hello_done)
         return;
-    if (p->state != KVF_PEER_READY) {
+    /* A prefill rank whose HELLO came may answer, before its XPORT offer
+     * is settled and its streams joined, what followed our HELLO (a FAIL,
+     * a watch, an acknowledgement said again: kvf__peer_send_soon). */
+    int answer = msg->type == KVF_MSG_FAIL || msg->type == KVF_MSG_ABORT ||
+                 msg->type == KVF_MSG_DONE_ACK;
+    if (p->state != KVF_PEER_READY && !(p->hello_done && answer)) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "%s before HELLO",
                        kvf_wire_type_name((uint8_t)msg->type));
         return;

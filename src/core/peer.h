@@ -74,6 +74,8 @@ struct kvf_peer {
      * owner hands it to the connection (kvf__peer_outbox_drain). */
     struct kvf_outq  *out_head, *out_tail;
     kvf_peer_t       *free_next;     /* engine->peers_free */
+    /* Decode: the DONE_ACKs of push links it has not confirmed (acks.c). */
+    struct kvf_acks  *owed;
     /* Streams (streams.c).  lane: the lane that owns conn (0 but for a
      * stream k >= 1, once it is attached).  A primary: nstreams agreed in
      * XPORT (1 without), streams[1..nstreams) (a reference each), joined

@@ -1503,6 +1503,10 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
         lk->confirming = 1;
         return;
     }
+    /* Pushed bytes are all here: SUCCESS now.  The answer is kept until
+     * the sender confirms it, to be said again if it is lost with its
+     * connection (acks.c). */
+    kvf__acks_owe(p, r->id, r->instance, lk->bytes);
     lk->done = 1;
     if (all_done(r))
         kvf__room_set_state(r, KVF_POLL_SUCCESS);

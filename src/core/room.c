@@ -765,6 +765,8 @@ void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
         kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
         if (!prefill) {
             kvf_link_t *lk = r ? link_of(r, p) : NULL;
+            if (kvf__acks_confirmed(p, m))
+                return;                    /* a push link's answer arrived */
             if (r == NULL || room_final(r))
                 return;
             if (lk == NULL || !lk->req_sent)
@@ -778,6 +780,8 @@ void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
             return;
         }
         kvf_link_t *lk = r ? link_bound(r, p, m->instance) : NULL;
+        if (lk == NULL && r != NULL)
+            lk = kvf__sender_reacked(r, p, m);
         if (lk == NULL) {
             /* Its sender is gone (or this is another room with the id): a
              * decode rank that pulled must not trust what it read.  The
@@ -789,7 +793,7 @@ void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
             kvf__sender_answer_gone(p, m->room, m->instance);
         } else if (room_state(r) == KVF_POLL_FAILED) {
             kvf__room_send_fail(r, p, 0);
-        } else if (!room_final(r)) {
+        } else {
             kvf__sender_on_done_ack(p, r, lk, m);
         }
         return;

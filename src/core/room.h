@@ -512,12 +512,30 @@ void kvf__siblings_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st
 void kvf__siblings_tick(kvf_room_t *r, uint64_t now);
 void kvf__siblings_free(kvf_room_t *r);
 
+/* acks.c: decode, the DONE_ACKs of push links until the prefill rank
+ * confirms them, said again on a new connection after a reset. */
+/* One answered on p (after it was sent). */
+void kvf__acks_owe(kvf_peer_t *p, uint64_t room, uint64_t instance, uint64_t bytes);
+/* A DONE_ACK from prefill peer p: the confirmation of one owed?  @return
+ * 1 when it was (and it is no longer owed). */
+int  kvf__acks_confirmed(kvf_peer_t *p, const kvf_msg_done_ack_t *m);
+/* Peer p failed with st (it is dead now): after a reset, what it owed is
+ * said again at the next tick. */
+void kvf__acks_peer_lost(kvf_peer_t *p, kvf_status_t st);
+void kvf__acks_tick(kvf_engine_t *eng, uint64_t now);
+void kvf__acks_free(kvf_engine_t *eng);
+
 /* sender.c */
 /* Free what only a sender holds (its room is being freed). */
 void kvf__sender_free(kvf_sender_t *s);
 void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
 void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
                              const kvf_msg_done_ack_t *m);
+/* Prefill: a DONE_ACK from p that no link of r is bound to: is it a push
+ * link's answer said again on a new connection of the decode engine the
+ * link is bound to (acks.c)?  @return that link (moved to p when the
+ * answer counts every byte queued on it), or NULL. */
+kvf_link_t *kvf__sender_reacked(kvf_room_t *r, kvf_peer_t *p, const kvf_msg_done_ack_t *m);
 /* Prefill: may a FAIL/ABORT from `p`, naming receiver instance `instance`
  * and request key `key`, to which the sender r has no link bound, fail
  * it?  Only while it still collects destinations, from a decode rank it

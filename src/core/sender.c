@@ -1218,13 +1218,35 @@ kvf_status_t kvf_sender_metric(kvf_sender_t *s, kvf_room_metric_t *m)
     return kvf__room_metric(&s->room, m);
 }
 
+/*
+ * Answer a decode rank's DONE_ACK with one of our own, the room being
+ * live: on a pull link, what it read was still ours (it waits for this);
+ * on a push link, its answer arrived (it stops keeping it, acks.c).
+ */
+static void confirm(kvf_peer_t *p, const kvf_link_t *lk, const kvf_msg_done_ack_t *m)
+{
+    kvf_msg_t c = {.type = KVF_MSG_DONE_ACK};
+    c.u.done_ack.room = m->room;
+    c.u.done_ack.instance = lk->instance;
+    c.u.done_ack.status = KVF_OK;
+    c.u.done_ack.bytes = m->bytes;
+    kvf__peer_send(p, &c);
+}
+
 void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
                              const kvf_msg_done_ack_t *m)
 {
     char name[128];
 
-    if (!lk->last_queued || lk->done)
+    if (!lk->last_queued)
         return;
+    if (lk->done) {
+        /* A push link's answer said twice (the first confirmation was
+         * lost with its connection): confirmed again. */
+        if (m->status == KVF_OK && !kvf__peer_pulls(p))
+            confirm(p, lk, m);
+        return;
+    }
     if (m->status != KVF_OK) {
         kvf__room_fail(r, (kvf_status_t)m->status, "%s refused room %llu's data: %s",
                        kvf__peer_name(p, name, sizeof(name)), (unsigned long long)r->id,
@@ -1233,17 +1255,34 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
     }
     lk->done = 1;
     kvf__trace_peer_event(r, "ack_received", p, -1, -1, (int64_t)m->bytes);
-    if (kvf__peer_pulls(p)) {
-        /* The room is live: what the decode rank read was still ours. */
-        kvf_msg_t c = {.type = KVF_MSG_DONE_ACK};
-        c.u.done_ack.room = r->id;
-        c.u.done_ack.instance = lk->instance;
-        c.u.done_ack.status = KVF_OK;
-        c.u.done_ack.bytes = m->bytes;
-        kvf__peer_send(p, &c);
-    }
+    confirm(p, lk, m);
     if (all_done(r))
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
+}
+
+kvf_link_t *kvf__sender_reacked(kvf_room_t *r, kvf_peer_t *p, const kvf_msg_done_ack_t *m)
+{
+    char name[128];
+
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        if (lk->instance != m->instance || lk->peer == p ||
+            lk->peer->instance_id != p->instance_id || kvf__peer_pulls(lk->peer))
+            continue;
+        if (lk->done)
+            return lk;             /* taken before its connection went */
+        if (!lk->last_queued || m->status != KVF_OK || m->bytes != lk->bytes)
+            return NULL;
+        kvf_info("%s repeated its acknowledgement of room %llu (%llu bytes) on a new "
+                 "connection", kvf__peer_name(p, name, sizeof(name)),
+                 (unsigned long long)r->id, (unsigned long long)m->bytes);
+        kvf__peer_put(lk->peer);
+        lk->peer = p;
+        p->refs++;
+        lk->broken = 0;
+        return lk;
+    }
+    return NULL;
 }
 
 /*

@@ -664,7 +664,7 @@ class Run:
             self.notes.append("no kills over ucx: UCX before 1.14 can abort the surviving "
                               "process when its peer dies during connection setup "
                               "(openucx/ucx#8175)")
-        self.stats = {"cycles": 0, "rooms": 0, "finals": {}, "lost": 0, "lost_acks": 0,
+        self.stats = {"cycles": 0, "rooms": 0, "finals": {}, "lost": 0,
                       "faults": {k: 0 for k in FAULT_WEIGHTS}, "failures": {},
                       "quiet_cpu": 0.0, "mem_peak": (0.0, "", 0, 0)}
         self.fault = None
@@ -918,7 +918,6 @@ class Run:
 
     def check_batch(self, c, d, fresh):
         b = d.batch
-        self.batch_rooms = b["rooms"]
         f = self.fault
         what = "cycle %d %s %s" % (c, d.name, b["what"])
         self.stats["rooms"] += len(b["sizes"])
@@ -963,8 +962,7 @@ class Run:
                 ev["end"] < self.fault["t0"] - 0.05:
             fail("%s failed %.2f s before the fault: %s: %s"
                  % (where, self.fault["t0"] - ev["end"], st, fr.get("reason")))
-        if not fresh and self.touched(d) and self.fault["kind"] == "reset" and \
-                not self.lost_ack(key, i, fr):
+        if not fresh and self.touched(d) and self.fault["kind"] == "reset":
             fail("%s failed after one connection reset, which the decode side must "
                  "reconnect and resume from (docs/FAILURES.md, Transient faults): %s: %s"
                  % (where, st, fr.get("reason")))
@@ -977,22 +975,6 @@ class Run:
             fail("%s failed %.2f s after the fault (or after its own start, if later), "
                  "past the %.1f s its deadlines allow: %s: %s"
                  % (where, late, self.resolve_s, st, fr.get("reason")))
-
-    def lost_ack(self, key, i, fr):
-        """The known limit (docs/FAILURES.md): a prefill rank whose decode
-        rank reached SUCCESS over tcp, and whose DONE_ACK went with the
-        connection, fails the room when the decode rank, done, does not
-        reconnect for it (after one heartbeat timeout, or at the room's
-        deadline if that comes first)."""
-        why = fr.get("reason") or ""
-        if key[0] != "prefill" or fr.get("status") != "KVF_ERR_CONN_RESET" or \
-                ("did not reconnect" not in why and "was not back" not in why):
-            return False
-        decodes = [rooms.get(i) for k, rooms in self.batch_rooms.items() if k[0] == "decode"]
-        if decodes and all(ev and ev.get("state") == "Success" for ev in decodes):
-            self.stats["lost_acks"] += 1
-            return True
-        return False
 
     def diagnose(self):
         """What a stuck batch looks like: rooms pending per rank, and the
@@ -1068,12 +1050,11 @@ class Run:
         faults = ", ".join("%s %d" % kv for kv in s["faults"].items())
         fails = ", ".join("%s %d" % kv for kv in sorted(s["failures"].items())) or "none"
         return ("%d cycles in %.0f s, %d rooms over %s; room finals on every rank: %s, "
-                "%d lost with killed ranks; faults: %s; failures by status: %s (%d of them "
-                "a prefill rank's after its DONE_ACK was lost, a known limit); "
+                "%d lost with killed ranks; faults: %s; failures by status: %s; "
                 "quiet-window CPU at most %.1f%% of a CPU; memory at most %.0f%% of a bound "
                 "(%s: %d of %d MiB); seed %d"
                 % (s["cycles"], elapsed, s["rooms"], "+".join(d.name for d in self.deps),
-                   finals, s["lost"], faults, fails, s["lost_acks"], 100 * s["quiet_cpu"],
+                   finals, s["lost"], faults, fails, 100 * s["quiet_cpu"],
                    100 * s["mem_peak"][0], s["mem_peak"][1], s["mem_peak"][2],
                    s["mem_peak"][3], self.seed))
 

@@ -1315,6 +1315,69 @@ static void test_dropped_ack_times_out(void)
     CHECK_STR_CONTAINS(pf.reason, "Transferring");
 }
 
+/*
+ * The decode rank's answer to the last DONE is lost with its connection
+ * (lose-ack: not sent, then a reset), and its room is destroyed as soon
+ * as it is SUCCESS.  Pushed bytes (tcp) are all there, so the decode side
+ * is SUCCESS at once; the prefill side waits one heartbeat timeout for a
+ * reconnect, and the decode engine says the answer again on a new
+ * connection within it.  Pulled bytes (shm) count only once confirmed:
+ * the decode rank reconnects and resumes.  Either way both sides end in
+ * SUCCESS with every byte, and no deadline could have ended the room.
+ */
+static void test_lost_ack_is_said_again(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    uint32_t src[PAGES], dst[PAGES];
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+
+    next_transfer_ms = 60000;
+    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
+    next_faults = "lose-ack";
+    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
+    next_faults = NULL;
+    next_transfer_ms = 5000;
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 29 + b * 5 + 1);
+    for (int i = 0; i < PAGES; i++) {
+        src[i] = (uint32_t)i;
+        dst[i] = (uint32_t)((i * 37) % PAGES);
+    }
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 91, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 91, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, PAGES, 1, NULL, 0), KVF_OK);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, PAGES, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src, PAGES, 1), KVF_OK);
+    uint64_t until = kvf_now_ms() + 20000;
+    kvf_poll_t ds;
+    while ((ds = kvf_receiver_poll(r)) != KVF_POLL_SUCCESS && ds != KVF_POLL_FAILED &&
+           kvf_now_ms() < until)
+        sleep_ms(1);
+    CHECK_EQ_INT(ds, KVF_POLL_SUCCESS);
+    for (int b = 0; b < NKV; b++)
+        for (int i = 0; i < PAGES; i++)
+            CHECK(memcmp(dec.kv[b] + (size_t)dst[i] * PAGE_B,
+                         pre.kv[b] + (size_t)src[i] * PAGE_B, PAGE_B) == 0);
+    kvf_receiver_destroy(r);
+    kvf_poll_t ps;
+    while ((ps = kvf_sender_poll(s)) != KVF_POLL_SUCCESS && ps != KVF_POLL_FAILED &&
+           kvf_now_ms() < until)
+        sleep_ms(1);
+    kvf_failure_t pf = {0};
+    kvf_sender_failure(s, &pf);
+    if (ps != KVF_POLL_SUCCESS)
+        fprintf(stderr, "  prefill side: %s\n", pf.reason);
+    CHECK_EQ_INT(ps, KVF_POLL_SUCCESS);
+    kvf_sender_destroy(s);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
 static void test_stall_is_a_dead_peer(void)
 {
     kvf_poll_t ps, ds;
@@ -1430,6 +1493,11 @@ static void test_dropped_ack_times_out_shm(void)
     side_transport = "shm";
     test_dropped_ack_times_out();
 }
+static void test_lost_ack_is_said_again_shm(void)
+{
+    side_transport = "shm";
+    test_lost_ack_is_said_again();
+}
 
 /* And over UCX (its tcp transport here, which moves reads in software:
  * allowed on loopback with KVF_UCX_SOFTWARE_RMA; RDMA on a cluster). */
@@ -1465,7 +1533,8 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
               KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
               KVF_CASE(test_reset_with_puts_queued), KVF_CASE(test_resume_of_unread_request),
-              KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_stall_is_a_dead_peer),
+              KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_lost_ack_is_said_again),
+              KVF_CASE(test_stall_is_a_dead_peer),
               KVF_CASE(test_one_room_shm), KVF_CASE(test_one_room_shm_mapped),
               KVF_CASE(test_page_size_mismatch_shm),
               KVF_CASE(test_reset_resumes_shm), KVF_CASE(test_repeated_resets_give_up_shm),
@@ -1476,5 +1545,6 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_reset_while_link_confirms_shm),
               KVF_CASE(test_reset_before_sender_shm),
               KVF_CASE(test_read_faults_shm),
-              KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_over_ucx),
+              KVF_CASE(test_dropped_ack_times_out_shm), KVF_CASE(test_lost_ack_is_said_again_shm),
+              KVF_CASE(test_over_ucx),
               KVF_CASE(test_device_memory_refused))

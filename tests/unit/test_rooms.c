@@ -531,6 +531,76 @@ static kvf_msg_t room_req(uint64_t room, uint64_t inst, const uint32_t *page)
 }
 
 /*
+ * Prefill side, a verdict said again (docs/PROTOCOL.md, "A verdict lost
+ * with its connection").  Decode rank D binds room 11 (instance A) and is
+ * sent every byte and the DONE; its connection closes before it answers.
+ * E, another decode engine, then sends the answer naming A with every
+ * byte: not taken (it is told the room is gone for it).  D2, a new
+ * connection of D's engine, sends it counting a byte less: not taken
+ * either.  With the right count the room is SUCCESS, and D2 has the
+ * confirmation.
+ */
+static void test_sender_takes_a_verdict_said_again(void)
+{
+    side_t pre;
+    fake_t *d = calloc(1, sizeof(*d)), *d2 = calloc(1, sizeof(*d2));
+    fake_t *e = calloc(1, sizeof(*e));
+    kvf_msg_t m;
+    uint32_t dpage = 6, spage = 8;
+    const uint64_t A = 0xa11ce00000000011ull;
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
+    kvf_sender_t *s = sender(&pre, 11);
+    fake_init(d);
+    d->lay.instance_id = 0xd0d0d0d0ull;
+    wp_connect_prefill(d, pre.eng);
+    kvf_msg_t req = room_req(11, A, &dpage);
+    wp_peer_send(d, &req, NULL, 0);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);
+    CHECK(wp_peer_expect(d, KVF_MSG_DONE, &m) && m.u.done.room == 11 &&
+          m.u.done.bytes == ROOM_BYTES);
+    wp_close(d);
+
+    fake_init(e);
+    e->lay.instance_id = 0xe0e0e0e0ull;
+    wp_connect_prefill(e, pre.eng);
+    fake_init(d2);
+    d2->lay.instance_id = d->lay.instance_id;
+    wp_connect_prefill(d2, pre.eng);
+    kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK}, got;
+    ack.u.done_ack.room = 11;
+    ack.u.done_ack.instance = A;
+    ack.u.done_ack.bytes = ROOM_BYTES;
+    wp_peer_send(e, &ack, NULL, 0);
+    CHECK(wp_peer_expect(e, KVF_MSG_ABORT, &got) && got.u.fail.room == 11);
+    ack.u.done_ack.bytes = ROOM_BYTES - 1;
+    wp_peer_send(d2, &ack, NULL, 0);
+    CHECK(wp_peer_expect(d2, KVF_MSG_ABORT, &got) && got.u.fail.room == 11);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_TRANSFERRING);
+
+    ack.u.done_ack.bytes = ROOM_BYTES;
+    wp_peer_send(d2, &ack, NULL, 0);
+    CHECK(wp_peer_expect(d2, KVF_MSG_DONE_ACK, &got) && got.u.done_ack.room == 11 &&
+          got.u.done_ack.instance == A && got.u.done_ack.bytes == ROOM_BYTES &&
+          got.u.done_ack.status == KVF_OK);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+    /* Said once more (its confirmation lost too): confirmed again. */
+    wp_peer_send(d2, &ack, NULL, 0);
+    CHECK(wp_peer_expect(d2, KVF_MSG_DONE_ACK, &got) && got.u.done_ack.room == 11);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
+    kvf_sender_destroy(s);
+
+    wp_close(d2);
+    wp_close(e);
+    free(d);
+    free(d2);
+    free(e);
+    side_fini(&pre);
+}
+
+/*
  * Prefill side.  Decode rank D binds room 9 (instance A).  Then E, another
  * authenticated decode engine, sends room 9 a FAIL, an ABORT and a
  * DONE_ACK naming A, and a second ROOM_REQ for the same decode rank (its
@@ -840,6 +910,7 @@ KVF_TEST_MAIN(KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
               KVF_CASE(test_reused_id_gets_only_its_own_frames),
               KVF_CASE(test_reused_id_real_engines),
               KVF_CASE(test_sender_takes_only_its_peer_and_instance),
+              KVF_CASE(test_sender_takes_a_verdict_said_again),
               KVF_CASE(test_watch_binds_like_a_destination),
               KVF_CASE(test_refused_receiver_fails_at_once),
               KVF_CASE(test_stashes_are_bounded),

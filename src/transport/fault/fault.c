@@ -25,6 +25,9 @@
  *   stall      send nothing for MS
  *   delay      hold every put for MS before its first byte
  *   drop-ack   drop every DONE_ACK this engine would send (BYTES ignored)
+ *   lose-ack   the first DONE_ACK this engine sends (of room ROOM, with
+ *              /ROOM) is lost with its connection: not sent, and the
+ *              connection resets (BYTES ignored)
  *
  * and, at a decode engine's mover endpoints (the fault mover, end of this
  * file; BYTES counts the bytes of reads started on this engine):
@@ -53,12 +56,12 @@
 
 typedef enum {
     F_RESET, F_TRUNCATE, F_CORRUPT, F_BADADDR, F_STALL, F_DELAY, F_DROP_ACK,
-    F_READFAIL, F_READSTALL, F_KINDS
+    F_LOSE_ACK, F_READFAIL, F_READSTALL, F_KINDS
 } fault_kind_t;
 
 static const char *const kind_names[F_KINDS] = {
     "reset", "truncate", "corrupt", "badaddr", "stall", "delay", "drop-ack",
-    "readfail", "readstall"
+    "lose-ack", "readfail", "readstall"
 };
 
 typedef struct fault_conn fault_conn_t;
@@ -144,7 +147,7 @@ kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *e
                 break;
         if (k == F_KINDS) {
             snprintf(err, errlen, "unknown fault '%.*s' (known: reset, truncate, corrupt, "
-                     "badaddr, stall, delay, drop-ack, readfail, readstall)", (int)klen, tok);
+                     "badaddr, stall, delay, drop-ack, lose-ack, readfail, readstall)", (int)klen, tok);
             goto bad;
         }
         f.kind = (fault_kind_t)k;
@@ -206,6 +209,16 @@ static int has(kvf_faults_t *fs, fault_kind_t kind)
         if (fs->f[i].kind == kind)
             return 1;
     return 0;
+}
+
+/* The first fault of a kind not fired yet that may fire in `room`. */
+static fault_t *armed(kvf_faults_t *fs, fault_kind_t kind, uint64_t room)
+{
+    for (int i = 0; i < fs->n; i++)
+        if (fs->f[i].kind == kind && !fs->f[i].fired &&
+            (!fs->f[i].one_room || fs->f[i].only_room == room))
+            return &fs->f[i];
+    return NULL;
 }
 
 /* Put a corrupted byte back: its reader is done with it. */
@@ -409,6 +422,15 @@ static kvf_status_t fault_send_msg(kvf_conn_t *c, const kvf_msg_t *msg)
     if (msg->type == KVF_MSG_DONE_ACK && has(fc->faults, F_DROP_ACK)) {
         kvf_warn("injected fault: dropping DONE_ACK for room %llu",
                  (unsigned long long)msg->u.done_ack.room);
+        return KVF_OK;
+    }
+    fault_t *f = msg->type == KVF_MSG_DONE_ACK && !fc->cut
+               ? armed(fc->faults, F_LOSE_ACK, msg->u.done_ack.room) : NULL;
+    if (f != NULL) {
+        f->fired = fc->cut = fc->reset_pending = 1;
+        kvf_warn("injected fault: the DONE_ACK for room %llu is lost with its connection",
+                 (unsigned long long)msg->u.done_ack.room);
+        fc->inner->ops->pause(fc->inner, UINT64_MAX);
         return KVF_OK;
     }
     return fc->inner->ops->send_msg(fc->inner, msg);
