@@ -419,9 +419,12 @@ static void fetch_poll(kvf_shm_peer_t *sp)
     size_t k = got >= 8 ? (size_t)desc[0] : 0;
     if (k != nfd || (size_t)got != (1 + 2 * k) * sizeof(uint64_t))
         k = 0;   /* malformed: use none of it */
+    /* Not MAP_POPULATE: this runs on the progress thread, under the engine
+     * lock, and populating costs 35-50 ms per GiB of the peer's pool
+     * (measured here); the copiers fault pages in as they first read them,
+     * off that thread, at about the cost the populate would have had. */
     for (size_t i = 0; i < nfd; i++) {
-        void *m = i < k ? mmap(NULL, desc[2 + 2 * i], PROT_READ, MAP_SHARED | MAP_POPULATE,
-                               fds[i], 0)
+        void *m = i < k ? mmap(NULL, desc[2 + 2 * i], PROT_READ, MAP_SHARED, fds[i], 0)
                         : MAP_FAILED;
         close(fds[i]);
         if (m != MAP_FAILED)
