@@ -4,13 +4,16 @@
  * until a condition the test names holds, and the failure a room ended
  * with.  The library's only event to wait on is a room's failure
  * (kvf_*_await_failure); everything else is poll(), which takes no lock,
- * checked every millisecond until its deadline.  The default deadline,
- * 20 s, is far past any test's need: only a broken room takes that long,
- * and the test then fails on its state.
+ * checked every millisecond until its deadline; so is a child process,
+ * until it exits.  The default deadline, 20 s, is far past any test's
+ * need: only a broken room takes that long, and the test then fails on
+ * its state.
  */
 #ifndef KVF_ROOMS_H
 #define KVF_ROOMS_H
 
+#include <sys/types.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include "kvferry/kvferry.h"
@@ -48,6 +51,20 @@ static inline int wait_until(int (*cond)(const void *arg), const void *arg, int 
             return 0;
         sleep_ms(1);
     }
+}
+
+/* Until child process pid exits, limit_ms at most; it is reaped, its
+ * status in *status_p (unless NULL).  @return 1 if it exited. */
+static inline int wait_child(pid_t pid, int *status_p, int limit_ms)
+{
+    long long end = kvf_test_now_ms() + limit_ms;
+    int status = 0;
+    pid_t w;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && kvf_test_now_ms() < end)
+        sleep_ms(1);
+    if (w == pid && status_p != NULL)
+        *status_p = status;
+    return w == pid;
 }
 
 /* Until the sender is at least `want`, or failed, limit_ms at most.
