@@ -53,6 +53,25 @@ static inline int wait_until(int (*cond)(const void *arg), const void *arg, int 
     }
 }
 
+typedef struct dropped_arg {
+    kvf_engine_t *eng;
+    uint64_t      n;
+} dropped_arg_t;
+
+static inline int has_dropped(const void *arg)
+{
+    const dropped_arg_t *d = arg;
+    return kvf_engine_room_msgs_dropped(d->eng) >= d->n;
+}
+
+/* Until the engine has dropped at least n room messages as not its
+ * rooms' (room.c), limit_ms at most.  @return 1 if it has. */
+static inline int wait_dropped(kvf_engine_t *eng, uint64_t n, int limit_ms)
+{
+    dropped_arg_t d = {eng, n};
+    return wait_until(has_dropped, &d, limit_ms);
+}
+
 /* Until child process pid exits, limit_ms at most; it is reaped, its
  * status in *status_p (unless NULL).  @return 1 if it exited. */
 static inline int wait_child(pid_t pid, int *status_p, int limit_ms)
