@@ -130,6 +130,16 @@ static inline void wait_final(const kvf_sender_t *s, const kvf_receiver_t *r)
         wait_receiver(r, KVF_POLL_SUCCESS);
 }
 
+/* Until every one of ns senders and nr receivers is final. */
+static inline void wait_all_final(kvf_sender_t *const *s, int ns, kvf_receiver_t *const *r,
+                                  int nr)
+{
+    for (int i = 0; i < ns; i++)
+        wait_sender(s[i], KVF_POLL_SUCCESS);
+    for (int i = 0; i < nr; i++)
+        wait_receiver(r[i], KVF_POLL_SUCCESS);
+}
+
 /* The receiver's room fails, with `status` and a reason that says `why`
  * (and `why2`, unless NULL). */
 static inline void check_recv_failed(kvf_receiver_t *r, kvf_status_t status, const char *why,
