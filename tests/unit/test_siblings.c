@@ -527,30 +527,6 @@ static void pp_abort(void *arg)
     cluster_fini(&c);
 }
 
-/* Run fn(arg) with this process's stderr (the log) going to a file, and
- * @return how many lines of it contain `needle`. */
-static int log_lines_during(void (*fn)(void *), void *arg, const char *needle)
-{
-    char path[] = "/tmp/kvf-test-log-XXXXXX", line[2048];
-    int fd = mkstemp(path), saved = dup(2), n = 0;
-    CHECK(fd >= 0 && saved >= 0);
-    if (fd < 0 || saved < 0)
-        return -1;
-    fflush(stderr);
-    dup2(fd, 2);
-    fn(arg);
-    fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
-    FILE *f = fdopen(fd, "r");
-    rewind(f);
-    while (fgets(line, sizeof(line), f) != NULL)
-        n += strstr(line, needle) != NULL;
-    fclose(f);
-    unlink(path);
-    return n;
-}
-
 /*
  * Two pipeline stages on both sides: the abort on prefill stage 0 reaches
  * both stages of both sides (the decode stages watch the other prefill
