@@ -4,13 +4,16 @@
  * until a condition the test names holds, and the failure a room ended
  * with.  The library's only event to wait on is a room's failure
  * (kvf_*_await_failure); everything else is poll(), which takes no lock,
- * checked every millisecond until its deadline.  The default deadline,
- * 20 s, is far past any test's need: only a broken room takes that long,
- * and the test then fails on its state.
+ * checked every millisecond until its deadline; so is a child process,
+ * until it exits.  The default deadline, 20 s, is far past any test's
+ * need: only a broken room takes that long, and the test then fails on
+ * its state.
  */
 #ifndef KVF_ROOMS_H
 #define KVF_ROOMS_H
 
+#include <sys/types.h>
+#include <sys/wait.h>
 #include <time.h>
 
 #include "kvferry/kvferry.h"
@@ -48,6 +51,39 @@ static inline int wait_until(int (*cond)(const void *arg), const void *arg, int 
             return 0;
         sleep_ms(1);
     }
+}
+
+typedef struct dropped_arg {
+    kvf_engine_t *eng;
+    uint64_t      n;
+} dropped_arg_t;
+
+static inline int has_dropped(const void *arg)
+{
+    const dropped_arg_t *d = arg;
+    return kvf_engine_room_msgs_dropped(d->eng) >= d->n;
+}
+
+/* Until the engine has dropped at least n room messages as not its
+ * rooms' (room.c), limit_ms at most.  @return 1 if it has. */
+static inline int wait_dropped(kvf_engine_t *eng, uint64_t n, int limit_ms)
+{
+    dropped_arg_t d = {eng, n};
+    return wait_until(has_dropped, &d, limit_ms);
+}
+
+/* Until child process pid exits, limit_ms at most; it is reaped, its
+ * status in *status_p (unless NULL).  @return 1 if it exited. */
+static inline int wait_child(pid_t pid, int *status_p, int limit_ms)
+{
+    long long end = kvf_test_now_ms() + limit_ms;
+    int status = 0;
+    pid_t w;
+    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && kvf_test_now_ms() < end)
+        sleep_ms(1);
+    if (w == pid && status_p != NULL)
+        *status_p = status;
+    return w == pid;
 }
 
 /* Until the sender is at least `want`, or failed, limit_ms at most.
@@ -92,6 +128,16 @@ static inline void wait_final(const kvf_sender_t *s, const kvf_receiver_t *r)
         wait_sender(s, KVF_POLL_SUCCESS);
     if (r != NULL)
         wait_receiver(r, KVF_POLL_SUCCESS);
+}
+
+/* Until every one of ns senders and nr receivers is final. */
+static inline void wait_all_final(kvf_sender_t *const *s, int ns, kvf_receiver_t *const *r,
+                                  int nr)
+{
+    for (int i = 0; i < ns; i++)
+        wait_sender(s[i], KVF_POLL_SUCCESS);
+    for (int i = 0; i < nr; i++)
+        wait_receiver(r[i], KVF_POLL_SUCCESS);
 }
 
 /* The receiver's room fails, with `status` and a reason that says `why`

@@ -2,7 +2,8 @@
  * A minimal unit-test harness: CHECK() records a failure and goes on,
  * KVF_TEST() registers a case, KVF_TEST_MAIN() runs them all and prints
  * "N passed, N failed".  Each test file is its own executable (ctest gives
- * it a process and a timeout).
+ * it a process and a timeout).  log_lines_during counts what the library
+ * logged while a function ran.
  */
 #ifndef KVF_TEST_H
 #define KVF_TEST_H
@@ -10,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 typedef void (*kvf_test_fn_t)(void);
 
@@ -93,6 +95,30 @@ static inline int all_zero(const unsigned char *p, size_t n)
         if (p[i] != 0)
             return 0;
     return 1;
+}
+
+/* Run fn(arg) with this process's stderr (the log) going to a file, and
+ * @return how many lines of it contain `needle`. */
+static inline int log_lines_during(void (*fn)(void *), void *arg, const char *needle)
+{
+    char path[] = "/tmp/kvf-test-log-XXXXXX", line[2048];
+    int fd = mkstemp(path), saved = dup(2), n = 0;
+    CHECK(fd >= 0 && saved >= 0);
+    if (fd < 0 || saved < 0)
+        return -1;
+    fflush(stderr);
+    dup2(fd, 2);
+    fn(arg);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    FILE *f = fdopen(fd, "r");
+    rewind(f);
+    while (fgets(line, sizeof(line), f) != NULL)
+        n += strstr(line, needle) != NULL;
+    fclose(f);
+    unlink(path);
+    return n;
 }
 
 #endif /* KVF_TEST_H */

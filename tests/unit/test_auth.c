@@ -664,30 +664,6 @@ static void test_shm_memfds_cover_registered_only(void)
     side_transport = "tcp";
 }
 
-/* Run fn(arg) with this process's stderr (the log) going to a file, and
- * @return how many lines of it contain `needle`. */
-static int log_lines_during(void (*fn)(void *), void *arg, const char *needle)
-{
-    char path[] = "/tmp/kvf-test-log-XXXXXX", line[2048];
-    int fd = mkstemp(path), saved = dup(2), n = 0;
-    CHECK(fd >= 0 && saved >= 0);
-    if (fd < 0 || saved < 0)
-        return -1;
-    fflush(stderr);
-    dup2(fd, 2);
-    fn(arg);
-    fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
-    FILE *f = fdopen(fd, "r");
-    rewind(f);
-    while (fgets(line, sizeof(line), f) != NULL)
-        n += strstr(line, needle) != NULL;
-    fclose(f);
-    unlink(path);
-    return n;
-}
-
 typedef struct flood {
     handout_req_t req;
     int           n, refused;

@@ -9,15 +9,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
-#include "kvf_test.h"
 #include "kvferry/kvferry.h"
 #include "util/cudrv.h"
 
-#define PAGES  64
-#define PAGE_B 65536
-#define NKV    2
+#define LAYERS 1
+#define HEADS  1
+#define HEAD_B 4096
+#define PAGE   16
+#define PAGES  64                 /* of PAGE_B, 64 KiB */
+#define SLOTS  4
+#include "unit/kvf_sides.h"
 
 static int (*mem_alloc)(unsigned long long *p, size_t n);
 static int (*mem_free)(unsigned long long p);
@@ -26,63 +28,61 @@ static int (*dtoh)(void *dst, unsigned long long src, size_t n);
 static cu_ctx_t ctx;
 static const kvf_cudrv_t *drv;
 
-static void sleep_ms(int ms)
+/* The device address of p (a side's KV is device memory here). */
+static unsigned long long dev(const uint8_t *p)
 {
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
+    return (unsigned long long)(uintptr_t)p;
 }
 
-typedef struct side {
-    kvf_engine_t      *eng;
-    unsigned long long kv[NKV];
-    uint8_t            aux[4 * 16];
-} side_t;
-
-static kvf_status_t side_init(side_t *s, kvf_role_t role, const char *bs, int declare_host)
+static void tune(kvf_engine_params_t *p)
 {
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.transport = "tcp";
-    p.checksum = 1;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = role == KVF_ROLE_PREFILL;
-    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
-    kvf_buffer_t kv[NKV], aux = {s->aux, sizeof(s->aux), 16};
-    for (int i = 0; i < NKV; i++) {
-        CHECK_EQ_INT(mem_alloc(&s->kv[i], (size_t)PAGES * PAGE_B), 0);
-        kv[i] = (kvf_buffer_t){(void *)(uintptr_t)s->kv[i], (size_t)PAGES * PAGE_B, PAGE_B};
+    p->checksum = 1;
+}
+
+static int declare_host;          /* of the next device_side */
+
+/* The layout says what the KV is: device memory, or (declare_host) host
+ * memory, which it is not. */
+static void declared_kind(side_t *s, kvf_layout_t *l)
+{
+    (void)s;
+    l->mem_kind = declare_host ? KVF_MEM_HOST : KVF_MEM_CUDA;
+}
+
+/* A side whose KV is device memory (the CPU never writes it), with
+ * checksums and the library's deadlines.  @return what registering said. */
+static kvf_status_t device_side(side_t *s, kvf_role_t role, const char *bs, int host)
+{
+    side_bootstrap_ms = side_transfer_ms = 0;
+    side_tune = tune;
+    side_shape = declared_kind;
+    declare_host = host;
+    CHECK_EQ_INT(side_try(s, role, bs, NULL, NULL), KVF_OK);
+    for (int i = 0; i < s->nkv; i++) {
+        unsigned long long d = 0;
+        CHECK_EQ_INT(mem_alloc(&d, (size_t)PAGES * s->page_b), 0);
+        s->kv[i] = (uint8_t *)(uintptr_t)d;
     }
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = 16;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = 1;
-    l.heads_per_rank = l.total_heads = 1;
-    l.bytes_per_head = PAGE_B / 16;
-    l.num_kv = NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    l.mem_kind = declare_host ? KVF_MEM_HOST : KVF_MEM_CUDA;
-    return kvf_engine_register_layout(s->eng, &l);
+    s->aux = calloc(SLOTS, AUX_B);
+    return side_try_register(s);
 }
 
-static void side_fini(side_t *s)
+static void device_side_fini(side_t *s)
 {
     kvf_engine_destroy(s->eng);
     drv->CtxSetCurrent(ctx);
-    for (int i = 0; i < NKV; i++)
-        mem_free(s->kv[i]);
+    for (int i = 0; i < s->nkv; i++)
+        mem_free(dev(s->kv[i]));
+    free(s->aux);
 }
 
 static void test_device_pointer_declared_host_is_refused(void)
 {
     side_t s;
-    CHECK_EQ_INT(side_init(&s, KVF_ROLE_DECODE, NULL, 1), KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(device_side(&s, KVF_ROLE_DECODE, NULL, 1), KVF_ERR_INVALID_PARAM);
     CHECK_STR_CONTAINS(kvf_last_error(), "is memory of CUDA device 0, but the layout says "
                                          "host memory");
-    side_fini(&s);
+    device_side_fini(&s);
 }
 
 static void test_staged_room_on_the_device(void)
@@ -92,41 +92,38 @@ static void test_staged_room_on_the_device(void)
     uint32_t src[8] = {1, 2, 3, 9, 10, 30, 31, 50}, dst[8] = {60, 5, 6, 7, 40, 41, 0, 20};
     uint8_t *pat = malloc(PAGE_B), *got = malloc(PAGE_B);
 
-    CHECK_EQ_INT(side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0), KVF_OK);
+    CHECK_EQ_INT(device_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0), KVF_OK);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    CHECK_EQ_INT(side_init(&dec, KVF_ROLE_DECODE, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(device_side(&dec, KVF_ROLE_DECODE, NULL, 0), KVF_OK);
     drv->CtxSetCurrent(ctx);
     for (int b = 0; b < NKV; b++)
         for (int i = 0; i < 8; i++) {
             for (int k = 0; k < PAGE_B; k++)
                 pat[k] = (uint8_t)(k * 7 + i * 13 + b);
-            htod(pre.kv[b] + (size_t)src[i] * PAGE_B, pat, PAGE_B);
+            htod(dev(pre.kv[b] + (size_t)src[i] * PAGE_B), pat, PAGE_B);
         }
     kvf_sender_t *s;
     kvf_receiver_t *r;
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 1, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 1, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 8, 1, NULL, 0), KVF_OK);
-    for (int i = 0; i < 10000 && kvf_sender_poll(s) < KVF_POLL_WAITING_FOR_INPUT; i++)
-        sleep_ms(1);
+    wait_sender_ms(s, KVF_POLL_WAITING_FOR_INPUT, 10000);
     CHECK_EQ_INT(kvf_sender_init(s, 8, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, 8, 1), KVF_OK);
-    for (int i = 0; i < 20000 && kvf_receiver_poll(r) != KVF_POLL_SUCCESS &&
-                    kvf_receiver_poll(r) != KVF_POLL_FAILED; i++)
-        sleep_ms(1);
+    wait_receiver(r, KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     drv->CtxSetCurrent(ctx);
     for (int b = 0; b < NKV; b++)
         for (int i = 0; i < 8; i++) {
             for (int k = 0; k < PAGE_B; k++)
                 pat[k] = (uint8_t)(k * 7 + i * 13 + b);
-            dtoh(got, dec.kv[b] + (size_t)dst[i] * PAGE_B, PAGE_B);
+            dtoh(got, dev(dec.kv[b] + (size_t)dst[i] * PAGE_B), PAGE_B);
             CHECK(memcmp(got, pat, PAGE_B) == 0);
         }
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
-    side_fini(&dec);
-    side_fini(&pre);
+    device_side_fini(&dec);
+    device_side_fini(&pre);
     free(pat);
     free(got);
 }

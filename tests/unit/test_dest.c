@@ -13,17 +13,11 @@
 #include <time.h>
 
 #include "kvferry/kvferry.h"
-#include "unit/kvf_rooms.h"
-#include "unit/kvf_test.h"
+#include "unit/kvf_sides.h"
 
-#define PAGE   4
-#define PAGES  32
-#define HEAD_B 32
-#define AUX_B  16
-#define SLOTS  8
 #define MAXBUF 16
 
-typedef struct side {
+typedef struct dest_side {
     kvf_engine_t *eng;
     uint8_t      *kv[MAXBUF];
     size_t        kv_page[MAXBUF];     /* bytes per page */
@@ -31,33 +25,34 @@ typedef struct side {
     uint8_t      *st[MAXBUF];
     size_t        st_item[MAXBUF];
     int           nkv, nst;
-} side_t;
+} dest_side_t;
 
-/* The registry of the last engine created with host_bs. */
+/* The registry of the last prefill engine that hosts one. */
 static char bs_addr[64];
 
-/* An engine over tcp with checksums; one that hosts the registry records
- * its address in bs_addr. */
-static kvf_engine_t *engine(kvf_role_t role, int tp_rank, int tp_size, int pp_rank,
-                            int pp_size, const char *bs, int host_bs)
+static void tune(kvf_engine_params_t *p)
 {
-    kvf_engine_params_t p;
-    kvf_engine_t *e = NULL;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.tp_rank = tp_rank;
-    p.tp_size = tp_size;
-    p.pp_rank = pp_rank;
-    p.pp_size = pp_size;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = host_bs;
-    p.transport = "tcp";
-    p.checksum = 1;
-    p.bootstrap_timeout_ms = 5000;
-    CHECK_EQ_INT(kvf_engine_create(&p, &e), KVF_OK);
-    if (host_bs)
-        CHECK_EQ_INT(kvf_engine_bootstrap_addr(e, bs_addr, sizeof(bs_addr)), KVF_OK);
-    return e;
+    p->checksum = 1;
+}
+
+/* The harness's engine (side_try), with checksums and the library's
+ * transfer deadline, at TP rank tp_rank of tp_size and pipeline stage
+ * pp_rank of pp_size; one that hosts the registry (bs "127.0.0.1:0")
+ * records its address in bs_addr.  Its layout is the test's own: the
+ * shapes registered here are what this file checks. */
+static kvf_engine_t *engine(kvf_role_t role, int tp_rank, int tp_size, int pp_rank,
+                            int pp_size, const char *bs)
+{
+    side_t e;
+    side_rank = (side_rank_t){.tp = tp_rank, .tp_size = tp_size, .pp = pp_rank,
+                              .pp_size = pp_size};
+    side_transfer_ms = 0;
+    side_tune = tune;
+    CHECK_EQ_INT(side_try(&e, role, bs, NULL, NULL), KVF_OK);
+    side_rank = (side_rank_t){0};
+    if (bs != NULL && strcmp(bs, "127.0.0.1:0") == 0)
+        CHECK_EQ_INT(kvf_engine_bootstrap_addr(e.eng, bs_addr, sizeof(bs_addr)), KVF_OK);
+    return e.eng;
 }
 
 /* Byte i of prefill KV buffer b: distinct per buffer and position. */
@@ -67,7 +62,7 @@ static uint8_t pat(int b, size_t i)
 }
 
 /* Add a KV buffer of `page_b` bytes per page; a prefill side fills it. */
-static kvf_buffer_t kv_buf(side_t *s, size_t page_b, int fill)
+static kvf_buffer_t kv_buf(dest_side_t *s, size_t page_b, int fill)
 {
     int b = s->nkv++;
     s->kv[b] = calloc(PAGES, page_b);
@@ -77,7 +72,7 @@ static kvf_buffer_t kv_buf(side_t *s, size_t page_b, int fill)
     return (kvf_buffer_t){s->kv[b], PAGES * page_b, page_b};
 }
 
-static kvf_buffer_t st_buf(side_t *s, size_t item, int fill)
+static kvf_buffer_t st_buf(dest_side_t *s, size_t item, int fill)
 {
     int b = s->nst++;
     s->st[b] = calloc(PAGES, item);
@@ -87,7 +82,7 @@ static kvf_buffer_t st_buf(side_t *s, size_t item, int fill)
     return (kvf_buffer_t){s->st[b], PAGES * item, item};
 }
 
-static kvf_buffer_t aux_buf(side_t *s, int fill)
+static kvf_buffer_t aux_buf(dest_side_t *s, int fill)
 {
     s->aux = calloc(SLOTS, AUX_B);
     for (size_t i = 0; fill && i < SLOTS * AUX_B; i++)
@@ -95,7 +90,7 @@ static kvf_buffer_t aux_buf(side_t *s, int fill)
     return (kvf_buffer_t){s->aux, SLOTS * AUX_B, AUX_B};
 }
 
-static void side_free(side_t *s)
+static void side_free(dest_side_t *s)
 {
     kvf_engine_destroy(s->eng);
     for (int i = 0; i < s->nkv; i++)
@@ -123,10 +118,10 @@ static kvf_layout_t mha(uint32_t layers, uint32_t heads, uint32_t total)
 
 /* Register a plain layout: `layers` layers of K and V, interleaved (the
  * 0.1.0 order), one aux buffer and one plain state buffer of 8 bytes. */
-static void plain_side(side_t *s, kvf_role_t role, const char *bs, int host, int fill)
+static void plain_side(dest_side_t *s, kvf_role_t role, const char *bs, int fill)
 {
     kvf_buffer_t kv[4], aux, st;
-    s->eng = engine(role, 0, 1, 0, 1, bs, host);
+    s->eng = engine(role, 0, 1, 0, 1, bs);
     for (int i = 0; i < 4; i++)
         kv[i] = kv_buf(s, PAGE * 2 * HEAD_B, fill);
     aux = aux_buf(s, fill);
@@ -141,19 +136,11 @@ static void plain_side(side_t *s, kvf_role_t role, const char *bs, int host, int
     CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
 }
 
-static void wait_all(kvf_sender_t **s, int ns, kvf_receiver_t **r, int nr)
-{
-    for (int i = 0; i < ns; i++)
-        wait_sender(s[i], KVF_POLL_SUCCESS);
-    for (int i = 0; i < nr; i++)
-        wait_receiver(r[i], KVF_POLL_SUCCESS);
-}
-
 static void test_waiting_before_pages_and_prefix(void)
 {
-    side_t pre = {0}, dec = {0};
-    plain_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1);
-    plain_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0);
+    dest_side_t pre = {0}, dec = {0};
+    plain_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    plain_side(&dec, KVF_ROLE_DECODE, NULL, 0);
 
     kvf_sender_t *s;
     kvf_receiver_t *r;
@@ -189,7 +176,7 @@ static void test_waiting_before_pages_and_prefix(void)
     CHECK_EQ_INT(kvf_sender_init(s, 3, 5), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_state(s, &st_src, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, 3, 1), KVF_OK);
-    wait_all(&s, 1, &r, 1);
+    wait_all_final(&s, 1, &r, 1);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     size_t pb = pre.kv_page[0];
@@ -218,9 +205,9 @@ static void test_waiting_before_pages_and_prefix(void)
 /* A full prefix hit: no pages, aux and state only. */
 static void test_zero_page_room(void)
 {
-    side_t pre = {0}, dec = {0};
-    plain_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1);
-    plain_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0);
+    dest_side_t pre = {0}, dec = {0};
+    plain_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    plain_side(&dec, KVF_ROLE_DECODE, NULL, 0);
 
     kvf_sender_t *s;
     kvf_receiver_t *r;
@@ -233,7 +220,7 @@ static void test_zero_page_room(void)
     CHECK_EQ_INT(kvf_sender_set_state(s, &st_src, 1), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, NULL, 0, 0), KVF_ERR_INVALID_PARAM);
     CHECK_EQ_INT(kvf_sender_send(s, NULL, 0, 1), KVF_OK);
-    wait_all(&s, 1, &r, 1);
+    wait_all_final(&s, 1, &r, 1);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     CHECK(memcmp(dec.aux + 1 * AUX_B, pre.aux + 4 * AUX_B, AUX_B) == 0);
@@ -253,12 +240,12 @@ static void test_zero_page_room(void)
  * sides count the link done; no DONE is owed, none is awaited. */
 static void test_room_that_owes_nothing(void)
 {
-    side_t pre = {0}, dec = {0};
+    dest_side_t pre = {0}, dec = {0};
     kvf_buffer_t kv[2];
-    side_t *sides[2] = {&pre, &dec};
+    dest_side_t *sides[2] = {&pre, &dec};
     for (int k = 0; k < 2; k++) {
         sides[k]->eng = engine(k ? KVF_ROLE_DECODE : KVF_ROLE_PREFILL, 0, 1, 0, 1,
-                               k ? NULL : "127.0.0.1:0", !k);
+                               k ? NULL : "127.0.0.1:0");
         kv[0] = kv_buf(sides[k], PAGE * 2 * HEAD_B, !k);
         kv[1] = kv_buf(sides[k], PAGE * 2 * HEAD_B, !k);
         kvf_layout_t l = mha(1, 2, 2);
@@ -284,11 +271,11 @@ static void test_room_that_owes_nothing(void)
 
 /* Two typed groups: "mamba" (two buffers, one slot) and "swa" (one
  * buffer, a list of pages). */
-static void typed_side(side_t *s, kvf_role_t role, const char *bs, int host, int fill,
+static void typed_side(dest_side_t *s, kvf_role_t role, const char *bs, int fill,
                        const char *t0, const char *t1)
 {
     kvf_buffer_t kv[2], aux, mamba[2], swa;
-    s->eng = engine(role, 0, 1, 0, 1, bs, host);
+    s->eng = engine(role, 0, 1, 0, 1, bs);
     for (int i = 0; i < 2; i++)
         kv[i] = kv_buf(s, PAGE * 2 * HEAD_B, fill);
     aux = aux_buf(s, fill);
@@ -310,19 +297,11 @@ static void typed_side(side_t *s, kvf_role_t role, const char *bs, int host, int
     CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
 }
 
-static void failed_with(kvf_poll_t state, kvf_status_t got, kvf_status_t want,
-                        const char *reason, const char *needle)
-{
-    CHECK_EQ_INT(state, KVF_POLL_FAILED);
-    CHECK_EQ_INT(got, want);
-    CHECK_STR_CONTAINS(reason, needle);
-}
-
 static void test_typed_state_groups(void)
 {
-    side_t pre = {0}, dec = {0};
-    typed_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1, "mamba", "swa");
-    typed_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, "mamba", "swa");
+    dest_side_t pre = {0}, dec = {0};
+    typed_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, "mamba", "swa");
+    typed_side(&dec, KVF_ROLE_DECODE, NULL, 0, "mamba", "swa");
 
     uint32_t page_d = 5, page_s = 6;
     uint32_t m_d = 3, m_s = 1, w_d[4] = {10, 11, 12, 20}, w_s[4] = {1, 2, 3, 9};
@@ -356,7 +335,7 @@ static void test_typed_state_groups(void)
     CHECK_EQ_INT(kvf_sender_set_states(s, ss, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_states(s, ss, 2), KVF_ERR_STATE);
     CHECK_EQ_INT(kvf_sender_send(s, &page_s, 1, 1), KVF_OK);
-    wait_all(&s, 1, &r, 1);
+    wait_all_final(&s, 1, &r, 1);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     for (int b = 0; b < 2; b++)   /* mamba: slot 1 -> 3 in both buffers */
@@ -381,25 +360,22 @@ static void test_typed_state_groups(void)
     ss[1].n = 3;
     CHECK_EQ_INT(kvf_sender_set_states(s, ss, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &page_s, 1, 1), KVF_OK);
-    wait_all(&s, 1, &r, 1);
-    failed_with(kvf_sender_poll(s), kvf_sender_failure(s, &fs), KVF_OK, fs.reason,
-                "state group 1 (swa): the prefill gave 3 indices");
-    failed_with(kvf_receiver_poll(r), kvf_receiver_failure(r, &fr), KVF_OK, fr.reason,
-                "state group 1 (swa): the prefill gave 3 indices");
-    CHECK_EQ_INT(fr.status, KVF_ERR_BAD_INDICES);
+    wait_all_final(&s, 1, &r, 1);
+    check_failed_with(kvf_sender_poll(s), kvf_sender_failure(s, &fs), KVF_ERR_BAD_INDICES,
+                      &fs, "state group 1 (swa): the prefill gave 3 indices");
+    check_failed_with(kvf_receiver_poll(r), kvf_receiver_failure(r, &fr), KVF_ERR_BAD_INDICES,
+                      &fr, "state group 1 (swa): the prefill gave 3 indices");
     CHECK_EQ_INT(fr.from_another_rank, 1);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
     side_free(&dec);
 
     /* A decode with the same pools in another order is another model. */
-    typed_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, "swa", "mamba");
+    typed_side(&dec, KVF_ROLE_DECODE, NULL, 0, "swa", "mamba");
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 22, -1, &r), KVF_OK);
-    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_receiver_failure(r, &fr), KVF_OK);
-    CHECK_EQ_INT(fr.status, KVF_ERR_INCOMPATIBLE);
-    CHECK_STR_CONTAINS(fr.reason, "State type mismatch: prefill server registered state "
-                                  "[mamba,swa]");
+    check_recv_failed(r, KVF_ERR_INCOMPATIBLE,
+                      "State type mismatch: prefill server registered state "
+                      "[mamba,swa]", NULL);
     kvf_receiver_destroy(r);
     side_free(&dec);
     side_free(&pre);
@@ -411,11 +387,11 @@ static void test_typed_state_groups(void)
  * half as large; the decode registers the model interleaved and the
  * draft's V before its K.  Each decode buffer must get its own.
  */
-static void tagged_side(side_t *s, kvf_role_t role, const char *bs, int host, int fill,
+static void tagged_side(dest_side_t *s, kvf_role_t role, const char *bs, int fill,
                         const kvf_kv_tag_t *tags, int ntags)
 {
     kvf_buffer_t kv[MAXBUF], aux;
-    s->eng = engine(role, 0, 1, 0, 1, bs, host);
+    s->eng = engine(role, 0, 1, 0, 1, bs);
     for (int i = 0; i < ntags; i++)
         kv[i] = kv_buf(s, PAGE * 2 * (tags[i].group ? HEAD_B / 2 : HEAD_B), fill);
     aux = aux_buf(s, fill);
@@ -441,9 +417,9 @@ static void test_tagged_buffers_and_draft(void)
     static const kvf_kv_tag_t dtags[6] = {
         {0, KVF_KV_K, 0}, {0, KVF_KV_V, 0}, {1, KVF_KV_K, 0}, {1, KVF_KV_V, 0},
         {0, KVF_KV_V, 1}, {0, KVF_KV_K, 1}};
-    side_t pre = {0}, dec = {0};
-    tagged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1, ptags, 6);
-    tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, dtags, 6);
+    dest_side_t pre = {0}, dec = {0};
+    tagged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, ptags, 6);
+    tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, dtags, 6);
 
     uint32_t src[2] = {3, 4}, dst[2] = {17, 2};
     kvf_sender_t *s;
@@ -454,7 +430,7 @@ static void test_tagged_buffers_and_draft(void)
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 2, 0), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, 2, 1), KVF_OK);
-    wait_all(&s, 1, &r, 1);
+    wait_all_final(&s, 1, &r, 1);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     for (int j = 0; j < 6; j++) {
         int i = 0;
@@ -470,28 +446,23 @@ static void test_tagged_buffers_and_draft(void)
     side_free(&dec);
 
     /* A decode without the draft model cannot take this prefill's KV. */
-    tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, dtags, 4);
-    kvf_failure_t f;
+    tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, dtags, 4);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 31, -1, &r), KVF_OK);
-    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
-    CHECK_EQ_INT(f.status, KVF_ERR_INCOMPATIBLE);
-    CHECK_STR_CONTAINS(f.reason, "prefill KV buffer 4 holds layer 0 K of group 1, which no "
-                                 "decode KV buffer holds");
+    check_recv_failed(r, KVF_ERR_INCOMPATIBLE,
+                      "prefill KV buffer 4 holds layer 0 K of group 1, which no "
+                      "decode KV buffer holds", NULL);
     kvf_receiver_destroy(r);
     side_free(&dec);
     side_free(&pre);
 
     /* Nor can a decode with a draft model take a prefill's without one:
      * its draft pages would never be written. */
-    tagged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, 1, ptags, 4);
-    tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, 0, dtags, 6);
+    tagged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1, ptags, 4);
+    tagged_side(&dec, KVF_ROLE_DECODE, NULL, 0, dtags, 6);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 32, -1, &r), KVF_OK);
-    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
-    CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
-    CHECK_EQ_INT(f.status, KVF_ERR_INCOMPATIBLE);
-    CHECK_STR_CONTAINS(f.reason, "decode KV buffer 4 holds layer 0 V of group 1, which no "
-                                 "prefill KV buffer holds");
+    check_recv_failed(r, KVF_ERR_INCOMPATIBLE,
+                      "decode KV buffer 4 holds layer 0 V of group 1, which no "
+                      "prefill KV buffer holds", NULL);
     kvf_receiver_destroy(r);
     side_free(&dec);
     side_free(&pre);
@@ -500,8 +471,8 @@ static void test_tagged_buffers_and_draft(void)
     static const kvf_kv_tag_t twice[4] = {
         {0, KVF_KV_K, 0}, {1, KVF_KV_K, 0}, {0, KVF_KV_V, 0}, {1, KVF_KV_K, 0}};
     kvf_buffer_t kv[4];
-    side_t x = {0};
-    x.eng = engine(KVF_ROLE_DECODE, 0, 1, 0, 1, NULL, 0);
+    dest_side_t x = {0};
+    x.eng = engine(KVF_ROLE_DECODE, 0, 1, 0, 1, NULL);
     for (int i = 0; i < 4; i++)
         kv[i] = kv_buf(&x, PAGE * 2 * HEAD_B, 0);
     kvf_layout_t l = mha(2, 2, 2);
@@ -519,12 +490,12 @@ static void test_tagged_buffers_and_draft(void)
  * SGLang's order: each stage's layers land in the decode's buffers of
  * those layers.
  */
-static void stage_side(side_t *s, kvf_role_t role, int pp_rank, int pp_size,
-                       uint32_t first, uint32_t layers, const char *bs, int host)
+static void stage_side(dest_side_t *s, kvf_role_t role, int pp_rank, int pp_size,
+                       uint32_t first, uint32_t layers, const char *bs)
 {
     kvf_kv_tag_t tags[8];
     kvf_buffer_t kv[8], aux;
-    s->eng = engine(role, 0, 1, pp_rank, pp_size, bs, host);
+    s->eng = engine(role, 0, 1, pp_rank, pp_size, bs);
     for (uint32_t i = 0; i < 2 * layers; i++) {
         tags[i] = (kvf_kv_tag_t){first + i % layers, i < layers ? KVF_KV_K : KVF_KV_V, 0};
         kv[i] = kv_buf(s, PAGE * 2 * HEAD_B, role == KVF_ROLE_PREFILL);
@@ -545,10 +516,10 @@ static void stage_side(side_t *s, kvf_role_t role, int pp_rank, int pp_size,
 
 static void test_pipeline_stages_by_tag(void)
 {
-    side_t p0 = {0}, p1 = {0}, dec = {0};
-    stage_side(&p0, KVF_ROLE_PREFILL, 0, 2, 0, 2, "127.0.0.1:0", 1);
-    stage_side(&p1, KVF_ROLE_PREFILL, 1, 2, 2, 2, bs_addr, 0);
-    stage_side(&dec, KVF_ROLE_DECODE, 0, 1, 0, 4, NULL, 0);
+    dest_side_t p0 = {0}, p1 = {0}, dec = {0};
+    stage_side(&p0, KVF_ROLE_PREFILL, 0, 2, 0, 2, "127.0.0.1:0");
+    stage_side(&p1, KVF_ROLE_PREFILL, 1, 2, 2, 2, bs_addr);
+    stage_side(&dec, KVF_ROLE_DECODE, 0, 1, 0, 4, NULL);
 
     uint32_t src[2] = {8, 9}, dst[2] = {1, 25};
     kvf_sender_t *s[2];
@@ -563,7 +534,7 @@ static void test_pipeline_stages_by_tag(void)
         CHECK_EQ_INT(kvf_sender_init(s[k], 2, 3), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s[k], src, 2, 1), KVF_OK);
     }
-    wait_all(s, 2, &r, 1);
+    wait_all_final(s, 2, &r, 1);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     /* Decode buffer j holds layer j % 4, K for j < 4. */
     for (int j = 0; j < 8; j++) {
@@ -594,12 +565,12 @@ static void test_pipeline_stages_by_tag(void)
  */
 static void test_decode_heads_from_prefill(void)
 {
-    side_t pre = {0}, dec[2] = {{0}};
+    dest_side_t pre = {0}, dec[2] = {{0}};
     kvf_buffer_t kv[2], aux;
 
     /* A prefill must say its heads. */
-    side_t x = {0};
-    x.eng = engine(KVF_ROLE_PREFILL, 0, 1, 0, 1, "127.0.0.1:0", 1);
+    dest_side_t x = {0};
+    x.eng = engine(KVF_ROLE_PREFILL, 0, 1, 0, 1, "127.0.0.1:0");
     kv[0] = kv_buf(&x, PAGE * 2 * HEAD_B, 0);
     kvf_layout_t l = mha(1, 0, 0);
     l.num_kv = 1;
@@ -607,7 +578,7 @@ static void test_decode_heads_from_prefill(void)
     CHECK_EQ_INT(kvf_engine_register_layout(x.eng, &l), KVF_ERR_INVALID_PARAM);
     side_free(&x);
 
-    pre.eng = engine(KVF_ROLE_PREFILL, 0, 1, 0, 1, "127.0.0.1:0", 1);
+    pre.eng = engine(KVF_ROLE_PREFILL, 0, 1, 0, 1, "127.0.0.1:0");
     kv[0] = kv_buf(&pre, PAGE * 2 * HEAD_B, 1);
     kv[1] = kv_buf(&pre, PAGE * 2 * HEAD_B, 1);
     aux = aux_buf(&pre, 1);
@@ -618,7 +589,7 @@ static void test_decode_heads_from_prefill(void)
     l.aux = &aux;
     CHECK_EQ_INT(kvf_engine_register_layout(pre.eng, &l), KVF_OK);
     for (int d = 0; d < 2; d++) {
-        dec[d].eng = engine(KVF_ROLE_DECODE, d, 2, 0, 1, NULL, 0);
+        dec[d].eng = engine(KVF_ROLE_DECODE, d, 2, 0, 1, NULL);
         kv[0] = kv_buf(&dec[d], PAGE * 1 * HEAD_B, 0);
         kv[1] = kv_buf(&dec[d], PAGE * 1 * HEAD_B, 0);
         aux = aux_buf(&dec[d], 0);
@@ -640,7 +611,7 @@ static void test_decode_heads_from_prefill(void)
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 1, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, &src, 1, 1), KVF_OK);
-    wait_all(&s, 1, r, 2);
+    wait_all_final(&s, 1, r, 2);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     for (int d = 0; d < 2; d++) {
         CHECK_EQ_INT(kvf_receiver_poll(r[d]), KVF_POLL_SUCCESS);
@@ -669,13 +640,13 @@ static void test_decode_heads_from_prefill(void)
 static void test_decode_heads_guessed_before_hello(void)
 {
     enum { P = 4, D = 2, H = 4 };
-    side_t pre[P], dec[D];
+    dest_side_t pre[P], dec[D];
     kvf_buffer_t kv[2], aux;
     kvf_layout_t l;
     memset(pre, 0, sizeof(pre));
     memset(dec, 0, sizeof(dec));
     for (int p = 0; p < P; p++) {
-        pre[p].eng = engine(KVF_ROLE_PREFILL, p, P, 0, 1, p ? bs_addr : "127.0.0.1:0", !p);
+        pre[p].eng = engine(KVF_ROLE_PREFILL, p, P, 0, 1, p ? bs_addr : "127.0.0.1:0");
         for (int b = 0; b < 2; b++) {
             kv[b] = kv_buf(&pre[p], PAGE * (H / P) * HEAD_B, 1);
             for (size_t i = 0; i < PAGES * pre[p].kv_page[b]; i++)
@@ -690,7 +661,7 @@ static void test_decode_heads_guessed_before_hello(void)
         CHECK_EQ_INT(kvf_engine_register_layout(pre[p].eng, &l), KVF_OK);
     }
     for (int d = 0; d < D; d++) {
-        dec[d].eng = engine(KVF_ROLE_DECODE, d, D, 0, 1, NULL, 0);
+        dec[d].eng = engine(KVF_ROLE_DECODE, d, D, 0, 1, NULL);
         kv[0] = kv_buf(&dec[d], PAGE * (H / D) * HEAD_B, 0);
         kv[1] = kv_buf(&dec[d], PAGE * (H / D) * HEAD_B, 0);
         aux = aux_buf(&dec[d], 0);
@@ -716,7 +687,7 @@ static void test_decode_heads_guessed_before_hello(void)
         CHECK_EQ_INT(kvf_sender_init(s[p], 1, 0), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s[p], &src, 1, 1), KVF_OK);
     }
-    wait_all(s, P, r, D);
+    wait_all_final(s, P, r, D);
     for (int d = 0; d < D; d++) {
         CHECK_EQ_INT(kvf_receiver_poll(r[d]), KVF_POLL_SUCCESS);
         for (int b = 0; b < 2; b++)

@@ -17,33 +17,18 @@
 
 #include "core/descriptor.h"
 #include "kvferry/kvferry.h"
-#include "unit/kvf_rooms.h"
-#include "unit/kvf_test.h"
 
-#define PAGE   4           /* tokens per page */
 #define PAGES  16
 #define HEADS  4           /* the model's KV heads */
 #define HEAD_B 8           /* bytes per head per token */
-#define NKV    4           /* 2 layers, K and V */
-#define AUX_B  16
 #define SLOTS  4
+#include "unit/kvf_sides.h"
+
 #define MAXR   2
 
-typedef struct rank {
-    kvf_engine_t *eng;
-    uint8_t      *kv[NKV];
-    uint8_t      *aux;
-    int           tp_rank, tp_size;
-    char          desc[KVF_DESCRIPTOR_MAX];
-} rank_t;
-
-/* The bootstrap deadline of the next engines made (rank_up). */
+/* The bootstrap deadline and the port of the next engines made (rank_up). */
 static unsigned bootstrap_ms = 5000;
-
-static size_t page_bytes(int tp_size)
-{
-    return (size_t)PAGE * (HEADS / tp_size) * HEAD_B;
-}
+static int next_port;
 
 /* Byte k of global head g of token t of source page pg of KV buffer b. */
 static uint8_t pat(int b, uint32_t pg, uint32_t t, uint32_t g, uint32_t k)
@@ -51,71 +36,55 @@ static uint8_t pat(int b, uint32_t pg, uint32_t t, uint32_t g, uint32_t k)
     return (uint8_t)(b * 131 + pg * 17 + t * 5 + g * 29 + k * 3 + 1);
 }
 
-/* A rank with NKV buffers of NHD pages and one aux buffer; a prefill
- * rank's pages hold pat(), its aux slot s the byte 0x40 + s. */
-static void rank_up(rank_t *r, kvf_role_t role, int tp_rank, int tp_size, const char *transport,
-                    int port)
+/* What a prefill rank's KV holds at offset j of buffer b: pat() of the
+ * global head there. */
+static uint8_t held_byte(const side_t *s, int b, size_t j)
 {
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.tp_rank = tp_rank;
-    p.tp_size = tp_size;
-    p.port = port;
-    p.transport = transport;
-    p.checksum = 1;
-    p.bootstrap_timeout_ms = bootstrap_ms;
-    r->tp_rank = tp_rank;
-    r->tp_size = tp_size;
-    CHECK_EQ_INT(kvf_engine_create(&p, &r->eng), KVF_OK);
-
-    uint32_t hpr = HEADS / (uint32_t)tp_size;
-    size_t pb = page_bytes(tp_size);
-    kvf_buffer_t kv[NKV], aux;
-    for (int b = 0; b < NKV; b++) {
-        CHECK_EQ_INT(kvf_mem_alloc(PAGES * pb, (void **)&r->kv[b]), KVF_OK);
-        for (uint32_t pg = 0; role == KVF_ROLE_PREFILL && pg < PAGES; pg++)
-            for (uint32_t t = 0; t < PAGE; t++)
-                for (uint32_t h = 0; h < hpr; h++)
-                    for (uint32_t k = 0; k < HEAD_B; k++)
-                        r->kv[b][pg * pb + (t * hpr + h) * HEAD_B + k] =
-                            pat(b, pg, t, (uint32_t)tp_rank * hpr + h, k);
-        kv[b] = (kvf_buffer_t){r->kv[b], PAGES * pb, pb};
-    }
-    r->aux = calloc(SLOTS, AUX_B);
-    for (int s = 0; role == KVF_ROLE_PREFILL && s < SLOTS; s++)
-        memset(r->aux + s * AUX_B, 0x40 + s, AUX_B);
-    aux = (kvf_buffer_t){r->aux, SLOTS * AUX_B, AUX_B};
-
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = PAGE;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = NKV / 2;
-    l.heads_per_rank = hpr;
-    l.total_heads = HEADS;
-    l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    CHECK_EQ_INT(kvf_engine_register_layout(r->eng, &l), KVF_OK);
-    CHECK_EQ_INT(kvf_engine_descriptor(r->eng, r->desc, sizeof(r->desc)), KVF_OK);
+    uint32_t hpr = HEADS / (uint32_t)s->tp_size;
+    size_t at = j % s->page_b;
+    return pat(b, (uint32_t)(j / s->page_b), (uint32_t)(at / (hpr * HEAD_B)),
+               (uint32_t)s->tp_rank * hpr + (uint32_t)(at / HEAD_B % hpr),
+               (uint32_t)(at % HEAD_B));
 }
 
-static void rank_down(rank_t *r)
+/* s's descriptor, written into buf (KVF_DESCRIPTOR_MAX bytes). */
+static const char *desc_of(const side_t *s, char *buf)
 {
-    if (r->eng != NULL)
-        kvf_engine_destroy(r->eng);
-    for (int b = 0; b < NKV; b++)
-        kvf_mem_free(r->kv[b]);
-    free(r->aux);
-    memset(r, 0, sizeof(*r));
+    CHECK_EQ_INT(kvf_engine_descriptor(s->eng, buf, KVF_DESCRIPTOR_MAX), KVF_OK);
+    return buf;
+}
+
+static void tune(kvf_engine_params_t *p)
+{
+    p->checksum = 1;
+    p->port = next_port;
+}
+
+/* A rank with its KV in kvf_mem_alloc() memory, no registry, the library's
+ * transfer deadline; a prefill rank's pages hold pat(), its aux slot s the
+ * byte 0x40 + s.  Every rank writes its descriptor. */
+static void rank_up(side_t *r, kvf_role_t role, int tp_rank, int tp_size, const char *transport,
+                    int port)
+{
+    char desc[KVF_DESCRIPTOR_MAX];
+    side_transport = transport;
+    side_mem_alloc = 1;
+    side_bootstrap_ms = bootstrap_ms;
+    side_transfer_ms = 0;
+    side_rank = (side_rank_t){.tp = tp_rank, .tp_size = tp_size};
+    side_fill = held_byte;
+    side_tune = tune;
+    next_port = port;
+    side_init(r, role, NULL, NULL);
+    side_rank = (side_rank_t){0};
+    for (int s = 0; role == KVF_ROLE_PREFILL && s < SLOTS; s++)
+        memset(r->aux + s * AUX_B, 0x40 + s, AUX_B);
+    desc_of(r, desc);
 }
 
 /* Hold room `key` on every prefill rank: pages src[0..n) and aux slot 1,
  * given at once, before any reader. */
-static void hold_all(rank_t *pre, int np, kvf_room_key_t key, unsigned lease_ms,
+static void hold_all(side_t *pre, int np, kvf_room_key_t key, unsigned lease_ms,
                      const uint32_t *src, size_t n, kvf_sender_t **s)
 {
     kvf_hold_t h;
@@ -130,22 +99,31 @@ static void hold_all(rank_t *pre, int np, kvf_room_key_t key, unsigned lease_ms,
     }
 }
 
-/* A reader on decode rank `dec` of the room the np prefill ranks hold. */
-static kvf_receiver_t *reader(rank_t *dec, rank_t *pre, int np, uint64_t room,
-                              uint64_t instance)
+/* A reader on decode rank `dec` of a room, by the descriptors of the
+ * prefill ranks that hold it. */
+static kvf_receiver_t *reader_of(side_t *dec, const char *const *descs, int n, uint64_t room,
+                                 uint64_t instance)
 {
-    const char *descs[MAXR];
     kvf_receiver_t *r = NULL;
-    for (int i = 0; i < np; i++)
-        descs[i] = pre[i].desc;
     kvf_remote_t rm;
     kvf_remote_init(&rm);
     rm.room = room;
     rm.instance = instance;
     rm.descriptors = descs;
-    rm.num_descriptors = (size_t)np;
+    rm.num_descriptors = (size_t)n;
     CHECK_EQ_INT(kvf_receiver_create_remote(dec->eng, &rm, &r), KVF_OK);
     return r;
+}
+
+/* A reader on decode rank `dec` of the room the np prefill ranks hold. */
+static kvf_receiver_t *reader(side_t *dec, side_t *pre, int np, uint64_t room,
+                              uint64_t instance)
+{
+    char text[MAXR][KVF_DESCRIPTOR_MAX];
+    const char *descs[MAXR];
+    for (int i = 0; i < np; i++)
+        descs[i] = desc_of(&pre[i], text[i]);
+    return reader_of(dec, descs, np, room, instance);
 }
 
 static void give_dest(kvf_receiver_t *r, const uint32_t *dst, size_t n, uint32_t prefix)
@@ -163,11 +141,11 @@ static void give_dest(kvf_receiver_t *r, const uint32_t *dst, size_t n, uint32_t
 /* Decode rank `dec` holds, in dst[j], the heads of its TP rank of source
  * page src[skip + j], every token and byte; and aux slot 1's bytes in
  * its slot 2. */
-static int placed_ok(const rank_t *dec, const uint32_t *src, size_t skip, const uint32_t *dst,
+static int placed_ok(const side_t *dec, const uint32_t *src, size_t skip, const uint32_t *dst,
                      size_t n)
 {
     uint32_t hpr = HEADS / (uint32_t)dec->tp_size;
-    size_t pb = page_bytes(dec->tp_size);
+    size_t pb = dec->page_b;
     for (int b = 0; b < NKV; b++)
         for (size_t j = 0; j < n; j++)
             for (uint32_t t = 0; t < PAGE; t++)
@@ -190,7 +168,7 @@ static int placed_ok(const rank_t *dec, const uint32_t *src, size_t skip, const 
 
 /* Every sender and receiver reaches SUCCESS, each decode rank holds the
  * source pages from `skip` on in dst[0..n); then all of it is torn down. */
-static void all_read(rank_t *pre, kvf_sender_t **s, int np, rank_t *dec, kvf_receiver_t **r,
+static void all_read(side_t *pre, kvf_sender_t **s, int np, side_t *dec, kvf_receiver_t **r,
                      int nd, const uint32_t *src, size_t skip, const uint32_t *dst, size_t n)
 {
     for (int i = 0; i < np; i++)
@@ -204,14 +182,14 @@ static void all_read(rank_t *pre, kvf_sender_t **s, int np, rank_t *dec, kvf_rec
     for (int i = 0; i < nd; i++)
         kvf_receiver_destroy(r[i]);
     for (int i = 0; i < nd; i++)
-        rank_down(&dec[i]);
+        side_fini(&dec[i]);
     for (int i = 0; i < np; i++)
-        rank_down(&pre[i]);
+        side_fini(&pre[i]);
 }
 
 /* One prefill and one decode rank (TP 1 -> 1, tcp), the prefill holding
  * room `key` with pages src[0..n). */
-static void held_pair(rank_t *pre, rank_t *dec, kvf_room_key_t key, unsigned lease_ms,
+static void held_pair(side_t *pre, side_t *dec, kvf_room_key_t key, unsigned lease_ms,
                       const uint32_t *src, size_t n, kvf_sender_t **s)
 {
     rank_up(pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
@@ -220,7 +198,7 @@ static void held_pair(rank_t *pre, rank_t *dec, kvf_room_key_t key, unsigned lea
 }
 
 /* The room's own reader (its key) then reads it whole, and all goes. */
-static void owner_reads(rank_t *pre, kvf_sender_t *s, rank_t *dec, kvf_room_key_t key,
+static void owner_reads(side_t *pre, kvf_sender_t *s, side_t *dec, kvf_room_key_t key,
                         const uint32_t *src, const uint32_t *dst, size_t n)
 {
     kvf_receiver_t *r = reader(dec, pre, 1, key.room, key.instance);
@@ -231,7 +209,7 @@ static void owner_reads(rank_t *pre, kvf_sender_t *s, rank_t *dec, kvf_room_key_
 /* P prefill ranks hold a room; D decode ranks read it; every byte checked. */
 static void held_case(int np, int nd, const char *transport)
 {
-    rank_t pre[MAXR] = {0}, dec[MAXR] = {0};
+    side_t pre[MAXR] = {0}, dec[MAXR] = {0};
     kvf_sender_t *s[MAXR];
     kvf_receiver_t *r[MAXR];
     uint32_t src[5] = {3, 4, 5, 11, 0}, dst[5] = {7, 1, 2, 3, 15};
@@ -263,37 +241,28 @@ static void test_held_shm(void)
     held_case(2, 1, "shm");
 }
 
-static void failed_with(kvf_poll_t state, kvf_status_t got, kvf_status_t want,
-                        const kvf_failure_t *f, const char *part)
-{
-    CHECK_EQ_INT(state, KVF_POLL_FAILED);
-    CHECK_EQ_INT(got, KVF_OK);
-    CHECK_EQ_INT(f->status, want);
-    CHECK_STR_CONTAINS(f->reason, part);
-}
-
 /* No reader within the lease: the room fails, its pages free. */
 static void test_lease_expires_unread(void)
 {
-    rank_t pre = {0};
+    side_t pre = {0};
     kvf_sender_t *s;
     kvf_failure_t f;
     uint32_t src[2] = {1, 2};
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
     hold_all(&pre, 1, kvf_room_key("never-read", 10), 200, src, 2, &s);
     kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_LEASE_EXPIRED, &f,
-                "no decode rank asked for it");
+    check_failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_LEASE_EXPIRED, &f,
+                      "no decode rank asked for it");
     CHECK_EQ_INT(f.from_another_rank, 0);
     kvf_sender_destroy(s);
-    rank_down(&pre);
+    side_fini(&pre);
 }
 
 /* TP 1 -> 2, one decode rank never asks: the lease ends the room on the
  * prefill and, through it, on the decode rank that did ask. */
 static void test_lease_expires_half_read(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
@@ -305,23 +274,23 @@ static void test_lease_expires_half_read(void)
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 2, 0);
     kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_LEASE_EXPIRED, &f,
-                "with 1 of its 2 readers asking");
+    check_failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_LEASE_EXPIRED, &f,
+                      "with 1 of its 2 readers asking");
     st = wait_receiver(r, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_LEASE_EXPIRED, &f, "lease ended");
+    check_failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_LEASE_EXPIRED, &f, "lease ended");
     CHECK_EQ_INT(f.from_another_rank, 1);
     CHECK_EQ_INT(f.origin_side, KVF_ROLE_PREFILL);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* A reader naming another request's instance (two request ids, one room
  * id) is refused; the held room goes on and serves its own reader. */
 static void test_other_instance_refused(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_sender_t *s;
     kvf_receiver_t *bad, *good;
     kvf_failure_t f;
@@ -333,7 +302,8 @@ static void test_other_instance_refused(void)
     bad = reader(&dec, &pre, 1, key.room, other.instance);
     /* The same room id twice on one decode engine: refused at create. */
     kvf_remote_t rm;
-    const char *d0 = pre.desc;
+    char text[KVF_DESCRIPTOR_MAX];
+    const char *d0 = desc_of(&pre, text);
     kvf_receiver_t *twice = NULL;
     kvf_remote_init(&rm);
     rm.room = key.room;
@@ -342,8 +312,8 @@ static void test_other_instance_refused(void)
     CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &twice), KVF_ERR_ROOM_IN_USE);
     give_dest(bad, dst, 2, 0);
     kvf_poll_t st = wait_receiver(bad, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
-                "holds it for another request key");
+    check_failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
+                      "holds it for another request key");
     char hex[32];
     snprintf(hex, sizeof(hex), "%016llx", (unsigned long long)key.instance);
     CHECK(strstr(f.reason, hex) == NULL);         /* a wrong guess teaches nothing */
@@ -364,19 +334,19 @@ static void test_other_instance_refused(void)
     bad = reader(&dec, &pre, 1, 99, key.instance);
     give_dest(bad, dst, 2, 0);
     st = wait_receiver(bad, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
-                "does not hold that room");
+    check_failed_with(st, kvf_receiver_failure(bad, &f), KVF_ERR_ROOM_CONFLICT, &f,
+                      "does not hold that room");
     kvf_receiver_destroy(bad);
     kvf_sender_destroy(plain);
-    rank_down(&dec);
-    rank_down(&pre);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* A reader that holds a prefix takes the held pages after it; one whose
  * prefix is not whole pages fails the room on both sides. */
 static void test_reader_prefix(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
@@ -399,10 +369,10 @@ static void test_reader_prefix(void)
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 3, PAGE + 1);
     kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_BAD_INDICES, &f,
-                "not a whole number of 4-token pages");
+    check_failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_BAD_INDICES, &f,
+                      "not a whole number of 4-token pages");
     st = wait_receiver(r, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_BAD_INDICES, &f, "whole pages");
+    check_failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_BAD_INDICES, &f, "whole pages");
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
 
@@ -411,18 +381,18 @@ static void test_reader_prefix(void)
     r = reader(&dec, &pre, 1, key.room, key.instance);
     give_dest(r, dst, 3, 4 * PAGE);        /* pages 4, 5, 6 of 6 */
     st = wait_sender(s, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_BAD_INDICES, &f,
-                "from page 4 on, but the prefill side holds 6");
+    check_failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_BAD_INDICES, &f,
+                      "from page 4 on, but the prefill side holds 6");
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* A reader that gives up after asking fails the held room at once. */
 static void test_reader_abort(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
@@ -437,44 +407,43 @@ static void test_reader_abort(void)
      * has the reader bound when it comes. */
     kvf_receiver_abort(r);
     kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "aborted");
+    check_failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "aborted");
     CHECK_EQ_INT(f.from_another_rank, 1);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* The prefill restarted on the same port: its descriptor's instance is
  * gone, and the reader says so instead of asking the new engine. */
 static void test_restarted_prefill(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_receiver_t *r;
     kvf_failure_t f;
     char addr[KVF_ADDR_MAX], old_desc[KVF_DESCRIPTOR_MAX];
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
     CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
     int port = atoi(strrchr(addr, ':') + 1);
-    memcpy(old_desc, pre.desc, sizeof(old_desc));
-    rank_down(&pre);
+    const char *old = desc_of(&pre, old_desc);
+    side_fini(&pre);
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", port);
     rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
-    memcpy(pre.desc, old_desc, sizeof(old_desc));
-    r = reader(&dec, &pre, 1, 5, 0);
+    r = reader_of(&dec, &old, 1, 5, 0);
     kvf_poll_t st = wait_receiver(r, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_PEER_RESTARTED, &f,
-                "the prefill engine restarted since it held the room");
+    check_failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_PEER_RESTARTED, &f,
+                      "the prefill engine restarted since it held the room");
     kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* A reader of a room the prefill never holds hears so at the prefill's
  * bootstrap deadline, instead of waiting out its own. */
 static void test_room_never_held(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_receiver_t *r;
     kvf_failure_t f;
     uint32_t dst[2] = {5, 6};
@@ -485,19 +454,19 @@ static void test_room_never_held(void)
     r = reader(&dec, &pre, 1, 12345, 0);
     give_dest(r, dst, 2, 0);
     kvf_poll_t st = wait_receiver(r, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_TIMED_OUT, &f,
-                "had no sender for room 12345");
+    check_failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_TIMED_OUT, &f,
+                      "had no sender for room 12345");
     CHECK_EQ_INT(f.from_another_rank, 1);
     kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* A reader that names no request key, as one that knows only the room
  * id would, is refused: the room is the request's. */
 static void test_keyless_reader_refused(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
@@ -507,11 +476,11 @@ static void test_keyless_reader_refused(void)
     r = reader(&dec, &pre, 1, key.room, 0);
     give_dest(r, dst, 2, 0);
     kvf_poll_t st = wait_receiver(r, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_ROOM_CONFLICT, &f,
-                "the reader named none");
+    check_failed_with(st, kvf_receiver_failure(r, &f), KVF_ERR_ROOM_CONFLICT, &f,
+                      "the reader named none");
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
     for (size_t i = 0; i < PAGE * (HEADS * HEAD_B); i++)
-        CHECK(dec.kv[0][5 * page_bytes(1) + i] == 0);
+        CHECK(dec.kv[0][5 * dec.page_b + i] == 0);
     kvf_receiver_destroy(r);
     owner_reads(&pre, s, &dec, key, src, dst, 2);
 }
@@ -520,7 +489,7 @@ static void test_keyless_reader_refused(void)
  * aborting cannot end the held room: only its bound readers can. */
 static void test_stranger_abort_ignored(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_sender_t *s;
     kvf_receiver_t *r;
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
@@ -530,9 +499,7 @@ static void test_stranger_abort_ignored(void)
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     uint64_t before = kvf_engine_room_msgs_dropped(pre.eng);
     kvf_receiver_abort(r);
-    long long end = kvf_test_now_ms() + KVF_TEST_WAIT_MS;
-    while (kvf_engine_room_msgs_dropped(pre.eng) == before && kvf_test_now_ms() < end)
-        sleep_ms(1);
+    wait_dropped(pre.eng, before + 1, KVF_TEST_WAIT_MS);
     CHECK(kvf_engine_room_msgs_dropped(pre.eng) > before);     /* the ABORT, dropped */
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
     kvf_receiver_destroy(r);
@@ -544,7 +511,7 @@ static void test_stranger_abort_ignored(void)
  * of the lease. */
 static void test_keyed_abort_before_asking(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
@@ -555,19 +522,19 @@ static void test_keyed_abort_before_asking(void)
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     kvf_receiver_abort(r);                     /* no destination was ever sent */
     kvf_poll_t st = wait_sender(s, KVF_POLL_SUCCESS);
-    failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "aborted");
+    check_failed_with(st, kvf_sender_failure(s, &f), KVF_ERR_ABORTED, &f, "aborted");
     CHECK_EQ_INT(f.from_another_rank, 1);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
-    rank_down(&dec);
-    rank_down(&pre);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* Readers that ask before kvf_sender_init, or between two sends: the
  * pages move whenever the last of them and the pages are there. */
 static void partial_case(int np, int nd, int before_init, uint32_t prefix_pages)
 {
-    rank_t pre[MAXR] = {0}, dec[MAXR] = {0};
+    side_t pre[MAXR] = {0}, dec[MAXR] = {0};
     kvf_sender_t *s[MAXR];
     kvf_receiver_t *r[MAXR];
     uint32_t src[6] = {3, 4, 5, 11, 0, 9}, dst[6] = {7, 1, 2, 3, 15, 12};
@@ -616,7 +583,7 @@ static void test_readers_before_pages(void)
  * reaches it by it. */
 static void test_ipv6_descriptor(void)
 {
-    rank_t pre = {0}, dec = {0};
+    side_t pre = {0}, dec = {0};
     kvf_sender_t *s;
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("v6", 2);
@@ -624,7 +591,8 @@ static void test_ipv6_descriptor(void)
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
     unsetenv("KVF_HOST");
     rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
-    CHECK_STR_CONTAINS(pre.desc, " addr=[::1]:");
+    char desc[KVF_DESCRIPTOR_MAX];
+    CHECK_STR_CONTAINS(desc_of(&pre, desc), " addr=[::1]:");
     hold_all(&pre, 1, key, 10000, src, 2, &s);
     owner_reads(&pre, s, &dec, key, src, dst, 2);
 }
@@ -636,7 +604,7 @@ static void test_descriptor_needs_numeric_host(void)
     const char *hosts[] = {"localhost", "0.0.0.0", "::"};
     setenv("KVF_AUTH", "none", 1);               /* the wildcard without a token */
     for (size_t i = 0; i < sizeof(hosts) / sizeof(hosts[0]); i++) {
-        rank_t pre = {0};
+        side_t pre = {0};
         char buf[KVF_DESCRIPTOR_MAX];
         setenv("KVF_HOST", hosts[i], 1);
         kvf_engine_params_t p;
@@ -644,9 +612,9 @@ static void test_descriptor_needs_numeric_host(void)
         CHECK_EQ_INT(kvf_engine_create(&p, &pre.eng), KVF_OK);
         unsetenv("KVF_HOST");
         kvf_buffer_t kv = {NULL, 0, 0};
-        CHECK_EQ_INT(kvf_mem_alloc(PAGES * page_bytes(1), &kv.base), KVF_OK);
-        kv.length = PAGES * page_bytes(1);
-        kv.item_bytes = page_bytes(1);
+        CHECK_EQ_INT(kvf_mem_alloc(PAGES * PAGE_B, &kv.base), KVF_OK);
+        kv.length = PAGES * PAGE_B;
+        kv.item_bytes = PAGE_B;
         kvf_buffer_t two[2] = {kv, kv};
         kvf_layout_t l;
         kvf_layout_init(&l);
@@ -671,7 +639,7 @@ static void test_descriptor_needs_numeric_host(void)
  * prefill ranks than it links. */
 static void test_descriptors_refused_before_dialing(void)
 {
-    rank_t dec = {0};
+    side_t dec = {0};
     kvf_receiver_t *r = NULL;
     kvf_remote_t rm;
     char text[65][KVF_DESCRIPTOR_MAX];
@@ -697,22 +665,24 @@ static void test_descriptors_refused_before_dialing(void)
     rm.num_descriptors = 65;
     CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_UNSUPPORTED);
     CHECK_STR_CONTAINS(kvf_last_error(), "more than 64 prefill ranks");
-    rank_down(&dec);
+    side_fini(&dec);
 }
 
 /* What a malformed or foreign descriptor list gets: a refused call. */
 static void test_descriptors(void)
 {
-    rank_t pre = {0}, dec = {0};
-    char buf[KVF_DESCRIPTOR_MAX], addr[KVF_ADDR_MAX];
+    side_t pre = {0}, dec = {0};
+    char buf[KVF_DESCRIPTOR_MAX], addr[KVF_ADDR_MAX], desc[KVF_DESCRIPTOR_MAX];
+    char desc1[KVF_DESCRIPTOR_MAX];
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 2, "tcp", 0);
     rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    desc_of(&pre, desc);
     CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
-    CHECK_STR_CONTAINS(pre.desc, "kvf1 id=");
-    CHECK_STR_CONTAINS(pre.desc, addr);
-    CHECK_STR_CONTAINS(pre.desc, " role=prefill tp=0/2 pp=0/1 dp=0/1 page=4 dtype=bfloat16 "
+    CHECK_STR_CONTAINS(desc, "kvf1 id=");
+    CHECK_STR_CONTAINS(desc, addr);
+    CHECK_STR_CONTAINS(desc, " role=prefill tp=0/2 pp=0/1 dp=0/1 page=4 dtype=bfloat16 "
                        "attn=mha heads=4");
-    CHECK(strchr(pre.desc, '"') == NULL && strchr(pre.desc, '\\') == NULL);
+    CHECK(strchr(desc, '"') == NULL && strchr(desc, '\\') == NULL);
     CHECK_EQ_INT(kvf_engine_descriptor(pre.eng, buf, 20), KVF_ERR_INVALID_PARAM);
 
     const char *bad[] = {
@@ -754,7 +724,7 @@ static void test_descriptors(void)
     }
     /* TP 2 -> 1 reads both prefill ranks: one descriptor is not enough,
      * nor the same one twice. */
-    const char *one[2] = {pre.desc, pre.desc};
+    const char *one[2] = {desc, desc};
     rm.descriptors = one;
     CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_INVALID_PARAM);
     CHECK_STR_CONTAINS(kvf_last_error(), "no descriptor names it");
@@ -764,18 +734,18 @@ static void test_descriptors(void)
     rm.num_descriptors = 0;
     CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_ERR_INVALID_PARAM);
     /* A later version's field is skipped. */
-    snprintf(buf, sizeof(buf), "%s future=1", pre.desc);
+    snprintf(buf, sizeof(buf), "%s future=1", desc);
     const char *two[2] = {buf, NULL};
-    rank_t pre1 = {0};
+    side_t pre1 = {0};
     rank_up(&pre1, KVF_ROLE_PREFILL, 1, 2, "tcp", 0);
-    two[1] = pre1.desc;
+    two[1] = desc_of(&pre1, desc1);
     rm.descriptors = two;
     rm.num_descriptors = 2;
     CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &r), KVF_OK);
     kvf_receiver_destroy(r);
-    rank_down(&pre1);
-    rank_down(&dec);
-    rank_down(&pre);
+    side_fini(&pre1);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* A descriptor names an address a decode engine can dial: every spelling
@@ -796,7 +766,7 @@ static void test_descriptor_addresses(void)
     };
     char text[KVF_DESCRIPTOR_MAX], err[256];
     kvf_descriptor_t d;
-    rank_t dec = {0};
+    side_t dec = {0};
     kvf_receiver_t *r = NULL;
     kvf_remote_t rm;
     const char *one[1] = {text};
@@ -832,7 +802,7 @@ static void test_descriptor_addresses(void)
         if (kvf_test_failures_)
             fprintf(stderr, "  refused[%zu] = %s: %s\n", i, refused[i], err);
     }
-    rank_down(&dec);
+    side_fini(&dec);
 }
 
 /* The documented function: XXH3-128 of the bytes, low half the room,

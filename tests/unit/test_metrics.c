@@ -170,7 +170,7 @@ static void room(side_t *pre, side_t *dec, const char *bs, uint64_t id, int how,
         kvf_sender_abort(s);
     if (how == 0) {
         CHECK_EQ_INT(kvf_sender_init(s, 3, 1), KVF_OK);
-        CHECK_EQ_INT(kvf_sender_send(s, src_pages, 3, 1), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send(s, legit_src, 3, 1), KVF_OK);
     }
     kvf_poll_t ss = wait_sender(s, KVF_POLL_SUCCESS), rs = wait_receiver(r, KVF_POLL_SUCCESS);
     kvf_failure_t f;
@@ -249,7 +249,7 @@ static void test_metrics_match_outcomes(void)
     free(mid);
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, 3, 1), KVF_OK);
-    CHECK_EQ_INT(kvf_sender_send(s, src_pages, 3, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, legit_src, 3, 1), KVF_OK);
     kvf_poll_t ss = wait_sender(s, KVF_POLL_SUCCESS), rs = wait_receiver(r, KVF_POLL_SUCCESS);
     count(&t, 0, ss, sender_bytes(s));
     count(&t, 1, rs, receiver_bytes(r));

@@ -30,23 +30,6 @@
 /* Room messages an engine dropped as not its rooms' (room.c). */
 static uint64_t dropped(kvf_engine_t *eng) { return kvf_engine_room_msgs_dropped(eng); }
 
-typedef struct dropped_arg {
-    kvf_engine_t *eng;
-    uint64_t      n;
-} dropped_arg_t;
-
-static int has_dropped(const void *arg)
-{
-    const dropped_arg_t *d = arg;
-    return dropped(d->eng) >= d->n;
-}
-
-/* Wait until the engine has dropped at least `n` (5 s at most). */
-static int wait_dropped(kvf_engine_t *eng, uint64_t n)
-{
-    dropped_arg_t d = {eng, n};
-    return wait_until(has_dropped, &d, 5000);
-}
 
 /* What an engine's stash (room messages before their room) holds. */
 typedef struct stash_arg {
@@ -230,7 +213,7 @@ static void test_receiver_takes_only_its_peer_and_instance(void)
     fake_room_data(b, 2, m.u.room_req.instance, p2, 2, 2, 1);
     CHECK_EQ_INT(wait_receiver(r2, KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
     CHECK(room_bytes_are(&dec, p2, 2, 2));
-    CHECK(wait_dropped(dec.eng, before + 7));
+    CHECK(wait_dropped(dec.eng, before + 7, 5000));
     CHECK_EQ_INT(kvf_receiver_poll(r1), KVF_POLL_WAITING_FOR_INPUT);
     CHECK(page_is_zero(&dec, p1));
 
@@ -656,7 +639,7 @@ static void test_sender_takes_only_its_peer_and_instance(void)
     }
     bad = fail_msg(9, A ^ 0xff, "an earlier room 9 failed");
     wp_peer_send(d, &bad, NULL, 0);
-    CHECK(wait_dropped(pre.eng, before + 5));
+    CHECK(wait_dropped(pre.eng, before + 5, 5000));
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
 
     /* The room is D's: its bytes go to D, naming A, and D's ack ends it. */
@@ -772,7 +755,7 @@ static void test_watch_binds_like_a_destination(void)
         }
         kvf_msg_t bad = fail_msg(room, B, "a hostile watch says the room failed");
         wp_peer_send(e, &bad, NULL, 0);
-        CHECK(wait_dropped(pre.eng, before + 2));
+        CHECK(wait_dropped(pre.eng, before + 2, 5000));
         CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_WAITING_FOR_INPUT);
         CHECK_EQ_INT(kvf_sender_init(s, 1, 1), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send(s, &spage, 1, 1), KVF_OK);

@@ -13,31 +13,16 @@
 
 #include "core/engine.h"
 #include "kvferry/kvferry.h"
-#include "unit/kvf_rooms.h"
-#include "unit/kvf_test.h"
+#define SLOTS 4
+#include "unit/kvf_sides.h"
 
-#define LAYERS 2
-#define NKV    (2 * LAYERS)
-#define HEADS  2                    /* the model's KV heads */
-#define HEAD_B 32
-#define PAGE   4
-#define PAGES  32
-#define AUX_B  16
-#define SLOTS  4
 #define MAXR   4
 #define NPAGES 2                    /* pages of every room here */
-
-typedef struct rank {
-    kvf_engine_t *eng;
-    uint8_t      *kv[NKV];
-    uint8_t      *aux;
-    size_t        page_b;
-} rank_t;
 
 /* One prefill and one decode server: np and nd ranks (TP), or, with dp 2,
  * two prefill DP groups of np / 2 ranks each. */
 typedef struct cluster {
-    rank_t pre[MAXR], dec[MAXR];
+    side_t pre[MAXR], dec[MAXR];
     int    np, nd, dp;
     char   bs[64];
 } cluster_t;
@@ -48,69 +33,29 @@ typedef struct engine_opts {
     unsigned    waiting_timeout_ms; /* of prefill rank 0 (0: default) */
     unsigned    transfer_timeout_ms;
     int         checksum;
-    int         pp, pps;            /* pipeline stage of this rank, of pps (0: one) */
 } engine_opts_t;
 
-static void rank_init(rank_t *r, kvf_role_t role, int tp, int tps, int dp, int dps,
-                      const char *bs, int host_bs, const engine_opts_t *o)
-{
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.tp_rank = tp;
-    p.tp_size = tps;
-    p.dp_rank = dp;
-    p.dp_size = dps;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = host_bs;
-    p.transport = "tcp";
-    p.bootstrap_timeout_ms = 10000;
-    p.transfer_timeout_ms = o && o->transfer_timeout_ms ? o->transfer_timeout_ms : 10000;
-    if (o != NULL) {
-        p.faults = o->faults;
-        p.checksum = o->checksum;
-        if (o->waiting_timeout_ms)
-            p.waiting_timeout_ms = o->waiting_timeout_ms;
-    }
-    /* A pipeline stage holds its share of the layers, from first_layer. */
-    int pps = o && o->pps > 1 ? o->pps : 1, stage = pps > 1 ? o->pp : 0;
-    p.pp_rank = stage;
-    p.pp_size = pps;
-    CHECK_EQ_INT(kvf_engine_create(&p, &r->eng), KVF_OK);
-    uint32_t hpr = HEADS / (uint32_t)tps;
-    r->page_b = (size_t)PAGE * hpr * HEAD_B;
-    kvf_buffer_t kv[NKV], aux;
-    int nkv = NKV / pps;
-    for (int i = 0; i < nkv; i++) {
-        r->kv[i] = calloc(PAGES, r->page_b);
-        for (size_t j = 0; role == KVF_ROLE_PREFILL && j < PAGES * r->page_b; j++)
-            r->kv[i][j] = (uint8_t)(j * 7 + (size_t)i * 13 + (size_t)tp * 31 + 1);
-        kv[i] = (kvf_buffer_t){r->kv[i], PAGES * r->page_b, r->page_b};
-    }
-    r->aux = calloc(SLOTS, AUX_B);
-    aux = (kvf_buffer_t){r->aux, SLOTS * AUX_B, AUX_B};
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = PAGE;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = LAYERS / (uint32_t)pps;
-    l.first_layer = (uint32_t)(stage * LAYERS / pps);
-    l.heads_per_rank = hpr;
-    l.total_heads = HEADS;
-    l.bytes_per_head = HEAD_B;
-    l.num_kv = (uint32_t)nkv;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    CHECK_EQ_INT(kvf_engine_register_layout(r->eng, &l), KVF_OK);
-}
+/* The settings of the next cluster's first ranks. */
+static engine_opts_t next;
 
-static void rank_fini(rank_t *r)
+/* Every rank over tcp, 10 s deadlines; the first rank of each side (TP,
+ * DP and pipeline rank 0) takes its settings from `next`. */
+static void tune(kvf_engine_params_t *p)
 {
-    kvf_engine_destroy(r->eng);
-    for (int i = 0; i < NKV; i++)
-        free(r->kv[i]);
-    free(r->aux);
+    p->bootstrap_timeout_ms = 10000;
+    p->transfer_timeout_ms = 10000;
+    if (p->tp_rank != 0 || p->dp_rank != 0 || p->pp_rank != 0)
+        return;
+    if (p->role == KVF_ROLE_DECODE) {
+        p->faults = next.decode_faults;
+        return;
+    }
+    p->faults = next.faults;
+    p->checksum = next.checksum;
+    if (next.waiting_timeout_ms)
+        p->waiting_timeout_ms = next.waiting_timeout_ms;
+    if (next.transfer_timeout_ms)
+        p->transfer_timeout_ms = next.transfer_timeout_ms;
 }
 
 /* Prefill rank 0 hosts the registry; o (may be NULL) is its settings. */
@@ -120,22 +65,14 @@ static void cluster_init(cluster_t *c, int np, int nd, int dp, const engine_opts
     c->np = np;
     c->nd = nd;
     c->dp = dp;
-    int tps = np / dp;
-    rank_init(&c->pre[0], KVF_ROLE_PREFILL, 0, tps, 0, dp, "127.0.0.1:0", 1, o);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(c->pre[0].eng, c->bs, sizeof(c->bs)), KVF_OK);
-    for (int k = 1; k < np; k++)
-        rank_init(&c->pre[k], KVF_ROLE_PREFILL, k % tps, tps, k / tps, dp, c->bs, 0, NULL);
-    engine_opts_t d0 = {.faults = o ? o->decode_faults : NULL};
-    for (int j = 0; j < nd; j++)
-        rank_init(&c->dec[j], KVF_ROLE_DECODE, j, nd, 0, 1, NULL, 0, j == 0 ? &d0 : NULL);
+    next = o != NULL ? *o : (engine_opts_t){0};
+    side_tune = tune;
+    side_ranks(c->pre, np, dp, c->dec, nd, c->bs, sizeof(c->bs));
 }
 
 static void cluster_fini(cluster_t *c)
 {
-    for (int j = 0; j < c->nd; j++)
-        rank_fini(&c->dec[j]);
-    for (int k = c->np - 1; k >= 0; k--)
-        rank_fini(&c->pre[k]);
+    side_ranks_fini(c->pre, c->np, c->dec, c->nd);
 }
 
 /* One room: a sender on every prefill rank of its DP group (the first
@@ -147,7 +84,7 @@ typedef struct room {
     kvf_receiver_t *r[MAXR];
 } room_t;
 
-static const uint32_t src_pages[NPAGES] = {3, 4}, dst_pages[NPAGES] = {11, 7};
+static const uint32_t room_src[NPAGES] = {3, 4}, room_dst[NPAGES] = {11, 7};
 
 /* Open room `id` on every rank and give every receiver but the ranks in
  * `skip_init` (a bit per decode rank) its destination. */
@@ -166,7 +103,7 @@ static void room_open(cluster_t *c, room_t *rm, uint64_t id, unsigned skip_init)
         CHECK_EQ_INT(wait_receiver(rm->r[j], KVF_POLL_WAITING_FOR_INPUT),
                      KVF_POLL_WAITING_FOR_INPUT);
         if (!(skip_init & (1u << j)))
-            CHECK_EQ_INT(kvf_receiver_init(rm->r[j], dst_pages, NPAGES, 1, NULL, 0), KVF_OK);
+            CHECK_EQ_INT(kvf_receiver_init(rm->r[j], room_dst, NPAGES, 1, NULL, 0), KVF_OK);
     }
 }
 
@@ -180,25 +117,32 @@ static void room_send(room_t *rm, int k, int chunks)
         CHECK_EQ_INT(kvf_sender_init(rm->s[k], NPAGES, 2), KVF_OK);
     }
     for (int i = 0; i < chunks; i++)
-        CHECK_EQ_INT(kvf_sender_send(rm->s[k], &src_pages[i], 1, i == NPAGES - 1), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send(rm->s[k], &room_src[i], 1, i == NPAGES - 1), KVF_OK);
+}
+
+/* Every sender and receiver of the room has failed (the room's `nd`:
+ * its receivers). */
+typedef struct room_nd {
+    const room_t *rm;
+    int           nd;
+} room_nd_t;
+
+static int all_failed(const void *arg)
+{
+    const room_nd_t *a = arg;
+    int all = 1;
+    for (int k = 0; k < a->rm->nsend; k++)
+        all &= kvf_sender_poll(a->rm->s[k]) == KVF_POLL_FAILED;
+    for (int j = 0; j < a->nd; j++)
+        all &= kvf_receiver_poll(a->rm->r[j]) == KVF_POLL_FAILED;
+    return all;
 }
 
 /* Until every sender and receiver of the room has failed (or 20 s). */
 static int room_all_failed(const room_t *rm, int nd)
 {
-    long long end = kvf_test_now_ms() + KVF_TEST_WAIT_MS;
-    for (;;) {
-        int all = 1;
-        for (int k = 0; k < rm->nsend; k++)
-            all &= kvf_sender_poll(rm->s[k]) == KVF_POLL_FAILED;
-        for (int j = 0; j < nd; j++)
-            all &= kvf_receiver_poll(rm->r[j]) == KVF_POLL_FAILED;
-        if (all)
-            return 1;
-        if (kvf_test_now_ms() > end)
-            return 0;
-        sleep_ms(1);
-    }
+    room_nd_t a = {rm, nd};
+    return wait_until(all_failed, &a, KVF_TEST_WAIT_MS);
 }
 
 /*
@@ -550,12 +494,20 @@ static void cluster_init_pp(cluster_t *c)
     memset(c, 0, sizeof(*c));
     c->np = c->nd = 2;
     c->dp = 1;
-    engine_opts_t o[2] = {{.pp = 0, .pps = 2}, {.pp = 1, .pps = 2}};
-    rank_init(&c->pre[0], KVF_ROLE_PREFILL, 0, 1, 0, 1, "127.0.0.1:0", 1, &o[0]);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(c->pre[0].eng, c->bs, sizeof(c->bs)), KVF_OK);
-    rank_init(&c->pre[1], KVF_ROLE_PREFILL, 0, 1, 0, 1, c->bs, 0, &o[1]);
-    for (int j = 0; j < 2; j++)
-        rank_init(&c->dec[j], KVF_ROLE_DECODE, 0, 1, 0, 1, NULL, 0, &o[j]);
+    next = (engine_opts_t){0};
+    side_tune = tune;
+    for (int stage = 0; stage < 2; stage++) {
+        side_rank = (side_rank_t){.pp = stage, .pp_size = 2};
+        side_init(&c->pre[stage], KVF_ROLE_PREFILL, stage ? c->bs : "127.0.0.1:0", NULL);
+        if (stage == 0)
+            CHECK_EQ_INT(kvf_engine_bootstrap_addr(c->pre[0].eng, c->bs, sizeof(c->bs)),
+                         KVF_OK);
+    }
+    for (int stage = 0; stage < 2; stage++) {
+        side_rank = (side_rank_t){.pp = stage, .pp_size = 2};
+        side_init(&c->dec[stage], KVF_ROLE_DECODE, NULL, NULL);
+    }
+    side_rank = (side_rank_t){0};
 }
 
 /* Prefill stage 0 aborts a room after stage 1's pair finished it. */
@@ -573,30 +525,6 @@ static void pp_abort(void *arg)
                   "aborted by the application on prefill rank 0 of stage 0");
     room_close(rm, 2);
     cluster_fini(&c);
-}
-
-/* Run fn(arg) with this process's stderr (the log) going to a file, and
- * @return how many lines of it contain `needle`. */
-static int log_lines_during(void (*fn)(void *), void *arg, const char *needle)
-{
-    char path[] = "/tmp/kvf-test-log-XXXXXX", line[2048];
-    int fd = mkstemp(path), saved = dup(2), n = 0;
-    CHECK(fd >= 0 && saved >= 0);
-    if (fd < 0 || saved < 0)
-        return -1;
-    fflush(stderr);
-    dup2(fd, 2);
-    fn(arg);
-    fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
-    FILE *f = fdopen(fd, "r");
-    rewind(f);
-    while (fgets(line, sizeof(line), f) != NULL)
-        n += strstr(line, needle) != NULL;
-    fclose(f);
-    unlink(path);
-    return n;
 }
 
 /*
@@ -635,8 +563,8 @@ static void test_dp_groups_stay_apart(void)
     CHECK_EQ_INT(kvf_receiver_await_failure(good.r[0], 200), KVF_ERR_AGAIN);
     for (int b = 0; b < NKV; b++)
         for (int i = 0; i < NPAGES; i++)
-            CHECK(memcmp(c.dec[0].kv[b] + dst_pages[i] * c.dec[0].page_b,
-                         c.pre[1].kv[b] + src_pages[i] * c.pre[1].page_b,
+            CHECK(memcmp(c.dec[0].kv[b] + room_dst[i] * c.dec[0].page_b,
+                         c.pre[1].kv[b] + room_src[i] * c.pre[1].page_b,
                          c.dec[0].page_b) == 0);
     room_close(&bad, 1);
     room_close(&good, 1);
@@ -658,8 +586,8 @@ static void test_every_rank_succeeds(void)
     for (int j = 0; j < 2; j++)
         for (int b = 0; b < NKV; b++)
             for (int i = 0; i < NPAGES; i++)
-                CHECK(memcmp(c.dec[j].kv[b] + dst_pages[i] * c.dec[j].page_b,
-                             c.pre[j].kv[b] + src_pages[i] * c.pre[j].page_b,
+                CHECK(memcmp(c.dec[j].kv[b] + room_dst[i] * c.dec[j].page_b,
+                             c.pre[j].kv[b] + room_src[i] * c.pre[j].page_b,
                              c.dec[j].page_b) == 0);
     room_close(&rm, 2);
     cluster_fini(&c);

@@ -12,92 +12,59 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "kvf_fake_cuda.h"
-#include "kvf_rooms.h"
-#include "kvf_test.h"
 #include "kvferry/kvferry.h"
 #ifdef KVF_HAVE_CUDA
 #include "transport/cuda/cuda.h"
 
-#define LAYERS 2
-#define NKV    (2 * LAYERS)
-#define PAGE   16                 /* tokens per page */
-#define HEAD_B 256
-#define PAGE_B (PAGE * HEAD_B)    /* one head: 4 KiB pages */
-#define PAGES  2048               /* 8 MiB per buffer: the ring turns over */
-#define AUX_B  16
+#define PAGE    16                /* tokens per page */
+#define HEADS   1                 /* one head: 4 KiB pages */
+#define HEAD_B  256
+#define PAGES   2048              /* 8 MiB per buffer: the ring turns over */
+#define STATE_B (64 << 10)        /* a Mamba-like state slot */
+#include "unit/kvf_sides.h"
 
 static fake_cuda_t fake;
-static const char *transport = "tcp";    /* of the next side_init */
-static int heads = 1, tp_rank = 0, tp_size = 1;   /* of the next side_init */
 static kvf_kv_order_t kv_order = KVF_KV_NHD;     /* of the next side_init */
+static int kv_device;                            /* of the next side_init */
 
-#define STATE_B (64 << 10)        /* a Mamba-like state slot */
-
-typedef struct side {
-    kvf_engine_t *eng;
-    uint8_t      *kv[NKV];
-    uint8_t      *aux;
-    uint8_t      *state;
-} side_t;
-
-static void side_init(side_t *s, kvf_role_t role, const char *bs, int kv_device)
+/* Every engine here checks its bytes. */
+static void tune(kvf_engine_params_t *p)
 {
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = role == KVF_ROLE_PREFILL;
-    p.transport = transport;
-    p.checksum = 1;
-    p.transfer_timeout_ms = 10000;
-    p.tp_rank = tp_rank;
-    p.tp_size = tp_size;
-    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
-    kvf_buffer_t kv[NKV], aux;
-    size_t page_b = (size_t)PAGE_B * heads;
-    for (int i = 0; i < NKV; i++) {
-        s->kv[i] = calloc(PAGES, page_b);
-        kv[i] = (kvf_buffer_t){s->kv[i], PAGES * page_b, page_b};
-        if (kv_device)
-            fake.add(s->kv[i], PAGES * page_b, 0);
-    }
-    s->aux = calloc(8, AUX_B);
-    aux = (kvf_buffer_t){s->aux, 8 * AUX_B, AUX_B};
-    s->state = calloc(8, STATE_B);
-    kvf_buffer_t st = {s->state, 8 * STATE_B, STATE_B};
-    kvf_state_group_t group = {"mamba", 1, &st};
-    if (kv_device)
-        fake.add(s->state, 8 * STATE_B, 0);
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = PAGE;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = LAYERS;
-    l.heads_per_rank = (uint32_t)heads;
-    l.total_heads = (uint32_t)(heads * tp_size);
-    l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;               /* host memory, as SGLang's */
-    l.num_state_groups = 1;
-    l.state_groups = &group;
-    l.mem_kind = kv_device ? KVF_MEM_CUDA : KVF_MEM_HOST;
-    l.state_mem_kind = l.mem_kind;   /* on the GPU with the KV, as SGLang's */
-    l.kv_order = kv_order;
-    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
+    p->checksum = 1;
 }
 
-static void side_fini(side_t *s)
+/* KV and a "mamba" state group in device memory (kv_device) or host
+ * memory, the KV in kv_order; the aux in host memory, as SGLang's. */
+static void staged_shape(side_t *s, kvf_layout_t *l)
 {
-    kvf_engine_destroy(s->eng);
-    for (int i = 0; i < NKV; i++)
-        free(s->kv[i]);
-    free(s->aux);
-    free(s->state);
+    static kvf_state_group_t group;
+    group = (kvf_state_group_t){"mamba", 1, l->state};
+    l->num_state = 0;
+    l->num_state_groups = 1;
+    l->state_groups = &group;
+    l->mem_kind = kv_device ? KVF_MEM_CUDA : KVF_MEM_HOST;
+    l->state_mem_kind = l->mem_kind;   /* on the GPU with the KV, as SGLang's */
+    l->kv_order = kv_order;
+    for (int i = 0; kv_device && i < s->nkv; i++)
+        fake.add(s->kv[i], l->kv[i].length, 0);
+    if (kv_device)
+        fake.add(s->state, SLOTS * STATE_B, 0);
+}
+
+/* A side with checksums, a 10 s transfer deadline, the library's
+ * bootstrap deadline and a state slot of STATE_B bytes, its KV and state
+ * in device memory (device) or host memory. */
+static void staged_side(side_t *s, kvf_role_t role, const char *bs, int device)
+{
+    side_bootstrap_ms = 0;
+    side_transfer_ms = 10000;
+    side_state_b = STATE_B;
+    side_tune = tune;
+    side_shape = staged_shape;
+    kv_device = device;
+    side_init(s, role, bs, NULL);
 }
 
 /* A room of n scattered pages (every other source page, destinations
@@ -137,8 +104,7 @@ static void room_start(room_t *m, side_t *pre, side_t *dec, const char *bs, uint
     d.states = &dst_states;
     d.num_states = 1;
     CHECK_EQ_INT(kvf_receiver_set_dest(m->r, &d), KVF_OK);
-    for (int i = 0; i < 10000 && kvf_sender_poll(m->s) < KVF_POLL_WAITING_FOR_INPUT; i++)
-        sleep_ms(1);
+    wait_sender_ms(m->s, KVF_POLL_WAITING_FOR_INPUT, 10000);
     CHECK_EQ_INT(kvf_sender_init(m->s, n, 3), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_states(m->s, &src_states, 1), KVF_OK);
     uint32_t half = n / 2;
@@ -174,9 +140,9 @@ static void pair_room(int pre_device, int dec_device)
     const uint32_t n = 1024;   /* 16 MiB of KV: the ring of 4 slots turns over */
 
     fake.reset();
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", pre_device);
+    staged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", pre_device);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, dec_device);
+    staged_side(&dec, KVF_ROLE_DECODE, NULL, dec_device);
     room_start(&m, &pre, &dec, bs, 7, n);
     wait_final(m.s, m.r);
     CHECK_EQ_INT(kvf_sender_poll(m.s), KVF_POLL_SUCCESS);
@@ -208,21 +174,18 @@ static void tp_sliced(kvf_kv_order_t order, const char *via)
     kvf_receiver_t *r[2];
 
     fake.reset();
-    heads = 2;
+    side_heads = 2;
     kv_order = order;
-    transport = via;
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    side_transport = via;
+    staged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    heads = 1;
-    tp_size = 2;
     for (int t = 0; t < 2; t++) {
-        tp_rank = t;
-        side_init(&dec[t], KVF_ROLE_DECODE, NULL, 1);
+        side_rank = (side_rank_t){.tp = t, .tp_size = 2};
+        staged_side(&dec[t], KVF_ROLE_DECODE, NULL, 1);
     }
-    tp_rank = 0;
-    tp_size = 1;
+    side_rank = (side_rank_t){0};
     kv_order = KVF_KV_NHD;
-    transport = "tcp";
+    side_transport = "tcp";
     for (uint32_t i = 0; i < n; i++) {
         /* 300 pages one by one (a strided segment of 16 pieces each per
          * buffer: slots of 512 segments, then 176), then runs of pages on
@@ -239,13 +202,11 @@ static void tp_sliced(kvf_kv_order_t order, const char *via)
         CHECK_EQ_INT(kvf_receiver_create(dec[t].eng, bs, 21, -1, &r[t]), KVF_OK);
         CHECK_EQ_INT(kvf_receiver_init(r[t], dst, n, 2, NULL, 0), KVF_OK);
     }
-    for (int i = 0; i < 10000 && kvf_sender_poll(s) < KVF_POLL_WAITING_FOR_INPUT; i++)
-        sleep_ms(1);
+    wait_sender_ms(s, KVF_POLL_WAITING_FOR_INPUT, 10000);
     CHECK_EQ_INT(kvf_sender_init(s, n, 3), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src, n, 1), KVF_OK);
-    for (int i = 0; i < 20000 && !(room_is_final(kvf_sender_poll(s)) && room_is_final(kvf_receiver_poll(r[0])) &&
-                                   room_is_final(kvf_receiver_poll(r[1]))); i++)
-        sleep_ms(1);
+    wait_final(s, r[0]);
+    wait_final(NULL, r[1]);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     int same = 1;
     for (int t = 0; t < 2; t++) {
@@ -272,7 +233,7 @@ static void tp_sliced(kvf_kv_order_t order, const char *via)
     side_fini(&dec[1]);
     side_fini(&dec[0]);
     side_fini(&pre);
-    heads = 1;
+    side_heads = 0;
     free(src);
     free(dst);
 }
@@ -293,9 +254,9 @@ static void copy_fails(int pre_device, int dec_device)
     kvf_failure_t f;
 
     fake.reset();
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", pre_device);
+    staged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", pre_device);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, dec_device);
+    staged_side(&dec, KVF_ROLE_DECODE, NULL, dec_device);
     fake.fail_after(8u << 20);
     room_start(&m, &pre, &dec, bs, 8, 1024);
     wait_final(m.s, m.r);
@@ -316,6 +277,17 @@ static void copy_fails(int pre_device, int dec_device)
 static void test_prefill_copy_fails_mid_pipeline(void) { copy_fails(1, 0); }
 static void test_decode_copy_fails_mid_pipeline(void) { copy_fails(0, 1); }
 
+static int copy_started(const void *arg)
+{
+    (void)arg;
+    return fake.copied() > 0;
+}
+
+static int receiver_final(const void *arg)
+{
+    return room_is_final(kvf_receiver_poll(arg));
+}
+
 /* Aborted while a copy into its pages is in flight: the room shows
  * TRANSFERRING and keeps its pages until the copy ends. */
 static void test_pages_held_until_copies_end(void)
@@ -325,20 +297,18 @@ static void test_pages_held_until_copies_end(void)
     room_t m;
 
     fake.reset();
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
+    staged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 1);    /* only decode copies */
+    staged_side(&dec, KVF_ROLE_DECODE, NULL, 1);    /* only decode copies */
     fake.delay_ms(800);
     room_start(&m, &pre, &dec, bs, 9, 64);
-    for (int i = 0; i < 10000 && fake.copied() == 0; i++)
-        sleep_ms(1);
+    wait_until(copy_started, NULL, 10000);
     CHECK(fake.copied() > 0);                     /* a copy is in flight */
     kvf_receiver_abort(m.r);
-    sleep_ms(100);
+    wait_until(receiver_final, m.r, 100);         /* it must not end for 100 ms */
     CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_TRANSFERRING);
     CHECK(!kvf_receiver_pages_released(m.r));
-    for (int i = 0; i < 10000 && !room_is_final(kvf_receiver_poll(m.r)); i++)
-        sleep_ms(1);
+    wait_receiver_ms(m.r, KVF_POLL_SUCCESS, 10000);
     CHECK_EQ_INT(kvf_receiver_poll(m.r), KVF_POLL_FAILED);
     CHECK(kvf_receiver_pages_released(m.r));
     fake.delay_ms(0);
@@ -357,11 +327,11 @@ static void test_ipc_device_to_device(void)
     const uint32_t n = 512;
 
     fake.reset();
-    transport = "cuda";
-    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
+    side_transport = "cuda";
+    staged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 1);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    side_init(&dec, KVF_ROLE_DECODE, NULL, 1);
-    transport = "tcp";
+    staged_side(&dec, KVF_ROLE_DECODE, NULL, 1);
+    side_transport = "tcp";
     room_start(&m, &pre, &dec, bs, 11, n);
     wait_final(m.s, m.r);
     CHECK_EQ_INT(kvf_sender_poll(m.s), KVF_POLL_SUCCESS);

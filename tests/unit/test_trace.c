@@ -17,76 +17,31 @@
 #include <jansson.h>
 
 #include "kvferry/kvferry.h"
-#include "unit/kvf_rooms.h"
-#include "unit/kvf_test.h"
+#define SLOTS 4
+#include "unit/kvf_sides.h"
 
-#define LAYERS 2
-#define NKV    (2 * LAYERS)
-#define HEADS  2
-#define HEAD_B 32
-#define PAGE   4
-#define PAGES  32
-#define AUX_B  16
-#define SLOTS  4
 #define NPAGES 2
-
-typedef struct rank {
-    kvf_engine_t *eng;
-    uint8_t      *kv[NKV];
-    uint8_t      *aux;
-    char          trace[256];
-} rank_t;
 
 static char dir[64];
 
-static void rank_init(rank_t *r, kvf_role_t role, int tp, const char *bs, int host_bs,
-                      const char *faults)
+/* Where the rank of `role` and TP rank tp writes its trace. */
+static const char *trace_of(kvf_role_t role, int tp)
 {
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    snprintf(r->trace, sizeof(r->trace), "%s/%s%d.jsonl", dir,
-             role == KVF_ROLE_PREFILL ? "prefill" : "decode", tp);
-    p.role = role;
-    p.tp_rank = tp;
-    p.tp_size = 2;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = host_bs;
-    p.transport = "tcp";
-    p.checksum = 1;
-    p.faults = faults;
-    p.trace = r->trace;
-    CHECK_EQ_INT(kvf_engine_create(&p, &r->eng), KVF_OK);
-    size_t page_b = (size_t)PAGE * (HEADS / 2) * HEAD_B;
-    kvf_buffer_t kv[NKV], aux;
-    for (int i = 0; i < NKV; i++) {
-        r->kv[i] = calloc(PAGES, page_b);
-        for (size_t j = 0; role == KVF_ROLE_PREFILL && j < PAGES * page_b; j++)
-            r->kv[i][j] = (uint8_t)(j * 7 + (size_t)i * 13 + (size_t)tp * 31 + 1);
-        kv[i] = (kvf_buffer_t){r->kv[i], PAGES * page_b, page_b};
-    }
-    r->aux = calloc(SLOTS, AUX_B);
-    aux = (kvf_buffer_t){r->aux, SLOTS * AUX_B, AUX_B};
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = PAGE;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = LAYERS;
-    l.heads_per_rank = HEADS / 2;
-    l.total_heads = HEADS;
-    l.bytes_per_head = HEAD_B;
-    l.num_kv = NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    CHECK_EQ_INT(kvf_engine_register_layout(r->eng, &l), KVF_OK);
+    static char path[2][2][256];
+    int pre = role == KVF_ROLE_PREFILL;
+    snprintf(path[pre][tp], sizeof(path[pre][tp]), "%s/%s%d.jsonl", dir,
+             pre ? "prefill" : "decode", tp);
+    return path[pre][tp];
 }
 
-static void rank_fini(rank_t *r)
+/* Every rank writes its trace, checks its bytes, keeps the library's
+ * deadlines; prefill rank 0 corrupts a byte on its way. */
+static void tune(kvf_engine_params_t *p)
 {
-    kvf_engine_destroy(r->eng);
-    for (int i = 0; i < NKV; i++)
-        free(r->kv[i]);
-    free(r->aux);
+    p->checksum = 1;
+    p->trace = trace_of(p->role, p->tp_rank);
+    if (p->role == KVF_ROLE_PREFILL && p->tp_rank == 0)
+        p->faults = "corrupt@100";
 }
 
 /* ---- reading the trace ------------------------------------------------------ */
@@ -162,16 +117,14 @@ static void sender_go(kvf_sender_t *s)
 
 static void test_root_cause_first_on_its_rank(void)
 {
-    rank_t pre[2], dec[2];
+    side_t pre[2], dec[2];
     char bs[64];
     const uint64_t id = 4242;
     snprintf(dir, sizeof(dir), "/tmp/kvf-trace-XXXXXX");
     CHECK(mkdtemp(dir) != NULL);
-    rank_init(&pre[0], KVF_ROLE_PREFILL, 0, "127.0.0.1:0", 1, "corrupt@100");
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre[0].eng, bs, sizeof(bs)), KVF_OK);
-    rank_init(&pre[1], KVF_ROLE_PREFILL, 1, bs, 0, NULL);
-    for (int j = 0; j < 2; j++)
-        rank_init(&dec[j], KVF_ROLE_DECODE, j, NULL, 0, NULL);
+    side_bootstrap_ms = side_transfer_ms = 0;
+    side_tune = tune;
+    side_ranks(pre, 2, 1, dec, 2, bs, sizeof(bs));
 
     kvf_sender_t *s[2];
     kvf_receiver_t *r[2];
@@ -196,16 +149,13 @@ static void test_root_cause_first_on_its_rank(void)
         kvf_sender_destroy(s[k]);
         kvf_receiver_destroy(r[k]);
     }
-    for (int j = 0; j < 2; j++)
-        rank_fini(&dec[j]);
-    rank_fini(&pre[1]);
-    rank_fini(&pre[0]);
+    side_ranks_fini(pre, 2, dec, 2);
 
     rec_t recs[512];
     int n = 0;
-    const rank_t *all[4] = {&pre[0], &pre[1], &dec[0], &dec[1]};
     for (int i = 0; i < 4; i++)
-        load(all[i]->trace, "4242", recs, &n, 512);
+        load(trace_of(i < 2 ? KVF_ROLE_PREFILL : KVF_ROLE_DECODE, i % 2), "4242", recs, &n,
+             512);
     qsort(recs, (size_t)n, sizeof(recs[0]), by_wall);
 
     /* The first "failed" is the root cause, on decode rank 0 (its
@@ -262,7 +212,7 @@ static void test_root_cause_first_on_its_rank(void)
     for (int i = 0; i < n; i++)
         json_decref(recs[i].j);
     for (int i = 0; i < 4; i++)
-        unlink(all[i]->trace);
+        unlink(trace_of(i < 2 ? KVF_ROLE_PREFILL : KVF_ROLE_DECODE, i % 2));
     rmdir(dir);
 }
 

@@ -55,7 +55,9 @@ KVF_TEST_MAIN(KVF_CASE(test_skip))
 
 #include <uct/api/uct.h>
 
-#include "unit/kvf_rooms.h"
+#define HEAD_B 64
+#define SLOTS  4
+#include "unit/kvf_sides.h"
 #include "util/time.h"
 
 #define MIB        (1024u * 1024u)
@@ -205,10 +207,10 @@ static void peer_stop(peer_t *p)
         kill(p->pid, SIGCONT);
         close(p->sock);   /* a live peer exits on EOF */
         p->sock = -1;
-        for (int i = 0; i < 200 && waitpid(p->pid, NULL, WNOHANG) == 0; i++)
-            usleep(10000);
-        if (kill(p->pid, SIGKILL) == 0)
+        if (!wait_child(p->pid, NULL, 2000)) {
+            kill(p->pid, SIGKILL);
             waitpid(p->pid, NULL, 0);
+        }
         p->pid = 0;
     }
     if (p->sock >= 0)
@@ -219,15 +221,15 @@ static void peer_stop(peer_t *p)
 
 /* ------------------------------------------------------- the decode side */
 
-typedef struct side {
+typedef struct ucx_side {
     peer_t        peer;
     kvf_ucx_t    *u;
     kvf_ucx_ep_t *ep;
     uint8_t      *local;
     char          err[512];
-} side_t;
+} ucx_side_t;
 
-static int side_init(side_t *s, size_t peer_len, size_t local_len)
+static int ucx_side_init(ucx_side_t *s, size_t peer_len, size_t local_len)
 {
     memset(s, 0, sizeof(*s));
     s->peer.sock = -1;
@@ -253,7 +255,7 @@ static int side_init(side_t *s, size_t peer_len, size_t local_len)
     return s->ep != NULL ? 0 : -1;
 }
 
-static void side_fini(side_t *s)
+static void ucx_side_fini(ucx_side_t *s)
 {
     if (s->ep != NULL)
         kvf_ucx_disconnect(s->ep);
@@ -263,7 +265,7 @@ static void side_fini(side_t *s)
     free(s->local);
 }
 
-static struct iovec rptr(const side_t *s, uint64_t off, size_t len)
+static struct iovec rptr(const ucx_side_t *s, uint64_t off, size_t len)
 {
     return (struct iovec){(void *)(uintptr_t)(s->peer.base + off), len};
 }
@@ -309,7 +311,7 @@ static kvf_status_t read_wait(kvf_ucx_t *u, kvf_ucx_ep_t *ep, struct iovec *l,
 }
 
 /* Read one small piece and verify it: the endpoint works. */
-static kvf_status_t probe(side_t *s, unsigned timeout_ms)
+static kvf_status_t probe(ucx_side_t *s, unsigned timeout_ms)
 {
     struct iovec l = {s->local, 4096}, r = rptr(s, 12345, 4096);
     kvf_status_t st = read_wait(s->u, s->ep, &l, &r, 1, timeout_ms, s->err, sizeof(s->err));
@@ -333,8 +335,8 @@ static uint64_t rnd(uint64_t *x)
 /* Scattered pieces of 1 KiB .. 8 MiB, verified byte by byte; gaps stay 0. */
 static void case_scatter(void)
 {
-    side_t s;
-    if (side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
+    ucx_side_t s;
+    if (ucx_side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
         goto out;
     static const size_t sizes[] = {1024, 1000, 4096, 65536, 300000, MIB, 8 * MIB, 17};
     enum { NPIECE = 96 };
@@ -373,15 +375,15 @@ static void case_scatter(void)
     }
     CHECK_EQ_INT(bad, 0);
 out:
-    side_fini(&s);
+    ucx_side_fini(&s);
 }
 
 /* Addresses the peer did not register are refused before anything moves;
  * so are unregistered destinations and malformed blobs. */
 static void case_refuse(void)
 {
-    side_t s;
-    if (side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
+    ucx_side_t s;
+    if (ucx_side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
         goto out;
     CHECK_EQ_INT(probe(&s, 10000), KVF_OK);
 
@@ -425,14 +427,14 @@ static void case_refuse(void)
     kvf_log_set_level(KVF_LOG_WARN);
     CHECK(bad == NULL);
 out:
-    side_fini(&s);
+    ucx_side_fini(&s);
 }
 
 /* A killed peer: the read fails within its timeout, and so do later ones. */
 static void case_killed(void)
 {
-    side_t s;
-    if (side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
+    ucx_side_t s;
+    if (ucx_side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
         goto out;
     CHECK_EQ_INT(probe(&s, 10000), KVF_OK);
     kill(s.peer.pid, SIGKILL);
@@ -451,7 +453,7 @@ static void case_killed(void)
     CHECK(read_wait(s.u, s.ep, &l, &r, 1, 3000, s.err, sizeof(s.err)) != KVF_OK);
     CHECK(kvf_now_ms() - t0 < 100);   /* a dead endpoint fails at once */
 out:
-    side_fini(&s);
+    ucx_side_fini(&s);
 }
 
 /* A stopped peer: a read that needs it times out (tcp emulates gets with
@@ -460,8 +462,8 @@ out:
  * right bytes, and noticing the stopped peer is the heartbeats' job. */
 static void case_stopped(void)
 {
-    side_t s;
-    if (side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
+    ucx_side_t s;
+    if (ucx_side_init(&s, PEER_LEN, LOCAL_LEN) != 0)
         goto out;
     CHECK_EQ_INT(probe(&s, 10000), KVF_OK);
     kill(s.peer.pid, SIGSTOP);
@@ -484,7 +486,7 @@ static void case_stopped(void)
     kill(s.peer.pid, SIGCONT);
     kill(s.peer.pid, SIGKILL);
 out:
-    side_fini(&s);
+    ucx_side_fini(&s);
 }
 
 /* Bandwidth of 4 MiB reads (KVF_UCX_BENCH=1): printed, never asserted. */
@@ -495,8 +497,8 @@ static void case_bench(void)
         return;
     }
     enum { PIECE = 4 * MIB, BATCH = 16 };
-    side_t s;
-    if (side_init(&s, BATCH * PIECE, BATCH * PIECE) != 0)
+    ucx_side_t s;
+    if (ucx_side_init(&s, BATCH * PIECE, BATCH * PIECE) != 0)
         goto out;
     struct iovec l[BATCH], r[BATCH];
     for (int i = 0; i < BATCH; i++) {
@@ -519,7 +521,7 @@ static void case_bench(void)
                getenv("UCX_TLS"), per, (double)bytes / sec / 1e6);
     }
 out:
-    side_fini(&s);
+    ucx_side_fini(&s);
 }
 
 /* ------------------------------------------------------ remote-key bounds */
@@ -734,72 +736,24 @@ static void case_mover(void)
 
 /* ---- an engine pair asked for ucx where UCX moves reads in software */
 
-#define E_LAYERS 2
-#define E_NKV    (2 * E_LAYERS)
-#define E_HEADS  2
-#define E_HEAD_B 64
-#define E_PAGE   4
-#define E_PAGES  32
-#define E_PAGE_B (E_PAGE * E_HEADS * E_HEAD_B)
-#define E_AUX_B  16
-
-typedef struct eside {
-    kvf_engine_t *eng;
-    uint8_t      *kv[E_NKV];
-    uint8_t      *aux;
-} eside_t;
-
-static void eside_init(eside_t *s, kvf_role_t role, const char *bs)
+/* Both sides over ucx, the library's transfer deadline. */
+static void ucx_engine_side(side_t *s, kvf_role_t role, const char *bs)
 {
-    kvf_engine_params_t p;
-    kvf_engine_params_init(&p);
-    p.role = role;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = role == KVF_ROLE_PREFILL;
-    p.bootstrap_timeout_ms = 5000;
-    p.transport = "ucx";
-    CHECK_EQ_INT(kvf_engine_create(&p, &s->eng), KVF_OK);
-    kvf_buffer_t kv[E_NKV];
-    for (int i = 0; i < E_NKV; i++) {
-        s->kv[i] = calloc(E_PAGES, E_PAGE_B);
-        for (size_t j = 0; role == KVF_ROLE_PREFILL && j < (size_t)E_PAGES * E_PAGE_B; j++)
-            s->kv[i][j] = pattern(j * 5 + (uint64_t)i);
-        kv[i] = (kvf_buffer_t){s->kv[i], (size_t)E_PAGES * E_PAGE_B, E_PAGE_B};
-    }
-    s->aux = calloc(4, E_AUX_B);
-    kvf_buffer_t aux = {s->aux, 4 * E_AUX_B, E_AUX_B};
-    kvf_layout_t l;
-    kvf_layout_init(&l);
-    l.page_size = E_PAGE;
-    l.kv_dtype = "bfloat16";
-    l.num_layers = E_LAYERS;
-    l.heads_per_rank = l.total_heads = E_HEADS;
-    l.bytes_per_head = E_HEAD_B;
-    l.num_kv = E_NKV;
-    l.kv = kv;
-    l.num_aux = 1;
-    l.aux = &aux;
-    CHECK_EQ_INT(kvf_engine_register_layout(s->eng, &l), KVF_OK);
-}
-
-static void eside_fini(eside_t *s)
-{
-    kvf_engine_destroy(s->eng);
-    for (int i = 0; i < E_NKV; i++)
-        free(s->kv[i]);
-    free(s->aux);
+    side_transport = "ucx";
+    side_transfer_ms = 0;
+    side_init(s, role, bs, NULL);
 }
 
 /* One room between a prefill and a decode engine that both ask for ucx:
  * every byte verified; the payload went over `want`. */
 static void pair_room(const char *want)
 {
-    eside_t pre, dec;
+    side_t pre, dec;
     char bs[64];
-    eside_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0");
+    ucx_engine_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0");
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    eside_init(&dec, KVF_ROLE_DECODE, NULL);
-    memcpy(pre.aux + E_AUX_B, "bounds-room-0007", E_AUX_B);
+    ucx_engine_side(&dec, KVF_ROLE_DECODE, NULL);
+    memcpy(pre.aux + AUX_B, "bounds-room-0007", AUX_B);
 
     uint32_t src[5] = {3, 4, 5, 20, 9}, dst[5] = {30, 0, 1, 2, 17};
     kvf_sender_t *s = NULL;
@@ -813,11 +767,11 @@ static void pair_room(const char *want)
     wait_final(s, r);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
-    for (int b = 0; b < E_NKV; b++)
+    for (int b = 0; b < NKV; b++)
         for (int i = 0; i < 5; i++)
-            CHECK(memcmp(dec.kv[b] + (size_t)dst[i] * E_PAGE_B,
-                         pre.kv[b] + (size_t)src[i] * E_PAGE_B, E_PAGE_B) == 0);
-    CHECK(memcmp(dec.aux + 2 * E_AUX_B, "bounds-room-0007", E_AUX_B) == 0);
+            CHECK(memcmp(dec.kv[b] + (size_t)dst[i] * PAGE_B,
+                         pre.kv[b] + (size_t)src[i] * PAGE_B, PAGE_B) == 0);
+    CHECK(memcmp(dec.aux + 2 * AUX_B, "bounds-room-0007", AUX_B) == 0);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
 
@@ -829,8 +783,8 @@ static void pair_room(const char *want)
     CHECK_EQ_INT(st.peers_ucx, strcmp(want, "ucx") == 0);
     CHECK_EQ_INT(st.peers_tcp, strcmp(want, "tcp") == 0);
     CHECK_EQ_INT(st.rooms_succeeded, 1);
-    eside_fini(&dec);
-    eside_fini(&pre);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 static void case_pair(void)
@@ -862,11 +816,7 @@ static void run_under(void (*fn)(void), const char *name, const char *tls)
     }
     CHECK(pid > 0);
     int status = 0;
-    uint64_t deadline = kvf_now_ms() + RUN_MS + 5000;
-    pid_t w;
-    while ((w = waitpid(pid, &status, WNOHANG)) == 0 && kvf_now_ms() < deadline)
-        usleep(10000);
-    if (w == 0) {
+    if (!wait_child(pid, &status, RUN_MS + 5000)) {
         kill(pid, SIGKILL);
         waitpid(pid, &status, 0);
     }
