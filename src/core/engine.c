@@ -607,7 +607,7 @@ void kvf__engine_progress_movers(kvf_engine_t *eng)
 static int have_device_mover(const kvf_engine_t *eng)
 {
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
-        if (eng->movers[i] != NULL && eng->movers[i]->ops->device_memory)
+        if (eng->movers[i] != NULL && (eng->movers[i]->ops->caps & KVF_MOVER_CAP_MEM_DEVICE))
             return 1;
     return 0;
 }

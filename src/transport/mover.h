@@ -85,12 +85,36 @@ typedef struct kvf_mover_params {
     int             by_name;    /* asked for by name, not by "auto" */
 } kvf_mover_params_t;
 
-struct kvf_mover_ops {
-    const char *name;           /* in offers, logs, metrics, `transport` */
-    int         device_memory;  /* may carry KVF_MEM_CUDA buffers */
+/*
+ * What a mover can do (kvf_mover_ops_t.caps), the way UCX's iface flags
+ * say it (UCT_IFACE_FLAG_GET_ZCOPY, ...): core decides from these bits,
+ * never from a mover's name.
+ */
+enum {
+    /* The decode side reads each DATA_REF segment from the sender's
+     * memory (`read`).  Every mover built in pulls. */
+    KVF_MOVER_CAP_PULL = 1u << 0,
+    /* Reserved: the sender writes into the receiver's memory.  No mover
+     * pushes, and core has no path for one that does (kvf_movers_check
+     * refuses a mover that does not pull). */
+    KVF_MOVER_CAP_PUSH = 1u << 1,
+    /* The kinds of KV memory it moves (kvf_mover_params_t.mem_kind):
+     * KVF_MEM_HOST, KVF_MEM_CUDA. */
+    KVF_MOVER_CAP_MEM_HOST = 1u << 2,
+    KVF_MOVER_CAP_MEM_DEVICE = 1u << 3,
     /* Its bytes never pass through host memory: the pair does not checksum
      * them (byte counts still hold). */
-    int         no_host_checksum;
+    KVF_MOVER_CAP_NO_HOST_COPY = 1u << 4,
+    /* A failed read can take the endpoint down with it (every later read
+     * would fail): after one, core asks `ep_failed` whether it did, and
+     * fails the peer if so.  Without it a failed read is that read alone,
+     * and the mover needs no `ep_failed`. */
+    KVF_MOVER_CAP_READ_FAIL_CLOSES_EP = 1u << 5,
+};
+
+struct kvf_mover_ops {
+    const char *name;           /* in offers, logs, metrics, `transport` */
+    unsigned    caps;           /* KVF_MOVER_CAP_* */
     /* May "auto" use it?  NULL: yes.  (A mover that can bring its process
      * down when a peer dies is used only when asked for by name.) */
     int          (*auto_ok)(void);
@@ -138,14 +162,16 @@ struct kvf_mover_ops {
      *                     registered: nothing was started, the endpoint is
      *                     fine, rd->done is not called;
      *   other errors      nothing was started (why in err), rd->done is not
-     *                     called; ep_failed() says whether the endpoint is
-     *                     dead.
+     *                     called; without KVF_MOVER_CAP_READ_FAIL_CLOSES_EP
+     *                     the endpoint is fine, with it ep_failed() says
+     *                     whether the endpoint is dead.
      */
     kvf_status_t (*read)(kvf_mover_ep_t *ep, kvf_mover_read_t *rd, struct iovec *local,
                          struct iovec *remote, size_t n, unsigned timeout_ms, char *err,
                          size_t errlen);
     /* 1 when the endpoint can read nothing any more (every later read would
-     * fail): its peer must be failed. */
+     * fail): its peer must be failed.  Required with
+     * KVF_MOVER_CAP_READ_FAIL_CLOSES_EP, NULL without. */
     int          (*ep_failed)(const kvf_mover_ep_t *ep);
 };
 

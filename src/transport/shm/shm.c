@@ -1124,16 +1124,11 @@ static kvf_status_t shm_read_ep(kvf_mover_ep_t *ep, kvf_mover_read_t *rd,
     return KVF_OK;
 }
 
-/* A failed read is the memory of one read gone, not the endpoint. */
-static int shm_ep_failed(const kvf_mover_ep_t *ep)
-{
-    (void)ep;
-    return 0;
-}
-
+/* A failed read is the memory of one read gone, not the endpoint: no
+ * KVF_MOVER_CAP_READ_FAIL_CLOSES_EP, no ep_failed. */
 const kvf_mover_ops_t kvf_shm_mover = {
     .name = "shm",
-    .device_memory = 0,
+    .caps = KVF_MOVER_CAP_PULL | KVF_MOVER_CAP_MEM_HOST,
     .create = shm_create,
     .destroy = shm_destroy,
     .fd = shm_fd,
@@ -1143,5 +1138,4 @@ const kvf_mover_ops_t kvf_shm_mover = {
     .disconnect = shm_disconnect,
     .tick = shm_tick,
     .read = shm_read_ep,
-    .ep_failed = shm_ep_failed,
 };
