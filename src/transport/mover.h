@@ -204,16 +204,26 @@ kvf_status_t kvf_control_listen(const char *host, int port, int *fd_p, int *port
 const char  *kvf_stream_name(void);
 
 /*
- * The fault mover (transport/fault): wraps a decode endpoint `*ep_p` (of
- * any mover) with the engine's read faults, replacing *ep_p by the
- * wrapper, which owns the inner endpoint; no-op when the spec has none.
- *   readfail@BYTES       the read during which this engine's pulled bytes
- *                        pass BYTES is handed back failed (its bytes may
- *                        have landed; the endpoint stays usable)
- *   readstall@BYTES:MS   that read is handed back MS late, and every read
- *                        of the endpoint after it waits behind it
+ * Opening (open.c), with the engine's injected faults (NULL: none), which
+ * the transport layer wraps around what it opens: core asks for a
+ * connection or an endpoint and never names the fault transport.
+ *
+ * kvf_control_connect / kvf_control_accept: a control connection, as
+ * kvf_control_ops->connect / ->accept make it (same contract), through
+ * the fault transport when `faults` is not NULL.
+ *
+ * kvf_mover_connect: decode, accept a peer's offer for mover `m`, as
+ * m->ops->connect (same contract); the endpoint made is wrapped with the
+ * read faults (readfail, readstall) when `faults` has any, the wrapper
+ * answering with the real endpoint's caps.
  */
-void kvf_fault_wrap_ep(kvf_faults_t *faults, kvf_mover_ep_t **ep_p);
+kvf_status_t kvf_control_connect(kvf_faults_t *faults, const char *host, int port,
+                                 const kvf_conn_env_t *env, const kvf_conn_handler_t *h,
+                                 void *arg, kvf_conn_t **conn_p);
+kvf_status_t kvf_control_accept(kvf_faults_t *faults, int fd, const kvf_conn_env_t *env,
+                                const kvf_conn_handler_t *h, void *arg, kvf_conn_t **conn_p);
+kvf_status_t kvf_mover_connect(kvf_faults_t *faults, kvf_mover_t *m, const uint8_t *blob,
+                               size_t len, kvf_mover_ep_t **ep_p, char *why, size_t whylen);
 
 /* What to do when device memory is registered, cannot be staged, and no
  * mover carries it: what ucx would need. */

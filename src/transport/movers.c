@@ -1,7 +1,9 @@
 /*
  * The registration table of movers (mover.h): the one place that names
  * the backends built into this library, and the only one with a backend
- * #ifdef.  Everything else walks kvf_movers[].
+ * #ifdef.  Everything else walks kvf_movers[].  (The fault transport,
+ * which wraps the others rather than standing beside them, is named in
+ * open.c, where connections and endpoints open.)
  */
 #include <assert.h>
 #include <pthread.h>

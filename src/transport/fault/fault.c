@@ -44,13 +44,14 @@
  * The fault layer sits between the real connection and the engine: it
  * makes the inner connection with its own handler, so that it sees what
  * the peer says (to put a corrupted byte back) before the engine does.
+ * It is put there where connections and endpoints open (transport/open.c),
+ * never by core.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "transport/mover.h"
-#include "transport/transport.h"
+#include "transport/fault/fault.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -124,8 +125,8 @@ typedef struct fault_put {
     fault_t      *corrupted;   /* pushed: put back when the put completes */
 } fault_put_t;
 
-kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *err,
-                              size_t errlen)
+kvf_status_t kvf_fault_parse(const char *spec, kvf_faults_t **faults_p, char *err,
+                             size_t errlen)
 {
     kvf_faults_t *fs = calloc(1, sizeof(*fs));
     char *copy = strdup(spec);
@@ -198,7 +199,7 @@ bad:
     return KVF_ERR_INVALID_PARAM;
 }
 
-void kvf_faults_free(kvf_faults_t *fs)
+void kvf_fault_free(kvf_faults_t *fs)
 {
     free(fs);
 }
