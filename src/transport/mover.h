@@ -8,8 +8,14 @@
  * registered, a prefill engine offers every mover it has (an XPORT entry
  * per mover, with the mover's blob), and a decode engine accepts the first
  * offer that works here, in table order (accepting an offer is the
- * reachability test).  Core never names a backend: it walks kvf_movers[]
- * and asks the ops.
+ * reachability test).
+ *
+ * Core never names a backend, the fault transport included: it walks
+ * kvf_movers[], decides from each mover's `caps` (KVF_MOVER_CAP_*: does
+ * it pull, which memory kinds, may a failed read close the endpoint)
+ * rather than from its name, and opens connections and endpoints through
+ * kvf_control_connect / kvf_control_accept / kvf_mover_connect (open.c),
+ * which wrap them with the fault transport when the engine has faults.
  *
  * The movers built in pull: the decode side reads each DATA_REF segment,
  * already checked against the pages its room declared, from the sender's
@@ -27,8 +33,8 @@
  * under the lock (a receiver destroyed there drops the last reference to
  * its peer); no op waits on a peer.
  *
- * Adding a mover: a folder under src/transport, an ops table, a CMake
- * option, and one line in movers.c.
+ * Adding a mover: a folder under src/transport, an ops table with its
+ * caps, a CMake option, and one line in movers.c.
  */
 #ifndef KVF_TRANSPORT_MOVER_H
 #define KVF_TRANSPORT_MOVER_H
