@@ -197,7 +197,7 @@ static void engine_free(kvf_engine_t *eng)
     free(eng->reg_bases);
     free(eng->reg_lens);
     free(eng->reg_kinds);
-    kvf_faults_free(eng->faults);
+    kvf_transport_faults_free(eng->faults);
     free(eng->tomb_ring);
     free(eng->retired_ring);
     free(eng->register_error);
@@ -263,7 +263,7 @@ static kvf_status_t engine_own_params(kvf_engine_t *eng, const kvf_engine_params
     eng->params.faults = NULL;
     kvf__registration_setup(eng);
     if (params->faults != NULL) {
-        st = kvf_faults_parse(params->faults, &eng->faults, err, sizeof(err));
+        st = kvf_transport_faults_parse(params->faults, &eng->faults, err, sizeof(err));
         if (st != KVF_OK) {
             kvf_error("invalid fault spec '%s': %s", params->faults, err);
             return st;
@@ -607,7 +607,7 @@ void kvf__engine_progress_movers(kvf_engine_t *eng)
 static int have_device_mover(const kvf_engine_t *eng)
 {
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
-        if (eng->movers[i] != NULL && eng->movers[i]->ops->device_memory)
+        if (eng->movers[i] != NULL && (eng->movers[i]->ops->caps & KVF_MOVER_CAP_MEM_DEVICE))
             return 1;
     return 0;
 }

@@ -382,10 +382,8 @@ static int try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, int i, char *why,
         snprintf(why, len, "not available on this engine (see its log)");
         return 0;
     }
-    if (ops->connect(mv, o->blob, o->blob_len, &p->mep, why, len) != KVF_OK)
-        return 0;
-    kvf_fault_wrap_ep(p->eng->faults, &p->mep);   /* read faults, if any */
-    return 1;
+    return kvf_mover_connect(p->eng->faults, mv, o->blob, o->blob_len, &p->mep, why, len) ==
+           KVF_OK;
 }
 
 /* Device memory moves over a mover that carries it, or over the stream
@@ -395,7 +393,7 @@ static int try_offer(kvf_peer_t *p, const kvf_msg_xport_t *x, int i, char *why,
 static void check_device_memory(kvf_peer_t *p)
 {
     const kvf_layout_int_t *mine = &p->eng->layout;
-    if ((p->mover != NULL && p->mover->device_memory) || p->incompatible != NULL ||
+    if ((kvf__peer_caps(p) & KVF_MOVER_CAP_MEM_DEVICE) || p->incompatible != NULL ||
         !kvf__layout_on_device(mine) || (p->mover == NULL && kvf__stages(p->eng)))
         return;
     char why[KVF_REASON_MAX];
@@ -647,12 +645,9 @@ kvf_status_t kvf__peer_dial(kvf_peer_t *p)
     const kvf_peer_t *m = kvf__peer_main(p);
     kvf_conn_env_t env = {eng->lanes[p->lane].epfd, p, kvf__engine_io_unlock,
                           kvf__engine_io_lock, eng};
-    /* With KVF_FAULTS set, every connection goes through the fault transport. */
-    kvf_status_t st = eng->faults
-        ? kvf_fault_connect(eng->faults, kvf_control_ops, m->dial_host, m->dial_port, &env,
-                            &kvf__peer_handler, p, &p->conn)
-        : kvf_control_ops->connect(m->dial_host, m->dial_port, &env, &kvf__peer_handler, p,
-                                   &p->conn);
+    /* With KVF_FAULTS set, every connection carries the engine's faults. */
+    kvf_status_t st = kvf_control_connect(eng->faults, m->dial_host, m->dial_port, &env,
+                                          &kvf__peer_handler, p, &p->conn);
     if (st != KVF_OK)
         p->conn = NULL;
     return st;
@@ -751,10 +746,8 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
     snprintf(p->remote_host, sizeof(p->remote_host), "%s", host);
     snprintf(p->addr, sizeof(p->addr), "%s (not authenticated)", host);
     kvf_conn_env_t env = {eng->epfd, p, kvf__engine_io_unlock, kvf__engine_io_lock, eng};
-    kvf_status_t st = eng->faults
-        ? kvf_fault_accept(eng->faults, kvf_control_ops, fd, &env, &kvf__peer_handler, p,
-                           &p->conn)
-        : kvf_control_ops->accept(fd, &env, &kvf__peer_handler, p, &p->conn);
+    kvf_status_t st = kvf_control_accept(eng->faults, fd, &env, &kvf__peer_handler, p,
+                                         &p->conn);
     if (st != KVF_OK) {
         close(fd);
         p->state = KVF_PEER_DEAD;

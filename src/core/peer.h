@@ -113,11 +113,18 @@ struct kvf_peer {
     kvf_peer_t       *next;          /* engine->peers */
 };
 
+/* What this peer's payload path can do: its mover's KVF_MOVER_CAP_*, or
+ * nothing beyond the stream (0). */
+static inline unsigned kvf__peer_caps(const kvf_peer_t *p)
+{
+    return p->mover != NULL ? p->mover->caps : 0;
+}
+
 /* The receiver pulls this peer's payload (DATA_REF) instead of receiving
  * it in the stream. */
 static inline int kvf__peer_pulls(const kvf_peer_t *p)
 {
-    return p->mover != NULL;
+    return (kvf__peer_caps(p) & KVF_MOVER_CAP_PULL) != 0;
 }
 
 /* The peer a connection belongs to: itself, or a stream's primary. */

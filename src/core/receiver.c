@@ -1219,6 +1219,13 @@ static void read_started(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, kvf_read_
     p->eng->reads_inflight++;
 }
 
+/* After a failed read: whether its endpoint went down with it.  The
+ * endpoint's own ops say (a fault wrapper forwards its inner's caps). */
+static int ep_down(const kvf_mover_ep_t *ep)
+{
+    return (ep->ops->caps & KVF_MOVER_CAP_READ_FAIL_CLOSES_EP) && ep->ops->ep_failed(ep);
+}
+
 /* One finished read: its bytes count (or its failure fails the room), and
  * a DONE that waited for it is checked. */
 static void read_finish(kvf_read_t *rd)
@@ -1256,7 +1263,7 @@ static void read_finish(kvf_read_t *rd)
         kvf__room_fail(r, rd->st, "%s transfer from %s failed: %s", p->mover->name,
                        kvf__peer_name(p, name, sizeof(name)), rd->err);
         /* An endpoint that can read nothing any more takes its peer along. */
-        if (p->mep != NULL && p->mep->ops->ep_failed(p->mep))
+        if (p->mep != NULL && ep_down(p->mep))
             kvf__peer_fail(p, rd->st, "%s endpoint failed: %s", p->mover->name, rd->err);
     }
     /* Release: a poller that sees the count reach 0 sees the bytes too. */
@@ -1348,7 +1355,7 @@ void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
     }
     kvf__room_fail(r, st, "%s transfer from %s failed: %s", via,
                    kvf__peer_name(p, name, sizeof(name)), err);
-    if (p->mep == NULL || p->mep->ops->ep_failed(p->mep))
+    if (p->mep == NULL || ep_down(p->mep))
         kvf__peer_fail(p, st, "%s endpoint failed: %s", via, err);
 }
 

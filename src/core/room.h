@@ -409,7 +409,7 @@ static inline int all_done(const kvf_room_t *r)
 static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
 {
     /* Both sides know the mover: they agree on skipping what has no host copy. */
-    if (p->mover != NULL && p->mover->no_host_checksum)
+    if (kvf__peer_caps(p) & KVF_MOVER_CAP_NO_HOST_COPY)
         return 0;
     return eng->params.checksum || p->checksum;
 }

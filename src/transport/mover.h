@@ -8,8 +8,14 @@
  * registered, a prefill engine offers every mover it has (an XPORT entry
  * per mover, with the mover's blob), and a decode engine accepts the first
  * offer that works here, in table order (accepting an offer is the
- * reachability test).  Core never names a backend: it walks kvf_movers[]
- * and asks the ops.
+ * reachability test).
+ *
+ * Core never names a backend, the fault transport included: it walks
+ * kvf_movers[], decides from each mover's `caps` (KVF_MOVER_CAP_*: does
+ * it pull, which memory kinds, may a failed read close the endpoint)
+ * rather than from its name, and opens connections and endpoints through
+ * kvf_control_connect / kvf_control_accept / kvf_mover_connect (open.c),
+ * which wrap them with the fault transport when the engine has faults.
  *
  * The movers built in pull: the decode side reads each DATA_REF segment,
  * already checked against the pages its room declared, from the sender's
@@ -27,8 +33,8 @@
  * under the lock (a receiver destroyed there drops the last reference to
  * its peer); no op waits on a peer.
  *
- * Adding a mover: a folder under src/transport, an ops table, a CMake
- * option, and one line in movers.c.
+ * Adding a mover: a folder under src/transport, an ops table with its
+ * caps, a CMake option, and one line in movers.c.
  */
 #ifndef KVF_TRANSPORT_MOVER_H
 #define KVF_TRANSPORT_MOVER_H
@@ -85,12 +91,36 @@ typedef struct kvf_mover_params {
     int             by_name;    /* asked for by name, not by "auto" */
 } kvf_mover_params_t;
 
-struct kvf_mover_ops {
-    const char *name;           /* in offers, logs, metrics, `transport` */
-    int         device_memory;  /* may carry KVF_MEM_CUDA buffers */
+/*
+ * What a mover can do (kvf_mover_ops_t.caps), the way UCX's iface flags
+ * say it (UCT_IFACE_FLAG_GET_ZCOPY, ...): core decides from these bits,
+ * never from a mover's name.
+ */
+enum {
+    /* The decode side reads each DATA_REF segment from the sender's
+     * memory (`read`).  Every mover built in pulls. */
+    KVF_MOVER_CAP_PULL = 1u << 0,
+    /* Reserved: the sender writes into the receiver's memory.  No mover
+     * pushes, and core has no path for one that does (kvf_movers_check
+     * refuses a mover that does not pull). */
+    KVF_MOVER_CAP_PUSH = 1u << 1,
+    /* The kinds of KV memory it moves (kvf_mover_params_t.mem_kind):
+     * KVF_MEM_HOST, KVF_MEM_CUDA. */
+    KVF_MOVER_CAP_MEM_HOST = 1u << 2,
+    KVF_MOVER_CAP_MEM_DEVICE = 1u << 3,
     /* Its bytes never pass through host memory: the pair does not checksum
      * them (byte counts still hold). */
-    int         no_host_checksum;
+    KVF_MOVER_CAP_NO_HOST_COPY = 1u << 4,
+    /* A failed read can take the endpoint down with it (every later read
+     * would fail): after one, core asks `ep_failed` whether it did, and
+     * fails the peer if so.  Without it a failed read is that read alone,
+     * and the mover needs no `ep_failed`. */
+    KVF_MOVER_CAP_READ_FAIL_CLOSES_EP = 1u << 5,
+};
+
+struct kvf_mover_ops {
+    const char *name;           /* in offers, logs, metrics, `transport` */
+    unsigned    caps;           /* KVF_MOVER_CAP_* */
     /* May "auto" use it?  NULL: yes.  (A mover that can bring its process
      * down when a peer dies is used only when asked for by name.) */
     int          (*auto_ok)(void);
@@ -138,14 +168,16 @@ struct kvf_mover_ops {
      *                     registered: nothing was started, the endpoint is
      *                     fine, rd->done is not called;
      *   other errors      nothing was started (why in err), rd->done is not
-     *                     called; ep_failed() says whether the endpoint is
-     *                     dead.
+     *                     called; without KVF_MOVER_CAP_READ_FAIL_CLOSES_EP
+     *                     the endpoint is fine, with it ep_failed() says
+     *                     whether the endpoint is dead.
      */
     kvf_status_t (*read)(kvf_mover_ep_t *ep, kvf_mover_read_t *rd, struct iovec *local,
                          struct iovec *remote, size_t n, unsigned timeout_ms, char *err,
                          size_t errlen);
     /* 1 when the endpoint can read nothing any more (every later read would
-     * fail): its peer must be failed. */
+     * fail): its peer must be failed.  Required with
+     * KVF_MOVER_CAP_READ_FAIL_CLOSES_EP, NULL without. */
     int          (*ep_failed)(const kvf_mover_ep_t *ep);
 };
 
@@ -178,16 +210,26 @@ kvf_status_t kvf_control_listen(const char *host, int port, int *fd_p, int *port
 const char  *kvf_stream_name(void);
 
 /*
- * The fault mover (transport/fault): wraps a decode endpoint `*ep_p` (of
- * any mover) with the engine's read faults, replacing *ep_p by the
- * wrapper, which owns the inner endpoint; no-op when the spec has none.
- *   readfail@BYTES       the read during which this engine's pulled bytes
- *                        pass BYTES is handed back failed (its bytes may
- *                        have landed; the endpoint stays usable)
- *   readstall@BYTES:MS   that read is handed back MS late, and every read
- *                        of the endpoint after it waits behind it
+ * Opening (open.c), with the engine's injected faults (NULL: none), which
+ * the transport layer wraps around what it opens: core asks for a
+ * connection or an endpoint and never names the fault transport.
+ *
+ * kvf_control_connect / kvf_control_accept: a control connection, as
+ * kvf_control_ops->connect / ->accept make it (same contract), through
+ * the fault transport when `faults` is not NULL.
+ *
+ * kvf_mover_connect: decode, accept a peer's offer for mover `m`, as
+ * m->ops->connect (same contract); the endpoint made is wrapped with the
+ * read faults (readfail, readstall) when `faults` has any, the wrapper
+ * answering with the real endpoint's caps.
  */
-void kvf_fault_wrap_ep(kvf_faults_t *faults, kvf_mover_ep_t **ep_p);
+kvf_status_t kvf_control_connect(kvf_faults_t *faults, const char *host, int port,
+                                 const kvf_conn_env_t *env, const kvf_conn_handler_t *h,
+                                 void *arg, kvf_conn_t **conn_p);
+kvf_status_t kvf_control_accept(kvf_faults_t *faults, int fd, const kvf_conn_env_t *env,
+                                const kvf_conn_handler_t *h, void *arg, kvf_conn_t **conn_p);
+kvf_status_t kvf_mover_connect(kvf_faults_t *faults, kvf_mover_t *m, const uint8_t *blob,
+                               size_t len, kvf_mover_ep_t **ep_p, char *why, size_t whylen);
 
 /* What to do when device memory is registered, cannot be staged, and no
  * mover carries it: what ucx would need. */

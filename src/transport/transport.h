@@ -217,23 +217,20 @@ struct kvf_transport_ops {
 extern const kvf_transport_ops_t kvf_tcp_ops;
 
 /*
- * The fault-injecting transport (transport/fault): wraps `inner` with the
- * faults of a spec string (docs/FAILURES.md, KVF_FAULTS).  The faults are
- * per engine: `kvf_faults_t` counts payload bytes over all its connections.
+ * Faults an engine injects (docs/FAILURES.md, KVF_FAULTS): opaque to
+ * core, which parses a spec once per engine and hands the result to every
+ * connection and endpoint it opens (mover.h, kvf_control_connect and
+ * friends); the transport layer wraps them with the fault transport.  The
+ * faults are per engine: `kvf_faults_t` counts payload bytes over all its
+ * connections.
+ *
+ * kvf_transport_faults_parse: @return KVF_OK; KVF_ERR_INVALID_PARAM with
+ * why in err; KVF_ERR_NO_MEMORY.
+ * kvf_transport_faults_free: NULL is a no-op.
  */
 typedef struct kvf_faults kvf_faults_t;
-kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p,
-                              char *err, size_t errlen);
-void         kvf_faults_free(kvf_faults_t *faults);
-/* Connect / accept like inner->connect / inner->accept, through the
- * faults: the fault layer sees the connection's events before `h`. */
-kvf_status_t kvf_fault_connect(kvf_faults_t *faults, const kvf_transport_ops_t *inner,
-                               const char *host, int port, const kvf_conn_env_t *env,
-                               const kvf_conn_handler_t *h, void *arg,
-                               kvf_conn_t **conn_p);
-kvf_status_t kvf_fault_accept(kvf_faults_t *faults, const kvf_transport_ops_t *inner,
-                              int fd, const kvf_conn_env_t *env,
-                              const kvf_conn_handler_t *h, void *arg,
-                              kvf_conn_t **conn_p);
+kvf_status_t kvf_transport_faults_parse(const char *spec, kvf_faults_t **faults_p,
+                                        char *err, size_t errlen);
+void         kvf_transport_faults_free(kvf_faults_t *faults);
 
 #endif /* KVF_TRANSPORT_TRANSPORT_H */

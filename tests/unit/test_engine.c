@@ -558,15 +558,16 @@ static void test_fault_spec_room(void)
 {
     kvf_faults_t *fs = NULL;
     char err[256];
-    CHECK_EQ_INT(kvf_faults_parse("reset@5/123,corrupt/7,stall@1:200/9", &fs, err,
-                                  sizeof(err)), KVF_OK);
-    kvf_faults_free(fs);
-    CHECK_EQ_INT(kvf_faults_parse("delay:100/5", &fs, err, sizeof(err)),
+    CHECK_EQ_INT(kvf_transport_faults_parse("reset@5/123,corrupt/7,stall@1:200/9", &fs,
+                                            err, sizeof(err)), KVF_OK);
+    kvf_transport_faults_free(fs);
+    CHECK_EQ_INT(kvf_transport_faults_parse("delay:100/5", &fs, err, sizeof(err)),
                  KVF_ERR_INVALID_PARAM);
     CHECK_STR_CONTAINS(err, "cannot be kept to one room");
-    CHECK_EQ_INT(kvf_faults_parse("reset@5/", &fs, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(kvf_transport_faults_parse("reset@5/", &fs, err, sizeof(err)),
+                 KVF_ERR_INVALID_PARAM);
     CHECK_STR_CONTAINS(err, "KIND/ROOM");
-    CHECK_EQ_INT(kvf_faults_parse("reset@5x/1", &fs, err, sizeof(err)),
+    CHECK_EQ_INT(kvf_transport_faults_parse("reset@5x/1", &fs, err, sizeof(err)),
                  KVF_ERR_INVALID_PARAM);
 }
 

@@ -20,7 +20,7 @@
  * (docs/SECURITY.md), as shm's cookie does.
  *
  * Checksums are not computed on this path: its bytes never pass through
- * host memory (mover.h, no_host_checksum).  Byte counts still are.
+ * host memory (mover.h, KVF_MOVER_CAP_NO_HOST_COPY).  Byte counts still are.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -441,17 +441,12 @@ out:
     return st;
 }
 
-/* A failed read is one batch gone; the mappings stay usable. */
-static int cuda_ep_failed(const kvf_mover_ep_t *ep)
-{
-    (void)ep;
-    return 0;
-}
-
+/* KV in device memory only (its host regions are aux, beside it); a
+ * failed read is one batch gone, the mappings stay usable: no
+ * KVF_MOVER_CAP_READ_FAIL_CLOSES_EP, no ep_failed. */
 const kvf_mover_ops_t kvf_cuda_mover = {
     .name = "cuda",
-    .device_memory = 1,
-    .no_host_checksum = 1,
+    .caps = KVF_MOVER_CAP_PULL | KVF_MOVER_CAP_MEM_DEVICE | KVF_MOVER_CAP_NO_HOST_COPY,
     .create = cuda_create,
     .destroy = cuda_destroy,
     .fd = cuda_fd,
@@ -460,5 +455,4 @@ const kvf_mover_ops_t kvf_cuda_mover = {
     .connect = cuda_connect,
     .disconnect = cuda_disconnect,
     .read = cuda_read,
-    .ep_failed = cuda_ep_failed,
 };

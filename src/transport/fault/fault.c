@@ -44,13 +44,14 @@
  * The fault layer sits between the real connection and the engine: it
  * makes the inner connection with its own handler, so that it sees what
  * the peer says (to put a corrupted byte back) before the engine does.
+ * It is put there where connections and endpoints open (transport/open.c),
+ * never by core.
  */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "transport/mover.h"
-#include "transport/transport.h"
+#include "transport/fault/fault.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -124,8 +125,8 @@ typedef struct fault_put {
     fault_t      *corrupted;   /* pushed: put back when the put completes */
 } fault_put_t;
 
-kvf_status_t kvf_faults_parse(const char *spec, kvf_faults_t **faults_p, char *err,
-                              size_t errlen)
+kvf_status_t kvf_fault_parse(const char *spec, kvf_faults_t **faults_p, char *err,
+                             size_t errlen)
 {
     kvf_faults_t *fs = calloc(1, sizeof(*fs));
     char *copy = strdup(spec);
@@ -198,7 +199,7 @@ bad:
     return KVF_ERR_INVALID_PARAM;
 }
 
-void kvf_faults_free(kvf_faults_t *fs)
+void kvf_fault_free(kvf_faults_t *fs)
 {
     free(fs);
 }
@@ -656,7 +657,11 @@ kvf_status_t kvf_fault_accept(kvf_faults_t *faults, const kvf_transport_ops_t *i
 typedef struct fault_read fault_read_t;
 
 typedef struct fault_ep {
-    kvf_mover_ep_t  base;       /* first: ops = the wrapper's */
+    kvf_mover_ep_t  base;       /* first: ops = &ops */
+    /* fault_ep_ops with the inner mover's caps (and ep_failed only where
+     * those say it has one): core asks the endpoint it holds what it can
+     * do, and the answer must be the real mover's. */
+    kvf_mover_ops_t ops;
     kvf_mover_ep_t *inner;
     kvf_faults_t   *faults;
     /* Reads started, in order, until handed back: the inner mover hands
@@ -784,7 +789,7 @@ static int fep_failed(const kvf_mover_ep_t *ep)
 }
 
 /* Endpoint ops only: the engine reaches the mover itself through the
- * inner mover's own table. */
+ * inner mover's own table.  Each wrapper copies them with its inner's caps. */
 static const kvf_mover_ops_t fault_ep_ops = {
     .name = "fault",
     .disconnect = fep_disconnect,
@@ -805,7 +810,11 @@ void kvf_fault_wrap_ep(kvf_faults_t *fs, kvf_mover_ep_t **ep_p)
         kvf_warn("no memory for the fault mover: read faults not injected");
         return;
     }
-    fe->base.ops = &fault_ep_ops;
+    fe->ops = fault_ep_ops;
+    fe->ops.caps = (*ep_p)->ops->caps;
+    if (!(fe->ops.caps & KVF_MOVER_CAP_READ_FAIL_CLOSES_EP))
+        fe->ops.ep_failed = NULL;
+    fe->base.ops = &fe->ops;
     fe->inner = *ep_p;
     fe->faults = fs;
     fe->tail = &fe->head;

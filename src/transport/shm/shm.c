@@ -24,6 +24,7 @@
 
 #include "kvferry/kvferry.h"
 #include "util/log.h"
+#include "util/memfd.h"
 #include "util/reserve.h"
 #include "util/time.h"
 #include "util/region.h"
@@ -38,23 +39,9 @@
 #define PENDING_MS   1000
 #define REFUSAL_LOG_MS 60000  /* at most one line this often about refused requests */
 
-#ifndef F_SEAL_FUTURE_WRITE
-#define F_SEAL_FUTURE_WRITE 0x0010   /* Linux 5.1; older headers lack it */
-#endif
 #define READ_IOV     1024     /* iovecs per process_vm_readv (UIO_MAXIOV) */
 #define MAX_REGIONS  250      /* memfds per answer (SCM_MAX_FD is 253) */
 #define MAX_OFFER_REGIONS 65536 /* registered buffers named in an offer */
-
-/* ------------------------------------------------------------------------ */
-/* kvf_mem_alloc: memory a peer on this host can map                        */
-/* ------------------------------------------------------------------------ */
-
-typedef struct region {
-    void  *base;
-    size_t len;
-    int    fd;
-    int    ro_fd;      /* the same memfd opened read-only: what is handed out */
-} region_t;
 
 /* A registered buffer (prefill), or one the peer registered (decode). */
 typedef struct span {
@@ -65,99 +52,6 @@ static int span_cmp(const void *a, const void *b)
 {
     const span_t *x = a, *y = b;
     return x->base < y->base ? -1 : x->base > y->base;
-}
-
-/* Every kvf_mem_alloc'd region of this process; few and long-lived. */
-static pthread_mutex_t regions_lock = PTHREAD_MUTEX_INITIALIZER;
-static region_t       *regions;
-static size_t          nregions;
-
-/*
- * What a decode engine gets must not let it write: the prefill's own
- * mapping (made before) stays writable, and every later one is read-only.
- * Two locks, each enough alone: the seals (F_SEAL_FUTURE_WRITE refuses
- * writable mappings and write() to anyone, even through a reopened
- * /proc/<pid>/fd link; SHRINK / GROW keep the size, so a holder cannot
- * truncate the prefill into SIGBUS; SEAL fixes the set), and a read-only
- * file description (reopened through /proc/self/fd), whose writable
- * MAP_SHARED mmap fails with EACCES.  @return that descriptor, or -1.
- */
-static int seal_read_only(int fd, size_t len)
-{
-    char path[64];
-    if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE |
-                                   F_SEAL_SEAL) != 0) {
-        kvf_error("sealing a %zu-byte memfd read-only for peers (F_SEAL_FUTURE_WRITE needs "
-                  "Linux 5.1): %m", len);
-        return -1;
-    }
-    snprintf(path, sizeof(path), "/proc/self/fd/%d", fd);
-    int ro = open(path, O_RDONLY | O_CLOEXEC);
-    if (ro < 0)
-        kvf_error("reopening a memfd read-only (%s): %m", path);
-    return ro;
-}
-
-kvf_status_t kvf_mem_alloc(size_t len, void **ptr_p)
-{
-    if (len == 0 || ptr_p == NULL)
-        return KVF_ERR_INVALID_PARAM;
-    int fd = memfd_create("kvferry-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (fd < 0) {
-        kvf_error("memfd_create: %m");
-        return KVF_ERR_NO_MEMORY;
-    }
-    if (ftruncate(fd, (off_t)len) != 0) {
-        kvf_error("ftruncate of a %zu-byte memfd: %m", len);
-        close(fd);
-        return KVF_ERR_NO_MEMORY;
-    }
-    /* Populated now: KV pools are allocated before serving, and a first
-     * touch in the middle of a transfer would stall it. */
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    if (p == MAP_FAILED) {
-        kvf_error("mmap of %zu bytes: %m", len);
-        close(fd);
-        return KVF_ERR_NO_MEMORY;
-    }
-    int ro_fd = seal_read_only(fd, len);
-    if (ro_fd < 0) {
-        munmap(p, len);
-        close(fd);
-        return KVF_ERR_IO;
-    }
-    pthread_mutex_lock(&regions_lock);
-    region_t *r = realloc(regions, (nregions + 1) * sizeof(*r));
-    if (r != NULL) {
-        regions = r;
-        regions[nregions++] = (region_t){p, len, fd, ro_fd};
-    }
-    pthread_mutex_unlock(&regions_lock);
-    if (r == NULL) {
-        munmap(p, len);
-        close(fd);
-        close(ro_fd);
-        return KVF_ERR_NO_MEMORY;
-    }
-    *ptr_p = p;
-    return KVF_OK;
-}
-
-void kvf_mem_free(void *ptr)
-{
-    if (ptr == NULL)
-        return;
-    pthread_mutex_lock(&regions_lock);
-    for (size_t i = 0; i < nregions; i++) {
-        if (regions[i].base != ptr)
-            continue;
-        munmap(regions[i].base, regions[i].len);
-        close(regions[i].fd);
-        close(regions[i].ro_fd);
-        regions[i] = regions[--nregions];
-        break;
-    }
-    pthread_mutex_unlock(&regions_lock);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -245,9 +139,10 @@ static void answer(int fd, const span_t *spans, size_t n)
 {
     uint64_t desc[2 * MAX_REGIONS + 1];
     int fds[MAX_REGIONS];
-    size_t k = 0;
+    size_t k = 0, nregions;
 
-    pthread_mutex_lock(&regions_lock);
+    /* Held until the fds are sent: none is closed (and reused) meanwhile. */
+    const kvf_memfd_region_t *regions = kvf_memfd_regions_hold(&nregions);
     for (size_t r = 0; r < nregions && k < MAX_REGIONS; r++) {
         uintptr_t rb = (uintptr_t)regions[r].base, re = rb + regions[r].len;
         if (covered(spans, n, rb, re)) {
@@ -272,7 +167,7 @@ static void answer(int fd, const span_t *spans, size_t n)
     /* A few hundred bytes into an empty socket buffer: never blocks. */
     if (sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT) < 0)
         kvf_debug("shm: answering a decode engine: %m");
-    pthread_mutex_unlock(&regions_lock);
+    kvf_memfd_regions_release();
 }
 
 /*
@@ -283,9 +178,9 @@ static void answer(int fd, const span_t *spans, size_t n)
  */
 static void note_partial_regions(const span_t *spans, size_t n)
 {
-    size_t partial = 0, first = SIZE_MAX;
+    size_t partial = 0, first = SIZE_MAX, nregions;
 
-    pthread_mutex_lock(&regions_lock);
+    const kvf_memfd_region_t *regions = kvf_memfd_regions_hold(&nregions);
     for (size_t r = 0; r < nregions; r++) {
         uintptr_t rb = (uintptr_t)regions[r].base, re = rb + regions[r].len;
         size_t i = 0;
@@ -303,7 +198,7 @@ static void note_partial_regions(const span_t *spans, size_t n)
                  "the speed of a mapping. Register whole allocations (one buffer, or "
                  "buffers that tile it) to be read through a mapping",
                  partial, regions[first].len, regions[first].base);
-    pthread_mutex_unlock(&regions_lock);
+    kvf_memfd_regions_release();
 }
 
 kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
@@ -1127,16 +1022,11 @@ static kvf_status_t shm_read_ep(kvf_mover_ep_t *ep, kvf_mover_read_t *rd,
     return KVF_OK;
 }
 
-/* A failed read is the memory of one read gone, not the endpoint. */
-static int shm_ep_failed(const kvf_mover_ep_t *ep)
-{
-    (void)ep;
-    return 0;
-}
-
+/* A failed read is the memory of one read gone, not the endpoint: no
+ * KVF_MOVER_CAP_READ_FAIL_CLOSES_EP, no ep_failed. */
 const kvf_mover_ops_t kvf_shm_mover = {
     .name = "shm",
-    .device_memory = 0,
+    .caps = KVF_MOVER_CAP_PULL | KVF_MOVER_CAP_MEM_HOST,
     .create = shm_create,
     .destroy = shm_destroy,
     .fd = shm_fd,
@@ -1146,5 +1036,4 @@ const kvf_mover_ops_t kvf_shm_mover = {
     .disconnect = shm_disconnect,
     .tick = shm_tick,
     .read = shm_read_ep,
-    .ep_failed = shm_ep_failed,
 };

@@ -7,13 +7,13 @@
  * room declared" holds exactly as for TCP, whatever the sender claims.
  *
  * Two ways to read, fastest first:
- *   - Shared mappings.  Memory allocated with kvf_mem_alloc() is a memfd;
- *     a prefill engine hands a decode engine, over a unix socket
- *     (SCM_RIGHTS), the memfd of every such allocation its registered
- *     buffers cover whole, which the decode engine maps read-only: a read
- *     is then one memcpy.  A peer can map all of a memfd it holds, so an
- *     allocation registered only in part is never handed out: it is read
- *     the other way.
+ *   - Shared mappings.  Memory allocated with kvf_mem_alloc() is a memfd
+ *     (util/memfd.h); a prefill engine hands a decode engine, over a unix
+ *     socket (SCM_RIGHTS), the memfd of every such allocation its
+ *     registered buffers cover whole, which the decode engine maps
+ *     read-only: a read is then one memcpy.  A peer can map all of a
+ *     memfd it holds, so an allocation registered only in part is never
+ *     handed out: it is read the other way.
  *   - Cross-memory attach.  Any other memory is read with
  *     process_vm_readv(): one copy too, but the kernel pins pages as it
  *     goes, which costs about half of memcpy's bandwidth.

@@ -916,7 +916,9 @@ static int mv_ep_failed(const kvf_mover_ep_t *ep)
 
 const kvf_mover_ops_t kvf_ucx_mover = {
     .name = "ucx",
-    .device_memory = 1,
+    /* A failed request closes the endpoint (finish_batches). */
+    .caps = KVF_MOVER_CAP_PULL | KVF_MOVER_CAP_MEM_HOST | KVF_MOVER_CAP_MEM_DEVICE |
+            KVF_MOVER_CAP_READ_FAIL_CLOSES_EP,
     .auto_ok = kvf_ucx_survives_peer_death,
     .create = mv_create,
     .destroy = mv_destroy,
