@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "core/auth.h"
 #include "core/descriptor.h"
@@ -21,8 +22,10 @@
 #include "util/log.h"
 #include "util/time.h"
 
-void kvf__receiver_free(kvf_receiver_t *rv)
+/* Free what only a receiver holds (its room is being freed). */
+static void receiver_free(kvf_room_t *r)
 {
+    kvf_receiver_t *rv = receiver_of(r);
     free(rv->bootstrap_addr);
     free(rv->pages);
     free(rv->sorted_pages);
@@ -43,7 +46,7 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
         return KVF_ERR_INVALID_PARAM;
     }
     kvf__lock(eng);
-    kvf_status_t st = kvf__room_create(eng, KVF_ROLE_DECODE, room, &r);
+    kvf_status_t st = kvf__room_create(eng, &kvf_receiver_room_ops, room, &r);
     if (st == KVF_OK) {
         kvf_receiver_t *rv = receiver_of(r);
         rv->dp_rank = prefill_dp_rank;
@@ -56,6 +59,19 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
     }
     kvf__unlock(eng);
     return st;
+}
+
+void kvf__receiver_tell_failed(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    if (room_state(r) != KVF_POLL_FAILED || r->failure == NULL)
+        return;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        if (!lk->fail_told)
+            lk->fail_told = kvf__room_send_fail(r, lk->peer,
+                                                r->failure->status == KVF_ERR_ABORTED);
+    }
 }
 
 void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
@@ -204,7 +220,7 @@ kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *r
     kvf__lock(eng);
     kvf_status_t st = eng->registered ? remote_targets(eng, &rm, t, &n) : KVF_OK;
     if (st == KVF_OK)
-        st = kvf__room_create(eng, KVF_ROLE_DECODE, rm.room, &r);
+        st = kvf__room_create(eng, &kvf_receiver_room_ops, rm.room, &r);
     if (st == KVF_OK) {
         kvf_receiver_t *rv = receiver_of(r);
         rv->dp_rank = -1;
@@ -1146,7 +1162,7 @@ static int stage_targets(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t
     return 1;
 }
 
-void kvf__receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+static void receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
 {
     kvf_room_t *r = NULL;
     kvf_link_t *lk = frame_targets(p, d, t, &r);
@@ -1288,7 +1304,7 @@ void kvf__receiver_reads_done(kvf_engine_t *eng)
 
 /* A DATA_REF frame: the same checks as DATA, then the mover starts reading
  * the bytes from the prefill's memory; they count once it hands them back. */
-void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
+static void receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
 {
     kvf_engine_t *eng = p->eng;
     kvf_room_t *r = NULL;
@@ -1400,7 +1416,7 @@ static uint64_t stage_copy(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_
     return bytes;
 }
 
-void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
+static void receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
 {
     kvf_room_t *r = p->rx_room;
     if (r == NULL)
@@ -1418,7 +1434,7 @@ void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
     kvf__room_put(r);
 }
 
-void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
+static void on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
 {
     kvf_link_t *lk = link_of(r, p);
     uint32_t k = m->stream;        /* 0 without streams */
@@ -1512,7 +1528,9 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
-void kvf__receiver_on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+/* A prefill rank confirms its room was live when our DONE_ACK arrived
+ * (pull transports: the bytes we read were still its room's). */
+static void on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
 {
     kvf_link_t *lk = link_of(r, p);
     char name[128];
@@ -1529,3 +1547,241 @@ void kvf__receiver_on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_a
     if (all_done(r))
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
+
+/* ---- the decode side's room ops (room.h, kvf_room_ops_t) ---------------- */
+
+/* Fresh per receiver: the instance every frame of this room will name. */
+static void receiver_init(kvf_room_t *r)
+{
+    while (r->instance == 0)
+        if (getrandom(&r->instance, sizeof(r->instance), 0) != sizeof(r->instance))
+            r->instance = kvf_now_ns() ^ ((uint64_t)(uintptr_t)r << 16) ^ r->id;
+    receiver_of(r)->ok_first = 1;    /* empty: no page range checked yet */
+    receiver_of(r)->ok_last = 0;
+}
+
+/* A prefill rank's DONE: judged once the room asked that rank, under this
+ * room's instance (room.c, "Ownership"). */
+static void take_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
+{
+    kvf_link_t *lk = r ? link_of(r, p) : NULL;
+    if (r == NULL || room_final(r))
+        return;
+    if (lk == NULL || !lk->req_sent)
+        kvf__room_dropped(p, "DONE", m->room, m->instance, "the room did not ask this peer");
+    else if (m->instance != r->instance)
+        kvf__room_dropped(p, "DONE", m->room, m->instance, "it names another instance "
+                          "of the room (an earlier room with this id)");
+    else
+        on_done(p, r, m);
+}
+
+/* A prefill rank's DONE_ACK: the confirmation of a push link's answer
+ * (acks.c), or of a pull link's (on_confirm). */
+static void take_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+{
+    kvf_link_t *lk = r ? link_of(r, p) : NULL;
+    if (kvf__acks_confirmed(p, m))
+        return;                    /* a push link's answer arrived */
+    if (r == NULL || room_final(r))
+        return;
+    if (lk == NULL || !lk->req_sent)
+        kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
+                          "the room did not ask this peer");
+    else if (m->instance != r->instance)
+        kvf__room_dropped(p, "DONE_ACK", m->room, m->instance, "it names another "
+                          "instance of the room (an earlier room with this id)");
+    else
+        on_confirm(p, r, m);
+}
+
+/* A FAIL or ABORT on a decode engine, from a prefill rank the room links
+ * to or watches (siblings.c). */
+static void take_fail(kvf_peer_t *p, kvf_room_t *r, int abort, const kvf_msg_fail_t *m)
+{
+    const char *what = abort ? "ABORT" : "FAIL";
+    kvf_link_t *lk = r ? link_of(r, p) : NULL;
+
+    if (r == NULL)
+        return;                        /* nothing to fail */
+    /* A room that failed still takes what its bound peers tell of where
+     * else it failed (kvf__room_fail_record), and drops the rest quietly. */
+    if (lk == NULL && !kvf__siblings_bound(r, p, m->instance)) {
+        if (room_state(r) != KVF_POLL_FAILED)
+            kvf__room_dropped(p, what, m->room, m->instance,
+                              "the room did not ask this peer");
+    } else if (m->instance != r->instance) {
+        kvf__room_dropped(p, what, m->room, m->instance, "it names another instance "
+                          "of the room (an earlier room with this id)");
+    } else {
+        kvf__room_fail_remote(r, p, abort, m);
+    }
+}
+
+/* A decode engine takes DONEs, confirmations and failures; a ROOM_REQ is
+ * for a prefill engine. */
+static int receiver_on_msg(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg)
+{
+    switch (msg->type) {
+    case KVF_MSG_DONE:
+        take_done(p, r, &msg->u.done);
+        return 1;
+    case KVF_MSG_DONE_ACK:
+        take_confirm(p, r, &msg->u.done_ack);
+        return 1;
+    case KVF_MSG_FAIL:
+    case KVF_MSG_ABORT:
+        take_fail(p, r, msg->type == KVF_MSG_ABORT, &msg->u.fail);
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static void receiver_release_rx(kvf_peer_t *p)
+{
+    kvf__bounce_put(p->eng, p->rx_bounce, p->rx_bounce_cap);
+    p->rx_bounce = NULL;
+}
+
+/* Every peer knows a receiver by its own instance. */
+static uint64_t receiver_instance_for(kvf_room_t *r, const kvf_peer_t *to)
+{
+    (void)to;
+    return r->instance;
+}
+
+/* A held room's request key (kvf_receiver_create_remote), or 0. */
+static uint64_t receiver_fail_key(const kvf_room_t *r)
+{
+    return ((const kvf_receiver_t *)r)->sender_instance;
+}
+
+/* A receiver that never acknowledged a prefill rank's DONE (or never
+ * reached every prefill rank) leaves that rank without its success.  A
+ * held room's ranks have no siblings to tell. */
+static uint8_t receiver_doomed_side(kvf_room_t *r)
+{
+    if (receiver_of(r)->remote)
+        return 0;
+    if (r->nlinks < r->expected_links)
+        return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].done && !r->links[i].confirming)
+            return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
+    return 0;
+}
+
+/* The receiver reconnects itself, after a delay that doubles each time. */
+static uint64_t receiver_retry_at(kvf_room_t *r, uint64_t now)
+{
+    return now + (RETRY_BASE_MS << (r->retries - 1));
+}
+
+/* Reconnect the broken links of a room and ask to resume. */
+static void reconnect(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        char host[KVF_ADDR_MAX];
+        char *colon;
+        if (!lk->broken)
+            continue;
+        snprintf(host, sizeof(host), "%s", lk->peer->addr);
+        colon = strrchr(host, ':');
+        if (colon == NULL) {
+            kvf__room_fail(r, KVF_ERR_UNREACHABLE, "no address to reconnect to");
+            return;
+        }
+        *colon = '\0';
+        kvf_peer_t *p = kvf__peer_get(eng, host, atoi(colon + 1), lk->peer->tp_rank, 0);
+        if (p == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to reconnect");
+            return;
+        }
+        if (lk->resume_instance == 0)
+            lk->resume_instance = lk->peer->instance_id;
+        kvf__peer_put(lk->peer);
+        lk->peer = p;
+        p->refs++;
+        lk->broken = 0;
+        lk->req_sent = 0;
+    }
+    kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
+             r->retries, MAX_RETRIES);
+    kvf__receiver_try_request(r);
+}
+
+/* Every prefill rank of the room has its destination. */
+static int asked_all(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].req_sent)
+            return 0;
+    return r->nlinks > 0;
+}
+
+static int receiver_tick(kvf_room_t *r, uint64_t now)
+{
+    if (!room_final(r))
+        kvf__siblings_tick(r, now);
+    if (!room_final(r) && has_broken_link(r) && now >= r->retry_at_ms)
+        reconnect(r);
+    /* A held room's, asked: its lease, or its deadlines, end it, and say so. */
+    return room_state(r) == KVF_POLL_WAITING_FOR_INPUT && receiver_of(r)->remote &&
+           asked_all(r);
+}
+
+/* Bootstrapping: a prefill rank it waits for refused it at the door. */
+static int refused_detail(const kvf_room_t *r, char *buf, size_t len)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (kvf__peer_refusals(r->links[i].peer, buf, len))
+            return 1;
+    return 0;
+}
+
+static int awaiting_confirmation(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].confirming)
+            return 1;
+    return 0;
+}
+
+static void receiver_deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
+{
+    if (s == KVF_POLL_BOOTSTRAPPING && r->last_err == NULL && refused_detail(r, buf, len))
+        return;
+    if (s == KVF_POLL_BOOTSTRAPPING)
+        snprintf(buf, len, "%s", r->last_err ? r->last_err
+                 : !r->initialized ? "kvf_receiver_init was not called"
+                 : "waiting for the prefill rank's handshake");
+    else if (s == KVF_POLL_WAITING_FOR_INPUT)
+        snprintf(buf, len, "no data from the prefill side yet");
+    else if (awaiting_confirmation(r))
+        snprintf(buf, len, "every byte was read, but the prefill side did not "
+                 "confirm its room was still live while it was read");
+    else
+        snprintf(buf, len, "no bytes placed since");
+}
+
+const kvf_room_ops_t kvf_receiver_room_ops = {
+    .side            = KVF_ROLE_DECODE,
+    .size            = sizeof(kvf_receiver_t),
+    .on_msg          = receiver_on_msg,
+    .on_data         = receiver_on_data,
+    .on_data_end     = receiver_on_data_end,
+    .on_data_ref     = receiver_on_data_ref,
+    .release_rx      = receiver_release_rx,
+    .init            = receiver_init,
+    .free            = receiver_free,
+    .instance_for    = receiver_instance_for,
+    .fail_key        = receiver_fail_key,
+    .doomed_side     = receiver_doomed_side,
+    .retry_at        = receiver_retry_at,
+    .peer_ready      = kvf__receiver_try_request,
+    .tick            = receiver_tick,
+    .deadline_detail = receiver_deadline_detail,
+};

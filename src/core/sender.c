@@ -665,6 +665,8 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     }
     if (r->nlinks == r->expected_links) {
         sender_of(r)->decode_prefix = lk->prefix;
+        if (room_state(r) == KVF_POLL_BOOTSTRAPPING)
+            r->t_dest_ns = kvf_now_ns();     /* every decode rank's pages arrived */
         kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
         if (sender_of(r)->held)
             release_held(r);
@@ -778,8 +780,15 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     add_destination(r, p, req, expected);
 }
 
-int kvf__sender_fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p,
-                                     uint64_t instance, uint64_t key)
+/*
+ * May a FAIL/ABORT from `p`, naming receiver instance `instance` and
+ * request key `key`, to which the sender r has no link bound, fail it?
+ * Only while it still collects destinations, from a decode rank it has no
+ * destination of, of an instance no destroyed sender served, and, for a
+ * room held under a request key, naming that key.
+ */
+static int fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p, uint64_t instance,
+                                uint64_t key)
 {
     const kvf_sender_t *s = (const kvf_sender_t *)r;
     /* A held room under a request key is failed only by the decode ranks
@@ -799,7 +808,7 @@ static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
     if (link_bound(r, s->peer, s->instance) != NULL ||
         kvf__siblings_bound(r, s->peer, s->instance))
         return 1;
-    return kvf__sender_fail_unbound_applies(r, s->peer, s->instance, s->key);
+    return fail_unbound_applies(r, s->peer, s->instance, s->key);
 }
 
 /* Did this stashed destination's receiver (its rank, its room instance)
@@ -871,8 +880,10 @@ static void stash_apply(kvf_room_t *r)
     }
 }
 
-void kvf__sender_free(kvf_sender_t *s)
+/* Free what only a sender holds (its room is being freed). */
+static void sender_free(kvf_room_t *r)
 {
+    kvf_sender_t *s = sender_of(r);
     free(s->src_pages);
     kvf__states_free(&s->state_src);
 }
@@ -883,7 +894,7 @@ static kvf_status_t create(kvf_engine_t *eng, uint64_t room, const kvf_hold_t *h
 {
     kvf_room_t *r;
     kvf__lock(eng);
-    kvf_status_t st = kvf__room_create(eng, KVF_ROLE_PREFILL, room, &r);
+    kvf_status_t st = kvf__room_create(eng, &kvf_sender_room_ops, room, &r);
     if (st == KVF_OK) {
         if (hold != NULL) {
             kvf_sender_t *s = sender_of(r);
@@ -1168,7 +1179,8 @@ static void queue_all(kvf_room_t *r, const uint32_t *pages, uint32_t first, size
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
-void kvf__sender_lease_tick(kvf_room_t *r, uint64_t now)
+/* Fail a held room whose lease ended with a reader missing. */
+static void lease_tick(kvf_room_t *r, uint64_t now)
 {
     kvf_sender_t *s = sender_of(r);
     uint64_t held = kvf_elapsed_ms(now, r->t_create_ms);
@@ -1233,8 +1245,8 @@ static void confirm(kvf_peer_t *p, const kvf_link_t *lk, const kvf_msg_done_ack_
     kvf__peer_send(p, &c);
 }
 
-void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
-                             const kvf_msg_done_ack_t *m)
+static void on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
+                        const kvf_msg_done_ack_t *m)
 {
     char name[128];
 
@@ -1260,7 +1272,13 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
-kvf_link_t *kvf__sender_reacked(kvf_room_t *r, kvf_peer_t *p, const kvf_msg_done_ack_t *m)
+/*
+ * A DONE_ACK from p that no link of r is bound to: is it a push link's
+ * answer said again on a new connection of the decode engine the link is
+ * bound to (acks.c)?  @return that link (moved to p when the answer counts
+ * every byte queued on it), or NULL.
+ */
+static kvf_link_t *reacked(kvf_room_t *r, kvf_peer_t *p, const kvf_msg_done_ack_t *m)
 {
     char name[128];
 
@@ -1345,10 +1363,11 @@ static int tomb_has_rank(const kvf_tomb_t *t, uint32_t rank)
     return 0;
 }
 
-void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
+/* A decode rank's destination for room r (NULL: no sender for it yet, or
+ * any more), or its watch (siblings.c). */
+static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *m)
 {
     kvf_engine_t *eng = p->eng;
-    kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
     const kvf_layout_int_t *pl = &p->layout;
     kvf_link_t lk = {0};
     const char *bad = NULL;
@@ -1419,3 +1438,173 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     free(lk.pages);
     kvf__states_free(&lk.state);
 }
+
+/* ---- the prefill side's room ops (room.h, kvf_room_ops_t) --------------- */
+
+/* A FAIL or ABORT on a prefill engine (room.c, "Ownership"); r NULL: no
+ * sender for its room yet (it waits in the stash), or any more. */
+static void on_fail(kvf_peer_t *p, kvf_room_t *r, int abort, const kvf_msg_fail_t *m)
+{
+    kvf_engine_t *eng = p->eng;
+    const char *what = abort ? "ABORT" : "FAIL";
+
+    if (r == NULL) {
+        kvf_stash_t *s = NULL;
+        if (kvf__instance_retired(eng, m->instance))
+            kvf__room_dropped(p, what, m->room, m->instance, "its room is gone");
+        else
+            s = kvf__sender_stash_add(p, m->room, m->instance, NULL, 0,
+                                      kvf__room_remote_failure(m), m->sender_instance);
+        if (s != NULL)
+            s->sides = m->sides;
+        return;
+    }
+    /* A room that failed still takes what its bound peers tell of where
+     * else it failed (kvf__room_fail_record), and drops the rest quietly. */
+    if (link_bound(r, p, m->instance) != NULL || kvf__siblings_bound(r, p, m->instance))
+        kvf__room_fail_remote(r, p, abort, m);
+    else if (room_state(r) == KVF_POLL_FAILED)
+        return;
+    else if (fail_unbound_applies(r, p, m->instance, m->sender_instance))
+        kvf__room_fail_remote(r, p, abort, m);
+    else
+        kvf__room_dropped(p, what, m->room, m->instance, "the room is not bound to this "
+                          "peer and instance");
+}
+
+/* A decode rank's answer to a link's DONE (or to a FAIL: a DONE_ACK
+ * refusing the room's data). */
+static void on_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+{
+    kvf_link_t *lk = r ? link_bound(r, p, m->instance) : NULL;
+    if (lk == NULL && r != NULL)
+        lk = reacked(r, p, m);
+    if (lk == NULL) {
+        /* Its sender is gone (or this is another room with the id): a
+         * decode rank that pulled must not trust what it read.  The
+         * answer names the acknowledged instance, so it reaches
+         * nothing else. */
+        if (r != NULL)
+            kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
+                              "the room is not bound to this peer and instance");
+        kvf__sender_answer_gone(p, m->room, m->instance);
+    } else if (room_state(r) == KVF_POLL_FAILED) {
+        kvf__room_send_fail(r, p, 0);
+    } else {
+        on_done_ack(p, r, lk, m);
+    }
+}
+
+/* A prefill engine takes destinations, answers and failures; a DONE is
+ * for a decode engine. */
+static int sender_on_msg(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg)
+{
+    switch (msg->type) {
+    case KVF_MSG_ROOM_REQ:
+        on_room_req(p, r, &msg->u.room_req);
+        return 1;
+    case KVF_MSG_DONE_ACK:
+        on_ack(p, r, &msg->u.done_ack);
+        return 1;
+    case KVF_MSG_FAIL:
+    case KVF_MSG_ABORT:
+        on_fail(p, r, msg->type == KVF_MSG_ABORT, &msg->u.fail);
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* A failed sender's record is kept to answer late requests (stash.c), and
+ * the instances it served, to tell them from the next room with its id. */
+static void sender_destroyed(kvf_room_t *r)
+{
+    if (room_state(r) == KVF_POLL_FAILED)
+        kvf__sender_bury(r);
+    kvf__room_retire_instances(r);
+}
+
+/* That of the link bound to `to`, or of its watch (siblings.c). */
+static uint64_t sender_instance_for(kvf_room_t *r, const kvf_peer_t *to)
+{
+    kvf_link_t *lk = link_of(r, to);
+    if (lk != NULL)
+        return lk->instance;
+    for (uint32_t i = 0; i < r->nwatch; i++)
+        if (r->watch[i].peer == to)
+            return r->watch[i].instance;
+    return 0;
+}
+
+/* A sender's FAILs name no request key: it asks for nothing. */
+static uint64_t sender_fail_key(const kvf_room_t *r)
+{
+    (void)r;
+    return 0;
+}
+
+/*
+ * A sender that was never given its last chunk leaves every decode rank it
+ * feeds without its bytes.  One that had sent everything cannot tell (the
+ * decode side may have it all: docs/FAILURES.md), nor can a held room's
+ * ranks, which have no siblings.
+ */
+static uint8_t sender_doomed_side(kvf_room_t *r)
+{
+    if (sender_of(r)->held || sender_of(r)->last_sent)
+        return 0;
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].idle)
+            return KVF_SIDE_BIT(KVF_ROLE_DECODE);
+    return 0;
+}
+
+/* The decode rank reconnects and resumes (a ROOM_REQ again); the sender
+ * waits one heartbeat timeout for that. */
+static uint64_t sender_retry_at(kvf_room_t *r, uint64_t now)
+{
+    return now + r->eng->params.heartbeat_timeout_ms;
+}
+
+static int sender_tick(kvf_room_t *r, uint64_t now)
+{
+    if (!room_final(r) && has_broken_link(r) && now >= r->retry_at_ms)
+        kvf__room_fail_lost(r, KVF_ROLE_DECODE, KVF_ERR_CONN_RESET, "%s; it did not "
+                            "reconnect within %.1f s",
+                            r->last_err ? r->last_err : "connection lost",
+                            r->eng->params.heartbeat_timeout_ms / 1000.0);
+    if (room_state(r) == KVF_POLL_BOOTSTRAPPING && sender_of(r)->held) {
+        lease_tick(r, now);     /* the lease, not the bootstrap deadline */
+        return 1;
+    }
+    return 0;
+}
+
+static void sender_deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
+{
+    kvf_engine_t *eng = r->eng;
+    if (s == KVF_POLL_BOOTSTRAPPING)
+        snprintf(buf, len, "%u of %u decode ranks sent their destination%s%s",
+                 r->nlinks, r->expected_links ? r->expected_links : 1,
+                 eng->register_error ? "; registry: " : "",
+                 eng->register_error ? eng->register_error : "");
+    else if (s == KVF_POLL_WAITING_FOR_INPUT)
+        snprintf(buf, len, "the scheduler did not call kvf_sender_send");
+    else
+        snprintf(buf, len, "%u of %u pages queued, no bytes moved since",
+                 sender_of(r)->pages_sent, sender_of(r)->num_pages);
+}
+
+const kvf_room_ops_t kvf_sender_room_ops = {
+    .side            = KVF_ROLE_PREFILL,
+    .size            = sizeof(kvf_sender_t),
+    .on_msg          = sender_on_msg,
+    .free            = sender_free,
+    .destroyed       = sender_destroyed,
+    .instance_for    = sender_instance_for,
+    .fail_key        = sender_fail_key,
+    .doomed_side     = sender_doomed_side,
+    .retry_at        = sender_retry_at,
+    .tick            = sender_tick,
+    .deadline_detail = sender_deadline_detail,
+};
