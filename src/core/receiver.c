@@ -542,7 +542,7 @@ static int links_ready(kvf_room_t *r)
             char why[160];
             snprintf(why, sizeof(why), "cannot reach %s",
                      kvf__peer_name(p, name, sizeof(name)));
-            if (r->links[i].resume_instance != 0 && r->retries < MAX_RETRIES) {
+            if (r->links[i].rx.resume_instance != 0 && r->retries < MAX_RETRIES) {
                 r->links[i].broken = 1;
                 r->retries++;
                 r->retry_at_ms = kvf_now_ms() + (RETRY_BASE_MS << (r->retries - 1));
@@ -567,13 +567,13 @@ static int links_ready(kvf_room_t *r)
                            (unsigned long long)r->links[i].want_instance);
             return 0;
         }
-        if (r->links[i].resume_instance != 0 &&
-            r->links[i].resume_instance != p->instance_id) {
+        if (r->links[i].rx.resume_instance != 0 &&
+            r->links[i].rx.resume_instance != p->instance_id) {
             kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s restarted (instance %016llx, "
                            "was %016llx) while room %llu was in flight: its KV for the "
                            "room is gone", kvf__peer_name(p, name, sizeof(name)),
                            (unsigned long long)p->instance_id,
-                           (unsigned long long)r->links[i].resume_instance,
+                           (unsigned long long)r->links[i].rx.resume_instance,
                            (unsigned long long)r->id);
             return 0;
         }
@@ -650,7 +650,7 @@ static uint64_t fill_request(kvf_room_t *r, kvf_link_t *lk, int aux, int state,
     m->u.room_req.instance = r->instance;
     m->u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
     m->u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-    m->u.room_req.attempt = lk->resume_instance ? r->retries : 0;
+    m->u.room_req.attempt = lk->rx.resume_instance ? r->retries : 0;
     m->u.room_req.sender_instance = rv->sender_instance;
     if (lk->idle) {
         /* Tell it the room exists; it owes nothing. */
@@ -704,16 +704,16 @@ static int send_request(kvf_room_t *r, kvf_link_t *lk, int designee)
     int aux = designee && eng->layout.num_aux > 0 &&
               (eng->params.pp_size == 1 || eng->params.pp_rank == eng->params.pp_size - 1);
     uint64_t per_page = fill_request(r, lk, aux, state, &m);
-    lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
+    lk->rx.expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
         (state ? states_bytes(&eng->layout, &rv->state_dst) : 0);
     /* What this peer may write, each unit once (cover_mark). */
     lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-    lk->sends_state = state && rv->state_dst.ngroups > 0;
-    free(lk->cover);
-    lk->cover = NULL;
+    lk->rx.sends_state = state && rv->state_dst.ngroups > 0;
+    free(lk->rx.cover);
+    lk->rx.cover = NULL;
     if (!lk->idle) {
         uint64_t bits = rv->state_bit0[rv->state_dst.ngroups];
-        if ((lk->cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
+        if ((lk->rx.cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to track room %llu's "
                            "%llu destination units", (unsigned long long)r->id,
                            (unsigned long long)bits);
@@ -730,7 +730,7 @@ static int send_request(kvf_room_t *r, kvf_link_t *lk, int designee)
                        kvf__peer_name(p, name, sizeof(name)), kvf_status_str(st));
         return 0;
     }
-    lk->req_sent = 1;
+    lk->rx.req_sent = 1;
     kvf__trace_peer_event(r, "request_sent", p, -1, lk->idle ? 0 : rv->n_pages, -1);
     return 1;
 }
@@ -753,7 +753,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
         return;
     }
     for (uint32_t i = 0; i < r->nlinks; i++) {
-        if (r->links[i].req_sent)
+        if (r->links[i].rx.req_sent)
             continue;
         if (!send_request(r, &r->links[i], (int)i == designated))
             return;
@@ -907,7 +907,7 @@ static int cover_mark_kv(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s,
         for (uint64_t t = t0; t < t0 + n; t++) {
             /* Consecutive pages: seg_target found them all declared. */
             uint64_t idx = idx0 + (t / ps - first);
-            if (cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
+            if (cover_set(lk->rx.cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
                                          t % ps))
                 continue;
             if (hnd)
@@ -941,7 +941,7 @@ static int cover_mark_state(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t 
     const kvf_buffer_t *b = &l->state[s->buf];
     uint32_t g = kvf__group_of(l, s->buf), at = group_at(rv, g);
     uint32_t cnt = rv->state_dst.count[g];
-    if (!lk->sends_state) {
+    if (!lk->rx.sends_state) {
         snprintf(err, errlen, "this peer does not send the room's state");
         return 0;
     }
@@ -955,7 +955,7 @@ static int cover_mark_state(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t 
     uint64_t first = s->offset / b->item_bytes, n = s->len / b->item_bytes;
     uint64_t bit0 = rv->state_bit0[g] + (uint64_t)(s->buf - l->group_first[g]) * cnt;
     for (uint64_t it = first; it < first + n; it++) {
-        if (!cover_set(lk->cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
+        if (!cover_set(lk->rx.cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
             snprintf(err, errlen, "item %llu of state buffer %u is written a second "
                      "time: each destination byte is placed once",
                      (unsigned long long)it, s->buf);
@@ -986,7 +986,7 @@ static int cover_mark_aux(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s
                  s->buf);
         return 0;
     }
-    if (!cover_set(lk->cover, nkv + s->buf)) {
+    if (!cover_set(lk->rx.cover, nkv + s->buf)) {
         snprintf(err, errlen, "aux buffer %u's slot is written a second time: each "
                  "destination byte is placed once", s->buf);
         return 0;
@@ -1009,7 +1009,7 @@ static int cover_mark_aux(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s
 static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, char *err,
                       size_t errlen)
 {
-    if (lk->cover == NULL)
+    if (lk->rx.cover == NULL)
         return 1;     /* an idle link: any byte it sends fails the count */
     if (s->kind == KVF_BUF_KV)
         return cover_mark_kv(r, lk, s, err, errlen);
@@ -1038,7 +1038,7 @@ static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
         return NULL;
     }
     kvf_link_t *lk = link_of(r, kvf__peer_main(p));
-    if (lk == NULL || !lk->req_sent) {
+    if (lk == NULL || !lk->rx.req_sent) {
         kvf__room_dropped(p, "DATA", d->room, d->instance, "the room did not ask this "
                           "peer for any; its bytes were discarded");
         return NULL;
@@ -1229,7 +1229,7 @@ static void read_started(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, kvf_read_
 {
     r->refs++;
     p->refs++;
-    lk->reads++;
+    lk->rx.reads++;
     atomic_fetch_add_explicit(&r->reads, 1, memory_order_relaxed);
     p->read_bytes += rd->bytes;
     p->eng->reads_inflight++;
@@ -1246,7 +1246,7 @@ static void read_finish(kvf_read_t *rd)
     const struct iovec *local = rd->iov;
     char name[128];
 
-    lk->reads--;
+    lk->rx.reads--;
     p->read_bytes -= rd->bytes;
     eng->reads_inflight--;
     if (lk->peer != p || p->state == KVF_PEER_DEAD) {
@@ -1278,11 +1278,11 @@ static void read_finish(kvf_read_t *rd)
     /* Release: a poller that sees the count reach 0 sees the bytes too. */
     if (atomic_fetch_sub_explicit(&r->reads, 1, memory_order_release) == 1)
         pthread_cond_broadcast(&eng->reads_cond);
-    if (lk->reads == 0 && lk->done_waiting) {
-        lk->done_waiting = 0;
+    if (lk->rx.reads == 0 && lk->rx.done_waiting) {
+        lk->rx.done_waiting = 0;
         if (!room_final(r))
-            check_done(lk->peer, r, lk, 0, lk->done_bytes, lk->done_has_checksum,
-                       lk->done_checksum);
+            check_done(lk->peer, r, lk, 0, lk->rx.done_bytes, lk->rx.done_has_checksum,
+                       lk->rx.done_checksum);
     }
     if (rd->bounce != NULL)
         kvf__bounce_put(eng, rd->bounce, rd->bounce_cap);
@@ -1440,20 +1440,20 @@ static void on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
     uint32_t k = m->stream;        /* 0 without streams */
     char name[128];
 
-    if (lk == NULL || lk->done || lk->confirming || lk->done_waiting ||
+    if (lk == NULL || lk->done || lk->rx.confirming || lk->rx.done_waiting ||
         (lk->ends & (1u << k))) {
         kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent %s DONE for room %llu",
                        kvf__peer_name(p, name, sizeof(name)),
                        lk ? "a second" : "an unexpected", (unsigned long long)r->id);
         return;
     }
-    if (lk->reads > 0) {
+    if (lk->rx.reads > 0) {
         /* The DONE follows the frames in the stream, but their bytes are
          * still being read: judge once they are in (pulled: one stream). */
-        lk->done_waiting = 1;
-        lk->done_bytes = m->bytes;
-        lk->done_has_checksum = m->has_checksum;
-        lk->done_checksum = m->checksum;
+        lk->rx.done_waiting = 1;
+        lk->rx.done_bytes = m->bytes;
+        lk->rx.done_has_checksum = m->has_checksum;
+        lk->rx.done_checksum = m->checksum;
         return;
     }
     check_done(p, r, lk, k, m->bytes, m->has_checksum, m->checksum);
@@ -1473,11 +1473,11 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
     if (lk->nstreams > 1)
         snprintf(on, sizeof(on), " on stream %u of %u", k, lk->nstreams);
 
-    if (bytes != lk->stream_bytes[k] || (lk->nstreams == 1 && bytes != lk->expected)) {
+    if (bytes != lk->stream_bytes[k] || (lk->nstreams == 1 && bytes != lk->rx.expected)) {
         kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s%s: it reported "
                        "%llu bytes, %llu were placed, room %llu expects %llu", name, on,
                        (unsigned long long)bytes, (unsigned long long)lk->stream_bytes[k],
-                       (unsigned long long)r->id, (unsigned long long)lk->expected);
+                       (unsigned long long)r->id, (unsigned long long)lk->rx.expected);
         return;
     }
     if (lk->hash[k] != NULL) {
@@ -1494,11 +1494,11 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
     lk->ends |= 1u << k;
     if (lk->ends != (1u << lk->nstreams) - 1)
         return;                    /* other streams' DONEs to come */
-    if (lk->bytes != lk->expected) {
+    if (lk->bytes != lk->rx.expected) {
         kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s: its %u streams "
                        "carried %llu bytes, room %llu expects %llu", name, lk->nstreams,
                        (unsigned long long)lk->bytes, (unsigned long long)r->id,
-                       (unsigned long long)lk->expected);
+                       (unsigned long long)lk->rx.expected);
         return;
     }
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
@@ -1516,7 +1516,7 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
      * link waits for its confirmation (DONE_ACK back) before SUCCESS.
      */
     if (kvf__peer_pulls(p)) {
-        lk->confirming = 1;
+        lk->rx.confirming = 1;
         return;
     }
     /* Pushed bytes are all here: SUCCESS now.  The answer is kept until
@@ -1535,13 +1535,13 @@ static void on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m
     kvf_link_t *lk = link_of(r, p);
     char name[128];
 
-    if (lk == NULL || !lk->confirming || m->status != KVF_OK) {
+    if (lk == NULL || !lk->rx.confirming || m->status != KVF_OK) {
         kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent an unexpected confirmation for room "
                        "%llu", kvf__peer_name(p, name, sizeof(name)),
                        (unsigned long long)r->id);
         return;
     }
-    lk->confirming = 0;
+    lk->rx.confirming = 0;
     lk->done = 1;
     kvf__trace_peer_event(r, "confirmed", p, -1, -1, -1);
     if (all_done(r))
@@ -1567,7 +1567,7 @@ static void take_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
     kvf_link_t *lk = r ? link_of(r, p) : NULL;
     if (r == NULL || room_final(r))
         return;
-    if (lk == NULL || !lk->req_sent)
+    if (lk == NULL || !lk->rx.req_sent)
         kvf__room_dropped(p, "DONE", m->room, m->instance, "the room did not ask this peer");
     else if (m->instance != r->instance)
         kvf__room_dropped(p, "DONE", m->room, m->instance, "it names another instance "
@@ -1585,7 +1585,7 @@ static void take_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t 
         return;                    /* a push link's answer arrived */
     if (r == NULL || room_final(r))
         return;
-    if (lk == NULL || !lk->req_sent)
+    if (lk == NULL || !lk->rx.req_sent)
         kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
                           "the room did not ask this peer");
     else if (m->instance != r->instance)
@@ -1667,7 +1667,7 @@ static uint8_t receiver_doomed_side(kvf_room_t *r)
     if (r->nlinks < r->expected_links)
         return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
     for (uint32_t i = 0; i < r->nlinks; i++)
-        if (!r->links[i].done && !r->links[i].confirming)
+        if (!r->links[i].done && !r->links[i].rx.confirming)
             return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
     return 0;
 }
@@ -1700,13 +1700,13 @@ static void reconnect(kvf_room_t *r)
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to reconnect");
             return;
         }
-        if (lk->resume_instance == 0)
-            lk->resume_instance = lk->peer->instance_id;
+        if (lk->rx.resume_instance == 0)
+            lk->rx.resume_instance = lk->peer->instance_id;
         kvf__peer_put(lk->peer);
         lk->peer = p;
         p->refs++;
         lk->broken = 0;
-        lk->req_sent = 0;
+        lk->rx.req_sent = 0;
     }
     kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
              r->retries, MAX_RETRIES);
@@ -1717,7 +1717,7 @@ static void reconnect(kvf_room_t *r)
 static int asked_all(const kvf_room_t *r)
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
-        if (!r->links[i].req_sent)
+        if (!r->links[i].rx.req_sent)
             return 0;
     return r->nlinks > 0;
 }
@@ -1745,7 +1745,7 @@ static int refused_detail(const kvf_room_t *r, char *buf, size_t len)
 static int awaiting_confirmation(const kvf_room_t *r)
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].confirming)
+        if (r->links[i].rx.confirming)
             return 1;
     return 0;
 }

@@ -86,9 +86,9 @@ static void link_free(kvf_link_t *l)
 {
     if (l->peer)
         kvf__peer_put(l->peer);
-    free(l->pages);
-    kvf__states_free(&l->state);
-    free(l->cover);
+    free(l->tx.pages);
+    kvf__states_free(&l->tx.state);
+    free(l->rx.cover);
     for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
         if (l->hash[k])
             XXH3_freeState(l->hash[k]);
@@ -233,7 +233,7 @@ void kvf__room_retire_instances(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
     for (uint32_t i = 0; i < r->nlinks; i++) {
-        uint64_t inst = r->links[i].instance;
+        uint64_t inst = r->links[i].tx.instance;
         if (inst == 0 || kvf__instance_retired(eng, inst))
             continue;
         if (eng->nretired == KVF_RETIRED) {
@@ -720,8 +720,8 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         for (uint32_t i = 0; i < r->nlinks; i++)
             if (r->links[i].peer == p) {
                 r->links[i].broken = 1;
-                r->links[i].done_waiting = 0;
-                r->links[i].confirming = 0;
+                r->links[i].rx.done_waiting = 0;
+                r->links[i].rx.confirming = 0;
             }
         if (r->last_err == NULL)
             r->last_err = strdup(reason);

@@ -27,30 +27,52 @@ typedef struct kvf_states {
     uint32_t  total;       /* sum of count */
 } kvf_states_t;
 
+/* A link's fields that only a sender's link uses: the destination a
+ * decode rank's ROOM_REQ gave (also what the stash keeps of one). */
+typedef struct kvf_link_tx {
+    uint64_t       instance;      /* the receiver's room instance, from its
+                                     ROOM_REQ: what the link is bound to */
+    uint32_t      *pages;         /* decode pages (n_pages) */
+    uint32_t       n_pages;
+    uint32_t       prefix;        /* the decode's prefix (tokens) */
+    kvf_states_t   state;         /* decode state indices (this link's: none
+                                     unless it carries the room's state) */
+    int            last_queued;   /* the last chunk's put is queued */
+} kvf_link_tx_t;
+
+/* A link's fields that only a receiver's link uses. */
+typedef struct kvf_link_rx {
+    int            sends_state;   /* this peer sends the room's state */
+    uint64_t       expected;      /* bytes this peer must place */
+    int            req_sent;      /* ROOM_REQ sent */
+    int            confirming;    /* pull: DONE checked, awaiting confirmation */
+    uint64_t       resume_instance; /* the peer instance to resume with */
+    /* Exact coverage, one bit per destination unit this peer writes, set
+     * when a segment naming it is accepted: per (KV buffer, page index,
+     * token) of the room, then per aux buffer, then per state buffer
+     * (receiver.c, cover_mark).  A unit named twice fails the room. */
+    uint8_t       *cover;
+    uint32_t       reads;         /* pull: mover reads in flight */
+    /* Pull: a DONE that came while reads were in flight, checked once
+     * they end. */
+    int            done_waiting;
+    int            done_has_checksum;
+    uint64_t       done_bytes, done_checksum;
+} kvf_link_rx_t;
+
 typedef struct kvf_link {
     kvf_peer_t    *peer;
     uint32_t       rank;          /* the peer's tp rank */
-    uint64_t       instance;      /* sender: the receiver's room instance, from
-                                     its ROOM_REQ: what it is bound to */
     int            idle;          /* the prefill rank sends nothing to this decode rank */
-    kvf_slice_t    slice;         /* sender: what of each page goes to this peer */
-    uint32_t      *pages;         /* sender: decode pages (n_pages) */
-    uint32_t       n_pages;
+    kvf_slice_t    slice;         /* what of each page goes to (sender) or comes
+                                     from (receiver) this peer */
     uint32_t       aux_slot;
-    uint32_t       prefix;        /* sender: the decode's prefix (tokens) */
-    int            sends_state;   /* receiver: this peer sends the room's state */
-    kvf_states_t   state;         /* sender: decode state indices (this link's:
-                                     none unless it carries the room's state) */
     uint64_t       bytes;         /* sender: queued; receiver: placed */
-    uint64_t       expected;      /* receiver: bytes this peer must place */
-    int            req_sent;      /* receiver: ROOM_REQ sent */
-    int            fail_told;     /* receiver: the peer has the room's FAIL (sent, or
-                                     it sent it) */
+    int            fail_told;     /* the peer has the room's FAIL (sent, or it
+                                     sent it); a receiver's failure before it
+                                     linked tells those without it */
     int            done;          /* sender: acked; receiver: DONE checked */
-    int            confirming;    /* receiver, pull: DONE checked, awaiting confirmation */
-    int            last_queued;   /* sender: the last chunk's put is queued */
     int            broken;        /* its connection broke; a reconnect may resume it */
-    uint64_t       resume_instance; /* receiver: the peer instance to resume with */
     /* Receiver: the prefill engine instance its descriptor names
      * (kvf_receiver_create_remote), 0 without one.  Sender: the held
      * room's instance the reader named (ROOM_REQ sender_instance). */
@@ -63,17 +85,8 @@ typedef struct kvf_link {
     uint32_t       ends;
     uint64_t       stream_bytes[KVF_MAX_STREAMS];
     XXH3_state_t  *hash[KVF_MAX_STREAMS];
-    /* Receiver: exact coverage, one bit per destination unit this peer
-     * writes, set when a segment naming it is accepted: per (KV buffer,
-     * page index, token) of the room, then per aux buffer, then per state
-     * buffer (receiver.c, cover_mark).  A unit named twice fails the room. */
-    uint8_t       *cover;
-    uint32_t       reads;         /* receiver, pull: mover reads in flight */
-    /* Receiver, pull: a DONE that came while reads were in flight, checked
-     * once they end. */
-    int            done_waiting;
-    int            done_has_checksum;
-    uint64_t       done_bytes, done_checksum;
+    kvf_link_tx_t  tx;            /* a sender's link */
+    kvf_link_rx_t  rx;            /* a receiver's link */
 } kvf_link_t;
 
 /* A prefill rank a receiver reads from, or watches (siblings.c). */
@@ -376,7 +389,7 @@ static inline int room_final(const kvf_room_t *r)
 static inline kvf_link_t *link_bound(kvf_room_t *r, const kvf_peer_t *p, uint64_t instance)
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].peer == p && r->links[i].instance == instance)
+        if (r->links[i].peer == p && r->links[i].tx.instance == instance)
             return &r->links[i];
     return NULL;
 }

@@ -198,7 +198,7 @@ static void send_done(kvf_room_t *r, kvf_link_t *lk, uint32_t k)
     kvf_peer_t *s = kvf__peer_stream(lk->peer, k);
     kvf_msg_t m = {.type = KVF_MSG_DONE};
     m.u.done.room = r->id;
-    m.u.done.instance = lk->instance;
+    m.u.done.instance = lk->tx.instance;
     m.u.done.src_rank = (uint32_t)r->eng->params.tp_rank;
     m.u.done.bytes = lk->stream_bytes[k];
     if (lk->hash[k]) {
@@ -297,7 +297,7 @@ static int chunk_live(kvf_put_t *put)
 static kvf_status_t plan_state(chunk_put_t *c, kvf_room_t *r, const kvf_link_t *lk)
 {
     const kvf_layout_int_t *l = &r->eng->layout;
-    const kvf_states_t *src = &sender_of(r)->state_src, *dst = &lk->state;
+    const kvf_states_t *src = &sender_of(r)->state_src, *dst = &lk->tx.state;
     c->sruns = malloc((dst->total ? dst->total : 1) * sizeof(kvf_run_t));
     c->srun_first = malloc((dst->ngroups + 1) * sizeof(uint32_t));
     if (c->sruns == NULL || c->srun_first == NULL) {
@@ -376,28 +376,28 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     if (n == 0) {
         /* nothing but the last chunk's aux and state */
     } else if (ns == 1) {
-        c[0]->nruns = (uint32_t)kvf__plan_runs(pages, lk->pages + dst_off, n, max_pages,
+        c[0]->nruns = (uint32_t)kvf__plan_runs(pages, lk->tx.pages + dst_off, n, max_pages,
                                                c[0]->runs);
     } else {
-        size_t nr = kvf__plan_runs(pages, lk->pages + dst_off, n, max_pages, plan);
+        size_t nr = kvf__plan_runs(pages, lk->tx.pages + dst_off, n, max_pages, plan);
         spread_runs(plan, nr, c, ns);
     }
     free(plan);
     /* Aux and state ride on stream 0. */
-    if (last && lk->state.ngroups > 0 && plan_state(c[0], r, lk) != KVF_OK) {
+    if (last && lk->tx.state.ngroups > 0 && plan_state(c[0], r, lk) != KVF_OK) {
         for (uint32_t k = 0; k < ns; k++)
             free(c[k]);
         return KVF_ERR_NO_MEMORY;
     }
     if (last)
-        lk->last_queued = 1;
+        lk->tx.last_queued = 1;
     for (uint32_t k = 0; k < ns; k++) {
         c[k]->put.next = chunk_next;
         c[k]->put.complete = chunk_complete;
         c[k]->put.busy = chunk_busy;
         c[k]->put.live = chunk_live;
         c[k]->put.room = r->id;
-        c[k]->put.instance = lk->instance;
+        c[k]->put.instance = lk->tx.instance;
         c[k]->put.src_rank = (uint32_t)r->eng->params.tp_rank;
         c[k]->put.by_ref = kvf__peer_pulls(lk->peer);
         c[k]->room = r;
@@ -441,11 +441,11 @@ static kvf_status_t queue_pages(kvf_room_t *r, uint32_t li, const uint32_t *page
                                 uint32_t first, size_t n, int last)
 {
     const kvf_link_t *lk = &r->links[li];
-    uint64_t skip = sender_of(r)->held ? lk->prefix / r->eng->layout.page_size : 0;
+    uint64_t skip = sender_of(r)->held ? lk->tx.prefix / r->eng->layout.page_size : 0;
     uint64_t lo = first > skip ? first : skip;
     uint64_t hi = (uint64_t)first + n;
-    if (hi > skip + lk->n_pages)
-        hi = skip + lk->n_pages;
+    if (hi > skip + lk->tx.n_pages)
+        hi = skip + lk->tx.n_pages;
     if (lo >= hi) {
         /* None of these pages for it: only the last chunk's aux and state. */
         return last ? queue_chunk(r, li, pages, 0, 0, 1) : KVF_OK;
@@ -468,23 +468,23 @@ static const char *dest_misfit(const kvf_room_t *r, const kvf_link_t *lk, char *
     if (lk->idle)
         return NULL;
     kvf__peer_name(lk->peer, name, sizeof(name));
-    if (s->held && lk->prefix % ps != 0) {
+    if (s->held && lk->tx.prefix % ps != 0) {
         snprintf(why, len, "%s holds %u tokens of room %llu already, not a whole number "
                  "of %u-token pages: a held room's reader takes whole pages",
-                 name, lk->prefix, (unsigned long long)r->id, ps);
+                 name, lk->tx.prefix, (unsigned long long)r->id, ps);
         return why;
     }
     if (!r->initialized)
         return NULL;
-    if (s->held && (uint64_t)lk->prefix / ps + lk->n_pages > s->num_pages) {
+    if (s->held && (uint64_t)lk->tx.prefix / ps + lk->tx.n_pages > s->num_pages) {
         snprintf(why, len, "%s asked for %u pages of room %llu from page %u on, but the "
-                 "prefill side holds %u (kvf_sender_init num_pages)", name, lk->n_pages,
-                 (unsigned long long)r->id, lk->prefix / ps, s->num_pages);
+                 "prefill side holds %u (kvf_sender_init num_pages)", name, lk->tx.n_pages,
+                 (unsigned long long)r->id, lk->tx.prefix / ps, s->num_pages);
         return why;
     }
-    if (!s->held && lk->n_pages != s->num_pages) {
+    if (!s->held && lk->tx.n_pages != s->num_pages) {
         snprintf(why, len, "%s declared %u pages for room %llu, but the prefill side "
-                 "declared %u (kvf_sender_init num_pages)", name, lk->n_pages,
+                 "declared %u (kvf_sender_init num_pages)", name, lk->tx.n_pages,
                  (unsigned long long)r->id, s->num_pages);
         return why;
     }
@@ -529,7 +529,7 @@ static int states_missing(const kvf_room_t *r)
     if (((const kvf_sender_t *)r)->state_src.ngroups > 0)
         return 0;
     for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].state.ngroups > 0)
+        if (r->links[i].tx.state.ngroups > 0)
             return 1;
     return 0;
 }
@@ -570,7 +570,7 @@ static int dest_slot_open(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *dst,
     KVF_ASSERT_LOCKED(r->eng);
     if (expected == 0 || expected > MAX_LINKS) {
         if (r->nlinks > 0)
-            refuse(r, p, dst->instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
+            refuse(r, p, dst->tx.instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
                    "room %llu", name, expected, (unsigned long long)r->id);
         else
             kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s announced %u receivers for room %llu",
@@ -586,17 +586,17 @@ static int dest_slot_open(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *dst,
         r->expected_links = expected;
     } else if (expected != r->expected_links) {
         /* The ranks bound first said otherwise: this request is the odd one. */
-        refuse(r, p, dst->instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
+        refuse(r, p, dst->tx.instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
                "room %llu, the decode ranks bound to it announced %u", name, expected,
                (unsigned long long)r->id, r->expected_links);
         return 0;
     }
     if (link_of(r, p) != NULL || r->nlinks == r->expected_links) {
-        refuse(r, p, dst->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
+        refuse(r, p, dst->tx.instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
                "(instance %016llx) on prefill rank %d, whose %u decode ranks are all "
                "bound to other requests: two live requests use one room id (a stale "
                "retry, or a bootstrap_room drawn twice?); this request was refused",
-               name, (unsigned long long)r->id, (unsigned long long)dst->instance,
+               name, (unsigned long long)r->id, (unsigned long long)dst->tx.instance,
                r->eng->params.tp_rank, r->expected_links);
         return 0;
     }
@@ -617,20 +617,21 @@ static int dest_fits(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst, const char *
     kvf_status_t st = kvf__plan_slice(&mine, &theirs, &dst->slice, err, sizeof(err));
     /* Owes nothing: no pages, and neither aux nor state (the receiver
      * marks such a link done from the same request). */
-    dst->idle = dst->n_pages == 0 && dst->aux_slot == KVF_NO_SLOT && dst->state.ngroups == 0;
+    dst->idle = dst->tx.n_pages == 0 && dst->aux_slot == KVF_NO_SLOT &&
+                dst->tx.state.ngroups == 0;
     if (st == KVF_ERR_NOT_FOUND ? !dst->idle : st != KVF_OK) {
         kvf__room_fail(r, st == KVF_ERR_NOT_FOUND ? KVF_ERR_BAD_INDICES : st,
                        "%s asked for room %llu's KV from prefill rank %d, which %s", name,
                        (unsigned long long)r->id, r->eng->params.tp_rank,
                        st == KVF_ERR_NOT_FOUND ? "holds none of its heads" : err);
-        kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
+        kvf__send_fail(p, r->id, dst->tx.instance, r->failure, 0);
         return 0;
     }
     char why[KVF_REASON_MAX - 64];
     dst->peer = p;
     if (dest_misfit(r, dst, why, sizeof(why)) != NULL) {
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s", why);
-        kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
+        kvf__send_fail(p, r->id, dst->tx.instance, r->failure, 0);
         return 0;
     }
     return 1;
@@ -651,20 +652,20 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     memset(dst, 0, sizeof(*dst));
     lk->peer = p;
     p->refs++;
-    kvf__trace_peer_event(r, "dest_received", p, -1, lk->n_pages, -1);
+    kvf__trace_peer_event(r, "dest_received", p, -1, lk->tx.n_pages, -1);
     kvf__siblings_evict(r, p);
     kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
-    if (lk->prefix != r->links[0].prefix) {
+    if (lk->tx.prefix != r->links[0].tx.prefix) {
         /* The prefill sends the rest of one prefix: the ranks must agree. */
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "decode ranks disagree on room %llu's "
                        "cached prefix: %s holds %u tokens, %s %u",
-                       (unsigned long long)r->id, name, lk->prefix,
+                       (unsigned long long)r->id, name, lk->tx.prefix,
                        kvf__peer_name(r->links[0].peer, (char[128]){0}, 128),
-                       r->links[0].prefix);
+                       r->links[0].tx.prefix);
         return;
     }
     if (r->nlinks == r->expected_links) {
-        sender_of(r)->decode_prefix = lk->prefix;
+        sender_of(r)->decode_prefix = lk->tx.prefix;
         if (room_state(r) == KVF_POLL_BOOTSTRAPPING)
             r->t_dest_ns = kvf_now_ns();     /* every decode rank's pages arrived */
         kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
@@ -673,8 +674,8 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     }
     return;
 out:
-    free(dst->pages);
-    kvf__states_free(&dst->state);
+    free(dst->tx.pages);
+    kvf__states_free(&dst->tx.state);
     memset(dst, 0, sizeof(*dst));
 }
 
@@ -707,8 +708,8 @@ static int instance_ok(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
              : req->want_instance == 0 ? "holds it for a request key, and the reader named none"
                                        : "holds it for another request key");
     kvf__failure_set(&f, r->eng, KVF_ERR_ROOM_CONFLICT, "%s", why);
-    kvf__send_fail(p, r->id, req->instance, &f, 0);
-    kvf__room_dropped(p, "ROOM_REQ", r->id, req->instance, why);
+    kvf__send_fail(p, r->id, req->tx.instance, &f, 0);
+    kvf__room_dropped(p, "ROOM_REQ", r->id, req->tx.instance, why);
     return 0;
 }
 
@@ -727,19 +728,19 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     kvf_link_t *slot = slot_of(r, req->rank);
     char name[128];
 
-    if (slot != NULL && slot->instance == req->instance) {
+    if (slot != NULL && slot->tx.instance == req->tx.instance) {
         if (attempt > 0 && bad != NULL && !room_final(r)) {
             /* Resumed from a peer, or with a request, that cannot work. */
             kvf__room_fail_record(r, bad, NULL, 0, 0);
-            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+            kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
             return;
         }
         if (attempt > 0)
             resume(r, p, slot, req);
         else if (room_state(r) == KVF_POLL_FAILED)
-            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+            kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
         else
-            kvf__room_dropped(p, "ROOM_REQ", r->id, req->instance,
+            kvf__room_dropped(p, "ROOM_REQ", r->id, req->tx.instance,
                               "a second request of the same room instance");
         free(bad);
         return;
@@ -750,31 +751,31 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     }
     if (room_state(r) == KVF_POLL_FAILED && slot == NULL) {
         /* A rank it never heard from, late: the room failed without it. */
-        kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+        kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
         free(bad);
         return;
     }
     if (room_final(r)) {
         /* A new instance for a rank that was served: the id reused, for
          * the next sender the application creates with it. */
-        kvf__sender_stash_add(p, r->id, req->instance, req, expected, bad, 0);
+        kvf__sender_stash_add(p, r->id, req->tx.instance, req, expected, bad, 0);
         return;
     }
     if (slot != NULL) {
-        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
+        refuse(r, p, req->tx.instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
                "(instance %016llx) as decode rank %u, but that rank's destination is "
                "bound to %s (instance %016llx): two live requests use one room id (a "
                "stale retry, or a bootstrap_room drawn twice?); this request was refused",
                kvf__peer_name(p, name, sizeof(name)), (unsigned long long)r->id,
-               (unsigned long long)req->instance, req->rank,
+               (unsigned long long)req->tx.instance, req->rank,
                kvf__peer_name(slot->peer, (char[128]){0}, 128),
-               (unsigned long long)slot->instance);
+               (unsigned long long)slot->tx.instance);
         free(bad);
         return;
     }
     if (bad != NULL) {
         kvf__room_fail_record(r, bad, NULL, 0, 0);
-        kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+        kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
         return;
     }
     add_destination(r, p, req, expected);
@@ -816,7 +817,7 @@ static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
 static int asked_again(const kvf_stash_t *s)
 {
     for (const kvf_stash_t *n = s->next; n != NULL; n = n->next)
-        if (n->link.pages != NULL && n->link.rank == s->link.rank &&
+        if (n->link.tx.pages != NULL && n->link.rank == s->link.rank &&
             n->instance == s->instance)
             return 1;
     return 0;
@@ -857,7 +858,7 @@ static void stash_apply(kvf_room_t *r)
         kvf_stash_t *n = s->next;
         if (s->watch) {
             kvf__siblings_take(r, s->peer, s->link.rank, s->instance);
-        } else if (s->link.pages == NULL) {    /* a FAIL / ABORT */
+        } else if (s->link.tx.pages == NULL) {    /* a FAIL / ABORT */
             if (stash_fail_applies(r, s)) {
                 kvf__room_fail_record(r, s->failure, s->peer,
                                       s->failure->status == KVF_ERR_ABORTED, s->sides);
@@ -1067,7 +1068,7 @@ static int state_counts_agree(kvf_room_t *r)
     const kvf_states_t *src = &sender_of(r)->state_src;
     char name[128], type[64];
     for (uint32_t i = 0; i < r->nlinks; i++) {
-        const kvf_states_t *dst = &r->links[i].state;
+        const kvf_states_t *dst = &r->links[i].tx.state;
         for (uint32_t g = 0; g < dst->ngroups; g++) {
             if (src->count[g] == dst->count[g])
                 continue;
@@ -1239,7 +1240,7 @@ static void confirm(kvf_peer_t *p, const kvf_link_t *lk, const kvf_msg_done_ack_
 {
     kvf_msg_t c = {.type = KVF_MSG_DONE_ACK};
     c.u.done_ack.room = m->room;
-    c.u.done_ack.instance = lk->instance;
+    c.u.done_ack.instance = lk->tx.instance;
     c.u.done_ack.status = KVF_OK;
     c.u.done_ack.bytes = m->bytes;
     kvf__peer_send(p, &c);
@@ -1250,7 +1251,7 @@ static void on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
 {
     char name[128];
 
-    if (!lk->last_queued)
+    if (!lk->tx.last_queued)
         return;
     if (lk->done) {
         /* A push link's answer said twice (the first confirmation was
@@ -1284,12 +1285,12 @@ static kvf_link_t *reacked(kvf_room_t *r, kvf_peer_t *p, const kvf_msg_done_ack_
 
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_link_t *lk = &r->links[i];
-        if (lk->instance != m->instance || lk->peer == p ||
+        if (lk->tx.instance != m->instance || lk->peer == p ||
             lk->peer->instance_id != p->instance_id || kvf__peer_pulls(lk->peer))
             continue;
         if (lk->done)
             return lk;             /* taken before its connection went */
-        if (!lk->last_queued || m->status != KVF_OK || m->bytes != lk->bytes)
+        if (!lk->tx.last_queued || m->status != KVF_OK || m->bytes != lk->bytes)
             return NULL;
         kvf_info("%s repeated its acknowledgement of room %llu (%llu bytes) on a new "
                  "connection", kvf__peer_name(p, name, sizeof(name)),
@@ -1316,19 +1317,19 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     kvf__peer_name(p, name, sizeof(name));
     if (room_final(r)) {
         if (room_state(r) == KVF_POLL_FAILED)
-            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+            kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
         return 1;
     }
     if (lk->peer->instance_id != p->instance_id) {
         /* Not the engine the room is bound to: refused, the room goes on. */
-        refuse(r, p, req->instance, KVF_ERR_PEER_RESTARTED, "%s resumed room %llu, which "
+        refuse(r, p, req->tx.instance, KVF_ERR_PEER_RESTARTED, "%s resumed room %llu, which "
                "is bound to decode engine instance %016llx, not %016llx: refused",
                name, (unsigned long long)r->id, (unsigned long long)lk->peer->instance_id,
                (unsigned long long)p->instance_id);
         return 1;
     }
-    if (req->n_pages != lk->n_pages ||
-        memcmp(req->pages, lk->pages, lk->n_pages * sizeof(uint32_t)) != 0) {
+    if (req->tx.n_pages != lk->tx.n_pages ||
+        memcmp(req->tx.pages, lk->tx.pages, lk->tx.n_pages * sizeof(uint32_t)) != 0) {
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s resumed room %llu with a different "
                        "destination", name, (unsigned long long)r->id);
         return 1;
@@ -1341,7 +1342,7 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     p->refs++;
     lk->broken = 0;
     lk->done = 0;
-    lk->last_queued = 0;
+    lk->tx.last_queued = 0;
     kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     r->t_state_ms = kvf_now_ms();
     /* (A held room that is still waiting for readers keeps its pages.) */
@@ -1377,27 +1378,27 @@ static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *
         return;
     }
     lk.rank = m->dst_rank;
-    lk.n_pages = m->pages.count;
+    lk.tx.n_pages = m->pages.count;
     lk.aux_slot = m->aux_slot;
-    lk.prefix = m->decode_prefix_len;
+    lk.tx.prefix = m->decode_prefix_len;
     lk.want_instance = m->sender_instance;
-    lk.pages = malloc((lk.n_pages ? lk.n_pages : 1) * sizeof(uint32_t));
-    if (lk.pages == NULL ||
-        kvf__states_from_wire(&lk.state, &m->state_counts, &m->state_idx) != KVF_OK) {
-        free(lk.pages);
+    lk.tx.pages = malloc((lk.tx.n_pages ? lk.tx.n_pages : 1) * sizeof(uint32_t));
+    if (lk.tx.pages == NULL ||
+        kvf__states_from_wire(&lk.tx.state, &m->state_counts, &m->state_idx) != KVF_OK) {
+        free(lk.tx.pages);
         kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a room destination");
         return;
     }
-    for (uint32_t i = 0; i < lk.n_pages; i++)
-        lk.pages[i] = kvf_wire_arr32_at(&m->pages, i);
+    for (uint32_t i = 0; i < lk.tx.n_pages; i++)
+        lk.tx.pages[i] = kvf_wire_arr32_at(&m->pages, i);
     /* Against the decode rank's own layout, as its HELLO described it. */
     if (m->aux_slot != KVF_NO_SLOT && !aux_slot_ok(pl, m->aux_slot))
         bad = "aux slot outside its registered aux buffers";
-    else if (lk.state.ngroups != 0 && lk.state.ngroups != pl->num_groups)
+    else if (lk.tx.state.ngroups != 0 && lk.tx.state.ngroups != pl->num_groups)
         bad = "a state group count that differs from its state groups";
-    else if (first_bad_page(pl, lk.pages, lk.n_pages) < lk.n_pages)
+    else if (first_bad_page(pl, lk.tx.pages, lk.tx.n_pages) < lk.tx.n_pages)
         bad = "a page outside its registered KV buffers";
-    else if (lk.state.ngroups != 0 && first_bad_state(pl, &lk.state) < lk.state.total)
+    else if (lk.tx.state.ngroups != 0 && first_bad_state(pl, &lk.tx.state) < lk.tx.state.total)
         bad = "a state index outside its state buffers";
 
     char name[128];
@@ -1405,8 +1406,8 @@ static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *
     kvf_failure_t *f = NULL;
     if ((bad != NULL || p->incompatible != NULL) && (f = malloc(sizeof(*f))) == NULL) {
         /* Without the record the request would pass for a valid one. */
-        free(lk.pages);
-        kvf__states_free(&lk.state);
+        free(lk.tx.pages);
+        kvf__states_free(&lk.tx.state);
         kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory to refuse a room destination");
         return;
     }
@@ -1417,7 +1418,7 @@ static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *
         else
             kvf__failure_set(f, eng, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
     }
-    lk.instance = m->instance;
+    lk.tx.instance = m->instance;
     const kvf_tomb_t *tomb = r == NULL ? kvf_map_get(&eng->tombs, m->room) : NULL;
     if (r == NULL && (kvf__instance_retired(eng, m->instance) ||
                       (tomb != NULL && !tomb_has_rank(tomb, m->dst_rank)))) {
@@ -1435,8 +1436,8 @@ static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *
     } else {
         take_request(r, p, &lk, m->expected_receivers, m->attempt, f);
     }
-    free(lk.pages);
-    kvf__states_free(&lk.state);
+    free(lk.tx.pages);
+    kvf__states_free(&lk.tx.state);
 }
 
 /* ---- the prefill side's room ops (room.h, kvf_room_ops_t) --------------- */
@@ -1529,7 +1530,7 @@ static uint64_t sender_instance_for(kvf_room_t *r, const kvf_peer_t *to)
 {
     kvf_link_t *lk = link_of(r, to);
     if (lk != NULL)
-        return lk->instance;
+        return lk->tx.instance;
     for (uint32_t i = 0; i < r->nwatch; i++)
         if (r->watch[i].peer == to)
             return r->watch[i].instance;
