@@ -12,7 +12,7 @@
  * connection resets first, the answers still owed are said again on a new
  * connection to the same prefill rank (the engine's tick dials it), where
  * the prefill rank takes them as the link's verdict
- * (kvf__sender_reacked).  They do not depend on the rooms: a room the
+ * (sender.c, reacked).  They do not depend on the rooms: a room the
  * application destroyed right after its SUCCESS is still answered for.
  *
  * Bounded: KVF_ACKS_OWED per peer, and none older than two heartbeat

@@ -229,6 +229,8 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
     eng->ev_copier = KVF_EV_COPIER;
+    eng->room_ops = full->role == KVF_ROLE_PREFILL ? &kvf_sender_room_ops
+                                                   : &kvf_receiver_room_ops;
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
     pthread_mutex_init(&eng->lock, NULL);

@@ -28,7 +28,6 @@
 #include <unistd.h>
 
 #include "core/room.h"
-#include "core/stage.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -118,7 +117,7 @@ static void peer_free(kvf_peer_t *p)
         p->mep->ops->disconnect(p->mep);
     free(p->ref_tgt);
     if (p->rx_bounce != NULL)
-        kvf__bounce_put(p->eng, p->rx_bounce, p->rx_bounce_cap);
+        p->eng->room_ops->release_rx(p);
     free(p->rx_dev);
     free(p->rx_bnc);
     free(p->owed);
@@ -394,7 +393,7 @@ static void check_device_memory(kvf_peer_t *p)
 {
     const kvf_layout_int_t *mine = &p->eng->layout;
     if ((kvf__peer_caps(p) & KVF_MOVER_CAP_MEM_DEVICE) || p->incompatible != NULL ||
-        !kvf__layout_on_device(mine) || (p->mover == NULL && kvf__stages(p->eng)))
+        !kvf__layout_on_device(mine) || (p->mover == NULL && p->eng->copier != NULL))
         return;
     char why[KVF_REASON_MAX];
     snprintf(why, sizeof(why), "KV cache in device memory cannot move over %s between "
@@ -1188,7 +1187,7 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
                            "that pulls");
             return;
         }
-        kvf__receiver_on_data_ref(p, &msg->u.data);
+        p->eng->room_ops->on_data_ref(p, &msg->u.data);
         return;
     }
     kvf__room_on_msg(p, msg);
@@ -1206,7 +1205,7 @@ static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA from a peer that may not send it");
         return;
     }
-    kvf__receiver_on_data(p, d, t);
+    p->eng->room_ops->on_data(p, d, t);
 }
 
 static int rx_valid(void *arg)
@@ -1253,7 +1252,9 @@ static void on_placed(void *arg, const uint8_t *ptr, size_t n)
 
 static void on_data_end(void *arg, uint64_t placed)
 {
-    kvf__receiver_on_data_end((kvf_peer_t *)arg, placed);
+    kvf_peer_t *p = arg;
+    if (p->rx_room != NULL)       /* on_data pointed the frame at a room */
+        p->eng->room_ops->on_data_end(p, placed);
 }
 
 void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)

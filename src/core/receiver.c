@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 
 #include "core/auth.h"
 #include "core/descriptor.h"
@@ -21,8 +22,10 @@
 #include "util/log.h"
 #include "util/time.h"
 
-void kvf__receiver_free(kvf_receiver_t *rv)
+/* Free what only a receiver holds (its room is being freed). */
+static void receiver_free(kvf_room_t *r)
 {
+    kvf_receiver_t *rv = receiver_of(r);
     free(rv->bootstrap_addr);
     free(rv->pages);
     free(rv->sorted_pages);
@@ -43,7 +46,7 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
         return KVF_ERR_INVALID_PARAM;
     }
     kvf__lock(eng);
-    kvf_status_t st = kvf__room_create(eng, KVF_ROLE_DECODE, room, &r);
+    kvf_status_t st = kvf__room_create(eng, &kvf_receiver_room_ops, room, &r);
     if (st == KVF_OK) {
         kvf_receiver_t *rv = receiver_of(r);
         rv->dp_rank = prefill_dp_rank;
@@ -56,6 +59,19 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
     }
     kvf__unlock(eng);
     return st;
+}
+
+void kvf__receiver_tell_failed(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    if (room_state(r) != KVF_POLL_FAILED || r->failure == NULL)
+        return;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        if (!lk->fail_told)
+            lk->fail_told = kvf__room_send_fail(r, lk->peer,
+                                                r->failure->status == KVF_ERR_ABORTED);
+    }
 }
 
 void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
@@ -204,7 +220,7 @@ kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *r
     kvf__lock(eng);
     kvf_status_t st = eng->registered ? remote_targets(eng, &rm, t, &n) : KVF_OK;
     if (st == KVF_OK)
-        st = kvf__room_create(eng, KVF_ROLE_DECODE, rm.room, &r);
+        st = kvf__room_create(eng, &kvf_receiver_room_ops, rm.room, &r);
     if (st == KVF_OK) {
         kvf_receiver_t *rv = receiver_of(r);
         rv->dp_rank = -1;
@@ -526,7 +542,7 @@ static int links_ready(kvf_room_t *r)
             char why[160];
             snprintf(why, sizeof(why), "cannot reach %s",
                      kvf__peer_name(p, name, sizeof(name)));
-            if (r->links[i].resume_instance != 0 && r->retries < MAX_RETRIES) {
+            if (r->links[i].rx.resume_instance != 0 && r->retries < MAX_RETRIES) {
                 r->links[i].broken = 1;
                 r->retries++;
                 r->retry_at_ms = kvf_now_ms() + (RETRY_BASE_MS << (r->retries - 1));
@@ -551,13 +567,13 @@ static int links_ready(kvf_room_t *r)
                            (unsigned long long)r->links[i].want_instance);
             return 0;
         }
-        if (r->links[i].resume_instance != 0 &&
-            r->links[i].resume_instance != p->instance_id) {
+        if (r->links[i].rx.resume_instance != 0 &&
+            r->links[i].rx.resume_instance != p->instance_id) {
             kvf__room_fail(r, KVF_ERR_PEER_RESTARTED, "%s restarted (instance %016llx, "
                            "was %016llx) while room %llu was in flight: its KV for the "
                            "room is gone", kvf__peer_name(p, name, sizeof(name)),
                            (unsigned long long)p->instance_id,
-                           (unsigned long long)r->links[i].resume_instance,
+                           (unsigned long long)r->links[i].rx.resume_instance,
                            (unsigned long long)r->id);
             return 0;
         }
@@ -634,7 +650,7 @@ static uint64_t fill_request(kvf_room_t *r, kvf_link_t *lk, int aux, int state,
     m->u.room_req.instance = r->instance;
     m->u.room_req.dst_rank = (uint32_t)eng->params.tp_rank;
     m->u.room_req.aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-    m->u.room_req.attempt = lk->resume_instance ? r->retries : 0;
+    m->u.room_req.attempt = lk->rx.resume_instance ? r->retries : 0;
     m->u.room_req.sender_instance = rv->sender_instance;
     if (lk->idle) {
         /* Tell it the room exists; it owes nothing. */
@@ -688,16 +704,16 @@ static int send_request(kvf_room_t *r, kvf_link_t *lk, int designee)
     int aux = designee && eng->layout.num_aux > 0 &&
               (eng->params.pp_size == 1 || eng->params.pp_rank == eng->params.pp_size - 1);
     uint64_t per_page = fill_request(r, lk, aux, state, &m);
-    lk->expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
+    lk->rx.expected = rv->n_pages * per_page + (aux ? eng->aux_item_bytes_sum : 0) +
         (state ? states_bytes(&eng->layout, &rv->state_dst) : 0);
     /* What this peer may write, each unit once (cover_mark). */
     lk->aux_slot = aux ? r->aux_slot : KVF_NO_SLOT;
-    lk->sends_state = state && rv->state_dst.ngroups > 0;
-    free(lk->cover);
-    lk->cover = NULL;
+    lk->rx.sends_state = state && rv->state_dst.ngroups > 0;
+    free(lk->rx.cover);
+    lk->rx.cover = NULL;
     if (!lk->idle) {
         uint64_t bits = rv->state_bit0[rv->state_dst.ngroups];
-        if ((lk->cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
+        if ((lk->rx.cover = calloc((size_t)(bits + 7) / 8, 1)) == NULL) {
             kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to track room %llu's "
                            "%llu destination units", (unsigned long long)r->id,
                            (unsigned long long)bits);
@@ -714,7 +730,7 @@ static int send_request(kvf_room_t *r, kvf_link_t *lk, int designee)
                        kvf__peer_name(p, name, sizeof(name)), kvf_status_str(st));
         return 0;
     }
-    lk->req_sent = 1;
+    lk->rx.req_sent = 1;
     kvf__trace_peer_event(r, "request_sent", p, -1, lk->idle ? 0 : rv->n_pages, -1);
     return 1;
 }
@@ -737,7 +753,7 @@ void kvf__receiver_try_request(kvf_room_t *r)
         return;
     }
     for (uint32_t i = 0; i < r->nlinks; i++) {
-        if (r->links[i].req_sent)
+        if (r->links[i].rx.req_sent)
             continue;
         if (!send_request(r, &r->links[i], (int)i == designated))
             return;
@@ -891,7 +907,7 @@ static int cover_mark_kv(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s,
         for (uint64_t t = t0; t < t0 + n; t++) {
             /* Consecutive pages: seg_target found them all declared. */
             uint64_t idx = idx0 + (t / ps - first);
-            if (cover_set(lk->cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
+            if (cover_set(lk->rx.cover, ((uint64_t)s->buf * rv->n_pages + idx) * ps +
                                          t % ps))
                 continue;
             if (hnd)
@@ -925,7 +941,7 @@ static int cover_mark_state(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t 
     const kvf_buffer_t *b = &l->state[s->buf];
     uint32_t g = kvf__group_of(l, s->buf), at = group_at(rv, g);
     uint32_t cnt = rv->state_dst.count[g];
-    if (!lk->sends_state) {
+    if (!lk->rx.sends_state) {
         snprintf(err, errlen, "this peer does not send the room's state");
         return 0;
     }
@@ -939,7 +955,7 @@ static int cover_mark_state(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t 
     uint64_t first = s->offset / b->item_bytes, n = s->len / b->item_bytes;
     uint64_t bit0 = rv->state_bit0[g] + (uint64_t)(s->buf - l->group_first[g]) * cnt;
     for (uint64_t it = first; it < first + n; it++) {
-        if (!cover_set(lk->cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
+        if (!cover_set(lk->rx.cover, bit0 + sorted_index(rv->state_sorted + at, cnt, it))) {
             snprintf(err, errlen, "item %llu of state buffer %u is written a second "
                      "time: each destination byte is placed once",
                      (unsigned long long)it, s->buf);
@@ -970,7 +986,7 @@ static int cover_mark_aux(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s
                  s->buf);
         return 0;
     }
-    if (!cover_set(lk->cover, nkv + s->buf)) {
+    if (!cover_set(lk->rx.cover, nkv + s->buf)) {
         snprintf(err, errlen, "aux buffer %u's slot is written a second time: each "
                  "destination byte is placed once", s->buf);
         return 0;
@@ -993,7 +1009,7 @@ static int cover_mark_aux(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s
 static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, char *err,
                       size_t errlen)
 {
-    if (lk->cover == NULL)
+    if (lk->rx.cover == NULL)
         return 1;     /* an idle link: any byte it sends fails the count */
     if (s->kind == KVF_BUF_KV)
         return cover_mark_kv(r, lk, s, err, errlen);
@@ -1022,7 +1038,7 @@ static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
         return NULL;
     }
     kvf_link_t *lk = link_of(r, kvf__peer_main(p));
-    if (lk == NULL || !lk->req_sent) {
+    if (lk == NULL || !lk->rx.req_sent) {
         kvf__room_dropped(p, "DATA", d->room, d->instance, "the room did not ask this "
                           "peer for any; its bytes were discarded");
         return NULL;
@@ -1146,7 +1162,7 @@ static int stage_targets(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t
     return 1;
 }
 
-void kvf__receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+static void receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
 {
     kvf_room_t *r = NULL;
     kvf_link_t *lk = frame_targets(p, d, t, &r);
@@ -1213,7 +1229,7 @@ static void read_started(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, kvf_read_
 {
     r->refs++;
     p->refs++;
-    lk->reads++;
+    lk->rx.reads++;
     atomic_fetch_add_explicit(&r->reads, 1, memory_order_relaxed);
     p->read_bytes += rd->bytes;
     p->eng->reads_inflight++;
@@ -1237,7 +1253,7 @@ static void read_finish(kvf_read_t *rd)
     const struct iovec *local = rd->iov;
     char name[128];
 
-    lk->reads--;
+    lk->rx.reads--;
     p->read_bytes -= rd->bytes;
     eng->reads_inflight--;
     if (lk->peer != p || p->state == KVF_PEER_DEAD) {
@@ -1269,11 +1285,11 @@ static void read_finish(kvf_read_t *rd)
     /* Release: a poller that sees the count reach 0 sees the bytes too. */
     if (atomic_fetch_sub_explicit(&r->reads, 1, memory_order_release) == 1)
         pthread_cond_broadcast(&eng->reads_cond);
-    if (lk->reads == 0 && lk->done_waiting) {
-        lk->done_waiting = 0;
+    if (lk->rx.reads == 0 && lk->rx.done_waiting) {
+        lk->rx.done_waiting = 0;
         if (!room_final(r))
-            check_done(lk->peer, r, lk, 0, lk->done_bytes, lk->done_has_checksum,
-                       lk->done_checksum);
+            check_done(lk->peer, r, lk, 0, lk->rx.done_bytes, lk->rx.done_has_checksum,
+                       lk->rx.done_checksum);
     }
     if (rd->bounce != NULL)
         kvf__bounce_put(eng, rd->bounce, rd->bounce_cap);
@@ -1295,7 +1311,7 @@ void kvf__receiver_reads_done(kvf_engine_t *eng)
 
 /* A DATA_REF frame: the same checks as DATA, then the mover starts reading
  * the bytes from the prefill's memory; they count once it hands them back. */
-void kvf__receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
+static void receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
 {
     kvf_engine_t *eng = p->eng;
     kvf_room_t *r = NULL;
@@ -1407,7 +1423,7 @@ static uint64_t stage_copy(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_
     return bytes;
 }
 
-void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
+static void receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
 {
     kvf_room_t *r = p->rx_room;
     if (r == NULL)
@@ -1425,26 +1441,26 @@ void kvf__receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
     kvf__room_put(r);
 }
 
-void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
+static void on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
 {
     kvf_link_t *lk = link_of(r, p);
     uint32_t k = m->stream;        /* 0 without streams */
     char name[128];
 
-    if (lk == NULL || lk->done || lk->confirming || lk->done_waiting ||
+    if (lk == NULL || lk->done || lk->rx.confirming || lk->rx.done_waiting ||
         (lk->ends & (1u << k))) {
         kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent %s DONE for room %llu",
                        kvf__peer_name(p, name, sizeof(name)),
                        lk ? "a second" : "an unexpected", (unsigned long long)r->id);
         return;
     }
-    if (lk->reads > 0) {
+    if (lk->rx.reads > 0) {
         /* The DONE follows the frames in the stream, but their bytes are
          * still being read: judge once they are in (pulled: one stream). */
-        lk->done_waiting = 1;
-        lk->done_bytes = m->bytes;
-        lk->done_has_checksum = m->has_checksum;
-        lk->done_checksum = m->checksum;
+        lk->rx.done_waiting = 1;
+        lk->rx.done_bytes = m->bytes;
+        lk->rx.done_has_checksum = m->has_checksum;
+        lk->rx.done_checksum = m->checksum;
         return;
     }
     check_done(p, r, lk, k, m->bytes, m->has_checksum, m->checksum);
@@ -1464,11 +1480,11 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
     if (lk->nstreams > 1)
         snprintf(on, sizeof(on), " on stream %u of %u", k, lk->nstreams);
 
-    if (bytes != lk->stream_bytes[k] || (lk->nstreams == 1 && bytes != lk->expected)) {
+    if (bytes != lk->stream_bytes[k] || (lk->nstreams == 1 && bytes != lk->rx.expected)) {
         kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s%s: it reported "
                        "%llu bytes, %llu were placed, room %llu expects %llu", name, on,
                        (unsigned long long)bytes, (unsigned long long)lk->stream_bytes[k],
-                       (unsigned long long)r->id, (unsigned long long)lk->expected);
+                       (unsigned long long)r->id, (unsigned long long)lk->rx.expected);
         return;
     }
     if (lk->hash[k] != NULL) {
@@ -1485,11 +1501,11 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
     lk->ends |= 1u << k;
     if (lk->ends != (1u << lk->nstreams) - 1)
         return;                    /* other streams' DONEs to come */
-    if (lk->bytes != lk->expected) {
+    if (lk->bytes != lk->rx.expected) {
         kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s: its %u streams "
                        "carried %llu bytes, room %llu expects %llu", name, lk->nstreams,
                        (unsigned long long)lk->bytes, (unsigned long long)r->id,
-                       (unsigned long long)lk->expected);
+                       (unsigned long long)lk->rx.expected);
         return;
     }
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
@@ -1507,7 +1523,7 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
      * link waits for its confirmation (DONE_ACK back) before SUCCESS.
      */
     if (kvf__peer_pulls(p)) {
-        lk->confirming = 1;
+        lk->rx.confirming = 1;
         return;
     }
     /* Pushed bytes are all here: SUCCESS now.  The answer is kept until
@@ -1519,20 +1535,260 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
-void kvf__receiver_on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+/* A prefill rank confirms its room was live when our DONE_ACK arrived
+ * (pull transports: the bytes we read were still its room's). */
+static void on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
 {
     kvf_link_t *lk = link_of(r, p);
     char name[128];
 
-    if (lk == NULL || !lk->confirming || m->status != KVF_OK) {
+    if (lk == NULL || !lk->rx.confirming || m->status != KVF_OK) {
         kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s sent an unexpected confirmation for room "
                        "%llu", kvf__peer_name(p, name, sizeof(name)),
                        (unsigned long long)r->id);
         return;
     }
-    lk->confirming = 0;
+    lk->rx.confirming = 0;
     lk->done = 1;
     kvf__trace_peer_event(r, "confirmed", p, -1, -1, -1);
     if (all_done(r))
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
+
+/* ---- the decode side's room ops (room.h, kvf_room_ops_t) ---------------- */
+
+/* Fresh per receiver: the instance every frame of this room will name. */
+static void receiver_init(kvf_room_t *r)
+{
+    while (r->instance == 0)
+        if (getrandom(&r->instance, sizeof(r->instance), 0) != sizeof(r->instance))
+            r->instance = kvf_now_ns() ^ ((uint64_t)(uintptr_t)r << 16) ^ r->id;
+    receiver_of(r)->ok_first = 1;    /* empty: no page range checked yet */
+    receiver_of(r)->ok_last = 0;
+}
+
+/* A prefill rank's DONE: judged once the room asked that rank, under this
+ * room's instance (room.c, "Ownership"). */
+static void take_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
+{
+    kvf_link_t *lk = r ? link_of(r, p) : NULL;
+    if (r == NULL || room_final(r))
+        return;
+    if (lk == NULL || !lk->rx.req_sent)
+        kvf__room_dropped(p, "DONE", m->room, m->instance, "the room did not ask this peer");
+    else if (m->instance != r->instance)
+        kvf__room_dropped(p, "DONE", m->room, m->instance, "it names another instance "
+                          "of the room (an earlier room with this id)");
+    else
+        on_done(p, r, m);
+}
+
+/* A prefill rank's DONE_ACK: the confirmation of a push link's answer
+ * (acks.c), or of a pull link's (on_confirm). */
+static void take_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+{
+    kvf_link_t *lk = r ? link_of(r, p) : NULL;
+    if (kvf__acks_confirmed(p, m))
+        return;                    /* a push link's answer arrived */
+    if (r == NULL || room_final(r))
+        return;
+    if (lk == NULL || !lk->rx.req_sent)
+        kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
+                          "the room did not ask this peer");
+    else if (m->instance != r->instance)
+        kvf__room_dropped(p, "DONE_ACK", m->room, m->instance, "it names another "
+                          "instance of the room (an earlier room with this id)");
+    else
+        on_confirm(p, r, m);
+}
+
+/* A FAIL or ABORT on a decode engine, from a prefill rank the room links
+ * to or watches (siblings.c). */
+static void take_fail(kvf_peer_t *p, kvf_room_t *r, int abort, const kvf_msg_fail_t *m)
+{
+    const char *what = abort ? "ABORT" : "FAIL";
+    kvf_link_t *lk = r ? link_of(r, p) : NULL;
+
+    if (r == NULL)
+        return;                        /* nothing to fail */
+    /* A room that failed still takes what its bound peers tell of where
+     * else it failed (kvf__room_fail_record), and drops the rest quietly. */
+    if (lk == NULL && !kvf__siblings_bound(r, p, m->instance)) {
+        if (room_state(r) != KVF_POLL_FAILED)
+            kvf__room_dropped(p, what, m->room, m->instance,
+                              "the room did not ask this peer");
+    } else if (m->instance != r->instance) {
+        kvf__room_dropped(p, what, m->room, m->instance, "it names another instance "
+                          "of the room (an earlier room with this id)");
+    } else {
+        kvf__room_fail_remote(r, p, abort, m);
+    }
+}
+
+/* A decode engine takes DONEs, confirmations and failures; a ROOM_REQ is
+ * for a prefill engine. */
+static int receiver_on_msg(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg)
+{
+    switch (msg->type) {
+    case KVF_MSG_DONE:
+        take_done(p, r, &msg->u.done);
+        return 1;
+    case KVF_MSG_DONE_ACK:
+        take_confirm(p, r, &msg->u.done_ack);
+        return 1;
+    case KVF_MSG_FAIL:
+    case KVF_MSG_ABORT:
+        take_fail(p, r, msg->type == KVF_MSG_ABORT, &msg->u.fail);
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static void receiver_release_rx(kvf_peer_t *p)
+{
+    kvf__bounce_put(p->eng, p->rx_bounce, p->rx_bounce_cap);
+    p->rx_bounce = NULL;
+}
+
+/* Every peer knows a receiver by its own instance. */
+static uint64_t receiver_instance_for(kvf_room_t *r, const kvf_peer_t *to)
+{
+    (void)to;
+    return r->instance;
+}
+
+/* A held room's request key (kvf_receiver_create_remote), or 0. */
+static uint64_t receiver_fail_key(const kvf_room_t *r)
+{
+    return ((const kvf_receiver_t *)r)->sender_instance;
+}
+
+/* A receiver that never acknowledged a prefill rank's DONE (or never
+ * reached every prefill rank) leaves that rank without its success.  A
+ * held room's ranks have no siblings to tell. */
+static uint8_t receiver_doomed_side(kvf_room_t *r)
+{
+    if (receiver_of(r)->remote)
+        return 0;
+    if (r->nlinks < r->expected_links)
+        return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].done && !r->links[i].rx.confirming)
+            return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
+    return 0;
+}
+
+/* The receiver reconnects itself, after a delay that doubles each time. */
+static uint64_t receiver_retry_at(kvf_room_t *r, uint64_t now)
+{
+    return now + (RETRY_BASE_MS << (r->retries - 1));
+}
+
+/* Reconnect the broken links of a room and ask to resume. */
+static void reconnect(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        kvf_link_t *lk = &r->links[i];
+        char host[KVF_ADDR_MAX];
+        char *colon;
+        if (!lk->broken)
+            continue;
+        snprintf(host, sizeof(host), "%s", lk->peer->addr);
+        colon = strrchr(host, ':');
+        if (colon == NULL) {
+            kvf__room_fail(r, KVF_ERR_UNREACHABLE, "no address to reconnect to");
+            return;
+        }
+        *colon = '\0';
+        kvf_peer_t *p = kvf__peer_get(eng, host, atoi(colon + 1), lk->peer->tp_rank, 0);
+        if (p == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to reconnect");
+            return;
+        }
+        if (lk->rx.resume_instance == 0)
+            lk->rx.resume_instance = lk->peer->instance_id;
+        kvf__peer_put(lk->peer);
+        lk->peer = p;
+        p->refs++;
+        lk->broken = 0;
+        lk->rx.req_sent = 0;
+    }
+    kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
+             r->retries, MAX_RETRIES);
+    kvf__receiver_try_request(r);
+}
+
+/* Every prefill rank of the room has its destination. */
+static int asked_all(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].rx.req_sent)
+            return 0;
+    return r->nlinks > 0;
+}
+
+static int receiver_tick(kvf_room_t *r, uint64_t now)
+{
+    if (!room_final(r))
+        kvf__siblings_tick(r, now);
+    if (!room_final(r) && has_broken_link(r) && now >= r->retry_at_ms)
+        reconnect(r);
+    /* A held room's, asked: its lease, or its deadlines, end it, and say so. */
+    return room_state(r) == KVF_POLL_WAITING_FOR_INPUT && receiver_of(r)->remote &&
+           asked_all(r);
+}
+
+/* Bootstrapping: a prefill rank it waits for refused it at the door. */
+static int refused_detail(const kvf_room_t *r, char *buf, size_t len)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (kvf__peer_refusals(r->links[i].peer, buf, len))
+            return 1;
+    return 0;
+}
+
+static int awaiting_confirmation(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].rx.confirming)
+            return 1;
+    return 0;
+}
+
+static void receiver_deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
+{
+    if (s == KVF_POLL_BOOTSTRAPPING && r->last_err == NULL && refused_detail(r, buf, len))
+        return;
+    if (s == KVF_POLL_BOOTSTRAPPING)
+        snprintf(buf, len, "%s", r->last_err ? r->last_err
+                 : !r->initialized ? "kvf_receiver_init was not called"
+                 : "waiting for the prefill rank's handshake");
+    else if (s == KVF_POLL_WAITING_FOR_INPUT)
+        snprintf(buf, len, "no data from the prefill side yet");
+    else if (awaiting_confirmation(r))
+        snprintf(buf, len, "every byte was read, but the prefill side did not "
+                 "confirm its room was still live while it was read");
+    else
+        snprintf(buf, len, "no bytes placed since");
+}
+
+const kvf_room_ops_t kvf_receiver_room_ops = {
+    .side            = KVF_ROLE_DECODE,
+    .size            = sizeof(kvf_receiver_t),
+    .on_msg          = receiver_on_msg,
+    .on_data         = receiver_on_data,
+    .on_data_end     = receiver_on_data_end,
+    .on_data_ref     = receiver_on_data_ref,
+    .release_rx      = receiver_release_rx,
+    .init            = receiver_init,
+    .free            = receiver_free,
+    .instance_for    = receiver_instance_for,
+    .fail_key        = receiver_fail_key,
+    .doomed_side     = receiver_doomed_side,
+    .retry_at        = receiver_retry_at,
+    .peer_ready      = kvf__receiver_try_request,
+    .tick            = receiver_tick,
+    .deadline_detail = receiver_deadline_detail,
+};

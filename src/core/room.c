@@ -7,8 +7,11 @@
  * wins" hold: a later consequence finds the room final and is dropped.
  *
  * This file: what both sides share (lifetime, failure records and their
- * propagation, message dispatch, peers going away, deadlines and
- * reconnects).  The sides themselves are in sender.c and receiver.c.
+ * propagation, message dispatch, peers going away, deadlines).  The sides
+ * themselves are in sender.c and receiver.c; this file reaches what differs
+ * between them only through the room's table of side ops (r->ops, or the
+ * engine's for a message whose room it does not have: room.h,
+ * kvf_room_ops_t), never by asking which side a room is.
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -16,7 +19,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <sys/random.h>
 
 #include "core/room.h"
 #include "core/trace.h"
@@ -84,9 +86,9 @@ static void link_free(kvf_link_t *l)
 {
     if (l->peer)
         kvf__peer_put(l->peer);
-    free(l->pages);
-    kvf__states_free(&l->state);
-    free(l->cover);
+    free(l->tx.pages);
+    kvf__states_free(&l->tx.state);
+    free(l->rx.cover);
     for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
         if (l->hash[k])
             XXH3_freeState(l->hash[k]);
@@ -120,10 +122,7 @@ void kvf__room_put(kvf_room_t *r)
     free(r->links);
     kvf__siblings_free(r);
     free(r->failure);
-    if (r->side == KVF_ROLE_PREFILL)
-        kvf__sender_free(sender_of(r));
-    else
-        kvf__receiver_free(receiver_of(r));
+    r->ops->free(r);
     free(r->last_err);
     free(r);
 }
@@ -156,8 +155,6 @@ void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
     r->t_state_ms = kvf_now_ms();
     /* Release: a poller that sees SUCCESS also sees the bytes in place. */
     atomic_store_explicit(&r->state, (int)s, memory_order_release);
-    if (s == KVF_POLL_WAITING_FOR_INPUT && r->side == KVF_ROLE_PREFILL)
-        r->t_dest_ns = kvf_now_ns();     /* every decode rank's pages arrived */
     if (s == KVF_POLL_SUCCESS)
         stats_final(r, NULL, 0);
     kvf__trace_state(r, s);
@@ -167,34 +164,13 @@ void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
 /* Failure                                                                   */
 /* ------------------------------------------------------------------------ */
 
-/* The instance `to` knows room r by: a receiver's own; on a sender, that
- * of the link bound to `to` (0 if none). */
-static uint64_t instance_for(kvf_room_t *r, const kvf_peer_t *to)
-{
-    if (r->side == KVF_ROLE_DECODE)
-        return r->instance;
-    kvf_link_t *lk = link_of(r, to);
-    if (lk != NULL)
-        return lk->instance;
-    for (uint32_t i = 0; i < r->nwatch; i++)      /* a sibling (siblings.c) */
-        if (r->watch[i].peer == to)
-            return r->watch[i].instance;
-    return 0;
-}
-
-/* The request key a room's FAIL carries: a receiver's held room's. */
-static uint64_t key_of(const kvf_room_t *r)
-{
-    return r->side == KVF_ROLE_DECODE ? ((const kvf_receiver_t *)r)->sender_instance : 0;
-}
-
 static int send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
                      const kvf_failure_t *f, int abort, uint8_t sides);
 
 int kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
 {
-    return send_fail(to, r->id, instance_for(r, to), key_of(r), r->failure, abort,
-                     r->failed_sides);
+    return send_fail(to, r->id, r->ops->instance_for(r, to), r->ops->fail_key(r), r->failure,
+                     abort, r->failed_sides);
 }
 
 void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
@@ -253,12 +229,11 @@ int kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance)
     return instance != 0 && kvf_map_get(&eng->retired, instance) != NULL;
 }
 
-/* A destroyed sender's instances: remembered, the oldest forgotten first. */
-static void retire_instances(kvf_room_t *r)
+void kvf__room_retire_instances(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
     for (uint32_t i = 0; i < r->nlinks; i++) {
-        uint64_t inst = r->links[i].instance;
+        uint64_t inst = r->links[i].tx.instance;
         if (inst == 0 || kvf__instance_retired(eng, inst))
             continue;
         if (eng->nretired == KVF_RETIRED) {
@@ -293,51 +268,6 @@ static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort, uint8_t
             lk->fail_told = 1;            /* it told us */
     }
     kvf__siblings_tell(r, skip, abort);
-}
-
-/*
- * The other side, when this rank's failure fails it too: a sender that
- * was never given its last chunk leaves every decode rank it feeds
- * without its bytes; a receiver that never acknowledged a prefill rank's
- * DONE (or never reached every prefill rank) leaves that rank without its
- * success.  Its FAILs say so at once, so that a rank of the other side
- * whose own room had succeeded takes the failure from the first FAIL it
- * hears, not from a relay that a scheduler's clear() of a sibling's room
- * may cut.  A sender that had sent everything cannot tell (the decode
- * side may have it all: docs/FAILURES.md), nor can a held room's ranks,
- * which have no siblings.
- */
-static uint8_t doomed_side(kvf_room_t *r)
-{
-    if (r->side == KVF_ROLE_PREFILL) {
-        if (sender_of(r)->held || sender_of(r)->last_sent)
-            return 0;
-        for (uint32_t i = 0; i < r->nlinks; i++)
-            if (!r->links[i].idle)
-                return KVF_SIDE_BIT(KVF_ROLE_DECODE);
-        return 0;
-    }
-    if (receiver_of(r)->remote)
-        return 0;
-    if (r->nlinks < r->expected_links)
-        return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (!r->links[i].done && !r->links[i].confirming)
-            return KVF_SIDE_BIT(KVF_ROLE_PREFILL);
-    return 0;
-}
-
-void kvf__receiver_tell_failed(kvf_room_t *r)
-{
-    KVF_ASSERT_LOCKED(r->eng);
-    if (room_state(r) != KVF_POLL_FAILED || r->failure == NULL)
-        return;
-    for (uint32_t i = 0; i < r->nlinks; i++) {
-        kvf_link_t *lk = &r->links[i];
-        if (!lk->fail_told)
-            lk->fail_told = kvf__room_send_fail(r, lk->peer,
-                                                r->failure->status == KVF_ERR_ABORTED);
-    }
 }
 
 /* The room fails here with the record it holds (r->failure), after `was`;
@@ -395,7 +325,11 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
             tell_peers(r, from, abort, sides);
         return;
     }
-    r->failed_sides |= mine | doomed_side(r);
+    /* The other side, when this rank's failure fails it too: its FAILs
+     * say so at once, so that a rank of that side whose own room had
+     * succeeded takes the failure from the first FAIL it hears, not from
+     * a relay that a scheduler's clear() of a sibling's room may cut. */
+    r->failed_sides |= mine | r->ops->doomed_side(r);
     if (r->failure == NULL)
         r->failure = f;
     else
@@ -439,8 +373,8 @@ static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
     failure_vset(f, r->eng, st, fmt, ap);
     if (out != NULL) {
         out->room = r->id;
-        out->instance = instance_for(r, from);
-        out->key = key_of(r);
+        out->instance = r->ops->instance_for(r, from);
+        out->key = r->ops->fail_key(r);
         out->failure = *f;
     }
     kvf__room_fail_record(r, f, from, st == KVF_ERR_ABORTED, sides);
@@ -508,9 +442,11 @@ kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out)
 /* Creation and destruction (both sides)                                     */
 /* ------------------------------------------------------------------------ */
 
-kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
-                                kvf_room_t **room_p)
+kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
+                              kvf_room_t **room_p)
 {
+    kvf_role_t side = ops->side;
+
     if (!eng->registered) {
         kvf_error("room %llu: register the engine's layout first "
                   "(kvf_engine_register_layout)", (unsigned long long)id);
@@ -527,8 +463,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
                   "reusing the id", (unsigned long long)id);
         return KVF_ERR_ROOM_IN_USE;
     }
-    kvf_room_t *r = calloc(1, side == KVF_ROLE_PREFILL ? sizeof(kvf_sender_t)
-                                                       : sizeof(kvf_receiver_t));
+    kvf_room_t *r = calloc(1, ops->size);
     if (r == NULL || kvf_map_put(&eng->rooms_by_id, id, r) != KVF_OK) {
         free(r);
         return KVF_ERR_NO_MEMORY;
@@ -536,19 +471,14 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
     r->eng = eng;
     r->id = id;
     r->side = side;
+    r->ops = ops;
     r->refs = 1;
     r->attached = 1;
     r->t_state_ms = r->t_create_ms = kvf_now_ms();
     r->t_create_ns = kvf_now_ns();
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
-    if (side == KVF_ROLE_DECODE) {
-        /* Fresh per receiver: what every frame of this room will name. */
-        while (r->instance == 0)
-            if (getrandom(&r->instance, sizeof(r->instance), 0) != sizeof(r->instance))
-                r->instance = kvf_now_ns() ^ ((uint64_t)(uintptr_t)r << 16) ^ id;
-        receiver_of(r)->ok_first = 1;    /* empty: no page range checked yet */
-        receiver_of(r)->ok_last = 0;
-    }
+    if (ops->init != NULL)
+        ops->init(r);
     r->next = eng->rooms;
     if (eng->rooms)
         eng->rooms->prev = r;
@@ -593,10 +523,8 @@ void kvf__room_destroy(kvf_room_t *r)
                        "on %s before it finished", (unsigned long long)r->id,
                        kvf__engine_rank_name(eng, (char[96]){0}, 96));
     kvf_map_del(&eng->rooms_by_id, r->id);
-    if (r->side == KVF_ROLE_PREFILL && room_state(r) == KVF_POLL_FAILED)
-        kvf__sender_bury(r);
-    if (r->side == KVF_ROLE_PREFILL)
-        retire_instances(r);
+    if (r->ops->destroyed != NULL)
+        r->ops->destroyed(r);
     if (r->prev)
         r->prev->next = r->next;
     else
@@ -685,126 +613,40 @@ kvf_status_t kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms)
  * from a decode rank not bound yet, whose instance no destroyed sender
  * served, fails it, because a decode rank that failed before it could
  * send its destination has no other way to say so (docs/SECURITY.md).
+ * Each side checks this in its on_msg (sender.c, receiver.c), which gets
+ * the room looked up here, or NULL: what a message for a room this
+ * engine does not have means is the side's to say too.
  */
-static void on_fail(kvf_peer_t *p, int abort, const kvf_msg_fail_t *m)
+/* The room a room message names: 1, or 0 for a message of another type. */
+static int msg_room(const kvf_msg_t *msg, uint64_t *id_p)
 {
-    kvf_engine_t *eng = p->eng;
-    kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
-    const char *what = abort ? "ABORT" : "FAIL";
-
-    /* A room that failed still takes what its bound peers tell of where
-     * else it failed (kvf__room_fail_record), and drops the rest quietly. */
-    if (eng->params.role == KVF_ROLE_DECODE) {
-        kvf_link_t *lk = r ? link_of(r, p) : NULL;
-        if (r == NULL)
-            return;                        /* nothing to fail */
-        if (lk == NULL && !kvf__siblings_bound(r, p, m->instance)) {
-            if (room_state(r) != KVF_POLL_FAILED)
-                kvf__room_dropped(p, what, m->room, m->instance,
-                                  "the room did not ask this peer");
-        } else if (m->instance != r->instance) {
-            kvf__room_dropped(p, what, m->room, m->instance, "it names another instance "
-                              "of the room (an earlier room with this id)");
-        } else {
-            kvf__room_fail_remote(r, p, abort, m);
-        }
-        return;
+    switch (msg->type) {
+    case KVF_MSG_ROOM_REQ:
+        *id_p = msg->u.room_req.room;
+        return 1;
+    case KVF_MSG_DONE:
+        *id_p = msg->u.done.room;
+        return 1;
+    case KVF_MSG_DONE_ACK:
+        *id_p = msg->u.done_ack.room;
+        return 1;
+    case KVF_MSG_FAIL:
+    case KVF_MSG_ABORT:
+        *id_p = msg->u.fail.room;
+        return 1;
+    default:
+        return 0;
     }
-    if (r == NULL) {
-        kvf_stash_t *s = NULL;
-        if (kvf__instance_retired(eng, m->instance))
-            kvf__room_dropped(p, what, m->room, m->instance, "its room is gone");
-        else
-            s = kvf__sender_stash_add(p, m->room, m->instance, NULL, 0,
-                                      kvf__room_remote_failure(m), m->sender_instance);
-        if (s != NULL)
-            s->sides = m->sides;
-        return;
-    }
-    if (link_bound(r, p, m->instance) != NULL || kvf__siblings_bound(r, p, m->instance))
-        kvf__room_fail_remote(r, p, abort, m);
-    else if (room_state(r) == KVF_POLL_FAILED)
-        return;
-    else if (kvf__sender_fail_unbound_applies(r, p, m->instance, m->sender_instance))
-        kvf__room_fail_remote(r, p, abort, m);
-    else
-        kvf__room_dropped(p, what, m->room, m->instance, "the room is not bound to this "
-                          "peer and instance");
 }
 
 void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 {
     kvf_engine_t *eng = p->eng;
-    int prefill = eng->params.role == KVF_ROLE_PREFILL;
+    uint64_t id;
 
-    switch (msg->type) {
-    case KVF_MSG_ROOM_REQ:
-        if (!prefill)
-            break;
-        kvf__sender_on_room_req(p, &msg->u.room_req);
+    if (msg_room(msg, &id) &&
+        eng->room_ops->on_msg(p, kvf_map_get(&eng->rooms_by_id, id), msg))
         return;
-    case KVF_MSG_DONE: {
-        if (prefill)
-            break;
-        const kvf_msg_done_t *m = &msg->u.done;
-        kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
-        kvf_link_t *lk = r ? link_of(r, p) : NULL;
-        if (r == NULL || room_final(r))
-            return;
-        if (lk == NULL || !lk->req_sent)
-            kvf__room_dropped(p, "DONE", m->room, m->instance, "the room did not ask this peer");
-        else if (m->instance != r->instance)
-            kvf__room_dropped(p, "DONE", m->room, m->instance, "it names another instance "
-                              "of the room (an earlier room with this id)");
-        else
-            kvf__receiver_on_done(p, r, m);
-        return;
-    }
-    case KVF_MSG_DONE_ACK: {
-        const kvf_msg_done_ack_t *m = &msg->u.done_ack;
-        kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
-        if (!prefill) {
-            kvf_link_t *lk = r ? link_of(r, p) : NULL;
-            if (kvf__acks_confirmed(p, m))
-                return;                    /* a push link's answer arrived */
-            if (r == NULL || room_final(r))
-                return;
-            if (lk == NULL || !lk->req_sent)
-                kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
-                                  "the room did not ask this peer");
-            else if (m->instance != r->instance)
-                kvf__room_dropped(p, "DONE_ACK", m->room, m->instance, "it names another "
-                                  "instance of the room (an earlier room with this id)");
-            else
-                kvf__receiver_on_confirm(p, r, m);
-            return;
-        }
-        kvf_link_t *lk = r ? link_bound(r, p, m->instance) : NULL;
-        if (lk == NULL && r != NULL)
-            lk = kvf__sender_reacked(r, p, m);
-        if (lk == NULL) {
-            /* Its sender is gone (or this is another room with the id): a
-             * decode rank that pulled must not trust what it read.  The
-             * answer names the acknowledged instance, so it reaches
-             * nothing else. */
-            if (r != NULL)
-                kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
-                                  "the room is not bound to this peer and instance");
-            kvf__sender_answer_gone(p, m->room, m->instance);
-        } else if (room_state(r) == KVF_POLL_FAILED) {
-            kvf__room_send_fail(r, p, 0);
-        } else {
-            kvf__sender_on_done_ack(p, r, lk, m);
-        }
-        return;
-    }
-    case KVF_MSG_FAIL:
-    case KVF_MSG_ABORT:
-        on_fail(p, msg->type == KVF_MSG_ABORT, &msg->u.fail);
-        return;
-    default:
-        break;
-    }
     kvf__peer_fail(p, KVF_ERR_PROTOCOL, "unexpected %s message from a %s engine",
                    kvf_wire_type_name((uint8_t)msg->type), kvf_role_name(p->role));
 }
@@ -878,18 +720,13 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         for (uint32_t i = 0; i < r->nlinks; i++)
             if (r->links[i].peer == p) {
                 r->links[i].broken = 1;
-                r->links[i].done_waiting = 0;
-                r->links[i].confirming = 0;
+                r->links[i].rx.done_waiting = 0;
+                r->links[i].rx.confirming = 0;
             }
         if (r->last_err == NULL)
             r->last_err = strdup(reason);
-        if (r->side == KVF_ROLE_DECODE) {
-            r->retries++;
-            r->retry_at_ms = now + (RETRY_BASE_MS << (r->retries - 1));
-        } else {
-            r->retries++;
-            r->retry_at_ms = now + eng->params.heartbeat_timeout_ms;
-        }
+        r->retries++;
+        r->retry_at_ms = r->ops->retry_at(r, now);
     }
     kvf__siblings_peer_failed(eng, p, st, reason);
     *failed_p = failed;
@@ -900,8 +737,8 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
 {
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
-        if (r->side == KVF_ROLE_DECODE && link_of(r, p) != NULL)
-            kvf__receiver_try_request(r);
+        if (r->ops->peer_ready != NULL && link_of(r, p) != NULL)
+            r->ops->peer_ready(r);
 }
 
 int kvf__rooms_wait_on(kvf_engine_t *eng, const kvf_peer_t *p)
@@ -912,132 +749,15 @@ int kvf__rooms_wait_on(kvf_engine_t *eng, const kvf_peer_t *p)
     return 0;
 }
 
-/* Decode, bootstrapping: a prefill rank it waits for refused it at the door. */
-static int refused_detail(const kvf_room_t *r, char *buf, size_t len)
-{
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (kvf__peer_refusals(r->links[i].peer, buf, len))
-            return 1;
-    return 0;
-}
-
-static int awaiting_confirmation(const kvf_room_t *r)
-{
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].confirming)
-            return 1;
-    return 0;
-}
-
-static void deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
-{
-    kvf_engine_t *eng = r->eng;
-    if (r->side == KVF_ROLE_PREFILL) {
-        if (s == KVF_POLL_BOOTSTRAPPING)
-            snprintf(buf, len, "%u of %u decode ranks sent their destination%s%s",
-                     r->nlinks, r->expected_links ? r->expected_links : 1,
-                     eng->register_error ? "; registry: " : "",
-                     eng->register_error ? eng->register_error : "");
-        else if (s == KVF_POLL_WAITING_FOR_INPUT)
-            snprintf(buf, len, "the scheduler did not call kvf_sender_send");
-        else
-            snprintf(buf, len, "%u of %u pages queued, no bytes moved since",
-                     sender_of(r)->pages_sent, sender_of(r)->num_pages);
-    } else {
-        if (s == KVF_POLL_BOOTSTRAPPING && r->last_err == NULL && refused_detail(r, buf, len))
-            return;
-        if (s == KVF_POLL_BOOTSTRAPPING)
-            snprintf(buf, len, "%s", r->last_err ? r->last_err
-                     : !r->initialized ? "kvf_receiver_init was not called"
-                     : "waiting for the prefill rank's handshake");
-        else if (s == KVF_POLL_WAITING_FOR_INPUT)
-            snprintf(buf, len, "no data from the prefill side yet");
-        else if (awaiting_confirmation(r))
-            snprintf(buf, len, "every byte was read, but the prefill side did not "
-                     "confirm its room was still live while it was read");
-        else
-            snprintf(buf, len, "no bytes placed since");
-    }
-}
-
-/* Decode: reconnect the broken links of a room and ask to resume. */
-static void reconnect(kvf_room_t *r)
-{
-    kvf_engine_t *eng = r->eng;
-    for (uint32_t i = 0; i < r->nlinks; i++) {
-        kvf_link_t *lk = &r->links[i];
-        char host[KVF_ADDR_MAX];
-        char *colon;
-        if (!lk->broken)
-            continue;
-        snprintf(host, sizeof(host), "%s", lk->peer->addr);
-        colon = strrchr(host, ':');
-        if (colon == NULL) {
-            kvf__room_fail(r, KVF_ERR_UNREACHABLE, "no address to reconnect to");
-            return;
-        }
-        *colon = '\0';
-        kvf_peer_t *p = kvf__peer_get(eng, host, atoi(colon + 1), lk->peer->tp_rank, 0);
-        if (p == NULL) {
-            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to reconnect");
-            return;
-        }
-        if (lk->resume_instance == 0)
-            lk->resume_instance = lk->peer->instance_id;
-        kvf__peer_put(lk->peer);
-        lk->peer = p;
-        p->refs++;
-        lk->broken = 0;
-        lk->req_sent = 0;
-    }
-    kvf_info("room %llu: reconnecting (attempt %u of %u)", (unsigned long long)r->id,
-             r->retries, MAX_RETRIES);
-    kvf__receiver_try_request(r);
-}
-
-/* Decode: every prefill rank of the room has its destination. */
-static int asked_all(const kvf_room_t *r)
-{
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (!r->links[i].req_sent)
-            return 0;
-    return r->nlinks > 0;
-}
-
-static int has_broken_link(const kvf_room_t *r)
-{
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].broken)
-            return 1;
-    return 0;
-}
-
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
 {
     const kvf_engine_params_t *pr = &eng->params;
     char detail[420];
 
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
-        if (r->side == KVF_ROLE_DECODE && !room_final(r))
-            kvf__siblings_tick(r, now);
-        if (!room_final(r) && has_broken_link(r) && now >= r->retry_at_ms) {
-            if (r->side == KVF_ROLE_DECODE)
-                reconnect(r);
-            else
-                kvf__room_fail_lost(r, KVF_ROLE_DECODE, KVF_ERR_CONN_RESET, "%s; it did not "
-                                    "reconnect within %.1f s",
-                                    r->last_err ? r->last_err : "connection lost",
-                                    pr->heartbeat_timeout_ms / 1000.0);
-        }
-        kvf_poll_t s = room_state(r);
-        if (s == KVF_POLL_BOOTSTRAPPING && r->side == KVF_ROLE_PREFILL &&
-            sender_of(r)->held) {
-            kvf__sender_lease_tick(r, now);     /* the lease, not the bootstrap deadline */
+        if (r->ops->tick(r, now))
             continue;
-        }
-        if (s == KVF_POLL_WAITING_FOR_INPUT && r->side == KVF_ROLE_DECODE &&
-            receiver_of(r)->remote && asked_all(r))
-            continue;     /* the held room's lease, or its deadlines, end it: it says so */
+        kvf_poll_t s = room_state(r);
         unsigned limit = s == KVF_POLL_BOOTSTRAPPING ? pr->bootstrap_timeout_ms
                        : s == KVF_POLL_WAITING_FOR_INPUT ? pr->waiting_timeout_ms
                        : s == KVF_POLL_TRANSFERRING ? pr->transfer_timeout_ms : 0;
@@ -1053,7 +773,7 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
                            kvf_poll_name(s), limit / 1000.0);
             continue;
         }
-        deadline_detail(r, s, detail, sizeof(detail));
+        r->ops->deadline_detail(r, s, detail, sizeof(detail));
         kvf__room_fail(r, KVF_ERR_TIMED_OUT, "room %llu made no progress in %s for "
                        "%.1f s (deadline %.1f s): %s", (unsigned long long)r->id,
                        kvf_poll_name(s), (double)idle / 1000.0, limit / 1000.0, detail);

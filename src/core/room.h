@@ -1,7 +1,9 @@
 /*
  * Rooms, internal: what room.c (lifecycle, failures, deadlines, message
- * dispatch), sender.c (prefill side) and receiver.c (decode side) share.
- * Everything here runs under the engine lock unless it says otherwise.
+ * dispatch), sender.c (prefill side) and receiver.c (decode side) share,
+ * and the table of side ops through which room.c and peer.c reach a side
+ * (kvf_room_ops_t).  Everything here runs under the engine lock unless it
+ * says otherwise.
  */
 #ifndef KVF_CORE_ROOM_H
 #define KVF_CORE_ROOM_H
@@ -25,30 +27,52 @@ typedef struct kvf_states {
     uint32_t  total;       /* sum of count */
 } kvf_states_t;
 
+/* A link's fields that only a sender's link uses: the destination a
+ * decode rank's ROOM_REQ gave (also what the stash keeps of one). */
+typedef struct kvf_link_tx {
+    uint64_t       instance;      /* the receiver's room instance, from its
+                                     ROOM_REQ: what the link is bound to */
+    uint32_t      *pages;         /* decode pages (n_pages) */
+    uint32_t       n_pages;
+    uint32_t       prefix;        /* the decode's prefix (tokens) */
+    kvf_states_t   state;         /* decode state indices (this link's: none
+                                     unless it carries the room's state) */
+    int            last_queued;   /* the last chunk's put is queued */
+} kvf_link_tx_t;
+
+/* A link's fields that only a receiver's link uses. */
+typedef struct kvf_link_rx {
+    int            sends_state;   /* this peer sends the room's state */
+    uint64_t       expected;      /* bytes this peer must place */
+    int            req_sent;      /* ROOM_REQ sent */
+    int            confirming;    /* pull: DONE checked, awaiting confirmation */
+    uint64_t       resume_instance; /* the peer instance to resume with */
+    /* Exact coverage, one bit per destination unit this peer writes, set
+     * when a segment naming it is accepted: per (KV buffer, page index,
+     * token) of the room, then per aux buffer, then per state buffer
+     * (receiver.c, cover_mark).  A unit named twice fails the room. */
+    uint8_t       *cover;
+    uint32_t       reads;         /* pull: mover reads in flight */
+    /* Pull: a DONE that came while reads were in flight, checked once
+     * they end. */
+    int            done_waiting;
+    int            done_has_checksum;
+    uint64_t       done_bytes, done_checksum;
+} kvf_link_rx_t;
+
 typedef struct kvf_link {
     kvf_peer_t    *peer;
     uint32_t       rank;          /* the peer's tp rank */
-    uint64_t       instance;      /* sender: the receiver's room instance, from
-                                     its ROOM_REQ: what it is bound to */
     int            idle;          /* the prefill rank sends nothing to this decode rank */
-    kvf_slice_t    slice;         /* sender: what of each page goes to this peer */
-    uint32_t      *pages;         /* sender: decode pages (n_pages) */
-    uint32_t       n_pages;
+    kvf_slice_t    slice;         /* what of each page goes to (sender) or comes
+                                     from (receiver) this peer */
     uint32_t       aux_slot;
-    uint32_t       prefix;        /* sender: the decode's prefix (tokens) */
-    int            sends_state;   /* receiver: this peer sends the room's state */
-    kvf_states_t   state;         /* sender: decode state indices (this link's:
-                                     none unless it carries the room's state) */
     uint64_t       bytes;         /* sender: queued; receiver: placed */
-    uint64_t       expected;      /* receiver: bytes this peer must place */
-    int            req_sent;      /* receiver: ROOM_REQ sent */
-    int            fail_told;     /* receiver: the peer has the room's FAIL (sent, or
-                                     it sent it) */
+    int            fail_told;     /* the peer has the room's FAIL (sent, or it
+                                     sent it); a receiver's failure before it
+                                     linked tells those without it */
     int            done;          /* sender: acked; receiver: DONE checked */
-    int            confirming;    /* receiver, pull: DONE checked, awaiting confirmation */
-    int            last_queued;   /* sender: the last chunk's put is queued */
     int            broken;        /* its connection broke; a reconnect may resume it */
-    uint64_t       resume_instance; /* receiver: the peer instance to resume with */
     /* Receiver: the prefill engine instance its descriptor names
      * (kvf_receiver_create_remote), 0 without one.  Sender: the held
      * room's instance the reader named (ROOM_REQ sender_instance). */
@@ -61,17 +85,8 @@ typedef struct kvf_link {
     uint32_t       ends;
     uint64_t       stream_bytes[KVF_MAX_STREAMS];
     XXH3_state_t  *hash[KVF_MAX_STREAMS];
-    /* Receiver: exact coverage, one bit per destination unit this peer
-     * writes, set when a segment naming it is accepted: per (KV buffer,
-     * page index, token) of the room, then per aux buffer, then per state
-     * buffer (receiver.c, cover_mark).  A unit named twice fails the room. */
-    uint8_t       *cover;
-    uint32_t       reads;         /* receiver, pull: mover reads in flight */
-    /* Receiver, pull: a DONE that came while reads were in flight, checked
-     * once they end. */
-    int            done_waiting;
-    int            done_has_checksum;
-    uint64_t       done_bytes, done_checksum;
+    kvf_link_tx_t  tx;            /* a sender's link */
+    kvf_link_rx_t  rx;            /* a receiver's link */
 } kvf_link_t;
 
 /* A prefill rank a receiver reads from, or watches (siblings.c). */
@@ -102,12 +117,83 @@ typedef struct kvf_watch {
     uint64_t    retry_at_ms;
 } kvf_watch_t;
 
+/*
+ * What differs between a room's two sides, one table per side: sender.c
+ * fills kvf_sender_room_ops, receiver.c kvf_receiver_room_ops.  room.c
+ * holds what the sides share and calls through the table; it never asks
+ * which side a room is.  Each room points at its side's table (r->ops,
+ * from kvf__room_create), and so does each engine (eng->room_ops, from its
+ * role at create: every room of an engine is of the engine's side).  The
+ * engine's table serves what does not belong to one room: a message may
+ * name a room this engine does not have, or no longer has (a destination
+ * before its sender, an answer after it), and a DATA frame's room is found
+ * by the receiver from the frame itself.  An op marked "decode" is NULL in
+ * the sender's table, and is called only for a prefill peer (so only on a
+ * decode engine); an op that says "NULL:" may be NULL.  Every op runs under
+ * the engine lock.
+ */
+typedef struct kvf_room_ops {
+    kvf_role_t side;
+    size_t     size;               /* the side's room (kvf_sender_t, kvf_receiver_t) */
+
+    /* The engine's (eng->room_ops), called by room.c and peer.c. */
+    /* A room message from p (ROOM_REQ, DONE, DONE_ACK, FAIL, ABORT); r the
+     * live room its id names, or NULL.  @return 0 when this side takes no
+     * message of its type (room.c fails the peer: a protocol error). */
+    int  (*on_msg)(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg);
+    /* Decode: a DATA frame's header: find its room, check every segment,
+     * and point the pieces at their destination (t) or at nothing. */
+    void (*on_data)(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t);
+    /* Decode: the frame on_data pointed at a room (p->rx_room) is in,
+     * `placed` of its bytes placed. */
+    void (*on_data_end)(kvf_peer_t *p, uint64_t placed);
+    /* Decode: a DATA_REF frame: check, then start pulling the bytes from p. */
+    void (*on_data_ref)(kvf_peer_t *p, const kvf_msg_data_t *d);
+    /* Decode: p is being freed with a frame's bounce buffer still kept on
+     * it (p->rx_bounce, a frame cut short): let go of it. */
+    void (*release_rx)(kvf_peer_t *p);
+
+    /* A room's (r->ops), called by room.c. */
+    /* Set up the side's fields of a room just created, before anything
+     * sees it (its "created" trace).  NULL: nothing to set up. */
+    void     (*init)(kvf_room_t *r);
+    /* Free what only this side's room holds (the room is being freed). */
+    void     (*free)(kvf_room_t *r);
+    /* The application destroyed the room, which is out of the engine's id
+     * map and still on its list.  NULL: nothing to keep of it. */
+    void     (*destroyed)(kvf_room_t *r);
+    /* The room instance peer `to` knows the room by (0: none). */
+    uint64_t (*instance_for)(kvf_room_t *r, const kvf_peer_t *to);
+    /* The request key the room's FAILs carry (FAIL's sender_instance). */
+    uint64_t (*fail_key)(const kvf_room_t *r);
+    /* The other side's bit (KVF_SIDE_BIT) when this room's failure here
+     * fails that side too, else 0 (room.c, kvf__room_fail_record). */
+    uint8_t  (*doomed_side)(kvf_room_t *r);
+    /* A link of the room broke with a reset stream (r->retries counts
+     * this break): when the room acts on it (ops->tick). */
+    uint64_t (*retry_at)(kvf_room_t *r, uint64_t now);
+    /* A peer the room links to finished its handshake.  NULL: nothing to
+     * do then. */
+    void     (*peer_ready)(kvf_room_t *r);
+    /* The side's own timers, each tick before the room's deadline is
+     * checked: reconnects, sibling links, a held room's lease.  @return 1
+     * when the state's deadline does not apply to the room now. */
+    int      (*tick)(kvf_room_t *r, uint64_t now);
+    /* What the room was waiting for in state s when its deadline expired
+     * (the end of its failure reason). */
+    void     (*deadline_detail)(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len);
+} kvf_room_ops_t;
+
+extern const kvf_room_ops_t kvf_sender_room_ops;     /* sender.c */
+extern const kvf_room_ops_t kvf_receiver_room_ops;   /* receiver.c */
+
 struct kvf_room {
     kvf_engine_t    *eng;
     uint64_t         id;
     uint64_t         instance;    /* receiver: this room's instance (wire.h),
                                      drawn at create, kept across resumes */
     kvf_role_t       side;
+    const kvf_room_ops_t *ops;    /* its side's */
     _Atomic int      state;       /* kvf_poll_t; written under the lock */
     /* I/O on its pages with the lock released: mover reads into a
      * receiver's pages in flight, and a stream's system call writing into
@@ -204,24 +290,11 @@ void kvf__room_fail_lost(kvf_room_t *room, kvf_role_t lost, kvf_status_t st,
 /* Fail a room with a record received from `from`. */
 void kvf__room_fail_remote(kvf_room_t *room, kvf_peer_t *from, int abort,
                            const kvf_msg_fail_t *m);
-void kvf__receiver_try_request(kvf_room_t *room);
-
-/*
- * A receiver that failed before it knew the prefill ranks it reads from
- * (its lookup was under way) tells each of them, once linked: their
- * senders would otherwise wait out their own deadline for this rank's
- * destination, and name that.  A FAIL to a connection not up yet waits
- * for it (kvf__peer_send_soon), also if the room is destroyed meanwhile.
- */
-void kvf__receiver_tell_failed(kvf_room_t *room);
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now);
+/* A room message (ROOM_REQ, DONE, DONE_ACK, FAIL, ABORT) from a peer: its
+ * room looked up, then handed to the engine's side (eng->room_ops). */
 void kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
-void kvf__receiver_on_data(kvf_peer_t *peer, const kvf_msg_data_t *d,
-                       kvf_rx_target_t *targets);
-void kvf__receiver_on_data_end(kvf_peer_t *peer, uint64_t placed);
-/* A DATA_REF frame: check, then start pulling the bytes from the peer. */
-void kvf__receiver_on_data_ref(kvf_peer_t *peer, const kvf_msg_data_t *d);
-/* Take in the reads the movers handed back (engine loop, destroy). */
+/* receiver.c: take in the reads the movers handed back (engine loop, destroy). */
 void kvf__receiver_reads_done(kvf_engine_t *eng);
 /*
  * The peer went away: fail (or, for a reset stream, hold for a reconnect)
@@ -316,7 +389,7 @@ static inline int room_final(const kvf_room_t *r)
 static inline kvf_link_t *link_bound(kvf_room_t *r, const kvf_peer_t *p, uint64_t instance)
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].peer == p && r->links[i].instance == instance)
+        if (r->links[i].peer == p && r->links[i].tx.instance == instance)
             return &r->links[i];
     return NULL;
 }
@@ -398,6 +471,14 @@ static inline uint64_t states_bytes(const kvf_layout_int_t *l, const kvf_states_
     return n;
 }
 
+static inline int has_broken_link(const kvf_room_t *r)
+{
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (r->links[i].broken)
+            return 1;
+    return 0;
+}
+
 static inline int all_done(const kvf_room_t *r)
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
@@ -426,7 +507,8 @@ kvf_status_t   kvf__states_set(kvf_states_t *s, const kvf_indices_t *in, size_t 
 kvf_status_t   kvf__states_from_wire(kvf_states_t *s, const kvf_wire_arr32_t *counts,
                                      const kvf_wire_arr32_t *idx);
 void           kvf__states_free(kvf_states_t *s);
-kvf_status_t   kvf__room_create(kvf_engine_t *eng, kvf_role_t side, uint64_t id,
+/* A room of ops->side (the engine's role), with its side's table. */
+kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                                 kvf_room_t **room_p);
 void           kvf__room_destroy(kvf_room_t *r);
 /* Fill *f as a root cause seen on this engine (origin: its role, rank and
@@ -458,6 +540,9 @@ void           kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room,
                                  uint64_t instance, const char *why);
 /* Prefill: did a destroyed sender serve this room instance? */
 int            kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance);
+/* Prefill: remember the room instances a sender being destroyed served,
+ * forgetting the oldest beyond KVF_RETIRED. */
+void           kvf__room_retire_instances(kvf_room_t *r);
 /* Record `f` (owned) as the root cause and tell every peer but `from`;
  * `sides`: the FAIL's, for a record received (0 for one seen here). */
 void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
@@ -525,28 +610,6 @@ void kvf__acks_peer_lost(kvf_peer_t *p, kvf_status_t st);
 void kvf__acks_tick(kvf_engine_t *eng, uint64_t now);
 void kvf__acks_free(kvf_engine_t *eng);
 
-/* sender.c */
-/* Free what only a sender holds (its room is being freed). */
-void kvf__sender_free(kvf_sender_t *s);
-void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m);
-void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
-                             const kvf_msg_done_ack_t *m);
-/* Prefill: a DONE_ACK from p that no link of r is bound to: is it a push
- * link's answer said again on a new connection of the decode engine the
- * link is bound to (acks.c)?  @return that link (moved to p when the
- * answer counts every byte queued on it), or NULL. */
-kvf_link_t *kvf__sender_reacked(kvf_room_t *r, kvf_peer_t *p, const kvf_msg_done_ack_t *m);
-/* Prefill: may a FAIL/ABORT from `p`, naming receiver instance `instance`
- * and request key `key`, to which the sender r has no link bound, fail
- * it?  Only while it still collects destinations, from a decode rank it
- * has no destination of, of an instance no destroyed sender served, and,
- * for a room held under a request key, naming that key. */
-int  kvf__sender_fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p,
-                                      uint64_t instance, uint64_t key);
-/* Prefill: fail a held room whose lease ended with a reader missing. */
-void kvf__sender_lease_tick(kvf_room_t *r, uint64_t now);
-
-
 /* resolver.c: the prefill ranks (tp[i], pp[i]) that decode engine `eng`
  * reads a room from, of a prefill server of TP size prefill_tp and PP
  * size prefill_pp; `heads` the model's KV heads as the engine knows them
@@ -559,11 +622,16 @@ int  kvf__receiver_targets(const kvf_engine_t *eng, uint32_t heads, int prefill_
 /* Link a resolved receiver to the n prefill ranks it reads from, and go
  * on with it (a failure fails the room). */
 void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n);
-/* Free what only a receiver holds (its room is being freed). */
-void kvf__receiver_free(kvf_receiver_t *rv);
-void kvf__receiver_on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m);
-/* A prefill rank confirms its room was live when our DONE_ACK arrived
- * (pull transports: the bytes we read were still its room's). */
-void kvf__receiver_on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m);
+/* Send the room's destination to every prefill rank it links to, once
+ * each is ready and compatible. */
+void kvf__receiver_try_request(kvf_room_t *room);
+/*
+ * A receiver that failed before it knew the prefill ranks it reads from
+ * (its lookup was under way) tells each of them, once linked: their
+ * senders would otherwise wait out their own deadline for this rank's
+ * destination, and name that.  A FAIL to a connection not up yet waits
+ * for it (kvf__peer_send_soon), also if the room is destroyed meanwhile.
+ */
+void kvf__receiver_tell_failed(kvf_room_t *room);
 
 #endif /* KVF_CORE_ROOM_H */

@@ -198,7 +198,7 @@ static void send_done(kvf_room_t *r, kvf_link_t *lk, uint32_t k)
     kvf_peer_t *s = kvf__peer_stream(lk->peer, k);
     kvf_msg_t m = {.type = KVF_MSG_DONE};
     m.u.done.room = r->id;
-    m.u.done.instance = lk->instance;
+    m.u.done.instance = lk->tx.instance;
     m.u.done.src_rank = (uint32_t)r->eng->params.tp_rank;
     m.u.done.bytes = lk->stream_bytes[k];
     if (lk->hash[k]) {
@@ -297,7 +297,7 @@ static int chunk_live(kvf_put_t *put)
 static kvf_status_t plan_state(chunk_put_t *c, kvf_room_t *r, const kvf_link_t *lk)
 {
     const kvf_layout_int_t *l = &r->eng->layout;
-    const kvf_states_t *src = &sender_of(r)->state_src, *dst = &lk->state;
+    const kvf_states_t *src = &sender_of(r)->state_src, *dst = &lk->tx.state;
     c->sruns = malloc((dst->total ? dst->total : 1) * sizeof(kvf_run_t));
     c->srun_first = malloc((dst->ngroups + 1) * sizeof(uint32_t));
     if (c->sruns == NULL || c->srun_first == NULL) {
@@ -376,28 +376,28 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
     if (n == 0) {
         /* nothing but the last chunk's aux and state */
     } else if (ns == 1) {
-        c[0]->nruns = (uint32_t)kvf__plan_runs(pages, lk->pages + dst_off, n, max_pages,
+        c[0]->nruns = (uint32_t)kvf__plan_runs(pages, lk->tx.pages + dst_off, n, max_pages,
                                                c[0]->runs);
     } else {
-        size_t nr = kvf__plan_runs(pages, lk->pages + dst_off, n, max_pages, plan);
+        size_t nr = kvf__plan_runs(pages, lk->tx.pages + dst_off, n, max_pages, plan);
         spread_runs(plan, nr, c, ns);
     }
     free(plan);
     /* Aux and state ride on stream 0. */
-    if (last && lk->state.ngroups > 0 && plan_state(c[0], r, lk) != KVF_OK) {
+    if (last && lk->tx.state.ngroups > 0 && plan_state(c[0], r, lk) != KVF_OK) {
         for (uint32_t k = 0; k < ns; k++)
             free(c[k]);
         return KVF_ERR_NO_MEMORY;
     }
     if (last)
-        lk->last_queued = 1;
+        lk->tx.last_queued = 1;
     for (uint32_t k = 0; k < ns; k++) {
         c[k]->put.next = chunk_next;
         c[k]->put.complete = chunk_complete;
         c[k]->put.busy = chunk_busy;
         c[k]->put.live = chunk_live;
         c[k]->put.room = r->id;
-        c[k]->put.instance = lk->instance;
+        c[k]->put.instance = lk->tx.instance;
         c[k]->put.src_rank = (uint32_t)r->eng->params.tp_rank;
         c[k]->put.by_ref = kvf__peer_pulls(lk->peer);
         c[k]->room = r;
@@ -441,11 +441,11 @@ static kvf_status_t queue_pages(kvf_room_t *r, uint32_t li, const uint32_t *page
                                 uint32_t first, size_t n, int last)
 {
     const kvf_link_t *lk = &r->links[li];
-    uint64_t skip = sender_of(r)->held ? lk->prefix / r->eng->layout.page_size : 0;
+    uint64_t skip = sender_of(r)->held ? lk->tx.prefix / r->eng->layout.page_size : 0;
     uint64_t lo = first > skip ? first : skip;
     uint64_t hi = (uint64_t)first + n;
-    if (hi > skip + lk->n_pages)
-        hi = skip + lk->n_pages;
+    if (hi > skip + lk->tx.n_pages)
+        hi = skip + lk->tx.n_pages;
     if (lo >= hi) {
         /* None of these pages for it: only the last chunk's aux and state. */
         return last ? queue_chunk(r, li, pages, 0, 0, 1) : KVF_OK;
@@ -468,23 +468,23 @@ static const char *dest_misfit(const kvf_room_t *r, const kvf_link_t *lk, char *
     if (lk->idle)
         return NULL;
     kvf__peer_name(lk->peer, name, sizeof(name));
-    if (s->held && lk->prefix % ps != 0) {
+    if (s->held && lk->tx.prefix % ps != 0) {
         snprintf(why, len, "%s holds %u tokens of room %llu already, not a whole number "
                  "of %u-token pages: a held room's reader takes whole pages",
-                 name, lk->prefix, (unsigned long long)r->id, ps);
+                 name, lk->tx.prefix, (unsigned long long)r->id, ps);
         return why;
     }
     if (!r->initialized)
         return NULL;
-    if (s->held && (uint64_t)lk->prefix / ps + lk->n_pages > s->num_pages) {
+    if (s->held && (uint64_t)lk->tx.prefix / ps + lk->tx.n_pages > s->num_pages) {
         snprintf(why, len, "%s asked for %u pages of room %llu from page %u on, but the "
-                 "prefill side holds %u (kvf_sender_init num_pages)", name, lk->n_pages,
-                 (unsigned long long)r->id, lk->prefix / ps, s->num_pages);
+                 "prefill side holds %u (kvf_sender_init num_pages)", name, lk->tx.n_pages,
+                 (unsigned long long)r->id, lk->tx.prefix / ps, s->num_pages);
         return why;
     }
-    if (!s->held && lk->n_pages != s->num_pages) {
+    if (!s->held && lk->tx.n_pages != s->num_pages) {
         snprintf(why, len, "%s declared %u pages for room %llu, but the prefill side "
-                 "declared %u (kvf_sender_init num_pages)", name, lk->n_pages,
+                 "declared %u (kvf_sender_init num_pages)", name, lk->tx.n_pages,
                  (unsigned long long)r->id, s->num_pages);
         return why;
     }
@@ -529,7 +529,7 @@ static int states_missing(const kvf_room_t *r)
     if (((const kvf_sender_t *)r)->state_src.ngroups > 0)
         return 0;
     for (uint32_t i = 0; i < r->nlinks; i++)
-        if (r->links[i].state.ngroups > 0)
+        if (r->links[i].tx.state.ngroups > 0)
             return 1;
     return 0;
 }
@@ -570,7 +570,7 @@ static int dest_slot_open(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *dst,
     KVF_ASSERT_LOCKED(r->eng);
     if (expected == 0 || expected > MAX_LINKS) {
         if (r->nlinks > 0)
-            refuse(r, p, dst->instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
+            refuse(r, p, dst->tx.instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
                    "room %llu", name, expected, (unsigned long long)r->id);
         else
             kvf__room_fail(r, KVF_ERR_PROTOCOL, "%s announced %u receivers for room %llu",
@@ -586,17 +586,17 @@ static int dest_slot_open(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *dst,
         r->expected_links = expected;
     } else if (expected != r->expected_links) {
         /* The ranks bound first said otherwise: this request is the odd one. */
-        refuse(r, p, dst->instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
+        refuse(r, p, dst->tx.instance, KVF_ERR_PROTOCOL, "%s announced %u receivers for "
                "room %llu, the decode ranks bound to it announced %u", name, expected,
                (unsigned long long)r->id, r->expected_links);
         return 0;
     }
     if (link_of(r, p) != NULL || r->nlinks == r->expected_links) {
-        refuse(r, p, dst->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
+        refuse(r, p, dst->tx.instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
                "(instance %016llx) on prefill rank %d, whose %u decode ranks are all "
                "bound to other requests: two live requests use one room id (a stale "
                "retry, or a bootstrap_room drawn twice?); this request was refused",
-               name, (unsigned long long)r->id, (unsigned long long)dst->instance,
+               name, (unsigned long long)r->id, (unsigned long long)dst->tx.instance,
                r->eng->params.tp_rank, r->expected_links);
         return 0;
     }
@@ -617,20 +617,21 @@ static int dest_fits(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst, const char *
     kvf_status_t st = kvf__plan_slice(&mine, &theirs, &dst->slice, err, sizeof(err));
     /* Owes nothing: no pages, and neither aux nor state (the receiver
      * marks such a link done from the same request). */
-    dst->idle = dst->n_pages == 0 && dst->aux_slot == KVF_NO_SLOT && dst->state.ngroups == 0;
+    dst->idle = dst->tx.n_pages == 0 && dst->aux_slot == KVF_NO_SLOT &&
+                dst->tx.state.ngroups == 0;
     if (st == KVF_ERR_NOT_FOUND ? !dst->idle : st != KVF_OK) {
         kvf__room_fail(r, st == KVF_ERR_NOT_FOUND ? KVF_ERR_BAD_INDICES : st,
                        "%s asked for room %llu's KV from prefill rank %d, which %s", name,
                        (unsigned long long)r->id, r->eng->params.tp_rank,
                        st == KVF_ERR_NOT_FOUND ? "holds none of its heads" : err);
-        kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
+        kvf__send_fail(p, r->id, dst->tx.instance, r->failure, 0);
         return 0;
     }
     char why[KVF_REASON_MAX - 64];
     dst->peer = p;
     if (dest_misfit(r, dst, why, sizeof(why)) != NULL) {
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s", why);
-        kvf__send_fail(p, r->id, dst->instance, r->failure, 0);
+        kvf__send_fail(p, r->id, dst->tx.instance, r->failure, 0);
         return 0;
     }
     return 1;
@@ -651,28 +652,30 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     memset(dst, 0, sizeof(*dst));
     lk->peer = p;
     p->refs++;
-    kvf__trace_peer_event(r, "dest_received", p, -1, lk->n_pages, -1);
+    kvf__trace_peer_event(r, "dest_received", p, -1, lk->tx.n_pages, -1);
     kvf__siblings_evict(r, p);
     kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
-    if (lk->prefix != r->links[0].prefix) {
+    if (lk->tx.prefix != r->links[0].tx.prefix) {
         /* The prefill sends the rest of one prefix: the ranks must agree. */
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "decode ranks disagree on room %llu's "
                        "cached prefix: %s holds %u tokens, %s %u",
-                       (unsigned long long)r->id, name, lk->prefix,
+                       (unsigned long long)r->id, name, lk->tx.prefix,
                        kvf__peer_name(r->links[0].peer, (char[128]){0}, 128),
-                       r->links[0].prefix);
+                       r->links[0].tx.prefix);
         return;
     }
     if (r->nlinks == r->expected_links) {
-        sender_of(r)->decode_prefix = lk->prefix;
+        sender_of(r)->decode_prefix = lk->tx.prefix;
+        if (room_state(r) == KVF_POLL_BOOTSTRAPPING)
+            r->t_dest_ns = kvf_now_ns();     /* every decode rank's pages arrived */
         kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
         if (sender_of(r)->held)
             release_held(r);
     }
     return;
 out:
-    free(dst->pages);
-    kvf__states_free(&dst->state);
+    free(dst->tx.pages);
+    kvf__states_free(&dst->tx.state);
     memset(dst, 0, sizeof(*dst));
 }
 
@@ -705,8 +708,8 @@ static int instance_ok(kvf_room_t *r, kvf_peer_t *p, const kvf_link_t *req)
              : req->want_instance == 0 ? "holds it for a request key, and the reader named none"
                                        : "holds it for another request key");
     kvf__failure_set(&f, r->eng, KVF_ERR_ROOM_CONFLICT, "%s", why);
-    kvf__send_fail(p, r->id, req->instance, &f, 0);
-    kvf__room_dropped(p, "ROOM_REQ", r->id, req->instance, why);
+    kvf__send_fail(p, r->id, req->tx.instance, &f, 0);
+    kvf__room_dropped(p, "ROOM_REQ", r->id, req->tx.instance, why);
     return 0;
 }
 
@@ -725,19 +728,19 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     kvf_link_t *slot = slot_of(r, req->rank);
     char name[128];
 
-    if (slot != NULL && slot->instance == req->instance) {
+    if (slot != NULL && slot->tx.instance == req->tx.instance) {
         if (attempt > 0 && bad != NULL && !room_final(r)) {
             /* Resumed from a peer, or with a request, that cannot work. */
             kvf__room_fail_record(r, bad, NULL, 0, 0);
-            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+            kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
             return;
         }
         if (attempt > 0)
             resume(r, p, slot, req);
         else if (room_state(r) == KVF_POLL_FAILED)
-            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+            kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
         else
-            kvf__room_dropped(p, "ROOM_REQ", r->id, req->instance,
+            kvf__room_dropped(p, "ROOM_REQ", r->id, req->tx.instance,
                               "a second request of the same room instance");
         free(bad);
         return;
@@ -748,38 +751,45 @@ static void take_request(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *req, uint32_t
     }
     if (room_state(r) == KVF_POLL_FAILED && slot == NULL) {
         /* A rank it never heard from, late: the room failed without it. */
-        kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+        kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
         free(bad);
         return;
     }
     if (room_final(r)) {
         /* A new instance for a rank that was served: the id reused, for
          * the next sender the application creates with it. */
-        kvf__sender_stash_add(p, r->id, req->instance, req, expected, bad, 0);
+        kvf__sender_stash_add(p, r->id, req->tx.instance, req, expected, bad, 0);
         return;
     }
     if (slot != NULL) {
-        refuse(r, p, req->instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
+        refuse(r, p, req->tx.instance, KVF_ERR_ROOM_CONFLICT, "%s asked for room %llu "
                "(instance %016llx) as decode rank %u, but that rank's destination is "
                "bound to %s (instance %016llx): two live requests use one room id (a "
                "stale retry, or a bootstrap_room drawn twice?); this request was refused",
                kvf__peer_name(p, name, sizeof(name)), (unsigned long long)r->id,
-               (unsigned long long)req->instance, req->rank,
+               (unsigned long long)req->tx.instance, req->rank,
                kvf__peer_name(slot->peer, (char[128]){0}, 128),
-               (unsigned long long)slot->instance);
+               (unsigned long long)slot->tx.instance);
         free(bad);
         return;
     }
     if (bad != NULL) {
         kvf__room_fail_record(r, bad, NULL, 0, 0);
-        kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+        kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
         return;
     }
     add_destination(r, p, req, expected);
 }
 
-int kvf__sender_fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p,
-                                     uint64_t instance, uint64_t key)
+/*
+ * May a FAIL/ABORT from `p`, naming receiver instance `instance` and
+ * request key `key`, to which the sender r has no link bound, fail it?
+ * Only while it still collects destinations, from a decode rank it has no
+ * destination of, of an instance no destroyed sender served, and, for a
+ * room held under a request key, naming that key.
+ */
+static int fail_unbound_applies(const kvf_room_t *r, const kvf_peer_t *p, uint64_t instance,
+                                uint64_t key)
 {
     const kvf_sender_t *s = (const kvf_sender_t *)r;
     /* A held room under a request key is failed only by the decode ranks
@@ -799,7 +809,7 @@ static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
     if (link_bound(r, s->peer, s->instance) != NULL ||
         kvf__siblings_bound(r, s->peer, s->instance))
         return 1;
-    return kvf__sender_fail_unbound_applies(r, s->peer, s->instance, s->key);
+    return fail_unbound_applies(r, s->peer, s->instance, s->key);
 }
 
 /* Did this stashed destination's receiver (its rank, its room instance)
@@ -807,7 +817,7 @@ static int stash_fail_applies(kvf_room_t *r, const kvf_stash_t *s)
 static int asked_again(const kvf_stash_t *s)
 {
     for (const kvf_stash_t *n = s->next; n != NULL; n = n->next)
-        if (n->link.pages != NULL && n->link.rank == s->link.rank &&
+        if (n->link.tx.pages != NULL && n->link.rank == s->link.rank &&
             n->instance == s->instance)
             return 1;
     return 0;
@@ -848,7 +858,7 @@ static void stash_apply(kvf_room_t *r)
         kvf_stash_t *n = s->next;
         if (s->watch) {
             kvf__siblings_take(r, s->peer, s->link.rank, s->instance);
-        } else if (s->link.pages == NULL) {    /* a FAIL / ABORT */
+        } else if (s->link.tx.pages == NULL) {    /* a FAIL / ABORT */
             if (stash_fail_applies(r, s)) {
                 kvf__room_fail_record(r, s->failure, s->peer,
                                       s->failure->status == KVF_ERR_ABORTED, s->sides);
@@ -871,8 +881,10 @@ static void stash_apply(kvf_room_t *r)
     }
 }
 
-void kvf__sender_free(kvf_sender_t *s)
+/* Free what only a sender holds (its room is being freed). */
+static void sender_free(kvf_room_t *r)
 {
+    kvf_sender_t *s = sender_of(r);
     free(s->src_pages);
     kvf__states_free(&s->state_src);
 }
@@ -883,7 +895,7 @@ static kvf_status_t create(kvf_engine_t *eng, uint64_t room, const kvf_hold_t *h
 {
     kvf_room_t *r;
     kvf__lock(eng);
-    kvf_status_t st = kvf__room_create(eng, KVF_ROLE_PREFILL, room, &r);
+    kvf_status_t st = kvf__room_create(eng, &kvf_sender_room_ops, room, &r);
     if (st == KVF_OK) {
         if (hold != NULL) {
             kvf_sender_t *s = sender_of(r);
@@ -1056,7 +1068,7 @@ static int state_counts_agree(kvf_room_t *r)
     const kvf_states_t *src = &sender_of(r)->state_src;
     char name[128], type[64];
     for (uint32_t i = 0; i < r->nlinks; i++) {
-        const kvf_states_t *dst = &r->links[i].state;
+        const kvf_states_t *dst = &r->links[i].tx.state;
         for (uint32_t g = 0; g < dst->ngroups; g++) {
             if (src->count[g] == dst->count[g])
                 continue;
@@ -1168,7 +1180,8 @@ static void queue_all(kvf_room_t *r, const uint32_t *pages, uint32_t first, size
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
-void kvf__sender_lease_tick(kvf_room_t *r, uint64_t now)
+/* Fail a held room whose lease ended with a reader missing. */
+static void lease_tick(kvf_room_t *r, uint64_t now)
 {
     kvf_sender_t *s = sender_of(r);
     uint64_t held = kvf_elapsed_ms(now, r->t_create_ms);
@@ -1227,18 +1240,18 @@ static void confirm(kvf_peer_t *p, const kvf_link_t *lk, const kvf_msg_done_ack_
 {
     kvf_msg_t c = {.type = KVF_MSG_DONE_ACK};
     c.u.done_ack.room = m->room;
-    c.u.done_ack.instance = lk->instance;
+    c.u.done_ack.instance = lk->tx.instance;
     c.u.done_ack.status = KVF_OK;
     c.u.done_ack.bytes = m->bytes;
     kvf__peer_send(p, &c);
 }
 
-void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
-                             const kvf_msg_done_ack_t *m)
+static void on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
+                        const kvf_msg_done_ack_t *m)
 {
     char name[128];
 
-    if (!lk->last_queued)
+    if (!lk->tx.last_queued)
         return;
     if (lk->done) {
         /* A push link's answer said twice (the first confirmation was
@@ -1260,18 +1273,24 @@ void kvf__sender_on_done_ack(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk,
         kvf__room_set_state(r, KVF_POLL_SUCCESS);
 }
 
-kvf_link_t *kvf__sender_reacked(kvf_room_t *r, kvf_peer_t *p, const kvf_msg_done_ack_t *m)
+/*
+ * A DONE_ACK from p that no link of r is bound to: is it a push link's
+ * answer said again on a new connection of the decode engine the link is
+ * bound to (acks.c)?  @return that link (moved to p when the answer counts
+ * every byte queued on it), or NULL.
+ */
+static kvf_link_t *reacked(kvf_room_t *r, kvf_peer_t *p, const kvf_msg_done_ack_t *m)
 {
     char name[128];
 
     for (uint32_t i = 0; i < r->nlinks; i++) {
         kvf_link_t *lk = &r->links[i];
-        if (lk->instance != m->instance || lk->peer == p ||
+        if (lk->tx.instance != m->instance || lk->peer == p ||
             lk->peer->instance_id != p->instance_id || kvf__peer_pulls(lk->peer))
             continue;
         if (lk->done)
             return lk;             /* taken before its connection went */
-        if (!lk->last_queued || m->status != KVF_OK || m->bytes != lk->bytes)
+        if (!lk->tx.last_queued || m->status != KVF_OK || m->bytes != lk->bytes)
             return NULL;
         kvf_info("%s repeated its acknowledgement of room %llu (%llu bytes) on a new "
                  "connection", kvf__peer_name(p, name, sizeof(name)),
@@ -1298,19 +1317,19 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     kvf__peer_name(p, name, sizeof(name));
     if (room_final(r)) {
         if (room_state(r) == KVF_POLL_FAILED)
-            kvf__send_fail(p, r->id, req->instance, r->failure, 0);
+            kvf__send_fail(p, r->id, req->tx.instance, r->failure, 0);
         return 1;
     }
     if (lk->peer->instance_id != p->instance_id) {
         /* Not the engine the room is bound to: refused, the room goes on. */
-        refuse(r, p, req->instance, KVF_ERR_PEER_RESTARTED, "%s resumed room %llu, which "
+        refuse(r, p, req->tx.instance, KVF_ERR_PEER_RESTARTED, "%s resumed room %llu, which "
                "is bound to decode engine instance %016llx, not %016llx: refused",
                name, (unsigned long long)r->id, (unsigned long long)lk->peer->instance_id,
                (unsigned long long)p->instance_id);
         return 1;
     }
-    if (req->n_pages != lk->n_pages ||
-        memcmp(req->pages, lk->pages, lk->n_pages * sizeof(uint32_t)) != 0) {
+    if (req->tx.n_pages != lk->tx.n_pages ||
+        memcmp(req->tx.pages, lk->tx.pages, lk->tx.n_pages * sizeof(uint32_t)) != 0) {
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s resumed room %llu with a different "
                        "destination", name, (unsigned long long)r->id);
         return 1;
@@ -1323,7 +1342,7 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     p->refs++;
     lk->broken = 0;
     lk->done = 0;
-    lk->last_queued = 0;
+    lk->tx.last_queued = 0;
     kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     r->t_state_ms = kvf_now_ms();
     /* (A held room that is still waiting for readers keeps its pages.) */
@@ -1345,10 +1364,11 @@ static int tomb_has_rank(const kvf_tomb_t *t, uint32_t rank)
     return 0;
 }
 
-void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
+/* A decode rank's destination for room r (NULL: no sender for it yet, or
+ * any more), or its watch (siblings.c). */
+static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *m)
 {
     kvf_engine_t *eng = p->eng;
-    kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
     const kvf_layout_int_t *pl = &p->layout;
     kvf_link_t lk = {0};
     const char *bad = NULL;
@@ -1358,27 +1378,27 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
         return;
     }
     lk.rank = m->dst_rank;
-    lk.n_pages = m->pages.count;
+    lk.tx.n_pages = m->pages.count;
     lk.aux_slot = m->aux_slot;
-    lk.prefix = m->decode_prefix_len;
+    lk.tx.prefix = m->decode_prefix_len;
     lk.want_instance = m->sender_instance;
-    lk.pages = malloc((lk.n_pages ? lk.n_pages : 1) * sizeof(uint32_t));
-    if (lk.pages == NULL ||
-        kvf__states_from_wire(&lk.state, &m->state_counts, &m->state_idx) != KVF_OK) {
-        free(lk.pages);
+    lk.tx.pages = malloc((lk.tx.n_pages ? lk.tx.n_pages : 1) * sizeof(uint32_t));
+    if (lk.tx.pages == NULL ||
+        kvf__states_from_wire(&lk.tx.state, &m->state_counts, &m->state_idx) != KVF_OK) {
+        free(lk.tx.pages);
         kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a room destination");
         return;
     }
-    for (uint32_t i = 0; i < lk.n_pages; i++)
-        lk.pages[i] = kvf_wire_arr32_at(&m->pages, i);
+    for (uint32_t i = 0; i < lk.tx.n_pages; i++)
+        lk.tx.pages[i] = kvf_wire_arr32_at(&m->pages, i);
     /* Against the decode rank's own layout, as its HELLO described it. */
     if (m->aux_slot != KVF_NO_SLOT && !aux_slot_ok(pl, m->aux_slot))
         bad = "aux slot outside its registered aux buffers";
-    else if (lk.state.ngroups != 0 && lk.state.ngroups != pl->num_groups)
+    else if (lk.tx.state.ngroups != 0 && lk.tx.state.ngroups != pl->num_groups)
         bad = "a state group count that differs from its state groups";
-    else if (first_bad_page(pl, lk.pages, lk.n_pages) < lk.n_pages)
+    else if (first_bad_page(pl, lk.tx.pages, lk.tx.n_pages) < lk.tx.n_pages)
         bad = "a page outside its registered KV buffers";
-    else if (lk.state.ngroups != 0 && first_bad_state(pl, &lk.state) < lk.state.total)
+    else if (lk.tx.state.ngroups != 0 && first_bad_state(pl, &lk.tx.state) < lk.tx.state.total)
         bad = "a state index outside its state buffers";
 
     char name[128];
@@ -1386,8 +1406,8 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     kvf_failure_t *f = NULL;
     if ((bad != NULL || p->incompatible != NULL) && (f = malloc(sizeof(*f))) == NULL) {
         /* Without the record the request would pass for a valid one. */
-        free(lk.pages);
-        kvf__states_free(&lk.state);
+        free(lk.tx.pages);
+        kvf__states_free(&lk.tx.state);
         kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory to refuse a room destination");
         return;
     }
@@ -1398,7 +1418,7 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
         else
             kvf__failure_set(f, eng, KVF_ERR_INCOMPATIBLE, "%s", p->incompatible);
     }
-    lk.instance = m->instance;
+    lk.tx.instance = m->instance;
     const kvf_tomb_t *tomb = r == NULL ? kvf_map_get(&eng->tombs, m->room) : NULL;
     if (r == NULL && (kvf__instance_retired(eng, m->instance) ||
                       (tomb != NULL && !tomb_has_rank(tomb, m->dst_rank)))) {
@@ -1416,6 +1436,176 @@ void kvf__sender_on_room_req(kvf_peer_t *p, const kvf_msg_room_req_t *m)
     } else {
         take_request(r, p, &lk, m->expected_receivers, m->attempt, f);
     }
-    free(lk.pages);
-    kvf__states_free(&lk.state);
+    free(lk.tx.pages);
+    kvf__states_free(&lk.tx.state);
 }
+
+/* ---- the prefill side's room ops (room.h, kvf_room_ops_t) --------------- */
+
+/* A FAIL or ABORT on a prefill engine (room.c, "Ownership"); r NULL: no
+ * sender for its room yet (it waits in the stash), or any more. */
+static void on_fail(kvf_peer_t *p, kvf_room_t *r, int abort, const kvf_msg_fail_t *m)
+{
+    kvf_engine_t *eng = p->eng;
+    const char *what = abort ? "ABORT" : "FAIL";
+
+    if (r == NULL) {
+        kvf_stash_t *s = NULL;
+        if (kvf__instance_retired(eng, m->instance))
+            kvf__room_dropped(p, what, m->room, m->instance, "its room is gone");
+        else
+            s = kvf__sender_stash_add(p, m->room, m->instance, NULL, 0,
+                                      kvf__room_remote_failure(m), m->sender_instance);
+        if (s != NULL)
+            s->sides = m->sides;
+        return;
+    }
+    /* A room that failed still takes what its bound peers tell of where
+     * else it failed (kvf__room_fail_record), and drops the rest quietly. */
+    if (link_bound(r, p, m->instance) != NULL || kvf__siblings_bound(r, p, m->instance))
+        kvf__room_fail_remote(r, p, abort, m);
+    else if (room_state(r) == KVF_POLL_FAILED)
+        return;
+    else if (fail_unbound_applies(r, p, m->instance, m->sender_instance))
+        kvf__room_fail_remote(r, p, abort, m);
+    else
+        kvf__room_dropped(p, what, m->room, m->instance, "the room is not bound to this "
+                          "peer and instance");
+}
+
+/* A decode rank's answer to a link's DONE (or to a FAIL: a DONE_ACK
+ * refusing the room's data). */
+static void on_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
+{
+    kvf_link_t *lk = r ? link_bound(r, p, m->instance) : NULL;
+    if (lk == NULL && r != NULL)
+        lk = reacked(r, p, m);
+    if (lk == NULL) {
+        /* Its sender is gone (or this is another room with the id): a
+         * decode rank that pulled must not trust what it read.  The
+         * answer names the acknowledged instance, so it reaches
+         * nothing else. */
+        if (r != NULL)
+            kvf__room_dropped(p, "DONE_ACK", m->room, m->instance,
+                              "the room is not bound to this peer and instance");
+        kvf__sender_answer_gone(p, m->room, m->instance);
+    } else if (room_state(r) == KVF_POLL_FAILED) {
+        kvf__room_send_fail(r, p, 0);
+    } else {
+        on_done_ack(p, r, lk, m);
+    }
+}
+
+/* A prefill engine takes destinations, answers and failures; a DONE is
+ * for a decode engine. */
+static int sender_on_msg(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg)
+{
+    switch (msg->type) {
+    case KVF_MSG_ROOM_REQ:
+        on_room_req(p, r, &msg->u.room_req);
+        return 1;
+    case KVF_MSG_DONE_ACK:
+        on_ack(p, r, &msg->u.done_ack);
+        return 1;
+    case KVF_MSG_FAIL:
+    case KVF_MSG_ABORT:
+        on_fail(p, r, msg->type == KVF_MSG_ABORT, &msg->u.fail);
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* A failed sender's record is kept to answer late requests (stash.c), and
+ * the instances it served, to tell them from the next room with its id. */
+static void sender_destroyed(kvf_room_t *r)
+{
+    if (room_state(r) == KVF_POLL_FAILED)
+        kvf__sender_bury(r);
+    kvf__room_retire_instances(r);
+}
+
+/* That of the link bound to `to`, or of its watch (siblings.c). */
+static uint64_t sender_instance_for(kvf_room_t *r, const kvf_peer_t *to)
+{
+    kvf_link_t *lk = link_of(r, to);
+    if (lk != NULL)
+        return lk->tx.instance;
+    for (uint32_t i = 0; i < r->nwatch; i++)
+        if (r->watch[i].peer == to)
+            return r->watch[i].instance;
+    return 0;
+}
+
+/* A sender's FAILs name no request key: it asks for nothing. */
+static uint64_t sender_fail_key(const kvf_room_t *r)
+{
+    (void)r;
+    return 0;
+}
+
+/*
+ * A sender that was never given its last chunk leaves every decode rank it
+ * feeds without its bytes.  One that had sent everything cannot tell (the
+ * decode side may have it all: docs/FAILURES.md), nor can a held room's
+ * ranks, which have no siblings.
+ */
+static uint8_t sender_doomed_side(kvf_room_t *r)
+{
+    if (sender_of(r)->held || sender_of(r)->last_sent)
+        return 0;
+    for (uint32_t i = 0; i < r->nlinks; i++)
+        if (!r->links[i].idle)
+            return KVF_SIDE_BIT(KVF_ROLE_DECODE);
+    return 0;
+}
+
+/* The decode rank reconnects and resumes (a ROOM_REQ again); the sender
+ * waits one heartbeat timeout for that. */
+static uint64_t sender_retry_at(kvf_room_t *r, uint64_t now)
+{
+    return now + r->eng->params.heartbeat_timeout_ms;
+}
+
+static int sender_tick(kvf_room_t *r, uint64_t now)
+{
+    if (!room_final(r) && has_broken_link(r) && now >= r->retry_at_ms)
+        kvf__room_fail_lost(r, KVF_ROLE_DECODE, KVF_ERR_CONN_RESET, "%s; it did not "
+                            "reconnect within %.1f s",
+                            r->last_err ? r->last_err : "connection lost",
+                            r->eng->params.heartbeat_timeout_ms / 1000.0);
+    if (room_state(r) == KVF_POLL_BOOTSTRAPPING && sender_of(r)->held) {
+        lease_tick(r, now);     /* the lease, not the bootstrap deadline */
+        return 1;
+    }
+    return 0;
+}
+
+static void sender_deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
+{
+    kvf_engine_t *eng = r->eng;
+    if (s == KVF_POLL_BOOTSTRAPPING)
+        snprintf(buf, len, "%u of %u decode ranks sent their destination%s%s",
+                 r->nlinks, r->expected_links ? r->expected_links : 1,
+                 eng->register_error ? "; registry: " : "",
+                 eng->register_error ? eng->register_error : "");
+    else if (s == KVF_POLL_WAITING_FOR_INPUT)
+        snprintf(buf, len, "the scheduler did not call kvf_sender_send");
+    else
+        snprintf(buf, len, "%u of %u pages queued, no bytes moved since",
+                 sender_of(r)->pages_sent, sender_of(r)->num_pages);
+}
+
+const kvf_room_ops_t kvf_sender_room_ops = {
+    .side            = KVF_ROLE_PREFILL,
+    .size            = sizeof(kvf_sender_t),
+    .on_msg          = sender_on_msg,
+    .free            = sender_free,
+    .destroyed       = sender_destroyed,
+    .instance_for    = sender_instance_for,
+    .fail_key        = sender_fail_key,
+    .doomed_side     = sender_doomed_side,
+    .retry_at        = sender_retry_at,
+    .tick            = sender_tick,
+    .deadline_detail = sender_deadline_detail,
+};

@@ -136,7 +136,7 @@ static const kvf_peer_t *coord_holder(const kvf_room_t *r, int tp, int pp,
 {
     for (uint32_t i = 0; i < r->nlinks; i++)
         if (r->links[i].peer->tp_rank == tp && r->links[i].peer->pp_rank == pp) {
-            *instance_p = r->links[i].instance;
+            *instance_p = r->links[i].tx.instance;
             return r->links[i].peer;
         }
     for (uint32_t i = 0; i < r->nwatch; i++)

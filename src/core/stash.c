@@ -37,8 +37,8 @@ void kvf__stash_free(kvf_stash_t *s)
     while (s != NULL) {
         kvf_stash_t *n = s->next;
         stash_unqueue(s->peer->eng, s);
-        free(s->link.pages);
-        kvf__states_free(&s->link.state);
+        free(s->link.tx.pages);
+        kvf__states_free(&s->link.tx.state);
         free(s->failure);
         kvf__peer_put(s->peer);
         free(s);
@@ -96,7 +96,7 @@ void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
            kvf_elapsed_ms(now, eng->stash_oldest->t_ms) >= eng->params.bootstrap_timeout_ms) {
         kvf_stash_t *o = eng->stash_oldest;
         kvf_debug("dropping a stale destination for room %llu", (unsigned long long)o->room);
-        if (o->link.pages != NULL && o->peer->state != KVF_PEER_DEAD) {
+        if (o->link.tx.pages != NULL && o->peer->state != KVF_PEER_DEAD) {
             /* Its reader would wait out its own deadline: tell it now. */
             kvf_failure_t f;
             kvf__failure_set(&f, eng, KVF_ERR_TIMED_OUT, "%s had no sender for "
@@ -180,7 +180,7 @@ void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance)
 
 void kvf__sender_stash_watch(kvf_peer_t *p, uint64_t room, uint32_t rank, uint64_t instance)
 {
-    kvf_link_t lk = {.rank = rank, .instance = instance};
+    kvf_link_t lk = {.rank = rank, .tx.instance = instance};
     kvf_stash_t *s = kvf__sender_stash_add(p, room, instance, &lk, 0, NULL, 0);
     if (s != NULL)
         s->watch = 1;
@@ -209,8 +209,8 @@ kvf_stash_t *kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instan
     s->instance = instance;
     s->key = key;
     s->room = room;
-    s->bytes = sizeof(*s) + (size_t)s->link.n_pages * sizeof(uint32_t) +
-               ((size_t)s->link.state.ngroups + s->link.state.total) * sizeof(uint32_t) +
+    s->bytes = sizeof(*s) + (size_t)s->link.tx.n_pages * sizeof(uint32_t) +
+               ((size_t)s->link.tx.state.ngroups + s->link.tx.state.total) * sizeof(uint32_t) +
                (f ? sizeof(*f) : 0);
     /* Bounded engine-wide: whoever sends messages for rooms that never
      * come must not grow this process (docs/SECURITY.md). */
