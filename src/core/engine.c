@@ -462,7 +462,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
      * handed back (their puts complete, their reads are taken in). */
     if (eng->copier != NULL)
         eng->copier_ops->drain(eng->copier);
-    kvf__receiver_reads_done(eng);
+    kvf__peers_reads_done(eng);
     kvf__peers_free(eng);
     kvf__acks_free(eng);
     for (size_t i = 0; i < eng->stash.cap; i++)
@@ -597,7 +597,7 @@ static void progress_mover(kvf_engine_t *eng, int i)
     kvf_mover_t *m = eng->movers[i];
     for (int k = 0; m != NULL && k < 64 && m->ops->progress(m); k++)
         ;
-    kvf__receiver_reads_done(eng);
+    kvf__peers_reads_done(eng);
 }
 
 void kvf__engine_progress_movers(kvf_engine_t *eng)

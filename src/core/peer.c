@@ -861,6 +861,41 @@ close:
         kvf__lane_wake(p->eng, p->lane);
 }
 
+kvf_verdict_t kvf__verdict(kvf_status_t st, const char *fmt, ...)
+{
+    kvf_verdict_t v;
+    va_list ap;
+    v.st = st;
+    va_start(ap, fmt);
+    vsnprintf(v.why, sizeof(v.why), fmt, ap);
+    va_end(ap);
+    return v;
+}
+
+void kvf__peer_heed(kvf_peer_t *p, const kvf_verdict_t *v)
+{
+    if (v->st != KVF_OK)
+        kvf__peer_fail(p, v->st, "%s", v->why);
+}
+
+/*
+ * A read's verdict on its peer (its endpoint went down with it) is acted
+ * on as soon as the read is taken in, before the next one: not kept on the
+ * peer for later in the pass.  A peer failed at once is dead when its
+ * next reads come in, so they count for nothing and its rooms fail with
+ * the endpoint's reason, as they always did; kept for later, each of
+ * those reads would fail its room with a reason of its own first.
+ */
+void kvf__peers_reads_done(kvf_engine_t *eng)
+{
+    kvf_verdict_t v;
+    kvf_peer_t *p;
+    while ((p = kvf__receiver_read_take(eng, &v)) != NULL) {
+        kvf__peer_heed(p, &v);
+        kvf__peer_put(p);          /* the read's reference */
+    }
+}
+
 void kvf__peer_close_pending(kvf_peer_t *p)
 {
     assert(kvf__owns_lane(p->eng, p->lane));
@@ -1187,10 +1222,12 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
                            "that pulls");
             return;
         }
-        p->eng->room_ops->on_data_ref(p, &msg->u.data);
+        kvf_verdict_t v = p->eng->room_ops->on_data_ref(p, &msg->u.data);
+        kvf__peer_heed(p, &v);
         return;
     }
-    kvf__room_on_msg(p, msg);
+    kvf_verdict_t v = kvf__room_on_msg(p, msg);
+    kvf__peer_heed(p, &v);
 }
 
 static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
@@ -1205,7 +1242,8 @@ static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "DATA from a peer that may not send it");
         return;
     }
-    p->eng->room_ops->on_data(p, d, t);
+    kvf_verdict_t v = p->eng->room_ops->on_data(p, d, t);
+    kvf__peer_heed(p, &v);
 }
 
 static int rx_valid(void *arg)
@@ -1253,8 +1291,10 @@ static void on_placed(void *arg, const uint8_t *ptr, size_t n)
 static void on_data_end(void *arg, uint64_t placed)
 {
     kvf_peer_t *p = arg;
-    if (p->rx_room != NULL)       /* on_data pointed the frame at a room */
-        p->eng->room_ops->on_data_end(p, placed);
+    if (p->rx_room == NULL)       /* on_data pointed the frame at no room */
+        return;
+    kvf_verdict_t v = p->eng->room_ops->on_data_end(p, placed);
+    kvf__peer_heed(p, &v);
 }
 
 void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)

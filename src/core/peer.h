@@ -148,6 +148,29 @@ static inline unsigned kvf__peer_nstreams(const kvf_peer_t *p)
     return p->state == KVF_PEER_READY && p->joined + 1 == p->nstreams ? p->nstreams : 1;
 }
 
+/*
+ * What a room says back to the peer that called into it (room.h,
+ * kvf_room_ops_t): KVF_OK, the peer goes on; any other status, the peer
+ * is broken, and fails with st and `why` once the room's code has
+ * returned (kvf__peer_heed).  A room never fails its peer itself: that
+ * fails every room on the peer, which would re-enter room code while the
+ * room's own call is still on the stack.
+ */
+typedef struct kvf_verdict {
+    kvf_status_t st;
+    char         why[KVF_REASON_MAX];
+} kvf_verdict_t;
+
+/* The peer goes on (only st and the reason's end are written: this is
+ * said once per frame). */
+static inline kvf_verdict_t kvf__verdict_ok(void)
+{
+    kvf_verdict_t v;
+    v.st = KVF_OK;
+    v.why[0] = '\0';
+    return v;
+}
+
 /* Bytes of DATA_REF reads one peer may have in flight: beyond it, its
  * stream is held (not parsed) until reads end. */
 #define KVF_READ_WINDOW (16ull << 20)
@@ -186,6 +209,16 @@ int          kvf__peer_rx_ready(const kvf_peer_t *peer);
 void         kvf__peer_fail(kvf_peer_t *peer, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
+/* The peer is broken (st, then the reason as printf): a room's verdict. */
+kvf_verdict_t kvf__verdict(kvf_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+/* Peer code, once a room's call has returned: act on its verdict about
+ * peer p (fail p unless it is KVF_OK). */
+void         kvf__peer_heed(kvf_peer_t *peer, const kvf_verdict_t *v);
+/* Take in the reads the movers handed back (receiver.c), each read's
+ * verdict on its peer acted on before the next is taken in (engine loop,
+ * destroy). */
+void         kvf__peers_reads_done(kvf_engine_t *eng);
 /* Queue a message (any thread; off the owner thread it waits in the
  * outbox for the next pass).  KVF_ERR_CONN_RESET once the peer is dead. */
 kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);

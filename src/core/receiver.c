@@ -1162,7 +1162,8 @@ static int stage_targets(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t
     return 1;
 }
 
-static void receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t)
+static kvf_verdict_t receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d,
+                                      kvf_rx_target_t *t)
 {
     kvf_room_t *r = NULL;
     kvf_link_t *lk = frame_targets(p, d, t, &r);
@@ -1170,19 +1171,20 @@ static void receiver_on_data(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_targ
     p->rx_room = NULL;
     p->rx_link = NULL;
     if (lk == NULL)
-        return;
+        return kvf__verdict_ok();
     if (kvf__stages(p->eng) && !stage_targets(p, d, t)) {
         for (uint32_t k = 0; k < d->npieces; k++)
             t[k].dst = NULL;
         kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no pinned host memory to stage %llu bytes "
                        "for room %llu", (unsigned long long)d->payload_len,
                        (unsigned long long)r->id);
-        return;
+        return kvf__verdict_ok();
     }
     r->refs++;
     p->rx_room = r;
     p->rx_link = lk;
     p->rx_payload = d->payload_len;
+    return kvf__verdict_ok();
 }
 
 /*
@@ -1243,8 +1245,9 @@ static int ep_down(const kvf_mover_ep_t *ep)
 }
 
 /* One finished read: its bytes count (or its failure fails the room), and
- * a DONE that waited for it is checked. */
-static void read_finish(kvf_read_t *rd)
+ * a DONE that waited for it is checked.  *verdict_p: what it says of its
+ * peer (an endpoint gone with the read). */
+static void read_finish(kvf_read_t *rd, kvf_verdict_t *verdict_p)
 {
     kvf_engine_t *eng = rd->eng;
     kvf_room_t *r = rd->room;
@@ -1253,6 +1256,7 @@ static void read_finish(kvf_read_t *rd)
     const struct iovec *local = rd->iov;
     char name[128];
 
+    *verdict_p = kvf__verdict_ok();
     lk->rx.reads--;
     p->read_bytes -= rd->bytes;
     eng->reads_inflight--;
@@ -1280,7 +1284,8 @@ static void read_finish(kvf_read_t *rd)
                        kvf__peer_name(p, name, sizeof(name)), rd->err);
         /* An endpoint that can read nothing any more takes its peer along. */
         if (p->mep != NULL && ep_down(p->mep))
-            kvf__peer_fail(p, rd->st, "%s endpoint failed: %s", p->mover->name, rd->err);
+            *verdict_p = kvf__verdict(rd->st, "%s endpoint failed: %s", p->mover->name,
+                                      rd->err);
     }
     /* Release: a poller that sees the count reach 0 sees the bytes too. */
     if (atomic_fetch_sub_explicit(&r->reads, 1, memory_order_release) == 1)
@@ -1294,24 +1299,25 @@ static void read_finish(kvf_read_t *rd)
     if (rd->bounce != NULL)
         kvf__bounce_put(eng, rd->bounce, rd->bounce_cap);
     kvf__room_put(r);
-    kvf__peer_put(p);
-    free(rd);
+    free(rd);                     /* its reference to p goes with the caller */
 }
 
-void kvf__receiver_reads_done(kvf_engine_t *eng)
+kvf_peer_t *kvf__receiver_read_take(kvf_engine_t *eng, kvf_verdict_t *verdict_p)
 {
     KVF_ASSERT_LOCKED(eng);
-    while (eng->reads_done != NULL) {
-        kvf_read_t *rd = eng->reads_done;
-        if ((eng->reads_done = rd->next) == NULL)
-            eng->reads_done_tail = &eng->reads_done;
-        read_finish(rd);
-    }
+    kvf_read_t *rd = eng->reads_done;
+    if (rd == NULL)
+        return NULL;
+    if ((eng->reads_done = rd->next) == NULL)
+        eng->reads_done_tail = &eng->reads_done;
+    kvf_peer_t *p = rd->peer;
+    read_finish(rd, verdict_p);
+    return p;
 }
 
 /* A DATA_REF frame: the same checks as DATA, then the mover starts reading
  * the bytes from the prefill's memory; they count once it hands them back. */
-static void receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
+static kvf_verdict_t receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
 {
     kvf_engine_t *eng = p->eng;
     kvf_room_t *r = NULL;
@@ -1319,22 +1325,20 @@ static void receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
 
     if (p->ref_cap < d->npieces) {
         kvf_rx_target_t *tg = realloc(p->ref_tgt, (size_t)d->npieces * sizeof(*tg));
-        if (tg == NULL) {
-            kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a DATA_REF frame");
-            return;
-        }
+        if (tg == NULL)
+            return kvf__verdict(KVF_ERR_NO_MEMORY, "no memory for a DATA_REF frame");
         p->ref_tgt = tg;
         p->ref_cap = d->npieces;
     }
     kvf_rx_target_t *t = p->ref_tgt;
     kvf_link_t *lk = frame_targets(p, d, t, &r);
     if (lk == NULL)
-        return;
+        return kvf__verdict_ok();
     kvf_read_t *rd = malloc(sizeof(*rd) + 2 * (size_t)d->npieces * sizeof(struct iovec));
     if (rd == NULL) {
         kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to read %llu bytes for room %llu",
                        (unsigned long long)d->payload_len, (unsigned long long)r->id);
-        return;
+        return kvf__verdict_ok();
     }
     rd->bounce = NULL;
     struct iovec *local = rd->iov, *remote = rd->iov + d->npieces;
@@ -1352,7 +1356,7 @@ static void receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
                                        eng->params.heartbeat_timeout_ms, err, sizeof(err));
     if (st == KVF_OK) {
         read_started(p, r, lk, rd);
-        return;
+        return kvf__verdict_ok();
     }
     free(rd);
     if (st == KVF_ERR_PROTOCOL) {
@@ -1367,12 +1371,13 @@ static void receiver_on_data_ref(kvf_peer_t *p, const kvf_msg_data_t *d)
                        "from %s: %s; nothing of the frame was read", via,
                        (unsigned long long)r->id,
                        kvf__peer_name(p, name, sizeof(name)), err);
-        return;
+        return kvf__verdict_ok();
     }
     kvf__room_fail(r, st, "%s transfer from %s failed: %s", via,
                    kvf__peer_name(p, name, sizeof(name)), err);
     if (p->mep == NULL || ep_down(p->mep))
-        kvf__peer_fail(p, st, "%s endpoint failed: %s", via, err);
+        return kvf__verdict(st, "%s endpoint failed: %s", via, err);
+    return kvf__verdict_ok();
 }
 
 /*
@@ -1423,11 +1428,11 @@ static uint64_t stage_copy(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint64_
     return bytes;
 }
 
-static void receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
+static kvf_verdict_t receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
 {
     kvf_room_t *r = p->rx_room;
     if (r == NULL)
-        return;
+        return kvf__verdict_ok();
     if (p->rx_bounce != NULL)
         placed -= stage_copy(p, r, p->rx_link, placed);   /* those count when copied */
     p->rx_link->bytes += placed;
@@ -1439,6 +1444,7 @@ static void receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
     p->rx_room = NULL;
     p->rx_link = NULL;
     kvf__room_put(r);
+    return kvf__verdict_ok();
 }
 
 static void on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
@@ -1627,21 +1633,21 @@ static void take_fail(kvf_peer_t *p, kvf_room_t *r, int abort, const kvf_msg_fai
 
 /* A decode engine takes DONEs, confirmations and failures; a ROOM_REQ is
  * for a prefill engine. */
-static int receiver_on_msg(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg)
+static kvf_verdict_t receiver_on_msg(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg)
 {
     switch (msg->type) {
     case KVF_MSG_DONE:
         take_done(p, r, &msg->u.done);
-        return 1;
+        return kvf__verdict_ok();
     case KVF_MSG_DONE_ACK:
         take_confirm(p, r, &msg->u.done_ack);
-        return 1;
+        return kvf__verdict_ok();
     case KVF_MSG_FAIL:
     case KVF_MSG_ABORT:
         take_fail(p, r, msg->type == KVF_MSG_ABORT, &msg->u.fail);
-        return 1;
+        return kvf__verdict_ok();
     default:
-        return 0;
+        return kvf__room_unexpected(p, msg);
     }
 }
 

@@ -639,16 +639,20 @@ static int msg_room(const kvf_msg_t *msg, uint64_t *id_p)
     }
 }
 
-void kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
+kvf_verdict_t kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 {
     kvf_engine_t *eng = p->eng;
     uint64_t id;
 
-    if (msg_room(msg, &id) &&
-        eng->room_ops->on_msg(p, kvf_map_get(&eng->rooms_by_id, id), msg))
-        return;
-    kvf__peer_fail(p, KVF_ERR_PROTOCOL, "unexpected %s message from a %s engine",
-                   kvf_wire_type_name((uint8_t)msg->type), kvf_role_name(p->role));
+    if (!msg_room(msg, &id))
+        return kvf__room_unexpected(p, msg);
+    return eng->room_ops->on_msg(p, kvf_map_get(&eng->rooms_by_id, id), msg);
+}
+
+kvf_verdict_t kvf__room_unexpected(const kvf_peer_t *p, const kvf_msg_t *msg)
+{
+    return kvf__verdict(KVF_ERR_PROTOCOL, "unexpected %s message from a %s engine",
+                        kvf_wire_type_name((uint8_t)msg->type), kvf_role_name(p->role));
 }
 
 /* ------------------------------------------------------------------------ */

@@ -4,6 +4,17 @@
  * and the table of side ops through which room.c and peer.c reach a side
  * (kvf_room_ops_t).  Everything here runs under the engine lock unless it
  * says otherwise.
+ *
+ * Events flow one way: transport -> peer -> room.  A peer that fails
+ * tells its rooms (kvf__rooms_peer_failed), and they do not call back
+ * into it.  A room that finds its peer broken (a message of a type it
+ * never takes, no memory for what the peer sent, a mover endpoint gone)
+ * does not fail the peer either: failing a peer fails every room on it,
+ * which would re-enter room code with this room's call still on the
+ * stack.  It returns a verdict (peer.h, kvf_verdict_t) from the entry
+ * point the peer called, and the peer acts on it once that call has
+ * returned (kvf__peer_heed).  So no file of a room's (room.c, sender.c,
+ * receiver.c, stash.c, siblings.c, acks.c) calls kvf__peer_fail.
  */
 #ifndef KVF_CORE_ROOM_H
 #define KVF_CORE_ROOM_H
@@ -136,19 +147,21 @@ typedef struct kvf_room_ops {
     kvf_role_t side;
     size_t     size;               /* the side's room (kvf_sender_t, kvf_receiver_t) */
 
-    /* The engine's (eng->room_ops), called by room.c and peer.c. */
+    /* The engine's (eng->room_ops), called by room.c and peer.c.  Each
+     * entry point a peer calls returns its verdict on the peer (KVF_OK:
+     * it goes on), which the peer acts on once the call has returned. */
     /* A room message from p (ROOM_REQ, DONE, DONE_ACK, FAIL, ABORT); r the
-     * live room its id names, or NULL.  @return 0 when this side takes no
-     * message of its type (room.c fails the peer: a protocol error). */
-    int  (*on_msg)(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg);
+     * live room its id names, or NULL.  A type this side never takes is
+     * a protocol error (kvf__room_unexpected). */
+    kvf_verdict_t (*on_msg)(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg);
     /* Decode: a DATA frame's header: find its room, check every segment,
      * and point the pieces at their destination (t) or at nothing. */
-    void (*on_data)(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t);
+    kvf_verdict_t (*on_data)(kvf_peer_t *p, const kvf_msg_data_t *d, kvf_rx_target_t *t);
     /* Decode: the frame on_data pointed at a room (p->rx_room) is in,
      * `placed` of its bytes placed. */
-    void (*on_data_end)(kvf_peer_t *p, uint64_t placed);
+    kvf_verdict_t (*on_data_end)(kvf_peer_t *p, uint64_t placed);
     /* Decode: a DATA_REF frame: check, then start pulling the bytes from p. */
-    void (*on_data_ref)(kvf_peer_t *p, const kvf_msg_data_t *d);
+    kvf_verdict_t (*on_data_ref)(kvf_peer_t *p, const kvf_msg_data_t *d);
     /* Decode: p is being freed with a frame's bounce buffer still kept on
      * it (p->rx_bounce, a frame cut short): let go of it. */
     void (*release_rx)(kvf_peer_t *p);
@@ -292,10 +305,18 @@ void kvf__room_fail_remote(kvf_room_t *room, kvf_peer_t *from, int abort,
                            const kvf_msg_fail_t *m);
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now);
 /* A room message (ROOM_REQ, DONE, DONE_ACK, FAIL, ABORT) from a peer: its
- * room looked up, then handed to the engine's side (eng->room_ops). */
-void kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
-/* receiver.c: take in the reads the movers handed back (engine loop, destroy). */
-void kvf__receiver_reads_done(kvf_engine_t *eng);
+ * room looked up, then handed to the engine's side (eng->room_ops).
+ * @return the verdict on the peer. */
+kvf_verdict_t kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
+/* The verdict on a peer that sent a message of a type this engine's rooms
+ * never take (KVF_ERR_PROTOCOL). */
+kvf_verdict_t kvf__room_unexpected(const kvf_peer_t *peer, const kvf_msg_t *msg);
+/* receiver.c: take in the next read the movers handed back: its bytes
+ * count, or its failure fails its room.  @return its peer, whose
+ * reference the read held and the caller now owns (kvf__peer_put), with
+ * the read's verdict on it in *verdict_p; NULL when none is left
+ * (peer.c, kvf__peers_reads_done). */
+kvf_peer_t *kvf__receiver_read_take(kvf_engine_t *eng, kvf_verdict_t *verdict_p);
 /*
  * The peer went away: fail (or, for a reset stream, hold for a reconnect)
  * every live room linked to it; @return how many.  The rooms tell their

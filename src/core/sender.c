@@ -1366,7 +1366,7 @@ static int tomb_has_rank(const kvf_tomb_t *t, uint32_t rank)
 
 /* A decode rank's destination for room r (NULL: no sender for it yet, or
  * any more), or its watch (siblings.c). */
-static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *m)
+static kvf_verdict_t on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *m)
 {
     kvf_engine_t *eng = p->eng;
     const kvf_layout_int_t *pl = &p->layout;
@@ -1375,7 +1375,7 @@ static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *
 
     if (m->flags & KVF_REQ_WATCH) {            /* a sibling's: no destination */
         kvf__siblings_on_watch(p, m);
-        return;
+        return kvf__verdict_ok();
     }
     lk.rank = m->dst_rank;
     lk.tx.n_pages = m->pages.count;
@@ -1386,8 +1386,7 @@ static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *
     if (lk.tx.pages == NULL ||
         kvf__states_from_wire(&lk.tx.state, &m->state_counts, &m->state_idx) != KVF_OK) {
         free(lk.tx.pages);
-        kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for a room destination");
-        return;
+        return kvf__verdict(KVF_ERR_NO_MEMORY, "no memory for a room destination");
     }
     for (uint32_t i = 0; i < lk.tx.n_pages; i++)
         lk.tx.pages[i] = kvf_wire_arr32_at(&m->pages, i);
@@ -1408,8 +1407,7 @@ static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *
         /* Without the record the request would pass for a valid one. */
         free(lk.tx.pages);
         kvf__states_free(&lk.tx.state);
-        kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory to refuse a room destination");
-        return;
+        return kvf__verdict(KVF_ERR_NO_MEMORY, "no memory to refuse a room destination");
     }
     if (f != NULL) {
         if (bad)
@@ -1438,6 +1436,7 @@ static void on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *
     }
     free(lk.tx.pages);
     kvf__states_free(&lk.tx.state);
+    return kvf__verdict_ok();
 }
 
 /* ---- the prefill side's room ops (room.h, kvf_room_ops_t) --------------- */
@@ -1498,21 +1497,20 @@ static void on_ack(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m)
 
 /* A prefill engine takes destinations, answers and failures; a DONE is
  * for a decode engine. */
-static int sender_on_msg(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg)
+static kvf_verdict_t sender_on_msg(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_t *msg)
 {
     switch (msg->type) {
     case KVF_MSG_ROOM_REQ:
-        on_room_req(p, r, &msg->u.room_req);
-        return 1;
+        return on_room_req(p, r, &msg->u.room_req);
     case KVF_MSG_DONE_ACK:
         on_ack(p, r, &msg->u.done_ack);
-        return 1;
+        return kvf__verdict_ok();
     case KVF_MSG_FAIL:
     case KVF_MSG_ABORT:
         on_fail(p, r, msg->type == KVF_MSG_ABORT, &msg->u.fail);
-        return 1;
+        return kvf__verdict_ok();
     default:
-        return 0;
+        return kvf__room_unexpected(p, msg);
     }
 }
 

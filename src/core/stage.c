@@ -88,7 +88,7 @@ void kvf__engine_progress_copier(kvf_engine_t *eng)
     if (eng->copier == NULL)
         return;
     eng->copier_ops->progress(eng->copier);
-    kvf__receiver_reads_done(eng);
+    kvf__peers_reads_done(eng);
 }
 
 /* ---- the staged put ----------------------------------------------------- */

@@ -308,7 +308,8 @@ void kvf__stream_on_msg(kvf_peer_t *s, const kvf_msg_t *msg)
         /* Its stream's end: it must name the stream it came on. */
         if (s->state == KVF_PEER_READY && p->role == KVF_ROLE_PREFILL &&
             msg->u.done.streams == p->nstreams && msg->u.done.stream == s->stream) {
-            kvf__room_on_msg(p, msg);
+            kvf_verdict_t v = kvf__room_on_msg(p, msg);
+            kvf__peer_heed(p, &v);
             return;
         }
         kvf__peer_fail(s, KVF_ERR_PROTOCOL, "DONE for stream %u of %u on stream %u of %u",

@@ -889,6 +889,99 @@ static void test_stashes_are_bounded(void)
     side_fini(&pre);
 }
 
+/* A fake sends `msg`, of a type the engine's rooms never take; the room
+ * it names (s or r) must fail, the fake be told and its connection close. */
+typedef struct unexpected {
+    fake_t         *f;
+    kvf_msg_t       msg;
+    kvf_sender_t   *s;
+    kvf_receiver_t *r;
+    uint64_t        room;
+    int             told, closed;
+} unexpected_t;
+
+static void send_unexpected(void *arg)
+{
+    unexpected_t *u = arg;
+    kvf_msg_t got;
+    wp_peer_send(u->f, &u->msg, NULL, 0);
+    if (u->s != NULL)
+        CHECK_EQ_INT(wait_sender(u->s, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    else
+        CHECK_EQ_INT(wait_receiver(u->r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    u->told = wp_peer_expect(u->f, KVF_MSG_FAIL, &got) && got.u.fail.room == u->room &&
+              got.u.fail.status == KVF_ERR_PROTOCOL;
+    u->closed = wp_closed(u->f->fd, 5000);
+}
+
+/* The room's failure after send_unexpected: PROTOCOL, naming the message. */
+static void check_unexpected(const unexpected_t *u, const char *what)
+{
+    kvf_failure_t f;
+    CHECK_EQ_INT(u->s != NULL ? kvf_sender_failure(u->s, &f) : kvf_receiver_failure(u->r, &f),
+                 KVF_OK);
+    CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);
+    CHECK_STR_CONTAINS(f.reason, what);
+    CHECK(u->told);
+    CHECK(u->closed);
+}
+
+/*
+ * A message of a type this engine's rooms never take is its sender's
+ * protocol error: the room's side says so in its verdict (room.c,
+ * kvf__room_unexpected) and the peer, once that call has returned, fails
+ * with every room on it.  Prefill: decode rank D, bound to room 13, sends
+ * a DONE (only a decode engine takes one).  Decode: prefill rank A, which
+ * room 14 asked, sends a ROOM_REQ (only a prefill engine takes one).  Each
+ * room fails with PROTOCOL naming the message, the fake is sent the room's
+ * FAIL and then its connection closes, and the engine logs it once.
+ */
+static void test_unexpected_message_fails_its_peer(void)
+{
+    side_t pre, dec;
+    fake_t *d = calloc(1, sizeof(*d)), *a = calloc(1, sizeof(*a));
+    kvf_bootstrap_t *bsa;
+    char addr_a[64];
+    uint32_t dpage = 6;
+    kvf_msg_t m;
+
+    side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
+    unexpected_t u = {.f = d, .s = sender(&pre, 13), .room = 13};
+    fake_decode_connect(d, pre.eng);
+    kvf_msg_t req = room_req(13, 0x1313, &dpage);
+    wp_peer_send(d, &req, NULL, 0);
+    CHECK_EQ_INT(wait_sender(u.s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    u.msg = (kvf_msg_t){.type = KVF_MSG_DONE};
+    u.msg.u.done.room = 13;
+    u.msg.u.done.instance = 0x1313;
+    CHECK_EQ_INT(log_lines_during(send_unexpected, &u,
+                                  "unexpected DONE message from a decode engine"), 1);
+    check_unexpected(&u, "unexpected DONE message from a decode engine");
+    kvf_sender_destroy(u.s);
+
+    fake_prefill_listen(a, &bsa, addr_a, sizeof(addr_a));
+    side_init(&dec, KVF_ROLE_DECODE, addr_a, NULL);
+    u = (unexpected_t){.f = a, .room = 14};
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, addr_a, 14, -1, &u.r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(u.r, &dpage, 1, 1, NULL, 0), KVF_OK);
+    wp_accept_decode(a, 0);
+    CHECK(wp_peer_expect(a, KVF_MSG_ROOM_REQ, &m) && m.u.room_req.room == 14);
+    CHECK_EQ_INT(wait_receiver(u.r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    u.msg = room_req(14, m.u.room_req.instance, &dpage);
+    CHECK_EQ_INT(log_lines_during(send_unexpected, &u,
+                                  "unexpected ROOM_REQ message from a prefill engine"), 1);
+    check_unexpected(&u, "unexpected ROOM_REQ message from a prefill engine");
+    kvf_receiver_destroy(u.r);
+
+    side_fini(&dec);
+    side_fini(&pre);
+    wp_close(a);
+    wp_close(d);
+    free(a);
+    free(d);
+    kvf_bootstrap_destroy(bsa);
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
               KVF_CASE(test_reused_id_gets_only_its_own_frames),
               KVF_CASE(test_reused_id_real_engines),
@@ -897,4 +990,5 @@ KVF_TEST_MAIN(KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
               KVF_CASE(test_watch_binds_like_a_destination),
               KVF_CASE(test_refused_receiver_fails_at_once),
               KVF_CASE(test_stashes_are_bounded),
-              KVF_CASE(test_each_byte_counts_once))
+              KVF_CASE(test_each_byte_counts_once),
+              KVF_CASE(test_unexpected_message_fails_its_peer))
