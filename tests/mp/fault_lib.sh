@@ -52,6 +52,15 @@ fault_big() {
     # and the prefill fails rooms that are moving.  These faults resolve
     # by heartbeats and lost connections (2.5 s), not by that deadline.
     export KVF_TRANSFER_TIMEOUT_MS=${KVF_TRANSFER_TIMEOUT_MS:-10000}
+    # The same for WaitingForInput, which counts from a decode rank's
+    # request to the prefill rank's first send: the demo's prefill rank
+    # "computes" (fills) each 128 MiB chunk before it sends it, one chunk
+    # of one room per turn, and on a loaded host that takes more than 3 s
+    # for the second room.  Its rooms then failed by that deadline, rightly
+    # ("the scheduler did not call kvf_sender_send", or the decode rank's
+    # "no data from the prefill side yet" before the stopped prefill's
+    # heartbeat timeout): the demo's pace, not the fault's.
+    export KVF_WAITING_TIMEOUT_MS=${KVF_WAITING_TIMEOUT_MS:-10000}
 }
 
 # fault_big_gate: the big rooms in the release build only.  Instrumented,
