@@ -25,6 +25,7 @@
 
 #include "core/peer.h"
 #include "core/room.h"
+#include "core/sync.h"
 #include "util/log.h"
 #include "util/time.h"
 

@@ -14,6 +14,8 @@
 
 #include "core/engine.h"
 
+typedef struct kvf_peer kvf_peer_t;   /* also auth.h's */
+
 typedef enum {
     KVF_PEER_CONNECTING,   /* outbound connect in progress */
     KVF_PEER_REDIAL,       /* outbound, closed before the peer's AUTH (refused
@@ -95,9 +97,9 @@ struct kvf_peer {
     int               move_pending;  /* prefill: JOIN taken, moves to its lane */
     int               close_pending; /* failed off its lane: the lane closes it */
     /* Current inbound DATA frame (decode side). */
-    kvf_room_t       *rx_room;
+    struct kvf_room  *rx_room;
     struct kvf_link  *rx_link;
-    kvf_room_t       *rx_pinned;     /* rx_room, while the stream writes into it */
+    struct kvf_room  *rx_pinned;     /* rx_room, while the stream writes into it */
     /* A staged DATA frame (stage.h): its device pieces land in rx_bounce
      * first, rx_dev[i] <- rx_bnc[i] is copied once the frame is in. */
     uint64_t          rx_payload;    /* the current frame's payload bytes */

@@ -19,6 +19,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
+#include "core/sync.h"
 #include "util/log.h"
 #include "util/time.h"
 

@@ -9,6 +9,18 @@
 #define KVF_CORE_ROOM_H
 
 #include "core/peer.h"
+#include "core/sync.h"
+
+typedef struct kvf_room kvf_room_t;
+
+/* This engine's rank as a failure reason names it (kvf__rank_name). */
+static inline const char *kvf__engine_rank_name(const kvf_engine_t *eng, char *buf,
+                                                size_t len)
+{
+    const kvf_engine_params_t *p = &eng->params;
+    return kvf__rank_name(p->role, p->tp_rank, p->pp_rank, p->pp_size, p->dp_rank,
+                          p->dp_size, buf, len);
+}
 
 /*
  * One peer of a room.  On a sender: a decode rank it feeds (destination

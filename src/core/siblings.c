@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "core/room.h"
+#include "core/sync.h"
 #include "core/trace.h"
 #include "util/log.h"
 #include "util/time.h"

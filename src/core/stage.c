@@ -8,6 +8,7 @@
 
 #include "core/room.h"
 #include "core/stage.h"
+#include "core/sync.h"
 #include "transport/copier.h"
 #include "util/log.h"
 

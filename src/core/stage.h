@@ -22,8 +22,10 @@
 #define KVF_CORE_STAGE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
-#include "core/engine.h"
+#include "kvferry/kvferry.h"
+#include "transport/transport.h"
 
 /* Does this engine stage (it has device memory and a copier)? */
 int kvf__stages(const kvf_engine_t *eng);

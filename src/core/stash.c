@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/room.h"
+#include "core/sync.h"
 #include "util/log.h"
 #include "util/time.h"
 
