@@ -124,14 +124,14 @@ static void *lane_main(void *arg);
 /* What create made and destroy unmakes last: descriptors, strings, locks. */
 static void engine_free(kvf_engine_t *eng)
 {
-    kvf__metrics_stop(eng);
-    kvf__trace_close(eng);
+    kvf__metrics_stop_unlocked(eng);
+    kvf__trace_close_unlocked(eng);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         if (eng->movers[i] != NULL)
             eng->movers[i]->ops->destroy(eng->movers[i]);   /* after the peers' endpoints */
     if (eng->copier != NULL) {
         eng->copier_ops->drain(eng->copier);
-        kvf__bounce_free_all(eng);
+        kvf__bounce_free_all_unlocked(eng);
         eng->copier_ops->destroy(eng->copier);
     }
     int fds[] = {eng->epfd, eng->listenfd, eng->reserve_fd};
@@ -211,7 +211,7 @@ static kvf_status_t engine_own_params(kvf_engine_t *eng, const kvf_engine_params
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
     eng->params.faults = NULL;
-    kvf__registration_setup(eng);
+    kvf__registration_setup_unlocked(eng);
     if (params->faults != NULL) {
         st = kvf_transport_faults_parse(params->faults, &eng->faults, err, sizeof(err));
         if (st != KVF_OK) {
@@ -241,14 +241,14 @@ static kvf_status_t engine_listen(kvf_engine_t *eng, const kvf_engine_params_t *
         kvf_error("getsockname: %m");
         return KVF_ERR_IO;
     }
-    st = kvf__auth_setup(eng, params->auth_token, params->api_key,
+    st = kvf__auth_setup_unlocked(eng, params->auth_token, params->api_key,
                          (struct sockaddr *)&bound);
     eng->params.auth_token = NULL;     /* the caller's strings: never kept */
     eng->params.api_key = NULL;
     if (st != KVF_OK)
         return st;
     /* After the token: the metrics endpoint binds by the same rule. */
-    if ((st = kvf__trace_open(eng)) != KVF_OK || (st = kvf__metrics_start(eng)) != KVF_OK)
+    if ((st = kvf__trace_open_unlocked(eng)) != KVF_OK || (st = kvf__metrics_start_unlocked(eng)) != KVF_OK)
         return st;
     return KVF_OK;
 }
@@ -272,7 +272,7 @@ static kvf_status_t engine_open_lanes(kvf_engine_t *eng)
         return KVF_ERR_IO;
     }
     eng->lanes[0].epfd = eng->epfd;
-    kvf__listener_init(eng);
+    kvf__listener_init_unlocked(eng);
     for (unsigned k = 1; k < eng->nlanes; k++) {
         kvf_lane_t *ln = &eng->lanes[k];
         ln->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -291,7 +291,7 @@ static kvf_status_t engine_open_lanes(kvf_engine_t *eng)
  * last step, since a lane that cannot start only lowers the stream count. */
 static kvf_status_t engine_start_threads(kvf_engine_t *eng)
 {
-    kvf_status_t st = kvf__resolver_start(eng);
+    kvf_status_t st = kvf__resolver_start_unlocked(eng);
     if (st != KVF_OK)
         return st;
     if (pthread_create(&eng->progress_thread, NULL, progress_main, eng) != 0) {
@@ -364,7 +364,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     if (eng == NULL)
         return;
     /* First: a scrape walks the rooms and peers the teardown frees. */
-    kvf__metrics_stop(eng);
+    kvf__metrics_stop_unlocked(eng);
     kvf__lock(eng);
     eng->stopping = 1;
     pthread_cond_broadcast(&eng->resolver_cond);
@@ -463,6 +463,7 @@ uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)
 
 int kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops)
 {
+    KVF_ASSERT_LOCKED(eng);
     if (strcmp(eng->transport, "auto") == 0)
         return ops->auto_ok == NULL || ops->auto_ok();
     return strcmp(eng->transport, ops->name) == 0;
@@ -550,6 +551,7 @@ static void progress_mover(kvf_engine_t *eng, int i)
 
 void kvf__engine_progress_movers(kvf_engine_t *eng)
 {
+    KVF_ASSERT_LOCKED(eng);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         progress_mover(eng, i);
 }

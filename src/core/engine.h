@@ -137,6 +137,9 @@ struct kvf_engine {
      * once per KVF_DROP_LOG_MS. */
     uint64_t            room_msgs_dropped;
     uint64_t            drop_log_ms, drops_unlogged;
+    /* Every peer: any thread adds at the head (under the lock); lane 0
+     * alone unlinks (kvf__peers_tick), so its walks survive a connection
+     * op that lets the lock go (sync.h, the lock rule). */
     struct kvf_peer    *peers;
     uint64_t            peer_generation;  /* bumped when a peer dies */
     struct kvf_reack   *reacks;           /* decode: acknowledgements to say again
@@ -170,7 +173,7 @@ struct kvf_engine {
     int                 want_register;
     char               *register_error;
     /* What the registration sends beyond the coordinates, resolved at
-     * create (kvf__registration_setup); params.kv_cache_dtype and
+     * create (kvf__registration_setup_unlocked); params.kv_cache_dtype and
      * params.load_balance_method point here or are NULL. */
     char                reg_dtype[64];    /* "": the layout's kv_dtype */
     char                reg_lbm[64];
@@ -218,7 +221,7 @@ void kvf__engine_progress_movers(kvf_engine_t *eng);
 
 /* listener.c (lane 0): open the reserve descriptor (create; listenfd
  * set), accept what the listener has, and the listener's timers. */
-void kvf__listener_init(kvf_engine_t *eng);
+void kvf__listener_init_unlocked(kvf_engine_t *eng);
 void kvf__listener_accept(kvf_engine_t *eng);
 void kvf__listener_tick(kvf_engine_t *eng, uint64_t now);
 /* May this engine use `ops` (its `transport` setting)? */
@@ -240,8 +243,9 @@ unsigned     kvf__streams_default(void);
 kvf_status_t kvf__registration_check(const kvf_engine_params_t *p);
 /* Give eng->params' registration fields their defaults (KVF_* variables)
  * and copy its strings into eng. */
-void         kvf__registration_setup(kvf_engine_t *eng);
-kvf_status_t kvf__resolver_start(kvf_engine_t *eng);
+void         kvf__registration_setup_unlocked(kvf_engine_t *eng);
+kvf_status_t kvf__resolver_start_unlocked(kvf_engine_t *eng);
+/* Destroy: stop the resolver thread (takes the lock). */
 void         kvf__resolver_stop(kvf_engine_t *eng);
 void         kvf__resolver_enqueue(kvf_engine_t *eng, struct kvf_room *room);
 

@@ -182,9 +182,13 @@ int          kvf__peer_refusals(const kvf_peer_t *peer, char *buf, size_t len);
 void         kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host);
 /* auth.c: the peer proved it holds the token; the handshake goes on. */
 void         kvf__peer_authenticated(kvf_peer_t *peer);
+/* epoll said `events` for the peer's connection.  May let the lock go
+ * (its handle op). */
 void         kvf__peer_handle(kvf_peer_t *peer, uint32_t events);
 /* May its stream be parsed on (its reads in flight are within the window)? */
 int          kvf__peer_rx_ready(const kvf_peer_t *peer);
+/* Fail the peer and its rooms.  On the peer's own lane it closes the
+ * connection at once, and so may let the lock go (kvf__peer_close_pending). */
 void         kvf__peer_fail(kvf_peer_t *peer, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
@@ -200,7 +204,8 @@ void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
 void         kvf__peer_outbox_drain(kvf_peer_t *peer);
 /* Owner thread: free the peers whose last reference went elsewhere. */
 void         kvf__peers_free(kvf_engine_t *eng);
-/* Owner lane: close a peer whose failure came from another thread. */
+/* Owner lane: close a peer whose failure came from another thread.  May
+ * let the lock go (the connection's last flush). */
 void         kvf__peer_close_pending(kvf_peer_t *peer);
 /* A peer of this engine's own: the connection handler every peer uses. */
 extern const kvf_conn_handler_t kvf__peer_handler;
@@ -235,9 +240,10 @@ int          kvf__streams_held(const kvf_peer_t *p);
 /* Lane 0, after its events: attach the streams whose JOIN was taken. */
 void         kvf__streams_move(kvf_engine_t *eng);
 /* Lane k >= 1: one pass over stream k of every peer; @return 1 when a
- * connection has messages left. */
+ * connection has messages left.  Lets the lock go (flush, handle). */
 int          kvf__lane_pass(kvf_lane_t *lane);
-/* Lane k >= 1: epoll said `events` for data.ptr `ptr`. */
+/* Lane k >= 1: epoll said `events` for data.ptr `ptr`.  May let the lock
+ * go (handle). */
 void         kvf__lane_event(kvf_lane_t *lane, void *ptr, uint32_t events);
 
 /* "decode rank 1 (127.0.0.1:4000)" */

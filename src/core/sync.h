@@ -9,6 +9,34 @@
  * see struct kvf_engine: the engine keeps a kvf_sync_t as its first
  * member, and kvf__sync() finds it from the engine's address (engine.h
  * asserts the offset at compile time).
+ *
+ * THE LOCK RULE
+ *   Every `kvf__` function of src/core that takes an engine, a peer, a
+ *   room or a lane (or a stash entry) runs with that engine's lock held,
+ *   and says so at its top: KVF_ASSERT_LOCKED.  The exceptions:
+ *     - a name that ends in `_unlocked` runs without the lock: at create
+ *       before the engine's threads start, at destroy after they stopped,
+ *       or on data that does not change once the engine runs;
+ *     - the entry points take the lock themselves: the public kvf_* calls,
+ *       the threads' mains (progress, lanes, resolver, metrics), and the
+ *       room.c calls those public calls land in, marked "takes the lock"
+ *       where room.h and engine.h declare them;
+ *     - the plumbing of this file.
+ *   Functions that take none of these (layouts, parallel plans, page runs,
+ *   sized structs, wire messages) touch nothing the lock guards.
+ *
+ *   A connection op that may let the lock go inside it (around its system
+ *   calls: kvf_conn_env_t) says so in transport/transport.h: handle, flush
+ *   and abort.  So may the core calls that reach them on a connection's
+ *   own lane, marked "may let the lock go" in peer.h: kvf__peer_handle,
+ *   kvf__peer_close_pending, kvf__peer_fail, kvf__lane_pass and
+ *   kvf__lane_event.  Whoever walks a list across one of those re-checks
+ *   what another thread may have changed meanwhile: a walk of eng->peers
+ *   reads the next link only after the call returned (another thread only
+ *   adds peers at the head; lane 0 alone unlinks them, and a lane keeps
+ *   the peers of its streams linked), and an unlinking walk checks that
+ *   its link still names the peer it holds; the resolver, which lets the
+ *   lock go for whole registry calls, compares eng->peer_generation.
  */
 #ifndef KVF_CORE_SYNC_H
 #define KVF_CORE_SYNC_H

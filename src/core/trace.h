@@ -22,8 +22,8 @@
 /* Engine create / destroy: open the trace (params.trace, else KVF_TRACE),
  * close it.  KVF_OK, or KVF_ERR_INVALID_PARAM (a spec that cannot be
  * opened; the log says why). */
-kvf_status_t kvf__trace_open(kvf_engine_t *eng);
-void         kvf__trace_close(kvf_engine_t *eng);
+kvf_status_t kvf__trace_open_unlocked(kvf_engine_t *eng);
+void         kvf__trace_close_unlocked(kvf_engine_t *eng);
 
 static inline int kvf__tracing(const kvf_engine_t *eng)
 {
