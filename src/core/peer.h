@@ -119,6 +119,7 @@ struct kvf_peer {
  * nothing beyond the stream (0). */
 static inline unsigned kvf__peer_caps(const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return p->mover != NULL ? p->mover->caps : 0;
 }
 
@@ -126,18 +127,21 @@ static inline unsigned kvf__peer_caps(const kvf_peer_t *p)
  * it in the stream. */
 static inline int kvf__peer_pulls(const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return (kvf__peer_caps(p) & KVF_MOVER_CAP_PULL) != 0;
 }
 
 /* The peer a connection belongs to: itself, or a stream's primary. */
 static inline kvf_peer_t *kvf__peer_main(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return p->primary != NULL ? p->primary : p;
 }
 
 /* Stream k of a peer (0: itself), attached and owned by its lane, or NULL. */
 static inline kvf_peer_t *kvf__peer_stream(kvf_peer_t *p, unsigned k)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (k == 0)
         return p;
     kvf_peer_t *s = k < KVF_MAX_STREAMS ? p->streams[k] : NULL;
@@ -147,6 +151,7 @@ static inline kvf_peer_t *kvf__peer_stream(kvf_peer_t *p, unsigned k)
 /* Streams a room's payload toward this peer is spread over now. */
 static inline unsigned kvf__peer_nstreams(const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return p->state == KVF_PEER_READY && p->joined + 1 == p->nstreams ? p->nstreams : 1;
 }
 

@@ -17,6 +17,7 @@ typedef struct kvf_room kvf_room_t;
 static inline const char *kvf__engine_rank_name(const kvf_engine_t *eng, char *buf,
                                                 size_t len)
 {
+    KVF_ASSERT_LOCKED(eng);
     const kvf_engine_params_t *p = &eng->params;
     return kvf__rank_name(p->role, p->tp_rank, p->pp_rank, p->pp_size, p->dp_rank,
                           p->dp_size, buf, len);
