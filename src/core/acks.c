@@ -25,6 +25,7 @@
 
 #include "core/peer.h"
 #include "core/room.h"
+#include "core/sync.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -86,12 +87,14 @@ static void push(kvf_peer_t *p, const kvf_owed_t *o)
 
 void kvf__acks_owe(kvf_peer_t *p, uint64_t room, uint64_t instance, uint64_t bytes)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_owed_t o = {room, instance, bytes, kvf_now_ms(), 0};
     push(p, &o);
 }
 
 int kvf__acks_confirmed(kvf_peer_t *p, const kvf_msg_done_ack_t *m)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_acks_t *q = p->owed;
     if (q == NULL || m->status != KVF_OK)
         return 0;
@@ -109,6 +112,7 @@ int kvf__acks_confirmed(kvf_peer_t *p, const kvf_msg_done_ack_t *m)
 
 void kvf__acks_peer_lost(kvf_peer_t *p, kvf_status_t st)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
     if (p->owed == NULL || st != KVF_ERR_CONN_RESET || !p->outbound)
         return;
@@ -158,6 +162,7 @@ static void say_again(kvf_engine_t *eng, struct kvf_reack *ra, uint64_t now)
 
 void kvf__acks_tick(kvf_engine_t *eng, uint64_t now)
 {
+    KVF_ASSERT_LOCKED(eng);
     while (eng->reacks != NULL) {
         struct kvf_reack *ra = eng->reacks;
         eng->reacks = ra->next;
@@ -169,6 +174,7 @@ void kvf__acks_tick(kvf_engine_t *eng, uint64_t now)
 
 void kvf__acks_free(kvf_engine_t *eng)
 {
+    KVF_ASSERT_LOCKED(eng);
     while (eng->reacks != NULL) {
         struct kvf_reack *ra = eng->reacks;
         eng->reacks = ra->next;

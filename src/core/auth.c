@@ -117,7 +117,7 @@ static void host_of(const struct sockaddr *sa, char *buf, size_t len)
         snprintf(buf, len, "(unknown address)");
 }
 
-int kvf__auth_setup(kvf_engine_t *eng, const char *explicit_token,
+int kvf__auth_setup_unlocked(kvf_engine_t *eng, const char *explicit_token,
                     const char *api_key, const struct sockaddr *bound)
 {
     char err[256];
@@ -203,6 +203,7 @@ static void log_refusal(kvf_engine_t *eng, const char *host, const char *why)
 
 int kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa)
 {
+    KVF_ASSERT_LOCKED(eng);
     char host[64], why[512];
     host_of(sa, host, sizeof(host));
     if (!eng->has_token && !eng->auth_open && !kvf__auth_is_loopback(sa)) {
@@ -231,6 +232,7 @@ int kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa)
 
 void kvf__auth_refuse(kvf_peer_t *p, const char *fmt, ...)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     char why[384];
     va_list ap;
     va_start(ap, fmt);
@@ -245,6 +247,7 @@ void kvf__auth_refuse(kvf_peer_t *p, const char *fmt, ...)
 
 void kvf__auth_start(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
     kvf_msg_t m = {.type = KVF_MSG_AUTH};
     kvf_msg_auth_t *a = &m.u.auth;
@@ -294,6 +297,7 @@ static const char *mismatch_hint(const kvf_peer_t *p)
 
 void kvf__auth_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (p->auth.done) {
         kvf__peer_fail(p, KVF_ERR_PROTOCOL, "%s after authentication",
                        kvf_wire_type_name((uint8_t)msg->type));
@@ -343,6 +347,7 @@ void kvf__auth_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 
 int kvf__auth_explain_close(const kvf_peer_t *p, char *why, size_t len)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (!p->outbound || !p->auth.proof_sent || p->auth.done)
         return 0;
     snprintf(why, len, "authentication failed: the prefill engine closed the connection "

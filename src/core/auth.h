@@ -48,7 +48,7 @@ typedef struct kvf_auth_log {
  * a non-loopback address without KVF_AUTH=none; a token that cannot be
  * read), with the reason logged.
  */
-int          kvf__auth_setup(kvf_engine_t *eng, const char *explicit_token,
+int          kvf__auth_setup_unlocked(kvf_engine_t *eng, const char *explicit_token,
                              const char *api_key, const struct sockaddr *bound);
 
 /* Is this address on the loopback interface (127.0.0.0/8, ::1, v4-mapped)? */

@@ -26,6 +26,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/descriptor.h"
 #include "core/engine.h"
+#include "core/sync.h"
 #include "util/log.h"
 
 static int dtype_ok(const char *v);

@@ -6,7 +6,6 @@
  * loops over its own eventfd and stream k of every peer (streams.c).
  */
 #include <errno.h>
-#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,54 +28,6 @@
 
 #define TICK_MS  50
 #define STALL_MS 1000   /* a tick this late: the process itself was stopped */
-#define YIELD_SPINS 200 /* sched_yield()s at most, letting callers take the lock */
-
-_Thread_local const kvf_engine_t *kvf__lock_held;
-_Thread_local const kvf_engine_t *kvf__io_owner;
-_Thread_local unsigned kvf__io_lane;
-
-void kvf__engine_io_unlock(void *arg)
-{
-    kvf_engine_t *eng = arg;
-    kvf__unlock(eng);
-}
-
-void kvf__engine_io_lock(void *arg)
-{
-    kvf_engine_t *eng = arg;
-    pthread_mutex_lock(&eng->lock);
-    kvf__lock_held = eng;
-}
-
-void kvf__lane_wake(kvf_engine_t *eng, unsigned lane)
-{
-    uint64_t one = 1;
-    if (write(eng->lanes[lane].wakefd, &one, sizeof(one)) < 0 && errno != EAGAIN)
-        kvf_warn("eventfd write: %m");
-}
-
-void kvf__engine_wake(kvf_engine_t *eng)
-{
-    kvf__lane_wake(eng, 0);
-}
-
-const char *kvf__rank_name(kvf_role_t role, int tp_rank, int pp_rank, int pp_size,
-                           int dp_rank, int dp_size, char *buf, size_t len)
-{
-    int n = snprintf(buf, len, "%s rank %d", kvf_role_name(role), tp_rank);
-    if (pp_size > 1 && n >= 0 && (size_t)n < len)
-        n += snprintf(buf + n, len - (size_t)n, " of stage %d", pp_rank);
-    if (dp_size > 1 && n >= 0 && (size_t)n < len)
-        snprintf(buf + n, len - (size_t)n, " of DP group %d", dp_rank);
-    return buf;
-}
-
-const char *kvf__engine_rank_name(const kvf_engine_t *eng, char *buf, size_t len)
-{
-    const kvf_engine_params_t *p = &eng->params;
-    return kvf__rank_name(p->role, p->tp_rank, p->pp_rank, p->pp_size, p->dp_rank,
-                          p->dp_size, buf, len);
-}
 
 static int check_rank(const char *what, int rank, int size)
 {
@@ -173,26 +124,23 @@ static void *lane_main(void *arg);
 /* What create made and destroy unmakes last: descriptors, strings, locks. */
 static void engine_free(kvf_engine_t *eng)
 {
-    kvf__metrics_stop(eng);
-    kvf__trace_close(eng);
+    kvf__metrics_stop_unlocked(eng);
+    kvf__trace_close_unlocked(eng);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         if (eng->movers[i] != NULL)
             eng->movers[i]->ops->destroy(eng->movers[i]);   /* after the peers' endpoints */
     if (eng->copier != NULL) {
         eng->copier_ops->drain(eng->copier);
-        kvf__bounce_free_all(eng);
+        kvf__bounce_free_all_unlocked(eng);
         eng->copier_ops->destroy(eng->copier);
     }
-    int fds[] = {eng->epfd, eng->wakefd, eng->listenfd, eng->reserve_fd};
+    int fds[] = {eng->epfd, eng->listenfd, eng->reserve_fd};
     for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++)
         if (fds[i] >= 0)
             close(fds[i]);
-    for (unsigned k = 1; k < KVF_MAX_STREAMS; k++) {
+    for (unsigned k = 1; k < KVF_MAX_STREAMS; k++)
         if (eng->lanes[k].epfd >= 0)
             close(eng->lanes[k].epfd);
-        if (eng->lanes[k].wakefd >= 0)
-            close(eng->lanes[k].wakefd);
-    }
     kvf__layout_free(&eng->layout);
     free(eng->reg_bases);
     free(eng->reg_lens);
@@ -205,7 +153,7 @@ static void engine_free(kvf_engine_t *eng)
     free(eng->host);
     free(eng->transport);
     free(eng->bootstrap_addr);
-    pthread_mutex_destroy(&eng->lock);
+    kvf__sync_destroy(&eng->sync);
     pthread_cond_destroy(&eng->resolver_cond);
     pthread_cond_destroy(&eng->reads_cond);
     pthread_cond_destroy(&eng->final_cond);
@@ -219,12 +167,12 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
     eng->params = *full;
     if (eng->params.handshake_timeout_ms == 0)
         eng->params.handshake_timeout_ms = KVF_HANDSHAKE_TIMEOUT_MS;
-    eng->epfd = eng->wakefd = eng->listenfd = eng->reserve_fd = eng->trace_fd = -1;
+    eng->epfd = eng->listenfd = eng->reserve_fd = eng->trace_fd = -1;
     if (eng->params.streams == 0)
         eng->params.streams = kvf__streams_default();
     eng->nlanes = eng->params.streams;
     for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
-        eng->lanes[k] = (kvf_lane_t){.eng = eng, .index = k, .epfd = -1, .wakefd = -1,
+        eng->lanes[k] = (kvf_lane_t){.eng = eng, .index = k, .epfd = -1,
                                      .ev_wake = KVF_EV_WAKE};
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
@@ -233,7 +181,7 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
                                                    : &kvf_receiver_room_ops;
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
-    pthread_mutex_init(&eng->lock, NULL);
+    kvf__sync_init(&eng->sync);
     pthread_cond_init(&eng->resolver_cond, NULL);
     pthread_cond_init(&eng->reads_cond, NULL);
     pthread_cond_init(&eng->final_cond, NULL);
@@ -263,7 +211,7 @@ static kvf_status_t engine_own_params(kvf_engine_t *eng, const kvf_engine_params
     eng->params.host = eng->host;
     eng->params.transport = eng->transport;
     eng->params.faults = NULL;
-    kvf__registration_setup(eng);
+    kvf__registration_setup_unlocked(eng);
     if (params->faults != NULL) {
         st = kvf_transport_faults_parse(params->faults, &eng->faults, err, sizeof(err));
         if (st != KVF_OK) {
@@ -293,14 +241,14 @@ static kvf_status_t engine_listen(kvf_engine_t *eng, const kvf_engine_params_t *
         kvf_error("getsockname: %m");
         return KVF_ERR_IO;
     }
-    st = kvf__auth_setup(eng, params->auth_token, params->api_key,
+    st = kvf__auth_setup_unlocked(eng, params->auth_token, params->api_key,
                          (struct sockaddr *)&bound);
     eng->params.auth_token = NULL;     /* the caller's strings: never kept */
     eng->params.api_key = NULL;
     if (st != KVF_OK)
         return st;
     /* After the token: the metrics endpoint binds by the same rule. */
-    if ((st = kvf__trace_open(eng)) != KVF_OK || (st = kvf__metrics_start(eng)) != KVF_OK)
+    if ((st = kvf__trace_open_unlocked(eng)) != KVF_OK || (st = kvf__metrics_start_unlocked(eng)) != KVF_OK)
         return st;
     return KVF_OK;
 }
@@ -309,29 +257,29 @@ static kvf_status_t engine_listen(kvf_engine_t *eng, const kvf_engine_params_t *
  * listener.  Before any thread starts, so a failure leaves nothing running. */
 static kvf_status_t engine_open_lanes(kvf_engine_t *eng)
 {
+    int *wakefd = eng->sync.wakefd;
     eng->epfd = epoll_create1(EPOLL_CLOEXEC);
-    eng->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (eng->epfd < 0 || eng->wakefd < 0) {
+    wakefd[0] = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (eng->epfd < 0 || wakefd[0] < 0) {
         kvf_error("epoll/eventfd: %m");
         return KVF_ERR_IO;
     }
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eng->ev_listener};
     struct epoll_event wev = {.events = EPOLLIN, .data.ptr = &eng->ev_wake};
     if (epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->listenfd, &ev) != 0 ||
-        epoll_ctl(eng->epfd, EPOLL_CTL_ADD, eng->wakefd, &wev) != 0) {
+        epoll_ctl(eng->epfd, EPOLL_CTL_ADD, wakefd[0], &wev) != 0) {
         kvf_error("epoll_ctl: %m");
         return KVF_ERR_IO;
     }
     eng->lanes[0].epfd = eng->epfd;
-    eng->lanes[0].wakefd = eng->wakefd;
-    kvf__listener_init(eng);
+    kvf__listener_init_unlocked(eng);
     for (unsigned k = 1; k < eng->nlanes; k++) {
         kvf_lane_t *ln = &eng->lanes[k];
         ln->epfd = epoll_create1(EPOLL_CLOEXEC);
-        ln->wakefd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        wakefd[k] = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
         struct epoll_event lev = {.events = EPOLLIN, .data.ptr = &ln->ev_wake};
-        if (ln->epfd < 0 || ln->wakefd < 0 ||
-            epoll_ctl(ln->epfd, EPOLL_CTL_ADD, ln->wakefd, &lev) != 0) {
+        if (ln->epfd < 0 || wakefd[k] < 0 ||
+            epoll_ctl(ln->epfd, EPOLL_CTL_ADD, wakefd[k], &lev) != 0) {
             kvf_error("epoll/eventfd for lane %u: %m", k);
             return KVF_ERR_IO;
         }
@@ -343,7 +291,7 @@ static kvf_status_t engine_open_lanes(kvf_engine_t *eng)
  * last step, since a lane that cannot start only lowers the stream count. */
 static kvf_status_t engine_start_threads(kvf_engine_t *eng)
 {
-    kvf_status_t st = kvf__resolver_start(eng);
+    kvf_status_t st = kvf__resolver_start_unlocked(eng);
     if (st != KVF_OK)
         return st;
     if (pthread_create(&eng->progress_thread, NULL, progress_main, eng) != 0) {
@@ -416,7 +364,7 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     if (eng == NULL)
         return;
     /* First: a scrape walks the rooms and peers the teardown frees. */
-    kvf__metrics_stop(eng);
+    kvf__metrics_stop_unlocked(eng);
     kvf__lock(eng);
     eng->stopping = 1;
     pthread_cond_broadcast(&eng->resolver_cond);
@@ -515,6 +463,7 @@ uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)
 
 int kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops)
 {
+    KVF_ASSERT_LOCKED(eng);
     if (strcmp(eng->transport, "auto") == 0)
         return ops->auto_ok == NULL || ops->auto_ok();
     return strcmp(eng->transport, ops->name) == 0;
@@ -602,6 +551,7 @@ static void progress_mover(kvf_engine_t *eng, int i)
 
 void kvf__engine_progress_movers(kvf_engine_t *eng)
 {
+    KVF_ASSERT_LOCKED(eng);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         progress_mover(eng, i);
 }
@@ -851,23 +801,6 @@ static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
 }
 
 /*
- * Between passes, with the lock released: if application threads are
- * waiting for it, let them have it before taking it back, for a bounded
- * time (a waiter that was descheduled must not stall the loop).  Without
- * this a busy loop re-takes the lock within the microsecond it let go,
- * and a scheduler's call waits for many passes.
- */
-static void yield_to_callers(kvf_engine_t *eng)
-{
-    for (int spins = 0; spins < YIELD_SPINS; spins++) {
-        /* Relaxed: only a hint, see kvf__lock. */
-        if (atomic_load_explicit(&eng->lock_wanted, memory_order_relaxed) == 0)
-            return;
-        sched_yield();
-    }
-}
-
-/*
  * Lane k >= 1: epoll over its eventfd and stream k of every peer.  Its
  * timeout is the tick's, for a stream that lane 0 closed while this one
  * slept; the deadlines are lane 0's.
@@ -881,14 +814,13 @@ static void *lane_main(void *arg)
 
     kvf__io_owner = eng;
     kvf__io_lane = ln->index;
-    pthread_mutex_lock(&eng->lock);
-    kvf__lock_held = eng;
+    kvf__lock_lane(eng);
     while (!eng->stopping) {
         kvf__unlock(eng);
-        yield_to_callers(eng);
+        /* Between passes: callers waiting for the lock have it first. */
+        kvf__lock_yield(eng);
         int n = epoll_wait(ln->epfd, evs, 64, more ? 0 : TICK_MS);
-        pthread_mutex_lock(&eng->lock);
-        kvf__lock_held = eng;
+        kvf__lock_lane(eng);
         if (n < 0 && errno != EINTR) {
             kvf_error("epoll_wait (lane %u): %m", ln->index);
             break;
@@ -896,7 +828,7 @@ static void *lane_main(void *arg)
         for (int i = 0; i < n; i++) {
             if (evs[i].data.ptr == &ln->ev_wake) {
                 uint64_t v;
-                if (read(ln->wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+                if (read(eng->sync.wakefd[ln->index], &v, sizeof(v)) < 0 && errno != EAGAIN)
                     kvf_warn("eventfd read: %m");
             } else {
                 kvf__lane_event(ln, evs[i].data.ptr, evs[i].events);
@@ -917,16 +849,15 @@ static void *progress_main(void *arg)
 
     kvf__io_owner = eng;
     kvf__io_lane = 0;
-    pthread_mutex_lock(&eng->lock);
-    kvf__lock_held = eng;
+    kvf__lock_lane(eng);
     while (!eng->stopping) {
         uint64_t now = kvf_now_ms();
         int timeout = more || next_tick <= now ? 0 : (int)(next_tick - now);
         kvf__unlock(eng);
-        yield_to_callers(eng);
+        /* Between passes: callers waiting for the lock have it first. */
+        kvf__lock_yield(eng);
         int n = epoll_wait(eng->epfd, evs, 64, timeout);
-        pthread_mutex_lock(&eng->lock);
-        kvf__lock_held = eng;
+        kvf__lock_lane(eng);
         eng->now_ms = kvf_now_ms();
         if (n < 0 && errno != EINTR) {
             kvf_error("epoll_wait: %m");
@@ -942,7 +873,7 @@ static void *progress_main(void *arg)
                 kvf__engine_progress_copier(eng);
             } else if (*kind == KVF_EV_WAKE) {
                 uint64_t v;
-                if (read(eng->wakefd, &v, sizeof(v)) < 0 && errno != EAGAIN)
+                if (read(eng->sync.wakefd[0], &v, sizeof(v)) < 0 && errno != EAGAIN)
                     kvf_warn("eventfd read: %m");
             } else {
                 kvf__peer_handle((kvf_peer_t *)kind, evs[i].events);

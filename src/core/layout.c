@@ -8,7 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "core/engine.h"
+#include "core/layout.h"
+#include "core/sized.h"
 #include "util/cudrv.h"
 
 static kvf_status_t copy_bufs(kvf_buffer_t **dst, const kvf_buffer_t *src,

@@ -33,7 +33,7 @@
 #define SHED_PAUSE_MS 100
 #define SHED_LOG_MS   10000
 
-void kvf__listener_init(kvf_engine_t *eng)
+void kvf__listener_init_unlocked(kvf_engine_t *eng)
 {
     eng->reserve_fd = kvf_reserve_open();
     if (eng->reserve_fd < 0)
@@ -106,6 +106,7 @@ static void pause_listener(kvf_engine_t *eng, int err)
 
 void kvf__listener_tick(kvf_engine_t *eng, uint64_t now)
 {
+    KVF_ASSERT_LOCKED(eng);
     if (eng->reserve_fd < 0)
         eng->reserve_fd = kvf_reserve_open();
     shed_log(eng, now);
@@ -120,6 +121,7 @@ void kvf__listener_tick(kvf_engine_t *eng, uint64_t now)
 
 void kvf__listener_accept(kvf_engine_t *eng)
 {
+    KVF_ASSERT_LOCKED(eng);
     for (int n = 0; n < ACCEPT_BATCH; n++) {
         struct sockaddr_storage sa;
         socklen_t salen = sizeof(sa);

@@ -389,7 +389,7 @@ static int port_per_rank(const kvf_engine_t *eng, const char *spec, char *out, s
     return 0;
 }
 
-kvf_status_t kvf__metrics_start(kvf_engine_t *eng)
+kvf_status_t kvf__metrics_start_unlocked(kvf_engine_t *eng)
 {
     const char *spec = eng->params.metrics_addr;
     char addr[160];
@@ -414,7 +414,7 @@ kvf_status_t kvf__metrics_start(kvf_engine_t *eng)
     return KVF_OK;
 }
 
-void kvf__metrics_stop(kvf_engine_t *eng)
+void kvf__metrics_stop_unlocked(kvf_engine_t *eng)
 {
     if (eng->scrape != NULL)
         kvf__scrape_destroy(eng->scrape);

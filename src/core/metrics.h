@@ -69,7 +69,7 @@ void kvf__metrics_room_final(struct kvf_room *r, const kvf_failure_t *failure,
                              int reversed);
 
 /* The metrics endpoint (bootstrap/scrape.c) and what engine.c does with it. */
-kvf_status_t kvf__metrics_start(struct kvf_engine *eng);
-void         kvf__metrics_stop(struct kvf_engine *eng);
+kvf_status_t kvf__metrics_start_unlocked(struct kvf_engine *eng);
+void         kvf__metrics_stop_unlocked(struct kvf_engine *eng);
 
 #endif /* KVF_CORE_METRICS_H */

@@ -147,3 +147,14 @@ kvf_status_t kvf__plan_slice(const kvf_par_t *pre, const kvf_par_t *dec,
     s->dst_head = lo - df;
     return KVF_OK;
 }
+
+const char *kvf__rank_name(kvf_role_t role, int tp_rank, int pp_rank, int pp_size,
+                           int dp_rank, int dp_size, char *buf, size_t len)
+{
+    int n = snprintf(buf, len, "%s rank %d", kvf_role_name(role), tp_rank);
+    if (pp_size > 1 && n >= 0 && (size_t)n < len)
+        n += snprintf(buf + n, len - (size_t)n, " of stage %d", pp_rank);
+    if (dp_size > 1 && n >= 0 && (size_t)n < len)
+        snprintf(buf + n, len - (size_t)n, " of DP group %d", dp_rank);
+    return buf;
+}

@@ -32,6 +32,12 @@
 
 #define KVF_MAX_SOURCES 64
 
+/* "decode rank 1", with its stage and DP group where the server has more
+ * than one (pp_size stages, dp_size groups): how failure reasons name a
+ * rank.  @return buf. */
+const char *kvf__rank_name(kvf_role_t role, int tp_rank, int pp_rank, int pp_size,
+                           int dp_rank, int dp_size, char *buf, size_t len);
+
 /* What both sides must know of a rank to plan a room. */
 typedef struct kvf_par {
     int             tp_rank, tp_size;

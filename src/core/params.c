@@ -1,11 +1,7 @@
 /*
- * Parameter structs that grow (kvf_engine_params_t, kvf_layout_t): the
- * caller's `size` says how much of the struct its header had, and the
- * library never touches a byte past it.  Init writes `size` bytes; create
- * and register_layout "import" the caller's struct, copying its bytes over
- * a full-size struct of defaults, so that fields the caller's header
- * lacked take their defaults and everything afterwards reads only the
- * library's own full-size copy.
+ * The engine's parameters: kvf_engine_params_t's defaults (from KVF_*
+ * variables), its init and its import at create, which follow the growth
+ * rules of sized.h, and the stream count a machine allows.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -13,6 +9,7 @@
 #include <unistd.h>
 
 #include "core/engine.h"
+#include "core/sized.h"
 #include "util/log.h"
 
 /*
@@ -21,127 +18,12 @@
  * not one that fits in its trailing padding.
  */
 #define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, trace)
-#define LAYOUT_KNOWN KVF_FIELD_END(kvf_layout_t, kv_order)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
-_Static_assert(sizeof(kvf_layout_t) - LAYOUT_KNOWN < _Alignof(kvf_layout_t),
-               "LAYOUT_KNOWN must name the last field of kvf_layout_t");
-#define DEST_KNOWN KVF_FIELD_END(kvf_dest_t, decode_prefix_len)
-_Static_assert(sizeof(kvf_dest_t) - DEST_KNOWN < _Alignof(kvf_dest_t),
-               "DEST_KNOWN must name the last field of kvf_dest_t");
 
-#define HOLD_KNOWN KVF_FIELD_END(kvf_hold_t, instance)
-_Static_assert(sizeof(kvf_hold_t) - HOLD_KNOWN < _Alignof(kvf_hold_t),
-               "HOLD_KNOWN must name the last field of kvf_hold_t");
-#define REMOTE_KNOWN KVF_FIELD_END(kvf_remote_t, num_descriptors)
-_Static_assert(sizeof(kvf_remote_t) - REMOTE_KNOWN < _Alignof(kvf_remote_t),
-               "REMOTE_KNOWN must name the last field of kvf_remote_t");
-
-/* Larger than any version of these structs will be: a `size` past it is
- * garbage (an uninitialised struct), not a newer header. */
-#define SIZE_SANE 4096
-
-typedef struct sized_type {
-    const char *name;     /* "kvf_engine_params_t" */
-    const char *init;     /* "kvf_engine_params_init" */
-    size_t      v0;       /* KVF_..._SIZE_V0 */
-    size_t      known;    /* ..._KNOWN */
-} sized_type_t;
-
-static const sized_type_t params_type = {
+static const kvf_sized_type_t params_type = {
     "kvf_engine_params_t", "kvf_engine_params_init", KVF_ENGINE_PARAMS_SIZE_V0,
     PARAMS_KNOWN};
-static const sized_type_t layout_type = {
-    "kvf_layout_t", "kvf_layout_init", KVF_LAYOUT_SIZE_V0, LAYOUT_KNOWN};
-static const sized_type_t dest_type = {
-    "kvf_dest_t", "kvf_dest_init", KVF_DEST_SIZE_V0, DEST_KNOWN};
-static const sized_type_t hold_type = {
-    "kvf_hold_t", "kvf_hold_init", KVF_HOLD_SIZE_V0, HOLD_KNOWN};
-static const sized_type_t remote_type = {
-    "kvf_remote_t", "kvf_remote_init", KVF_REMOTE_SIZE_V0, REMOTE_KNOWN};
-
-/*
- * Write the caller's `size` bytes at dst: the defaults in def (a full
- * struct) that fit, zero past the known fields, then `size` itself.  A
- * size below v0 gets zeros only: that struct is refused anyway.
- */
-static void init_sized(void *dst, size_t size, const void *def, const sized_type_t *t)
-{
-    size_t n = size < t->v0 ? 0 : size < t->known ? size : t->known;
-
-    if (size < t->v0)
-        kvf_error("%s_sized: size %zu is below %zu, the size of %s's first version "
-                  "(kvferry 0.1.0): pass sizeof your %s, as the %s() macro does",
-                  t->init, size, t->v0, t->name, t->name, t->init);
-    memcpy(dst, def, n);
-    memset((char *)dst + n, 0, size - n);
-    if (size >= sizeof(size_t))
-        memcpy(dst, &size, sizeof(size_t));
-}
-
-/*
- * Copy the caller's struct at src into dst (a full struct): only the
- * caller's bytes, and only those this library knows; dst->size is then
- * the full size.  A caller's struct that lacks some fields gets the
- * defaults from `defaults` first (only then: it reads the environment,
- * and may warn about it, as init already did); NULL: every default is 0.
- */
-static kvf_status_t import_sized(void *dst, size_t dst_size, const void *src,
-                                 void (*defaults)(void *), const sized_type_t *t,
-                                 const char *fn, char *err, size_t errlen)
-{
-    size_t size;
-
-    memcpy(&size, src, sizeof(size));
-    if (size < t->v0) {
-        snprintf(err, errlen,
-                 "%s: %s size %zu is below %zu, the size of its first version "
-                 "(kvferry 0.1.0): initialise the struct with %s()", fn, t->name,
-                 size, t->v0, t->init);
-        return KVF_ERR_INVALID_PARAM;
-    }
-    if (size > SIZE_SANE) {
-        snprintf(err, errlen,
-                 "%s: %s size %zu is far past any version of it (this kvferry knows "
-                 "%zu bytes): initialise the struct with %s()", fn, t->name, size,
-                 t->known, t->init);
-        return KVF_ERR_INVALID_PARAM;
-    }
-    /* Past what this library knows: a newer header's fields, which are
-     * fine at their default 0 and must not be silently ignored otherwise. */
-    for (size_t i = t->known; i < size; i++) {
-        if (((const unsigned char *)src)[i] != 0) {
-            snprintf(err, errlen,
-                     "%s: %s size %zu reaches past the %zu bytes this kvferry (%s) "
-                     "knows, and byte %zu there is nonzero: the caller was built "
-                     "against a newer kvferry.h and sets a field this library "
-                     "lacks: link that kvferry's library, or leave the newer fields "
-                     "at 0 (%s() zeroes them)",
-                     fn, t->name, size, t->known, kvf_version(), i, t->init);
-            return KVF_ERR_INVALID_PARAM;
-        }
-    }
-    memset(dst, 0, dst_size);
-    if (size < t->known && defaults != NULL)
-        defaults(dst);
-    memcpy(dst, src, size < t->known ? size : t->known);
-    memcpy(dst, &dst_size, sizeof(size_t));
-    return KVF_OK;
-}
-
-static unsigned env_ms(const char *name, unsigned def)
-{
-    const char *v = getenv(name);
-    if (v == NULL || *v == '\0')
-        return def;
-    char *end;
-    unsigned long x = strtoul(v, &end, 10);
-    if (*end != '\0' || x == 0 || x > 86400000ul) {
-        kvf_warn("ignoring %s=%s: expected milliseconds (1..86400000)", name, v);
-        return def;
-    }
-    return (unsigned)x;
-}
 
 static void params_defaults(void *dst)
 {
@@ -155,19 +37,14 @@ static void params_defaults(void *dst)
     p->host = (v = getenv("KVF_HOST")) ? v : "127.0.0.1";
     p->transport = (v = getenv("KVF_TRANSPORT")) ? v : "auto";
     p->checksum = (v = getenv("KVF_CHECKSUM")) != NULL && strcmp(v, "0") != 0;
-    p->bootstrap_timeout_ms = env_ms("KVF_BOOTSTRAP_TIMEOUT_MS", 30000);
-    p->waiting_timeout_ms = env_ms("KVF_WAITING_TIMEOUT_MS", 300000);
-    p->transfer_timeout_ms = env_ms("KVF_TRANSFER_TIMEOUT_MS", 30000);
-    p->heartbeat_interval_ms = env_ms("KVF_HEARTBEAT_INTERVAL_MS", 500);
-    p->heartbeat_timeout_ms = env_ms("KVF_HEARTBEAT_TIMEOUT_MS", 2500);
+    p->bootstrap_timeout_ms = kvf__env_ms("KVF_BOOTSTRAP_TIMEOUT_MS", 30000);
+    p->waiting_timeout_ms = kvf__env_ms("KVF_WAITING_TIMEOUT_MS", 300000);
+    p->transfer_timeout_ms = kvf__env_ms("KVF_TRANSFER_TIMEOUT_MS", 30000);
+    p->heartbeat_interval_ms = kvf__env_ms("KVF_HEARTBEAT_INTERVAL_MS", 500);
+    p->heartbeat_timeout_ms = kvf__env_ms("KVF_HEARTBEAT_TIMEOUT_MS", 2500);
     p->faults = (v = getenv("KVF_FAULTS")) != NULL && *v != '\0' ? v : NULL;
-    p->handshake_timeout_ms = env_ms("KVF_HANDSHAKE_TIMEOUT_MS", KVF_HANDSHAKE_TIMEOUT_MS);
+    p->handshake_timeout_ms = kvf__env_ms("KVF_HANDSHAKE_TIMEOUT_MS", KVF_HANDSHAKE_TIMEOUT_MS);
     p->streams = 0;                    /* kvf__streams_default() at create */
-}
-
-unsigned kvf__lease_default(void)
-{
-    return env_ms("KVF_LEASE_MS", 480000);
 }
 
 unsigned kvf__streams_default(void)
@@ -192,7 +69,7 @@ void kvf_engine_params_init_sized(kvf_engine_params_t *p, size_t size)
     kvf_engine_params_t def;
 
     params_defaults(&def);
-    init_sized(p, size, &def, &params_type);
+    kvf__sized_init(p, size, &def, &params_type);
 }
 
 /* The header's macro of this name passes sizeof; the parentheses define
@@ -206,61 +83,6 @@ kvf_status_t kvf__engine_params_import(kvf_engine_params_t *dst,
                                        const kvf_engine_params_t *src,
                                        const char *fn, char *err, size_t errlen)
 {
-    return import_sized(dst, sizeof(*dst), src, params_defaults, &params_type, fn,
-                        err, errlen);
-}
-
-/*
- * The structs whose every default is 0 (kvf_layout_t, kvf_dest_t,
- * kvf_hold_t, kvf_remote_t; a lease of 0 is resolved where it is used).
- */
-static const unsigned char zeros[SIZE_SANE];
-
-void kvf_layout_init_sized(kvf_layout_t *layout, size_t size)
-{
-    init_sized(layout, size, zeros, &layout_type);
-}
-
-void (kvf_layout_init)(kvf_layout_t *layout)
-{
-    kvf_layout_init_sized(layout, KVF_LAYOUT_SIZE_V0);
-}
-
-kvf_status_t kvf__layout_import(kvf_layout_t *dst, const kvf_layout_t *src,
-                                const char *fn, char *err, size_t errlen)
-{
-    return import_sized(dst, sizeof(*dst), src, NULL, &layout_type, fn, err, errlen);
-}
-
-void kvf_dest_init_sized(kvf_dest_t *dest, size_t size)
-{
-    init_sized(dest, size, zeros, &dest_type);
-}
-
-kvf_status_t kvf__dest_import(kvf_dest_t *dst, const kvf_dest_t *src, const char *fn,
-                              char *err, size_t errlen)
-{
-    return import_sized(dst, sizeof(*dst), src, NULL, &dest_type, fn, err, errlen);
-}
-
-void kvf_hold_init_sized(kvf_hold_t *hold, size_t size)
-{
-    init_sized(hold, size, zeros, &hold_type);
-}
-
-kvf_status_t kvf__hold_import(kvf_hold_t *dst, const kvf_hold_t *src, const char *fn,
-                              char *err, size_t errlen)
-{
-    return import_sized(dst, sizeof(*dst), src, NULL, &hold_type, fn, err, errlen);
-}
-
-void kvf_remote_init_sized(kvf_remote_t *remote, size_t size)
-{
-    init_sized(remote, size, zeros, &remote_type);
-}
-
-kvf_status_t kvf__remote_import(kvf_remote_t *dst, const kvf_remote_t *src, const char *fn,
-                                char *err, size_t errlen)
-{
-    return import_sized(dst, sizeof(*dst), src, NULL, &remote_type, fn, err, errlen);
+    return kvf__sized_import(dst, sizeof(*dst), src, params_defaults, &params_type, fn,
+                             err, errlen);
 }

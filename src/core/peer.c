@@ -55,6 +55,7 @@ const kvf_conn_handler_t kvf__peer_handler = {
 
 const char *kvf__peer_name(const kvf_peer_t *p, char *buf, size_t len)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (p->outbound && p->instance_id == 0)      /* rank from the registry */
         snprintf(buf, len, "prefill rank %d (%s)", p->tp_rank, p->addr);
     else if (p->instance_id == 0)
@@ -244,6 +245,7 @@ void kvf__peer_hold(kvf_peer_t *p, const kvf_msg_t *msg)
 
 int kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (p->state == KVF_PEER_READY || p->state == KVF_PEER_HANDSHAKE)
         return kvf__peer_send(p, msg) == KVF_OK;
     if ((p->state == KVF_PEER_AUTH || p->state == KVF_PEER_CONNECTING ||
@@ -611,6 +613,7 @@ static void send_hello(kvf_peer_t *p)
 kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank,
                           int watch)
 {
+    KVF_ASSERT_LOCKED(eng);
     char addr[KVF_ADDR_MAX];
     snprintf(addr, sizeof(addr), "%s:%d", host, port);
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next)
@@ -640,6 +643,7 @@ kvf_peer_t *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_
 
 kvf_status_t kvf__peer_dial(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
     const kvf_peer_t *m = kvf__peer_main(p);
     kvf_conn_env_t env = {eng->lanes[p->lane].epfd, p, kvf__engine_io_unlock,
@@ -686,6 +690,7 @@ static int redial_later(kvf_peer_t *p, kvf_status_t st, const char *reason)
 
 void kvf__peer_redial(kvf_peer_t *p, uint64_t now)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     assert(p->state == KVF_PEER_REDIAL && kvf__owns_lane(p->eng, p->lane));
     kvf_peer_t *m = kvf__peer_main(p);
     if (!kvf__rooms_wait_on(p->eng, m)) {
@@ -711,6 +716,7 @@ void kvf__peer_redial(kvf_peer_t *p, uint64_t now)
 
 int kvf__peer_refusals(const kvf_peer_t *p, char *buf, size_t len)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     char name[128];
     const kvf_peer_t *last = NULL;
     unsigned n = 0;
@@ -736,6 +742,7 @@ int kvf__peer_refusals(const kvf_peer_t *p, char *buf, size_t len)
 
 void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
 {
+    KVF_ASSERT_LOCKED(eng);
     kvf_peer_t *p = peer_new(eng);
     if (p == NULL) {
         close(fd);
@@ -757,6 +764,7 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
 
 void kvf__peer_authenticated(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     char name[128];
     p->state = KVF_PEER_HANDSHAKE;
     if (p->refused > 0)
@@ -898,6 +906,7 @@ void kvf__peers_reads_done(kvf_engine_t *eng)
 
 void kvf__peer_close_pending(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     assert(kvf__owns_lane(p->eng, p->lane));
     if (!p->close_pending)
         return;
@@ -917,6 +926,7 @@ void kvf__peer_close_pending(kvf_peer_t *p)
 
 void kvf__peer_handle(kvf_peer_t *p, uint32_t events)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (p->state != KVF_PEER_DEAD && p->conn)
         p->conn->ops->handle(p->conn, events);
 }
@@ -1278,6 +1288,7 @@ static void rx_busy(void *arg, int busy)
 
 int kvf__peer_rx_ready(const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return rx_ready((void *)p);
 }
 
@@ -1299,6 +1310,7 @@ static void on_data_end(void *arg, uint64_t placed)
 
 void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
 {
+    KVF_ASSERT_LOCKED(eng);
     const kvf_engine_params_t *pr = &eng->params;
     char name[128];
 
@@ -1358,6 +1370,13 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
     for (kvf_peer_t **pp = &eng->peers; *pp != NULL;) {
         kvf_peer_t *p = *pp;
         kvf__peer_close_pending(p);
+        /* That may have let the lock go (its flush), and another thread
+         * added a peer at the head meanwhile: only this thread unlinks, so
+         * the walk is intact past the head; start it again from there. */
+        if (*pp != p) {
+            pp = &eng->peers;
+            continue;
+        }
         if (p->state == KVF_PEER_DEAD && !kvf__streams_held(p)) {
             *pp = p->next;
             p->next = NULL;

@@ -14,6 +14,8 @@
 
 #include "core/engine.h"
 
+typedef struct kvf_peer kvf_peer_t;   /* also auth.h's */
+
 typedef enum {
     KVF_PEER_CONNECTING,   /* outbound connect in progress */
     KVF_PEER_REDIAL,       /* outbound, closed before the peer's AUTH (refused
@@ -95,9 +97,9 @@ struct kvf_peer {
     int               move_pending;  /* prefill: JOIN taken, moves to its lane */
     int               close_pending; /* failed off its lane: the lane closes it */
     /* Current inbound DATA frame (decode side). */
-    kvf_room_t       *rx_room;
+    struct kvf_room  *rx_room;
     struct kvf_link  *rx_link;
-    kvf_room_t       *rx_pinned;     /* rx_room, while the stream writes into it */
+    struct kvf_room  *rx_pinned;     /* rx_room, while the stream writes into it */
     /* A staged DATA frame (stage.h): its device pieces land in rx_bounce
      * first, rx_dev[i] <- rx_bnc[i] is copied once the frame is in. */
     uint64_t          rx_payload;    /* the current frame's payload bytes */
@@ -117,6 +119,7 @@ struct kvf_peer {
  * nothing beyond the stream (0). */
 static inline unsigned kvf__peer_caps(const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return p->mover != NULL ? p->mover->caps : 0;
 }
 
@@ -124,18 +127,21 @@ static inline unsigned kvf__peer_caps(const kvf_peer_t *p)
  * it in the stream. */
 static inline int kvf__peer_pulls(const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return (kvf__peer_caps(p) & KVF_MOVER_CAP_PULL) != 0;
 }
 
 /* The peer a connection belongs to: itself, or a stream's primary. */
 static inline kvf_peer_t *kvf__peer_main(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return p->primary != NULL ? p->primary : p;
 }
 
 /* Stream k of a peer (0: itself), attached and owned by its lane, or NULL. */
 static inline kvf_peer_t *kvf__peer_stream(kvf_peer_t *p, unsigned k)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (k == 0)
         return p;
     kvf_peer_t *s = k < KVF_MAX_STREAMS ? p->streams[k] : NULL;
@@ -145,6 +151,7 @@ static inline kvf_peer_t *kvf__peer_stream(kvf_peer_t *p, unsigned k)
 /* Streams a room's payload toward this peer is spread over now. */
 static inline unsigned kvf__peer_nstreams(const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return p->state == KVF_PEER_READY && p->joined + 1 == p->nstreams ? p->nstreams : 1;
 }
 
@@ -203,9 +210,13 @@ int          kvf__peer_refusals(const kvf_peer_t *peer, char *buf, size_t len);
 void         kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host);
 /* auth.c: the peer proved it holds the token; the handshake goes on. */
 void         kvf__peer_authenticated(kvf_peer_t *peer);
+/* epoll said `events` for the peer's connection.  May let the lock go
+ * (its handle op). */
 void         kvf__peer_handle(kvf_peer_t *peer, uint32_t events);
 /* May its stream be parsed on (its reads in flight are within the window)? */
 int          kvf__peer_rx_ready(const kvf_peer_t *peer);
+/* Fail the peer and its rooms.  On the peer's own lane it closes the
+ * connection at once, and so may let the lock go (kvf__peer_close_pending). */
 void         kvf__peer_fail(kvf_peer_t *peer, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
@@ -231,7 +242,8 @@ void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
 void         kvf__peer_outbox_drain(kvf_peer_t *peer);
 /* Owner thread: free the peers whose last reference went elsewhere. */
 void         kvf__peers_free(kvf_engine_t *eng);
-/* Owner lane: close a peer whose failure came from another thread. */
+/* Owner lane: close a peer whose failure came from another thread.  May
+ * let the lock go (the connection's last flush). */
 void         kvf__peer_close_pending(kvf_peer_t *peer);
 /* A peer of this engine's own: the connection handler every peer uses. */
 extern const kvf_conn_handler_t kvf__peer_handler;
@@ -266,9 +278,10 @@ int          kvf__streams_held(const kvf_peer_t *p);
 /* Lane 0, after its events: attach the streams whose JOIN was taken. */
 void         kvf__streams_move(kvf_engine_t *eng);
 /* Lane k >= 1: one pass over stream k of every peer; @return 1 when a
- * connection has messages left. */
+ * connection has messages left.  Lets the lock go (flush, handle). */
 int          kvf__lane_pass(kvf_lane_t *lane);
-/* Lane k >= 1: epoll said `events` for data.ptr `ptr`. */
+/* Lane k >= 1: epoll said `events` for data.ptr `ptr`.  May let the lock
+ * go (handle). */
 void         kvf__lane_event(kvf_lane_t *lane, void *ptr, uint32_t events);
 
 /* "decode rank 1 (127.0.0.1:4000)" */

@@ -16,7 +16,9 @@
 #include "core/auth.h"
 #include "core/descriptor.h"
 #include "core/room.h"
+#include "core/sized.h"
 #include "core/stage.h"
+#include "core/sync.h"
 #include "core/trace.h"
 #include "transport/copier.h"
 #include "util/log.h"
@@ -76,6 +78,7 @@ void kvf__receiver_tell_failed(kvf_room_t *r)
 
 void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_engine_t *eng = r->eng;
     r->links = calloc((size_t)n, sizeof(kvf_link_t));
     if (r->links == NULL) {
@@ -163,7 +166,7 @@ static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *
     int tp[KVF_MAX_TARGETS], pp[KVF_MAX_TARGETS], n = 0;
     if (st == KVF_OK) {
         uint32_t heads = eng->layout.total_heads ? eng->layout.total_heads : d[0].total_heads;
-        n = kvf__receiver_targets(eng, heads, d[0].tp_size, d[0].pp_size, tp, pp);
+        n = kvf__receiver_targets_unlocked(eng, heads, d[0].tp_size, d[0].pp_size, tp, pp);
         if (n < 0) {
             kvf_error("kvf_receiver_create_remote: decode rank %d would read room %llu from "
                       "more than %d prefill ranks (TP %d, PP %d), more than kvferry links",

@@ -19,6 +19,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
+#include "core/sync.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -117,7 +118,7 @@ static uint32_t gcd_u32(uint32_t a, uint32_t b)
 }
 
 /*
- * kvf__receiver_targets (room.h): the prefill ranks a decode rank talks to
+ * kvf__receiver_targets_unlocked (room.h): the prefill ranks a decode rank talks to
  * for a room: for each pipeline
  * stage it takes layers from (its own stage, or every stage when the
  * decode side has PP 1), the TP ranks that hold its heads (parallel.h)
@@ -130,7 +131,7 @@ static uint32_t gcd_u32(uint32_t a, uint32_t b)
  * head replication, and kvf__receiver_try_request checks the guess once
  * the heads are known.
  */
-int kvf__receiver_targets(const kvf_engine_t *eng, uint32_t heads, int prefill_tp,
+int kvf__receiver_targets_unlocked(const kvf_engine_t *eng, uint32_t heads, int prefill_tp,
                           int prefill_pp, int *tp, int *pp)
 {
     const kvf_engine_params_t *p = &eng->params;
@@ -233,7 +234,7 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
     int dp = pick_dp(info, addr, room, dp_req, out);
     if (dp < 0)
         return;
-    int n = kvf__receiver_targets(eng, heads, info->attn_tp_size, info->pp_size, tp, pp);
+    int n = kvf__receiver_targets_unlocked(eng, heads, info->attn_tp_size, info->pp_size, tp, pp);
     if (n < 0) {
         out->res = RES_FATAL;
         out->status = KVF_ERR_UNSUPPORTED;
@@ -371,7 +372,7 @@ static void reg_string(const char *param, const char *var, char *buf, size_t len
     snprintf(buf, len, "%s", v ? v : "");
 }
 
-void kvf__registration_setup(kvf_engine_t *eng)
+void kvf__registration_setup_unlocked(kvf_engine_t *eng)
 {
     kvf_engine_params_t *p = &eng->params;
 
@@ -544,7 +545,7 @@ void kvf__resolver_enqueue(kvf_engine_t *eng, kvf_room_t *r)
     pthread_cond_broadcast(&eng->resolver_cond);
 }
 
-kvf_status_t kvf__resolver_start(kvf_engine_t *eng)
+kvf_status_t kvf__resolver_start_unlocked(kvf_engine_t *eng)
 {
     if (pthread_create(&eng->resolver_thread, NULL, resolver_main, eng) != 0) {
         kvf_error("cannot start the resolver thread");

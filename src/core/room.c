@@ -169,6 +169,7 @@ static int send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t 
 
 int kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     return send_fail(to, r->id, r->ops->instance_for(r, to), r->ops->fail_key(r), r->failure,
                      abort, r->failed_sides);
 }
@@ -176,6 +177,7 @@ int kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
 void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
                     int abort)
 {
+    KVF_ASSERT_LOCKED(to->eng);
     kvf__send_fail_keyed(to, room, instance, 0, f, abort);
 }
 
@@ -184,6 +186,7 @@ void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_
 void kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
                           const kvf_failure_t *f, int abort)
 {
+    KVF_ASSERT_LOCKED(to->eng);
     send_fail(to, room, instance, key, f, abort,
               KVF_SIDE_BIT(f->origin_side) | KVF_SIDE_BIT(to->eng->params.role));
 }
@@ -208,6 +211,7 @@ static int send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t 
 void kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room, uint64_t instance,
                        const char *why)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
     char name[128];
     uint64_t now = kvf_now_ms();
@@ -226,11 +230,13 @@ void kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room, uint64_t 
 
 int kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance)
 {
+    KVF_ASSERT_LOCKED(eng);
     return instance != 0 && kvf_map_get(&eng->retired, instance) != NULL;
 }
 
 void kvf__room_retire_instances(kvf_room_t *r)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_engine_t *eng = r->eng;
     for (uint32_t i = 0; i < r->nlinks; i++) {
         uint64_t inst = r->links[i].tx.instance;
@@ -352,6 +358,7 @@ static void failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t
 void kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
                       const char *fmt, ...)
 {
+    KVF_ASSERT_LOCKED(eng);
     va_list ap;
     va_start(ap, fmt);
     failure_vset(f, eng, st, fmt, ap);
@@ -383,6 +390,7 @@ static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
 
 void kvf__room_fail(kvf_room_t *r, kvf_status_t st, const char *fmt, ...)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     va_list ap;
     va_start(ap, fmt);
     room_vfail(r, NULL, NULL, st, 0, fmt, ap);
@@ -392,6 +400,7 @@ void kvf__room_fail(kvf_room_t *r, kvf_status_t st, const char *fmt, ...)
 void kvf__room_fail_lost(kvf_room_t *r, kvf_role_t lost, kvf_status_t st, const char *fmt,
                          ...)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     va_list ap;
     va_start(ap, fmt);
     room_vfail(r, NULL, NULL, st, KVF_SIDE_BIT(lost), fmt, ap);
@@ -416,6 +425,7 @@ kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m)
 void kvf__room_fail_remote(kvf_room_t *r, kvf_peer_t *from, int abort,
                            const kvf_msg_fail_t *m)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_failure_t *f = kvf__room_remote_failure(m);
     if (f != NULL)
         kvf__room_fail_record(r, f, from, abort, m->sides);
@@ -445,6 +455,7 @@ kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out)
 kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                               kvf_room_t **room_p)
 {
+    KVF_ASSERT_LOCKED(eng);
     kvf_role_t side = ops->side;
 
     if (!eng->registered) {
@@ -641,6 +652,7 @@ static int msg_room(const kvf_msg_t *msg, uint64_t *id_p)
 
 kvf_verdict_t kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
     uint64_t id;
 
@@ -740,6 +752,7 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
 
 void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(eng);
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
         if (r->ops->peer_ready != NULL && link_of(r, p) != NULL)
             r->ops->peer_ready(r);
@@ -747,6 +760,7 @@ void kvf__rooms_peer_ready(kvf_engine_t *eng, kvf_peer_t *p)
 
 int kvf__rooms_wait_on(kvf_engine_t *eng, const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(eng);
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
         if (!room_final(r) && (link_of(r, p) != NULL || kvf__siblings_bound(r, p, 0)))
             return 1;
@@ -755,6 +769,7 @@ int kvf__rooms_wait_on(kvf_engine_t *eng, const kvf_peer_t *p)
 
 void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
 {
+    KVF_ASSERT_LOCKED(eng);
     const kvf_engine_params_t *pr = &eng->params;
     char detail[420];
 

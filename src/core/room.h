@@ -20,6 +20,19 @@
 #define KVF_CORE_ROOM_H
 
 #include "core/peer.h"
+#include "core/sync.h"
+
+typedef struct kvf_room kvf_room_t;
+
+/* This engine's rank as a failure reason names it (kvf__rank_name). */
+static inline const char *kvf__engine_rank_name(const kvf_engine_t *eng, char *buf,
+                                                size_t len)
+{
+    KVF_ASSERT_LOCKED(eng);
+    const kvf_engine_params_t *p = &eng->params;
+    return kvf__rank_name(p->role, p->tp_rank, p->pp_rank, p->pp_size, p->dp_rank,
+                          p->dp_size, buf, len);
+}
 
 /*
  * One peer of a room.  On a sender: a decode rank it feeds (destination
@@ -531,17 +544,19 @@ void           kvf__states_free(kvf_states_t *s);
 /* A room of ops->side (the engine's role), with its side's table. */
 kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                                 kvf_room_t **room_p);
+/* kvf_*_destroy (takes the lock). */
 void           kvf__room_destroy(kvf_room_t *r);
 /* Fill *f as a root cause seen on this engine (origin: its role, rank and
  * address): the one place a local failure record is made. */
 void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
                                 const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* kvf_*_abort, kvf_*_fail, kvf_*_await_failure, kvf_*_failure (each takes
+ * the lock). */
 void           kvf__room_abort(kvf_room_t *r);
-/* kvf_*_fail and kvf_*_await_failure. */
 kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
 kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
-/* kvf_sender_metric / kvf_receiver_metric. */
+/* kvf_sender_metric / kvf_receiver_metric (takes the lock). */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
 /* Tell `to` the room failed (its record): now if the connection is up,
  * once it is if we are still making it (kvf__peer_send_soon), not at all
@@ -636,7 +651,7 @@ void kvf__acks_free(kvf_engine_t *eng);
  * size prefill_pp; `heads` the model's KV heads as the engine knows them
  * (0: guessed, kvf__receiver_try_request checks).  @return how many, or
  * -1 when they would be more than KVF_MAX_TARGETS. */
-int  kvf__receiver_targets(const kvf_engine_t *eng, uint32_t heads, int prefill_tp,
+int  kvf__receiver_targets_unlocked(const kvf_engine_t *eng, uint32_t heads, int prefill_tp,
                            int prefill_pp, int *tp, int *pp);
 
 /* receiver.c */

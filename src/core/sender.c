@@ -21,7 +21,9 @@
 #include <string.h>
 
 #include "core/room.h"
+#include "core/sized.h"
 #include "core/stage.h"
+#include "core/sync.h"
 #include "core/trace.h"
 #include "util/log.h"
 #include "util/time.h"

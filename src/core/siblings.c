@@ -39,6 +39,7 @@
 #include <string.h>
 
 #include "core/room.h"
+#include "core/sync.h"
 #include "core/trace.h"
 #include "util/log.h"
 #include "util/time.h"
@@ -49,6 +50,7 @@
 
 void kvf__siblings_free(kvf_room_t *r)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     for (uint32_t i = 0; i < r->nwatch; i++)
         if (r->watch[i].peer != NULL)
             kvf__peer_put(r->watch[i].peer);
@@ -67,6 +69,7 @@ static kvf_watch_t *watch_of(const kvf_room_t *r, const kvf_peer_t *p)
 
 int kvf__siblings_bound(const kvf_room_t *r, const kvf_peer_t *p, uint64_t instance)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     const kvf_watch_t *w = watch_of(r, p);
     return w != NULL && (r->side == KVF_ROLE_DECODE || w->instance == instance);
 }
@@ -77,6 +80,7 @@ int kvf__siblings_bound(const kvf_room_t *r, const kvf_peer_t *p, uint64_t insta
 
 void kvf__siblings_link(kvf_room_t *r, const kvf_target_t *t, int n)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     if (n <= 0)
         return;
     r->watch = calloc((size_t)n, sizeof(kvf_watch_t));
@@ -115,6 +119,7 @@ static void send_watch(kvf_room_t *r, kvf_watch_t *w)
 
 void kvf__siblings_send(kvf_room_t *r)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     for (uint32_t i = 0; i < r->nwatch; i++) {
         kvf_watch_t *w = &r->watch[i];
         if (w->sent || w->peer == NULL)
@@ -158,6 +163,7 @@ static const kvf_peer_t *coord_holder(const kvf_room_t *r, int tp, int pp,
  */
 void kvf__siblings_take(kvf_room_t *r, kvf_peer_t *p, uint32_t rank, uint64_t instance)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     const kvf_sender_t *s = (const kvf_sender_t *)r;
     uint64_t bound = 0;
 
@@ -205,6 +211,7 @@ void kvf__siblings_take(kvf_room_t *r, kvf_peer_t *p, uint32_t rank, uint64_t in
 
 void kvf__siblings_evict(kvf_room_t *r, const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     for (uint32_t i = 0; i < r->nwatch; i++) {
         kvf_watch_t *w = &r->watch[i];
         if (w->peer == p || w->peer->tp_rank != p->tp_rank || w->peer->pp_rank != p->pp_rank)
@@ -219,6 +226,7 @@ void kvf__siblings_evict(kvf_room_t *r, const kvf_peer_t *p)
 
 void kvf__siblings_on_watch(kvf_peer_t *p, const kvf_msg_room_req_t *m)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
     kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
 
@@ -242,6 +250,7 @@ void kvf__siblings_on_watch(kvf_peer_t *p, const kvf_msg_room_req_t *m)
 
 void kvf__siblings_tell(kvf_room_t *r, const kvf_peer_t *from, int abort)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     for (uint32_t i = 0; i < r->nwatch; i++) {
         kvf_watch_t *w = &r->watch[i];
         if (w->peer == from || w->peer == NULL)
@@ -281,6 +290,7 @@ static void lost(kvf_room_t *r, kvf_watch_t *w, kvf_status_t st, const char *rea
 void kvf__siblings_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
                                const char *reason)
 {
+    KVF_ASSERT_LOCKED(eng);
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
         kvf_watch_t *w = watch_of(r, p);
         if (w == NULL)
@@ -298,6 +308,7 @@ void kvf__siblings_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st
 
 void kvf__siblings_tick(kvf_room_t *r, uint64_t now)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     char name[128];
     for (uint32_t i = 0; i < r->nwatch && !room_final(r); i++) {
         kvf_watch_t *w = &r->watch[i];

@@ -8,6 +8,7 @@
 
 #include "core/room.h"
 #include "core/stage.h"
+#include "core/sync.h"
 #include "transport/copier.h"
 #include "util/log.h"
 
@@ -19,11 +20,13 @@
 
 int kvf__stages(const kvf_engine_t *eng)
 {
+    KVF_ASSERT_LOCKED(eng);
     return eng->copier != NULL;
 }
 
 int kvf__seg_on_device(const kvf_engine_t *eng, uint8_t kind)
 {
+    KVF_ASSERT_LOCKED(eng);
     int f = kind == KVF_BUF_KV ? KVF_FAMILY_KV : kind == KVF_BUF_AUX ? KVF_FAMILY_AUX
                                                                     : KVF_FAMILY_STATE;
     return kvf__family_mem(&eng->layout, f) == KVF_MEM_CUDA;
@@ -72,7 +75,7 @@ void kvf__bounce_put(kvf_engine_t *eng, void *p, size_t cap)
     eng->bounce_pooled++;
 }
 
-void kvf__bounce_free_all(kvf_engine_t *eng)
+void kvf__bounce_free_all_unlocked(kvf_engine_t *eng)
 {
     while (eng->bounce_free != NULL) {
         kvf_bounce_t *f = eng->bounce_free;
@@ -85,6 +88,7 @@ void kvf__bounce_free_all(kvf_engine_t *eng)
 
 void kvf__engine_progress_copier(kvf_engine_t *eng)
 {
+    KVF_ASSERT_LOCKED(eng);
     if (eng->copier == NULL)
         return;
     eng->copier_ops->progress(eng->copier);
@@ -414,6 +418,7 @@ static int stage_live(kvf_put_t *put)
 
 kvf_put_t *kvf__stage_put(kvf_engine_t *eng, kvf_put_t *inner, const kvf_stage_cbs_t *cbs)
 {
+    KVF_ASSERT_LOCKED(eng);
     stage_put_t *sp = calloc(1, sizeof(*sp));
     if (sp == NULL)
         return NULL;

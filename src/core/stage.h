@@ -22,8 +22,10 @@
 #define KVF_CORE_STAGE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
-#include "core/engine.h"
+#include "kvferry/kvferry.h"
+#include "transport/transport.h"
 
 /* Does this engine stage (it has device memory and a copier)? */
 int kvf__stages(const kvf_engine_t *eng);
@@ -52,7 +54,7 @@ kvf_put_t *kvf__stage_put(kvf_engine_t *eng, kvf_put_t *inner, const kvf_stage_c
 void *kvf__bounce_get(kvf_engine_t *eng, size_t len, size_t *cap_p);
 void  kvf__bounce_put(kvf_engine_t *eng, void *p, size_t cap);
 /* Free the pool (engine destroy, after the copier handed everything back). */
-void  kvf__bounce_free_all(kvf_engine_t *eng);
+void  kvf__bounce_free_all_unlocked(kvf_engine_t *eng);
 
 /* Serve the copier: hand back finished copies, then take in the reads
  * among them (receiver.c). */

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "core/room.h"
+#include "core/sync.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -35,6 +36,7 @@ static void stash_unqueue(kvf_engine_t *eng, kvf_stash_t *s)
 void kvf__stash_free(kvf_stash_t *s)
 {
     while (s != NULL) {
+        KVF_ASSERT_LOCKED(s->peer->eng);
         kvf_stash_t *n = s->next;
         stash_unqueue(s->peer->eng, s);
         free(s->link.tx.pages);
@@ -92,6 +94,7 @@ static void stash_drop_oldest(kvf_engine_t *eng)
 
 void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
 {
+    KVF_ASSERT_LOCKED(eng);
     while (eng->stash_oldest != NULL &&
            kvf_elapsed_ms(now, eng->stash_oldest->t_ms) >= eng->params.bootstrap_timeout_ms) {
         kvf_stash_t *o = eng->stash_oldest;
@@ -117,6 +120,7 @@ void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
  * the oldest entries, never one of these. */
 kvf_stash_t *kvf__stash_take(kvf_engine_t *eng, uint64_t room)
 {
+    KVF_ASSERT_LOCKED(eng);
     kvf_stash_t *s = kvf_map_del(&eng->stash, room), *old = NULL;
     while (s != NULL) {          /* the chain is newest first */
         kvf_stash_t *n = s->next;
@@ -136,6 +140,7 @@ kvf_stash_t *kvf__stash_take(kvf_engine_t *eng, uint64_t room)
  */
 void kvf__sender_bury(kvf_room_t *r)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_engine_t *eng = r->eng;
     kvf_tomb_t *f = r->failure ? malloc(sizeof(*f) + r->nlinks * sizeof(uint32_t)) : NULL;
     if (f == NULL)
@@ -165,6 +170,7 @@ void kvf__sender_bury(kvf_room_t *r)
 
 void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
     const kvf_failure_t *f = kvf_map_get(&eng->tombs, room);
     kvf_failure_t gone;
@@ -180,6 +186,7 @@ void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance)
 
 void kvf__sender_stash_watch(kvf_peer_t *p, uint64_t room, uint32_t rank, uint64_t instance)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_link_t lk = {.rank = rank, .tx.instance = instance};
     kvf_stash_t *s = kvf__sender_stash_add(p, room, instance, &lk, 0, NULL, 0);
     if (s != NULL)
@@ -191,6 +198,7 @@ kvf_stash_t *kvf__sender_stash_add(kvf_peer_t *p, uint64_t room, uint64_t instan
                                    kvf_link_t *lk, uint32_t expected, kvf_failure_t *f,
                                    uint64_t key)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
     kvf_stash_t *s = calloc(1, sizeof(*s));
     if (s == NULL) {

@@ -40,6 +40,7 @@
 
 int kvf__streams_offer(kvf_peer_t *p, uint8_t *blob, kvf_wire_xport_t *e)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     /* Staged rooms (device memory over tcp) keep to one stream: the bounce
      * buffers and their reads are per connection (stage.h). */
     if (p->eng->nlanes < 2 || kvf__stages(p->eng) ||
@@ -56,6 +57,7 @@ int kvf__streams_offer(kvf_peer_t *p, uint8_t *blob, kvf_wire_xport_t *e)
 unsigned kvf__streams_accept(kvf_peer_t *p, const kvf_wire_xport_t *o, uint8_t *blob,
                              kvf_wire_xport_t *answer)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (o == NULL || o->blob_len != KVF_WIRE_STREAMS_OFFER || kvf__stages(p->eng))
         return 1;
     unsigned n = kvf_get_u32(o->blob);
@@ -74,6 +76,7 @@ unsigned kvf__streams_accept(kvf_peer_t *p, const kvf_wire_xport_t *o, uint8_t *
 kvf_status_t kvf__streams_answer(kvf_peer_t *p, const kvf_wire_xport_t *e, char *err,
                                  size_t len)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     uint32_t n = e->blob_len == KVF_WIRE_STREAMS_ANSWER ? kvf_get_u32(e->blob) : 0;
     if (p->eng->nlanes < 2 || n < 2 || n > p->eng->nlanes) {
         snprintf(err, len, "decode engine asked for %u streams (%u-byte entry), but %u "
@@ -119,6 +122,7 @@ static kvf_peer_t *stream_new(kvf_peer_t *p, unsigned k)
 
 void kvf__streams_open(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     for (unsigned k = 1; k < p->nstreams; k++) {
         kvf_peer_t *s = stream_new(p, k);
         if (s == NULL) {
@@ -143,6 +147,7 @@ static void stream_dial(kvf_peer_t *s)
 
 void kvf__stream_authenticated(kvf_peer_t *s)
 {
+    KVF_ASSERT_LOCKED(s->eng);
     kvf_msg_t m = {.type = KVF_MSG_JOIN};
     memcpy(m.u.join.cookie, s->primary->cookie, KVF_WIRE_COOKIE_LEN);
     m.u.join.stream = s->stream;
@@ -188,6 +193,7 @@ static void join_answered(kvf_peer_t *s, const kvf_msg_join_t *m)
 
 void kvf__stream_on_join(kvf_peer_t *j, const kvf_msg_join_t *m)
 {
+    KVF_ASSERT_LOCKED(j->eng);
     kvf_engine_t *eng = j->eng;
     char name[128];
 
@@ -292,6 +298,7 @@ void kvf__streams_move(kvf_engine_t *eng)
 
 void kvf__stream_on_msg(kvf_peer_t *s, const kvf_msg_t *msg)
 {
+    KVF_ASSERT_LOCKED(s->eng);
     kvf_peer_t *p = s->primary;
     if (s->move_pending) {         /* prefill: nothing may follow its JOIN yet */
         kvf__peer_fail(s, KVF_ERR_PROTOCOL, "%s before stream %u's JOIN was answered",
@@ -348,6 +355,7 @@ static void stream_detach(kvf_peer_t *s)
 
 void kvf__streams_close(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     for (unsigned k = 1; k < KVF_MAX_STREAMS; k++) {
         kvf_peer_t *s = p->streams[k];
         if (s == NULL || s->close_pending)
@@ -362,6 +370,7 @@ void kvf__streams_close(kvf_peer_t *p)
 
 void kvf__streams_release(kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     for (unsigned k = 1; k < KVF_MAX_STREAMS; k++)
         if (p->streams[k] != NULL) {
             p->streams[k]->state = KVF_PEER_DEAD;
@@ -371,6 +380,7 @@ void kvf__streams_release(kvf_peer_t *p)
 
 int kvf__streams_held(const kvf_peer_t *p)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     for (unsigned k = 1; k < KVF_MAX_STREAMS; k++)
         if (p->streams[k] != NULL)
             return 1;
@@ -379,6 +389,7 @@ int kvf__streams_held(const kvf_peer_t *p)
 
 void kvf__lane_event(kvf_lane_t *lane, void *ptr, uint32_t events)
 {
+    KVF_ASSERT_LOCKED(lane->eng);
     /* Only a stream still attached is touched: an event of one this lane
      * let go of earlier in the batch names freed memory. */
     for (kvf_peer_t *p = lane->eng->peers; p != NULL; p = p->next)
@@ -392,6 +403,7 @@ void kvf__lane_event(kvf_lane_t *lane, void *ptr, uint32_t events)
 
 int kvf__lane_pass(kvf_lane_t *lane)
 {
+    KVF_ASSERT_LOCKED(lane->eng);
     kvf_engine_t *eng = lane->eng;
     unsigned k = lane->index;
     int more = 0;

@@ -22,7 +22,7 @@
 #include "util/log.h"
 #include "util/time.h"
 
-kvf_status_t kvf__trace_open(kvf_engine_t *eng)
+kvf_status_t kvf__trace_open_unlocked(kvf_engine_t *eng)
 {
     const char *spec = eng->params.trace;
     if (spec == NULL || spec[0] == '\0')
@@ -56,11 +56,17 @@ kvf_status_t kvf__trace_open(kvf_engine_t *eng)
     return KVF_OK;
 }
 
-void kvf__trace_close(kvf_engine_t *eng)
+/* Stop tracing: under the lock (a failed write), or at destroy. */
+static void trace_stop(kvf_engine_t *eng)
 {
     if (eng->trace_fd >= 0 && eng->trace_owned)
         close(eng->trace_fd);
     eng->trace_fd = -1;
+}
+
+void kvf__trace_close_unlocked(kvf_engine_t *eng)
+{
+    trace_stop(eng);
 }
 
 __attribute__((format(printf, 2, 3)))
@@ -80,6 +86,7 @@ static void add(kvf_trace_t *t, const char *fmt, ...)
 
 void kvf__trace_begin(kvf_trace_t *t, const kvf_room_t *r, const char *event)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     const kvf_engine_t *eng = r->eng;
     const kvf_engine_params_t *p = &eng->params;
     struct timespec wall;
@@ -132,6 +139,7 @@ void kvf__trace_peer(kvf_trace_t *t, const kvf_peer_t *p)
 
 void kvf__trace_end(kvf_trace_t *t, kvf_engine_t *eng)
 {
+    KVF_ASSERT_LOCKED(eng);
     t->b[t->n++] = '}';
     t->b[t->n++] = '\n';
     ssize_t w = write(eng->trace_fd, t->b, t->n);
@@ -139,11 +147,12 @@ void kvf__trace_end(kvf_trace_t *t, kvf_engine_t *eng)
         return;
     kvf_warn("room trace: %s; tracing stops for this engine",
              w < 0 ? strerror(errno) : "a short write");
-    kvf__trace_close(eng);
+    trace_stop(eng);
 }
 
 void kvf__trace_event_(kvf_room_t *r, const char *event)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_trace_t t;
     kvf__trace_begin(&t, r, event);
     if (strcmp(event, "destroyed") == 0)
@@ -154,6 +163,7 @@ void kvf__trace_event_(kvf_room_t *r, const char *event)
 void kvf__trace_peer_event_(kvf_room_t *r, const char *event, const kvf_peer_t *p,
                             int64_t stream, int64_t pages, int64_t bytes)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_trace_t t;
     kvf__trace_begin(&t, r, event);
     if (p != NULL)
@@ -169,6 +179,7 @@ void kvf__trace_peer_event_(kvf_room_t *r, const char *event, const kvf_peer_t *
 
 void kvf__trace_state_(kvf_room_t *r, kvf_poll_t state)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_trace_t t;
     kvf__trace_begin(&t, r, "state");
     kvf__trace_str(&t, "state", kvf_poll_name(state));
@@ -178,6 +189,7 @@ void kvf__trace_state_(kvf_room_t *r, kvf_poll_t state)
 void kvf__trace_failed_(kvf_room_t *r, const kvf_failure_t *f, const kvf_peer_t *via,
                         int after_success)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     kvf_trace_t t;
     kvf__trace_begin(&t, r, "failed");
     kvf__trace_str(&t, "status", kvf_status_name(f->status));

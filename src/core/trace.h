@@ -22,11 +22,12 @@
 /* Engine create / destroy: open the trace (params.trace, else KVF_TRACE),
  * close it.  KVF_OK, or KVF_ERR_INVALID_PARAM (a spec that cannot be
  * opened; the log says why). */
-kvf_status_t kvf__trace_open(kvf_engine_t *eng);
-void         kvf__trace_close(kvf_engine_t *eng);
+kvf_status_t kvf__trace_open_unlocked(kvf_engine_t *eng);
+void         kvf__trace_close_unlocked(kvf_engine_t *eng);
 
 static inline int kvf__tracing(const kvf_engine_t *eng)
 {
+    KVF_ASSERT_LOCKED(eng);
     return eng->trace_fd >= 0;
 }
 
@@ -55,6 +56,7 @@ void kvf__trace_failed_(kvf_room_t *r, const kvf_failure_t *f, const kvf_peer_t 
 
 static inline void kvf__trace_event(kvf_room_t *r, const char *event)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     if (kvf__tracing(r->eng))
         kvf__trace_event_(r, event);
 }
@@ -64,12 +66,14 @@ static inline void kvf__trace_peer_event(kvf_room_t *r, const char *event,
                                          const kvf_peer_t *p, int64_t stream,
                                          int64_t pages, int64_t bytes)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     if (kvf__tracing(r->eng))
         kvf__trace_peer_event_(r, event, p, stream, pages, bytes);
 }
 
 static inline void kvf__trace_state(kvf_room_t *r, kvf_poll_t state)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     if (kvf__tracing(r->eng))
         kvf__trace_state_(r, state);
 }
@@ -77,6 +81,7 @@ static inline void kvf__trace_state(kvf_room_t *r, kvf_poll_t state)
 static inline void kvf__trace_failed(kvf_room_t *r, const kvf_failure_t *f,
                                      const kvf_peer_t *via, int after_success)
 {
+    KVF_ASSERT_LOCKED(r->eng);
     if (kvf__tracing(r->eng))
         kvf__trace_failed_(r, f, via, after_success);
 }

@@ -19,7 +19,9 @@
  *
  * Threads: every op is called on the engine's progress thread with the
  * engine lock held, and calls back the same way.  Around the system calls
- * that move payload the lock is released (kvf_conn_env_t).
+ * that move payload the lock is released (kvf_conn_env_t): the ops that
+ * may do so say "lets the lock go", and their callers re-check, after the
+ * call, whatever another thread may have changed meanwhile.
  */
 #ifndef KVF_TRANSPORT_TRANSPORT_H
 #define KVF_TRANSPORT_TRANSPORT_H
@@ -160,14 +162,16 @@ struct kvf_transport_ops {
     /* Take over an accepted socket. */
     kvf_status_t (*accept)(int fd, const kvf_conn_env_t *env,
                            const kvf_conn_handler_t *h, void *arg, kvf_conn_t **conn_p);
-    /* epoll reported `events` for this connection. */
+    /* epoll reported `events` for this connection.  Lets the lock go
+     * (reads, and the writes of a flush). */
     void         (*handle)(kvf_conn_t *c, uint32_t events);
     /* Queue a control message (ordered after every put completed before). */
     kvf_status_t (*send_msg)(kvf_conn_t *c, const kvf_msg_t *msg);
     /* Queue a put; it always completes, with KVF_ERR_CONN_RESET if the
      * connection goes first. */
     void         (*put)(kvf_conn_t *c, kvf_put_t *put);
-    /* Move queued bytes as far as the network takes them. */
+    /* Move queued bytes as far as the network takes them.  Lets the lock
+     * go (writes). */
     void         (*flush)(kvf_conn_t *c);
     /* Move the connection to another thread's epoll instance (env's epfd
      * and ep_data; the lock functions stay): called by its current owner
@@ -204,7 +208,7 @@ struct kvf_transport_ops {
      * three cannot be wrapped by it).
      * abort: close now as a failure would, with an RST (rst=1) or a FIN
      * that cuts whatever frame is half-sent (rst=0); on_close follows with
-     * `reason`.  pause: send nothing before until_ms (kvf_now_ms);
+     * `reason` (and lets the lock go where what on_close does flushes).  pause: send nothing before until_ms (kvf_now_ms);
      * receiving goes on.  truncate: send only the header of the next DATA
      * frame (or of the one being sent), then close with a FIN; on_close
      * follows with `reason`. */
