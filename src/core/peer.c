@@ -882,6 +882,7 @@ kvf_verdict_t kvf__verdict(kvf_status_t st, const char *fmt, ...)
 
 void kvf__peer_heed(kvf_peer_t *p, const kvf_verdict_t *v)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     if (v->st != KVF_OK)
         kvf__peer_fail(p, v->st, "%s", v->why);
 }
@@ -898,6 +899,7 @@ void kvf__peers_reads_done(kvf_engine_t *eng)
 {
     kvf_verdict_t v;
     kvf_peer_t *p;
+    KVF_ASSERT_LOCKED(eng);
     while ((p = kvf__receiver_read_take(eng, &v)) != NULL) {
         kvf__peer_heed(p, &v);
         kvf__peer_put(p);          /* the read's reference */

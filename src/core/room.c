@@ -663,6 +663,7 @@ kvf_verdict_t kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 
 kvf_verdict_t kvf__room_unexpected(const kvf_peer_t *p, const kvf_msg_t *msg)
 {
+    KVF_ASSERT_LOCKED(p->eng);
     return kvf__verdict(KVF_ERR_PROTOCOL, "unexpected %s message from a %s engine",
                         kvf_wire_type_name((uint8_t)msg->type), kvf_role_name(p->role));
 }
