@@ -900,7 +900,9 @@ void kvf__peers_reads_done(kvf_engine_t *eng)
     kvf_verdict_t v;
     kvf_peer_t *p;
     KVF_ASSERT_LOCKED(eng);
-    while ((p = kvf__receiver_read_take(eng, &v)) != NULL) {
+    if (eng->room_ops->read_take == NULL)
+        return;
+    while ((p = eng->room_ops->read_take(eng, &v)) != NULL) {
         kvf__peer_heed(p, &v);
         kvf__peer_put(p);          /* the read's reference */
     }

@@ -1305,7 +1305,7 @@ static void read_finish(kvf_read_t *rd, kvf_verdict_t *verdict_p)
     free(rd);                     /* its reference to p goes with the caller */
 }
 
-kvf_peer_t *kvf__receiver_read_take(kvf_engine_t *eng, kvf_verdict_t *verdict_p)
+static kvf_peer_t *receiver_read_take(kvf_engine_t *eng, kvf_verdict_t *verdict_p)
 {
     KVF_ASSERT_LOCKED(eng);
     kvf_read_t *rd = eng->reads_done;
@@ -1791,6 +1791,7 @@ const kvf_room_ops_t kvf_receiver_room_ops = {
     .on_data_end     = receiver_on_data_end,
     .on_data_ref     = receiver_on_data_ref,
     .release_rx      = receiver_release_rx,
+    .read_take       = receiver_read_take,
     .init            = receiver_init,
     .free            = receiver_free,
     .instance_for    = receiver_instance_for,

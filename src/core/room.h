@@ -178,6 +178,12 @@ typedef struct kvf_room_ops {
     /* Decode: p is being freed with a frame's bounce buffer still kept on
      * it (p->rx_bounce, a frame cut short): let go of it. */
     void (*release_rx)(kvf_peer_t *p);
+    /* Decode: take in the next read the movers handed back: its bytes
+     * count, or its failure fails its room.  @return its peer, whose
+     * reference the read held and the caller now owns (kvf__peer_put),
+     * with the read's verdict on it in *verdict_p; NULL when none is left
+     * (peer.c, kvf__peers_reads_done).  NULL on a side that reads nothing. */
+    kvf_peer_t *(*read_take)(kvf_engine_t *eng, kvf_verdict_t *verdict_p);
 
     /* A room's (r->ops), called by room.c. */
     /* Set up the side's fields of a room just created, before anything
@@ -324,12 +330,6 @@ kvf_verdict_t kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
 /* The verdict on a peer that sent a message of a type this engine's rooms
  * never take (KVF_ERR_PROTOCOL). */
 kvf_verdict_t kvf__room_unexpected(const kvf_peer_t *peer, const kvf_msg_t *msg);
-/* receiver.c: take in the next read the movers handed back: its bytes
- * count, or its failure fails its room.  @return its peer, whose
- * reference the read held and the caller now owns (kvf__peer_put), with
- * the read's verdict on it in *verdict_p; NULL when none is left
- * (peer.c, kvf__peers_reads_done). */
-kvf_peer_t *kvf__receiver_read_take(kvf_engine_t *eng, kvf_verdict_t *verdict_p);
 /*
  * The peer went away: fail (or, for a reset stream, hold for a reconnect)
  * every live room linked to it; @return how many.  The rooms tell their
