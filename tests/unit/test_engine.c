@@ -200,6 +200,30 @@ static void test_bad_calls(void)
     side_fini(&pre);
 }
 
+/* A prefill engine with faults pre_faults (hosting the registry, its
+ * address in bs[64]) and a decode engine with dec_faults; the prefill's KV
+ * holds a pattern, src[PAGES] its pages in order, dst[PAGES] a scattered
+ * permutation of the decode's. */
+static void faulty_pair(const char *pre_faults, const char *dec_faults, int checksum,
+                        side_t *pre, side_t *dec, char *bs, uint32_t *src, uint32_t *dst)
+{
+    next_checksum = checksum;
+    next_faults = pre_faults;
+    eside(pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
+    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre->eng, bs, 64), KVF_OK);
+    next_faults = dec_faults;
+    eside(dec, KVF_ROLE_DECODE, NULL, 0);
+    next_faults = NULL;
+    next_checksum = 0;
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre->kv[b][i] = (uint8_t)(i * 31 + b * 7 + 3);
+    for (int i = 0; i < PAGES; i++) {
+        src[i] = (uint32_t)i;
+        dst[i] = (uint32_t)((i * 37) % PAGES);   /* scattered, a permutation */
+    }
+}
+
 /*
  * One whole room (all 64 pages, 64 KiB of KV) from prefill to decode with
  * faults injected: `pre_faults` on the prefill engine, `dec_faults` on the
@@ -213,21 +237,7 @@ static void faulty_room(const char *pre_faults, const char *dec_faults, int chec
     char bs[64];
     uint32_t src[PAGES], dst[PAGES];
 
-    next_checksum = checksum;
-    next_faults = pre_faults;
-    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    next_faults = dec_faults;
-    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
-    next_faults = NULL;
-    next_checksum = 0;
-    for (int b = 0; b < NKV; b++)
-        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
-            pre.kv[b][i] = (uint8_t)(i * 31 + b * 7 + 3);
-    for (int i = 0; i < PAGES; i++) {
-        src[i] = (uint32_t)i;
-        dst[i] = (uint32_t)((i * 37) % PAGES);   /* scattered, a permutation */
-    }
+    faulty_pair(pre_faults, dec_faults, checksum, &pre, &dec, bs, src, dst);
     kvf_sender_t *s;
     kvf_receiver_t *r;
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 77, &s), KVF_OK);
@@ -1335,19 +1345,8 @@ static void test_lost_ack_is_said_again(void)
     kvf_receiver_t *r;
 
     next_transfer_ms = 60000;
-    eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
-    CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    next_faults = "lose-ack";
-    eside(&dec, KVF_ROLE_DECODE, NULL, 0);
-    next_faults = NULL;
+    faulty_pair(NULL, "lose-ack", 0, &pre, &dec, bs, src, dst);
     next_transfer_ms = 5000;
-    for (int b = 0; b < NKV; b++)
-        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
-            pre.kv[b][i] = (uint8_t)(i * 29 + b * 5 + 1);
-    for (int i = 0; i < PAGES; i++) {
-        src[i] = (uint32_t)i;
-        dst[i] = (uint32_t)((i * 37) % PAGES);
-    }
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 91, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 91, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, PAGES, 1, NULL, 0), KVF_OK);
