@@ -225,7 +225,7 @@ static void kvt_bench_finish(kvt_bench_rank_t *b, kvt_bslot_t *s,
         }
     } else {
         kvf_failure_t f;
-        memset(&f, 0, sizeof(f));
+        kvf_failure_init(&f);
         kvf_status_t st = r->prefill ? kvf_sender_failure(s->snd, &f)
                                      : kvf_receiver_failure(s->rcv, &f);
         f.reason[sizeof(f.reason) - 1] = '\0';
@@ -295,7 +295,7 @@ static void kvt_bench_relay_final(kvt_bench_rank_t *b, kvt_bslot_t *s, kvf_poll_
     kvt_rank_t *r = b->r;
     int cause = r->prefill && r->o.rank == 0;
     kvf_failure_t f;
-    memset(&f, 0, sizeof(f));
+    kvf_failure_init(&f);
     kvf_status_t got = st != KVF_POLL_FAILED ? KVF_ERR_STATE
                      : r->prefill ? kvf_sender_failure(s->snd, &f)
                                   : kvf_receiver_failure(s->rcv, &f);

@@ -222,7 +222,7 @@ static json_t *kvt_local_failure(kvt_rank_t *r, const kvt_room_t *rm,
 static json_t *kvt_engine_failure(kvt_rank_t *r, kvt_room_t *rm)
 {
     kvf_failure_t f;
-    memset(&f, 0, sizeof(f));
+    kvf_failure_init(&f);
     kvf_status_t st = r->prefill ? kvf_sender_failure(rm->snd, &f)
                                  : kvf_receiver_failure(rm->rcv, &f);
     if (st != KVF_OK)
@@ -714,6 +714,7 @@ static int kvt_setup_window(kvt_rank_t *r)
 static void kvt_emit_result(kvt_rank_t *r)
 {
     kvf_engine_stats_t s;
+    kvf_engine_stats_init(&s);
     kvf_engine_stats(r->eng, &s);
     kvt_emit(r, "result", json_pack(
         "{s:s, s:s, s:o, s:O, s:O, s:I, s:f, s:f, s:{s:I, s:I, s:I, s:I}}",

@@ -88,22 +88,67 @@ typedef enum kvf_poll {
 /** @return "Failed", "Bootstrapping", ... (static). */
 KVF_API const char *kvf_poll_name(kvf_poll_t state);
 
+/*
+ * Structs that grow without breaking callers, the way UCX's and libuv's
+ * do: the parameter structs the library reads (kvf_engine_params_t,
+ * kvf_layout_t, kvf_hold_t, kvf_dest_t, kvf_remote_t) and the records it
+ * fills (kvf_failure_t, kvf_engine_stats_t):
+ *   - fields are only added at the end; no field ever moves or changes type;
+ *   - the caller states its struct's size: set `size` with the init
+ *     function (a macro passing sizeof(*p), so it is your header's size);
+ *   - the library reads and writes only `size` bytes: parameter fields
+ *     past your size take their defaults, record fields past it are not
+ *     written;
+ *   - a parameter field added later reads 0 as "the default", so that a
+ *     caller built against a newer header runs on an older library as long
+ *     as it leaves the newer fields at 0; a record's bytes past the fields
+ *     the library knows are written as 0;
+ *   - a size below the struct's first version (KVF_*_SIZE_V0), or a
+ *     parameter struct's that reaches past the fields this library knows
+ *     with any of those bytes nonzero, is refused with
+ *     KVF_ERR_INVALID_PARAM and a message naming the function and the
+ *     sizes (kvf_last_error()).
+ */
+
+/** The offset just past `field` in `type`: the least `size` that holds it. */
+#define KVF_FIELD_END(type, field) \
+    (offsetof(type, field) + sizeof(((type *)0)->field))
+
 #define KVF_REASON_MAX 512
 #define KVF_ADDR_MAX   64
 
 /**
  * Why a room failed.  The first root cause wins: a consequence seen later
  * (a reset connection after the peer already reported the failure, say)
- * never overwrites it.
+ * never overwrites it.  Initialise with kvf_failure_init() before
+ * kvf_sender_failure()/kvf_receiver_failure() fill it; grows by the rules
+ * above.
  */
 typedef struct kvf_failure {
+    size_t       size;               /**< the caller's sizeof(kvf_failure_t); set by _init */
     kvf_status_t status;             /**< what went wrong, as a code */
     kvf_role_t   origin_side;        /**< side of the rank that saw the root cause */
     int          origin_rank;        /**< its tp rank */
     char         origin_addr[KVF_ADDR_MAX]; /**< its control address host:port */
     int          from_another_rank;  /**< 1 if this rank only learned of it from a peer */
     char         reason[KVF_REASON_MAX];    /**< human-readable root cause */
+    /* Fields added later go here, at the end, so that `size` tells them apart. */
 } kvf_failure_t;
+
+/** kvf_failure_t as its first sized version has it: the least `size` accepted. */
+#define KVF_FAILURE_SIZE_V0 KVF_FIELD_END(kvf_failure_t, reason)
+
+/**
+ * Zero the first `size` bytes of `failure` and set failure->size = size.
+ * Writes nothing past `size`; a size below KVF_FAILURE_SIZE_V0 is logged
+ * and the failure getters refuse the struct.  Call it through the
+ * kvf_failure_init() macro, which passes your sizeof.
+ *
+ * @param [out] failure  the caller's struct, at least `size` bytes
+ * @param [in]  size     sizeof the caller's kvf_failure_t
+ */
+KVF_API void kvf_failure_init_sized(kvf_failure_t *failure, size_t size);
+#define kvf_failure_init(failure) kvf_failure_init_sized((failure), sizeof(*(failure)))
 
 /* ------------------------------------------------------------------------ */
 /* Engine                                                                   */
@@ -112,27 +157,6 @@ typedef struct kvf_failure {
 typedef struct kvf_engine   kvf_engine_t;
 typedef struct kvf_sender   kvf_sender_t;
 typedef struct kvf_receiver kvf_receiver_t;
-
-/*
- * Parameter structs (kvf_engine_params_t, kvf_layout_t) grow without
- * breaking callers, the way UCX's and libuv's do:
- *   - fields are only added at the end; no field ever moves or changes type;
- *   - the caller states its struct's size: set `size` with the init
- *     function (a macro passing sizeof(*p), so it is your header's size);
- *   - the library reads and writes only `size` bytes: fields past your
- *     size take their defaults;
- *   - a field added later reads 0 as "the default", so that a caller built
- *     against a newer header runs on an older library as long as it leaves
- *     the newer fields at 0;
- *   - a size below the struct's first version (KVF_*_SIZE_V0), or one that
- *     reaches past the fields this library knows with any of those bytes
- *     nonzero, is refused with KVF_ERR_INVALID_PARAM and a message naming
- *     the function and the sizes.
- */
-
-/** The offset just past `field` in `type`: the least `size` that holds it. */
-#define KVF_FIELD_END(type, field) \
-    (offsetof(type, field) + sizeof(((type *)0)->field))
 
 /**
  * Engine parameters.  Initialise with kvf_engine_params_init(), which sets
@@ -712,8 +736,15 @@ KVF_API kvf_poll_t kvf_sender_poll(const kvf_sender_t *sender);
 
 /**
  * Consume the failure record, once.
+ *
+ * @param [in,out] failure_p  the caller's record, its `size` set by
+ *                            kvf_failure_init(): only that many bytes are
+ *                            written (see the growth rules)
  * @return KVF_OK (record written), KVF_ERR_AGAIN (the room has not
- *         failed), KVF_ERR_NOT_FOUND (already consumed).
+ *         failed), KVF_ERR_NOT_FOUND (already consumed),
+ *         KVF_ERR_INVALID_PARAM (failure_p NULL, or a `size` below
+ *         KVF_FAILURE_SIZE_V0 or far past any version: nothing is written
+ *         and the record is not consumed; kvf_last_error() says why).
  */
 KVF_API kvf_status_t kvf_sender_failure(kvf_sender_t *sender,
                                         kvf_failure_t *failure_p);
@@ -1040,7 +1071,29 @@ KVF_API kvf_status_t kvf_receiver_create_remote(kvf_engine_t *engine,
 /* Statistics                                                               */
 /* ------------------------------------------------------------------------ */
 
+/**
+ * Payload paths, by a fixed index (kvf_transport_name): 0 is the control
+ * connection's own stream (tcp), then cuda, shm, ucx.  An index names the
+ * same transport in every build and every version; a build without a
+ * transport never counts its slot.  A new transport takes the next free
+ * slot, up to KVF_PATHS_MAX.
+ */
+#define KVF_PATHS_MAX 8
+
+/**
+ * @return the name of payload path `i`, as the `transport` parameter and
+ *         KVF_TRANSPORT spell it ("tcp", "cuda", "shm", "ucx"; static),
+ *         whether or not this build has it; NULL for an index past the
+ *         last path this version knows.
+ */
+KVF_API const char *kvf_transport_name(unsigned i);
+
+/**
+ * The engine's counters.  Initialise with kvf_engine_stats_init() before
+ * kvf_engine_stats() fills it; grows by the rules above kvf_failure_t.
+ */
 typedef struct kvf_engine_stats {
+    size_t   size;                /**< the caller's sizeof(kvf_engine_stats_t); set by _init */
     uint64_t rooms_by_state[5];   /**< live rooms, indexed by kvf_poll_t */
     uint64_t rooms_succeeded;     /**< total rooms that reached SUCCESS */
     uint64_t rooms_failed;        /**< total rooms that reached FAILED */
@@ -1052,24 +1105,66 @@ typedef struct kvf_engine_stats {
     uint64_t peers_connected;     /**< connections to peers that finished their
                                        handshake, sibling links included (they
                                        carry no payload, and count in no path) */
-    uint64_t peers_tcp;           /**< connected peers whose payload uses tcp */
-    uint64_t peers_shm;           /**< ... shm */
-    uint64_t peers_ucx;           /**< ... ucx */
+    /** Connected peers by the path their payload uses, indexed as
+     *  kvf_transport_name() names them; slots past the last name are 0. */
+    uint64_t peers_by_path[KVF_PATHS_MAX];
+    /* ---- past KVF_ENGINE_STATS_SIZE_V0: a caller's smaller size gets none ---- */
+    /**
+     * Connections refused before the peer authenticated: a wrong or
+     * missing cluster token, a message before the handshake finished (or
+     * a frame header larger than the handshake's), a non-loopback peer in
+     * protected mode, too many connections still authenticating, no
+     * descriptor to spare (docs/SECURITY.md).
+     */
+    uint64_t auth_refused;
+    /**
+     * Room messages dropped because they came from an authenticated peer
+     * the room is not bound to, or named another instance of the room (an
+     * earlier room with the same id): a stale retry, a buggy or hostile
+     * rank.  They changed nothing (docs/SECURITY.md, "Token holders").
+     */
+    uint64_t room_msgs_dropped;
+    /**
+     * Prefill: messages kept for rooms that had no sender yet
+     * (destinations, failures) dropped, oldest first, to stay within the
+     * bound (32768 messages and 32 MiB engine-wide).
+     */
+    uint64_t stash_dropped;
+    /* Fields added later go here, at the end, so that `size` tells them apart. */
 } kvf_engine_stats_t;
 
-/** Snapshot the engine's counters. */
-KVF_API void kvf_engine_stats(kvf_engine_t *engine, kvf_engine_stats_t *stats_p);
+/**
+ * The least `size` kvf_engine_stats() accepts: the counters kvferry 0.1.0
+ * had in this struct (peers by path instead of by named backend).  The
+ * counters after them were functions of their own until the struct had a
+ * size.
+ */
+#define KVF_ENGINE_STATS_SIZE_V0 KVF_FIELD_END(kvf_engine_stats_t, peers_by_path)
 
 /**
- * Connections this engine refused since it started before the peer
- * authenticated: a wrong or missing cluster token, a message before the
- * handshake finished (or a frame header larger than the handshake's), a
- * non-loopback peer in protected mode, too many connections still
- * authenticating, no descriptor to spare (docs/SECURITY.md).  (Not in
- * kvf_engine_stats_t: that struct has no size field, and a new field would
- * overrun callers built against this header's older versions.)  Any thread.
+ * Zero the first `size` bytes of `stats` and set stats->size = size.
+ * Writes nothing past `size`; a size below KVF_ENGINE_STATS_SIZE_V0 is
+ * logged and kvf_engine_stats() refuses the struct.  Call it through the
+ * kvf_engine_stats_init() macro, which passes your sizeof.
+ *
+ * @param [out] stats  the caller's struct, at least `size` bytes
+ * @param [in]  size   sizeof the caller's kvf_engine_stats_t
  */
-KVF_API uint64_t kvf_engine_auth_refused(kvf_engine_t *engine);
+KVF_API void kvf_engine_stats_init_sized(kvf_engine_stats_t *stats, size_t size);
+#define kvf_engine_stats_init(stats) kvf_engine_stats_init_sized((stats), sizeof(*(stats)))
+
+/**
+ * Snapshot the engine's counters since it started (live rooms and peers:
+ * now).  Any thread: it takes the engine lock for the snapshot.
+ *
+ * @param [in,out] stats_p  the caller's struct, its `size` set by
+ *                          kvf_engine_stats_init(): only that many bytes
+ *                          are written
+ * @return KVF_OK, KVF_ERR_INVALID_PARAM (engine or stats_p NULL, or a
+ *         `size` below KVF_ENGINE_STATS_SIZE_V0 or far past any version:
+ *         nothing is written; kvf_last_error() says why).
+ */
+KVF_API kvf_status_t kvf_engine_stats(kvf_engine_t *engine, kvf_engine_stats_t *stats_p);
 
 /**
  * Streams per peer pair this engine takes (kvf_engine_params_t.streams,
@@ -1083,23 +1178,6 @@ KVF_API unsigned kvf_engine_streams(const kvf_engine_t *engine);
  * 8 or more.  Stream 0 is each peer's first connection.  Any thread.
  */
 KVF_API uint64_t kvf_engine_stream_bytes(kvf_engine_t *engine, unsigned stream);
-
-/**
- * Room messages this engine dropped since it started because they came
- * from an authenticated peer the room is not bound to, or named another
- * instance of the room (an earlier room with the same id): a stale retry,
- * a buggy or hostile rank.  They changed nothing (docs/SECURITY.md, "Token
- * holders").  Not in kvf_engine_stats_t, for the reason above.  Any thread.
- */
-KVF_API uint64_t kvf_engine_room_msgs_dropped(kvf_engine_t *engine);
-
-/**
- * Prefill: messages kept for rooms that had no sender yet (destinations,
- * failures) that this engine dropped, oldest first, to stay within its
- * bound (32768 messages and 32 MiB engine-wide), since it started.  Not in
- * kvf_engine_stats_t, for the reason above.  Any thread.
- */
-KVF_API uint64_t kvf_engine_stash_dropped(kvf_engine_t *engine);
 
 /**
  * The engine's metrics as Prometheus text (exposition format 0.0.4): what

@@ -30,6 +30,7 @@ LIBRARY_NAME = "libkvferry.so"
 # Sizes fixed by the header.
 REASON_MAX = 512
 ADDR_MAX = 64
+PATHS_MAX = 8               # KVF_PATHS_MAX: peers_by_path slots
 
 # Status codes: the whole table of include/kvferry/status.h.
 # python/tests/test_abi_binding.py holds this list to the header both ways,
@@ -210,8 +211,9 @@ class RoomMetric(Structure):
 
 
 class Failure(Structure):
-    """``kvf_failure_t``."""
+    """``kvf_failure_t``: make one with ``new_failure()`` (its size set)."""
     _fields_ = [
+        ("size", c_size_t),
         ("status", c_int),
         ("origin_side", c_int),
         ("origin_rank", c_int),
@@ -222,8 +224,9 @@ class Failure(Structure):
 
 
 class EngineStats(Structure):
-    """``kvf_engine_stats_t``."""
+    """``kvf_engine_stats_t``: make one with ``new_stats()`` (its size set)."""
     _fields_ = [
+        ("size", c_size_t),
         ("rooms_by_state", c_uint64 * 5),
         ("rooms_succeeded", c_uint64),
         ("rooms_failed", c_uint64),
@@ -233,9 +236,10 @@ class EngineStats(Structure):
         ("bytes_sent", c_uint64),
         ("bytes_received", c_uint64),
         ("peers_connected", c_uint64),
-        ("peers_tcp", c_uint64),
-        ("peers_shm", c_uint64),
-        ("peers_ucx", c_uint64),
+        ("peers_by_path", c_uint64 * PATHS_MAX),
+        ("auth_refused", c_uint64),
+        ("room_msgs_dropped", c_uint64),
+        ("stash_dropped", c_uint64),
     ]
 
 
@@ -290,6 +294,7 @@ _PROTOTYPES = {
     "kvf_sender_set_state": (c_int, [c_void_p, _u32p, c_size_t]),
     "kvf_sender_send": (c_int, [c_void_p, _u32p, c_size_t, c_int]),
     "kvf_sender_poll": (c_int, [c_void_p]),
+    "kvf_failure_init_sized": (None, [POINTER(Failure), c_size_t]),
     "kvf_sender_failure": (c_int, [c_void_p, POINTER(Failure)]),
     "kvf_sender_abort": (None, [c_void_p]),
     "kvf_sender_destroy": (None, [c_void_p]),
@@ -304,7 +309,9 @@ _PROTOTYPES = {
     "kvf_receiver_pages_released": (c_int, [c_void_p]),
     "kvf_receiver_destroy": (None, [c_void_p]),
     "kvf_receiver_room": (c_uint64, [c_void_p]),
-    "kvf_engine_stats": (None, [c_void_p, POINTER(EngineStats)]),
+    "kvf_engine_stats_init_sized": (None, [POINTER(EngineStats), c_size_t]),
+    "kvf_engine_stats": (c_int, [c_void_p, POINTER(EngineStats)]),
+    "kvf_transport_name": (c_char_p, [c_uint]),
     "kvf_bootstrap_create": (c_int, [c_char_p, c_int, POINTER(c_void_p)]),
     "kvf_bootstrap_port": (c_int, [c_void_p]),
     "kvf_bootstrap_access": (c_char_p, [c_void_p]),
@@ -491,6 +498,30 @@ def new_remote():
 def new_layout():
     """``kvf_layout_t`` zeroed and sized by the library."""
     return _new(lib.kvf_layout_init_sized, Layout)
+
+
+def new_failure():
+    """``kvf_failure_t`` zeroed and sized by the library, for
+    ``kvf_sender_failure``/``kvf_receiver_failure`` to fill."""
+    return _new(lib.kvf_failure_init_sized, Failure)
+
+
+def new_stats():
+    """``kvf_engine_stats_t`` zeroed and sized by the library, for
+    ``kvf_engine_stats`` to fill."""
+    return _new(lib.kvf_engine_stats_init_sized, EngineStats)
+
+
+def transport_names():
+    """The payload paths by their index in ``peers_by_path``:
+    ``["tcp", "cuda", "shm", "ucx"]`` (``kvf_transport_name``), whether or not
+    the library was built with each."""
+    names = []
+    while True:
+        name = lib.kvf_transport_name(len(names))
+        if name is None:
+            return names
+        names.append(name.decode())
 
 
 lib, path = _load()

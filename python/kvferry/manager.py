@@ -490,11 +490,17 @@ class KVManager(_Closing):
         return buf.value.decode()
 
     def stats(self):
-        """A snapshot of the engine's counters, as a dict."""
-        s = _lib.EngineStats()
-        lib.kvf_engine_stats(self._ptr(), ctypes.byref(s))
-        d = {f: getattr(s, f) for f, _ in _lib.EngineStats._fields_[1:]}
+        """A snapshot of the engine's counters (``kvf_engine_stats_t``), as a
+        dict: ``rooms_by_state`` a list indexed by poll state,
+        ``peers_by_path`` a dict by transport name (``"tcp"``, ``"cuda"``,
+        ``"shm"``, ``"ucx"``), the other counters by their field names."""
+        s = _lib.new_stats()
+        check(lib.kvf_engine_stats(self._ptr(), ctypes.byref(s)), "kvf_engine_stats")
+        d = {f: getattr(s, f) for f, _ in _lib.EngineStats._fields_
+             if f not in ("size", "rooms_by_state", "peers_by_path")}
         d["rooms_by_state"] = list(s.rooms_by_state)
+        d["peers_by_path"] = {name: s.peers_by_path[i]
+                              for i, name in enumerate(_lib.transport_names())}
         return d
 
     def close(self):

@@ -130,7 +130,7 @@ class _Room(_Closing):
                 % (self.bootstrap_room, f.failure_reason),
                 f.is_from_another_rank, f.origin_side, f.origin_rank, f.origin_addr,
                 f.code, already_consumed=True)
-        rec = _lib.Failure()
+        rec = _lib.new_failure()
         st = getattr(lib, "kvf_%s_failure" % self._kind)(self._live(), ctypes.byref(rec))
         if st == _lib.KVF_OK:
             self._failure = KVTransferError._from_record(self.bootstrap_room, rec)

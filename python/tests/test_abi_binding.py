@@ -165,6 +165,19 @@ class Structs(unittest.TestCase):
             self.assertIn("t (", got)
 
 
+class Records(unittest.TestCase):
+    """The records the library fills carry the binding's size."""
+
+    def test_sized_by_the_library(self):
+        self.assertEqual(_lib.new_failure().size, ctypes.sizeof(_lib.Failure))
+        self.assertEqual(_lib.new_stats().size, ctypes.sizeof(_lib.EngineStats))
+
+    def test_transport_names(self):
+        names = _lib.transport_names()
+        self.assertEqual(names, ["tcp", "cuda", "shm", "ucx"])
+        self.assertLessEqual(len(names), _lib.PATHS_MAX)
+
+
 class Statuses(unittest.TestCase):
 
     def test_same_codes_both_ways(self):

@@ -66,6 +66,13 @@ class RoomEndToEnd(unittest.TestCase):
                 self.assertEqual(buf[p * pb:(p + 1) * pb], bytes(pb), "page %d" % p)
         stats = self.mgr.stats()
         self.assertEqual(stats["rooms_succeeded"], len(rooms))
+        # The one peer, counted under the transport its payload took (one
+        # of those the engine used: "tcp+shm" when bytes went both ways).
+        paths = stats["peers_by_path"]
+        self.assertEqual(list(paths), ["tcp", "cuda", "shm", "ucx"])
+        self.assertEqual(sum(paths.values()), 1, paths)
+        self.assertIn([n for n, c in paths.items() if c][0],
+                      self.mgr.transport.split("+"))
         self.assertEqual(stats["bytes_received"],
                          sum(sizes) * 4 * len(self.mgr.args.kv_data_ptrs) * 32
                          + len(rooms) * (32 + 48))

@@ -1083,7 +1083,7 @@ static void metrics_snapshot(kvf_registry_state_t *st, metrics_snap_t *s)
     pthread_mutex_unlock(&st->lock);
 
     /* The engine's callback takes engine locks: call it with ours released. */
-    memset(&s->es, 0, sizeof(s->es));
+    kvf_engine_stats_init(&s->es);
     s->have_engine = cb != NULL;
     if (cb != NULL) {
         cb(arg, &s->es);
@@ -1173,12 +1173,11 @@ static void metrics_write_engine(FILE *f, const kvf_engine_stats_t *es)
     fprintf(f, "kvferry_peers_connected %llu\n",
             (unsigned long long)es->peers_connected);
     metric_head(f, "kvferry_peers", "gauge",
-                "Connected peers by the transport their payload uses.");
-    fprintf(f, "kvferry_peers{transport=\"tcp\"} %llu\n"
-            "kvferry_peers{transport=\"shm\"} %llu\n"
-            "kvferry_peers{transport=\"ucx\"} %llu\n",
-            (unsigned long long)es->peers_tcp, (unsigned long long)es->peers_shm,
-            (unsigned long long)es->peers_ucx);
+                "Connected peers by the transport their payload uses (every "
+                "transport kvferry has; one this build lacks reads 0).");
+    for (unsigned i = 0; kvf_transport_name(i) != NULL; i++)
+        fprintf(f, "kvferry_peers{transport=\"%s\"} %llu\n", kvf_transport_name(i),
+                (unsigned long long)es->peers_by_path[i]);
 }
 
 static void route_metrics(kvf_registry_state_t *st, reply_t *r)

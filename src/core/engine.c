@@ -19,6 +19,7 @@
 
 #include "bootstrap/bootstrap.h"
 #include "core/room.h"
+#include "core/sized.h"
 #include "core/stage.h"
 #include "core/trace.h"
 #include "transport/copier.h"
@@ -83,9 +84,10 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
     return kvf__registration_check(p);
 }
 
+/* The registry hands a struct of its own, initialised: never refused. */
 static void stats_cb(void *arg, kvf_engine_stats_t *stats_p)
 {
-    kvf_engine_stats((kvf_engine_t *)arg, stats_p);
+    (void)kvf_engine_stats((kvf_engine_t *)arg, stats_p);
 }
 
 static kvf_status_t start_bootstrap(kvf_engine_t *eng)
@@ -661,39 +663,37 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
     return KVF_OK;
 }
 
-void kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
+kvf_status_t kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
 {
+    kvf_engine_stats_t st;
+    char err[256];
+
+    if (eng == NULL || stats_p == NULL)
+        return KVF_ERR_INVALID_PARAM;
     kvf__lock(eng);
-    *stats_p = eng->stats;
-    memset(stats_p->rooms_by_state, 0, sizeof(stats_p->rooms_by_state));
+    st = eng->stats;
+    memset(st.rooms_by_state, 0, sizeof(st.rooms_by_state));
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
-        stats_p->rooms_by_state[atomic_load_explicit(&r->state, memory_order_relaxed)]++;
-    stats_p->peers_connected = 0;
-    kvf_movers_clear_peers(stats_p);
+        st.rooms_by_state[atomic_load_explicit(&r->state, memory_order_relaxed)]++;
+    st.peers_connected = 0;
+    memset(st.peers_by_path, 0, sizeof(st.peers_by_path));
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
         if (p->state != KVF_PEER_READY)
             continue;
-        stats_p->peers_connected++;
+        st.peers_connected++;
         if (!p->watch_only)              /* a sibling link carries no payload */
-            kvf_movers_count_peer(stats_p, p->mover);
+            st.peers_by_path[kvf_mover_path(p->mover)]++;
     }
+    st.auth_refused = eng->auth_refused;
+    st.room_msgs_dropped = eng->room_msgs_dropped;
+    st.stash_dropped = eng->stash_dropped;
     kvf__unlock(eng);
-}
-
-uint64_t kvf_engine_auth_refused(kvf_engine_t *eng)
-{
-    kvf__lock(eng);
-    uint64_t n = eng->auth_refused;
-    kvf__unlock(eng);
-    return n;
-}
-
-uint64_t kvf_engine_room_msgs_dropped(kvf_engine_t *eng)
-{
-    kvf__lock(eng);
-    uint64_t n = eng->room_msgs_dropped;
-    kvf__unlock(eng);
-    return n;
+    if (kvf__engine_stats_export(stats_p, &st, "kvf_engine_stats", err, sizeof(err)) !=
+        KVF_OK) {
+        kvf_error("%s", err);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    return KVF_OK;
 }
 
 uint64_t kvf_engine_stream_bytes(kvf_engine_t *eng, unsigned stream)
@@ -709,14 +709,6 @@ uint64_t kvf_engine_stream_bytes(kvf_engine_t *eng, unsigned stream)
 unsigned kvf_engine_streams(const kvf_engine_t *eng)
 {
     return eng->nlanes;
-}
-
-uint64_t kvf_engine_stash_dropped(kvf_engine_t *eng)
-{
-    kvf__lock(eng);
-    uint64_t n = eng->stash_dropped;
-    kvf__unlock(eng);
-    return n;
 }
 
 /* Let connections that stopped with messages left go on.  @return 1 if

@@ -22,8 +22,8 @@ _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
 
 static const kvf_sized_type_t params_type = {
-    "kvf_engine_params_t", "kvf_engine_params_init", KVF_ENGINE_PARAMS_SIZE_V0,
-    PARAMS_KNOWN};
+    "kvf_engine_params_t", "kvf_engine_params_init", KVF_SIZED_SINCE_0_1_0,
+    KVF_ENGINE_PARAMS_SIZE_V0, PARAMS_KNOWN};
 
 static void params_defaults(void *dst)
 {

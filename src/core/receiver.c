@@ -456,7 +456,7 @@ kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *rv)
 
 kvf_status_t kvf_receiver_failure(kvf_receiver_t *rv, kvf_failure_t *f)
 {
-    return kvf__room_consume_failure(&rv->room, f);
+    return kvf__room_consume_failure(&rv->room, f, "kvf_receiver_failure");
 }
 
 void kvf_receiver_abort(kvf_receiver_t *rv) { kvf__room_abort(&rv->room); }

@@ -21,6 +21,7 @@
 #include <time.h>
 
 #include "core/room.h"
+#include "core/sized.h"
 #include "core/trace.h"
 #include "util/log.h"
 #include "util/time.h"
@@ -348,6 +349,7 @@ static void failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t
                          const char *fmt, va_list ap)
 {
     memset(f, 0, sizeof(*f));
+    f->size = sizeof(*f);
     f->status = st;
     f->origin_side = eng->params.role;
     f->origin_rank = eng->params.tp_rank;
@@ -412,6 +414,7 @@ kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m)
     kvf_failure_t *f = calloc(1, sizeof(*f));
     if (f == NULL)
         return NULL;
+    f->size = sizeof(*f);
     f->status = (kvf_status_t)m->status;
     f->origin_side = (kvf_role_t)m->origin_side;
     f->origin_rank = (int)m->origin_rank;
@@ -431,20 +434,28 @@ void kvf__room_fail_remote(kvf_room_t *r, kvf_peer_t *from, int abort,
         kvf__room_fail_record(r, f, from, abort, m->sides);
 }
 
-kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out)
+kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const char *fn)
 {
     kvf_status_t st;
+    char err[256] = "";
+
+    if (out == NULL)
+        return KVF_ERR_INVALID_PARAM;
     kvf__lock(r->eng);
     if (room_state(r) != KVF_POLL_FAILED)
         st = KVF_ERR_AGAIN;
     else if (r->failure_consumed || r->failure == NULL)
         st = KVF_ERR_NOT_FOUND;
     else {
-        *out = *r->failure;
-        r->failure_consumed = 1;
-        st = KVF_OK;
+        /* A size refused leaves the record unconsumed: the caller may
+         * retry with a struct that is right. */
+        st = kvf__failure_export(out, r->failure, fn, err, sizeof(err));
+        if (st == KVF_OK)
+            r->failure_consumed = 1;
     }
     kvf__unlock(r->eng);
+    if (st == KVF_ERR_INVALID_PARAM)
+        kvf_error("%s", err);
     return st;
 }
 

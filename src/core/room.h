@@ -550,12 +550,13 @@ void           kvf__room_destroy(kvf_room_t *r);
  * address): the one place a local failure record is made. */
 void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
                                 const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-/* kvf_*_abort, kvf_*_fail, kvf_*_await_failure, kvf_*_failure (each takes
- * the lock). */
+/* kvf_*_abort, kvf_*_fail, kvf_*_await_failure (each takes the lock). */
 void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
 kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
-kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out);
+/* kvf_sender_failure / kvf_receiver_failure (`fn`, for messages): the
+ * record into the caller's `out`, of its size (takes the lock). */
+kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const char *fn);
 /* kvf_sender_metric / kvf_receiver_metric (takes the lock). */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
 /* Tell `to` the room failed (its record): now if the connection is up,

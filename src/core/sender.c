@@ -1204,7 +1204,7 @@ kvf_poll_t kvf_sender_poll(const kvf_sender_t *s) { return room_state(&s->room);
 
 kvf_status_t kvf_sender_failure(kvf_sender_t *s, kvf_failure_t *f)
 {
-    return kvf__room_consume_failure(&s->room, f);
+    return kvf__room_consume_failure(&s->room, f, "kvf_sender_failure");
 }
 
 void kvf_sender_abort(kvf_sender_t *s) { kvf__room_abort(&s->room); }

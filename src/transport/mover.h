@@ -198,10 +198,10 @@ int                    kvf_mover_index(const kvf_mover_ops_t *ops);
  * control stream; bit 1+i: kvf_movers[i]).  Static storage. */
 const char *kvf_movers_mask_name(unsigned mask);
 
-/* Zero the stats' per-transport peer counts; count a connected peer whose
- * payload goes over `ops` (NULL: the control stream). */
-void        kvf_movers_clear_peers(kvf_engine_stats_t *st);
-void        kvf_movers_count_peer(kvf_engine_stats_t *st, const kvf_mover_ops_t *ops);
+/* The public path index (kvf_transport_name, peers_by_path) of payload
+ * over `ops` (NULL: the control stream).  Fixed across builds, unlike
+ * kvf_mover_index. */
+unsigned    kvf_mover_path(const kvf_mover_ops_t *ops);
 
 /* The control connection: its transport ops, its listener, and the name
  * of payload that rides in it ("tcp"). */

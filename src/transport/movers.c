@@ -49,6 +49,28 @@ const kvf_copier_ops_t *const kvf_copier_ops = &kvf_cuda_copier;
 const kvf_copier_ops_t *const kvf_copier_ops = NULL;
 #endif
 
+/*
+ * Payload paths by their public index (kvf_transport_name): 0 is the
+ * control stream, then every mover kvferry has, built here or not.  The
+ * indices are fixed for good, so that kvf_engine_stats_t.peers_by_path[i]
+ * means one transport in every build and version: a build without a
+ * mover leaves its slot at 0, and a new mover takes the next free slot
+ * (at most KVF_PATHS_MAX).  check_table holds the built movers' names to
+ * this table.
+ */
+static const char *const path_names[] = {"tcp", "cuda", "shm", "ucx"};
+#define NPATHS (sizeof(path_names) / sizeof(path_names[0]))
+_Static_assert(NPATHS <= KVF_PATHS_MAX, "more payload paths than KVF_PATHS_MAX");
+
+/* Its index in path_names, or NPATHS. */
+static unsigned path_of(const char *name)
+{
+    unsigned i = 0;
+    while (i < NPATHS && strcmp(path_names[i], name) != 0)
+        i++;
+    return i;
+}
+
 /* Required ops, checked once (a new mover that forgot one fails loudly in
  * every test run, not in production). */
 static void check_table(void)
@@ -62,6 +84,7 @@ static void check_table(void)
         assert((o->caps & KVF_MOVER_CAP_PULL) && !(o->caps & KVF_MOVER_CAP_PUSH));
         assert((o->caps & (KVF_MOVER_CAP_MEM_HOST | KVF_MOVER_CAP_MEM_DEVICE)) != 0);
         assert(!(o->caps & KVF_MOVER_CAP_READ_FAIL_CLOSES_EP) == !o->ep_failed);
+        assert(path_of(o->name) > 0 && path_of(o->name) < NPATHS);   /* has a slot */
         (void)o;
     }
     assert(n <= KVF_MAX_MOVERS);
@@ -70,6 +93,7 @@ static void check_table(void)
     assert(c->connect && c->accept && c->handle && c->send_msg && c->put && c->flush &&
            c->shutdown && c->destroy && c->last_rx && c->last_tx && c->idle && c->pending &&
            c->limit);
+    assert(path_of(c->name) == 0);
     (void)c;
 }
 
@@ -140,21 +164,15 @@ const char *kvf_transports(void)
     return transports;
 }
 
-void kvf_movers_clear_peers(kvf_engine_stats_t *st)
+const char *kvf_transport_name(unsigned i)
 {
-    st->peers_tcp = st->peers_shm = st->peers_ucx = 0;
+    return i < NPATHS ? path_names[i] : NULL;
 }
 
-void kvf_movers_count_peer(kvf_engine_stats_t *st, const kvf_mover_ops_t *ops)
+unsigned kvf_mover_path(const kvf_mover_ops_t *ops)
 {
-    if (ops == NULL)
-        st->peers_tcp++;
-    else if (ops == &kvf_shm_mover)
-        st->peers_shm++;
-#ifdef KVF_HAVE_UCX
-    else if (ops == &kvf_ucx_mover)
-        st->peers_ucx++;
-#endif
+    unsigned i = path_of(ops == NULL ? kvf_control_ops->name : ops->name);
+    return i < NPATHS ? i : 0;      /* (never: check_table asserts a slot) */
 }
 
 const char *kvf_movers_device_hint(void)

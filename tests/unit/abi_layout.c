@@ -48,7 +48,7 @@ static void dump_failure(void)
 {
     typedef kvf_failure_t T;
     BEGIN(kvf_failure_t);
-    F(status); F(origin_side); F(origin_rank); F(origin_addr);
+    F(size); F(status); F(origin_side); F(origin_rank); F(origin_addr);
     F(from_another_rank); F(reason);
     struct_end();
 }
@@ -148,10 +148,10 @@ static void dump_engine_stats(void)
 {
     typedef kvf_engine_stats_t T;
     BEGIN(kvf_engine_stats_t);
-    F(rooms_by_state); F(rooms_succeeded); F(rooms_failed);
+    F(size); F(rooms_by_state); F(rooms_succeeded); F(rooms_failed);
     F(failures_room); F(failures_peer); F(failures_other); F(bytes_sent);
-    F(bytes_received); F(peers_connected); F(peers_tcp); F(peers_shm);
-    F(peers_ucx);
+    F(bytes_received); F(peers_connected); F(peers_by_path); F(auth_refused);
+    F(room_msgs_dropped); F(stash_dropped);
     struct_end();
 }
 
@@ -170,6 +170,7 @@ static void dump_constants(void)
     const char *sep = "";
 #define C(name) printf("%s\n    \"%s\": %ld", sep, #name, (long)(name)); sep = ",";
     C(KVF_REASON_MAX) C(KVF_ADDR_MAX) C(KVF_DESCRIPTOR_MAX) C(KVF_TOKEN_MAX)
+    C(KVF_PATHS_MAX)
     C(KVF_ROLE_PREFILL) C(KVF_ROLE_DECODE) C(KVF_ATTN_MHA) C(KVF_ATTN_MLA)
     C(KVF_MEM_HOST) C(KVF_MEM_CUDA) C(KVF_KV_K) C(KVF_KV_V) C(KVF_KV_KV)
     C(KVF_KV_NHD) C(KVF_KV_HND)

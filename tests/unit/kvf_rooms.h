@@ -53,6 +53,16 @@ static inline int wait_until(int (*cond)(const void *arg), const void *arg, int 
     }
 }
 
+/* The engine's counters (kvf_engine_stats), of this header's size. */
+static inline kvf_engine_stats_t engine_stats(kvf_engine_t *eng)
+{
+    kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
+    kvf_engine_stats_init(&st);
+    CHECK_EQ_INT(kvf_engine_stats(eng, &st), KVF_OK);
+    return st;
+}
+
 typedef struct dropped_arg {
     kvf_engine_t *eng;
     uint64_t      n;
@@ -61,7 +71,7 @@ typedef struct dropped_arg {
 static inline int has_dropped(const void *arg)
 {
     const dropped_arg_t *d = arg;
-    return kvf_engine_room_msgs_dropped(d->eng) >= d->n;
+    return engine_stats(d->eng).room_msgs_dropped >= d->n;
 }
 
 /* Until the engine has dropped at least n room messages as not its
@@ -146,6 +156,7 @@ static inline void check_recv_failed(kvf_receiver_t *r, kvf_status_t status, con
                                      const char *why2)
 {
     kvf_failure_t f;
+    kvf_failure_init(&f);
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, status);

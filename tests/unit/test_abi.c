@@ -1,11 +1,13 @@
 /*
- * The growth contract of the parameter structs (kvferry.h): a caller states
- * its struct's size, and the library neither reads nor writes past it.
+ * The growth contract of the parameter structs and the records
+ * (kvferry.h): a caller states its struct's size, and the library neither
+ * reads nor writes past it.
  * Callers are simulated by buffers of exactly the size a header would give
  * them: the first version's (KVF_*_SIZE_V0), less than that, or more (a
  * newer header with fields this library lacks).  Engines are real: a
  * decode engine needs no registry.
  */
+#include <limits.h>
 #include <stdalign.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -413,6 +415,171 @@ static void test_hold_remote_sizes(void)
     free(mem);
 }
 
+/*
+ * The records the library fills: kvf_engine_stats_t.  It writes exactly
+ * the caller's size (at V0, none of the counters added since), writes 0
+ * over a newer header's extra bytes, and refuses a size below the first
+ * version, or garbage, by name, writing nothing.
+ */
+static void test_stats_sizes(void)
+{
+    struct {
+        alignas(max_align_t) unsigned char b[sizeof(kvf_engine_stats_t) + 2 * EXTRA];
+    } g;
+    kvf_engine_stats_t *st = (kvf_engine_stats_t *)g.b;
+    const size_t v0 = KVF_ENGINE_STATS_SIZE_V0, full = sizeof(kvf_engine_stats_t);
+    const size_t head = sizeof(size_t);
+    kvf_engine_t *eng = decode_engine();
+
+    if (eng == NULL)
+        return;
+    CHECK(v0 < KVF_FIELD_END(kvf_engine_stats_t, auth_refused));
+    /* V0: the counters, over what the caller's struct held before (a
+     * fresh engine's are all 0), and not a byte after them. */
+    memset(g.b, CANARY, sizeof(g.b));
+    kvf_engine_stats_init_sized(st, v0);
+    CHECK_EQ_INT(st->size, v0);
+    CHECK(canaries_intact_at(g.b, v0, sizeof(g.b)));
+    memset(g.b + head, CANARY, v0 - head);
+    CHECK_EQ_INT(kvf_engine_stats(eng, st), KVF_OK);
+    CHECK_EQ_INT(st->size, v0);
+    CHECK(all_zero(g.b + head, v0 - head));
+    CHECK(canaries_intact_at(g.b, v0, sizeof(g.b)));
+
+    /* A newer header's larger struct: every byte of it written. */
+    memset(g.b, CANARY, sizeof(g.b));
+    st->size = full + EXTRA;
+    CHECK_EQ_INT(kvf_engine_stats(eng, st), KVF_OK);
+    CHECK_EQ_INT(st->size, full + EXTRA);
+    CHECK(all_zero(g.b + head, full + EXTRA - head));
+    CHECK(canaries_intact_at(g.b, full + EXTRA, sizeof(g.b)));
+
+    /* Below V0, never initialised, or NULL: refused, nothing written. */
+    memset(g.b, CANARY, sizeof(g.b));
+    st->size = v0 - 8;
+    CHECK_EQ_INT(kvf_engine_stats(eng, st), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_stats: kvf_engine_stats_t size");
+    CHECK_STR_CONTAINS(kvf_last_error(), zu(v0 - 8));
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_stats_init()");
+    CHECK(canaries_intact_at(g.b, head, sizeof(g.b)));
+    st->size = (size_t)1 << 40;
+    CHECK_EQ_INT(kvf_engine_stats(eng, st), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "far past");
+    CHECK(canaries_intact_at(g.b, head, sizeof(g.b)));
+    CHECK_EQ_INT(kvf_engine_stats(eng, NULL), KVF_ERR_INVALID_PARAM);
+    CHECK_EQ_INT(kvf_engine_stats(NULL, st), KVF_ERR_INVALID_PARAM);
+    kvf_engine_stats_init_sized(st, v0 - 8);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_engine_stats_init_sized: size");
+    kvf_engine_destroy(eng);
+}
+
+/* A held room on prefill engine `pre` failed by the application with
+ * KVF_ERR_TIMED_OUT, "the application's cause". */
+static kvf_sender_t *failed_sender(kvf_engine_t *pre, uint64_t room)
+{
+    kvf_hold_t h;
+    kvf_sender_t *s = NULL;
+    kvf_hold_init(&h);
+    CHECK_EQ_INT(kvf_sender_create_held(pre, room, &h, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_fail(s, KVF_ERR_TIMED_OUT, "the application's cause"), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
+    return s;
+}
+
+/*
+ * kvf_failure_t, through kvf_sender_failure: as kvf_engine_stats_t, and a
+ * record refused for its size is not consumed.
+ */
+static void test_failure_sizes(void)
+{
+    void *mem = calloc(PAGES, PAGE * HEAD_B);
+    kvf_buffer_t kv = {mem, PAGES * PAGE * HEAD_B, PAGE * HEAD_B};
+    struct {
+        alignas(max_align_t) unsigned char b[sizeof(kvf_failure_t) + 2 * EXTRA];
+    } g;
+    kvf_failure_t *f = (kvf_failure_t *)g.b;
+    const size_t v0 = KVF_FAILURE_SIZE_V0, full = sizeof(kvf_failure_t);
+    const size_t known = KVF_FIELD_END(kvf_failure_t, reason), head = sizeof(size_t);
+    kvf_engine_params_t p;
+    kvf_engine_t *pre = NULL;
+    kvf_layout_t l;
+
+    kvf_engine_params_init(&p);
+    p.transport = "tcp";
+    CHECK_EQ_INT(kvf_engine_create(&p, &pre), KVF_OK);
+    kvf_layout_init(&l);
+    fill_layout(&l, &kv);
+    CHECK_EQ_INT(kvf_engine_register_layout(pre, &l), KVF_OK);
+    kvf_sender_t *s = failed_sender(pre, 1);
+
+    /* Below V0, or NULL: refused by name, nothing written, the record kept. */
+    memset(g.b, CANARY, sizeof(g.b));
+    f->size = v0 - 4;
+    CHECK_EQ_INT(kvf_sender_failure(s, f), KVF_ERR_INVALID_PARAM);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_sender_failure: kvf_failure_t size");
+    CHECK_STR_CONTAINS(kvf_last_error(), zu(v0 - 4));
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_failure_init()");
+    CHECK(canaries_intact_at(g.b, head, sizeof(g.b)));
+    CHECK_EQ_INT(kvf_sender_failure(s, NULL), KVF_ERR_INVALID_PARAM);
+
+    /* Exactly V0: the record, and not a byte after it. */
+    memset(g.b, CANARY, sizeof(g.b));
+    kvf_failure_init_sized(f, v0);
+    CHECK_EQ_INT(f->size, v0);
+    CHECK(canaries_intact_at(g.b, v0, sizeof(g.b)));
+    CHECK_EQ_INT(kvf_sender_failure(s, f), KVF_OK);
+    CHECK_EQ_INT(f->size, v0);
+    CHECK_EQ_INT(f->status, KVF_ERR_TIMED_OUT);
+    CHECK_STR_CONTAINS(f->reason, "the application's cause");
+    CHECK(canaries_intact_at(g.b, v0, sizeof(g.b)));
+    CHECK_EQ_INT(kvf_sender_failure(s, f), KVF_ERR_NOT_FOUND);    /* consumed, once */
+    kvf_sender_destroy(s);
+
+    /* A newer header's larger record: its extra bytes written 0, nothing
+     * past its size. */
+    s = failed_sender(pre, 2);
+    memset(g.b, CANARY, sizeof(g.b));
+    f->size = full + EXTRA;
+    CHECK_EQ_INT(kvf_sender_failure(s, f), KVF_OK);
+    CHECK_EQ_INT(f->size, full + EXTRA);
+    CHECK_EQ_INT(f->status, KVF_ERR_TIMED_OUT);
+    CHECK(all_zero(g.b + known, full + EXTRA - known));
+    CHECK(canaries_intact_at(g.b, full + EXTRA, sizeof(g.b)));
+    kvf_sender_destroy(s);
+    kvf_failure_init_sized(f, v0 - 4);
+    CHECK_STR_CONTAINS(kvf_last_error(), "kvf_failure_init_sized: size");
+    kvf_engine_destroy(pre);
+    free(mem);
+}
+
+/* Payload paths by a fixed index: the names the `transport` parameter
+ * takes, each one this build has accepted, the others refused as not
+ * built, and no name past the last. */
+static void test_transport_names(void)
+{
+    static const char *const want[] = {"tcp", "cuda", "shm", "ucx"};
+    const unsigned n = sizeof(want) / sizeof(want[0]);
+
+    for (unsigned i = 0; i < n; i++) {
+        const char *name = kvf_transport_name(i);
+        CHECK(name != NULL && strcmp(name, want[i]) == 0);
+        if (name == NULL)
+            continue;
+        kvf_engine_params_t p;
+        kvf_engine_params_init(&p);
+        decode_params(&p);
+        p.transport = name;
+        CHECK_EQ_INT(create_destroy(&p),
+                     strstr(kvf_transports(), name) != NULL ? KVF_OK : KVF_ERR_UNSUPPORTED);
+    }
+    CHECK(n <= KVF_PATHS_MAX);
+    for (unsigned i = n; i <= KVF_PATHS_MAX; i++)
+        CHECK(kvf_transport_name(i) == NULL);
+    CHECK(kvf_transport_name(UINT_MAX) == NULL);
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_init_writes_only_size), KVF_CASE(test_v0_params_create),
               KVF_CASE(test_below_v0_refused), KVF_CASE(test_larger_params),
-              KVF_CASE(test_layout_sizes), KVF_CASE(test_hold_remote_sizes))
+              KVF_CASE(test_layout_sizes), KVF_CASE(test_hold_remote_sizes),
+              KVF_CASE(test_stats_sizes), KVF_CASE(test_failure_sizes),
+              KVF_CASE(test_transport_names))

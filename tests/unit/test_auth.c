@@ -80,6 +80,7 @@ static void test_wrong_token_refused(void)
     side_t pre, good, wrong, none;
     char bs[64];
     kvf_failure_t f;
+    kvf_failure_init(&f);
     clear_env();
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", "alpha");
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
@@ -100,11 +101,12 @@ static void test_wrong_token_refused(void)
     CHECK_EQ_INT(kvf_receiver_failure(rn, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_AUTH);
     CHECK_STR_CONTAINS(f.reason, "it has a cluster token, this engine has none");
-    CHECK_EQ_INT(kvf_engine_auth_refused(pre.eng), 2);
+    CHECK_EQ_INT(engine_stats(pre.eng).auth_refused, 2);
 
     /* Room 7, which both strangers asked for, is still the legitimate one's. */
     CHECK(legit_room(&pre, &good, bs, 7));
     kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
     kvf_engine_stats(pre.eng, &st);
     CHECK_EQ_INT(st.rooms_succeeded, 1);
     CHECK_EQ_INT(st.rooms_failed, 0);
@@ -276,7 +278,7 @@ static void stranger_case(stranger_fn_t fn, int refusals)
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 7, &live), KVF_OK);
     CHECK_EQ_INT(stranger_join(&s, port_of(pre.eng)), 0);
     CHECK_EQ_INT(kvf_sender_poll(live), KVF_POLL_BOOTSTRAPPING);
-    CHECK_EQ_INT(kvf_engine_auth_refused(pre.eng), refusals);
+    CHECK_EQ_INT(engine_stats(pre.eng).auth_refused, refusals);
     kvf_sender_destroy(live);
     CHECK(legit_room(&pre, &dec, bs, 7));
     CHECK(strcmp(kvf_engine_transport(dec.eng), side_transport) == 0);
@@ -972,6 +974,7 @@ static void test_version1_peer(void)
     CHECK(send(fd, frame, sizeof(frame), MSG_NOSIGNAL) == (ssize_t)sizeof(frame));
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_FAILED);
     kvf_failure_t f;
+    kvf_failure_init(&f);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_VERSION);
     CHECK_STR_CONTAINS(f.reason, "peer speaks kvferry wire protocol version 1, this build "
@@ -1019,7 +1022,7 @@ static void test_protected_mode(void)
     CHECK(kvf__auth_admit(s.eng, (struct sockaddr *)&near));
     CHECK(kvf__auth_admit(s.eng, (struct sockaddr *)&near6));
     kvf__unlock(s.eng);
-    CHECK_EQ_INT(kvf_engine_auth_refused(s.eng), 2);
+    CHECK_EQ_INT(engine_stats(s.eng).auth_refused, 2);
     kvf_engine_destroy(s.eng);
     /* ... and anyone may try the handshake once a token is set. */
     CHECK_EQ_INT(side_try(&s, KVF_ROLE_DECODE, NULL, "alpha", NULL), KVF_OK);
@@ -1054,11 +1057,11 @@ static void test_unauthenticated_flood_bounded(void)
         fds[i] = dial(port);
         CHECK(fds[i] >= 0 && wp_recv(fds[i], &m, body, sizeof(body), 5000) == KVF_MSG_AUTH);
     }
-    uint64_t before = kvf_engine_auth_refused(eng);
+    uint64_t before = engine_stats(eng).auth_refused;
     int extra = dial(port);
     CHECK(extra >= 0 && wp_closed(extra, 5000));
     close(extra);
-    CHECK_EQ_INT(kvf_engine_auth_refused(eng), before + 1);
+    CHECK_EQ_INT(engine_stats(eng).auth_refused, before + 1);
     /* The engine closes the idle ones at their deadline (EOF here). */
     int closed = 0;
     for (int i = 0; i < KVF_MAX_UNAUTH_PER_HOST; i++) {

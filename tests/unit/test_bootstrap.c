@@ -1108,6 +1108,8 @@ static void fake_stats(void *arg, kvf_engine_stats_t *s)
     s->bytes_sent = 123456789;
     s->bytes_received = 7;
     s->peers_connected = 4;
+    s->peers_by_path[0] = 1;                      /* kvf_transport_name(0): tcp */
+    s->peers_by_path[2] = 3;                      /* shm */
 }
 
 static void test_metrics(void)
@@ -1152,6 +1154,11 @@ static void test_metrics(void)
         "kvferry_failures_total{class=\"other\"} 0\n",
         "# TYPE kvferry_peers_connected gauge\n",
         "kvferry_peers_connected 4\n",
+        "# TYPE kvferry_peers gauge\n",
+        "kvferry_peers{transport=\"tcp\"} 1\n",
+        "kvferry_peers{transport=\"cuda\"} 0\n",
+        "kvferry_peers{transport=\"shm\"} 3\n",
+        "kvferry_peers{transport=\"ucx\"} 0\n",
     };
     for (size_t i = 0; i < sizeof(want) / sizeof(want[0]); i++)
         CHECK_STR_CONTAINS(r.body, want[i]);

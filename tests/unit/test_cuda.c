@@ -120,6 +120,10 @@ static void test_staged_room_on_the_device(void)
             dtoh(got, dev(dec.kv[b] + (size_t)dst[i] * PAGE_B), PAGE_B);
             CHECK(memcmp(got, pat, PAGE_B) == 0);
         }
+    /* Staged over the stream: the peer counts in tcp's slot, not cuda's. */
+    kvf_engine_stats_t st = engine_stats(dec.eng);
+    CHECK_EQ_INT(st.peers_by_path[0], 1);
+    CHECK_EQ_INT(st.peers_by_path[1], 0);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
     device_side_fini(&dec);

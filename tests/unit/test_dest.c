@@ -352,6 +352,8 @@ static void test_typed_state_groups(void)
     /* The prefill gives 3 sliding-window pages, the decode wants 4: no
      * partial state; both sides fail with the reason. */
     kvf_failure_t fs, fr;
+    kvf_failure_init(&fs);
+    kvf_failure_init(&fr);
     CHECK_EQ_INT(kvf_sender_create(pre.eng, bs_addr, 21, &s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs_addr, 21, -1, &r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_set_dest(r, &d), KVF_OK);

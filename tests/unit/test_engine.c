@@ -106,11 +106,13 @@ static void test_one_room(void)
     CHECK_EQ_INT(dec.kv[0][0], 0);
     CHECK_EQ_INT(dec.aux[0], 0);
     kvf_failure_t f;
+    kvf_failure_init(&f);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_ERR_AGAIN);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
 
     kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
     kvf_engine_stats(dec.eng, &st);
     CHECK_EQ_INT(st.rooms_succeeded, 1);
     CHECK(strcmp(kvf_engine_transport(dec.eng), side_transport) == 0);
@@ -135,6 +137,7 @@ static void test_page_size_mismatch(void)
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_FAILED);
     kvf_failure_t f;
+    kvf_failure_init(&f);
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_INCOMPATIBLE);
     CHECK_STR_CONTAINS(f.reason, "Page size mismatch: prefill server has page_size=4, "
@@ -168,6 +171,7 @@ static void test_abort_propagates(void)
     wait_final(s, r);
     CHECK_EQ_INT(kvf_receiver_pages_released(r), 1);
     kvf_failure_t f;
+    kvf_failure_init(&f);
     CHECK_EQ_INT(kvf_sender_failure(s, &f), KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
     CHECK_EQ_INT(f.from_another_rank, 1);
@@ -252,8 +256,8 @@ static void faulty_room(const char *pre_faults, const char *dec_faults, int chec
     wait_final(s, r);
     *ps = kvf_sender_poll(s);
     *ds = kvf_receiver_poll(r);
-    memset(pf, 0, sizeof(*pf));
-    memset(df, 0, sizeof(*df));
+    kvf_failure_init(pf);
+    kvf_failure_init(df);
     kvf_sender_failure(s, pf);
     kvf_receiver_failure(r, df);
     int ok = 1;
@@ -323,6 +327,8 @@ static void room_fails_alone(const char *pre_faults, const char *dec_faults, uin
             CHECK(memcmp(dec.kv[b], pre.kv[b], (size_t)PAGES * PAGE_B) == 0);
     }
     kvf_failure_t df, pf;
+    kvf_failure_init(&df);
+    kvf_failure_init(&pf);
     CHECK_EQ_INT(kvf_receiver_poll(r[hit]), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_sender_poll(s[hit]), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_failure(r[hit], &df), KVF_OK);
@@ -334,6 +340,7 @@ static void room_fails_alone(const char *pre_faults, const char *dec_faults, uin
     CHECK_EQ_INT(kvf_receiver_poll(r[1 - hit]), KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_sender_poll(s[1 - hit]), KVF_POLL_SUCCESS);
     kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
     kvf_engine_stats(dec.eng, &st);
     CHECK_EQ_INT((int)st.peers_connected, 1);   /* the peer was not failed */
     for (int k = 0; k < 2; k++) {
@@ -412,6 +419,7 @@ static void test_reset_while_done_waits_for_reads(void)
     for (int k = 0; k < 2; k++) {
         wait_final(s[k], r[k]);
         kvf_failure_t f;
+        kvf_failure_init(&f);
         if (kvf_receiver_failure(r[k], &f) == KVF_OK)
             fprintf(stderr, "  room %d failed on decode: %s\n", 71 + k, f.reason);
         CHECK_EQ_INT(kvf_receiver_poll(r[k]), KVF_POLL_SUCCESS);
@@ -444,6 +452,7 @@ static void test_reset_while_link_confirms(void)
     kvf_sender_t *s[2];
     kvf_receiver_t *r[2];
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
     uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
 
@@ -465,6 +474,7 @@ static void test_reset_while_link_confirms(void)
     /* A: once its bytes count, its DONE has been checked (the same step). */
     CHECK_EQ_INT(kvf_sender_send(s[0], src[0], 4, 1), KVF_OK);
     kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
     uint64_t until = kvf_now_ms() + 5000;
     do {
         sleep_ms(1);
@@ -502,6 +512,7 @@ static void reset_before_sender(int resume_first)
     kvf_sender_t *s[2] = {NULL, NULL};
     kvf_receiver_t *r[2];
     kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
     uint32_t src[2][4] = {{0, 1, 2, 3}, {8, 9, 10, 11}};
     uint32_t dst[2][4] = {{20, 5, 33, 7}, {40, 41, 50, 60}};
     const uint64_t room_c = 91, room_a = 92;
@@ -540,6 +551,7 @@ static void reset_before_sender(int resume_first)
     for (int k = 0; k < 2; k++) {
         wait_final(s[k], r[k]);
         kvf_failure_t f;
+        kvf_failure_init(&f);
         if (kvf_sender_failure(s[k], &f) == KVF_OK)
             fprintf(stderr, "  room %d failed on prefill: %s\n", (int)room_c + k, f.reason);
         CHECK_EQ_INT(kvf_sender_poll(s[k]), KVF_POLL_SUCCESS);
@@ -606,6 +618,7 @@ static void test_failed_room_keeps_pages_until_reads_end(void)
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t df;
+    kvf_failure_init(&df);
 
     eside(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", 0);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
@@ -992,6 +1005,7 @@ static void test_deadline_while_peer_lost(void)
     char bs[64];
     kvf_sender_t *s;
     kvf_failure_t pf;
+    kvf_failure_init(&pf);
     uint32_t spage = 20, sstate = 4;
 
     side_transport = "tcp";
@@ -1039,6 +1053,7 @@ static void test_reset_with_puts_queued(void)
     char bs[64];
     kvf_sender_t *s;
     kvf_failure_t pf;
+    kvf_failure_init(&pf);
     uint32_t spage = 20, sstate = 4;
 
     side_transport = "tcp";
@@ -1136,6 +1151,7 @@ static void test_resume_of_unread_request(void)
     /* The decode rank reconnects and asks again; then the sender comes. */
     until = kvf_now_ms() + 5000;
     kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
     do {
         sleep_ms(1);
         kvf_engine_stats(pre.eng, &st);
@@ -1146,6 +1162,7 @@ static void test_resume_of_unread_request(void)
     CHECK_EQ_INT(kvf_sender_send(s[1], src[1], 4, 1), KVF_OK);
     wait_final(s[1], r[1]);
     kvf_failure_t f;
+    kvf_failure_init(&f);
     if (kvf_receiver_failure(r[1], &f) == KVF_OK)
         fprintf(stderr, "  room 94 failed on decode: %s\n", f.reason);
     CHECK_EQ_INT(kvf_receiver_poll(r[1]), KVF_POLL_SUCCESS);
@@ -1204,6 +1221,8 @@ static void test_reset_resumes(void)
 {
     kvf_poll_t ps, ds;
     kvf_failure_t pf, df;
+    kvf_failure_init(&pf);
+    kvf_failure_init(&df);
     int ok;
     faulty_room("reset@20000", NULL, 1, &ps, &ds, &pf, &df, &ok);
     CHECK_EQ_INT(ps, KVF_POLL_SUCCESS);
@@ -1275,6 +1294,8 @@ static void test_repeated_resets_give_up(void)
 {
     kvf_poll_t ps, ds;
     kvf_failure_t pf, df;
+    kvf_failure_init(&pf);
+    kvf_failure_init(&df);
     int ok;
     faulty_room("reset@10000,reset@20000,reset@30000,reset@40000,reset@50000", NULL, 0,
                 &ps, &ds, &pf, &df, &ok);
@@ -1290,6 +1311,8 @@ static void test_corrupt_fails_with_checksum(void)
 {
     kvf_poll_t ps, ds;
     kvf_failure_t pf, df;
+    kvf_failure_init(&pf);
+    kvf_failure_init(&df);
     int ok;
     faulty_room("corrupt@12345", NULL, 1, &ps, &ds, &pf, &df, &ok);
     CHECK_EQ_INT(ds, KVF_POLL_FAILED);
@@ -1306,6 +1329,8 @@ static void test_dropped_ack_times_out(void)
 {
     kvf_poll_t ps, ds;
     kvf_failure_t pf, df;
+    kvf_failure_init(&pf);
+    kvf_failure_init(&df);
     int ok;
     next_transfer_ms = 1000;
     faulty_room(NULL, "drop-ack", 0, &ps, &ds, &pf, &df, &ok);
@@ -1368,7 +1393,8 @@ static void test_lost_ack_is_said_again(void)
     while ((ps = kvf_sender_poll(s)) != KVF_POLL_SUCCESS && ps != KVF_POLL_FAILED &&
            kvf_now_ms() < until)
         sleep_ms(1);
-    kvf_failure_t pf = {0};
+    kvf_failure_t pf;
+    kvf_failure_init(&pf);
     kvf_sender_failure(s, &pf);
     if (ps != KVF_POLL_SUCCESS)
         fprintf(stderr, "  prefill side: %s\n", pf.reason);
@@ -1382,6 +1408,8 @@ static void test_stall_is_a_dead_peer(void)
 {
     kvf_poll_t ps, ds;
     kvf_failure_t pf, df;
+    kvf_failure_init(&pf);
+    kvf_failure_init(&df);
     int ok;
     next_hb_interval_ms = 100;
     next_hb_timeout_ms = 600;

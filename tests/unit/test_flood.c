@@ -83,7 +83,7 @@ static void child_main(int cmd, int res, rlim_t nofile, int log_fd)
         _exit(97);
     uint64_t room;
     while (read(cmd, &room, sizeof(room)) == sizeof(room) && room != 0) {
-        uint64_t out = room == CMD_REFUSED ? kvf_engine_auth_refused(pre.eng)
+        uint64_t out = room == CMD_REFUSED ? engine_stats(pre.eng).auth_refused
                                            : (uint64_t)legit_send(&pre, bs, room);
         if (write(res, &out, sizeof(out)) != sizeof(out))
             _exit(96);
@@ -483,7 +483,7 @@ typedef struct refusal {
 static int refused_or_moved(const void *arg)
 {
     const refusal_t *rf = arg;
-    return kvf_engine_auth_refused(rf->pre) != rf->before ||
+    return engine_stats(rf->pre).auth_refused != rf->before ||
            kvf_receiver_poll(rf->r) != KVF_POLL_BOOTSTRAPPING;
 }
 
@@ -514,7 +514,7 @@ static void test_dialler_waits_out_a_full_queue(void)
 
     /* They let go once the decode engine was turned away. */
     CHECK_EQ_INT(strangers_open(fds, N, port), N);
-    uint64_t before = kvf_engine_auth_refused(pre.eng);
+    uint64_t before = engine_stats(pre.eng).auth_refused;
     kvf_receiver_t *r = legit_recv_start(&dec, bs, 4);
     refusal_t rf = {pre.eng, r, before};
     CHECK(wait_until(refused_or_moved, &rf, KVF_TEST_WAIT_MS));
@@ -553,6 +553,7 @@ static void test_full_queue_fails_at_the_deadline(void)
     side_t pre, dec;
     char bs[64];
     kvf_failure_t f;
+    kvf_failure_init(&f);
 
     clear_env();
     side_tune = tune;

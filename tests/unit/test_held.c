@@ -247,6 +247,7 @@ static void test_lease_expires_unread(void)
     side_t pre = {0};
     kvf_sender_t *s;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t src[2] = {1, 2};
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
     hold_all(&pre, 1, kvf_room_key("never-read", 10), 200, src, 2, &s);
@@ -266,6 +267,7 @@ static void test_lease_expires_half_read(void)
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("half-read", 9);
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
@@ -294,6 +296,7 @@ static void test_other_instance_refused(void)
     kvf_sender_t *s;
     kvf_receiver_t *bad, *good;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("req-a", 5), other = kvf_room_key("req-b", 5);
     CHECK(key.instance != other.instance);
@@ -350,6 +353,7 @@ static void test_reader_prefix(void)
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t src[6] = {9, 8, 7, 6, 5, 4}, dst[3] = {0, 1, 2};
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
     rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
@@ -396,6 +400,7 @@ static void test_reader_abort(void)
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("abort", 5);
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
@@ -422,6 +427,7 @@ static void test_restarted_prefill(void)
     side_t pre = {0}, dec = {0};
     kvf_receiver_t *r;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     char addr[KVF_ADDR_MAX], old_desc[KVF_DESCRIPTOR_MAX];
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
     CHECK_EQ_INT(kvf_engine_address(pre.eng, addr, sizeof(addr)), KVF_OK);
@@ -446,6 +452,7 @@ static void test_room_never_held(void)
     side_t pre = {0}, dec = {0};
     kvf_receiver_t *r;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t dst[2] = {5, 6};
     bootstrap_ms = 300;
     rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
@@ -470,6 +477,7 @@ static void test_keyless_reader_refused(void)
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t src[2] = {1, 2}, dst[2] = {5, 6};
     kvf_room_key_t key = kvf_room_key("secret-req", 10);
     held_pair(&pre, &dec, key, 10000, src, 2, &s);
@@ -497,10 +505,10 @@ static void test_stranger_abort_ignored(void)
     held_pair(&pre, &dec, key, 10000, src, 2, &s);
     r = reader(&dec, &pre, 1, key.room, kvf_room_key("other", 5).instance);
     CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
-    uint64_t before = kvf_engine_room_msgs_dropped(pre.eng);
+    uint64_t before = engine_stats(pre.eng).room_msgs_dropped;
     kvf_receiver_abort(r);
     wait_dropped(pre.eng, before + 1, KVF_TEST_WAIT_MS);
-    CHECK(kvf_engine_room_msgs_dropped(pre.eng) > before);     /* the ABORT, dropped */
+    CHECK(engine_stats(pre.eng).room_msgs_dropped > before);     /* the ABORT, dropped */
     CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);
     kvf_receiver_destroy(r);
     owner_reads(&pre, s, &dec, key, src, dst, 2);
@@ -515,6 +523,7 @@ static void test_keyed_abort_before_asking(void)
     kvf_sender_t *s;
     kvf_receiver_t *r;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     uint32_t src[2] = {1, 2};
     kvf_room_key_t key = kvf_room_key("give-up", 7);
     held_pair(&pre, &dec, key, 60000, src, 2, &s);

@@ -213,6 +213,7 @@ static void tp_room(int P, int D, uint32_t H, kvf_kv_order_t pre_order,
     kvf_sender_t *s[MAXTP];
     kvf_receiver_t *r[MAXTP];
     kvf_failure_t f;
+    kvf_failure_init(&f);
 
     for (int p = 0; p < P; p++)
         side_init(&pre[p], KVF_ROLE_PREFILL, p, P, H, pre_order, transport);

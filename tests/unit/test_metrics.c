@@ -174,6 +174,7 @@ static void room(side_t *pre, side_t *dec, const char *bs, uint64_t id, int how,
     }
     kvf_poll_t ss = wait_sender(s, KVF_POLL_SUCCESS), rs = wait_receiver(r, KVF_POLL_SUCCESS);
     kvf_failure_t f;
+    kvf_failure_init(&f);
     if (want != KVF_OK) {
         CHECK_EQ_INT(ss, KVF_POLL_FAILED);
         CHECK_EQ_INT(rs, KVF_POLL_FAILED);
@@ -282,6 +283,8 @@ static void test_metrics_match_outcomes(void)
     }
     /* Bytes by path: every byte over tcp, as the engine's own totals say. */
     kvf_engine_stats_t ps, ds;
+    kvf_engine_stats_init(&ps);
+    kvf_engine_stats_init(&ds);
     kvf_engine_stats(pre.eng, &ps);
     kvf_engine_stats(dec.eng, &ds);
     CHECK_EQ_INT(valuef(ptext, "kvferry_engine_payload_bytes_total{side=\"prefill\","
@@ -293,6 +296,9 @@ static void test_metrics_match_outcomes(void)
     CHECK(ds.bytes_received >= t.bytes[1]);
     CHECK_EQ_INT(valuef(dtext, "kvferry_engine_heartbeat_losses_total"), 0);
     CHECK_EQ_INT(valuef(ptext, "kvferry_engine_auth_refused_total"), 0);
+    CHECK_EQ_INT(ps.auth_refused, 0);
+    CHECK_EQ_INT(valuef(ptext, "kvferry_engine_stash_dropped_total"), 0);
+    CHECK_EQ_INT(ps.stash_dropped, 0);
     CHECK_EQ_INT(valuef(dtext, "kvferry_engine_reads_in_flight"), 0);
     free(ptext);
     free(dtext);
@@ -414,6 +420,52 @@ static void test_metrics_text_call(void)
     kvf_engine_destroy(s.eng);
 }
 
+/* The engine's metrics text, through the call (malloc'd). */
+static char *metrics_text(kvf_engine_t *eng)
+{
+    size_t need = 0;
+    CHECK_EQ_INT(kvf_engine_metrics(eng, NULL, 0, &need), KVF_ERR_AGAIN);
+    char *b = malloc(need + 4096);         /* room for growth between the calls */
+    CHECK_EQ_INT(kvf_engine_metrics(eng, b, need + 4096, NULL), KVF_OK);
+    return b;
+}
+
+/*
+ * Peers by path: each engine of a pair over `transport` counts its one
+ * peer in the slot that kvf_transport_name() gives that name, and in no
+ * other; the metrics text counts it under the same name.
+ */
+static void peers_by_path(const char *transport)
+{
+    side_t pre, dec;
+    char bs[64];
+
+    clear_env();
+    side_transport = transport;
+    side_pair(&pre, &dec, bs, sizeof(bs), NULL);
+    side_transport = "tcp";
+    CHECK(legit_room(&pre, &dec, bs, 1));
+    for (int k = 0; k < 2; k++) {
+        kvf_engine_t *eng = k ? dec.eng : pre.eng;
+        kvf_engine_stats_t st = engine_stats(eng);
+        CHECK_EQ_INT(st.peers_connected, 1);
+        for (unsigned i = 0; i < KVF_PATHS_MAX; i++) {
+            const char *name = kvf_transport_name(i);
+            CHECK_EQ_INT(st.peers_by_path[i], name != NULL && strcmp(name, transport) == 0);
+        }
+        char *text = metrics_text(eng);
+        CHECK_EQ_INT(valuef(text, "kvferry_engine_peers{kind=\"payload\",path=\"%s\","
+                            "state=\"ready\"}", transport), 1);
+        free(text);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+static void test_peers_by_path_tcp(void) { peers_by_path("tcp"); }
+static void test_peers_by_path_shm(void) { peers_by_path("shm"); }
+
 KVF_TEST_MAIN(KVF_CASE(test_metrics_match_outcomes),
               KVF_CASE(test_metrics_protected_mode),
-              KVF_CASE(test_metrics_text_call))
+              KVF_CASE(test_metrics_text_call),
+              KVF_CASE(test_peers_by_path_tcp), KVF_CASE(test_peers_by_path_shm))

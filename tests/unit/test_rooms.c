@@ -28,7 +28,7 @@
 #include "unit/kvf_sides.h"
 
 /* Room messages an engine dropped as not its rooms' (room.c). */
-static uint64_t dropped(kvf_engine_t *eng) { return kvf_engine_room_msgs_dropped(eng); }
+static uint64_t dropped(kvf_engine_t *eng) { return engine_stats(eng).room_msgs_dropped; }
 
 
 /* What an engine's stash (room messages before their room) holds. */
@@ -54,7 +54,7 @@ static int stash_took(const void *arg)
     kvf__lock(a->eng);
     size_t count = a->eng->stash_count;
     kvf__unlock(a->eng);
-    return count + kvf_engine_stash_dropped(a->eng) >= a->n;
+    return count + engine_stats(a->eng).stash_dropped >= a->n;
 }
 
 static int stash_has_room(const void *arg)
@@ -252,6 +252,7 @@ static void test_reused_id_gets_only_its_own_frames(void)
     kvf_receiver_t *r;
     uint32_t page = 12;
     kvf_failure_t f;
+    kvf_failure_init(&f);
 
     fake_prefill_listen(a, &bs, addr, sizeof(addr));
     side_init(&dec, KVF_ROLE_DECODE, addr, NULL);
@@ -282,6 +283,7 @@ static void test_reused_id_gets_only_its_own_frames(void)
     CHECK(room_bytes_are(&dec, page, 3, 1));
     CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_ERR_AGAIN);
     kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
     kvf_engine_stats(dec.eng, &st);
     CHECK(st.bytes_received == ROOM_BYTES);
 
@@ -311,6 +313,7 @@ static void test_reused_id_real_engines(void)
     kvf_receiver_t *r;
     uint32_t dst = 20, src1 = 3, src2 = 4;
     kvf_failure_t f;
+    kvf_failure_init(&f);
 
     side_tune = puts_held;
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
@@ -416,6 +419,7 @@ static void test_each_byte_counts_once(void)
     kvf_receiver_t *r[NR];
     uint64_t inst[NR] = {0};
     kvf_failure_t f;
+    kvf_failure_init(&f);
 
     fake_prefill_listen(a, &bs, addr, sizeof(addr));
     side_init(&dec, KVF_ROLE_DECODE, addr, NULL);
@@ -789,6 +793,7 @@ static void test_refused_receiver_fails_at_once(void)
     uint32_t dpage = 6;
     kvf_receiver_t *r;
     kvf_failure_t f;
+    kvf_failure_init(&f);
 
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", NULL);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
@@ -859,10 +864,10 @@ static void test_stashes_are_bounded(void)
     count = pre.eng->stash_count;
     bytes = pre.eng->stash_bytes;
     kvf__unlock(pre.eng);
-    CHECK(count + kvf_engine_stash_dropped(pre.eng) == N);
+    CHECK(count + engine_stats(pre.eng).stash_dropped == N);
     CHECK(count <= KVF_STASH_MAX);
     CHECK(bytes <= KVF_STASH_BYTES);
-    CHECK(kvf_engine_stash_dropped(pre.eng) >= N - KVF_STASH_MAX);
+    CHECK(engine_stats(pre.eng).stash_dropped >= N - KVF_STASH_MAX);
 
     /* A room's request after the flood, then its sender: bound, served. */
     for (int b2 = 0; b2 < NKV; b2++)
@@ -918,6 +923,7 @@ static void send_unexpected(void *arg)
 static void check_unexpected(const unexpected_t *u, const char *what)
 {
     kvf_failure_t f;
+    kvf_failure_init(&f);
     CHECK_EQ_INT(u->s != NULL ? kvf_sender_failure(u->s, &f) : kvf_receiver_failure(u->r, &f),
                  KVF_OK);
     CHECK_EQ_INT(f.status, KVF_ERR_PROTOCOL);

@@ -154,6 +154,7 @@ static void check_records(const room_t *rm, int nd, kvf_status_t st, kvf_role_t 
                           int rank, const char *words)
 {
     kvf_failure_t f;
+    kvf_failure_init(&f);
     for (int i = 0; i < rm->nsend + nd; i++) {
         int pre = i < rm->nsend, k = pre ? i : i - rm->nsend;
         kvf_status_t got = pre ? kvf_sender_failure(rm->s[k], &f)
@@ -325,6 +326,7 @@ static void test_a_failure_that_dooms_the_other_side_says_so(void)
     room_t rm;
     engine_opts_t o = {.waiting_timeout_ms = 500};
     kvf_failure_t f;
+    kvf_failure_init(&f);
     cluster_init(&c, 2, 2, 1, &o);
     room_open(&c, &rm, 1009, 0);
     pair1_succeeds(&rm);
@@ -355,6 +357,7 @@ static void test_one_side_failure_keeps_the_other_sides_success(void)
     room_t rm;
     engine_opts_t o = {.decode_faults = "drop-ack", .transfer_timeout_ms = 500};
     kvf_failure_t f;
+    kvf_failure_init(&f);
     cluster_init(&c, 2, 2, 1, &o);
     room_open(&c, &rm, 1006, 0);
     pair1_succeeds(&rm);
@@ -393,6 +396,7 @@ static void test_success_takes_the_kept_cause_when_its_side_failed(void)
     cluster_t c;
     room_t rm;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     const char *why = "decode rank 0 refused the room: no pages left";
     cluster_init(&c, 2, 2, 1, NULL);
     room_open(&c, &rm, 1008, 0);
@@ -427,6 +431,7 @@ static void test_fail_before_linked_reaches_prefill(void)
     kvf_sender_t *s[2];
     kvf_receiver_t *rcv;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     cluster_init(&c, 2, 2, 1, NULL);
     for (int k = 0; k < 2; k++)
         CHECK_EQ_INT(kvf_sender_create(c.pre[k].eng, c.bs, 1010, &s[k]), KVF_OK);
@@ -463,6 +468,7 @@ static void test_fail_before_connected_reaches_prefill(void)
     kvf_sender_t *s[2];
     kvf_receiver_t *warm, *rcv;
     kvf_failure_t f;
+    kvf_failure_init(&f);
     cluster_init(&c, 2, 2, 1, NULL);
     /* Both prefill ranks are in the registry once a room resolves. */
     CHECK_EQ_INT(kvf_receiver_create(c.dec[0].eng, c.bs, 999, -1, &warm), KVF_OK);
@@ -556,6 +562,7 @@ static void test_dp_groups_stay_apart(void)
     room_send(&good, 0, NPAGES);
     CHECK(room_all_failed(&bad, 1));
     kvf_failure_t f;
+    kvf_failure_init(&f);
     CHECK_EQ_INT(kvf_receiver_failure(bad.r[0], &f), KVF_OK);
     CHECK_STR_CONTAINS(f.reason, "prefill rank 0 of DP group 0");
     CHECK_EQ_INT(wait_receiver(good.r[0], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);

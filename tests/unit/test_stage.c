@@ -252,6 +252,7 @@ static void copy_fails(int pre_device, int dec_device)
     char bs[64];
     room_t m;
     kvf_failure_t f;
+    kvf_failure_init(&f);
 
     fake.reset();
     staged_side(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", pre_device);
@@ -339,6 +340,11 @@ static void test_ipc_device_to_device(void)
     CHECK(room_bytes_equal(&m, &pre, &dec));        /* aux too: process_vm_readv */
     CHECK_EQ_INT(fake.copied(), (uint64_t)n * PAGE_B * NKV + STATE_B);   /* once, D2D */
     CHECK(strcmp(kvf_engine_transport(dec.eng), "cuda") == 0);
+    /* The peer counts in the cuda path's slot, none in the stream's. */
+    kvf_engine_stats_t st = engine_stats(dec.eng);
+    CHECK(strcmp(kvf_transport_name(1), "cuda") == 0);
+    CHECK_EQ_INT(st.peers_by_path[1], 1);
+    CHECK_EQ_INT(st.peers_by_path[0], 0);
     room_end(&m);
     side_fini(&dec);
     side_fini(&pre);

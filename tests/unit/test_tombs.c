@@ -15,7 +15,7 @@
 static void bury(kvf_engine_t *eng, uint64_t id, const char *why)
 {
     kvf_room_t r;
-    kvf_failure_t f = {.status = KVF_ERR_ABORTED};
+    kvf_failure_t f = {.size = sizeof(f), .status = KVF_ERR_ABORTED};
     memset(&r, 0, sizeof(r));
     r.eng = eng;
     r.id = id;
