@@ -67,12 +67,15 @@ class RoomEndToEnd(unittest.TestCase):
         stats = self.mgr.stats()
         self.assertEqual(stats["rooms_succeeded"], len(rooms))
         # The one peer, counted under the transport its payload took (one
-        # of those the engine used: "tcp+shm" when bytes went both ways).
+        # of those the engine used: "tcp+shm" when bytes went both ways),
+        # or by now in none: the child exits once its rooms are final, and
+        # a peer counts while it is connected (test_metrics.c counts live
+        # pairs by path).
         paths = stats["peers_by_path"]
         self.assertEqual(list(paths), ["tcp", "cuda", "shm", "ucx"])
-        self.assertEqual(sum(paths.values()), 1, paths)
-        self.assertIn([n for n, c in paths.items() if c][0],
-                      self.mgr.transport.split("+"))
+        self.assertLessEqual(sum(paths.values()), 1, paths)
+        for name in (n for n, c in paths.items() if c):
+            self.assertIn(name, self.mgr.transport.split("+"))
         self.assertEqual(stats["bytes_received"],
                          sum(sizes) * 4 * len(self.mgr.args.kv_data_ptrs) * 32
                          + len(rooms) * (32 + 48))
