@@ -187,6 +187,34 @@ def thread_cpu(pid):
     return out
 
 
+def thread_sched(pid):
+    """Per thread: (ns on a CPU, ns waiting for one, time slices, voluntary
+    and involuntary context switches), from schedstat and status: whether
+    a hot thread ran long once (one big operation, or a vCPU the host took
+    away while it ran) or woke often."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return out
+    for tid in tids:
+        base = "/proc/%d/task/%s/" % (pid, tid)
+        try:
+            with open(base + "schedstat") as f:
+                run, wait, slices = (int(x) for x in f.read().split()[:3])
+            sw = {}
+            with open(base + "status") as f:
+                for line in f:
+                    k, _, v = line.partition(":")
+                    if k.endswith("ctxt_switches"):
+                        sw[k] = int(v)
+        except (OSError, ValueError):
+            continue
+        out[int(tid)] = (run, wait, slices, sw.get("voluntary_ctxt_switches", 0),
+                         sw.get("nonvoluntary_ctxt_switches", 0))
+    return out
+
+
 def memory_kb(pid):
     out = {}
     try:
@@ -746,7 +774,8 @@ class Run:
     def quiet_window(self, c):
         """No rooms for QUIET_S: every live process must be (almost) idle."""
         live = [p for p in self.procs if p.live() and p.key != ("probe", 0)]
-        before = {p: (cpu_seconds("/proc/%d/stat" % p.pid), thread_cpu(p.pid)) for p in live}
+        before = {p: (cpu_seconds("/proc/%d/stat" % p.pid), thread_cpu(p.pid),
+                      thread_sched(p.pid)) for p in live}
         t0 = time.time()
         self.pump(lambda: time.time() - t0 >= QUIET_S, QUIET_S + 5, "the quiet window")
         dt = time.time() - t0
@@ -762,10 +791,21 @@ class Run:
             threads = thread_cpu(p.pid)
             hot = sorted(((threads[t] - before[p][1].get(t, 0.0), t) for t in threads),
                          reverse=True)
-            rows = ["    thread %d: %.2f s of CPU, wchan %s, syscall %s" % (
-                tid, u, read_small("/proc/%d/task/%d/wchan" % (p.pid, tid)),
+            sched = thread_sched(p.pid)
+
+            def ran(tid):
+                a, b = before[p][2].get(tid), sched.get(tid)
+                if a is None or b is None:
+                    return ""
+                d = [y - x for x, y in zip(a, b)]
+                return (", on a CPU %.1f ms in %d slices (waited %.1f ms), %d voluntary "
+                        "and %d involuntary switches" % (d[0] / 1e6, d[2], d[1] / 1e6,
+                                                         d[3], d[4]))
+            rows = ["    thread %d: %.2f s of CPU%s, wchan %s, syscall %s" % (
+                tid, u, ran(tid), read_small("/proc/%d/task/%d/wchan" % (p.pid, tid)),
                 read_small("/proc/%d/task/%d/syscall" % (p.pid, tid)).split(" ")[0])
                 for u, tid in hot[:6]]
+            rows.append("    load average %s" % read_small("/proc/loadavg"))
             fail("cycle %d: %s (pid %d) used %.2f s of CPU in a %.2f s quiet window with "
                  "no rooms (bound %.2f s: an idle engine only ticks); by thread:\n%s\n"
                  "  stacks:\n%s" % (c, p.name, p.pid, used, dt, self.build["quiet_cpu"] * dt,
