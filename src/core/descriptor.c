@@ -147,16 +147,20 @@ kvf_status_t kvf_engine_descriptor(const kvf_engine_t *engine, char *buf, size_t
 }
 
 /* "r/n" with 0 <= r < n <= max. */
+/* Digits only: strtol would also take leading blanks and a sign ("\n-1"). */
 static int parse_coord(const char *v, int max, int *rank, int *size)
 {
     char *end;
+    if (v[0] < '0' || v[0] > '9')
+        return 0;
     long r = strtol(v, &end, 10);
-    if (end == v || *end != '/' || v[0] == '-' || v[0] == '+')
+    if (*end != '/')
         return 0;
     const char *s = end + 1;
+    if (s[0] < '0' || s[0] > '9')
+        return 0;
     long n = strtol(s, &end, 10);
-    if (end == s || *end != '\0' || s[0] == '-' || s[0] == '+' || n < 1 || n > max ||
-        r >= n)
+    if (*end != '\0' || n < 1 || n > max || r >= n)
         return 0;
     *rank = (int)r;
     *size = (int)n;

@@ -814,6 +814,34 @@ static void test_descriptor_addresses(void)
     side_fini(&dec);
 }
 
+/* A rank and size are digits and a slash, nothing else: strtol alone would
+ * take leading blanks and a sign, and a rank of -1 after them (the fuzzer
+ * found "pp=\n-1/2"). */
+static void test_descriptor_coordinates(void)
+{
+    static const char *const refused[] = {
+        "\n-1/2", " 0/2", "-1/2", "+0/2", "0/ 2", "0/+2", "0/\n2", "2/2", "0/0", "0/",
+        "/2", "0/2 ",
+    };
+    char text[KVF_DESCRIPTOR_MAX], err[256];
+    kvf_descriptor_t d;
+
+    for (size_t i = 0; i < sizeof(refused) / sizeof(refused[0]); i++) {
+        snprintf(text, sizeof(text), "kvf1 id=0123456789abcdef addr=127.0.0.1:4000 "
+                 "role=prefill tp=0/1 pp=%s dp=0/1 page=4 dtype=bfloat16 attn=mha heads=4",
+                 refused[i]);
+        err[0] = '\0';
+        CHECK_EQ_INT(kvf__descriptor_parse(text, &d, err, sizeof(err)), KVF_ERR_INVALID_PARAM);
+        CHECK(err[0] != '\0');
+        if (kvf_test_failures_)
+            fprintf(stderr, "  refused[%zu]: %s\n", i, err);
+    }
+    snprintf(text, sizeof(text), "kvf1 id=0123456789abcdef addr=127.0.0.1:4000 "
+             "role=prefill tp=0/1 pp=3/4 dp=0/1 page=4 dtype=bfloat16 attn=mha heads=4");
+    CHECK_EQ_INT(kvf__descriptor_parse(text, &d, err, sizeof(err)), KVF_OK);
+    CHECK(d.pp_rank == 3 && d.pp_size == 4);
+}
+
 /* The documented function: XXH3-128 of the bytes, low half the room,
  * high half the instance.  Pinned, since both sides compute it. */
 static void test_room_key(void)
@@ -846,4 +874,5 @@ KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
               KVF_CASE(test_descriptors_refused_before_dialing),
               KVF_CASE(test_descriptors),
               KVF_CASE(test_descriptor_addresses),
+              KVF_CASE(test_descriptor_coordinates),
               KVF_CASE(test_room_key))
