@@ -367,6 +367,8 @@ for i in R:
         problems.append(f"round {i}: no call-latency result")
 put("calls_ratio", [d["worst_p99_ratio"] for d in calls])
 put("calls_max", [d["worst_max_ms_under_load"] for d in calls])
+put("calls_null99", [d["worst_p99_vs_null"] for d in calls])
+put("calls_null999", [d["worst_p999_vs_null"] for d in calls])
 for t in ("tcp", "shm"):
     put(f"tp11_{t}", col(f"tp11_{t}", lambda d: d["gbps"], t))
     put(f"tp12_{t}", col(f"tp12_{t}", lambda d: d["gbps"], t))
@@ -417,6 +419,8 @@ abs_row("S", "siblings relay TP 2->2: p99 ms, abort -> last rank", "relay2_p99",
 abs_row("S", "siblings relay TP 4->4: p99 ms, abort -> last rank", "relay4_p99", 100, "< 100 ms", "<")
 abs_row(11, "calls under load: worst p99 / idle p99", "calls_ratio", 3.0, "<= 3x", "<=")
 abs_row(11, "calls under load: worst max, ms", "calls_max", 1.0, "<= 1 ms", "<=")
+abs_row(23, "calls under load: worst p99 / null call p99", "calls_null99", 2.0, "<= 2x", "<=")
+abs_row(23, "calls under load: worst p99.9 / null call p99.9", "calls_null999", 4.0, "<= 4x", "<=")
 ratio_row(5, "shm contiguous (4 in flight) / memcpy", "shm", "memcpy", ">= 0.8x", lo=0.8)
 ratio_row(11, "shm, 2 copier threads / memcpy", "shm2", "memcpy", "(2 cores)")
 if ucx:

@@ -13,7 +13,8 @@
  *   --call-latency [--rooms N] [--load-mib M] [--transport NAME]
  *       the latency of every application call (create, init, send, poll,
  *       destroy, both sides) over N one-page rooms, with the engines idle
- *       and then while M MiB rooms stream between them (below).
+ *       and then while M MiB rooms stream between them (below), each
+ *       beside a null call (kvf_null_call) timed at the same moments.
  *
  * The one idea of the second: per-room cost only shows at scale, and one
  * process holding both sides makes the RSS of each phase attributable: the
@@ -365,10 +366,10 @@ out:
  * are in this process, so both sides' calls are measured.
  */
 enum { KVT_C_RCREATE, KVT_C_RINIT, KVT_C_SCREATE, KVT_C_SINIT, KVT_C_SEND, KVT_C_POLL,
-       KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_CALLS };
+       KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_NULL, KVT_CALLS };
 static const char *const kvt_call_names[KVT_CALLS] = {
     "receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
-    "poll", "sender_destroy", "receiver_destroy"
+    "poll", "sender_destroy", "receiver_destroy", "null_call"
 };
 
 typedef struct kvt_samples {
@@ -390,18 +391,44 @@ static int kvt_sample(kvt_samples_t *s, double ms)
     return 0;
 }
 
-/* {"p50":..,"p99":..,"max":..,"n":..} of one call's samples (sorted here). */
-static void kvt_print_calls(kvt_samples_t *c, double *p99, double *max)
+/* The q-quantile of sorted samples. */
+static double kvt_quantile(const kvt_samples_t *s, double q)
+{
+    return s->n ? s->v[(size_t)((double)(s->n - 1) * q)] : 0;
+}
+
+/* {"p50":..,"p99":..,"p999":..,"max":..,"n":..} of each call's samples
+ * (sorted here). */
+static void kvt_print_calls(kvt_samples_t *c, double *p99, double *p999, double *max)
 {
     printf("{");
     for (int k = 0; k < KVT_CALLS; k++) {
         kvt_samples_t *s = &c[k];
         qsort(s->v, s->n, sizeof(double), kvt_cmp_d);
-        double p50 = s->n ? s->v[(s->n - 1) / 2] : 0;
-        p99[k] = s->n ? s->v[(size_t)((double)(s->n - 1) * 0.99)] : 0;
-        max[k] = s->n ? s->v[s->n - 1] : 0;
-        printf("%s\"%s\":{\"p50_ms\":%.4f,\"p99_ms\":%.4f,\"max_ms\":%.4f,\"n\":%zu}",
-               k ? "," : "", kvt_call_names[k], p50, p99[k], max[k], s->n);
+        p99[k] = kvt_quantile(s, 0.99);
+        p999[k] = kvt_quantile(s, 0.999);
+        max[k] = kvt_quantile(s, 1.0);
+        printf("%s\"%s\":{\"p50_ms\":%.4f,\"p99_ms\":%.4f,\"p999_ms\":%.4f,"
+               "\"max_ms\":%.4f,\"n\":%zu}", k ? "," : "", kvt_call_names[k],
+               kvt_quantile(s, 0.5), p99[k], p999[k], max[k], s->n);
+    }
+    printf("}");
+}
+
+/* Each call's p99 and p99.9 as a ratio to the null call's, in one phase:
+ * {"call":{"p99":x,"p999":y},...}; the worst of each into *w99, *w999. */
+static void kvt_print_vs_null(const double *p99, const double *p999, double *w99,
+                              double *w999)
+{
+    printf("{");
+    *w99 = *w999 = 0;
+    for (int k = 0; k < KVT_C_NULL; k++) {
+        double a = p99[KVT_C_NULL] > 0 ? p99[k] / p99[KVT_C_NULL] : 0;
+        double b = p999[KVT_C_NULL] > 0 ? p999[k] / p999[KVT_C_NULL] : 0;
+        printf("%s\"%s\":{\"p99\":%.2f,\"p999\":%.2f}", k ? "," : "", kvt_call_names[k],
+               a, b);
+        *w99 = a > *w99 ? a : *w99;
+        *w999 = b > *w999 ? b : *w999;
     }
     printf("}");
 }
@@ -472,6 +499,15 @@ static double kvt_ms_since(double t)
     return (kvt_now_s() - t) * 1e3;
 }
 
+/* The null call, timed where the call before it was: the same thread, the
+ * same moment's load. */
+static void kvt_null_beside(kvt_samples_t *c)
+{
+    double t = kvt_now_s();
+    kvf_null_call();
+    kvt_sample(&c[KVT_C_NULL], kvt_ms_since(t));
+}
+
 /* n one-page rooms, one after the other, every call timed into c[]. */
 static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
                            uint32_t n, uint64_t id0, kvt_samples_t *c)
@@ -484,27 +520,33 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
         double t = kvt_now_s();
         int bad = kvf_receiver_create(dec->eng, reg, id, -1, &r) != KVF_OK;
         kvt_sample(&c[KVT_C_RCREATE], kvt_ms_since(t));
+        kvt_null_beside(c);
         t = kvt_now_s();
         bad = bad || kvf_receiver_init(r, &page, 1, slot, NULL, 0) != KVF_OK;
         kvt_sample(&c[KVT_C_RINIT], kvt_ms_since(t));
+        kvt_null_beside(c);
         t = kvt_now_s();
         bad = bad || kvf_sender_create(pre->eng, reg, id, &s) != KVF_OK;
         kvt_sample(&c[KVT_C_SCREATE], kvt_ms_since(t));
+        kvt_null_beside(c);
         int stage = 0;    /* 0: wait for WAITING_FOR_INPUT, 1: for SUCCESS */
         double until = kvt_now_s() + 30;
         while (!bad) {
             t = kvt_now_s();
             kvf_poll_t ps = kvf_sender_poll(s), ds = kvf_receiver_poll(r);
             kvt_sample(&c[KVT_C_POLL], kvt_ms_since(t) / 2);
+            kvt_null_beside(c);
             if (ps == KVF_POLL_FAILED || ds == KVF_POLL_FAILED || kvt_now_s() > until) {
                 bad = 1;
             } else if (stage == 0 && ps >= KVF_POLL_WAITING_FOR_INPUT) {
                 t = kvt_now_s();
                 bad = kvf_sender_init(s, 1, slot) != KVF_OK;
                 kvt_sample(&c[KVT_C_SINIT], kvt_ms_since(t));
+                kvt_null_beside(c);
                 t = kvt_now_s();
                 bad = bad || kvf_sender_send(s, &page, 1, 1) != KVF_OK;
                 kvt_sample(&c[KVT_C_SEND], kvt_ms_since(t));
+                kvt_null_beside(c);
                 stage = 1;
             } else if (stage == 1 && ps == KVF_POLL_SUCCESS && ds == KVF_POLL_SUCCESS) {
                 break;
@@ -516,9 +558,11 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
         t = kvt_now_s();
         kvf_sender_destroy(s);
         kvt_sample(&c[KVT_C_SDESTROY], kvt_ms_since(t));
+        kvt_null_beside(c);
         t = kvt_now_s();
         kvf_receiver_destroy(r);
         kvt_sample(&c[KVT_C_RDESTROY], kvt_ms_since(t));
+        kvt_null_beside(c);
         if (bad) {
             fprintf(stderr, "kvferry bench --call-latency: small room %u failed\n", i);
             return -1;
@@ -585,15 +629,21 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, const char *transport)
         goto out;
     }
 
-    double ip99[KVT_CALLS], imax[KVT_CALLS], lp99[KVT_CALLS], lmax[KVT_CALLS];
+    double ip99[KVT_CALLS], ip999[KVT_CALLS], imax[KVT_CALLS];
+    double lp99[KVT_CALLS], lp999[KVT_CALLS], lmax[KVT_CALLS], w99, w999;
     printf("{\"rooms\":%u,\"transport\":\"%s\",\"load_mib\":%u,\"idle\":", n,
            kvf_engine_transport(dec.eng), load_mib);
-    kvt_print_calls(idle, ip99, imax);
+    kvt_print_calls(idle, ip99, ip999, imax);
     printf(",\"load\":");
-    kvt_print_calls(load, lp99, lmax);
+    kvt_print_calls(load, lp99, lp999, lmax);
+    printf(",\"idle_vs_null\":");
+    kvt_print_vs_null(ip99, ip999, &w99, &w999);
+    printf(",\"load_vs_null\":");
+    kvt_print_vs_null(lp99, lp999, &w99, &w999);
+    printf(",\"worst_p99_vs_null\":%.2f,\"worst_p999_vs_null\":%.2f", w99, w999);
     double worst_ratio = 0, worst_max = 0;
     printf(",\"p99_ratio\":{");
-    for (int k = 0; k < KVT_CALLS; k++) {
+    for (int k = 0; k < KVT_C_NULL; k++) {
         double x = ip99[k] > 0 ? lp99[k] / ip99[k] : 0;
         printf("%s\"%s\":%.2f", k ? "," : "", kvt_call_names[k], x);
         worst_ratio = x > worst_ratio ? x : worst_ratio;

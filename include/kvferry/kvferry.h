@@ -1180,6 +1180,15 @@ KVF_API unsigned kvf_engine_streams(const kvf_engine_t *engine);
 KVF_API uint64_t kvf_engine_stream_bytes(kvf_engine_t *engine, unsigned stream);
 
 /**
+ * A call into the library that takes a lock of its own, which nothing else
+ * takes, and returns: the floor under every call's latency on this host.
+ * `kvferry bench --call-latency` times it beside each application call, so
+ * that the operating system's preemption (which this call meets too) and
+ * waiting for an engine (which it never does) are told apart.  Any thread.
+ */
+KVF_API void kvf_null_call(void);
+
+/**
  * The engine's metrics as Prometheus text (exposition format 0.0.4): what
  * its endpoint (kvf_engine_params_t.metrics_addr) serves, for an
  * application that serves its own /metrics.  Every metric is named in

@@ -51,3 +51,23 @@ for k in ("relay_p50_ms", "relay_p99_ms", "relay_max_ms", "first_p50_ms", "first
 print("ok: --relay, TP 4 -> 4: %d/%d rooms relayed to every rank, p99 %.3f ms"
       % (d["relayed"], d["rooms"], d["relay_p99_ms"]))
 ' "$out"
+
+# --call-latency, briefly: every call timed idle and under load, each beside
+# the null call, and their ratios to it reported (figures, not a target).
+out=$(timeout 120 "$KVFERRY" bench --call-latency --rooms 50 --load-mib 8 --transport tcp)
+python3 -c '
+import json, numbers, sys
+d = json.loads(sys.argv[1])
+calls = ("receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
+         "poll", "sender_destroy", "receiver_destroy")
+for phase in ("idle", "load"):
+    assert d[phase]["null_call"]["n"] >= 8 * 50, (phase, d[phase]["null_call"])
+    for c in calls + ("null_call",):
+        e = d[phase][c]
+        assert e["n"] >= 50 and 0 <= e["p50_ms"] <= e["p99_ms"] <= e["p999_ms"] <= e["max_ms"], (phase, c, e)
+    for c in calls:
+        r = d[phase + "_vs_null"][c]
+        assert isinstance(r["p99"], numbers.Number) and r["p99"] > 0, (phase, c, r)
+assert d["worst_p99_vs_null"] == max(d["load_vs_null"][c]["p99"] for c in calls), d
+print("ok: --call-latency: worst p99 under load %.0fx the null call" % d["worst_p99_vs_null"])
+' "$out"
