@@ -13,7 +13,9 @@
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 
 #include "bootstrap/bootstrap.h"
 #include "core/engine.h"
@@ -24,6 +26,15 @@
 #include "unit/kvf_sides.h"
 #include "util/time.h"
 #include "wire/wire.h"
+
+/* A sanitizer's allocator reserves far more address space than it uses. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KVF_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVF_TEST_SANITIZED 1
+#endif
+#endif
 
 /* Engine settings of the next side (tests change them); every case runs
  * over tcp, then shm (side_transport). */
@@ -591,6 +602,53 @@ static void test_fault_spec_room(void)
     CHECK_STR_CONTAINS(err, "KIND/ROOM");
     CHECK_EQ_INT(kvf_transport_faults_parse("reset@5x/1", &fs, err, sizeof(err)),
                  KVF_ERR_INVALID_PARAM);
+}
+
+/*
+ * Out of memory while parsing a spec: err says what ran out, since the
+ * caller prints it.  The memory runs out for real, in a child whose
+ * address space is capped a little above what it uses, asked to parse a
+ * 64 MiB spec (the parser copies it first).
+ */
+static void test_fault_spec_out_of_memory(void)
+{
+#ifdef KVF_TEST_SANITIZED
+    printf("SKIP test_fault_spec_out_of_memory: a sanitizer's allocator needs the "
+           "address space this test caps\n");
+#else
+    size_t big = 64u << 20;
+    char *spec = malloc(big + 1);
+    CHECK(spec != NULL);
+    if (spec == NULL)
+        return;
+    memset(spec, 'x', big);
+    spec[big] = '\0';
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        kvf_faults_t *fs = NULL;
+        char err[256] = "";
+        unsigned long pages = 0;
+        struct rlimit rl;
+        FILE *f = fopen("/proc/self/statm", "r");
+        if (f == NULL || fscanf(f, "%lu", &pages) != 1 || getrlimit(RLIMIT_AS, &rl) != 0)
+            _exit(10);
+        fclose(f);
+        rl.rlim_cur = pages * (unsigned long)sysconf(_SC_PAGESIZE) + (16u << 20);
+        if (setrlimit(RLIMIT_AS, &rl) != 0)
+            _exit(11);
+        kvf_status_t st = kvf_transport_faults_parse(spec, &fs, err, sizeof(err));
+        if (st != KVF_ERR_NO_MEMORY)
+            _exit(12);
+        _exit(strstr(err, "out of memory") != NULL ? 0 : 13);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    /* 12: no allocation failed; 13: it did, and err was left empty. */
+    CHECK(WIFEXITED(status));
+    CHECK_EQ_INT(WEXITSTATUS(status), 0);
+    free(spec);
+#endif
 }
 
 /*
@@ -1559,6 +1617,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
+              KVF_CASE(test_fault_spec_out_of_memory),
               KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
               KVF_CASE(test_reset_with_puts_queued), KVF_CASE(test_resume_of_unread_request),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_lost_ack_is_said_again),
