@@ -652,6 +652,36 @@ static void test_fault_spec_out_of_memory(void)
 }
 
 /*
+ * kvf_mem_alloc's KVF_ERR_IO, as kvferry.h documents it: a memfd it cannot
+ * make read-only for peers.  A child whose descriptor limit leaves one
+ * free gets its memfd, but not the read-only reopening; kvf_last_error()
+ * says which step failed.
+ */
+static void test_mem_alloc_io_error(void)
+{
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        struct rlimit rl;
+        void *p = NULL;
+        int lowest = dup(0);           /* every descriptor below it is taken */
+        if (lowest < 0 || close(lowest) != 0 || getrlimit(RLIMIT_NOFILE, &rl) != 0)
+            _exit(10);
+        rl.rlim_cur = (rlim_t)lowest + 1;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+            _exit(11);
+        kvf_status_t st = kvf_mem_alloc(1 << 20, &p);
+        if (st != KVF_ERR_IO || p != NULL)
+            _exit(12);
+        _exit(strstr(kvf_last_error(), "read-only") != NULL ? 0 : 13);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status));
+    CHECK_EQ_INT(WEXITSTATUS(status), 0);
+}
+
+/*
  * A mover read that fails (KVF_FAULTS=readfail at the decode engine, the
  * fault mover wrapping the real endpoint) fails its room alone, with the
  * read's reason: the endpoint and the peer stay.
@@ -1618,6 +1648,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
               KVF_CASE(test_fault_spec_out_of_memory),
+              KVF_CASE(test_mem_alloc_io_error),
               KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
               KVF_CASE(test_reset_with_puts_queued), KVF_CASE(test_resume_of_unread_request),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_lost_ack_is_said_again),
