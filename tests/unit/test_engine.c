@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -1540,6 +1541,70 @@ static void test_device_memory_refused(void)
     kvf_engine_destroy(eng);
 }
 
+/* Descriptors this process has open (the directory's own included). */
+static int open_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return -1;
+    for (struct dirent *e; (e = readdir(d)) != NULL;)
+        n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+/*
+ * An engine create that runs out of descriptors at any step (its
+ * listener, lane 0's epoll set or eventfd, a later lane's) closes what it
+ * had opened.  A child allows one more descriptor at a time until the
+ * create of a four-lane engine succeeds, and counts its own after each
+ * failure.  (Lane threads that fail to start cannot be made to here:
+ * RLIMIT_NPROC does not bind root, and counts all of a user's processes.)
+ */
+static void test_failed_create_closes_its_descriptors(void)
+{
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        kvf_engine_params_t p;
+        kvf_engine_t *eng;
+        struct rlimit old, rl;
+        kvf_engine_params_init(&p);
+        p.role = KVF_ROLE_DECODE;
+        p.transport = "tcp";
+        p.streams = 4;
+        /* Whatever a first engine opens for the process's life is in the base. */
+        if (kvf_engine_create(&p, &eng) != KVF_OK)
+            _exit(10);
+        kvf_engine_destroy(eng);
+        int base = open_fds(), lowest = dup(0);
+        if (base < 0 || lowest < 0 || close(lowest) != 0 || getrlimit(RLIMIT_NOFILE, &old) != 0)
+            _exit(11);
+        for (int extra = 1; extra < 64; extra++) {
+            rl = old;
+            rl.rlim_cur = (rlim_t)(lowest + extra);
+            if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+                _exit(12);
+            kvf_status_t st = kvf_engine_create(&p, &eng);
+            setrlimit(RLIMIT_NOFILE, &old);
+            if (st == KVF_OK) {
+                unsigned lanes = kvf_engine_streams(eng);
+                kvf_engine_destroy(eng);
+                /* 13: a leak by a create that succeeded; 14: nothing failed */
+                _exit(open_fds() != base ? 13 : extra == 1 || lanes != 4 ? 14 : 0);
+            }
+            if (open_fds() != base)
+                _exit(20 + extra);     /* which step leaked */
+        }
+        _exit(15);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status));
+    CHECK_EQ_INT(WEXITSTATUS(status), 0);
+}
+
 static void test_status_strings(void)
 {
     CHECK(strcmp(kvf_status_name(KVF_ERR_TIMED_OUT), "KVF_ERR_TIMED_OUT") == 0);
@@ -1649,6 +1714,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
               KVF_CASE(test_fault_spec_out_of_memory),
               KVF_CASE(test_mem_alloc_io_error),
+              KVF_CASE(test_failed_create_closes_its_descriptors),
               KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
               KVF_CASE(test_reset_with_puts_queued), KVF_CASE(test_resume_of_unread_request),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_lost_ack_is_said_again),
