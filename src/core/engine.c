@@ -5,6 +5,7 @@
  * movers, plus a 50 ms tick for heartbeats and room deadlines; lane k >= 1's
  * loops over its own eventfd and stream k of every peer (streams.c).
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -181,6 +182,7 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
     eng->ev_copier = KVF_EV_COPIER;
     eng->room_ops = full->role == KVF_ROLE_PREFILL ? &kvf_sender_room_ops
                                                    : &kvf_receiver_room_ops;
+    assert(eng->room_ops->side == full->role && kvf__room_ops_missing(eng->room_ops) == NULL);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
     kvf__sync_init(&eng->sync);

@@ -219,6 +219,13 @@ typedef struct kvf_room_ops {
 extern const kvf_room_ops_t kvf_sender_room_ops;     /* sender.c */
 extern const kvf_room_ops_t kvf_receiver_room_ops;   /* receiver.c */
 
+/* The first op of `ops` that room.c or peer.c calls without a NULL test
+ * (a decode op only in a decode table) and that is NULL, or "size" for a
+ * size too small for a room; NULL when the table is whole.  Engine create
+ * asserts it of the engine's table, so a side that forgot an op fails in
+ * every debug test run, not at the first message that needs it. */
+const char *kvf__room_ops_missing(const kvf_room_ops_t *ops);
+
 struct kvf_room {
     kvf_engine_t    *eng;
     uint64_t         id;
