@@ -304,6 +304,10 @@ static void metric_counters(out_t *o, const snap_t *s)
     head(o, "kvferry_engine_stash_dropped_total", "counter",
          "Prefill: messages kept for rooms without a sender yet, dropped to stay bounded.");
     put(o, "kvferry_engine_stash_dropped_total %" PRIu64 "\n", s->stash_dropped);
+    head(o, "kvferry_engine_acks_repeated_total", "counter",
+         "Decode: DONE_ACKs said again to a prefill rank on a new connection, after the "
+         "one they were first sent on reset before the prefill rank confirmed them.");
+    put(o, "kvferry_engine_acks_repeated_total %" PRIu64 "\n", s->m.acks_repeated);
     head(o, "kvferry_engine_reads_in_flight", "gauge",
          "Decode: reads of a mover (shm, ucx, cuda) or staged copies into room pages "
          "in flight now.");

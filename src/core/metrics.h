@@ -54,6 +54,7 @@ typedef struct kvf_metrics {
     kvf_hist_t room_bytes;                   /* a succeeded room's payload */
     uint64_t   path_bytes[KVF_PATHS];
     uint64_t   heartbeat_losses;             /* peers that went silent */
+    uint64_t   acks_repeated;                /* DONE_ACKs said again (acks.c) */
 } kvf_metrics_t;
 
 struct kvf_room;

@@ -642,7 +642,10 @@ void kvf__siblings_tick(kvf_room_t *r, uint64_t now);
 void kvf__siblings_free(kvf_room_t *r);
 
 /* acks.c: decode, the DONE_ACKs of push links until the prefill rank
- * confirms them, said again on a new connection after a reset. */
+ * confirms them, said again on a new connection after a reset.  At most
+ * KVF_ACKS_OWED per peer (a new one drops the oldest), none kept past two
+ * heartbeat timeouts. */
+#define KVF_ACKS_OWED 256
 /* One answered on p (after it was sent). */
 void kvf__acks_owe(kvf_peer_t *p, uint64_t room, uint64_t instance, uint64_t bytes);
 /* A DONE_ACK from prefill peer p: the confirmation of one owed?  @return

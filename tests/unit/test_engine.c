@@ -1488,6 +1488,15 @@ static void test_lost_ack_is_said_again(void)
     if (ps != KVF_POLL_SUCCESS)
         fprintf(stderr, "  prefill side: %s\n", pf.reason);
     CHECK_EQ_INT(ps, KVF_POLL_SUCCESS);
+    /* The decode engine counts what it said again: over tcp (a push link)
+     * the lost DONE_ACK; a pulled room's link confirms it another way. */
+    char text[32768];
+    static const char name[] = "\nkvferry_engine_acks_repeated_total ";
+    CHECK_EQ_INT(kvf_engine_metrics(dec.eng, text, sizeof(text), NULL), KVF_OK);
+    const char *line = strstr(text, name);
+    CHECK(line != NULL);
+    if (line != NULL && strcmp(side_transport, "tcp") == 0)
+        CHECK(strtoull(line + strlen(name), NULL, 10) >= 1);
     kvf_sender_destroy(s);
     side_fini(&dec);
     side_fini(&pre);
