@@ -650,7 +650,16 @@ KVF_API kvf_status_t kvf_engine_register_layout(kvf_engine_t *engine,
  * or several that tile it) is shared: a peer could map all of it, so one
  * registered in part is read the slower way (the engine warns).  Any
  * memory works with every transport; this is only faster.  Zeroed,
- * page-aligned.  @return KVF_OK, KVF_ERR_INVALID_PARAM, KVF_ERR_NO_MEMORY.
+ * page-aligned.
+ *
+ * @return KVF_OK; KVF_ERR_INVALID_PARAM (len 0, ptr_p NULL);
+ *         KVF_ERR_NO_MEMORY (no memfd, or no memory behind it: memfd_create,
+ *         ftruncate or mmap failed); KVF_ERR_IO (the memfd could not be
+ *         made read-only for peers: sealing it needs Linux 5.1, and reopening
+ *         it read-only needs /proc and a free descriptor; memory from
+ *         malloc or mmap serves instead, read the slower way).  On an error
+ *         nothing is allocated, and the log and kvf_last_error() name the
+ *         step that failed with its errno text.
  */
 KVF_API kvf_status_t kvf_mem_alloc(size_t len, void **ptr_p);
 

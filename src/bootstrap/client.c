@@ -158,6 +158,16 @@ static kvf_status_t bs_url(const char *addr, const char *target, char *url,
     return KVF_OK;
 }
 
+/* Free a request's headers, wiping them first: curl_slist_append copied
+ * the Authorization header, token and all, onto the heap. */
+static void free_headers(struct curl_slist *hdrs)
+{
+    for (struct curl_slist *h = hdrs; h != NULL; h = h->next)
+        if (h->data != NULL)
+            OPENSSL_cleanse(h->data, strlen(h->data));
+    curl_slist_free_all(hdrs);
+}
+
 /* A JSON body sent with `method`, with the token's Authorization header
  * when there is one: 0, or -1 when out of memory (*hdrs_p, whatever it
  * holds, is the caller's to free). */
@@ -253,8 +263,8 @@ static kvf_status_t bs_http(const char *addr, const char *method,
         st = bs_result(c, curl_easy_perform(c), resp, addr, method, target,
                        tmo, cerr, err, errlen);
     }
-    curl_slist_free_all(hdrs);
-    curl_easy_cleanup(c);
+    curl_easy_cleanup(c);        /* before the headers it points at */
+    free_headers(hdrs);
     if (st != KVF_OK) {
         free(resp->body);
         memset(resp, 0, sizeof(*resp));

@@ -304,6 +304,8 @@ static void on_completed(void *cls, struct MHD_Connection *conn,
     if (rc != NULL) {
         free(rc->body);
         free(rc->query);
+        if (rc->auth != NULL)         /* a bearer token, when the client sent one */
+            OPENSSL_cleanse(rc->auth, strlen(rc->auth));
         free(rc->auth);
         free(rc);
         *con_cls = NULL;

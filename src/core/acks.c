@@ -29,8 +29,6 @@
 #include "util/log.h"
 #include "util/time.h"
 
-#define KVF_ACKS_OWED 256
-
 typedef struct kvf_owed {
     uint64_t room, instance, bytes;
     uint64_t t_ms;          /* when it was first said */
@@ -155,8 +153,10 @@ static void say_again(kvf_engine_t *eng, struct kvf_reack *ra, uint64_t now)
         m.u.done_ack.instance = o->instance;
         m.u.done_ack.status = KVF_OK;
         m.u.done_ack.bytes = o->bytes;
-        if (kvf__peer_send_soon(p, &m))
+        if (kvf__peer_send_soon(p, &m)) {
+            eng->metrics.acks_repeated++;
             push(p, o);
+        }
     }
 }
 

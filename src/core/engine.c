@@ -5,6 +5,7 @@
  * movers, plus a 50 ms tick for heartbeats and room deadlines; lane k >= 1's
  * loops over its own eventfd and stream k of every peer (streams.c).
  */
+#include <assert.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -181,6 +182,7 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
     eng->ev_copier = KVF_EV_COPIER;
     eng->room_ops = full->role == KVF_ROLE_PREFILL ? &kvf_sender_room_ops
                                                    : &kvf_receiver_room_ops;
+    assert(eng->room_ops->side == full->role && kvf__room_ops_missing(eng->room_ops) == NULL);
     for (int i = 0; i < KVF_MAX_MOVERS; i++)
         eng->mover_ev[i] = (kvf_mover_ev_t){KVF_EV_MOVER, i};
     kvf__sync_init(&eng->sync);
@@ -289,27 +291,59 @@ static kvf_status_t engine_open_lanes(kvf_engine_t *eng)
     return KVF_OK;
 }
 
-/* The resolver, lane 0's progress thread and the other lanes' threads: the
- * last step, since a lane that cannot start only lowers the stream count. */
+/* Lanes from k on will not run: their epoll sets and eventfds go now. */
+static void close_lanes_from(kvf_engine_t *eng, unsigned k)
+{
+    for (; k < KVF_MAX_STREAMS; k++) {
+        if (eng->lanes[k].epfd >= 0)
+            close(eng->lanes[k].epfd);
+        if (eng->sync.wakefd[k] >= 0)
+            close(eng->sync.wakefd[k]);
+        eng->lanes[k].epfd = eng->sync.wakefd[k] = -1;
+    }
+}
+
+/* Stop and join the lanes k >= 1 that started (create failed after them). */
+static void stop_lanes(kvf_engine_t *eng)
+{
+    kvf__lock(eng);
+    eng->stopping = 1;
+    kvf__unlock(eng);
+    for (unsigned k = 1; k < KVF_MAX_STREAMS; k++)
+        if (eng->lanes[k].started) {
+            kvf__lane_wake(eng, k);
+            pthread_join(eng->lanes[k].thread, NULL);
+            eng->lanes[k].started = 0;
+        }
+}
+
+/*
+ * The lanes k >= 1 first, then the resolver and lane 0's progress thread:
+ * the last step, since a lane that cannot start only lowers the stream
+ * count, and that count must be settled before lane 0 runs (it offers
+ * peers that many streams, and hands stream k to lane k).  A failure
+ * after some lanes started stops and joins them before it returns.
+ */
 static kvf_status_t engine_start_threads(kvf_engine_t *eng)
 {
-    kvf_status_t st = kvf__resolver_start_unlocked(eng);
-    if (st != KVF_OK)
-        return st;
-    if (pthread_create(&eng->progress_thread, NULL, progress_main, eng) != 0) {
-        kvf_error("cannot start the progress thread");
-        kvf__resolver_stop(eng);
-        return KVF_ERR_NO_MEMORY;
-    }
     for (unsigned k = 1; k < eng->nlanes; k++) {
         if (pthread_create(&eng->lanes[k].thread, NULL, lane_main, &eng->lanes[k]) != 0) {
             kvf_error("cannot start progress thread %u; this engine uses %u streams", k, k);
+            close_lanes_from(eng, k);
             eng->nlanes = k;
             break;
         }
         eng->lanes[k].started = 1;
     }
-    return KVF_OK;
+    kvf_status_t st = kvf__resolver_start_unlocked(eng);
+    if (st == KVF_OK && pthread_create(&eng->progress_thread, NULL, progress_main, eng) != 0) {
+        kvf_error("cannot start the progress thread");
+        kvf__resolver_stop(eng);
+        st = KVF_ERR_NO_MEMORY;
+    }
+    if (st != KVF_OK)
+        stop_lanes(eng);
+    return st;
 }
 
 kvf_status_t kvf_engine_create(const kvf_engine_params_t *caller_params,

@@ -45,19 +45,20 @@ static void hist_add(kvf_hist_t *h, double v, int bytes)
 
 unsigned kvf__metrics_path(const kvf_mover_ops_t *ops, int staged)
 {
-    if (staged)
-        return KVF_PATH_STAGED;
-    int i = ops != NULL ? kvf_mover_index(ops) : -1;
-    return i < 0 ? KVF_PATH_TCP : KVF_PATH_MOVER0 + (unsigned)i;
+    return staged ? KVF_PATH_STAGED : kvf_mover_path(ops);
 }
 
+/* A path's `path` label: the transport's own name, or "staged". */
 static const char *path_name(unsigned path)
 {
-    if (path == KVF_PATH_TCP)
-        return kvf_control_ops->name;     /* the control stream's own transport */
-    if (path == KVF_PATH_STAGED)
-        return "staged";
-    return kvf_movers[path - KVF_PATH_MOVER0]->name;
+    return path == KVF_PATH_STAGED ? "staged" : kvf_transport_name(path);
+}
+
+/* Whether this build has transport path i (tcp always: the control stream). */
+static int path_built(unsigned i)
+{
+    const char *name = kvf_transport_name(i);
+    return i == KVF_PATH_TCP || (name != NULL && kvf_mover_find(name, strlen(name)) != NULL);
 }
 
 void kvf__metrics_room_final(kvf_room_t *r, const kvf_failure_t *f, int reversed)
@@ -260,10 +261,11 @@ static void metric_paths(out_t *o, const snap_t *s, const char *side, int prefil
     head(o, "kvferry_engine_payload_bytes_total", "counter",
          "KV payload bytes sent (prefill) or placed (decode), by path: tcp (in the "
          "stream), staged (device memory through bounce buffers), or a mover.");
-    for (unsigned p = 0; p < KVF_PATH_MOVER0 || kvf_movers[p - KVF_PATH_MOVER0] != NULL; p++)
-        put(o, "kvferry_engine_payload_bytes_total{side=\"%s\",direction=\"%s\","
-            "path=\"%s\"} %" PRIu64 "\n", side, prefill ? "sent" : "received",
-            path_name(p), s->m.path_bytes[p]);
+    for (unsigned p = 0; p < KVF_PATHS; p++)
+        if (p == KVF_PATH_STAGED || path_built(p))
+            put(o, "kvferry_engine_payload_bytes_total{side=\"%s\",direction=\"%s\","
+                "path=\"%s\"} %" PRIu64 "\n", side, prefill ? "sent" : "received",
+                path_name(p), s->m.path_bytes[p]);
 }
 
 static void metric_peers(out_t *o, const snap_t *s)
@@ -280,9 +282,8 @@ static void metric_peers(out_t *o, const snap_t *s)
                     s->peers[k][st][0]);
                 continue;
             }
-            for (unsigned p = 0; p < KVF_PATH_MOVER0 || kvf_movers[p - KVF_PATH_MOVER0];
-                 p++)
-                if (p != KVF_PATH_STAGED)
+            for (unsigned p = 0; p < KVF_PATHS_MAX; p++)
+                if (path_built(p))
                     put(o, "kvferry_engine_peers{kind=\"payload\",path=\"%s\",state=\"ready\"} "
                         "%" PRIu64 "\n", path_name(p), s->peers[0][st][p]);
         }
@@ -304,6 +305,10 @@ static void metric_counters(out_t *o, const snap_t *s)
     head(o, "kvferry_engine_stash_dropped_total", "counter",
          "Prefill: messages kept for rooms without a sender yet, dropped to stay bounded.");
     put(o, "kvferry_engine_stash_dropped_total %" PRIu64 "\n", s->stash_dropped);
+    head(o, "kvferry_engine_acks_repeated_total", "counter",
+         "Decode: DONE_ACKs said again to a prefill rank on a new connection, after the "
+         "one they were first sent on reset before the prefill rank confirmed them.");
+    put(o, "kvferry_engine_acks_repeated_total %" PRIu64 "\n", s->m.acks_repeated);
     head(o, "kvferry_engine_reads_in_flight", "gauge",
          "Decode: reads of a mover (shm, ucx, cuda) or staged copies into room pages "
          "in flight now.");

@@ -29,12 +29,13 @@ typedef struct kvf_hist {
 } kvf_hist_t;
 
 /*
- * Payload paths: how a room's bytes moved.  tcp is the control stream
- * (host memory), staged the same stream through pinned bounce buffers
- * (device memory), then one per mover of kvf_movers[] (shm, ucx, cuda).
+ * Payload paths: how a room's bytes moved, by the public path index
+ * (kvf_transport_name: 0 the control stream, tcp, from host memory; then
+ * cuda, shm, ucx), and one path that is no transport: staged, the control
+ * stream through pinned bounce buffers (device memory), after them.
  */
-enum { KVF_PATH_TCP = 0, KVF_PATH_STAGED = 1, KVF_PATH_MOVER0 = 2 };
-#define KVF_PATHS (KVF_PATH_MOVER0 + KVF_MAX_MOVERS)
+enum { KVF_PATH_TCP = 0, KVF_PATH_STAGED = KVF_PATHS_MAX };
+#define KVF_PATHS (KVF_PATHS_MAX + 1)
 
 /* Failure statuses counted by code: -status below this, the rest as "other"
  * (a peer's record may carry any number). */
@@ -54,6 +55,7 @@ typedef struct kvf_metrics {
     kvf_hist_t room_bytes;                   /* a succeeded room's payload */
     uint64_t   path_bytes[KVF_PATHS];
     uint64_t   heartbeat_losses;             /* peers that went silent */
+    uint64_t   acks_repeated;                /* DONE_ACKs said again (acks.c) */
 } kvf_metrics_t;
 
 struct kvf_room;

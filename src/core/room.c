@@ -463,6 +463,32 @@ kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const 
 /* Creation and destruction (both sides)                                     */
 /* ------------------------------------------------------------------------ */
 
+const char *kvf__room_ops_missing(const kvf_room_ops_t *o)
+{
+    /* Called by room.c and peer.c without a NULL test (room.h says which
+     * may be NULL: init, destroyed, peer_ready, read_take). */
+    const struct { const char *name; int set; } need[] = {
+        {"on_msg", o->on_msg != NULL},           {"free", o->free != NULL},
+        {"instance_for", o->instance_for != NULL}, {"fail_key", o->fail_key != NULL},
+        {"doomed_side", o->doomed_side != NULL}, {"retry_at", o->retry_at != NULL},
+        {"tick", o->tick != NULL},               {"deadline_detail", o->deadline_detail != NULL},
+    };
+    /* The decode ops: called only for a prefill peer, so on a decode engine. */
+    const struct { const char *name; int set; } decode[] = {
+        {"on_data", o->on_data != NULL},         {"on_data_end", o->on_data_end != NULL},
+        {"on_data_ref", o->on_data_ref != NULL}, {"release_rx", o->release_rx != NULL},
+    };
+    if (o->size < sizeof(kvf_room_t))
+        return "size";
+    for (size_t i = 0; i < sizeof(need) / sizeof(need[0]); i++)
+        if (!need[i].set)
+            return need[i].name;
+    for (size_t i = 0; o->side == KVF_ROLE_DECODE && i < sizeof(decode) / sizeof(decode[0]); i++)
+        if (!decode[i].set)
+            return decode[i].name;
+    return NULL;
+}
+
 kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                               kvf_room_t **room_p)
 {

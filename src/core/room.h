@@ -219,6 +219,13 @@ typedef struct kvf_room_ops {
 extern const kvf_room_ops_t kvf_sender_room_ops;     /* sender.c */
 extern const kvf_room_ops_t kvf_receiver_room_ops;   /* receiver.c */
 
+/* The first op of `ops` that room.c or peer.c calls without a NULL test
+ * (a decode op only in a decode table) and that is NULL, or "size" for a
+ * size too small for a room; NULL when the table is whole.  Engine create
+ * asserts it of the engine's table, so a side that forgot an op fails in
+ * every debug test run, not at the first message that needs it. */
+const char *kvf__room_ops_missing(const kvf_room_ops_t *ops);
+
 struct kvf_room {
     kvf_engine_t    *eng;
     uint64_t         id;
@@ -635,7 +642,10 @@ void kvf__siblings_tick(kvf_room_t *r, uint64_t now);
 void kvf__siblings_free(kvf_room_t *r);
 
 /* acks.c: decode, the DONE_ACKs of push links until the prefill rank
- * confirms them, said again on a new connection after a reset. */
+ * confirms them, said again on a new connection after a reset.  At most
+ * KVF_ACKS_OWED per peer (a new one drops the oldest), none kept past two
+ * heartbeat timeouts. */
+#define KVF_ACKS_OWED 256
 /* One answered on p (after it was sent). */
 void kvf__acks_owe(kvf_peer_t *p, uint64_t room, uint64_t instance, uint64_t bytes);
 /* A DONE_ACK from prefill peer p: the confirmation of one owed?  @return

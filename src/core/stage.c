@@ -2,6 +2,7 @@
  * Staging through pinned host memory (stage.h): the prefill's staged put
  * and the engine's pool of bounce buffers.
  */
+#include <assert.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -219,6 +220,12 @@ static int take_segment(stage_put_t *sp, const slot_t *s, uint64_t payload,
     uint32_t cnt = kvf_wire_seg_pieces(seg), fit = cnt;
     uint64_t room = SLOT_BYTES - payload;
     if (cnt > 1) {
+        /* Pieces come only from a head slice (sender.c, next_kv): a piece
+         * is nheads x bytes_per_head (x page_size), nheads >= 1 heads this
+         * rank feeds (parallel.c, kvf__plan_slice), and bytes_per_head >= 1
+         * since layout.c refuses an item_bytes of 0 or one that is not a
+         * multiple of page_size x heads_per_rank (copy_bufs, check_heads). */
+        assert(seg->len > 0);
         uint64_t by_bytes = room / seg->len;
         fit = SLOT_PIECES - s->pieces;
         fit = by_bytes < fit ? (uint32_t)by_bytes : fit;

@@ -228,8 +228,8 @@ extern const kvf_transport_ops_t kvf_tcp_ops;
  * faults are per engine: `kvf_faults_t` counts payload bytes over all its
  * connections.
  *
- * kvf_transport_faults_parse: @return KVF_OK; KVF_ERR_INVALID_PARAM with
- * why in err; KVF_ERR_NO_MEMORY.
+ * kvf_transport_faults_parse: @return KVF_OK; KVF_ERR_INVALID_PARAM or
+ * KVF_ERR_NO_MEMORY, with why in err.
  * kvf_transport_faults_free: NULL is a no-op.
  */
 typedef struct kvf_faults kvf_faults_t;

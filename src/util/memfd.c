@@ -51,8 +51,10 @@ static int seal_read_only(int fd, size_t len)
 
 kvf_status_t kvf_mem_alloc(size_t len, void **ptr_p)
 {
-    if (len == 0 || ptr_p == NULL)
+    if (len == 0 || ptr_p == NULL) {
+        kvf_error("kvf_mem_alloc: %s", len == 0 ? "len is 0" : "ptr_p is NULL");
         return KVF_ERR_INVALID_PARAM;
+    }
     int fd = memfd_create("kvferry-kv", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) {
         kvf_error("memfd_create: %m");
@@ -72,7 +74,7 @@ kvf_status_t kvf_mem_alloc(size_t len, void **ptr_p)
         return KVF_ERR_NO_MEMORY;
     }
     int ro_fd = seal_read_only(fd, len);
-    if (ro_fd < 0) {
+    if (ro_fd < 0) {      /* not memory: the kernel or /proc (kvferry.h says) */
         munmap(p, len);
         close(fd);
         return KVF_ERR_IO;
@@ -85,6 +87,7 @@ kvf_status_t kvf_mem_alloc(size_t len, void **ptr_p)
     }
     pthread_mutex_unlock(&regions_lock);
     if (r == NULL) {
+        kvf_error("kvf_mem_alloc: no memory to record a %zu-byte region", len);
         munmap(p, len);
         close(fd);
         close(ro_fd);

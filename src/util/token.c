@@ -72,11 +72,10 @@ static kvf_status_t check_token(const char *tok, size_t n, const char *from,
     return KVF_OK;
 }
 
-/* KVF_AUTH_TOKEN_FILE: its permissions, then its contents. */
-static kvf_status_t load_file(const char *path, char *out, size_t len,
-                              const char *from, char *err, size_t errlen)
+/* KVF_AUTH_TOKEN_FILE: its permissions, then up to cap bytes of it. */
+static kvf_status_t read_file(const char *path, char *buf, size_t cap, size_t *n_p,
+                              char *err, size_t errlen)
 {
-    char buf[KVF_TOKEN_MAX + 3];
     struct stat sb;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
 
@@ -108,7 +107,7 @@ static kvf_status_t load_file(const char *path, char *out, size_t len,
                  (unsigned)(sb.st_mode & 07777));
     size_t n = 0;
     for (;;) {
-        ssize_t r = read(fd, buf + n, sizeof(buf) - n);
+        ssize_t r = read(fd, buf + n, cap - n);
         if (r < 0 && errno == EINTR)
             continue;
         if (r < 0) {
@@ -117,16 +116,31 @@ static kvf_status_t load_file(const char *path, char *out, size_t len,
             close(fd);
             return KVF_ERR_IO;
         }
-        if (r == 0 || (n += (size_t)r) == sizeof(buf))
+        if (r == 0 || (n += (size_t)r) == cap)
             break;
     }
     close(fd);
-    /* One trailing newline (LF or CRLF), as `echo` and editors leave it. */
-    if (n > 0 && buf[n - 1] == '\n')
-        n--;
-    if (n > 0 && buf[n - 1] == '\r')
-        n--;
-    return check_token(buf, n, from, out, len, err, errlen);
+    *n_p = n;
+    return KVF_OK;
+}
+
+/* The file's bytes pass through buf on the stack: wiped before return. */
+static kvf_status_t load_file(const char *path, char *out, size_t len,
+                              const char *from, char *err, size_t errlen)
+{
+    char buf[KVF_TOKEN_MAX + 3];
+    size_t n = 0;
+    kvf_status_t st = read_file(path, buf, sizeof(buf), &n, err, errlen);
+    if (st == KVF_OK) {
+        /* One trailing newline (LF or CRLF), as `echo` and editors leave it. */
+        if (n > 0 && buf[n - 1] == '\n')
+            n--;
+        if (n > 0 && buf[n - 1] == '\r')
+            n--;
+        st = check_token(buf, n, from, out, len, err, errlen);
+    }
+    OPENSSL_cleanse(buf, sizeof(buf));
+    return st;
 }
 
 kvf_status_t kvf_token_load_ex(const char *explicit_token, char *out,

@@ -10,10 +10,13 @@
 #include <unistd.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 
 #include "bootstrap/bootstrap.h"
 #include "core/engine.h"
@@ -24,6 +27,15 @@
 #include "unit/kvf_sides.h"
 #include "util/time.h"
 #include "wire/wire.h"
+
+/* A sanitizer's allocator reserves far more address space than it uses. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define KVF_TEST_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVF_TEST_SANITIZED 1
+#endif
+#endif
 
 /* Engine settings of the next side (tests change them); every case runs
  * over tcp, then shm (side_transport). */
@@ -591,6 +603,83 @@ static void test_fault_spec_room(void)
     CHECK_STR_CONTAINS(err, "KIND/ROOM");
     CHECK_EQ_INT(kvf_transport_faults_parse("reset@5x/1", &fs, err, sizeof(err)),
                  KVF_ERR_INVALID_PARAM);
+}
+
+/*
+ * Out of memory while parsing a spec: err says what ran out, since the
+ * caller prints it.  The memory runs out for real, in a child whose
+ * address space is capped a little above what it uses, asked to parse a
+ * 64 MiB spec (the parser copies it first).
+ */
+static void test_fault_spec_out_of_memory(void)
+{
+#ifdef KVF_TEST_SANITIZED
+    printf("SKIP test_fault_spec_out_of_memory: a sanitizer's allocator needs the "
+           "address space this test caps\n");
+#else
+    size_t big = 64u << 20;
+    char *spec = malloc(big + 1);
+    CHECK(spec != NULL);
+    if (spec == NULL)
+        return;
+    memset(spec, 'x', big);
+    spec[big] = '\0';
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        kvf_faults_t *fs = NULL;
+        char err[256] = "";
+        unsigned long pages = 0;
+        struct rlimit rl;
+        FILE *f = fopen("/proc/self/statm", "r");
+        if (f == NULL || fscanf(f, "%lu", &pages) != 1 || getrlimit(RLIMIT_AS, &rl) != 0)
+            _exit(10);
+        fclose(f);
+        rl.rlim_cur = pages * (unsigned long)sysconf(_SC_PAGESIZE) + (16u << 20);
+        if (setrlimit(RLIMIT_AS, &rl) != 0)
+            _exit(11);
+        kvf_status_t st = kvf_transport_faults_parse(spec, &fs, err, sizeof(err));
+        if (st != KVF_ERR_NO_MEMORY)
+            _exit(12);
+        _exit(strstr(err, "out of memory") != NULL ? 0 : 13);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    /* 12: no allocation failed; 13: it did, and err was left empty. */
+    CHECK(WIFEXITED(status));
+    CHECK_EQ_INT(WEXITSTATUS(status), 0);
+    free(spec);
+#endif
+}
+
+/*
+ * kvf_mem_alloc's KVF_ERR_IO, as kvferry.h documents it: a memfd it cannot
+ * make read-only for peers.  A child whose descriptor limit leaves one
+ * free gets its memfd, but not the read-only reopening; kvf_last_error()
+ * says which step failed.
+ */
+static void test_mem_alloc_io_error(void)
+{
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        struct rlimit rl;
+        void *p = NULL;
+        int lowest = dup(0);           /* every descriptor below it is taken */
+        if (lowest < 0 || close(lowest) != 0 || getrlimit(RLIMIT_NOFILE, &rl) != 0)
+            _exit(10);
+        rl.rlim_cur = (rlim_t)lowest + 1;
+        if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+            _exit(11);
+        kvf_status_t st = kvf_mem_alloc(1 << 20, &p);
+        if (st != KVF_ERR_IO || p != NULL)
+            _exit(12);
+        _exit(strstr(kvf_last_error(), "read-only") != NULL ? 0 : 13);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status));
+    CHECK_EQ_INT(WEXITSTATUS(status), 0);
 }
 
 /*
@@ -1399,6 +1488,15 @@ static void test_lost_ack_is_said_again(void)
     if (ps != KVF_POLL_SUCCESS)
         fprintf(stderr, "  prefill side: %s\n", pf.reason);
     CHECK_EQ_INT(ps, KVF_POLL_SUCCESS);
+    /* The decode engine counts what it said again: over tcp (a push link)
+     * the lost DONE_ACK; a pulled room's link confirms it another way. */
+    char text[32768];
+    static const char name[] = "\nkvferry_engine_acks_repeated_total ";
+    CHECK_EQ_INT(kvf_engine_metrics(dec.eng, text, sizeof(text), NULL), KVF_OK);
+    const char *line = strstr(text, name);
+    CHECK(line != NULL);
+    if (line != NULL && strcmp(side_transport, "tcp") == 0)
+        CHECK(strtoull(line + strlen(name), NULL, 10) >= 1);
     kvf_sender_destroy(s);
     side_fini(&dec);
     side_fini(&pre);
@@ -1450,6 +1548,70 @@ static void test_device_memory_refused(void)
     l.mem_kind = KVF_MEM_HOST;        /* and the engine is still usable */
     CHECK_EQ_INT(kvf_engine_register_layout(eng, &l), KVF_OK);
     kvf_engine_destroy(eng);
+}
+
+/* Descriptors this process has open (the directory's own included). */
+static int open_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return -1;
+    for (struct dirent *e; (e = readdir(d)) != NULL;)
+        n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+/*
+ * An engine create that runs out of descriptors at any step (its
+ * listener, lane 0's epoll set or eventfd, a later lane's) closes what it
+ * had opened.  A child allows one more descriptor at a time until the
+ * create of a four-lane engine succeeds, and counts its own after each
+ * failure.  (Lane threads that fail to start cannot be made to here:
+ * RLIMIT_NPROC does not bind root, and counts all of a user's processes.)
+ */
+static void test_failed_create_closes_its_descriptors(void)
+{
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+        kvf_engine_params_t p;
+        kvf_engine_t *eng;
+        struct rlimit old, rl;
+        kvf_engine_params_init(&p);
+        p.role = KVF_ROLE_DECODE;
+        p.transport = "tcp";
+        p.streams = 4;
+        /* Whatever a first engine opens for the process's life is in the base. */
+        if (kvf_engine_create(&p, &eng) != KVF_OK)
+            _exit(10);
+        kvf_engine_destroy(eng);
+        int base = open_fds(), lowest = dup(0);
+        if (base < 0 || lowest < 0 || close(lowest) != 0 || getrlimit(RLIMIT_NOFILE, &old) != 0)
+            _exit(11);
+        for (int extra = 1; extra < 64; extra++) {
+            rl = old;
+            rl.rlim_cur = (rlim_t)(lowest + extra);
+            if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+                _exit(12);
+            kvf_status_t st = kvf_engine_create(&p, &eng);
+            setrlimit(RLIMIT_NOFILE, &old);
+            if (st == KVF_OK) {
+                unsigned lanes = kvf_engine_streams(eng);
+                kvf_engine_destroy(eng);
+                /* 13: a leak by a create that succeeded; 14: nothing failed */
+                _exit(open_fds() != base ? 13 : extra == 1 || lanes != 4 ? 14 : 0);
+            }
+            if (open_fds() != base)
+                _exit(20 + extra);     /* which step leaked */
+        }
+        _exit(15);
+    }
+    int status = -1;
+    CHECK(child > 0 && waitpid(child, &status, 0) == child);
+    CHECK(WIFEXITED(status));
+    CHECK_EQ_INT(WEXITSTATUS(status), 0);
 }
 
 static void test_status_strings(void)
@@ -1559,6 +1721,9 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_repeated_resets_give_up),
               KVF_CASE(test_corrupt_fails_with_checksum),
               KVF_CASE(test_fault_kept_to_one_room), KVF_CASE(test_fault_spec_room),
+              KVF_CASE(test_fault_spec_out_of_memory),
+              KVF_CASE(test_mem_alloc_io_error),
+              KVF_CASE(test_failed_create_closes_its_descriptors),
               KVF_CASE(test_deadline_while_peer_lost), KVF_CASE(test_reset_before_sender),
               KVF_CASE(test_reset_with_puts_queued), KVF_CASE(test_resume_of_unread_request),
               KVF_CASE(test_dropped_ack_times_out), KVF_CASE(test_lost_ack_is_said_again),

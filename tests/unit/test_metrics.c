@@ -433,7 +433,8 @@ static char *metrics_text(kvf_engine_t *eng)
 /*
  * Peers by path: each engine of a pair over `transport` counts its one
  * peer in the slot that kvf_transport_name() gives that name, and in no
- * other; the metrics text counts it under the same name.
+ * other; the metrics text counts it, and the room's payload bytes,
+ * under the same name.
  */
 static void peers_by_path(const char *transport)
 {
@@ -456,6 +457,10 @@ static void peers_by_path(const char *transport)
         char *text = metrics_text(eng);
         CHECK_EQ_INT(valuef(text, "kvferry_engine_peers{kind=\"payload\",path=\"%s\","
                             "state=\"ready\"}", transport), 1);
+        /* The room's bytes count under the same name. */
+        CHECK(valuef(text, "kvferry_engine_payload_bytes_total{side=\"%s\",direction=\"%s\","
+                     "path=\"%s\"}", k ? "decode" : "prefill", k ? "received" : "sent",
+                     transport) > 0);
         free(text);
     }
     side_fini(&dec);

@@ -988,7 +988,28 @@ static void test_unexpected_message_fails_its_peer(void)
     kvf_bootstrap_destroy(bsa);
 }
 
-KVF_TEST_MAIN(KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
+/* Each side's ops table fills every op core calls without a NULL test
+ * (room.c, kvf__room_ops_missing), and the check sees one left out. */
+static void test_room_ops_are_whole(void)
+{
+    CHECK(kvf__room_ops_missing(&kvf_sender_room_ops) == NULL);
+    CHECK(kvf__room_ops_missing(&kvf_receiver_room_ops) == NULL);
+    kvf_room_ops_t o = kvf_receiver_room_ops;
+    o.on_data_end = NULL;
+    CHECK_STR_CONTAINS(kvf__room_ops_missing(&o), "on_data_end");
+    o = kvf_sender_room_ops;          /* a prefill table needs no decode op */
+    CHECK(o.on_data == NULL && kvf__room_ops_missing(&o) == NULL);
+    o.tick = NULL;
+    CHECK_STR_CONTAINS(kvf__room_ops_missing(&o), "tick");
+    o = kvf_sender_room_ops;
+    o.destroyed = NULL;               /* may be NULL */
+    CHECK(kvf__room_ops_missing(&o) == NULL);
+    o.size = 0;
+    CHECK_STR_CONTAINS(kvf__room_ops_missing(&o), "size");
+}
+
+KVF_TEST_MAIN(KVF_CASE(test_room_ops_are_whole),
+              KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
               KVF_CASE(test_reused_id_gets_only_its_own_frames),
               KVF_CASE(test_reused_id_real_engines),
               KVF_CASE(test_sender_takes_only_its_peer_and_instance),

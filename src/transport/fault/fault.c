@@ -133,6 +133,8 @@ kvf_status_t kvf_fault_parse(const char *spec, kvf_faults_t **faults_p, char *er
     char *save = NULL;
 
     if (fs == NULL || copy == NULL) {
+        snprintf(err, errlen, "out of memory for the fault table (%zu bytes) or a copy of "
+                 "the %zu-byte spec", sizeof(*fs), strlen(spec) + 1);
         free(fs);
         free(copy);
         return KVF_ERR_NO_MEMORY;

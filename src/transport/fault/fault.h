@@ -10,7 +10,8 @@
 #include "transport/transport.h"
 
 /* The faults of a spec string (KVF_FAULTS; its grammar heads fault.c).
- * @return KVF_OK; KVF_ERR_INVALID_PARAM with why in err; KVF_ERR_NO_MEMORY. */
+ * @return KVF_OK; KVF_ERR_INVALID_PARAM or KVF_ERR_NO_MEMORY,
+ * with why in err (what was malformed, or what ran out). */
 kvf_status_t kvf_fault_parse(const char *spec, kvf_faults_t **faults_p, char *err,
                              size_t errlen);
 void         kvf_fault_free(kvf_faults_t *faults);
