@@ -19,8 +19,8 @@
  *       or on data that does not change once the engine runs;
  *     - the entry points take the lock themselves: the public kvf_* calls,
  *       the threads' mains (progress, lanes, resolver, metrics), and the
- *       room.c calls those public calls land in, marked "takes the lock"
- *       where room.h and engine.h declare them;
+ *       room.c calls those public calls land in and kvf__resolver_stop,
+ *       marked "takes the lock" where room.h and resolver.h declare them;
  *     - the plumbing of this file.
  *   Functions that take none of these (layouts, parallel plans, page runs,
  *   sized structs, wire messages) touch nothing the lock guards.
