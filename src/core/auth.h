@@ -9,11 +9,12 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
+#include "kvferry/kvferry.h"
 #include "util/token.h"
 #include "wire/wire.h"
 
-typedef struct kvf_engine kvf_engine_t;
-typedef struct kvf_peer kvf_peer_t;
+/* peer.h's kvf_peer_t: peer.h includes this header (through engine.h). */
+struct kvf_peer;
 
 /* One peer's side of the handshake (in kvf_peer_t). */
 typedef struct kvf_auth {
@@ -60,17 +61,17 @@ int          kvf__auth_is_loopback(const struct sockaddr *sa);
 int          kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa);
 
 /* Send our AUTH: the first frame on a new connection, either side. */
-void         kvf__auth_start(kvf_peer_t *p);
+void         kvf__auth_start(struct kvf_peer *p);
 /* AUTH or AUTH_PROOF from the peer. */
-void         kvf__auth_on_msg(kvf_peer_t *p, const kvf_msg_t *msg);
+void         kvf__auth_on_msg(struct kvf_peer *p, const kvf_msg_t *msg);
 /* Close a peer that has not authenticated, quietly, counted, logged once
  * per address. */
-void         kvf__auth_refuse(kvf_peer_t *p, const char *fmt, ...)
+void         kvf__auth_refuse(struct kvf_peer *p, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 /* The connection closed before the peer authenticated: what to tell its
  * rooms (an outbound peer's), as status and reason.  @return 1 when the
  * close is best explained by a token mismatch. */
-int          kvf__auth_explain_close(const kvf_peer_t *p, char *why, size_t len);
+int          kvf__auth_explain_close(const struct kvf_peer *p, char *why, size_t len);
 
 /*
  * The proof a side sends: HMAC-SHA256 under the token over

@@ -46,9 +46,8 @@
 #include <stdatomic.h>
 #include <time.h>
 
+#include "kvferry/kvferry.h"
 #include "wire/wire.h"
-
-typedef struct kvf_engine kvf_engine_t;   /* kvferry.h's handle */
 
 #define KVF_MAX_STREAMS KVF_WIRE_MAX_STREAMS   /* streams per peer, lanes per engine */
 
