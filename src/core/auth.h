@@ -9,11 +9,12 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
-#include "kvferry/kvferry.h"
 #include "util/token.h"
 #include "wire/wire.h"
 
-/* peer.h's kvf_peer_t: peer.h includes this header (through engine.h). */
+/* kvferry.h's kvf_engine_t and peer.h's kvf_peer_t, named by their
+ * structs: peer.h includes this header (through engine.h). */
+struct kvf_engine;
 struct kvf_peer;
 
 /* One peer's side of the handshake (in kvf_peer_t). */
@@ -49,7 +50,7 @@ typedef struct kvf_auth_log {
  * a non-loopback address without KVF_AUTH=none; a token that cannot be
  * read), with the reason logged.
  */
-int          kvf__auth_setup_unlocked(kvf_engine_t *eng, const char *explicit_token,
+int          kvf__auth_setup_unlocked(struct kvf_engine *eng, const char *explicit_token,
                              const char *api_key, const struct sockaddr *bound);
 
 /* Is this address on the loopback interface (127.0.0.0/8, ::1, v4-mapped)? */
@@ -58,7 +59,7 @@ int          kvf__auth_is_loopback(const struct sockaddr *sa);
 /* Accept: may a connection from `sa` go on to the handshake?  Protected
  * mode refuses all but loopback, and past the bounds on connections still
  * authenticating every one is refused (counted, logged once per address). */
-int          kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa);
+int          kvf__auth_admit(struct kvf_engine *eng, const struct sockaddr *sa);
 
 /* Send our AUTH: the first frame on a new connection, either side. */
 void         kvf__auth_start(struct kvf_peer *p);
