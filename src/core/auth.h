@@ -12,8 +12,10 @@
 #include "util/token.h"
 #include "wire/wire.h"
 
-typedef struct kvf_engine kvf_engine_t;
-typedef struct kvf_peer kvf_peer_t;
+/* kvferry.h's kvf_engine_t and peer.h's kvf_peer_t, named by their
+ * structs: peer.h includes this header (through engine.h). */
+struct kvf_engine;
+struct kvf_peer;
 
 /* One peer's side of the handshake (in kvf_peer_t). */
 typedef struct kvf_auth {
@@ -48,7 +50,7 @@ typedef struct kvf_auth_log {
  * a non-loopback address without KVF_AUTH=none; a token that cannot be
  * read), with the reason logged.
  */
-int          kvf__auth_setup_unlocked(kvf_engine_t *eng, const char *explicit_token,
+int          kvf__auth_setup_unlocked(struct kvf_engine *eng, const char *explicit_token,
                              const char *api_key, const struct sockaddr *bound);
 
 /* Is this address on the loopback interface (127.0.0.0/8, ::1, v4-mapped)? */
@@ -57,20 +59,20 @@ int          kvf__auth_is_loopback(const struct sockaddr *sa);
 /* Accept: may a connection from `sa` go on to the handshake?  Protected
  * mode refuses all but loopback, and past the bounds on connections still
  * authenticating every one is refused (counted, logged once per address). */
-int          kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa);
+int          kvf__auth_admit(struct kvf_engine *eng, const struct sockaddr *sa);
 
 /* Send our AUTH: the first frame on a new connection, either side. */
-void         kvf__auth_start(kvf_peer_t *p);
+void         kvf__auth_start(struct kvf_peer *p);
 /* AUTH or AUTH_PROOF from the peer. */
-void         kvf__auth_on_msg(kvf_peer_t *p, const kvf_msg_t *msg);
+void         kvf__auth_on_msg(struct kvf_peer *p, const kvf_msg_t *msg);
 /* Close a peer that has not authenticated, quietly, counted, logged once
  * per address. */
-void         kvf__auth_refuse(kvf_peer_t *p, const char *fmt, ...)
+void         kvf__auth_refuse(struct kvf_peer *p, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 /* The connection closed before the peer authenticated: what to tell its
  * rooms (an outbound peer's), as status and reason.  @return 1 when the
  * close is best explained by a token mismatch. */
-int          kvf__auth_explain_close(const kvf_peer_t *p, char *why, size_t len);
+int          kvf__auth_explain_close(const struct kvf_peer *p, char *why, size_t len);
 
 /*
  * The proof a side sends: HMAC-SHA256 under the token over

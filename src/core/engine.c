@@ -19,6 +19,7 @@
 #include <openssl/crypto.h>
 
 #include "bootstrap/bootstrap.h"
+#include "core/resolver.h"
 #include "core/room.h"
 #include "core/sized.h"
 #include "core/stage.h"

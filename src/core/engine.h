@@ -1,7 +1,8 @@
 /*
- * The engine, internal: its struct and the calls of engine.c, params.c,
- * listener.c and resolver.c.  The lock and the lanes' wake-ups are in
- * sync.h, layouts in layout.h, peers in peer.h, rooms in room.h.
+ * The engine, internal: its struct and the calls of engine.c, params.c
+ * and listener.c.  The lock and the lanes' wake-ups are in sync.h,
+ * layouts in layout.h, peers in peer.h, rooms in room.h, the resolver
+ * thread's calls in resolver.h.
  *
  * Ownership and threads
  *   One mutex, the engine lock (sync.h), guards everything below except
@@ -236,17 +237,5 @@ kvf_status_t kvf__engine_params_import(kvf_engine_params_t *dst,
                                        const char *fn, char *err, size_t errlen);
 /* params.streams 0: KVF_STREAMS, else what the machine's CPUs allow. */
 unsigned     kvf__streams_default(void);
-
-/* resolver.c */
-/* Check the registration parameters of p (a full-size copy).
- * @return KVF_OK or KVF_ERR_INVALID_PARAM, logged. */
-kvf_status_t kvf__registration_check(const kvf_engine_params_t *p);
-/* Give eng->params' registration fields their defaults (KVF_* variables)
- * and copy its strings into eng. */
-void         kvf__registration_setup_unlocked(kvf_engine_t *eng);
-kvf_status_t kvf__resolver_start_unlocked(kvf_engine_t *eng);
-/* Destroy: stop the resolver thread (takes the lock). */
-void         kvf__resolver_stop(kvf_engine_t *eng);
-void         kvf__resolver_enqueue(kvf_engine_t *eng, struct kvf_room *room);
 
 #endif /* KVF_CORE_ENGINE_H */

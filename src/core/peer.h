@@ -14,7 +14,7 @@
 
 #include "core/engine.h"
 
-typedef struct kvf_peer kvf_peer_t;   /* also auth.h's */
+typedef struct kvf_peer kvf_peer_t;
 
 typedef enum {
     KVF_PEER_CONNECTING,   /* outbound connect in progress */

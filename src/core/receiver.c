@@ -15,6 +15,7 @@
 
 #include "core/auth.h"
 #include "core/descriptor.h"
+#include "core/resolver.h"
 #include "core/room.h"
 #include "core/sized.h"
 #include "core/stage.h"

@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "bootstrap/bootstrap.h"
+#include "core/resolver.h"
 #include "core/room.h"
 #include "core/sync.h"
 #include "util/log.h"

@@ -657,14 +657,6 @@ void kvf__acks_peer_lost(kvf_peer_t *p, kvf_status_t st);
 void kvf__acks_tick(kvf_engine_t *eng, uint64_t now);
 void kvf__acks_free(kvf_engine_t *eng);
 
-/* resolver.c: the prefill ranks (tp[i], pp[i]) that decode engine `eng`
- * reads a room from, of a prefill server of TP size prefill_tp and PP
- * size prefill_pp; `heads` the model's KV heads as the engine knows them
- * (0: guessed, kvf__receiver_try_request checks).  @return how many, or
- * -1 when they would be more than KVF_MAX_TARGETS. */
-int  kvf__receiver_targets_unlocked(const kvf_engine_t *eng, uint32_t heads, int prefill_tp,
-                           int prefill_pp, int *tp, int *pp);
-
 /* receiver.c */
 /* Link a resolved receiver to the n prefill ranks it reads from, and go
  * on with it (a failure fails the room). */

@@ -19,8 +19,8 @@
  *       or on data that does not change once the engine runs;
  *     - the entry points take the lock themselves: the public kvf_* calls,
  *       the threads' mains (progress, lanes, resolver, metrics), and the
- *       room.c calls those public calls land in, marked "takes the lock"
- *       where room.h and engine.h declare them;
+ *       room.c calls those public calls land in and kvf__resolver_stop,
+ *       marked "takes the lock" where room.h and resolver.h declare them;
  *     - the plumbing of this file.
  *   Functions that take none of these (layouts, parallel plans, page runs,
  *   sized structs, wire messages) touch nothing the lock guards.
@@ -48,7 +48,9 @@
 
 #include "wire/wire.h"
 
-typedef struct kvf_engine kvf_engine_t;   /* kvferry.h's handle */
+/* kvferry.h's kvf_engine_t, named here by its struct: this header sees
+ * neither the struct nor the public header. */
+struct kvf_engine;
 
 #define KVF_MAX_STREAMS KVF_WIRE_MAX_STREAMS   /* streams per peer, lanes per engine */
 
@@ -60,7 +62,7 @@ typedef struct kvf_sync {
     int             wakefd[KVF_MAX_STREAMS];  /* lane k's eventfd, -1: none */
 } kvf_sync_t;
 
-static inline kvf_sync_t *kvf__sync(const kvf_engine_t *eng)
+static inline kvf_sync_t *kvf__sync(const struct kvf_engine *eng)
 {
     return (kvf_sync_t *)(void *)eng;
 }
@@ -71,7 +73,7 @@ static inline kvf_sync_t *kvf__sync(const kvf_engine_t *eng)
  * (checked in debug builds, the sanitizer ones included; libfabric's
  * genlock idea).  A thread holds at most one engine's lock at a time.
  */
-extern _Thread_local const kvf_engine_t *kvf__lock_held;
+extern _Thread_local const struct kvf_engine *kvf__lock_held;
 
 #define KVF_ASSERT_LOCKED(eng) assert(kvf__lock_held == (eng))
 
@@ -84,15 +86,15 @@ extern _Thread_local const kvf_engine_t *kvf__lock_held;
  * also owns the listener, the movers, the ticks and freeing peers.
  */
 #define KVF_LANE_ALL (~0u)
-extern _Thread_local const kvf_engine_t *kvf__io_owner;
+extern _Thread_local const struct kvf_engine *kvf__io_owner;
 extern _Thread_local unsigned kvf__io_lane;
 
-static inline int kvf__owns_lane(const kvf_engine_t *eng, unsigned lane)
+static inline int kvf__owns_lane(const struct kvf_engine *eng, unsigned lane)
 {
     return kvf__io_owner == eng && (kvf__io_lane == lane || kvf__io_lane == KVF_LANE_ALL);
 }
 
-static inline int kvf__owns_io(const kvf_engine_t *eng)
+static inline int kvf__owns_io(const struct kvf_engine *eng)
 {
     return kvf__owns_lane(eng, 0);
 }
@@ -104,7 +106,7 @@ static inline int kvf__owns_io(const kvf_engine_t *eng)
  * is not fair), lets such waiters go first between its passes
  * (kvf__lock_yield).
  */
-static inline void kvf__lock(kvf_engine_t *eng)
+static inline void kvf__lock(struct kvf_engine *eng)
 {
     kvf_sync_t *s = kvf__sync(eng);
     /* Relaxed: a hint for the progress thread; the mutex orders the rest. */
@@ -116,20 +118,20 @@ static inline void kvf__lock(kvf_engine_t *eng)
 
 /* A progress thread (a lane) takes the lock back: not counted in
  * lock_wanted, since it is the one that yields to those who are. */
-static inline void kvf__lock_lane(kvf_engine_t *eng)
+static inline void kvf__lock_lane(struct kvf_engine *eng)
 {
     pthread_mutex_lock(&kvf__sync(eng)->lock);
     kvf__lock_held = eng;
 }
 
-static inline void kvf__unlock(kvf_engine_t *eng)
+static inline void kvf__unlock(struct kvf_engine *eng)
 {
     kvf__lock_held = NULL;
     pthread_mutex_unlock(&kvf__sync(eng)->lock);
 }
 
 /* pthread_cond_timedwait on the engine lock, keeping the record true. */
-static inline int kvf__cond_timedwait(kvf_engine_t *eng, pthread_cond_t *cond,
+static inline int kvf__cond_timedwait(struct kvf_engine *eng, pthread_cond_t *cond,
                                       const struct timespec *until)
 {
     kvf__lock_held = NULL;
@@ -143,11 +145,11 @@ void kvf__sync_init(kvf_sync_t *s);
 void kvf__sync_destroy(kvf_sync_t *s);
 /* Wake lane `lane`'s progress thread (kvf__engine_wake: lane 0's).  Any
  * thread, with or without the lock. */
-void kvf__lane_wake(kvf_engine_t *eng, unsigned lane);
-void kvf__engine_wake(kvf_engine_t *eng);
+void kvf__lane_wake(struct kvf_engine *eng, unsigned lane);
+void kvf__engine_wake(struct kvf_engine *eng);
 /* A progress thread between its passes, with the lock released: let the
  * threads waiting in kvf__lock have it first, for a bounded time. */
-void kvf__lock_yield(kvf_engine_t *eng);
+void kvf__lock_yield(struct kvf_engine *eng);
 /* What a connection calls around its system calls (kvf_conn_env_t's
  * unlock and lock; arg: the engine). */
 void kvf__engine_io_unlock(void *eng);

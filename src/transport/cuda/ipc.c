@@ -30,14 +30,14 @@
 #include <unistd.h>
 
 #include "transport/cuda/cuda.h"
+#include "util/bootid.h"
 #include "util/buf.h"
 #include "util/log.h"
 #include "util/region.h"
 
 #define IPC_VERSION  1
-#define BOOT_ID_LEN  36
-#define HEAD_LEN     (4 + 4 + BOOT_ID_LEN + 4)   /* version, pid, boot id, nregions */
-#define REGION_LEN   (8 + 8 + 4 + 8 + 64)        /* base, len, kind, offset, handle */
+#define HEAD_LEN     (4 + 4 + KVF_BOOT_ID_LEN + 4)   /* version, pid, boot id, nregions */
+#define REGION_LEN   (8 + 8 + 4 + 8 + 64)            /* base, len, kind, offset, handle */
 #define MAX_REGIONS  ((KVF_WIRE_MAX_BLOB - HEAD_LEN) / REGION_LEN)
 
 /* A region: first base and len (kvf_region_find's layout). */
@@ -76,16 +76,6 @@ typedef struct ipc_read {
     kvf_mover_read_t *rd;
     kvf_cuda_ep_t    *ep;
 } ipc_read_t;
-
-static int boot_id(char id[BOOT_ID_LEN])
-{
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (f == NULL)
-        return -1;
-    size_t n = fread(id, 1, BOOT_ID_LEN, f);
-    fclose(f);
-    return n == BOOT_ID_LEN ? 0 : -1;
-}
 
 static int by_base(const void *a, const void *b)
 {
@@ -204,9 +194,9 @@ static kvf_status_t cuda_pack(kvf_mover_t *base, const kvf_mover_peer_t *peer,
                               kvf_buf_t *out)
 {
     kvf_cuda_t *m = (kvf_cuda_t *)base;
-    char id[BOOT_ID_LEN];
+    char id[KVF_BOOT_ID_LEN];
     (void)peer;
-    if (m->role != KVF_ROLE_PREFILL || m->nown > MAX_REGIONS || boot_id(id) != 0)
+    if (m->role != KVF_ROLE_PREFILL || m->nown > MAX_REGIONS || kvf_boot_id(id) != 0)
         return KVF_ERR_UNSUPPORTED;
     kvf_status_t st = kvf_buf_reserve(out, HEAD_LEN + m->nown * REGION_LEN);
     if (st != KVF_OK)
@@ -214,8 +204,8 @@ static kvf_status_t cuda_pack(kvf_mover_t *base, const kvf_mover_peer_t *peer,
     uint8_t *p = out->data + out->len;
     kvf_put_u32(p, IPC_VERSION);
     kvf_put_u32(p + 4, (uint32_t)getpid());
-    memcpy(p + 8, id, BOOT_ID_LEN);
-    kvf_put_u32(p + 8 + BOOT_ID_LEN, (uint32_t)m->nown);
+    memcpy(p + 8, id, KVF_BOOT_ID_LEN);
+    kvf_put_u32(p + 8 + KVF_BOOT_ID_LEN, (uint32_t)m->nown);
     p += HEAD_LEN;
     for (size_t i = 0; i < m->nown; i++, p += REGION_LEN) {
         const region_t *r = &m->own[i];
@@ -233,15 +223,15 @@ static kvf_status_t cuda_pack(kvf_mover_t *base, const kvf_mover_peer_t *peer,
 static kvf_status_t parse_offer(const uint8_t *blob, size_t len, pid_t *pid_p,
                                   region_t **regs_p, size_t *n_p, char *why, size_t whylen)
 {
-    char id[BOOT_ID_LEN];
-    size_t n = len >= HEAD_LEN ? kvf_get_u32(blob + 8 + BOOT_ID_LEN) : 0;
+    char id[KVF_BOOT_ID_LEN];
+    size_t n = len >= HEAD_LEN ? kvf_get_u32(blob + 8 + KVF_BOOT_ID_LEN) : 0;
     if (len < HEAD_LEN || kvf_get_u32(blob) != IPC_VERSION || n == 0 || n > MAX_REGIONS ||
         len != HEAD_LEN + n * REGION_LEN) {
         snprintf(why, whylen, "malformed cuda offer (%zu bytes, version %u, %zu regions)",
                  len, len >= 4 ? kvf_get_u32(blob) : 0, n);
         return KVF_ERR_UNSUPPORTED;
     }
-    if (boot_id(id) != 0 || memcmp(id, blob + 8, BOOT_ID_LEN) != 0) {
+    if (kvf_boot_id(id) != 0 || memcmp(id, blob + 8, KVF_BOOT_ID_LEN) != 0) {
         snprintf(why, whylen, "the prefill engine runs on another host");
         return KVF_ERR_UNSUPPORTED;
     }

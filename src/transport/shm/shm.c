@@ -23,16 +23,16 @@
 #endif
 
 #include "kvferry/kvferry.h"
+#include "util/bootid.h"
 #include "util/log.h"
 #include "util/memfd.h"
 #include "util/reserve.h"
 #include "util/time.h"
 #include "util/region.h"
 
-#define BOOT_ID_LEN  36
 #define NAME_LEN     48
 #define COOKIE_LEN   KVF_SHM_COOKIE_LEN
-#define BLOB_LEN     (4 + BOOT_ID_LEN + 8 + NAME_LEN + COOKIE_LEN)
+#define BLOB_LEN     (4 + KVF_BOOT_ID_LEN + 8 + NAME_LEN + COOKIE_LEN)
 #define MAX_COOKIES  256      /* offers whose cookie is not used yet */
 #define COOKIE_MS    30000    /* an unused cookie expires */
 #define MAX_PENDING  16       /* handout connections waiting for their cookie */
@@ -57,16 +57,6 @@ static int span_cmp(const void *a, const void *b)
 /* ------------------------------------------------------------------------ */
 /* Offer, listen, serve (prefill)                                           */
 /* ------------------------------------------------------------------------ */
-
-static int boot_id(char id[BOOT_ID_LEN])
-{
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (f == NULL)
-        return -1;
-    size_t n = fread(id, 1, BOOT_ID_LEN, f);
-    fclose(f);
-    return n == BOOT_ID_LEN ? 0 : -1;
-}
 
 /* Abstract-namespace name: no file to clean up, gone with the process. */
 static socklen_t socket_name(struct sockaddr_un *sa, const char *name)
@@ -206,14 +196,14 @@ kvf_status_t kvf_shm_pack(void *const *bases, const size_t *lens, size_t n,
                           kvf_buf_t *out)
 {
     uint8_t blob[BLOB_LEN];
-    char id[BOOT_ID_LEN];
-    if (n == 0 || n > MAX_OFFER_REGIONS || boot_id(id) != 0)
+    char id[KVF_BOOT_ID_LEN];
+    if (n == 0 || n > MAX_OFFER_REGIONS || kvf_boot_id(id) != 0)
         return KVF_ERR_UNSUPPORTED;
     kvf_put_u32(blob, (uint32_t)getpid());
-    memcpy(blob + 4, id, BOOT_ID_LEN);
-    kvf_put_u64(blob + 4 + BOOT_ID_LEN, (uint64_t)(uintptr_t)bases[0]);
-    make_name((char *)blob + 4 + BOOT_ID_LEN + 8, instance);
-    memcpy(blob + 4 + BOOT_ID_LEN + 8 + NAME_LEN, cookie, COOKIE_LEN);
+    memcpy(blob + 4, id, KVF_BOOT_ID_LEN);
+    kvf_put_u64(blob + 4 + KVF_BOOT_ID_LEN, (uint64_t)(uintptr_t)bases[0]);
+    make_name((char *)blob + 4 + KVF_BOOT_ID_LEN + 8, instance);
+    memcpy(blob + 4 + KVF_BOOT_ID_LEN + 8 + NAME_LEN, cookie, COOKIE_LEN);
     kvf_status_t st = kvf_buf_reserve(out, sizeof(blob) + 4 + n * 16);
     if (st != KVF_OK)
         return st;
@@ -342,20 +332,20 @@ void kvf_shm_peer_progress(kvf_shm_peer_t *sp)
 kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **peer_p,
                             char *err, size_t errlen)
 {
-    char id[BOOT_ID_LEN], name[NAME_LEN + 1];
+    char id[KVF_BOOT_ID_LEN], name[NAME_LEN + 1];
     size_t nregs = len >= BLOB_LEN + 4 ? kvf_get_u32(blob + BLOB_LEN) : 0;
     if (nregs == 0 || nregs > MAX_OFFER_REGIONS || len != BLOB_LEN + 4 + 16 * nregs) {
         snprintf(err, errlen, "malformed shm offer (%zu bytes, %zu regions)", len, nregs);
         return KVF_ERR_UNSUPPORTED;
     }
-    if (boot_id(id) != 0 || memcmp(id, blob + 4, BOOT_ID_LEN) != 0) {
+    if (kvf_boot_id(id) != 0 || memcmp(id, blob + 4, KVF_BOOT_ID_LEN) != 0) {
         snprintf(err, errlen, "the prefill engine runs on another host");
         return KVF_ERR_UNSUPPORTED;
     }
     pid_t pid = (pid_t)kvf_get_u32(blob);
     uint8_t byte;
     struct iovec l = {&byte, 1};
-    struct iovec r = {(void *)(uintptr_t)kvf_get_u64(blob + 4 + BOOT_ID_LEN), 1};
+    struct iovec r = {(void *)(uintptr_t)kvf_get_u64(blob + 4 + KVF_BOOT_ID_LEN), 1};
     if (process_vm_readv(pid, &l, 1, &r, 1, 0) != 1) {
         snprintf(err, errlen, "cannot read the prefill engine's memory (pid %d): %s%s",
                  (int)pid, strerror(errno),
@@ -382,9 +372,9 @@ kvf_status_t kvf_shm_accept(const uint8_t *blob, size_t len, kvf_shm_peer_t **pe
         sp->regs[i] = (span_t){kvf_get_u64(q), kvf_get_u64(q + 8)};
     }
     qsort(sp->regs, nregs, sizeof(*sp->regs), span_cmp);
-    memcpy(name, blob + 4 + BOOT_ID_LEN + 8, NAME_LEN);
+    memcpy(name, blob + 4 + KVF_BOOT_ID_LEN + 8, NAME_LEN);
     name[NAME_LEN] = '\0';
-    memcpy(sp->cookie, blob + 4 + BOOT_ID_LEN + 8 + NAME_LEN, COOKIE_LEN);
+    memcpy(sp->cookie, blob + 4 + KVF_BOOT_ID_LEN + 8 + NAME_LEN, COOKIE_LEN);
     fetch_start(sp, name);
     *peer_p = sp;
     return KVF_OK;
