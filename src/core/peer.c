@@ -395,7 +395,7 @@ static void check_device_memory(kvf_peer_t *p)
 {
     const kvf_layout_int_t *mine = &p->eng->layout;
     if ((kvf__peer_caps(p) & KVF_MOVER_CAP_MEM_DEVICE) || p->incompatible != NULL ||
-        !kvf__layout_on_device(mine) || (p->mover == NULL && p->eng->copier != NULL))
+        !kvf__layout_on_device(mine) || (p->mover == NULL && kvf__stages(p->eng)))
         return;
     char why[KVF_REASON_MAX];
     snprintf(why, sizeof(why), "KV cache in device memory cannot move over %s between "

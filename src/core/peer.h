@@ -123,6 +123,16 @@ static inline unsigned kvf__peer_caps(const kvf_peer_t *p)
     return p->mover != NULL ? p->mover->caps : 0;
 }
 
+/* Does this engine stage device memory over the stream (it has a copier:
+ * stage.h)?  Here rather than in stage.c: the peer decides from it which
+ * path device memory may take (peer.c, streams.c), and a peer reaches no
+ * room file. */
+static inline int kvf__stages(const kvf_engine_t *eng)
+{
+    KVF_ASSERT_LOCKED(eng);
+    return eng->copier != NULL;
+}
+
 /* The receiver pulls this peer's payload (DATA_REF) instead of receiving
  * it in the stream. */
 static inline int kvf__peer_pulls(const kvf_peer_t *p)

@@ -19,12 +19,6 @@
 #define SLOT_PIECES KVF_WIRE_MAX_PIECES
 #define POOL_MAX    64                /* bounce buffers kept for reuse */
 
-int kvf__stages(const kvf_engine_t *eng)
-{
-    KVF_ASSERT_LOCKED(eng);
-    return eng->copier != NULL;
-}
-
 int kvf__seg_on_device(const kvf_engine_t *eng, uint8_t kind)
 {
     KVF_ASSERT_LOCKED(eng);

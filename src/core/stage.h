@@ -27,9 +27,6 @@
 #include "kvferry/kvferry.h"
 #include "transport/transport.h"
 
-/* Does this engine stage (it has device memory and a copier)? */
-int kvf__stages(const kvf_engine_t *eng);
-
 /* Is a segment of buffer kind `kind` (KVF_BUF_*) in device memory here? */
 int kvf__seg_on_device(const kvf_engine_t *eng, uint8_t kind);
 
