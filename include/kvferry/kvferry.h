@@ -14,11 +14,13 @@
  *   Every function is thread-safe and never waits on a peer, a socket or a
  *   deadline unless its comment says otherwise (kvf_*_await_failure waits
  *   by design; a destroy waits for reads into its room's pages, bounded by
- *   their deadline).  A call takes the engine lock for its bookkeeping,
- *   which the engine's threads hold only for bounded passes, so a call may
- *   wait for the rest of one pass (docs/ARCHITECTURE.md, docs/BENCHMARKS.md
- *   "call latency").  kvf_*_poll() takes no lock: a scheduler may call it
- *   for thousands of rooms in each step.  All network I/O happens on the
+ *   their deadline).  kvf_sender_send() and kvf_*_poll() take no engine
+ *   lock: a send publishes its chunk for the progress thread, a poll reads
+ *   one atomic, so a scheduler may call them for thousands of rooms in
+ *   each step.  Other calls take the engine lock for their bookkeeping,
+ *   which the engine's threads hold only for bounded passes, so such a
+ *   call may wait for the rest of one pass (docs/ARCHITECTURE.md,
+ *   docs/BENCHMARKS.md "Application calls against a null call").  All network I/O happens on the
  *   engine's own threads.  A handle must not be used concurrently with, or
  *   after, its destroy call.
  *
@@ -726,9 +728,11 @@ KVF_API kvf_status_t kvf_sender_decode_prefix_len(kvf_sender_t *sender,
 
 /**
  * Send one prefill chunk: `n` source pages, the next `n` of the room.
- * Non-blocking: the pages are copied out of the caller's array and written
- * by the progress thread; the page memory must stay unchanged until the
- * room reaches SUCCESS or FAILED.  On the last chunk (is_last) aux and
+ * Non-blocking, and without the engine lock: the page numbers are copied
+ * out of the caller's array and published; the progress thread takes the
+ * chunk in at its next pass (the room is TRANSFERRING from then, not
+ * necessarily when the call returns) and writes the pages.  The page
+ * memory must stay unchanged until the room reaches SUCCESS or FAILED.  On the last chunk (is_last) aux and
  * state are written too and the receivers are told the byte count.
  *
  * @return KVF_OK; KVF_ERR_STATE (not initialised, not yet

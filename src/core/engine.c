@@ -838,6 +838,30 @@ static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
 }
 
 /*
+ * A lane is about to wait up to `timeout` ms with the lock released: it
+ * counts itself out of the awake lanes, then looks for work published
+ * before it did (the other half of kvf__engine_wake_idle); lane_woke()
+ * counts it back in.  @return the wait to make.
+ */
+static int lane_sleep(kvf_engine_t *eng, int timeout)
+{
+    if (timeout == 0)
+        return 0;
+    atomic_fetch_sub(&eng->sync.awake, 1);
+    if (atomic_load(&eng->submitted) != NULL) {
+        atomic_fetch_add(&eng->sync.awake, 1);
+        return 0;
+    }
+    return timeout;
+}
+
+static void lane_woke(kvf_engine_t *eng, int slept)
+{
+    if (slept != 0)
+        atomic_fetch_add(&eng->sync.awake, 1);
+}
+
+/*
  * Lane k >= 1: epoll over its eventfd and stream k of every peer.  Its
  * timeout is the tick's, for a stream that lane 0 closed while this one
  * slept; the deadlines are lane 0's.
@@ -851,12 +875,15 @@ static void *lane_main(void *arg)
 
     kvf__io_owner = eng;
     kvf__io_lane = ln->index;
+    atomic_fetch_add(&eng->sync.awake, 1);
     kvf__lock_lane(eng);
     while (!eng->stopping) {
         kvf__unlock(eng);
         /* Between passes: callers waiting for the lock have it first. */
         kvf__lock_yield(eng);
-        int n = epoll_wait(ln->epfd, evs, 64, more ? 0 : TICK_MS);
+        int timeout = lane_sleep(eng, more ? 0 : TICK_MS);
+        int n = epoll_wait(ln->epfd, evs, 64, timeout);
+        lane_woke(eng, timeout);
         kvf__lock_lane(eng);
         if (n < 0 && errno != EINTR) {
             kvf_error("epoll_wait (lane %u): %m", ln->index);
@@ -872,8 +899,11 @@ static void *lane_main(void *arg)
             }
         }
         more = kvf__lane_pass(ln);
+        /* Chunks the application published: whichever lane is awake. */
+        kvf__rooms_take_submitted(eng);
     }
     kvf__unlock(eng);
+    atomic_fetch_sub(&eng->sync.awake, 1);
     return NULL;
 }
 
@@ -886,6 +916,7 @@ static void *progress_main(void *arg)
 
     kvf__io_owner = eng;
     kvf__io_lane = 0;
+    atomic_fetch_add(&eng->sync.awake, 1);
     kvf__lock_lane(eng);
     while (!eng->stopping) {
         uint64_t now = kvf_now_ms();
@@ -893,7 +924,9 @@ static void *progress_main(void *arg)
         kvf__unlock(eng);
         /* Between passes: callers waiting for the lock have it first. */
         kvf__lock_yield(eng);
+        timeout = lane_sleep(eng, timeout);
         int n = epoll_wait(eng->epfd, evs, 64, timeout);
+        lane_woke(eng, timeout);
         kvf__lock_lane(eng);
         eng->now_ms = kvf_now_ms();
         if (n < 0 && errno != EINTR) {
@@ -916,6 +949,8 @@ static void *progress_main(void *arg)
                 kvf__peer_handle((kvf_peer_t *)kind, evs[i].events);
             }
         }
+        /* Chunks the application published: whichever lane is awake. */
+        kvf__rooms_take_submitted(eng);
         /* Between the two passes too: a peer's event and its drain may each
          * pull a full share, and our heartbeats must not wait for both. */
         tick_if_due(eng, &next_tick);
@@ -936,5 +971,6 @@ static void *progress_main(void *arg)
         tick_if_due(eng, &next_tick);
     }
     kvf__unlock(eng);
+    atomic_fetch_sub(&eng->sync.awake, 1);
     return NULL;
 }

@@ -115,6 +115,9 @@ struct kvf_engine {
 
     kvf_map_t           rooms_by_id;      /* attached rooms */
     struct kvf_room    *rooms;            /* list of the same */
+    /* Rooms the application published work on without the lock, newest
+     * first, for the lanes to take in (room.c, kvf__room_submit). */
+    _Atomic(struct kvf_room *) submitted;
     /* The side ops of this engine's role (room.h: what a message for a
      * room it does not have, or a DATA frame, goes to). */
     const struct kvf_room_ops *room_ops;

@@ -125,6 +125,7 @@ void kvf__room_put(kvf_room_t *r)
     free(r->failure);
     r->ops->free(r);
     free(r->last_err);
+    pthread_mutex_destroy(&r->app_lock);
     free(r);
 }
 
@@ -522,6 +523,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint
     r->ops = ops;
     r->refs = 1;
     r->attached = 1;
+    pthread_mutex_init(&r->app_lock, NULL);
     r->t_state_ms = r->t_create_ms = kvf_now_ms();
     r->t_create_ns = kvf_now_ns();
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
@@ -562,10 +564,38 @@ static void wait_reads(kvf_room_t *r)
         }
 }
 
+void kvf__room_submit(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    if (atomic_exchange(&r->submitted, 1))
+        return;          /* listed, not taken yet: the taker reads all of it */
+    kvf_room_t *head = atomic_load_explicit(&eng->submitted, memory_order_relaxed);
+    do
+        r->submit_next = head;
+    while (!atomic_compare_exchange_weak(&eng->submitted, &head, r));
+    kvf__engine_wake_idle(eng);
+}
+
+void kvf__rooms_take_submitted(kvf_engine_t *eng)
+{
+    KVF_ASSERT_LOCKED(eng);
+    kvf_room_t *r = atomic_exchange(&eng->submitted, NULL);
+    while (r != NULL) {
+        kvf_room_t *next = r->submit_next;
+        /* Unlisted before its work is read: what is published from here
+         * on lists it again, and is taken in then if not now. */
+        atomic_store(&r->submitted, 0);
+        r->ops->take(r);
+        r = next;
+    }
+}
+
 void kvf__room_destroy(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
     kvf__lock(eng);
+    /* The room is freed below: it may not stay on the list. */
+    kvf__rooms_take_submitted(eng);
     if (!room_final(r))
         kvf__room_fail(r, KVF_ERR_ABORTED, "room %llu destroyed by the application "
                        "on %s before it finished", (unsigned long long)r->id,

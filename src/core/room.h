@@ -214,6 +214,10 @@ typedef struct kvf_room_ops {
     /* What the room was waiting for in state s when its deadline expired
      * (the end of its failure reason). */
     void     (*deadline_detail)(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len);
+    /* Take in what the application published on the room without the
+     * lock (kvf__room_submit: a sender's chunks).  NULL: the side
+     * publishes nothing. */
+    void     (*take)(kvf_room_t *r);
 } kvf_room_ops_t;
 
 extern const kvf_room_ops_t kvf_sender_room_ops;     /* sender.c */
@@ -264,6 +268,15 @@ struct kvf_room {
     char            *last_err;      /* last resolver or connection error */
     uint32_t         retries;       /* reconnects used */
     uint64_t         retry_at_ms;   /* decode: next reconnect; prefill: resume deadline */
+    /* On eng->submitted (kvf__room_submit), which submit_next links: set
+     * by the application's thread, cleared by the one taking it in. */
+    atomic_int       submitted;
+    kvf_room_t      *submit_next;
+    /* The application's threads take turns on the handle's own fields
+     * with this (calls that publish without the engine lock: a sender's
+     * pages_given...); taken before the engine lock, never by an engine
+     * thread, so a call waits only for another call on the same room. */
+    pthread_mutex_t  app_lock;
     /* The side's own fields follow: struct kvf_sender, struct kvf_receiver
      * (room.h), each starting with this struct. */
 };
@@ -376,6 +389,17 @@ struct kvf_sender {
     kvf_states_t state_src;      /* source state indices (kvf_sender_set_states) */
     uint32_t    decode_prefix;   /* tokens, as the destinations say */
     int         last_sent;
+    /* What the application gave (kvf_sender_send), kept under the room's
+     * app_lock, without the engine lock; pages_sent and last_sent above are what the
+     * engine took in of it (the `take` op), from `published`: pages given,
+     * with KVF_SENT_LAST once the last chunk was. */
+#define KVF_SENT_LAST (1ull << 32)
+    uint32_t    pages_given;
+    int         last_given;
+    _Atomic uint64_t published;
+    /* A decode rank declared state indices: set before the room is
+     * WAITING_FOR_INPUT, so a sender that sees that state sees it too. */
+    atomic_int  wants_states;
     /* Held (kvf_sender_create_held): sends are kept until every reader
      * asked, within the lease from t_create_ms; a reader must name
      * hold_instance when it is not 0. */
@@ -553,6 +577,17 @@ kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, ui
                                 kvf_room_t **room_p);
 /* kvf_*_destroy (takes the lock). */
 void           kvf__room_destroy(kvf_room_t *r);
+/*
+ * The application published work on r without the lock (a sender's
+ * chunks): list r for the lanes, the first of which to end a pass takes
+ * it in (ops->take), and wake lane 0 if every lane sleeps.  Without the lock, from the
+ * thread that owns the room's handle; a room already listed is not listed
+ * twice (what is published is taken in whole).
+ */
+void           kvf__room_submit(kvf_room_t *r);
+/* Take in every listed room's published work (each lane at each pass,
+ * and whoever is about to free a room, which must not stay listed). */
+void           kvf__rooms_take_submitted(kvf_engine_t *eng);
 /* Fill *f as a root cause seen on this engine (origin: its role, rank and
  * address): the one place a local failure record is made. */
 void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,

@@ -540,6 +540,23 @@ static void queue_all(kvf_room_t *r, const uint32_t *pages, uint32_t first, size
                       int last);
 
 /*
+ * The checks of a last chunk that need the room's destinations, made when
+ * the engine takes the chunk in: kvf_sender_send refuses what it can see
+ * without the lock, and what it cannot (a held room's reader asking after
+ * the last chunk) fails the room.  @return 0 when the room failed.
+ */
+static int last_chunk_fits(kvf_room_t *r)
+{
+    if (states_missing(r)) {
+        kvf__room_fail(r, KVF_ERR_BAD_INDICES, "room %llu: the decode side declared "
+                       "state indices, and the prefill sent its last chunk without any "
+                       "(kvf_sender_set_states)", (unsigned long long)r->id);
+        return 0;
+    }
+    return state_counts_agree(r);
+}
+
+/*
  * Every reader of a held room asked: what the application sent so far
  * moves now, to all of them, and the room goes on as any other.
  */
@@ -548,18 +565,8 @@ static void release_held(kvf_room_t *r)
     kvf_sender_t *s = sender_of(r);
     if (s->pages_sent == 0 && !s->last_sent)
         return;              /* nothing given yet: sends go out as they come */
-    if (s->last_sent) {
-        /* The checks kvf_sender_send makes of a last chunk, now that every
-         * destination is known: too late to refuse the call. */
-        if (states_missing(r)) {
-            kvf__room_fail(r, KVF_ERR_BAD_INDICES, "room %llu: the decode side declared "
-                           "state indices, and the prefill sent its last chunk without any "
-                           "(kvf_sender_set_states)", (unsigned long long)r->id);
-            return;
-        }
-        if (!state_counts_agree(r))
-            return;
-    }
+    if (s->last_sent && !last_chunk_fits(r))
+        return;
     queue_all(r, s->src_pages, 0, s->pages_sent, s->last_sent);
 }
 
@@ -655,6 +662,8 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     lk->peer = p;
     p->refs++;
     kvf__trace_peer_event(r, "dest_received", p, -1, lk->tx.n_pages, -1);
+    if (lk->tx.state.ngroups > 0)
+        atomic_store(&sender_of(r)->wants_states, 1);
     kvf__siblings_evict(r, p);
     kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     if (lk->tx.prefix != r->links[0].tx.prefix) {
@@ -955,6 +964,8 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
     const kvf_layout_int_t *l = &eng->layout;
     kvf_status_t st = KVF_OK;
 
+    /* What kvf_sender_send reads without the engine lock, under both. */
+    pthread_mutex_lock(&r->app_lock);
     kvf__lock(eng);
     if (r->initialized) {
         kvf_error("room %llu: kvf_sender_init called twice", (unsigned long long)r->id);
@@ -968,6 +979,7 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
         s->src_pages = malloc((num_pages ? num_pages : 1) * sizeof(uint32_t));
         if (s->src_pages == NULL) {
             kvf__unlock(eng);
+            pthread_mutex_unlock(&r->app_lock);
             return KVF_ERR_NO_MEMORY;
         }
         s->num_pages = num_pages;
@@ -982,6 +994,7 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
         }
     }
     kvf__unlock(eng);
+    pthread_mutex_unlock(&r->app_lock);
     return st;
 }
 
@@ -1014,9 +1027,12 @@ kvf_status_t kvf_sender_set_states(kvf_sender_t *s, const kvf_indices_t *states,
         kvf__states_free(&st_src);
         return KVF_ERR_OUT_OF_RANGE;
     }
+    /* The application's fields, which kvf_sender_send reads without the
+     * engine lock, under both. */
+    pthread_mutex_lock(&r->app_lock);
     kvf__lock(r->eng);
-    if (s->last_sent || s->state_src.ngroups > 0) {
-        kvf_error("room %llu: state indices %s", id, s->last_sent
+    if (s->last_given || s->state_src.ngroups > 0) {
+        kvf_error("room %llu: state indices %s", id, s->last_given
                   ? "given after the last chunk" : "given twice");
         st = KVF_ERR_STATE;
     } else {
@@ -1024,6 +1040,7 @@ kvf_status_t kvf_sender_set_states(kvf_sender_t *s, const kvf_indices_t *states,
         memset(&st_src, 0, sizeof(st_src));
     }
     kvf__unlock(r->eng);
+    pthread_mutex_unlock(&r->app_lock);
     kvf__states_free(&st_src);
     return st;
 }
@@ -1086,74 +1103,102 @@ static int state_counts_agree(kvf_room_t *r)
     return 1;
 }
 
+/*
+ * Why kvf_sender_send may not send this chunk now (with its status in
+ * *st_p), or NULL.  Under the room's app_lock, without the engine lock:
+ * the fields read are the application's own (pages_given, last_given,
+ * state_src) or set before it could call (initialized, num_pages, held),
+ * and the room's state and wants_states are atomic.
+ */
+static const char *send_refusal(kvf_sender_t *s, size_t n, int is_last, kvf_status_t *st_p)
+{
+    kvf_poll_t state = room_state(&s->room);
+    *st_p = KVF_ERR_STATE;
+    if (!s->room.initialized)
+        return "kvf_sender_init was not called";
+    if (s->last_given)
+        return "the last chunk was already sent";
+    if (state == KVF_POLL_FAILED)
+        return "the room failed";
+    if (state < KVF_POLL_WAITING_FOR_INPUT && !s->held)
+        return "the room is still Bootstrapping (poll until WaitingForInput)";
+    if (is_last && s->state_src.ngroups == 0 && atomic_load(&s->wants_states))
+        return "the decode side declared state indices: call kvf_sender_set_states "
+               "before the last chunk";
+    *st_p = KVF_ERR_OUT_OF_RANGE;
+    if (n > s->num_pages - s->pages_given)
+        return "more pages than kvf_sender_init declared";
+    *st_p = KVF_ERR_INVALID_PARAM;
+    if (is_last && s->pages_given + n != s->num_pages)
+        return "the last chunk leaves declared pages unsent";
+    if (n == 0 && !is_last)
+        return "an empty chunk that is not the last";
+    *st_p = KVF_OK;
+    return NULL;
+}
+
 kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
                              int is_last)
 {
     kvf_room_t *r = &s->room;
-    kvf_engine_t *eng = r->eng;
-    const char *why = NULL;
-    kvf_status_t st = KVF_ERR_STATE;
+    const kvf_layout_int_t *l = &r->eng->layout;
+    kvf_status_t st;
     size_t bad;
 
     if (n > 0 && pages == NULL)
         return KVF_ERR_INVALID_PARAM;
-    if ((bad = first_bad_page(&eng->layout, pages, n)) < n) {
+    if ((bad = first_bad_page(l, pages, n)) < n) {
         kvf_error("room %llu: page %u (chunk index %zu) outside the registered KV "
                   "buffers (%llu pages); nothing sent", (unsigned long long)r->id,
-                  pages[bad], bad,
-                  (unsigned long long)min_items(eng->layout.kv, eng->layout.num_kv));
+                  pages[bad], bad, (unsigned long long)min_items(l->kv, l->num_kv));
         return KVF_ERR_OUT_OF_RANGE;
     }
-    kvf__lock(eng);
-    kvf_poll_t state = room_state(r);
-    if (!r->initialized)
-        why = "kvf_sender_init was not called";
-    else if (s->last_sent)
-        why = "the last chunk was already sent";
-    else if (state == KVF_POLL_FAILED)
-        why = "the room failed";
-    else if (state < KVF_POLL_WAITING_FOR_INPUT && !s->held)
-        why = "the room is still Bootstrapping (poll until WaitingForInput)";
-    else if (n > s->num_pages - s->pages_sent) {
-        why = "more pages than kvf_sender_init declared";
-        st = KVF_ERR_OUT_OF_RANGE;
-    } else if (is_last && s->pages_sent + n != s->num_pages) {
-        why = "the last chunk leaves declared pages unsent";
-        st = KVF_ERR_INVALID_PARAM;
-    } else if (n == 0 && !is_last) {
-        why = "an empty chunk that is not the last";
-        st = KVF_ERR_INVALID_PARAM;
-    } else {
-        if (is_last && states_missing(r)) {
-            why = "the decode side declared state indices: call kvf_sender_set_states "
-                  "before the last chunk";
-            st = KVF_ERR_STATE;
-        }
-    }
-    if (why == NULL && is_last && !state_counts_agree(r)) {
-        kvf__unlock(eng);
-        return KVF_OK;     /* the room failed, with the reason; the call did not */
-    }
-    if (why == NULL) {
-        uint32_t first = s->pages_sent;
-        st = KVF_OK;
-        if (n > 0)
-            memcpy(s->src_pages + first, pages, n * sizeof(uint32_t));
-        s->pages_sent += (uint32_t)n;
-        s->last_sent = is_last;
-        /* A held room that some reader has not asked for yet keeps them
-         * (release_held). */
-        if (state >= KVF_POLL_WAITING_FOR_INPUT)
-            queue_all(r, s->src_pages + first, first, n, is_last);
-    } else {
+    pthread_mutex_lock(&r->app_lock);
+    const char *why = send_refusal(s, n, is_last, &st);
+    if (why != NULL) {
         kvf_error("room %llu: send of %zu pages (pages %u..%zu of %u%s) refused: %s",
-                  (unsigned long long)r->id, n, s->pages_sent, s->pages_sent + n,
+                  (unsigned long long)r->id, n, s->pages_given, s->pages_given + n,
                   s->num_pages, is_last ? ", last" : "", why);
+        pthread_mutex_unlock(&r->app_lock);
+        return st;
     }
-    kvf__unlock(eng);
-    if (st == KVF_OK)
-        kvf__engine_wake(eng);
-    return st;
+    /* Publish: the pages first, then how far they go (release), then the
+     * room on lane 0's list, which takes them in (take_sends). */
+    if (n > 0)
+        memcpy(s->src_pages + s->pages_given, pages, n * sizeof(uint32_t));
+    s->pages_given += (uint32_t)n;
+    s->last_given = is_last;
+    atomic_store_explicit(&s->published, s->pages_given | (is_last ? KVF_SENT_LAST : 0),
+                          memory_order_release);
+    pthread_mutex_unlock(&r->app_lock);
+    kvf__room_submit(r);
+    return KVF_OK;
+}
+
+/*
+ * Take in the chunks the application published (kvf_sender_send) since
+ * the last time: the room's `take` op, on lane 0 at its next pass.  A
+ * failed room sends nothing more; a held room that some reader has not
+ * asked for yet keeps them (release_held).
+ */
+static void take_sends(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_sender_t *s = sender_of(r);
+    uint64_t pub = atomic_load_explicit(&s->published, memory_order_acquire);
+    uint32_t upto = (uint32_t)pub, first = s->pages_sent;
+    int last = (pub & KVF_SENT_LAST) != 0;
+
+    if (upto == first && last == s->last_sent)
+        return;
+    s->pages_sent = upto;
+    s->last_sent = last;
+    kvf_poll_t state = room_state(r);
+    if (state == KVF_POLL_FAILED || state < KVF_POLL_WAITING_FOR_INPUT)
+        return;
+    if (last && !last_chunk_fits(r))
+        return;      /* the room failed, with the reason; the call did not */
+    queue_all(r, s->src_pages + first, first, upto - first, last);
 }
 
 /*
@@ -1608,4 +1653,5 @@ const kvf_room_ops_t kvf_sender_room_ops = {
     .retry_at        = sender_retry_at,
     .tick            = sender_tick,
     .deadline_detail = sender_deadline_detail,
+    .take            = take_sends,
 };

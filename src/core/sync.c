@@ -22,6 +22,7 @@ void kvf__sync_init(kvf_sync_t *s)
 {
     pthread_mutex_init(&s->lock, NULL);
     atomic_init(&s->lock_wanted, 0);
+    atomic_init(&s->awake, 0);
     for (unsigned k = 0; k < KVF_MAX_STREAMS; k++)
         s->wakefd[k] = -1;
 }
@@ -54,6 +55,12 @@ void kvf__lane_wake(kvf_engine_t *eng, unsigned lane)
 void kvf__engine_wake(kvf_engine_t *eng)
 {
     kvf__lane_wake(eng, 0);
+}
+
+void kvf__engine_wake_idle(kvf_engine_t *eng)
+{
+    if (atomic_load(&kvf__sync(eng)->awake) == 0)
+        kvf__lane_wake(eng, 0);
 }
 
 /*

@@ -21,7 +21,12 @@
  *       the threads' mains (progress, lanes, resolver, metrics), and the
  *       room.c calls those public calls land in and kvf__resolver_stop,
  *       marked "takes the lock" where room.h and resolver.h declare them;
- *     - the plumbing of this file.
+ *     - the plumbing of this file;
+ *     - publishing without the lock (kvf__room_submit, and the public
+ *       call that fills what it publishes, kvf_sender_send): it touches
+ *       only atomics and fields the application's thread owns under the
+ *       room's app_lock, and the lanes take what it published under the
+ *       lock (kvf__rooms_take_submitted).
  *   Functions that take none of these (layouts, parallel plans, page runs,
  *   sized structs, wire messages) touch nothing the lock guards.
  *
@@ -60,6 +65,10 @@ typedef struct kvf_sync {
     pthread_mutex_t lock;
     atomic_int      lock_wanted;              /* threads waiting in kvf__lock */
     int             wakefd[KVF_MAX_STREAMS];  /* lane k's eventfd, -1: none */
+    /* Lanes not asleep: in a pass, or between passes, or waiting for the
+     * lock; each takes in published work before it sleeps.  A call that
+     * publishes work wakes lane 0 when this is 0 (kvf__engine_wake_idle). */
+    atomic_int      awake;
 } kvf_sync_t;
 
 static inline kvf_sync_t *kvf__sync(const struct kvf_engine *eng)
@@ -147,6 +156,14 @@ void kvf__sync_destroy(kvf_sync_t *s);
  * thread, with or without the lock. */
 void kvf__lane_wake(struct kvf_engine *eng, unsigned lane);
 void kvf__engine_wake(struct kvf_engine *eng);
+/* Wake lane 0 only if every lane sleeps: what a call that published work
+ * without the lock does.  A lane counts itself out of `awake` and then
+ * looks for published work once more before it sleeps (sequentially
+ * consistent), and a publisher publishes and then reads `awake`: one of
+ * the two sees the other, so work is never left until the next tick, and
+ * while any lane is busy the call makes no system call (a wake costs a
+ * few microseconds, and may hand the caller's CPU to the lane). */
+void kvf__engine_wake_idle(struct kvf_engine *eng);
 /* A progress thread between its passes, with the lock released: let the
  * threads waiting in kvf__lock have it first, for a bounded time. */
 void kvf__lock_yield(struct kvf_engine *eng);

@@ -9,6 +9,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <pthread.h>
+
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
@@ -130,6 +132,94 @@ static void test_one_room(void)
     CHECK(strcmp(kvf_engine_transport(dec.eng), side_transport) == 0);
     CHECK(strcmp(kvf_engine_transport(pre.eng), side_transport) == 0);
     CHECK(st.bytes_received == 6ull * PAGE_B * NKV + AUX_B + 8);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
+ * kvf_sender_send publishes without the engine lock and the lanes take it
+ * in (room.c, kvf__room_submit): application threads each drive their own
+ * rooms one page per call, with no wait between calls, so that sends
+ * arrive while a lane is taking others in and several are taken in at
+ * once; every byte lands where its page was sent.  A room destroyed right
+ * after a send, still listed for the lanes, is taken off the list first
+ * (a sanitizer build sees a freed room read otherwise).
+ */
+#define PUB_THREADS 4
+#define PUB_PAGES   8   /* per room: the threads' pages fill PAGES (64) */
+
+typedef struct {
+    side_t     *pre, *dec;
+    const char *bs;
+    unsigned    t;
+    kvf_sender_t   *s;
+    kvf_receiver_t *r;
+} pub_arg_t;
+
+static uint32_t pub_src(unsigned t, unsigned i) { return t * PUB_PAGES + i; }
+static uint32_t pub_dst(unsigned t, unsigned i) { return PAGES - 1 - (t * PUB_PAGES + i); }
+
+static void *pub_thread(void *arg)
+{
+    pub_arg_t *a = arg;
+    uint64_t room = 700 + a->t;
+    uint32_t dst[PUB_PAGES];
+    for (unsigned i = 0; i < PUB_PAGES; i++)
+        dst[i] = pub_dst(a->t, i);
+    CHECK_EQ_INT(kvf_sender_create(a->pre->eng, a->bs, room, &a->s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(a->dec->eng, a->bs, room, -1, &a->r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(a->r, dst, PUB_PAGES, a->t, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(wait_sender(a->s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(a->s, PUB_PAGES, a->t), KVF_OK);
+    for (unsigned i = 0; i < PUB_PAGES; i++) {
+        uint32_t page = pub_src(a->t, i);
+        CHECK_EQ_INT(kvf_sender_send(a->s, &page, 1, i + 1 == PUB_PAGES), KVF_OK);
+    }
+    return NULL;
+}
+
+static void test_sends_published_from_threads(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    for (int b = 0; b < NKV; b++)
+        for (size_t i = 0; i < (size_t)PAGES * PAGE_B; i++)
+            pre.kv[b][i] = (uint8_t)(i * 5 + b * 11 + 3);
+
+    /* Sent, then destroyed at once: listed for the lanes when destroyed. */
+    kvf_sender_t *gone;
+    kvf_receiver_t *gone_r;
+    uint32_t one = 0, one_dst = 0;   /* the threads' rooms' pages later */
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 699, &gone), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 699, -1, &gone_r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(gone_r, &one_dst, 1, 7, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(wait_sender(gone, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(gone, 1, 7), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(gone, &one, 1, 0), KVF_OK);   /* not the last */
+    kvf_sender_destroy(gone);
+    CHECK_EQ_INT(wait_receiver(gone_r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    kvf_receiver_destroy(gone_r);
+
+    pthread_t th[PUB_THREADS];
+    pub_arg_t args[PUB_THREADS];
+    for (unsigned t = 0; t < PUB_THREADS; t++) {
+        args[t] = (pub_arg_t){&pre, &dec, bs, t, NULL, NULL};
+        CHECK_EQ_INT(pthread_create(&th[t], NULL, pub_thread, &args[t]), 0);
+    }
+    for (unsigned t = 0; t < PUB_THREADS; t++)
+        pthread_join(th[t], NULL);
+    for (unsigned t = 0; t < PUB_THREADS; t++) {
+        wait_final(args[t].s, args[t].r);
+        CHECK_EQ_INT(kvf_sender_poll(args[t].s), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(kvf_receiver_poll(args[t].r), KVF_POLL_SUCCESS);
+        for (int b = 0; b < NKV; b++)
+            for (unsigned i = 0; i < PUB_PAGES; i++)
+                CHECK(memcmp(dec.kv[b] + (size_t)pub_dst(t, i) * PAGE_B,
+                             pre.kv[b] + (size_t)pub_src(t, i) * PAGE_B, PAGE_B) == 0);
+        kvf_sender_destroy(args[t].s);
+        kvf_receiver_destroy(args[t].r);
+    }
     side_fini(&dec);
     side_fini(&pre);
 }
@@ -1712,6 +1802,7 @@ static void test_over_ucx(void)
 }
 
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
+              KVF_CASE(test_sends_published_from_threads),
               KVF_CASE(test_trickling_handshake_is_closed),
               KVF_CASE(test_hostile_strided_segments),
               KVF_CASE(test_strided_only_when_accepted),

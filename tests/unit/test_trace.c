@@ -112,6 +112,9 @@ static void sender_go(kvf_sender_t *s)
     CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(s, NPAGES, 2), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(s, src_pages, 1, 0), KVF_OK);
+    /* Taken in alone (TRANSFERRING), so that each chunk has its event: two
+     * sends the engine takes in at once are queued as one. */
+    CHECK(wait_sender(s, KVF_POLL_TRANSFERRING) >= KVF_POLL_TRANSFERRING);
     CHECK_EQ_INT(kvf_sender_send(s, src_pages + 1, 1, 1), KVF_OK);
 }
 
