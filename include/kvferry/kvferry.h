@@ -14,9 +14,9 @@
  *   Every function is thread-safe and never waits on a peer, a socket or a
  *   deadline unless its comment says otherwise (kvf_*_await_failure waits
  *   by design; a destroy waits for reads into its room's pages, bounded by
- *   their deadline).  kvf_sender_send() and kvf_*_poll() take no engine
- *   lock: a send publishes its chunk for the progress thread, a poll reads
- *   one atomic, so a scheduler may call them for thousands of rooms in
+ *   their deadline).  kvf_sender_init(), kvf_sender_send() and
+ *   kvf_*_poll() take no engine lock: init and send publish their work
+ *   for the progress threads, a poll reads one atomic, so a scheduler may call them for thousands of rooms in
  *   each step.  Other calls take the engine lock for their bookkeeping,
  *   which the engine's threads hold only for bounded passes, so such a
  *   call may wait for the rest of one pass (docs/ARCHITECTURE.md,
@@ -689,9 +689,11 @@ KVF_API kvf_status_t kvf_sender_create(kvf_engine_t *engine,
 /**
  * Declare the room's size: `num_pages` KV pages and the source aux slot.
  * Once.  num_pages may be 0 (the decode side holds the whole prompt: only
- * aux and state move, on a last send() of no pages).  @return KVF_OK,
+ * aux and state move, on a last send() of no pages).  Without the engine
+ * lock: published, as a send is; a destination that disagrees with it
+ * fails the room when the engine takes it in.  @return KVF_OK,
  * KVF_ERR_STATE (second call), KVF_ERR_OUT_OF_RANGE (aux slot not
- * registered).
+ * registered), KVF_ERR_NO_MEMORY.
  */
 KVF_API kvf_status_t kvf_sender_init(kvf_sender_t *sender, uint32_t num_pages,
                                      uint32_t aux_slot);

@@ -392,10 +392,15 @@ struct kvf_sender {
     /* What the application gave (kvf_sender_send), kept under the room's
      * app_lock, without the engine lock; pages_sent and last_sent above are what the
      * engine took in of it (the `take` op), from `published`: pages given,
-     * with KVF_SENT_LAST once the last chunk was. */
+     * with KVF_SENT_LAST once the last chunk was, and KVF_SENT_INIT once
+     * kvf_sender_init was (num_pages, src_pages and the room's aux_slot
+     * then hold its values; the lanes read them only once they took it
+     * in: the room's `initialized`). */
 #define KVF_SENT_LAST (1ull << 32)
+#define KVF_SENT_INIT (1ull << 33)   /* kvf_sender_init was called */
     uint32_t    pages_given;
     int         last_given;
+    int         init_given;
     _Atomic uint64_t published;
     /* A decode rank declared state indices: set before the room is
      * WAITING_FOR_INPUT, so a sender that sees that state sees it too. */

@@ -960,14 +960,14 @@ kvf_status_t kvf_sender_create_held(kvf_engine_t *eng, uint64_t room, const kvf_
 kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_slot)
 {
     kvf_room_t *r = &s->room;
-    kvf_engine_t *eng = r->eng;
-    const kvf_layout_int_t *l = &eng->layout;
+    const kvf_layout_int_t *l = &r->eng->layout;
     kvf_status_t st = KVF_OK;
 
-    /* What kvf_sender_send reads without the engine lock, under both. */
+    /* Published as a send is, without the engine lock: the lanes read
+     * num_pages, src_pages and aux_slot only once they took it in
+     * (take_init: r->initialized). */
     pthread_mutex_lock(&r->app_lock);
-    kvf__lock(eng);
-    if (r->initialized) {
+    if (s->init_given) {
         kvf_error("room %llu: kvf_sender_init called twice", (unsigned long long)r->id);
         st = KVF_ERR_STATE;
     } else if (!aux_slot_ok(l, aux_slot)) {
@@ -975,27 +975,32 @@ kvf_status_t kvf_sender_init(kvf_sender_t *s, uint32_t num_pages, uint32_t aux_s
                   (unsigned long long)r->id, aux_slot,
                   (unsigned long long)min_items(l->aux, l->num_aux));
         st = KVF_ERR_OUT_OF_RANGE;
+    } else if ((s->src_pages = malloc((num_pages ? num_pages : 1) * sizeof(uint32_t))) == NULL) {
+        st = KVF_ERR_NO_MEMORY;
     } else {
-        s->src_pages = malloc((num_pages ? num_pages : 1) * sizeof(uint32_t));
-        if (s->src_pages == NULL) {
-            kvf__unlock(eng);
-            pthread_mutex_unlock(&r->app_lock);
-            return KVF_ERR_NO_MEMORY;
-        }
         s->num_pages = num_pages;
         r->aux_slot = aux_slot;
-        r->initialized = 1;
-        for (uint32_t i = 0; i < r->nlinks; i++) {
-            char why[KVF_REASON_MAX - 64];
-            if (dest_misfit(r, &r->links[i], why, sizeof(why)) != NULL) {
-                kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s", why);
-                break;
-            }
+        s->init_given = 1;
+        atomic_store_explicit(&s->published, KVF_SENT_INIT, memory_order_release);
+    }
+    pthread_mutex_unlock(&r->app_lock);
+    if (st == KVF_OK)
+        kvf__room_submit(r);
+    return st;
+}
+
+/* The application's kvf_sender_init, taken in (take_sends): the
+ * destinations that arrived before it are checked against it now. */
+static void take_init(kvf_room_t *r)
+{
+    r->initialized = 1;
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        char why[KVF_REASON_MAX - 64];
+        if (dest_misfit(r, &r->links[i], why, sizeof(why)) != NULL) {
+            kvf__room_fail(r, KVF_ERR_BAD_INDICES, "%s", why);
+            return;
         }
     }
-    kvf__unlock(eng);
-    pthread_mutex_unlock(&r->app_lock);
-    return st;
 }
 
 kvf_status_t kvf_sender_set_states(kvf_sender_t *s, const kvf_indices_t *states, size_t n)
@@ -1107,14 +1112,14 @@ static int state_counts_agree(kvf_room_t *r)
  * Why kvf_sender_send may not send this chunk now (with its status in
  * *st_p), or NULL.  Under the room's app_lock, without the engine lock:
  * the fields read are the application's own (pages_given, last_given,
- * state_src) or set before it could call (initialized, num_pages, held),
+ * state_src, init_given, num_pages) or set before it could call (held),
  * and the room's state and wants_states are atomic.
  */
 static const char *send_refusal(kvf_sender_t *s, size_t n, int is_last, kvf_status_t *st_p)
 {
     kvf_poll_t state = room_state(&s->room);
     *st_p = KVF_ERR_STATE;
-    if (!s->room.initialized)
+    if (!s->init_given)
         return "kvf_sender_init was not called";
     if (s->last_given)
         return "the last chunk was already sent";
@@ -1168,7 +1173,8 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
         memcpy(s->src_pages + s->pages_given, pages, n * sizeof(uint32_t));
     s->pages_given += (uint32_t)n;
     s->last_given = is_last;
-    atomic_store_explicit(&s->published, s->pages_given | (is_last ? KVF_SENT_LAST : 0),
+    atomic_store_explicit(&s->published,
+                          KVF_SENT_INIT | s->pages_given | (is_last ? KVF_SENT_LAST : 0),
                           memory_order_release);
     pthread_mutex_unlock(&r->app_lock);
     kvf__room_submit(r);
@@ -1176,8 +1182,8 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
 }
 
 /*
- * Take in the chunks the application published (kvf_sender_send) since
- * the last time: the room's `take` op, on lane 0 at its next pass.  A
+ * Take in what the application published (kvf_sender_init, then the
+ * chunks of kvf_sender_send) since the last time: the room's `take` op, on lane 0 at its next pass.  A
  * failed room sends nothing more; a held room that some reader has not
  * asked for yet keeps them (release_held).
  */
@@ -1189,6 +1195,8 @@ static void take_sends(kvf_room_t *r)
     uint32_t upto = (uint32_t)pub, first = s->pages_sent;
     int last = (pub & KVF_SENT_LAST) != 0;
 
+    if ((pub & KVF_SENT_INIT) && !r->initialized)
+        take_init(r);
     if (upto == first && last == s->last_sent)
         return;
     s->pages_sent = upto;
