@@ -215,7 +215,7 @@ typedef struct kvf_room_ops {
      * (the end of its failure reason). */
     void     (*deadline_detail)(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len);
     /* Take in what the application published on the room without the
-     * lock (kvf__room_submit: a sender's chunks).  NULL: the side
+     * lock (kvf__room_submit: a sender's init and chunks).  NULL: the side
      * publishes nothing. */
     void     (*take)(kvf_room_t *r);
 } kvf_room_ops_t;
@@ -389,9 +389,10 @@ struct kvf_sender {
     kvf_states_t state_src;      /* source state indices (kvf_sender_set_states) */
     uint32_t    decode_prefix;   /* tokens, as the destinations say */
     int         last_sent;
-    /* What the application gave (kvf_sender_send), kept under the room's
-     * app_lock, without the engine lock; pages_sent and last_sent above are what the
-     * engine took in of it (the `take` op), from `published`: pages given,
+    /* What the application gave (kvf_sender_init, kvf_sender_send), kept
+     * under the room's app_lock, without the engine lock; pages_sent and
+     * last_sent above are what the engine took in of it (the `take` op),
+     * from `published`: pages given,
      * with KVF_SENT_LAST once the last chunk was, and KVF_SENT_INIT once
      * kvf_sender_init was (num_pages, src_pages and the room's aux_slot
      * then hold its values; the lanes read them only once they took it
@@ -583,11 +584,11 @@ kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, ui
 /* kvf_*_destroy (takes the lock). */
 void           kvf__room_destroy(kvf_room_t *r);
 /*
- * The application published work on r without the lock (a sender's
- * chunks): list r for the lanes, the first of which to end a pass takes
- * it in (ops->take), and wake lane 0 if every lane sleeps.  Without the lock, from the
- * thread that owns the room's handle; a room already listed is not listed
- * twice (what is published is taken in whole).
+ * The application published work on r without the lock (a sender's init
+ * and chunks): list r for the lanes, the first of which to end a pass
+ * takes it in (ops->take), and wake lane 0 if every lane sleeps.  Without
+ * the lock, from the thread that holds the room's handle; a room already
+ * listed is not listed twice (what is published is taken in whole).
  */
 void           kvf__room_submit(kvf_room_t *r);
 /* Take in every listed room's published work (each lane at each pass,

@@ -1168,7 +1168,7 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
         return st;
     }
     /* Publish: the pages first, then how far they go (release), then the
-     * room on lane 0's list, which takes them in (take_sends). */
+     * room on the lanes' list (take_sends takes them in). */
     if (n > 0)
         memcpy(s->src_pages + s->pages_given, pages, n * sizeof(uint32_t));
     s->pages_given += (uint32_t)n;
@@ -1183,9 +1183,10 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
 
 /*
  * Take in what the application published (kvf_sender_init, then the
- * chunks of kvf_sender_send) since the last time: the room's `take` op, on lane 0 at its next pass.  A
- * failed room sends nothing more; a held room that some reader has not
- * asked for yet keeps them (release_held).
+ * chunks of kvf_sender_send) since the last time: the room's `take` op,
+ * run by the first lane to end a pass.  A failed room sends nothing more;
+ * a held room that some reader has not asked for yet keeps them
+ * (release_held).
  */
 static void take_sends(kvf_room_t *r)
 {
