@@ -498,14 +498,6 @@ uint64_t kvf_engine_instance_id(const kvf_engine_t *eng)
     return eng->instance_id;
 }
 
-int kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops)
-{
-    KVF_ASSERT_LOCKED(eng);
-    if (strcmp(eng->transport, "auto") == 0)
-        return ops->auto_ok == NULL || ops->auto_ok();
-    return strcmp(eng->transport, ops->name) == 0;
-}
-
 /*
  * Device memory moves over tcp through the copier (stage.h), which starts
  * with the layout like the movers.  @return KVF_OK, or why not in err.
@@ -555,7 +547,7 @@ static void start_movers(kvf_engine_t *eng)
     for (int i = 0; kvf_movers[i] != NULL; i++) {
         const kvf_mover_ops_t *ops = kvf_movers[i];
         char err[512] = "";
-        if (!kvf__engine_allows(eng, ops))
+        if (!kvf_mover_allowed(eng->transport, ops))
             continue;
         if (ops->create(&mp, &eng->movers[i], err, sizeof(err)) != KVF_OK) {
             eng->movers[i] = NULL;

@@ -228,8 +228,6 @@ void kvf__engine_progress_movers(kvf_engine_t *eng);
 void kvf__listener_init_unlocked(kvf_engine_t *eng);
 void kvf__listener_accept(kvf_engine_t *eng);
 void kvf__listener_tick(kvf_engine_t *eng, uint64_t now);
-/* May this engine use `ops` (its `transport` setting)? */
-int  kvf__engine_allows(const kvf_engine_t *eng, const kvf_mover_ops_t *ops);
 
 /* params.c: copy a caller's kvf_engine_params_t, of the caller's `size`,
  * into a full-size struct; fields past that size take their defaults

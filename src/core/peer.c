@@ -420,7 +420,7 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
 
     /* A sibling link moves no payload: no mover, one stream. */
     for (int i = 0; kvf_movers[i] != NULL && chosen == NULL && !p->watch_only; i++) {
-        if (!kvf__engine_allows(eng, kvf_movers[i]))
+        if (!kvf_mover_allowed(eng->transport, kvf_movers[i]))
             continue;
         if (try_offer(p, x, i, why, sizeof(why)))
             chosen = kvf_movers[i];

@@ -77,7 +77,9 @@ void kvf__receiver_tell_failed(kvf_room_t *r)
     }
 }
 
-void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
+/* Link a resolved receiver to the n prefill ranks it reads from, and go
+ * on with it (a failure fails the room). */
+static void receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
 {
     KVF_ASSERT_LOCKED(r->eng);
     kvf_engine_t *eng = r->eng;
@@ -113,6 +115,28 @@ void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n)
     kvf__receiver_tell_failed(r);          /* failed before it knew them */
     kvf__receiver_try_request(r);
     kvf__engine_wake(eng);
+}
+
+/* The resolver's lookup for the room (its `resolved` op). */
+static void receiver_resolved(kvf_room_t *r, const kvf_lookup_t *res)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    if (res->res == KVF_LOOKUP_FATAL && room_final(r))
+        return;                   /* failed already: it has no one to tell */
+    if (res->res == KVF_LOOKUP_FATAL) {
+        kvf__room_fail(r, res->status, "%s", res->err);
+        return;
+    }
+    if (res->res == KVF_LOOKUP_RETRY) {
+        free(r->last_err);
+        r->last_err = strdup(res->err);
+        kvf__resolver_enqueue(r->eng, r);
+        return;
+    }
+    free(r->last_err);       /* a registry hiccup that resolved is no cause */
+    r->last_err = NULL;
+    kvf__siblings_link(r, res->w, res->nwatch);
+    receiver_link(r, res->t, res->ntargets);
 }
 
 /*
@@ -230,7 +254,7 @@ kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *r
         rv->dp_rank = -1;
         rv->sender_instance = rm.instance;
         rv->remote = 1;
-        kvf__receiver_link(r, t, n);
+        receiver_link(r, t, n);
         *receiver_p = (kvf_receiver_t *)r;
     }
     kvf__unlock(eng);
@@ -1802,4 +1826,5 @@ const kvf_room_ops_t kvf_receiver_room_ops = {
     .peer_ready      = kvf__receiver_try_request,
     .tick            = receiver_tick,
     .deadline_detail = receiver_deadline_detail,
+    .resolved        = receiver_resolved,
 };

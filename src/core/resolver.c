@@ -9,7 +9,8 @@
  * Decode: for each new receiver, finds the prefill rank that serves it
  * (GET /route, cached per registry and per rank; the caches are dropped
  * whenever a peer dies, since a dead peer may have come back elsewhere) and
- * links the room to that peer's connection.
+ * hands what it found to the room's `resolved` op (receiver.c), which
+ * links the room to those peers: the resolver names no receiver code.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -51,19 +52,8 @@ typedef struct resolver {
     uint64_t     generation;
 } resolver_t;
 
-typedef enum { RES_OK, RES_RETRY, RES_FATAL } res_t;
 
-typedef struct result {
-    res_t        res;
-    kvf_status_t status;
-    char         err[KVF_REASON_MAX - 64];
-    int          ntargets;
-    kvf_target_t t[KVF_MAX_TARGETS];
-    int          nwatch;             /* the DP group's other ranks (siblings.c) */
-    kvf_target_t w[KVF_MAX_TARGETS];
-} result_t;
-
-static const kvf_bs_info_t *get_info(resolver_t *rs, const char *addr, result_t *out)
+static const kvf_bs_info_t *get_info(resolver_t *rs, const char *addr, kvf_lookup_t *out)
 {
     for (int i = 0; i < rs->ninfo; i++)
         if (strcmp(rs->info[i].addr, addr) == 0)
@@ -72,7 +62,7 @@ static const kvf_bs_info_t *get_info(resolver_t *rs, const char *addr, result_t 
     kvf_status_t st = kvf__bs_get_info(addr, CALL_TIMEOUT_MS, &info, out->err,
                                        sizeof(out->err));
     if (st != KVF_OK) {
-        out->res = RES_RETRY;
+        out->res = KVF_LOOKUP_RETRY;
         return NULL;
     }
     if (rs->ninfo == CACHE_MAX)
@@ -84,11 +74,11 @@ static const kvf_bs_info_t *get_info(resolver_t *rs, const char *addr, result_t 
 }
 
 static int pick_dp(const kvf_bs_info_t *info, const char *addr, uint64_t room,
-                   int requested, result_t *out)
+                   int requested, kvf_lookup_t *out)
 {
     if (requested >= 0) {
         if (requested >= info->dp_size) {
-            out->res = RES_FATAL;
+            out->res = KVF_LOOKUP_FATAL;
             out->status = KVF_ERR_INVALID_PARAM;
             snprintf(out->err, sizeof(out->err), "prefill DP rank %d requested, but the "
                      "prefill server at %s has dp_size=%d", requested, addr, info->dp_size);
@@ -160,7 +150,7 @@ int kvf__receiver_targets_unlocked(const kvf_engine_t *eng, uint32_t heads, int 
 }
 
 static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, int pp, char *ip,
-                       size_t iplen, int *port, result_t *out)
+                       size_t iplen, int *port, kvf_lookup_t *out)
 {
     for (int i = 0; i < rs->nranks; i++) {
         rank_entry_t *e = &rs->ranks[i];
@@ -194,7 +184,7 @@ static int lookup_rank(resolver_t *rs, const char *addr, int dp, int tp, int pp,
  * set) when a rank's address is not known yet.
  */
 static int watch_targets(resolver_t *rs, const char *addr, int dp, const kvf_bs_info_t *info,
-                         const int *tp, const int *pp, int n, result_t *out)
+                         const int *tp, const int *pp, int n, kvf_lookup_t *out)
 {
     out->nwatch = 0;
     for (int s = 0; s < info->pp_size; s++)
@@ -208,7 +198,7 @@ static int watch_targets(resolver_t *rs, const char *addr, int dp, const kvf_bs_
             w->rank = t;
             w->instance = 0;
             if (!lookup_rank(rs, addr, dp, t, s, w->host, sizeof(w->host), &w->port, out)) {
-                out->res = RES_RETRY;
+                out->res = KVF_LOOKUP_RETRY;
                 return 0;
             }
             out->nwatch++;
@@ -217,7 +207,7 @@ static int watch_targets(resolver_t *rs, const char *addr, int dp, const kvf_bs_
 }
 
 static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads,
-                         const char *addr, uint64_t room, int dp_req, result_t *out)
+                         const char *addr, uint64_t room, int dp_req, kvf_lookup_t *out)
 {
     const kvf_bs_info_t *info = get_info(rs, addr, out);
     int tp[KVF_MAX_TARGETS], pp[KVF_MAX_TARGETS];
@@ -226,7 +216,7 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
         return;
     if (info->attn_tp_size < 1 || info->attn_tp_size > 4096 || info->pp_size < 1 ||
         info->pp_size > 1024) {
-        out->res = RES_FATAL;
+        out->res = KVF_LOOKUP_FATAL;
         out->status = KVF_ERR_BOOTSTRAP;
         snprintf(out->err, sizeof(out->err), "bootstrap registry %s reports "
                  "attn_tp_size=%d, pp_size=%d", addr, info->attn_tp_size, info->pp_size);
@@ -237,7 +227,7 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
         return;
     int n = kvf__receiver_targets_unlocked(eng, heads, info->attn_tp_size, info->pp_size, tp, pp);
     if (n < 0) {
-        out->res = RES_FATAL;
+        out->res = KVF_LOOKUP_FATAL;
         out->status = KVF_ERR_UNSUPPORTED;
         snprintf(out->err, sizeof(out->err), "decode rank %d would read room %llu from more "
                  "than %d prefill ranks of %s (attn_tp_size %d, pp_size %d), more than "
@@ -249,14 +239,14 @@ static void resolve_room(resolver_t *rs, const kvf_engine_t *eng, uint32_t heads
         out->t[i].rank = tp[i];
         if (!lookup_rank(rs, addr, dp, tp[i], pp[i], out->t[i].host, sizeof(out->t[i].host),
                          &out->t[i].port, out)) {
-            out->res = RES_RETRY;
+            out->res = KVF_LOOKUP_RETRY;
             return;
         }
     }
     out->ntargets = n;
     if (!watch_targets(rs, addr, dp, info, tp, pp, n, out))
         return;
-    out->res = RES_OK;
+    out->res = KVF_LOOKUP_OK;
 }
 
 /*
@@ -273,29 +263,6 @@ static int wants_lookup(const kvf_engine_t *eng, const kvf_room_t *r)
            (st == KVF_POLL_BOOTSTRAPPING ||
             (st == KVF_POLL_FAILED && r->nlinks == 0 && r->nwatch == 0 &&
              kvf_elapsed_ms(kvf_now_ms(), r->t_create_ms) < eng->params.bootstrap_timeout_ms));
-}
-
-/* Under the lock: apply a resolution to its room. */
-static void post_result(kvf_engine_t *eng, kvf_room_t *r, const result_t *res)
-{
-    if (!wants_lookup(eng, r))
-        return;
-    if (res->res == RES_FATAL && room_final(r))
-        return;                   /* failed already: it has no one to tell */
-    if (res->res == RES_FATAL) {
-        kvf__room_fail(r, res->status, "%s", res->err);
-        return;
-    }
-    if (res->res == RES_RETRY) {
-        free(r->last_err);
-        r->last_err = strdup(res->err);
-        kvf__resolver_enqueue(eng, r);
-        return;
-    }
-    free(r->last_err);       /* a registry hiccup that resolved is no cause */
-    r->last_err = NULL;
-    kvf__siblings_link(r, res->w, res->nwatch);
-    kvf__receiver_link(r, res->t, res->ntargets);
 }
 
 /* ------------------------------------------------------------------------ */
@@ -502,7 +469,7 @@ static void *resolver_main(void *arg)
             kvf_room_t *r = batch;
             batch = receiver_of(r)->rq_next;
             receiver_of(r)->rq_next = NULL;
-            result_t res = {.res = RES_OK};
+            kvf_lookup_t res = {.res = KVF_LOOKUP_OK};
             if (wants_lookup(eng, r)) {
                 char *addr = strdup(receiver_of(r)->bootstrap_addr);
                 uint64_t id = r->id;
@@ -510,15 +477,16 @@ static void *resolver_main(void *arg)
                 uint32_t heads = eng->layout.total_heads;   /* a peer's HELLO may set it */
                 kvf__unlock(eng);
                 if (addr == NULL) {
-                    res.res = RES_FATAL;
+                    res.res = KVF_LOOKUP_FATAL;
                     res.status = KVF_ERR_NO_MEMORY;
                 } else {
                     resolve_room(rs, eng, heads, addr, id, dp, &res);
                 }
                 free(addr);
                 kvf__lock(eng);
-                post_result(eng, r, &res);
-                retrying |= res.res == RES_RETRY;
+                if (wants_lookup(eng, r))
+                    r->ops->resolved(r, &res);
+                retrying |= res.res == KVF_LOOKUP_RETRY;
             }
             kvf__room_put(r);
         }

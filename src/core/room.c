@@ -466,8 +466,8 @@ kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const 
 
 const char *kvf__room_ops_missing(const kvf_room_ops_t *o)
 {
-    /* Called by room.c and peer.c without a NULL test (room.h says which
-     * may be NULL: init, destroyed, peer_ready, read_take). */
+    /* Called by room.c, peer.c and resolver.c without a NULL test (room.h
+     * says which may be NULL: init, destroyed, peer_ready, read_take). */
     const struct { const char *name; int set; } need[] = {
         {"on_msg", o->on_msg != NULL},           {"free", o->free != NULL},
         {"instance_for", o->instance_for != NULL}, {"fail_key", o->fail_key != NULL},
@@ -478,6 +478,7 @@ const char *kvf__room_ops_missing(const kvf_room_ops_t *o)
     const struct { const char *name; int set; } decode[] = {
         {"on_data", o->on_data != NULL},         {"on_data_end", o->on_data_end != NULL},
         {"on_data_ref", o->on_data_ref != NULL}, {"release_rx", o->release_rx != NULL},
+        {"resolved", o->resolved != NULL},
     };
     if (o->size < sizeof(kvf_room_t))
         return "size";

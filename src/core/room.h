@@ -122,6 +122,18 @@ typedef struct kvf_target {
     uint64_t instance;          /* the engine instance it must be, or 0 */
 } kvf_target_t;
 
+/* What the resolver thread found for a receiver (resolver.c), handed to
+ * the room's `resolved` op under the lock. */
+typedef struct kvf_lookup {
+    enum { KVF_LOOKUP_OK, KVF_LOOKUP_RETRY, KVF_LOOKUP_FATAL } res;
+    kvf_status_t status;                 /* KVF_LOOKUP_FATAL */
+    char         err[KVF_REASON_MAX - 64];
+    int          ntargets;               /* the prefill ranks it reads from */
+    kvf_target_t t[KVF_MAX_TARGETS];
+    int          nwatch;                 /* the DP group's other ranks (siblings.c) */
+    kvf_target_t w[KVF_MAX_TARGETS];
+} kvf_lookup_t;
+
 /*
  * A sibling link (siblings.c): on a receiver, a prefill rank of the room's
  * DP group that this decode rank reads nothing from; on a sender, a decode
@@ -218,6 +230,10 @@ typedef struct kvf_room_ops {
      * lock (kvf__room_submit: a sender's init and chunks).  NULL: the side
      * publishes nothing. */
     void     (*take)(kvf_room_t *r);
+    /* Decode: the resolver thread looked up the prefill ranks the room
+     * asked for (kvf__resolver_enqueue): link it to them, fail it, or
+     * ask again.  The resolver calls up through this op alone. */
+    void     (*resolved)(kvf_room_t *r, const kvf_lookup_t *res);
 } kvf_room_ops_t;
 
 extern const kvf_room_ops_t kvf_sender_room_ops;     /* sender.c */
@@ -699,9 +715,6 @@ void kvf__acks_tick(kvf_engine_t *eng, uint64_t now);
 void kvf__acks_free(kvf_engine_t *eng);
 
 /* receiver.c */
-/* Link a resolved receiver to the n prefill ranks it reads from, and go
- * on with it (a failure fails the room). */
-void kvf__receiver_link(kvf_room_t *r, const kvf_target_t *t, int n);
 /* Send the room's destination to every prefill rank it links to, once
  * each is ready and compatible. */
 void kvf__receiver_try_request(kvf_room_t *room);

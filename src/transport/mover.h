@@ -191,6 +191,9 @@ extern const kvf_mover_ops_t *const kvf_movers[];
 void                   kvf_movers_check(void);
 /* The mover called `name` (len bytes), or NULL. */
 const kvf_mover_ops_t *kvf_mover_find(const char *name, size_t len);
+/* Whether an engine whose `transport` setting is `transport` ("auto" or
+ * one mover's name) may use `ops`. */
+int                    kvf_mover_allowed(const char *transport, const kvf_mover_ops_t *ops);
 /* Its index in kvf_movers[], or -1. */
 int                    kvf_mover_index(const kvf_mover_ops_t *ops);
 

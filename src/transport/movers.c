@@ -113,6 +113,13 @@ const kvf_mover_ops_t *kvf_mover_find(const char *name, size_t len)
     return NULL;
 }
 
+int kvf_mover_allowed(const char *transport, const kvf_mover_ops_t *ops)
+{
+    if (strcmp(transport, "auto") == 0)
+        return ops->auto_ok == NULL || ops->auto_ok();
+    return strcmp(transport, ops->name) == 0;
+}
+
 int kvf_mover_index(const kvf_mover_ops_t *ops)
 {
     for (int i = 0; kvf_movers[i] != NULL; i++)
