@@ -164,6 +164,16 @@ static void engine_free(kvf_engine_t *eng)
     free(eng);
 }
 
+/* What peers report upward (peer.h): room.c takes their room messages,
+ * failures and readiness; acks.c what a dead peer still owed. */
+static const kvf_peer_events_t peer_events = {
+    .room_msg = kvf__room_on_msg,
+    .failed   = kvf__rooms_peer_failed,
+    .ready    = kvf__rooms_peer_ready,
+    .needed   = kvf__rooms_wait_on,
+    .dead     = kvf__acks_peer_lost,
+};
+
 /* The fields that hold no resource: defaults, "-1" fds, event tags, locks
  * and maps, so that engine_free can unwind from any later step. */
 static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
@@ -181,6 +191,7 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
     eng->ev_listener = KVF_EV_LISTENER;
     eng->ev_wake = KVF_EV_WAKE;
     eng->ev_copier = KVF_EV_COPIER;
+    eng->peer_events = &peer_events;
     eng->room_ops = full->role == KVF_ROLE_PREFILL ? &kvf_sender_room_ops
                                                    : &kvf_receiver_room_ops;
     assert(eng->room_ops->side == full->role && kvf__room_ops_missing(eng->room_ops) == NULL);

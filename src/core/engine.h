@@ -121,6 +121,7 @@ struct kvf_engine {
     /* The side ops of this engine's role (room.h: what a message for a
      * room it does not have, or a DATA frame, goes to). */
     const struct kvf_room_ops *room_ops;
+    const struct kvf_peer_events *peer_events;   /* peer.h */
     kvf_map_t           stash;            /* prefill: room id -> kvf_stash_t* */
     struct kvf_stash   *stash_oldest, *stash_newest; /* every entry, in order */
     size_t              stash_count, stash_bytes;    /* bounded (room.h) */

@@ -467,7 +467,7 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
         return;
     }
     p->state = KVF_PEER_READY;
-    kvf__rooms_peer_ready(eng, p);
+    eng->peer_events->ready(eng, p);
 }
 
 static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
@@ -693,7 +693,7 @@ void kvf__peer_redial(kvf_peer_t *p, uint64_t now)
     KVF_ASSERT_LOCKED(p->eng);
     assert(p->state == KVF_PEER_REDIAL && kvf__owns_lane(p->eng, p->lane));
     kvf_peer_t *m = kvf__peer_main(p);
-    if (!kvf__rooms_wait_on(p->eng, m)) {
+    if (!p->eng->peer_events->needed(p->eng, m)) {
         p->quiet = 1;
         kvf__peer_fail(p, KVF_ERR_CONN_RESET, "refused before its handshake (%s), and no "
                        "room waits for it any more", p->refused_why);
@@ -827,7 +827,7 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
      */
     kvf_room_failed_t *failed;
     size_t nfailed;
-    int rooms = kvf__rooms_peer_failed(p->eng, p, st, reason, &failed, &nfailed);
+    int rooms = p->eng->peer_events->failed(p->eng, p, st, reason, &failed, &nfailed);
     /* What other threads queued goes out while the stream is up (and a
      * put in the outbox holds a reference to this peer); off its lane,
      * the lane sends it before it closes (kvf__peer_close_pending).  Only
@@ -860,7 +860,7 @@ void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
     }
 close:
     p->state = KVF_PEER_DEAD;
-    kvf__acks_peer_lost(p, st);
+    p->eng->peer_events->dead(p, st);
     kvf__streams_close(p);
     p->close_pending = 1;
     if (kvf__owns_lane(p->eng, p->lane))
@@ -1166,7 +1166,7 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
     }
     p->mover = NULL;                /* the stream, until the decode engine chooses */
     p->state = KVF_PEER_READY;
-    kvf__rooms_peer_ready(eng, p);
+    eng->peer_events->ready(eng, p);
 }
 
 static void on_msg(void *arg, const kvf_msg_t *msg)
@@ -1240,7 +1240,7 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
         kvf__peer_heed(p, &v);
         return;
     }
-    kvf_verdict_t v = kvf__room_on_msg(p, msg);
+    kvf_verdict_t v = p->eng->peer_events->room_msg(p, msg);
     kvf__peer_heed(p, &v);
 }
 

@@ -188,6 +188,42 @@ static inline kvf_verdict_t kvf__verdict_ok(void)
     return v;
 }
 
+/* A room the rooms failed when its peer went away, which the peer tells
+ * its other side itself (kvf_peer_events_t's `failed`). */
+typedef struct kvf_room_failed {
+    uint64_t      room;
+    uint64_t      instance;       /* the room instance the peer knows it by */
+    uint64_t      key;            /* a receiver's held room's request key, or 0 */
+    kvf_failure_t failure;
+} kvf_room_failed_t;
+
+/*
+ * What a peer reports to the layers above it.  peer.c and streams.c name
+ * no room or acknowledgement code: they call up through this table alone
+ * (eng->peer_events), which engine.c fills with room.c's and acks.c's
+ * functions, so those may call peers and events still flow one way:
+ * transport -> peer -> room.  Every entry runs under the engine lock.
+ */
+typedef struct kvf_peer_events {
+    /* A room message (ROOM_REQ, DONE, DONE_ACK, FAIL, ABORT) from p.
+     * @return the verdict on p. */
+    kvf_verdict_t (*room_msg)(kvf_peer_t *p, const kvf_msg_t *msg);
+    /* p went away: fail (or, for a reset stream, hold for a reconnect)
+     * every live room linked to it; @return how many.  The rooms tell
+     * their other peers, never p: the ones failed are listed in *failed_p
+     * (malloc'd, *nfailed_p entries, maybe fewer without memory) for p to
+     * send their FAILs itself. */
+    int  (*failed)(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st, const char *reason,
+                   kvf_room_failed_t **failed_p, size_t *nfailed_p);
+    /* p finished its handshake: send the requests waiting for it. */
+    void (*ready)(kvf_engine_t *eng, kvf_peer_t *p);
+    /* 1 while a room that is not final has a link to p. */
+    int  (*needed)(kvf_engine_t *eng, const kvf_peer_t *p);
+    /* p is dead (st why): keep what it still owes its other side
+     * (acks.c: a reset peer's unconfirmed answers). */
+    void (*dead)(kvf_peer_t *p, kvf_status_t st);
+} kvf_peer_events_t;
+
 /* Bytes of DATA_REF reads one peer may have in flight: beyond it, its
  * stream is held (not parsed) until reads end. */
 #define KVF_READ_WINDOW (16ull << 20)

@@ -366,19 +366,9 @@ kvf_verdict_t kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
 /* The verdict on a peer that sent a message of a type this engine's rooms
  * never take (KVF_ERR_PROTOCOL). */
 kvf_verdict_t kvf__room_unexpected(const kvf_peer_t *peer, const kvf_msg_t *msg);
-/*
- * The peer went away: fail (or, for a reset stream, hold for a reconnect)
- * every live room linked to it; @return how many.  The rooms tell their
- * other peers, never this one: the ones failed are listed in *failed_p
- * (malloc'd, *nfailed_p entries, maybe fewer without memory) for the peer
- * to send their FAILs itself.  Events flow one way: peer -> room.
- */
-typedef struct kvf_room_failed {
-    uint64_t      room;
-    uint64_t      instance;       /* the room instance the peer knows it by */
-    uint64_t      key;            /* a receiver's held room's request key, or 0 */
-    kvf_failure_t failure;
-} kvf_room_failed_t;
+/* What peers report to the rooms (peer.h, kvf_peer_events_t; engine.c
+ * fills the table with these). */
+/* The peer went away (kvf_peer_events_t's `failed`). */
 int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer, kvf_status_t st,
                             const char *reason, kvf_room_failed_t **failed_p,
                             size_t *nfailed_p);
@@ -708,8 +698,8 @@ void kvf__acks_owe(kvf_peer_t *p, uint64_t room, uint64_t instance, uint64_t byt
 /* A DONE_ACK from prefill peer p: the confirmation of one owed?  @return
  * 1 when it was (and it is no longer owed). */
 int  kvf__acks_confirmed(kvf_peer_t *p, const kvf_msg_done_ack_t *m);
-/* Peer p failed with st (it is dead now): after a reset, what it owed is
- * said again at the next tick. */
+/* Peer p failed with st (it is dead now; kvf_peer_events_t's `dead`):
+ * after a reset, what it owed is said again at the next tick. */
 void kvf__acks_peer_lost(kvf_peer_t *p, kvf_status_t st);
 void kvf__acks_tick(kvf_engine_t *eng, uint64_t now);
 void kvf__acks_free(kvf_engine_t *eng);

@@ -188,7 +188,7 @@ static void join_answered(kvf_peer_t *s, const kvf_msg_join_t *m)
     kvf_info("prefill rank %d at %s: payload over %u tcp streams", p->tp_rank, p->addr,
              p->nstreams);
     p->state = KVF_PEER_READY;
-    kvf__rooms_peer_ready(p->eng, p);
+    p->eng->peer_events->ready(p->eng, p);
 }
 
 void kvf__stream_on_join(kvf_peer_t *j, const kvf_msg_join_t *m)
@@ -315,7 +315,7 @@ void kvf__stream_on_msg(kvf_peer_t *s, const kvf_msg_t *msg)
         /* Its stream's end: it must name the stream it came on. */
         if (s->state == KVF_PEER_READY && p->role == KVF_ROLE_PREFILL &&
             msg->u.done.streams == p->nstreams && msg->u.done.stream == s->stream) {
-            kvf_verdict_t v = kvf__room_on_msg(p, msg);
+            kvf_verdict_t v = p->eng->peer_events->room_msg(p, msg);
             kvf__peer_heed(p, &v);
             return;
         }
