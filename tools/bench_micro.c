@@ -10,11 +10,13 @@
  *       delta / N, per side) and the time of one poll pass over all of
  *       them (what a scheduler spends per step), then the rooms complete.
  *
- *   --call-latency [--rooms N] [--load-mib M] [--transport NAME]
+ *   --call-latency [--rooms N] [--load-mib M | --load-rooms K] [--transport NAME]
  *       the latency of every application call (create, init, send, poll,
  *       destroy, both sides) over N one-page rooms, with the engines idle
- *       and then while M MiB rooms stream between them (below), each
- *       beside a null call (kvf_null_call) timed at the same moments.
+ *       and then under load: two M MiB rooms streaming between them at a
+ *       time, or with --load-rooms, K one-page rooms in flight at a time
+ *       (below); each call beside a null call (kvf_null_call) timed at the
+ *       same moments.
  *
  * The one idea of the second: per-room cost only shows at scale, and one
  * process holding both sides makes the RSS of each phase attributable: the
@@ -362,8 +364,10 @@ out:
  * flight makes it pay more: one-page rooms are created, initialised, sent,
  * polled and destroyed from this (the application) thread, every call
  * timed, first with the engines idle, then while a load thread keeps
- * --load-mib rooms streaming between the same two engines.  The engines
- * are in this process, so both sides' calls are measured.
+ * rooms in flight between the same two engines: two --load-mib rooms
+ * streaming (bytes), or --load-rooms one-page rooms (many rooms, each a
+ * handful of messages).  The engines are in this process, so both sides'
+ * calls are measured.
  */
 enum { KVT_C_RCREATE, KVT_C_RINIT, KVT_C_SCREATE, KVT_C_SINIT, KVT_C_SEND, KVT_C_POLL,
        KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_NULL, KVT_CALLS };
@@ -436,21 +440,29 @@ static void kvt_print_vs_null(const double *p99, const double *p999, double *w99
 typedef struct kvt_load {
     kvt_side_t     *pre, *dec;
     const char     *reg;
-    uint32_t        first, pages;   /* the big rooms' pages: first + k * pages */
+    uint32_t        nrooms;         /* in flight at a time */
+    uint32_t        first, pages;   /* room k's pages: first + k * pages */
     pthread_mutex_t lock;
     int             stop, streaming, failed;
     uint64_t        rooms, bytes;
 } kvt_load_t;
 
-/* Two big rooms in flight at a time, over and over, until told to stop. */
+/* ld->nrooms rooms in flight at a time, over and over, until told to stop. */
 static void *kvt_load_main(void *arg)
 {
     kvt_load_t *ld = arg;
-    uint32_t *idx = malloc(2 * (size_t)ld->pages * sizeof(uint32_t));
+    uint32_t nr = ld->nrooms;
+    uint32_t *idx = malloc((size_t)nr * ld->pages * sizeof(uint32_t));
+    kvf_sender_t **snd = calloc(nr, sizeof(*snd));
+    kvf_receiver_t **rcv = calloc(nr, sizeof(*rcv));
     uint64_t id = 1ull << 41;
-    if (idx == NULL)
-        return NULL;
-    for (uint32_t i = 0; i < 2 * ld->pages; i++)
+    if (idx == NULL || snd == NULL || rcv == NULL) {
+        pthread_mutex_lock(&ld->lock);
+        ld->failed = 1;
+        pthread_mutex_unlock(&ld->lock);
+        goto out;
+    }
+    for (uint32_t i = 0; i < nr * ld->pages; i++)
         idx[i] = ld->first + i;
     for (;;) {
         pthread_mutex_lock(&ld->lock);
@@ -458,16 +470,16 @@ static void *kvt_load_main(void *arg)
         pthread_mutex_unlock(&ld->lock);
         if (stop)
             break;
-        kvf_sender_t *snd[2] = {0};
-        kvf_receiver_t *rcv[2] = {0};
+        memset(snd, 0, nr * sizeof(*snd));
+        memset(rcv, 0, nr * sizeof(*rcv));
         int bad = 0;
-        for (int k = 0; k < 2 && !bad; k++, id++)
+        for (uint32_t k = 0; k < nr && !bad; k++, id++)
             bad = kvf_receiver_create(ld->dec->eng, ld->reg, id, -1, &rcv[k]) != KVF_OK ||
                   kvf_receiver_init(rcv[k], idx + k * ld->pages, ld->pages, 64 + k, NULL,
                                     0) != KVF_OK ||
                   kvf_sender_create(ld->pre->eng, ld->reg, id, &snd[k]) != KVF_OK;
-        bad = bad || kvt_wait_all(snd, NULL, 2, KVF_POLL_WAITING_FOR_INPUT, 60) != 0;
-        for (int k = 0; k < 2 && !bad; k++)
+        bad = bad || kvt_wait_all(snd, NULL, nr, KVF_POLL_WAITING_FOR_INPUT, 60) != 0;
+        for (uint32_t k = 0; k < nr && !bad; k++)
             bad = kvf_sender_init(snd[k], ld->pages, 64 + k) != KVF_OK ||
                   kvf_sender_send(snd[k], idx + k * ld->pages, ld->pages, 1) != KVF_OK;
         if (!bad) {
@@ -475,22 +487,25 @@ static void *kvt_load_main(void *arg)
             ld->streaming = 1;
             pthread_mutex_unlock(&ld->lock);
         }
-        bad = bad || kvt_wait_all(NULL, rcv, 2, KVF_POLL_SUCCESS, 120) != 0 ||
-              kvt_wait_all(snd, NULL, 2, KVF_POLL_SUCCESS, 120) != 0;
-        for (int k = 0; k < 2; k++) {
+        bad = bad || kvt_wait_all(NULL, rcv, nr, KVF_POLL_SUCCESS, 120) != 0 ||
+              kvt_wait_all(snd, NULL, nr, KVF_POLL_SUCCESS, 120) != 0;
+        for (uint32_t k = 0; k < nr; k++) {
             kvf_sender_destroy(snd[k]);
             kvf_receiver_destroy(rcv[k]);
         }
         pthread_mutex_lock(&ld->lock);
         ld->failed |= bad;
-        ld->rooms += bad ? 0 : 2;
-        ld->bytes += bad ? 0 : 2 * (uint64_t)ld->pages * (ld->pre->kv_len / ld->pre->npages);
+        ld->rooms += bad ? 0 : nr;
+        ld->bytes += bad ? 0 : nr * (uint64_t)ld->pages * (ld->pre->kv_len / ld->pre->npages);
         stop = ld->failed;
         pthread_mutex_unlock(&ld->lock);
         if (stop)
             break;
     }
+out:
     free(idx);
+    free(snd);
+    free(rcv);
     return NULL;
 }
 
@@ -571,14 +586,16 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
     return 0;
 }
 
-static int kvt_bench_calls(uint32_t n, uint32_t load_mib, const char *transport)
+static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
+                           const char *transport)
 {
     kvt_geom_t g;
     /* Page size 1: a one-page room is 128 KiB, a 1 GiB room 8192 pages. */
     kvt_geom_init(&g, kvt_model_find("llama3-8b"), kvt_dtype_find("bfloat16"), 1, 0, 1);
     size_t page_all = g.page_bytes * g.num_buffers;
-    uint32_t big = (uint32_t)(((uint64_t)load_mib << 20) / page_all);
-    uint32_t pages = 64 + 2 * big;
+    uint32_t big = load_rooms ? 1 : (uint32_t)(((uint64_t)load_mib << 20) / page_all);
+    uint32_t nload = load_rooms ? load_rooms : 2;
+    uint32_t pages = 64 + nload * big;
     kvt_side_t pre = {0}, dec = {0};
     kvt_samples_t idle[KVT_CALLS] = {{0}}, load[KVT_CALLS] = {{0}};
     kvt_load_t ld = {0};
@@ -601,7 +618,8 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, const char *transport)
     if (kvt_small_rooms(&pre, &dec, reg, n, 1000, idle) != 0)
         goto out;
 
-    ld = (kvt_load_t){.pre = &pre, .dec = &dec, .reg = reg, .first = 64, .pages = big};
+    ld = (kvt_load_t){.pre = &pre, .dec = &dec, .reg = reg, .nrooms = nload, .first = 64,
+                      .pages = big};
     pthread_mutex_init(&ld.lock, NULL);
     if (pthread_create(&th, NULL, kvt_load_main, &ld) != 0)
         goto out;
@@ -631,8 +649,8 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, const char *transport)
 
     double ip99[KVT_CALLS], ip999[KVT_CALLS], imax[KVT_CALLS];
     double lp99[KVT_CALLS], lp999[KVT_CALLS], lmax[KVT_CALLS], w99, w999;
-    printf("{\"rooms\":%u,\"transport\":\"%s\",\"load_mib\":%u,\"idle\":", n,
-           kvf_engine_transport(dec.eng), load_mib);
+    printf("{\"rooms\":%u,\"transport\":\"%s\",\"load_mib\":%u,\"load_in_flight\":%u,"
+           "\"idle\":", n, kvf_engine_transport(dec.eng), load_rooms ? 0 : load_mib, nload);
     kvt_print_calls(idle, ip99, ip999, imax);
     printf(",\"load\":");
     kvt_print_calls(load, lp99, lp999, lmax);
@@ -674,18 +692,20 @@ out:
 
 int kvt_bench_micro_main(int argc, char **argv)
 {
-    uint32_t mib = 256, repeats = 9, rooms = 0, calls = 1000, load_mib = 1024;
+    uint32_t mib = 256, repeats = 9, rooms = 0, calls = 1000, load_mib = 1024, load_rooms = 0;
     if (kvt_arg_u32(argc, argv, "--mib", &mib) ||
         kvt_arg_u32(argc, argv, "--repeats", &repeats) ||
         kvt_arg_u32(argc, argv, "--rooms-in-flight", &rooms) ||
         kvt_arg_u32(argc, argv, "--rooms", &calls) ||
-        kvt_arg_u32(argc, argv, "--load-mib", &load_mib))
+        kvt_arg_u32(argc, argv, "--load-mib", &load_mib) ||
+        kvt_arg_u32(argc, argv, "--load-rooms", &load_rooms))
         return 2;
     for (int i = 2; i < argc; i++) {
         if (strcmp(argv[i], "--memcpy") == 0)
             return kvt_bench_memcpy(mib, repeats);
         if (strcmp(argv[i], "--call-latency") == 0)
-            return kvt_bench_calls(calls, load_mib, kvt_arg_str(argc, argv, "--transport"));
+            return kvt_bench_calls(calls, load_mib, load_rooms,
+                                   kvt_arg_str(argc, argv, "--transport"));
     }
     if (!rooms) {
         fprintf(stderr, "kvferry bench: --rooms-in-flight N needs a count\n");
