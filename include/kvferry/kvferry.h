@@ -14,10 +14,11 @@
  *   Every function is thread-safe and never waits on a peer, a socket or a
  *   deadline unless its comment says otherwise (kvf_*_await_failure waits
  *   by design; a destroy waits for reads into its room's pages, bounded by
- *   their deadline).  kvf_sender_init(), kvf_sender_send() and
- *   kvf_*_poll() take no engine lock: init and send publish their work
- *   for the progress threads, a poll reads one atomic, so a scheduler may call them for thousands of rooms in
- *   each step.  Other calls take the engine lock for their bookkeeping,
+ *   their deadline).  kvf_sender_init(), kvf_sender_send(),
+ *   kvf_receiver_set_dest() (and kvf_receiver_init()) and kvf_*_poll()
+ *   take no engine lock: the first ones publish their work for the
+ *   progress threads, a poll reads one atomic, so a scheduler may call
+ *   them for thousands of rooms in each step.  Other calls take the engine lock for their bookkeeping,
  *   which the engine's threads hold only for bounded passes, so such a
  *   call may wait for the rest of one pass (docs/ARCHITECTURE.md,
  *   docs/BENCHMARKS.md "Application calls against a null call").  All network I/O happens on the
@@ -968,6 +969,9 @@ KVF_API void kvf_dest_init_sized(kvf_dest_t *dest, size_t size);
  * KVF_ERR_STATE (second call), KVF_ERR_OUT_OF_RANGE (an index outside the
  * registered buffers), KVF_ERR_INVALID_PARAM (a page or state index twice,
  * a state count that is not the layout's, a `size` refused).
+ * Without the engine lock: the indices are checked and copied on the
+ * caller's thread and published; the progress thread takes them in and
+ * sends the requests (the room's metric counts its waiting from the call).
  */
 KVF_API kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *receiver,
                                            const kvf_dest_t *dest);

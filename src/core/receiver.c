@@ -26,9 +26,12 @@
 #include "util/time.h"
 
 /* Free what only a receiver holds (its room is being freed). */
+static void given_free(struct kvf_dest_given *g);
+
 static void receiver_free(kvf_room_t *r)
 {
     kvf_receiver_t *rv = receiver_of(r);
+    given_free(atomic_exchange(&rv->given, NULL));   /* never taken in */
     free(rv->bootstrap_addr);
     free(rv->pages);
     free(rv->sorted_pages);
@@ -289,6 +292,13 @@ typedef struct dest_copy {
     uint64_t    *state_bit0;
 } dest_copy_t;
 
+/* A destination the application gave, until a lane takes it in. */
+typedef struct kvf_dest_given {
+    dest_copy_t c;
+    uint32_t    n_pages, aux_slot, decode_prefix;
+    uint64_t    t_ns;            /* when it was given (the room's metric) */
+} kvf_dest_given_t;
+
 static void dest_copy_free(dest_copy_t *c)
 {
     free(c->pages);
@@ -380,7 +390,6 @@ static kvf_status_t dest_copy(kvf_room_t *r, const kvf_dest_t *d, dest_copy_t *c
 kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *rv, const kvf_dest_t *dest)
 {
     kvf_room_t *r = &rv->room;
-    kvf_engine_t *eng = r->eng;
     char err[256];
     kvf_dest_t d;
     dest_copy_t c;
@@ -394,33 +403,63 @@ kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *rv, const kvf_dest_t *dest)
     kvf_status_t st = dest_copy(r, &d, &c);
     if (st != KVF_OK)
         return st;
-    kvf__lock(eng);
-    if (r->initialized) {
+    kvf_dest_given_t *g = malloc(sizeof(*g));
+    if (g == NULL) {
+        dest_copy_free(&c);
+        return KVF_ERR_NO_MEMORY;
+    }
+    *g = (kvf_dest_given_t){.c = c, .n_pages = (uint32_t)d.num_pages, .aux_slot = d.aux_slot,
+                            .decode_prefix = d.decode_prefix_len, .t_ns = kvf_now_ns()};
+    /* Published as a sender's init is, without the engine lock: a lane
+     * takes it in (receiver_take) and only then is the room initialized. */
+    pthread_mutex_lock(&r->app_lock);
+    if (rv->dest_given) {
         kvf_error("room %llu: its destination was given already", (unsigned long long)r->id);
         st = KVF_ERR_STATE;
     } else {
-        rv->pages = c.pages;
-        rv->sorted_pages = c.sorted;
-        rv->n_pages = (uint32_t)d.num_pages;
-        r->aux_slot = d.aux_slot;
-        rv->state_dst = c.states;
-        rv->state_sorted = c.state_sorted;
-        rv->state_bit0 = c.state_bit0;
-        rv->decode_prefix = d.decode_prefix_len;
-        r->initialized = 1;
-        memset(&c, 0, sizeof(c));
-        /* The waiting deadline runs from here: the time the scheduler took
-         * to find pages is not the prefill's. */
-        r->t_state_ms = kvf_now_ms();
-        r->t_dest_ns = kvf_now_ns();
-        kvf__trace_peer_event(r, "dest_set", NULL, -1, rv->n_pages, -1);
-        kvf__receiver_try_request(r);
+        rv->dest_given = 1;
+        atomic_store_explicit(&rv->given, g, memory_order_release);
+        g = NULL;
     }
-    kvf__unlock(eng);
-    dest_copy_free(&c);
+    pthread_mutex_unlock(&r->app_lock);
+    given_free(g);
     if (st == KVF_OK)
-        kvf__engine_wake(eng);
+        kvf__room_submit(r);
     return st;
+}
+
+static void given_free(kvf_dest_given_t *g)
+{
+    if (g != NULL) {
+        dest_copy_free(&g->c);
+        free(g);
+    }
+}
+
+/* The receiver's take op: the destination the application published. */
+static void receiver_take(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_receiver_t *rv = receiver_of(r);
+    kvf_dest_given_t *g = atomic_exchange_explicit(&rv->given, NULL, memory_order_acquire);
+    if (g == NULL)
+        return;
+    rv->pages = g->c.pages;
+    rv->sorted_pages = g->c.sorted;
+    rv->n_pages = g->n_pages;
+    r->aux_slot = g->aux_slot;
+    rv->state_dst = g->c.states;
+    rv->state_sorted = g->c.state_sorted;
+    rv->state_bit0 = g->c.state_bit0;
+    rv->decode_prefix = g->decode_prefix;
+    r->initialized = 1;
+    /* The waiting deadline runs from here: the time the scheduler took
+     * to find pages is not the prefill's. */
+    r->t_state_ms = kvf_now_ms();
+    r->t_dest_ns = g->t_ns;
+    free(g);
+    kvf__trace_peer_event(r, "dest_set", NULL, -1, rv->n_pages, -1);
+    kvf__receiver_try_request(r);
 }
 
 kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t n,
@@ -1826,5 +1865,6 @@ const kvf_room_ops_t kvf_receiver_room_ops = {
     .peer_ready      = kvf__receiver_try_request,
     .tick            = receiver_tick,
     .deadline_detail = receiver_deadline_detail,
+    .take            = receiver_take,
     .resolved        = receiver_resolved,
 };

@@ -473,6 +473,7 @@ const char *kvf__room_ops_missing(const kvf_room_ops_t *o)
         {"instance_for", o->instance_for != NULL}, {"fail_key", o->fail_key != NULL},
         {"doomed_side", o->doomed_side != NULL}, {"retry_at", o->retry_at != NULL},
         {"tick", o->tick != NULL},               {"deadline_detail", o->deadline_detail != NULL},
+        {"take", o->take != NULL},
     };
     /* The decode ops: called only for a prefill peer, so on a decode engine. */
     const struct { const char *name; int set; } decode[] = {

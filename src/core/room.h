@@ -227,8 +227,8 @@ typedef struct kvf_room_ops {
      * (the end of its failure reason). */
     void     (*deadline_detail)(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len);
     /* Take in what the application published on the room without the
-     * lock (kvf__room_submit: a sender's init and chunks).  NULL: the side
-     * publishes nothing. */
+     * lock (kvf__room_submit: a sender's init and chunks, a receiver's
+     * destination). */
     void     (*take)(kvf_room_t *r);
     /* Decode: the resolver thread looked up the prefill ranks the room
      * asked for (kvf__resolver_enqueue): link it to them, fail it, or
@@ -438,6 +438,12 @@ struct kvf_receiver {
     uint64_t    sender_instance; /* the held room's instance to ask for (0: any) */
     int         remote;          /* from descriptors (kvf_receiver_create_remote) */
     kvf_room_t *rq_next;         /* resolver queue */
+    /* The application's destination, published without the engine lock
+     * (kvf_receiver_set_dest) until a lane takes it in (the receiver's
+     * take op fills the fields above from it); dest_given, under the
+     * room's app_lock, refuses a second one. */
+    _Atomic(struct kvf_dest_given *) given;
+    int         dest_given;
 };
 
 static inline kvf_sender_t *sender_of(kvf_room_t *r)

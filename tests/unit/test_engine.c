@@ -137,13 +137,14 @@ static void test_one_room(void)
 }
 
 /*
- * kvf_sender_send publishes without the engine lock and the lanes take it
- * in (room.c, kvf__room_submit): application threads each drive their own
- * rooms one page per call, with no wait between calls, so that sends
- * arrive while a lane is taking others in and several are taken in at
- * once; every byte lands where its page was sent.  A room destroyed right
- * after a send, still listed for the lanes, is taken off the list first
- * (a sanitizer build sees a freed room read otherwise).
+ * kvf_sender_send, kvf_sender_init and kvf_receiver_init publish without
+ * the engine lock and the lanes take them in (room.c, kvf__room_submit):
+ * application threads each drive their own rooms one page per call, with
+ * no wait between calls, so that calls arrive while a lane is taking
+ * others in and several are taken in at once; every byte lands where its
+ * page was sent.  A room destroyed right after a call, still listed for
+ * the lanes, is taken off the list first (a sanitizer build sees a freed
+ * room read otherwise).
  */
 #define PUB_THREADS 4
 #define PUB_PAGES   8   /* per room: the threads' pages fill PAGES (64) */
@@ -199,6 +200,12 @@ static void test_sends_published_from_threads(void)
     CHECK_EQ_INT(kvf_sender_send(gone, &one, 1, 0), KVF_OK);   /* not the last */
     kvf_sender_destroy(gone);
     CHECK_EQ_INT(wait_receiver(gone_r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+    kvf_receiver_destroy(gone_r);
+    /* A destination given (a second one refused before a lane took the
+     * first in, as after), then destroyed at once. */
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 698, -1, &gone_r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(gone_r, &one_dst, 1, 7, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(gone_r, &one_dst, 1, 7, NULL, 0), KVF_ERR_STATE);
     kvf_receiver_destroy(gone_r);
 
     pthread_t th[PUB_THREADS];
