@@ -865,8 +865,6 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
                        "%.1f s (deadline %.1f s): %s", (unsigned long long)r->id,
                        kvf_poll_name(s), (double)idle / 1000.0, limit / 1000.0, detail);
     }
-    /* Destinations whose sender never came. */
-    kvf__stash_expire(eng, now);
 }
 
 kvf_status_t kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m)
