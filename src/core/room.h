@@ -611,12 +611,6 @@ kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
  * once it is if we are still making it (kvf__peer_send_soon), not at all
  * to a dead peer.  @return 1 if sent or kept. */
 int            kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
-void           kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
-                              const kvf_failure_t *f, int abort);
-/* The same naming the held room's request key the sender failed to read
- * (FAIL's sender_instance). */
-void           kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance,
-                                    uint64_t key, const kvf_failure_t *f, int abort);
 /* A room message from `p` that the room is not bound to (another peer,
  * another instance): counted, logged at most once per KVF_DROP_LOG_MS,
  * and otherwise ignored; it never fails the room. */
