@@ -6,8 +6,10 @@
  * FAILED it never changes again, which is what makes "the first root cause
  * wins" hold: a later consequence finds the room final and is dropped.
  *
- * This file: what both sides share (lifetime, failure records and their
- * propagation, message dispatch, peers going away, deadlines).  The sides
+ * This file: what both sides share (lifetime, failing a room and telling
+ * its peers, message dispatch, peers going away, deadlines).  The records
+ * themselves, and sending one to a peer, are failure.c's; a room's state
+ * indices are states.c's.  The sides
  * themselves are in sender.c and receiver.c; this file reaches what differs
  * between them only through the room's table of side ops (r->ops, or the
  * engine's for a message whose room it does not have: room.h,
@@ -29,59 +31,6 @@
 /* ------------------------------------------------------------------------ */
 /* Lifetime                                                                  */
 /* ------------------------------------------------------------------------ */
-
-kvf_status_t kvf__states_set(kvf_states_t *s, const kvf_indices_t *in, size_t n)
-{
-    uint64_t total = 0;
-
-    memset(s, 0, sizeof(*s));
-    for (size_t g = 0; g < n; g++)
-        total += in[g].n;
-    if (n == 0)
-        return KVF_OK;
-    s->count = malloc(n * sizeof(uint32_t));
-    s->idx = malloc((total ? total : 1) * sizeof(uint32_t));
-    if (s->count == NULL || s->idx == NULL) {
-        kvf__states_free(s);
-        return KVF_ERR_NO_MEMORY;
-    }
-    s->ngroups = (uint32_t)n;
-    for (size_t g = 0; g < n; g++) {
-        s->count[g] = (uint32_t)in[g].n;
-        if (in[g].n > 0)
-            memcpy(s->idx + s->total, in[g].idx, in[g].n * sizeof(uint32_t));
-        s->total += (uint32_t)in[g].n;
-    }
-    return KVF_OK;
-}
-
-kvf_status_t kvf__states_from_wire(kvf_states_t *s, const kvf_wire_arr32_t *counts,
-                                   const kvf_wire_arr32_t *idx)
-{
-    memset(s, 0, sizeof(*s));
-    if (counts->count == 0)
-        return KVF_OK;
-    s->count = malloc(counts->count * sizeof(uint32_t));
-    s->idx = malloc((idx->count ? idx->count : 1) * sizeof(uint32_t));
-    if (s->count == NULL || s->idx == NULL) {
-        kvf__states_free(s);
-        return KVF_ERR_NO_MEMORY;
-    }
-    s->ngroups = counts->count;
-    s->total = idx->count;
-    for (uint32_t g = 0; g < counts->count; g++)
-        s->count[g] = kvf_wire_arr32_at(counts, g);
-    for (uint32_t i = 0; i < idx->count; i++)
-        s->idx[i] = kvf_wire_arr32_at(idx, i);
-    return KVF_OK;
-}
-
-void kvf__states_free(kvf_states_t *s)
-{
-    free(s->count);
-    free(s->idx);
-    memset(s, 0, sizeof(*s));
-}
 
 static void link_free(kvf_link_t *l)
 {
@@ -165,59 +114,6 @@ void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
 /* ------------------------------------------------------------------------ */
 /* Failure                                                                   */
 /* ------------------------------------------------------------------------ */
-
-int kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
-{
-    KVF_ASSERT_LOCKED(r->eng);
-    return kvf__peer_send_fail(to, r->id, r->ops->instance_for(r, to), r->ops->fail_key(r),
-                               r->failure, abort, r->failed_sides);
-}
-
-void kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room, uint64_t instance,
-                       const char *why)
-{
-    KVF_ASSERT_LOCKED(p->eng);
-    kvf_engine_t *eng = p->eng;
-    char name[128];
-    uint64_t now = kvf_now_ms();
-    eng->room_msgs_dropped++;
-    if (eng->drop_log_ms != 0 && now - eng->drop_log_ms < KVF_DROP_LOG_MS) {
-        eng->drops_unlogged++;
-        return;
-    }
-    kvf_warn("dropped %s for room %llu (instance %016llx) from %s: %s (%llu more room "
-             "messages dropped since the last such line)", what, (unsigned long long)room,
-             (unsigned long long)instance, kvf__peer_name(p, name, sizeof(name)), why,
-             (unsigned long long)eng->drops_unlogged);
-    eng->drop_log_ms = now;
-    eng->drops_unlogged = 0;
-}
-
-int kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance)
-{
-    KVF_ASSERT_LOCKED(eng);
-    return instance != 0 && kvf_map_get(&eng->retired, instance) != NULL;
-}
-
-void kvf__room_retire_instances(kvf_room_t *r)
-{
-    KVF_ASSERT_LOCKED(r->eng);
-    kvf_engine_t *eng = r->eng;
-    for (uint32_t i = 0; i < r->nlinks; i++) {
-        uint64_t inst = r->links[i].tx.instance;
-        if (inst == 0 || kvf__instance_retired(eng, inst))
-            continue;
-        if (eng->nretired == KVF_RETIRED) {
-            kvf_map_del(&eng->retired, eng->retired_ring[eng->retired_head]);
-            eng->retired_head = (eng->retired_head + 1) % KVF_RETIRED;
-            eng->nretired--;
-        }
-        if (kvf_map_put(&eng->retired, inst, (void *)(uintptr_t)1) != KVF_OK)
-            return;
-        eng->retired_ring[(eng->retired_head + eng->nretired) % KVF_RETIRED] = inst;
-        eng->nretired++;
-    }
-}
 
 /*
  * Tell every peer of the room its record: byte links, siblings.  Not
@@ -309,28 +205,6 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
                 was == KVF_POLL_SUCCESS ? " after it had succeeded here" : "");
 }
 
-static void failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
-                         const char *fmt, va_list ap)
-{
-    memset(f, 0, sizeof(*f));
-    f->size = sizeof(*f);
-    f->status = st;
-    f->origin_side = eng->params.role;
-    f->origin_rank = eng->params.tp_rank;
-    snprintf(f->origin_addr, sizeof(f->origin_addr), "%s", eng->addr);
-    vsnprintf(f->reason, sizeof(f->reason), fmt, ap);
-}
-
-void kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
-                      const char *fmt, ...)
-{
-    KVF_ASSERT_LOCKED(eng);
-    va_list ap;
-    va_start(ap, fmt);
-    failure_vset(f, eng, st, fmt, ap);
-    va_end(ap);
-}
-
 /* Fail a live room with a root cause seen here, telling every peer but
  * `from`; a copy of the record goes to *out.  `sides`: besides this one,
  * the sides known to have failed (a lost peer's).  @return 1 when
@@ -343,7 +217,7 @@ static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
     kvf_failure_t *f = malloc(sizeof(*f));
     if (f == NULL)
         return 0;
-    failure_vset(f, r->eng, st, fmt, ap);
+    kvf__failure_vset(f, r->eng, st, fmt, ap);
     if (out != NULL) {
         out->room = r->id;
         out->instance = r->ops->instance_for(r, from);
@@ -371,22 +245,6 @@ void kvf__room_fail_lost(kvf_room_t *r, kvf_role_t lost, kvf_status_t st, const 
     va_start(ap, fmt);
     room_vfail(r, NULL, NULL, st, KVF_SIDE_BIT(lost), fmt, ap);
     va_end(ap);
-}
-
-kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m)
-{
-    kvf_failure_t *f = calloc(1, sizeof(*f));
-    if (f == NULL)
-        return NULL;
-    f->size = sizeof(*f);
-    f->status = (kvf_status_t)m->status;
-    f->origin_side = (kvf_role_t)m->origin_side;
-    f->origin_rank = (int)m->origin_rank;
-    f->from_another_rank = 1;
-    snprintf(f->origin_addr, sizeof(f->origin_addr), "%.*s", (int)m->origin_addr.len,
-             m->origin_addr.ptr);
-    snprintf(f->reason, sizeof(f->reason), "%.*s", (int)m->reason.len, m->reason.ptr);
-    return f;
 }
 
 void kvf__room_fail_remote(kvf_room_t *r, kvf_peer_t *from, int abort,

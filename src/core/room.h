@@ -19,6 +19,8 @@
 #ifndef KVF_CORE_ROOM_H
 #define KVF_CORE_ROOM_H
 
+#include <stdarg.h>
+
 #include "core/peer.h"
 #include "core/sync.h"
 
@@ -571,13 +573,15 @@ static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
  * memory for one goes without: the receiver fails the room on it). */
 void kvf__link_streams_reset(kvf_link_t *lk, uint32_t n, int hash);
 
-/* room.c */
+/* states.c */
 /* Copy n per-group index arrays into s (n 0: none).  KVF_ERR_NO_MEMORY. */
 kvf_status_t   kvf__states_set(kvf_states_t *s, const kvf_indices_t *in, size_t n);
 /* The same from a ROOM_REQ's arrays (checked by the wire). */
 kvf_status_t   kvf__states_from_wire(kvf_states_t *s, const kvf_wire_arr32_t *counts,
                                      const kvf_wire_arr32_t *idx);
 void           kvf__states_free(kvf_states_t *s);
+
+/* room.c */
 /* A room of ops->side (the engine's role), with its side's table. */
 kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                                 kvf_room_t **room_p);
@@ -594,10 +598,6 @@ void           kvf__room_submit(kvf_room_t *r);
 /* Take in every listed room's published work (each lane at each pass,
  * and whoever is about to free a room, which must not stay listed). */
 void           kvf__rooms_take_submitted(kvf_engine_t *eng);
-/* Fill *f as a root cause seen on this engine (origin: its role, rank and
- * address): the one place a local failure record is made. */
-void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
-                                const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* kvf_*_abort, kvf_*_fail, kvf_*_await_failure (each takes the lock). */
 void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
@@ -607,6 +607,23 @@ kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const char *fn);
 /* kvf_sender_metric / kvf_receiver_metric (takes the lock). */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
+/* Record `f` (owned) as the root cause and tell every peer but `from`;
+ * `sides`: the FAIL's, for a record received (0 for one seen here). */
+void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
+                                     int abort, uint8_t sides);
+
+/* failure.c */
+/* Fill *f as a root cause seen on this engine (origin: its role, rank and
+ * address): the one place a local failure record is made. */
+void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                                const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* The same with a va_list (room.c's room_vfail). */
+void           kvf__failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                                 const char *fmt, va_list ap)
+    __attribute__((format(printf, 4, 0)));
+/* The record a FAIL or ABORT brought, learned from another rank (malloc'd;
+ * NULL without memory). */
+kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 /* Tell `to` the room failed (its record): now if the connection is up,
  * once it is if we are still making it (kvf__peer_send_soon), not at all
  * to a dead peer.  @return 1 if sent or kept. */
@@ -622,11 +639,6 @@ int            kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance)
 /* Prefill: remember the room instances a sender being destroyed served,
  * forgetting the oldest beyond KVF_RETIRED. */
 void           kvf__room_retire_instances(kvf_room_t *r);
-/* Record `f` (owned) as the root cause and tell every peer but `from`;
- * `sides`: the FAIL's, for a record received (0 for one seen here). */
-void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
-                                     int abort, uint8_t sides);
-kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 
 /* stash.c */
 /* Free a chain of stashed destinations. */
