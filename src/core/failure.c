@@ -4,16 +4,14 @@
  * the siblings use too.
  *
  * A record is made here (kvf__failure_set: a root cause seen on this
- * engine; kvf__room_remote_failure: one a FAIL brought) and sent to a
- * peer from here (kvf__room_send_fail); what it does to a room, and who
- * else must hear of it, is room.c's (kvf__room_fail_record).  They are a
- * file of their own because they call nothing above them: a record, a
- * FAIL handed to peer.c, a counter of messages dropped, the ring of
- * retired room instances.  So the files that fail rooms or answer for
- * them (siblings.c, stash.c) use them without calling back into room.c,
- * whose propagation calls those files: core's files call each other one
- * way (tests/structure/one_way.sh).  Everything here runs under the
- * engine lock.
+ * engine; kvf__room_remote_failure: one a FAIL brought) and sent to a peer
+ * from here (kvf__room_send_fail); what it does to a room, and who else
+ * must hear of it, is room.c's (kvf__room_fail_record).  The one idea: this
+ * file calls nothing above it, only peer.c below (which never calls it).
+ * So siblings.c and stash.c, which room.c calls, use these without calling
+ * back into room.c: core's files call each other one way
+ * (tests/structure/one_way.sh).  Everything here runs under the engine
+ * lock.
  */
 #include <stdarg.h>
 #include <stdio.h>

@@ -633,7 +633,13 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         r->retries++;
         r->retry_at_ms = r->ops->retry_at(r, now);
     }
-    kvf__siblings_peer_failed(eng, p, st, reason);
+    /* The rooms that watched p (siblings.c): a live decode room fails
+     * with it, here, once its watch has said so. */
+    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
+        kvf_verdict_t v;
+        if (kvf__siblings_peer_lost(r, p, st, reason, &v))
+            kvf__room_fail_lost(r, KVF_ROLE_PREFILL, v.st, "%s", v.why);
+    }
     *failed_p = failed;
     *nfailed_p = nf;
     return n;

@@ -1,9 +1,9 @@
 /*
  * Rooms, internal: what room.c (lifecycle, failures, deadlines, message
- * dispatch), sender.c (prefill side) and receiver.c (decode side) share,
- * and the table of side ops through which room.c and peer.c reach a side
- * (kvf_room_ops_t).  Everything here runs under the engine lock unless it
- * says otherwise.
+ * dispatch), failure.c (failure records), sender.c (prefill side) and
+ * receiver.c (decode side) share, and the table of side ops through which
+ * room.c and peer.c reach a side (kvf_room_ops_t).  Everything here runs
+ * under the engine lock unless it says otherwise.
  *
  * Events flow one way: transport -> peer -> room.  A peer that fails
  * tells its rooms (kvf__rooms_peer_failed), and they do not call back
@@ -13,8 +13,8 @@
  * which would re-enter room code with this room's call still on the
  * stack.  It returns a verdict (peer.h, kvf_verdict_t) from the entry
  * point the peer called, and the peer acts on it once that call has
- * returned (kvf__peer_heed).  So no file of a room's (room.c, sender.c,
- * receiver.c, stash.c, siblings.c, acks.c) calls kvf__peer_fail.
+ * returned (kvf__peer_heed).  So no file of a room's (room.c, failure.c,
+ * sender.c, receiver.c, stash.c, siblings.c, acks.c) calls kvf__peer_fail.
  */
 #ifndef KVF_CORE_ROOM_H
 #define KVF_CORE_ROOM_H
@@ -338,7 +338,7 @@ void kvf__room_set_state(kvf_room_t *room, kvf_poll_t state);
 void kvf__room_fail(kvf_room_t *room, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* The same, the cause being a rank of side `lost` gone (dead, stopped,
- * unreachable): that side failed the room too (siblings.c). */
+ * unreachable): that side failed the room too (siblings.c's verdicts). */
 void kvf__room_fail_lost(kvf_room_t *room, kvf_role_t lost, kvf_status_t st,
                          const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* Fail a room with a record received from `from`. */
@@ -679,13 +679,16 @@ void kvf__siblings_evict(kvf_room_t *r, const kvf_peer_t *p);
 int  kvf__siblings_bound(const kvf_room_t *r, const kvf_peer_t *p, uint64_t instance);
 /* Tell every sibling but `from` that the room failed (its record). */
 void kvf__siblings_tell(kvf_room_t *r, const kvf_peer_t *from, int abort);
-/* A peer went away (st, reason): a decode room still live that watched it
- * dials it again after a reset, as a byte link would, and otherwise
- * fails with it; a sender forgets the watch. */
-void kvf__siblings_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
-                               const char *reason);
-/* Decode: dial again the sibling links whose reconnect is due. */
-void kvf__siblings_tick(kvf_room_t *r, uint64_t now);
+/* Peer p went away (st, reason): if room r watched it, a decode room still
+ * live dials it again after a reset, as a byte link would, and otherwise
+ * must fail with it; a sender, or a final room, forgets the watch.
+ * @return 1 when the room must fail, with *v (st and the reason): the
+ * caller fails it (kvf__room_fail_lost, side KVF_ROLE_PREFILL). */
+int  kvf__siblings_peer_lost(kvf_room_t *r, kvf_peer_t *p, kvf_status_t st,
+                             const char *reason, kvf_verdict_t *v);
+/* Decode: dial again the sibling links whose reconnect is due.  @return 1
+ * when one is unreachable and the room must fail, with *v, as above. */
+int  kvf__siblings_tick(kvf_room_t *r, uint64_t now, kvf_verdict_t *v);
 void kvf__siblings_free(kvf_room_t *r);
 
 /* acks.c: decode, the DONE_ACKs of push links until the prefill rank
