@@ -7,13 +7,13 @@
  * wins" hold: a later consequence finds the room final and is dropped.
  *
  * This file: what both sides share (lifetime, failing a room and telling
- * its peers, message dispatch, peers going away, deadlines).  The records
- * themselves, and sending one to a peer, are failure.c's; a room's state
- * indices are states.c's.  The sides
- * themselves are in sender.c and receiver.c; this file reaches what differs
- * between them only through the room's table of side ops (r->ops, or the
- * engine's for a message whose room it does not have: room.h,
- * kvf_room_ops_t), never by asking which side a room is.
+ * its peers, message dispatch, peers going away, deadlines).  The failure
+ * records themselves, and sending one to a peer, are failure.c's; a
+ * room's state indices are states.c's.  The sides themselves are in
+ * sender.c and receiver.c; this file reaches what differs between them
+ * only through the room's table of side ops (r->ops, or the engine's for a
+ * message whose room it does not have: room.h, kvf_room_ops_t), never by
+ * asking which side a room is.
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -633,8 +633,8 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         r->retries++;
         r->retry_at_ms = r->ops->retry_at(r, now);
     }
-    /* The rooms that watched p (siblings.c): a live decode room fails
-     * with it, here, once its watch has said so. */
+    /* The rooms that watched p (siblings.c): siblings.c says which must
+     * fail with it, and they fail here, as the byte links' rooms did. */
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
         kvf_verdict_t v;
         if (kvf__siblings_peer_lost(r, p, st, reason, &v))
