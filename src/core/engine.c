@@ -832,6 +832,8 @@ static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
     kvf__peers_tick(eng, now);
     kvf__acks_tick(eng, now);
     kvf__rooms_tick(eng, now);
+    /* Destinations whose sender never came (stash.c). */
+    kvf__stash_expire(eng, now);
     kvf__listener_tick(eng, now);
     /* Movers' own deadlines (the shm handout's slot for a connection that
      * sends nothing) pass without an event to say so. */

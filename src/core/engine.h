@@ -138,8 +138,8 @@ struct kvf_engine {
     uint64_t           *retired_ring;     /* oldest at retired_head */
     size_t              retired_head, nretired;
     /* Room messages dropped because they came from a peer, or named an
-     * instance, the room is not bound to (room.c); the log says so at most
-     * once per KVF_DROP_LOG_MS. */
+     * instance, the room is not bound to (failure.c, kvf__room_dropped);
+     * the log says so at most once per KVF_DROP_LOG_MS. */
     uint64_t            room_msgs_dropped;
     uint64_t            drop_log_ms, drops_unlogged;
     /* Every peer: any thread adds at the head (under the lock); lane 0

@@ -256,6 +256,42 @@ int kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg)
     return 0;
 }
 
+/* A room's failure is a message like any other: built here, sent now or
+ * held for a connection still being made (kvf__peer_send_soon). */
+int kvf__peer_send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
+                        const kvf_failure_t *f, int abort, uint8_t sides)
+{
+    KVF_ASSERT_LOCKED(to->eng);
+    kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
+    m.u.fail.sides = sides;
+    m.u.fail.room = room;
+    m.u.fail.instance = instance;
+    m.u.fail.sender_instance = key;
+    m.u.fail.status = f->status;
+    m.u.fail.origin_side = (uint8_t)f->origin_side;
+    m.u.fail.origin_rank = (uint32_t)f->origin_rank;
+    m.u.fail.origin_addr = (kvf_wire_str_t){f->origin_addr, (uint32_t)strlen(f->origin_addr)};
+    m.u.fail.reason = (kvf_wire_str_t){f->reason, (uint32_t)strlen(f->reason)};
+    return kvf__peer_send_soon(to, &m);
+}
+
+void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
+                    int abort)
+{
+    KVF_ASSERT_LOCKED(to->eng);
+    kvf__send_fail_keyed(to, room, instance, 0, f, abort);
+}
+
+/* Not a live room's record: one this engine failed (a refusal, a tomb, a
+ * deadline), so its own side failed, and the record's origin's side. */
+void kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
+                          const kvf_failure_t *f, int abort)
+{
+    KVF_ASSERT_LOCKED(to->eng);
+    kvf__peer_send_fail(to, room, instance, key, f, abort,
+                        KVF_SIDE_BIT(f->origin_side) | KVF_SIDE_BIT(to->eng->params.role));
+}
+
 /* Authenticated at last: what waited for it goes out, after our HELLO. */
 static void send_held(kvf_peer_t *p)
 {

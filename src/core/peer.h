@@ -242,6 +242,21 @@ kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp
  * stopped, and read it later).  @return 1 if sent or kept. */
 int          kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg);
 void         kvf__peer_put(kvf_peer_t *peer);
+/* Tell `to` that room `room` (instance, request key `key`: FAIL's
+ * sender_instance) failed with record f, the sides known to have failed
+ * being `sides` (wire.h): a FAIL, or an ABORT when `abort`, sent as
+ * kvf__peer_send_soon does.  @return 1 if sent or kept. */
+int          kvf__peer_send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
+                                 uint64_t key, const kvf_failure_t *f, int abort,
+                                 uint8_t sides);
+/* The same for a record that is no live room's (a refusal, a tomb, a
+ * deadline): its origin's side and this engine's failed. */
+void         kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
+                            const kvf_failure_t *f, int abort);
+/* The same naming the held room's request key the sender failed to read
+ * (FAIL's sender_instance). */
+void         kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance,
+                                  uint64_t key, const kvf_failure_t *f, int abort);
 /* Open the peer's connection (a stream's on its lane) to where its primary
  * was dialled.  KVF_OK, or what connect said (nothing was opened). */
 kvf_status_t kvf__peer_dial(kvf_peer_t *peer);

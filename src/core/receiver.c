@@ -1804,8 +1804,11 @@ static int asked_all(const kvf_room_t *r)
 
 static int receiver_tick(kvf_room_t *r, uint64_t now)
 {
-    if (!room_final(r))
-        kvf__siblings_tick(r, now);
+    kvf_verdict_t v;
+    /* Again after a failure that found no memory: the watches after the
+     * lost one are dialled too. */
+    while (!room_final(r) && kvf__siblings_tick(r, now, &v))
+        kvf__room_fail_lost(r, KVF_ROLE_PREFILL, v.st, "%s", v.why);
     if (!room_final(r) && has_broken_link(r) && now >= r->retry_at_ms)
         reconnect(r);
     /* A held room's, asked: its lease, or its deadlines, end it, and say so. */

@@ -6,12 +6,14 @@
  * FAILED it never changes again, which is what makes "the first root cause
  * wins" hold: a later consequence finds the room final and is dropped.
  *
- * This file: what both sides share (lifetime, failure records and their
- * propagation, message dispatch, peers going away, deadlines).  The sides
- * themselves are in sender.c and receiver.c; this file reaches what differs
- * between them only through the room's table of side ops (r->ops, or the
- * engine's for a message whose room it does not have: room.h,
- * kvf_room_ops_t), never by asking which side a room is.
+ * This file: what both sides share (lifetime, failing a room and telling
+ * its peers, message dispatch, peers going away, deadlines).  The failure
+ * records themselves, and sending one to a peer, are failure.c's; a
+ * room's state indices are states.c's.  The sides themselves are in
+ * sender.c and receiver.c; this file reaches what differs between them
+ * only through the room's table of side ops (r->ops, or the engine's for a
+ * message whose room it does not have: room.h, kvf_room_ops_t), never by
+ * asking which side a room is.
  */
 #include <errno.h>
 #include <stdarg.h>
@@ -29,59 +31,6 @@
 /* ------------------------------------------------------------------------ */
 /* Lifetime                                                                  */
 /* ------------------------------------------------------------------------ */
-
-kvf_status_t kvf__states_set(kvf_states_t *s, const kvf_indices_t *in, size_t n)
-{
-    uint64_t total = 0;
-
-    memset(s, 0, sizeof(*s));
-    for (size_t g = 0; g < n; g++)
-        total += in[g].n;
-    if (n == 0)
-        return KVF_OK;
-    s->count = malloc(n * sizeof(uint32_t));
-    s->idx = malloc((total ? total : 1) * sizeof(uint32_t));
-    if (s->count == NULL || s->idx == NULL) {
-        kvf__states_free(s);
-        return KVF_ERR_NO_MEMORY;
-    }
-    s->ngroups = (uint32_t)n;
-    for (size_t g = 0; g < n; g++) {
-        s->count[g] = (uint32_t)in[g].n;
-        if (in[g].n > 0)
-            memcpy(s->idx + s->total, in[g].idx, in[g].n * sizeof(uint32_t));
-        s->total += (uint32_t)in[g].n;
-    }
-    return KVF_OK;
-}
-
-kvf_status_t kvf__states_from_wire(kvf_states_t *s, const kvf_wire_arr32_t *counts,
-                                   const kvf_wire_arr32_t *idx)
-{
-    memset(s, 0, sizeof(*s));
-    if (counts->count == 0)
-        return KVF_OK;
-    s->count = malloc(counts->count * sizeof(uint32_t));
-    s->idx = malloc((idx->count ? idx->count : 1) * sizeof(uint32_t));
-    if (s->count == NULL || s->idx == NULL) {
-        kvf__states_free(s);
-        return KVF_ERR_NO_MEMORY;
-    }
-    s->ngroups = counts->count;
-    s->total = idx->count;
-    for (uint32_t g = 0; g < counts->count; g++)
-        s->count[g] = kvf_wire_arr32_at(counts, g);
-    for (uint32_t i = 0; i < idx->count; i++)
-        s->idx[i] = kvf_wire_arr32_at(idx, i);
-    return KVF_OK;
-}
-
-void kvf__states_free(kvf_states_t *s)
-{
-    free(s->count);
-    free(s->idx);
-    memset(s, 0, sizeof(*s));
-}
 
 static void link_free(kvf_link_t *l)
 {
@@ -165,96 +114,6 @@ void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
 /* ------------------------------------------------------------------------ */
 /* Failure                                                                   */
 /* ------------------------------------------------------------------------ */
-
-static int send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
-                     const kvf_failure_t *f, int abort, uint8_t sides);
-
-int kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort)
-{
-    KVF_ASSERT_LOCKED(r->eng);
-    return send_fail(to, r->id, r->ops->instance_for(r, to), r->ops->fail_key(r), r->failure,
-                     abort, r->failed_sides);
-}
-
-void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
-                    int abort)
-{
-    KVF_ASSERT_LOCKED(to->eng);
-    kvf__send_fail_keyed(to, room, instance, 0, f, abort);
-}
-
-/* Not a live room's record: one this engine failed (a refusal, a tomb, a
- * deadline), so its own side failed, and the record's origin's side. */
-void kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
-                          const kvf_failure_t *f, int abort)
-{
-    KVF_ASSERT_LOCKED(to->eng);
-    send_fail(to, room, instance, key, f, abort,
-              KVF_SIDE_BIT(f->origin_side) | KVF_SIDE_BIT(to->eng->params.role));
-}
-
-/* Send now, or hold for a connection still being made: 1; 0 if lost. */
-static int send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
-                     const kvf_failure_t *f, int abort, uint8_t sides)
-{
-    kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
-    m.u.fail.sides = sides;
-    m.u.fail.room = room;
-    m.u.fail.instance = instance;
-    m.u.fail.sender_instance = key;
-    m.u.fail.status = f->status;
-    m.u.fail.origin_side = (uint8_t)f->origin_side;
-    m.u.fail.origin_rank = (uint32_t)f->origin_rank;
-    m.u.fail.origin_addr = (kvf_wire_str_t){f->origin_addr, (uint32_t)strlen(f->origin_addr)};
-    m.u.fail.reason = (kvf_wire_str_t){f->reason, (uint32_t)strlen(f->reason)};
-    return kvf__peer_send_soon(to, &m);
-}
-
-void kvf__room_dropped(kvf_peer_t *p, const char *what, uint64_t room, uint64_t instance,
-                       const char *why)
-{
-    KVF_ASSERT_LOCKED(p->eng);
-    kvf_engine_t *eng = p->eng;
-    char name[128];
-    uint64_t now = kvf_now_ms();
-    eng->room_msgs_dropped++;
-    if (eng->drop_log_ms != 0 && now - eng->drop_log_ms < KVF_DROP_LOG_MS) {
-        eng->drops_unlogged++;
-        return;
-    }
-    kvf_warn("dropped %s for room %llu (instance %016llx) from %s: %s (%llu more room "
-             "messages dropped since the last such line)", what, (unsigned long long)room,
-             (unsigned long long)instance, kvf__peer_name(p, name, sizeof(name)), why,
-             (unsigned long long)eng->drops_unlogged);
-    eng->drop_log_ms = now;
-    eng->drops_unlogged = 0;
-}
-
-int kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance)
-{
-    KVF_ASSERT_LOCKED(eng);
-    return instance != 0 && kvf_map_get(&eng->retired, instance) != NULL;
-}
-
-void kvf__room_retire_instances(kvf_room_t *r)
-{
-    KVF_ASSERT_LOCKED(r->eng);
-    kvf_engine_t *eng = r->eng;
-    for (uint32_t i = 0; i < r->nlinks; i++) {
-        uint64_t inst = r->links[i].tx.instance;
-        if (inst == 0 || kvf__instance_retired(eng, inst))
-            continue;
-        if (eng->nretired == KVF_RETIRED) {
-            kvf_map_del(&eng->retired, eng->retired_ring[eng->retired_head]);
-            eng->retired_head = (eng->retired_head + 1) % KVF_RETIRED;
-            eng->nretired--;
-        }
-        if (kvf_map_put(&eng->retired, inst, (void *)(uintptr_t)1) != KVF_OK)
-            return;
-        eng->retired_ring[(eng->retired_head + eng->nretired) % KVF_RETIRED] = inst;
-        eng->nretired++;
-    }
-}
 
 /*
  * Tell every peer of the room its record: byte links, siblings.  Not
@@ -346,28 +205,6 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
                 was == KVF_POLL_SUCCESS ? " after it had succeeded here" : "");
 }
 
-static void failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
-                         const char *fmt, va_list ap)
-{
-    memset(f, 0, sizeof(*f));
-    f->size = sizeof(*f);
-    f->status = st;
-    f->origin_side = eng->params.role;
-    f->origin_rank = eng->params.tp_rank;
-    snprintf(f->origin_addr, sizeof(f->origin_addr), "%s", eng->addr);
-    vsnprintf(f->reason, sizeof(f->reason), fmt, ap);
-}
-
-void kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
-                      const char *fmt, ...)
-{
-    KVF_ASSERT_LOCKED(eng);
-    va_list ap;
-    va_start(ap, fmt);
-    failure_vset(f, eng, st, fmt, ap);
-    va_end(ap);
-}
-
 /* Fail a live room with a root cause seen here, telling every peer but
  * `from`; a copy of the record goes to *out.  `sides`: besides this one,
  * the sides known to have failed (a lost peer's).  @return 1 when
@@ -380,7 +217,7 @@ static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
     kvf_failure_t *f = malloc(sizeof(*f));
     if (f == NULL)
         return 0;
-    failure_vset(f, r->eng, st, fmt, ap);
+    kvf__failure_vset(f, r->eng, st, fmt, ap);
     if (out != NULL) {
         out->room = r->id;
         out->instance = r->ops->instance_for(r, from);
@@ -408,22 +245,6 @@ void kvf__room_fail_lost(kvf_room_t *r, kvf_role_t lost, kvf_status_t st, const 
     va_start(ap, fmt);
     room_vfail(r, NULL, NULL, st, KVF_SIDE_BIT(lost), fmt, ap);
     va_end(ap);
-}
-
-kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m)
-{
-    kvf_failure_t *f = calloc(1, sizeof(*f));
-    if (f == NULL)
-        return NULL;
-    f->size = sizeof(*f);
-    f->status = (kvf_status_t)m->status;
-    f->origin_side = (kvf_role_t)m->origin_side;
-    f->origin_rank = (int)m->origin_rank;
-    f->from_another_rank = 1;
-    snprintf(f->origin_addr, sizeof(f->origin_addr), "%.*s", (int)m->origin_addr.len,
-             m->origin_addr.ptr);
-    snprintf(f->reason, sizeof(f->reason), "%.*s", (int)m->reason.len, m->reason.ptr);
-    return f;
 }
 
 void kvf__room_fail_remote(kvf_room_t *r, kvf_peer_t *from, int abort,
@@ -814,7 +635,13 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
         r->retries++;
         r->retry_at_ms = r->ops->retry_at(r, now);
     }
-    kvf__siblings_peer_failed(eng, p, st, reason);
+    /* The rooms that watched p (siblings.c): siblings.c says which must
+     * fail with it, and they fail here, as the byte links' rooms did. */
+    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
+        kvf_verdict_t v;
+        if (kvf__siblings_peer_lost(r, p, st, reason, &v))
+            kvf__room_fail_lost(r, KVF_ROLE_PREFILL, v.st, "%s", v.why);
+    }
     *failed_p = failed;
     *nfailed_p = nf;
     return n;
@@ -867,8 +694,6 @@ void kvf__rooms_tick(kvf_engine_t *eng, uint64_t now)
                        "%.1f s (deadline %.1f s): %s", (unsigned long long)r->id,
                        kvf_poll_name(s), (double)idle / 1000.0, limit / 1000.0, detail);
     }
-    /* Destinations whose sender never came. */
-    kvf__stash_expire(eng, now);
 }
 
 kvf_status_t kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m)

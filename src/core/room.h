@@ -1,9 +1,9 @@
 /*
  * Rooms, internal: what room.c (lifecycle, failures, deadlines, message
- * dispatch), sender.c (prefill side) and receiver.c (decode side) share,
- * and the table of side ops through which room.c and peer.c reach a side
- * (kvf_room_ops_t).  Everything here runs under the engine lock unless it
- * says otherwise.
+ * dispatch), failure.c (failure records), sender.c (prefill side) and
+ * receiver.c (decode side) share, and the table of side ops through which
+ * room.c and peer.c reach a side (kvf_room_ops_t).  Everything here runs
+ * under the engine lock unless it says otherwise.
  *
  * Events flow one way: transport -> peer -> room.  A peer that fails
  * tells its rooms (kvf__rooms_peer_failed), and they do not call back
@@ -13,11 +13,13 @@
  * which would re-enter room code with this room's call still on the
  * stack.  It returns a verdict (peer.h, kvf_verdict_t) from the entry
  * point the peer called, and the peer acts on it once that call has
- * returned (kvf__peer_heed).  So no file of a room's (room.c, sender.c,
- * receiver.c, stash.c, siblings.c, acks.c) calls kvf__peer_fail.
+ * returned (kvf__peer_heed).  So no file of a room's (room.c, failure.c,
+ * sender.c, receiver.c, stash.c, siblings.c, acks.c) calls kvf__peer_fail.
  */
 #ifndef KVF_CORE_ROOM_H
 #define KVF_CORE_ROOM_H
+
+#include <stdarg.h>
 
 #include "core/peer.h"
 #include "core/sync.h"
@@ -352,7 +354,7 @@ void kvf__room_set_state(kvf_room_t *room, kvf_poll_t state);
 void kvf__room_fail(kvf_room_t *room, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* The same, the cause being a rank of side `lost` gone (dead, stopped,
- * unreachable): that side failed the room too (siblings.c). */
+ * unreachable): that side failed the room too (siblings.c's verdicts). */
 void kvf__room_fail_lost(kvf_room_t *room, kvf_role_t lost, kvf_status_t st,
                          const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* Fail a room with a record received from `from`. */
@@ -583,13 +585,15 @@ static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
  * memory for one goes without: the receiver fails the room on it). */
 void kvf__link_streams_reset(kvf_link_t *lk, uint32_t n, int hash);
 
-/* room.c */
+/* states.c */
 /* Copy n per-group index arrays into s (n 0: none).  KVF_ERR_NO_MEMORY. */
 kvf_status_t   kvf__states_set(kvf_states_t *s, const kvf_indices_t *in, size_t n);
 /* The same from a ROOM_REQ's arrays (checked by the wire). */
 kvf_status_t   kvf__states_from_wire(kvf_states_t *s, const kvf_wire_arr32_t *counts,
                                      const kvf_wire_arr32_t *idx);
 void           kvf__states_free(kvf_states_t *s);
+
+/* room.c */
 /* A room of ops->side (the engine's role), with its side's table. */
 kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                                 kvf_room_t **room_p);
@@ -606,10 +610,6 @@ void           kvf__room_submit(kvf_room_t *r);
 /* Take in every listed room's published work (each lane at each pass,
  * and whoever is about to free a room, which must not stay listed). */
 void           kvf__rooms_take_submitted(kvf_engine_t *eng);
-/* Fill *f as a root cause seen on this engine (origin: its role, rank and
- * address): the one place a local failure record is made. */
-void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
-                                const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* kvf_*_abort, kvf_*_fail, kvf_*_await_failure (each takes the lock). */
 void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
@@ -619,16 +619,27 @@ kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const char *fn);
 /* kvf_sender_metric / kvf_receiver_metric (takes the lock). */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
+/* Record `f` (owned) as the root cause and tell every peer but `from`;
+ * `sides`: the FAIL's, for a record received (0 for one seen here). */
+void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
+                                     int abort, uint8_t sides);
+
+/* failure.c */
+/* Fill *f as a root cause seen on this engine (origin: its role, rank and
+ * address): the one place a local failure record is made. */
+void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                                const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+/* The same with a va_list (room.c's room_vfail). */
+void           kvf__failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                                 const char *fmt, va_list ap)
+    __attribute__((format(printf, 4, 0)));
+/* The record a FAIL or ABORT brought, learned from another rank (malloc'd;
+ * NULL without memory). */
+kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 /* Tell `to` the room failed (its record): now if the connection is up,
  * once it is if we are still making it (kvf__peer_send_soon), not at all
  * to a dead peer.  @return 1 if sent or kept. */
 int            kvf__room_send_fail(kvf_room_t *r, kvf_peer_t *to, int abort);
-void           kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
-                              const kvf_failure_t *f, int abort);
-/* The same naming the held room's request key the sender failed to read
- * (FAIL's sender_instance). */
-void           kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance,
-                                    uint64_t key, const kvf_failure_t *f, int abort);
 /* A room message from `p` that the room is not bound to (another peer,
  * another instance): counted, logged at most once per KVF_DROP_LOG_MS,
  * and otherwise ignored; it never fails the room. */
@@ -640,11 +651,6 @@ int            kvf__instance_retired(const kvf_engine_t *eng, uint64_t instance)
 /* Prefill: remember the room instances a sender being destroyed served,
  * forgetting the oldest beyond KVF_RETIRED. */
 void           kvf__room_retire_instances(kvf_room_t *r);
-/* Record `f` (owned) as the root cause and tell every peer but `from`;
- * `sides`: the FAIL's, for a record received (0 for one seen here). */
-void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
-                                     int abort, uint8_t sides);
-kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
 
 /* stash.c */
 /* Free a chain of stashed destinations. */
@@ -685,13 +691,16 @@ void kvf__siblings_evict(kvf_room_t *r, const kvf_peer_t *p);
 int  kvf__siblings_bound(const kvf_room_t *r, const kvf_peer_t *p, uint64_t instance);
 /* Tell every sibling but `from` that the room failed (its record). */
 void kvf__siblings_tell(kvf_room_t *r, const kvf_peer_t *from, int abort);
-/* A peer went away (st, reason): a decode room still live that watched it
- * dials it again after a reset, as a byte link would, and otherwise
- * fails with it; a sender forgets the watch. */
-void kvf__siblings_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
-                               const char *reason);
-/* Decode: dial again the sibling links whose reconnect is due. */
-void kvf__siblings_tick(kvf_room_t *r, uint64_t now);
+/* Peer p went away (st, reason): if room r watched it, a decode room still
+ * live dials it again after a reset, as a byte link would, and otherwise
+ * must fail with it; a sender, or a final room, forgets the watch.
+ * @return 1 when the room must fail, with *v (st and the reason): the
+ * caller fails it (kvf__room_fail_lost, side KVF_ROLE_PREFILL). */
+int  kvf__siblings_peer_lost(kvf_room_t *r, kvf_peer_t *p, kvf_status_t st,
+                             const char *reason, kvf_verdict_t *v);
+/* Decode: dial again the sibling links whose reconnect is due.  @return 1
+ * when one is unreachable and the room must fail, with *v, as above. */
+int  kvf__siblings_tick(kvf_room_t *r, uint64_t now, kvf_verdict_t *v);
 void kvf__siblings_free(kvf_room_t *r);
 
 /* acks.c: decode, the DONE_ACKs of push links until the prefill rank

@@ -31,7 +31,10 @@
  * the decode rank's own byte links see to it, and the failures they
  * record still reach every sibling around the lost link.  A decode rank
  * that loses a prefill rank it watches fails the room (lost(), below):
- * it cannot know whether that rank's share was done.  Everything here
+ * it cannot know whether that rank's share was done.  This file only
+ * says so, as a verdict; the caller that owns the room (room.c for a
+ * peer gone, receiver.c for a rank it could not dial again) fails it,
+ * so that rooms call down here and never the other way.  Everything here
  * runs under the engine lock.
  */
 #include <stdio.h>
@@ -270,43 +273,47 @@ void kvf__siblings_tell(kvf_room_t *r, const kvf_peer_t *from, int abort)
  * links may see nothing wrong (docs/FAILURES.md).  A reset is dialled
  * again first (RETRY_BASE_MS, doubling, MAX_RETRIES times), as a byte
  * link's is: a killed rank refuses the connection, a reset one answers.
+ * This file says so and does not fail the room itself: the caller that
+ * owns the room does, with the verdict (events one way: room.c and
+ * receiver.c call down here, never the other way).  @return 1 when the
+ * room must fail, with *v; 0 while the rank is dialled again.
  */
-static void lost(kvf_room_t *r, kvf_watch_t *w, kvf_status_t st, const char *reason)
+static int lost(kvf_room_t *r, kvf_watch_t *w, kvf_status_t st, const char *reason,
+                kvf_verdict_t *v)
 {
     if (st == KVF_ERR_CONN_RESET && w->retries < MAX_RETRIES) {
         w->retries++;
         w->retry_at_ms = kvf_now_ms() + (RETRY_BASE_MS << (w->retries - 1));
         if (r->last_err == NULL)
             r->last_err = strdup(reason);
-        return;
+        return 0;
     }
     if (w->retries > 0 && r->last_err != NULL)
-        kvf__room_fail_lost(r, KVF_ROLE_PREFILL, st, "%s; gave up after %u reconnects, the "
-                            "last: %s", r->last_err, w->retries, reason);
+        *v = kvf__verdict(st, "%s; gave up after %u reconnects, the last: %s", r->last_err,
+                          w->retries, reason);
     else
-        kvf__room_fail_lost(r, KVF_ROLE_PREFILL, st, "%s", reason);
+        *v = kvf__verdict(st, "%s", reason);
+    return 1;
 }
 
-void kvf__siblings_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
-                               const char *reason)
+int kvf__siblings_peer_lost(kvf_room_t *r, kvf_peer_t *p, kvf_status_t st, const char *reason,
+                            kvf_verdict_t *v)
 {
-    KVF_ASSERT_LOCKED(eng);
-    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
-        kvf_watch_t *w = watch_of(r, p);
-        if (w == NULL)
-            continue;
-        kvf__peer_put(p);
-        w->peer = NULL;
-        w->sent = 0;
-        if (r->side == KVF_ROLE_PREFILL || room_final(r)) {
-            *w = r->watch[--r->nwatch];         /* forgotten */
-            continue;
-        }
-        lost(r, w, st, reason);
+    KVF_ASSERT_LOCKED(r->eng);
+    kvf_watch_t *w = watch_of(r, p);
+    if (w == NULL)
+        return 0;
+    kvf__peer_put(p);
+    w->peer = NULL;
+    w->sent = 0;
+    if (r->side == KVF_ROLE_PREFILL || room_final(r)) {
+        *w = r->watch[--r->nwatch];         /* forgotten */
+        return 0;
     }
+    return lost(r, w, st, reason, v);
 }
 
-void kvf__siblings_tick(kvf_room_t *r, uint64_t now)
+int kvf__siblings_tick(kvf_room_t *r, uint64_t now, kvf_verdict_t *v)
 {
     KVF_ASSERT_LOCKED(r->eng);
     char name[128];
@@ -319,11 +326,13 @@ void kvf__siblings_tick(kvf_room_t *r, uint64_t now)
         if (p == NULL || p->state == KVF_PEER_DEAD) {
             snprintf(name, sizeof(name), "cannot reach prefill rank %u at %s:%d", w->rank,
                      w->host, w->port);
-            lost(r, w, KVF_ERR_UNREACHABLE, p == NULL ? "no memory to reconnect" : name);
-            continue;
+            /* Not a reset: not dialled again, the room fails (lost()). */
+            return lost(r, w, KVF_ERR_UNREACHABLE, p == NULL ? "no memory to reconnect" : name,
+                        v);
         }
         p->refs++;
         w->peer = p;
         kvf__siblings_send(r);          /* at once if it was ready, else on ready */
     }
+    return 0;
 }
