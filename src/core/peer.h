@@ -13,6 +13,7 @@
 #define KVF_CORE_PEER_H
 
 #include "core/engine.h"
+#include "core/verdict.h"
 
 typedef struct kvf_peer kvf_peer_t;
 
@@ -165,29 +166,6 @@ static inline unsigned kvf__peer_nstreams(const kvf_peer_t *p)
     return p->state == KVF_PEER_READY && p->joined + 1 == p->nstreams ? p->nstreams : 1;
 }
 
-/*
- * What a room says back to the peer that called into it (room.h,
- * kvf_room_ops_t): KVF_OK, the peer goes on; any other status, the peer
- * is broken, and fails with st and `why` once the room's code has
- * returned (kvf__peer_heed).  A room never fails its peer itself: that
- * fails every room on the peer, which would re-enter room code while the
- * room's own call is still on the stack.
- */
-typedef struct kvf_verdict {
-    kvf_status_t st;
-    char         why[KVF_REASON_MAX];
-} kvf_verdict_t;
-
-/* The peer goes on (only st and the reason's end are written: this is
- * said once per frame). */
-static inline kvf_verdict_t kvf__verdict_ok(void)
-{
-    kvf_verdict_t v;
-    v.st = KVF_OK;
-    v.why[0] = '\0';
-    return v;
-}
-
 /* Bytes of DATA_REF reads one peer may have in flight: beyond it, its
  * stream is held (not parsed) until reads end. */
 #define KVF_READ_WINDOW (16ull << 20)
@@ -230,7 +208,8 @@ int          kvf__peer_rx_ready(const kvf_peer_t *peer);
 void         kvf__peer_fail(kvf_peer_t *peer, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
-/* The peer is broken (st, then the reason as printf): a room's verdict. */
+/* The peer is broken (st, then the reason as printf): a room's verdict
+ * (core/verdict.h). */
 kvf_verdict_t kvf__verdict(kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 /* Peer code, once a room's call has returned: act on its verdict about
