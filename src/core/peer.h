@@ -1,6 +1,8 @@
 /*
  * Peers, internal: one per connection to another engine (peer.c), its
- * handshake, transport choice and liveness.
+ * handshake, transport choice and liveness.  What the authentication at
+ * its start decides is auth.c's: peer.c asks it (auth.h, one step per
+ * event) and does what the step says, and auth.c calls nothing here.
  *
  * Streams (streams.c): a pair that agreed on n > 1 streams has n
  * connections.  The first is the peer itself (owned by lane 0, in
@@ -196,8 +198,6 @@ void         kvf__peer_redial(kvf_peer_t *peer, uint64_t now);
 int          kvf__peer_refusals(const kvf_peer_t *peer, char *buf, size_t len);
 /* A connection from `host` (already admitted by kvf__auth_admit). */
 void         kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host);
-/* auth.c: the peer proved it holds the token; the handshake goes on. */
-void         kvf__peer_authenticated(kvf_peer_t *peer);
 /* epoll said `events` for the peer's connection.  May let the lock go
  * (its handle op). */
 void         kvf__peer_handle(kvf_peer_t *peer, uint32_t events);
