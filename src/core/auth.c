@@ -24,6 +24,13 @@
  * an unauthenticated peer here all the same.  Refusals are counted and
  * logged once per address and minute, so that a scanner cannot fill the
  * log.
+ *
+ * No I/O here, and no call into peer.c: each event of the handshake is one
+ * call that updates the peer's kvf_auth_t and says in a kvf_auth_step_t
+ * what to do (the receive limit, the frame to send, a verdict, whether the
+ * peer is now trusted); peer.c does it (auth.h).  The peer's code stays
+ * off the stack while the handshake decides, and the handshake reads the
+ * same in a test that plays the peer.
  */
 #include "core/auth.h"
 
@@ -41,7 +48,7 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 
-#include "core/peer.h"
+#include "core/peer.h"    /* kvf_peer_t's fields only: auth.c calls nothing of peer.c */
 #include "util/log.h"
 #include "util/time.h"
 
@@ -230,57 +237,73 @@ int kvf__auth_admit(kvf_engine_t *eng, const struct sockaddr *sa)
     return 0;
 }
 
-void kvf__auth_refuse(kvf_peer_t *p, const char *fmt, ...)
+/* A step that asks for nothing yet. */
+static void step_init(kvf_auth_step_t *s)
+{
+    memset(s, 0, sizeof(*s));
+    s->verdict = kvf__verdict_ok();
+}
+
+/* The step fails the peer with st and the reason (printf). */
+static void step_fail(kvf_auth_step_t *s, kvf_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void step_fail(kvf_auth_step_t *s, kvf_status_t st, const char *fmt, ...)
+{
+    va_list ap;
+    s->verdict.st = st;
+    va_start(ap, fmt);
+    vsnprintf(s->verdict.why, sizeof(s->verdict.why), fmt, ap);
+    va_end(ap);
+}
+
+void kvf__auth_refuse(const kvf_peer_t *p, const char *reason, kvf_auth_step_t *step_p)
 {
     KVF_ASSERT_LOCKED(p->eng);
     char why[384];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(why, sizeof(why), fmt, ap);
-    va_end(ap);
+    snprintf(why, sizeof(why), "%s", reason);
+    step_init(step_p);
     if (!p->outbound) {
         log_refusal(p->eng, p->remote_host, why);
-        p->quiet = 1;     /* logged above, once per address */
+        step_p->quiet = 1;     /* logged above, once per address */
     }
-    kvf__peer_fail(p, KVF_ERR_AUTH, "%s", why);
+    step_fail(step_p, KVF_ERR_AUTH, "%s", why);
 }
 
-void kvf__auth_start(kvf_peer_t *p)
+void kvf__auth_start(kvf_peer_t *p, kvf_auth_step_t *step_p)
 {
     KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
-    kvf_msg_t m = {.type = KVF_MSG_AUTH};
-    kvf_msg_auth_t *a = &m.u.auth;
-    a->magic = KVF_WIRE_MAGIC;
-    a->version = KVF_WIRE_VERSION;
-    a->role = (uint8_t)eng->params.role;
-    a->flags = (eng->has_token ? KVF_AUTH_F_TOKEN : 0) | (p->primary ? KVF_AUTH_F_JOIN : 0);
-    a->instance_id = eng->instance_id;
-    a->pid = (uint32_t)getpid();
+    kvf_msg_auth_t a = {
+        .magic = KVF_WIRE_MAGIC,
+        .version = KVF_WIRE_VERSION,
+        .role = (uint8_t)eng->params.role,
+        .flags = (eng->has_token ? KVF_AUTH_F_TOKEN : 0) | (p->primary ? KVF_AUTH_F_JOIN : 0),
+        .instance_id = eng->instance_id,
+        .pid = (uint32_t)getpid(),
+    };
+    step_init(step_p);
     ssize_t got;
-    while ((got = getrandom(a->nonce, sizeof(a->nonce), 0)) < 0 && errno == EINTR)
+    while ((got = getrandom(a.nonce, sizeof(a.nonce), 0)) < 0 && errno == EINTR)
         ;
-    if (got != (ssize_t)sizeof(a->nonce)) {
-        kvf__peer_fail(p, KVF_ERR_IO, "getrandom for the handshake nonce: %s",
-                       got < 0 ? strerror(errno) : "short read");
+    if (got != (ssize_t)sizeof(a.nonce)) {
+        step_fail(step_p, KVF_ERR_IO, "getrandom for the handshake nonce: %s",
+                  got < 0 ? strerror(errno) : "short read");
         return;
     }
-    p->auth.mine = *a;
-    p->conn->ops->limit(p->conn, &unauth_limit);
-    kvf_status_t st = kvf__peer_send(p, &m);
-    if (st != KVF_OK)
-        kvf__peer_fail(p, st, "cannot send AUTH: %s", kvf_status_str(st));
+    p->auth.mine = a;
+    step_p->set_limit = 1;
+    step_p->limit = &unauth_limit;
+    step_p->send = 1;
+    step_p->msg.type = KVF_MSG_AUTH;
+    step_p->msg.u.auth = a;
 }
 
-static void send_proof(kvf_peer_t *p)
+/* The step sends our proof. */
+static void send_proof(kvf_peer_t *p, kvf_auth_step_t *s)
 {
-    kvf_msg_t m = {.type = KVF_MSG_AUTH_PROOF};
-    kvf__auth_mac(p->eng->token, p->outbound, &p->auth.mine, &p->auth.theirs, m.u.proof.mac);
-    kvf_status_t st = kvf__peer_send(p, &m);
-    if (st != KVF_OK) {
-        kvf__peer_fail(p, st, "cannot send AUTH_PROOF: %s", kvf_status_str(st));
-        return;
-    }
+    s->send = 1;
+    s->msg.type = KVF_MSG_AUTH_PROOF;
+    kvf__auth_mac(p->eng->token, p->outbound, &p->auth.mine, &p->auth.theirs, s->msg.u.proof.mac);
     p->auth.proof_sent = 1;
 }
 
@@ -295,54 +318,57 @@ static const char *mismatch_hint(const kvf_peer_t *p)
                              "engine of this version";
 }
 
-void kvf__auth_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
+void kvf__auth_on_msg(kvf_peer_t *p, const kvf_msg_t *msg, kvf_auth_step_t *step_p)
 {
     KVF_ASSERT_LOCKED(p->eng);
+    step_init(step_p);
     if (p->auth.done) {
-        kvf__peer_fail(p, KVF_ERR_PROTOCOL, "%s after authentication",
-                       kvf_wire_type_name((uint8_t)msg->type));
+        step_fail(step_p, KVF_ERR_PROTOCOL, "%s after authentication",
+                  kvf_wire_type_name((uint8_t)msg->type));
         return;
     }
     if (msg->type == KVF_MSG_AUTH) {
         const kvf_msg_auth_t *a = &msg->u.auth;
         if (p->auth.got_auth) {
-            kvf__auth_refuse(p, "second AUTH in one handshake");
+            kvf__auth_refuse(p, "second AUTH in one handshake", step_p);
             return;
         }
         if (CRYPTO_memcmp(a->nonce, p->auth.mine.nonce, KVF_WIRE_NONCE_LEN) == 0) {
-            kvf__auth_refuse(p, "AUTH with this engine's own nonce (a reflection)");
+            kvf__auth_refuse(p, "AUTH with this engine's own nonce (a reflection)", step_p);
             return;
         }
         p->auth.theirs = *a;
         p->auth.got_auth = 1;
         if (p->outbound)
-            send_proof(p);
+            send_proof(p, step_p);
         return;
     }
     /* AUTH_PROOF */
     if (!p->auth.got_auth) {
-        kvf__auth_refuse(p, "AUTH_PROOF before AUTH");
+        kvf__auth_refuse(p, "AUTH_PROOF before AUTH", step_p);
         return;
     }
     uint8_t want[KVF_WIRE_MAC_LEN];
     kvf__auth_mac(p->eng->token, !p->outbound, &p->auth.theirs, &p->auth.mine, want);
     int ok = CRYPTO_memcmp(want, msg->u.proof.mac, KVF_WIRE_MAC_LEN) == 0;
     OPENSSL_cleanse(want, sizeof(want));
+    if (!ok && p->outbound) {
+        step_fail(step_p, KVF_ERR_AUTH, "authentication failed: the prefill engine did not "
+                  "prove it holds this cluster's token (%s); %s", mismatch_hint(p), how_to_set);
+        return;
+    }
     if (!ok) {
-        if (p->outbound)
-            kvf__peer_fail(p, KVF_ERR_AUTH, "authentication failed: the prefill engine did "
-                           "not prove it holds this cluster's token (%s); %s",
-                           mismatch_hint(p), how_to_set);
-        else
-            kvf__auth_refuse(p, "wrong cluster token (%s)", mismatch_hint(p));
+        char why[128];
+        snprintf(why, sizeof(why), "wrong cluster token (%s)", mismatch_hint(p));
+        kvf__auth_refuse(p, why, step_p);
         return;
     }
     p->auth.done = 1;
-    p->conn->ops->limit(p->conn, NULL);
+    step_p->set_limit = 1;
+    step_p->limit = NULL;          /* trusted: any frame, any size */
     if (!p->outbound)
-        send_proof(p);
-    if (p->state != KVF_PEER_DEAD)
-        kvf__peer_authenticated(p);
+        send_proof(p, step_p);
+    step_p->authenticated = 1;
 }
 
 int kvf__auth_explain_close(const kvf_peer_t *p, char *why, size_t len)

@@ -2,6 +2,13 @@
  * Peer authentication, internal (auth.c): the challenge-response every
  * connection starts with, protected mode, and the once-per-address log of
  * what was refused.  docs/SECURITY.md and docs/PROTOCOL.md section 4.
+ *
+ * The handshake is a state machine without I/O, as TLS libraries and QUIC
+ * stacks keep theirs: each event (start, a frame, a refusal) is one call
+ * that updates the peer's kvf_auth_t and fills a kvf_auth_step_t; peer.c
+ * does what the step says (sets the receive limit, sends, fails or goes
+ * on).  auth.c decides and calls nothing of peer.c, so the two files call
+ * each other one way (tests/structure/one_way.sh).
  */
 #ifndef KVF_CORE_AUTH_H
 #define KVF_CORE_AUTH_H
@@ -9,6 +16,8 @@
 #include <stdint.h>
 #include <sys/socket.h>
 
+#include "core/verdict.h"
+#include "transport/transport.h"
 #include "util/token.h"
 #include "wire/wire.h"
 
@@ -22,7 +31,8 @@ typedef struct kvf_auth {
     kvf_msg_auth_t mine;       /* the AUTH we sent (our nonce) */
     kvf_msg_auth_t theirs;     /* the peer's, once got_auth */
     int            got_auth;
-    int            proof_sent; /* our AUTH_PROOF went out */
+    int            proof_sent; /* our AUTH_PROOF was handed out to send (a send that
+                                  fails fails the peer) */
     int            done;       /* the peer's proof checked: it is trusted */
 } kvf_auth_t;
 
@@ -61,14 +71,36 @@ int          kvf__auth_is_loopback(const struct sockaddr *sa);
  * authenticating every one is refused (counted, logged once per address). */
 int          kvf__auth_admit(struct kvf_engine *eng, const struct sockaddr *sa);
 
-/* Send our AUTH: the first frame on a new connection, either side. */
-void         kvf__auth_start(struct kvf_peer *p);
+/*
+ * What the handshake asks of its peer after one event.  peer.c does it in
+ * this order: with a verdict other than KVF_OK, fails the peer with it and
+ * does nothing else (the rest is not set); else sets the connection's
+ * receive limit, sends msg, and then, the peer still alive, lets its
+ * handshake go on (HELLO, or a stream's JOIN).  A send that fails fails
+ * the peer with "cannot send AUTH: ..." or "cannot send AUTH_PROOF: ...".
+ */
+typedef struct kvf_auth_step {
+    kvf_verdict_t         verdict;
+    int                   quiet;     /* the verdict is a refusal, counted and
+                                        logged here: fail the peer quietly */
+    int                   set_limit; /* set the receive limit to `limit` */
+    const kvf_rx_limit_t *limit;     /* NULL: none (the peer is trusted) */
+    int                   send;      /* send msg: our AUTH or AUTH_PROOF */
+    kvf_msg_t             msg;       /* self-contained: no pointers */
+    int                   authenticated; /* the peer proved it holds the token */
+} kvf_auth_step_t;
+
+/* A new connection, either side: our AUTH is its first frame. */
+void         kvf__auth_start(struct kvf_peer *p, kvf_auth_step_t *step_p);
 /* AUTH or AUTH_PROOF from the peer. */
-void         kvf__auth_on_msg(struct kvf_peer *p, const kvf_msg_t *msg);
-/* Close a peer that has not authenticated, quietly, counted, logged once
- * per address. */
-void         kvf__auth_refuse(struct kvf_peer *p, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+void         kvf__auth_on_msg(struct kvf_peer *p, const kvf_msg_t *msg,
+                              kvf_auth_step_t *step_p);
+/* Refuse a peer that has not authenticated, for `why` (peer.c's reasons:
+ * a frame before the handshake finished, its deadline, garbage): an
+ * inbound one is counted and logged once per address, and the step fails
+ * it quietly. */
+void         kvf__auth_refuse(const struct kvf_peer *p, const char *why,
+                              kvf_auth_step_t *step_p);
 /* The connection closed before the peer authenticated: what to tell its
  * rooms (an outbound peer's), as status and reason.  @return 1 when the
  * close is best explained by a token mismatch. */

@@ -31,6 +31,8 @@
 #include "util/log.h"
 #include "util/time.h"
 
+static void auth_start(kvf_peer_t *p);
+static void refuse(kvf_peer_t *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void on_connected(void *arg);
 static void on_msg(void *arg, const kvf_msg_t *msg);
 static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t);
@@ -795,10 +797,11 @@ void kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host)
         p->state = KVF_PEER_DEAD;
         return;
     }
-    kvf__auth_start(p);
+    auth_start(p);
 }
 
-void kvf__peer_authenticated(kvf_peer_t *p)
+/* The peer proved it holds the token; the handshake goes on. */
+static void authenticated(kvf_peer_t *p)
 {
     KVF_ASSERT_LOCKED(p->eng);
     char name[128];
@@ -827,6 +830,50 @@ void kvf__peer_authenticated(kvf_peer_t *p)
         kvf__peer_fail(p, KVF_ERR_PEER_TIMEOUT, "told it about the rooms that failed "
                        "while it was not answering");
     }
+}
+
+/* Do what a step of the handshake asks (auth.h): auth.c decides, the
+ * peer acts, so that auth.c never calls back into this file. */
+static void auth_do(kvf_peer_t *p, const kvf_auth_step_t *s)
+{
+    if (s->verdict.st != KVF_OK) {
+        if (s->quiet)
+            p->quiet = 1;
+        kvf__peer_heed(p, &s->verdict);
+        return;
+    }
+    if (s->set_limit)
+        p->conn->ops->limit(p->conn, s->limit);
+    if (s->send) {
+        kvf_status_t st = kvf__peer_send(p, &s->msg);
+        if (st != KVF_OK)
+            kvf__peer_fail(p, st, "cannot send %s: %s", kvf_wire_type_name((uint8_t)s->msg.type),
+                           kvf_status_str(st));
+    }
+    if (s->authenticated && p->state != KVF_PEER_DEAD)
+        authenticated(p);
+}
+
+/* Our AUTH, the first frame on a new connection. */
+static void auth_start(kvf_peer_t *p)
+{
+    kvf_auth_step_t s;
+    kvf__auth_start(p, &s);
+    auth_do(p, &s);
+}
+
+/* Close a peer that has not authenticated: refused (counted and logged
+ * once per address by auth.c), and failed quietly. */
+static void refuse(kvf_peer_t *p, const char *fmt, ...)
+{
+    char why[KVF_REASON_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof(why), fmt, ap);
+    va_end(ap);
+    kvf_auth_step_t s;
+    kvf__auth_refuse(p, why, &s);
+    auth_do(p, &s);
 }
 
 void kvf__peer_fail(kvf_peer_t *p, kvf_status_t st, const char *fmt, ...)
@@ -975,7 +1022,7 @@ static void on_connected(void *arg)
 {
     kvf_peer_t *p = arg;
     p->state = KVF_PEER_AUTH;
-    kvf__auth_start(p);
+    auth_start(p);
 }
 
 static void on_close(void *arg, kvf_status_t st, const char *reason)
@@ -994,7 +1041,7 @@ static void on_close(void *arg, kvf_status_t st, const char *reason)
         /* A stranger that sent garbage (or an engine of another version):
          * refused, and logged once per address; one that just left: quiet. */
         if (!p->outbound && (st == KVF_ERR_PROTOCOL || st == KVF_ERR_VERSION)) {
-            kvf__auth_refuse(p, "%s", reason);
+            refuse(p, "%s", reason);
             return;
         }
         if (!p->outbound)
@@ -1209,12 +1256,14 @@ static void on_msg(void *arg, const kvf_msg_t *msg)
 {
     kvf_peer_t *p = arg;
     if (msg->type == KVF_MSG_AUTH || msg->type == KVF_MSG_AUTH_PROOF) {
-        kvf__auth_on_msg(p, msg);
+        kvf_auth_step_t s;
+        kvf__auth_on_msg(p, msg, &s);
+        auth_do(p, &s);
         return;
     }
     /* The gate: nothing of an unauthenticated peer is read any further. */
     if (!p->auth.done) {
-        kvf__auth_refuse(p, "%s before authenticating", kvf_wire_type_name((uint8_t)msg->type));
+        refuse(p, "%s before authenticating", kvf_wire_type_name((uint8_t)msg->type));
         return;
     }
     if (p->primary != NULL) {
@@ -1284,7 +1333,7 @@ static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
 {
     kvf_peer_t *p = arg;
     if (!p->auth.done) {
-        kvf__auth_refuse(p, "DATA before authenticating");
+        refuse(p, "DATA before authenticating");
         return;
     }
     if (p->state != KVF_PEER_READY || p->role != KVF_ROLE_PREFILL ||
@@ -1359,8 +1408,8 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
          * coming, so heartbeats would never call it dead), ends here. */
         if (p->state == KVF_PEER_AUTH && !p->outbound && now >= p->handshake_until_ms &&
             now >= p->grace_until_ms) {
-            kvf__auth_refuse(p, "did not authenticate within %.1f s (handshake timeout)",
-                             (double)pr->handshake_timeout_ms / 1000.0);
+            refuse(p, "did not authenticate within %.1f s (handshake timeout)",
+                   (double)pr->handshake_timeout_ms / 1000.0);
             continue;
         }
         if ((p->state == KVF_PEER_CONNECTING || p->state == KVF_PEER_AUTH ||

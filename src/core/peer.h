@@ -1,6 +1,8 @@
 /*
  * Peers, internal: one per connection to another engine (peer.c), its
- * handshake, transport choice and liveness.
+ * handshake, transport choice and liveness.  What the authentication at
+ * its start decides is auth.c's: peer.c asks it (auth.h, one step per
+ * event) and does what the step says, and auth.c calls nothing here.
  *
  * Streams (streams.c): a pair that agreed on n > 1 streams has n
  * connections.  The first is the peer itself (owned by lane 0, in
@@ -13,6 +15,7 @@
 #define KVF_CORE_PEER_H
 
 #include "core/engine.h"
+#include "core/verdict.h"
 
 typedef struct kvf_peer kvf_peer_t;
 
@@ -165,29 +168,6 @@ static inline unsigned kvf__peer_nstreams(const kvf_peer_t *p)
     return p->state == KVF_PEER_READY && p->joined + 1 == p->nstreams ? p->nstreams : 1;
 }
 
-/*
- * What a room says back to the peer that called into it (room.h,
- * kvf_room_ops_t): KVF_OK, the peer goes on; any other status, the peer
- * is broken, and fails with st and `why` once the room's code has
- * returned (kvf__peer_heed).  A room never fails its peer itself: that
- * fails every room on the peer, which would re-enter room code while the
- * room's own call is still on the stack.
- */
-typedef struct kvf_verdict {
-    kvf_status_t st;
-    char         why[KVF_REASON_MAX];
-} kvf_verdict_t;
-
-/* The peer goes on (only st and the reason's end are written: this is
- * said once per frame). */
-static inline kvf_verdict_t kvf__verdict_ok(void)
-{
-    kvf_verdict_t v;
-    v.st = KVF_OK;
-    v.why[0] = '\0';
-    return v;
-}
-
 /* A room the rooms failed when its peer went away, which the peer tells
  * its other side itself (kvf_peer_events_t's `failed`). */
 typedef struct kvf_room_failed {
@@ -269,8 +249,6 @@ void         kvf__peer_redial(kvf_peer_t *peer, uint64_t now);
 int          kvf__peer_refusals(const kvf_peer_t *peer, char *buf, size_t len);
 /* A connection from `host` (already admitted by kvf__auth_admit). */
 void         kvf__peer_accept(kvf_engine_t *eng, int fd, const char *host);
-/* auth.c: the peer proved it holds the token; the handshake goes on. */
-void         kvf__peer_authenticated(kvf_peer_t *peer);
 /* epoll said `events` for the peer's connection.  May let the lock go
  * (its handle op). */
 void         kvf__peer_handle(kvf_peer_t *peer, uint32_t events);
@@ -281,7 +259,8 @@ int          kvf__peer_rx_ready(const kvf_peer_t *peer);
 void         kvf__peer_fail(kvf_peer_t *peer, kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 void         kvf__peers_tick(kvf_engine_t *eng, uint64_t now);
-/* The peer is broken (st, then the reason as printf): a room's verdict. */
+/* The peer is broken (st, then the reason as printf): a room's verdict
+ * (core/verdict.h). */
 kvf_verdict_t kvf__verdict(kvf_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 /* Peer code, once a room's call has returned: act on its verdict about

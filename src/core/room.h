@@ -11,7 +11,7 @@
  * never takes, no memory for what the peer sent, a mover endpoint gone)
  * does not fail the peer either: failing a peer fails every room on it,
  * which would re-enter room code with this room's call still on the
- * stack.  It returns a verdict (peer.h, kvf_verdict_t) from the entry
+ * stack.  It returns a verdict (core/verdict.h, kvf_verdict_t) from the entry
  * point the peer called, and the peer acts on it once that call has
  * returned (kvf__peer_heed).  So no file of a room's (room.c, failure.c,
  * sender.c, receiver.c, stash.c, siblings.c, acks.c) calls kvf__peer_fail.
