@@ -167,11 +167,12 @@ static void engine_free(kvf_engine_t *eng)
 /* What peers report upward (peer.h): room.c takes their room messages,
  * failures and readiness; acks.c what a dead peer still owed. */
 static const kvf_peer_events_t peer_events = {
-    .room_msg = kvf__room_on_msg,
-    .failed   = kvf__rooms_peer_failed,
-    .ready    = kvf__rooms_peer_ready,
-    .needed   = kvf__rooms_wait_on,
-    .dead     = kvf__acks_peer_lost,
+    .room_msg   = kvf__room_on_msg,
+    .failed     = kvf__rooms_peer_failed,
+    .ready      = kvf__rooms_peer_ready,
+    .needed     = kvf__rooms_wait_on,
+    .dead       = kvf__acks_peer_lost,
+    .rx_dropped = kvf__room_rx_drop,
 };
 
 /* The fields that hold no resource: defaults, "-1" fds, event tags, locks

@@ -96,4 +96,15 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
 void kvf__par_fill(kvf_par_t *par, int tp_rank, int tp_size, int pp_rank, int pp_size,
                    const kvf_layout_int_t *l);
 
+/* layout_wire.c: a layout as HELLO carries it. */
+struct kvf_wire_layout;
+/* Encode l into w (its arrays allocated: kvf__layout_wire_free; its
+ * strings point into l).  KVF_OK or KVF_ERR_NO_MEMORY. */
+kvf_status_t kvf__layout_to_wire(const kvf_layout_int_t *l, struct kvf_wire_layout *w);
+void         kvf__layout_wire_free(struct kvf_wire_layout *w);
+/* A peer's layout from its HELLO, checked (KVF_ERR_PROTOCOL, or
+ * KVF_ERR_NO_MEMORY, with why in err); kvf__layout_free frees it. */
+kvf_status_t kvf__layout_from_wire(kvf_layout_int_t *l, const struct kvf_wire_layout *w,
+                                   char *err, size_t errlen);
+
 #endif /* KVF_CORE_LAYOUT_H */

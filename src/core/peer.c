@@ -25,9 +25,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/random.h>
 #include <unistd.h>
 
+#include <openssl/crypto.h>
+
 #include "core/room.h"
+#include "core/stage.h"
 #include "util/log.h"
 #include "util/time.h"
 
@@ -90,22 +95,9 @@ static kvf_peer_t *peer_new(kvf_engine_t *eng)
     return p;
 }
 
-/* One thing a thread other than the owner sent: a put, or a message
- * encoded at once (its arrays are the caller's). */
-typedef struct kvf_outq {
-    struct kvf_outq *next;
-    kvf_put_t       *put;        /* or NULL: msg[0..len) */
-    size_t           len;
-    uint8_t          msg[];
-} kvf_outq_t;
-
 static void peer_free(kvf_peer_t *p)
 {
-    while (p->held_head != NULL) {
-        struct kvf_outq *q = p->held_head;
-        p->held_head = q->next;
-        free(q);
-    }
+    kvf__peer_held_free(p);
     /* Nothing waits in an outbox here: the peer was dead, or drained, by
      * the time its last reference went (kvf__peer_outbox_drain).  Its
      * streams' lanes let go of them before it could go (peers_tick). */
@@ -154,184 +146,6 @@ void kvf__peers_free(kvf_engine_t *eng)
         kvf__peer_outbox_drain(p);
         peer_free(p);
     }
-}
-
-void kvf__peer_outbox_drain(kvf_peer_t *p)
-{
-    KVF_ASSERT_LOCKED(p->eng);
-    assert(kvf__owns_lane(p->eng, p->lane) || (p->out_head == NULL && p->conn == NULL) ||
-           (kvf__owns_io(p->eng) && p->state == KVF_PEER_DEAD && p->refs == 0));
-    while (p->out_head != NULL) {
-        kvf_outq_t *q = p->out_head;
-        if ((p->out_head = q->next) == NULL)
-            p->out_tail = NULL;
-        /* A peer that failed on another thread still sends what it queued
-         * first (the FAILs of its rooms): kvf__peer_close_pending. */
-        int up = (p->state != KVF_PEER_DEAD || p->close_pending) && p->conn != NULL;
-        if (q->put != NULL) {
-            if (up)
-                p->conn->ops->put(p->conn, q->put);
-            else
-                q->put->complete(q->put, KVF_ERR_CONN_RESET);
-        } else if (up) {
-            /* Our own encoding: it decodes (the parser checks it all the same). */
-            kvf_wire_hdr_t h;
-            kvf_msg_t m;
-            char err[128];
-            if (kvf_wire_parse_header(q->msg, &h, err, sizeof(err)) != KVF_OK ||
-                kvf_wire_decode(&h, q->msg + KVF_WIRE_HDR_LEN, &m, err, sizeof(err)) != KVF_OK)
-                kvf_error("queued message does not decode: %s (bug)", err);
-            else if (p->conn->ops->send_msg(p->conn, &m) != KVF_OK)
-                kvf_debug("queued %s not sent: connection closing", kvf_wire_type_name(h.type));
-        }
-        free(q);
-    }
-}
-
-static void outbox_add(kvf_peer_t *p, kvf_outq_t *q)
-{
-    q->next = NULL;
-    if (p->out_tail != NULL)
-        p->out_tail->next = q;
-    else
-        p->out_head = q;
-    p->out_tail = q;
-    kvf__lane_wake(p->eng, p->lane);
-}
-
-kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
-{
-    KVF_ASSERT_LOCKED(p->eng);
-    if (p->state == KVF_PEER_DEAD || p->conn == NULL)
-        return KVF_ERR_CONN_RESET;
-    if (!kvf__owns_lane(p->eng, p->lane)) {
-        kvf_buf_t b;
-        kvf_buf_init(&b);
-        kvf_status_t st = kvf_wire_encode(&b, msg);
-        kvf_outq_t *q = st == KVF_OK ? malloc(sizeof(*q) + b.len) : NULL;
-        if (q != NULL) {
-            q->put = NULL;
-            q->len = b.len;
-            memcpy(q->msg, b.data, b.len);
-            outbox_add(p, q);
-        }
-        kvf_buf_free(&b);
-        return st != KVF_OK ? st : q == NULL ? KVF_ERR_NO_MEMORY : KVF_OK;
-    }
-    kvf__peer_outbox_drain(p);   /* what others queued goes first */
-    kvf_status_t st = p->conn->ops->send_msg(p->conn, msg);
-    if (st == KVF_OK)
-        kvf__lane_wake(p->eng, p->lane);
-    return st;
-}
-
-void kvf__peer_hold(kvf_peer_t *p, const kvf_msg_t *msg)
-{
-    KVF_ASSERT_LOCKED(p->eng);
-    kvf_buf_t b;
-    kvf_buf_init(&b);
-    kvf_outq_t *q = kvf_wire_encode(&b, msg) == KVF_OK ? malloc(sizeof(*q) + b.len) : NULL;
-    if (q != NULL) {
-        q->next = NULL;
-        q->put = NULL;
-        q->len = b.len;
-        memcpy(q->msg, b.data, b.len);
-        if (p->held_tail != NULL)
-            p->held_tail->next = q;
-        else
-            p->held_head = q;
-        p->held_tail = q;
-    }
-    kvf_buf_free(&b);
-}
-
-int kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg)
-{
-    KVF_ASSERT_LOCKED(p->eng);
-    if (p->state == KVF_PEER_READY || p->state == KVF_PEER_HANDSHAKE)
-        return kvf__peer_send(p, msg) == KVF_OK;
-    if ((p->state == KVF_PEER_AUTH || p->state == KVF_PEER_CONNECTING ||
-         p->state == KVF_PEER_REDIAL) && p->outbound) {
-        kvf__peer_hold(p, msg);          /* sent once it has authenticated */
-        return 1;
-    }
-    return 0;
-}
-
-/* A room's failure is a message like any other: built here, sent now or
- * held for a connection still being made (kvf__peer_send_soon). */
-int kvf__peer_send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
-                        const kvf_failure_t *f, int abort, uint8_t sides)
-{
-    KVF_ASSERT_LOCKED(to->eng);
-    kvf_msg_t m = {.type = abort ? KVF_MSG_ABORT : KVF_MSG_FAIL};
-    m.u.fail.sides = sides;
-    m.u.fail.room = room;
-    m.u.fail.instance = instance;
-    m.u.fail.sender_instance = key;
-    m.u.fail.status = f->status;
-    m.u.fail.origin_side = (uint8_t)f->origin_side;
-    m.u.fail.origin_rank = (uint32_t)f->origin_rank;
-    m.u.fail.origin_addr = (kvf_wire_str_t){f->origin_addr, (uint32_t)strlen(f->origin_addr)};
-    m.u.fail.reason = (kvf_wire_str_t){f->reason, (uint32_t)strlen(f->reason)};
-    return kvf__peer_send_soon(to, &m);
-}
-
-void kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance, const kvf_failure_t *f,
-                    int abort)
-{
-    KVF_ASSERT_LOCKED(to->eng);
-    kvf__send_fail_keyed(to, room, instance, 0, f, abort);
-}
-
-/* Not a live room's record: one this engine failed (a refusal, a tomb, a
- * deadline), so its own side failed, and the record's origin's side. */
-void kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance, uint64_t key,
-                          const kvf_failure_t *f, int abort)
-{
-    KVF_ASSERT_LOCKED(to->eng);
-    kvf__peer_send_fail(to, room, instance, key, f, abort,
-                        KVF_SIDE_BIT(f->origin_side) | KVF_SIDE_BIT(to->eng->params.role));
-}
-
-/* Authenticated at last: what waited for it goes out, after our HELLO. */
-static void send_held(kvf_peer_t *p)
-{
-    while (p->held_head != NULL && p->state != KVF_PEER_DEAD) {
-        kvf_outq_t *q = p->held_head;
-        if ((p->held_head = q->next) == NULL)
-            p->held_tail = NULL;
-        kvf_wire_hdr_t h;
-        kvf_msg_t m;
-        char err[128];
-        if (kvf_wire_parse_header(q->msg, &h, err, sizeof(err)) == KVF_OK &&
-            kvf_wire_decode(&h, q->msg + KVF_WIRE_HDR_LEN, &m, err, sizeof(err)) == KVF_OK)
-            kvf__peer_send(p, &m);
-        free(q);
-    }
-}
-
-void kvf__peer_put_data(kvf_peer_t *p, kvf_put_t *put)
-{
-    KVF_ASSERT_LOCKED(p->eng);
-    if (p->state == KVF_PEER_DEAD || p->conn == NULL) {
-        put->complete(put, KVF_ERR_CONN_RESET);
-        return;
-    }
-    if (!kvf__owns_lane(p->eng, p->lane)) {
-        kvf_outq_t *q = malloc(sizeof(*q));
-        if (q == NULL) {
-            put->complete(put, KVF_ERR_NO_MEMORY);
-            return;
-        }
-        q->put = put;
-        q->len = 0;
-        outbox_add(p, q);
-        return;
-    }
-    kvf__peer_outbox_drain(p);
-    p->conn->ops->put(p->conn, put);
-    kvf__lane_wake(p->eng, p->lane);
 }
 
 /* The XPORT entry that carries capability bits (wire.h, KVF_WIRE_CAPS_NAME). */
@@ -576,36 +390,12 @@ static void on_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
 static void send_hello(kvf_peer_t *p)
 {
     kvf_engine_t *eng = p->eng;
-    const kvf_layout_int_t *l = &eng->layout;
-    uint32_t nk = l->num_kv, na = l->num_aux, ns = l->num_state, ng = l->num_groups;
-    uint64_t *v = calloc(3 * nk + 2 * (na + ns) + 1, sizeof(uint64_t));
-    uint32_t *gs = calloc(ng + 1, sizeof(uint32_t));
-    if (v == NULL || gs == NULL) {
-        free(v);
-        free(gs);
+    kvf_msg_t m = {.type = KVF_MSG_HELLO};
+    kvf_msg_hello_t *h = &m.u.hello;
+    if (kvf__layout_to_wire(&eng->layout, &h->layout) != KVF_OK) {
         kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for HELLO");
         return;
     }
-    uint64_t *kb = v, *ki = kb + nk, *ab = ki + nk, *ai = ab + na, *sb = ai + na,
-             *si = sb + ns, *kt = si + ns;
-    for (uint32_t i = 0; i < nk; i++)
-        kt[i] = kvf_wire_tag(l->tags[i].layer, l->tags[i].role, l->tags[i].group);
-    for (uint32_t g = 0; g < ng; g++)
-        gs[g] = l->group_first[g + 1] - l->group_first[g];
-    for (uint32_t i = 0; i < nk; i++) {
-        kb[i] = l->kv[i].item_bytes;
-        ki[i] = l->kv[i].length / l->kv[i].item_bytes;
-    }
-    for (uint32_t i = 0; i < na; i++) {
-        ab[i] = l->aux[i].item_bytes;
-        ai[i] = l->aux[i].length / l->aux[i].item_bytes;
-    }
-    for (uint32_t i = 0; i < ns; i++) {
-        sb[i] = l->state[i].item_bytes;
-        si[i] = l->state[i].length / l->state[i].item_bytes;
-    }
-    kvf_msg_t m = {.type = KVF_MSG_HELLO};
-    kvf_msg_hello_t *h = &m.u.hello;
     h->magic = KVF_WIRE_MAGIC;
     h->version = KVF_WIRE_VERSION;
     h->role = (uint8_t)eng->params.role;
@@ -618,28 +408,8 @@ static void send_hello(kvf_peer_t *p)
     h->dp_rank = (uint32_t)eng->params.dp_rank;
     h->dp_size = (uint32_t)eng->params.dp_size;
     h->addr = (kvf_wire_str_t){eng->addr, (uint32_t)strlen(eng->addr)};
-    h->layout.page_size = l->page_size;
-    h->layout.kv_dtype = (kvf_wire_str_t){l->kv_dtype, (uint32_t)strlen(l->kv_dtype)};
-    h->layout.attn = (uint8_t)l->attn;
-    h->layout.mem_kind = (uint8_t)l->mem_kind;
-    h->layout.num_layers = l->num_layers;
-    h->layout.first_layer = l->first_layer;
-    h->layout.heads_per_rank = l->heads_per_rank;
-    h->layout.total_heads = l->total_heads;
-    h->layout.bytes_per_head = l->bytes_per_head;
-    h->layout.kv_item_bytes = (kvf_wire_arr64_t){nk, kb, NULL};
-    h->layout.kv_items = (kvf_wire_arr64_t){nk, ki, NULL};
-    h->layout.aux_item_bytes = (kvf_wire_arr64_t){na, ab, NULL};
-    h->layout.aux_items = (kvf_wire_arr64_t){na, ai, NULL};
-    h->layout.state_item_bytes = (kvf_wire_arr64_t){ns, sb, NULL};
-    h->layout.state_items = (kvf_wire_arr64_t){ns, si, NULL};
-    h->layout.state_groups = (kvf_wire_arr32_t){ng, gs, NULL};
-    h->layout.state_types = (kvf_wire_str_t){l->state_types, (uint32_t)strlen(l->state_types)};
-    h->layout.kv_tags = (kvf_wire_arr64_t){nk, kt, NULL};
-    h->layout.kv_order = (uint8_t)l->kv_order;
     kvf_status_t st = kvf__peer_send(p, &m);
-    free(v);
-    free(gs);
+    kvf__layout_wire_free(&h->layout);
     if (st != KVF_OK) {
         kvf__peer_fail(p, st, "cannot send HELLO: %s", kvf_status_str(st));
         return;
@@ -823,7 +593,7 @@ static void authenticated(kvf_peer_t *p)
     send_hello(p);
     /* What waited for it (its rooms that failed while it connected) goes
      * right after our HELLO. */
-    send_held(p);
+    kvf__peer_send_held(p);
     if (p->lingering) {
         /* Its rooms failed while it was stopped: it has learnt why, and
          * the connection ends as it would have. */
@@ -1050,79 +820,6 @@ static void on_close(void *arg, kvf_status_t st, const char *reason)
     kvf__peer_fail(p, st, "connection lost: %s", reason);
 }
 
-static kvf_status_t layout_from_hello(kvf_layout_int_t *l, const kvf_wire_layout_t *w,
-                                      char *err, size_t errlen)
-{
-    memset(l, 0, sizeof(*l));
-    if (w->kv_dtype.len >= sizeof(l->kv_dtype) || w->kv_items.count != w->kv_item_bytes.count ||
-        w->aux_items.count != w->aux_item_bytes.count ||
-        w->state_items.count != w->state_item_bytes.count || w->attn > KVF_ATTN_MLA ||
-        w->num_layers == 0 || w->kv_items.count == 0 || w->page_size == 0 ||
-        w->kv_tags.count != w->kv_items.count) {
-        snprintf(err, errlen, "malformed layout descriptor in HELLO");
-        return KVF_ERR_PROTOCOL;
-    }
-    l->page_size = w->page_size;
-    memcpy(l->kv_dtype, w->kv_dtype.ptr, w->kv_dtype.len);
-    l->attn = (kvf_attn_kind_t)w->attn;
-    l->mem_kind = (kvf_mem_kind_t)w->mem_kind;
-    l->kv_order = (kvf_kv_order_t)w->kv_order;   /* the wire checked it */
-    l->num_layers = w->num_layers;
-    l->first_layer = w->first_layer;
-    l->heads_per_rank = w->heads_per_rank;
-    l->total_heads = w->total_heads;
-    l->bytes_per_head = w->bytes_per_head;
-    l->num_kv = w->kv_items.count;
-    l->num_aux = w->aux_items.count;
-    l->num_state = w->state_items.count;
-    const kvf_wire_arr64_t *bytes[3] = {&w->kv_item_bytes, &w->aux_item_bytes,
-                                        &w->state_item_bytes};
-    const kvf_wire_arr64_t *items[3] = {&w->kv_items, &w->aux_items, &w->state_items};
-    kvf_buffer_t **dst[3] = {&l->kv, &l->aux, &l->state};
-    for (int k = 0; k < 3; k++) {
-        uint32_t n = bytes[k]->count;
-        if (n == 0)
-            continue;
-        *dst[k] = calloc(n, sizeof(kvf_buffer_t));
-        if (*dst[k] == NULL) {
-            kvf__layout_free(l);
-            return KVF_ERR_NO_MEMORY;
-        }
-        for (uint32_t i = 0; i < n; i++) {
-            uint64_t b = kvf_wire_arr64_at(bytes[k], i), c = kvf_wire_arr64_at(items[k], i);
-            if (b == 0 || b > UINT32_MAX || c > (UINT64_MAX / b)) {
-                snprintf(err, errlen, "malformed buffer sizes in HELLO");
-                kvf__layout_free(l);
-                return KVF_ERR_PROTOCOL;
-            }
-            (*dst[k])[i].item_bytes = b;
-            (*dst[k])[i].length = b * c;
-        }
-    }
-    /* Tags and state groups (the wire checked that the groups hold every
-     * state buffer). */
-    uint32_t ng = w->state_groups.count;
-    l->tags = malloc(l->num_kv * sizeof(kvf_kv_tag_t));
-    l->group_first = malloc((ng + 1) * sizeof(uint32_t));
-    l->state_types = malloc(w->state_types.len + 1);
-    if (l->tags == NULL || l->group_first == NULL || l->state_types == NULL) {
-        kvf__layout_free(l);
-        return KVF_ERR_NO_MEMORY;
-    }
-    for (uint32_t i = 0; i < l->num_kv; i++) {
-        uint64_t t = kvf_wire_arr64_at(&w->kv_tags, i);
-        l->tags[i] = (kvf_kv_tag_t){(uint32_t)t, (uint32_t)(t >> 32) & 0xffff,
-                                    (uint32_t)(t >> 48)};
-    }
-    l->num_groups = ng;
-    l->group_first[0] = 0;
-    for (uint32_t g = 0; g < ng; g++)
-        l->group_first[g + 1] = l->group_first[g] + kvf_wire_arr32_at(&w->state_groups, g);
-    memcpy(l->state_types, w->state_types.ptr, w->state_types.len);
-    l->state_types[w->state_types.len] = '\0';
-    return KVF_OK;
-}
-
 /* The checks a HELLO must pass before anything of it is kept, then the
  * peer's ranks, instance and layout.  @return 1, or 0: the peer failed. */
 static int hello_accept(kvf_peer_t *p, const kvf_msg_hello_t *h)
@@ -1148,7 +845,7 @@ static int hello_accept(kvf_peer_t *p, const kvf_msg_hello_t *h)
                        h->dp_rank, h->dp_size);
         return 0;
     }
-    kvf_status_t st = layout_from_hello(&p->layout, &h->layout, err, sizeof(err));
+    kvf_status_t st = kvf__layout_from_wire(&p->layout, &h->layout, err, sizeof(err));
     if (st != KVF_OK) {
         kvf__peer_fail(p, st, "%s", err);
         return 0;
@@ -1474,4 +1171,434 @@ void kvf__peers_tick(kvf_engine_t *eng, uint64_t now)
             pp = &p->next;
         }
     }
+}
+
+/* ------------------------------------------------------------------------ */
+/* Streams                                                                   */
+/* ------------------------------------------------------------------------ */
+
+/*
+ * Several tcp connections per pair of engines, each driven by a
+ * progress thread of its own (a lane), so that one large room moves on
+ * more than one core.
+ *
+ * The one idea: a stream k >= 1 is a peer (kvf_peer_t) in every way that
+ * matters to a connection (its own authentication, outbox, inbound frame
+ * and lane), and in no way that matters to a room: rooms name only its
+ * primary, and whatever fails on a stream fails the primary, which closes
+ * every stream.  Order holds per stream: a stream's DONE follows its own
+ * DATA frames, and a receiver completes a link only once every stream's
+ * DONE has checked (receiver.c).
+ *
+ * Joining.  The prefill rank's XPORT offer names how many streams it takes
+ * and a cookie for this peer (32 random bytes, sent only to a peer that
+ * authenticated); a decode rank that wants n > 1 answers with n, then
+ * opens streams 1..n-1 to the same control port.  Each authenticates like
+ * any connection (AUTH carries KVF_AUTH_F_JOIN, so the prefill sends no
+ * HELLO), then sends JOIN (cookie, index).  The prefill attaches it only
+ * to the live peer that holds the cookie, from the same engine instance,
+ * at a free index below n; anything else closes that connection alone.
+ * Lane 0 took the JOIN, so it moves the connection to lane k (rebind)
+ * between two passes, and lane k answers the JOIN.  The decode rank's
+ * peer is READY, and its rooms send their requests, once every stream
+ * has been answered within the handshake deadline.
+ */
+int kvf__streams_offer(kvf_peer_t *p, uint8_t *blob, kvf_wire_xport_t *e)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    /* Staged rooms (device memory over tcp) keep to one stream: the bounce
+     * buffers and their reads are per connection (stage.h). */
+    if (p->eng->nlanes < 2 || kvf__stages(p->eng) ||
+        getrandom(p->cookie, sizeof(p->cookie), 0) != (ssize_t)sizeof(p->cookie))
+        return 0;
+    kvf_put_u32(blob, p->eng->nlanes);
+    memcpy(blob + 4, p->cookie, KVF_WIRE_COOKIE_LEN);
+    p->streams_offered = 1;
+    *e = (kvf_wire_xport_t){{KVF_WIRE_STREAMS_NAME, (uint32_t)strlen(KVF_WIRE_STREAMS_NAME)},
+                            blob, KVF_WIRE_STREAMS_OFFER};
+    return 1;
+}
+
+unsigned kvf__streams_accept(kvf_peer_t *p, const kvf_wire_xport_t *o, uint8_t *blob,
+                             kvf_wire_xport_t *answer)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    if (o == NULL || o->blob_len != KVF_WIRE_STREAMS_OFFER || kvf__stages(p->eng))
+        return 1;
+    unsigned n = kvf_get_u32(o->blob);
+    if (n > p->eng->nlanes)
+        n = p->eng->nlanes;
+    if (n < 2)
+        return 1;
+    memcpy(p->cookie, o->blob + 4, KVF_WIRE_COOKIE_LEN);
+    kvf_put_u32(blob, n);
+    *answer = (kvf_wire_xport_t){{KVF_WIRE_STREAMS_NAME,
+                                  (uint32_t)strlen(KVF_WIRE_STREAMS_NAME)},
+                                 blob, KVF_WIRE_STREAMS_ANSWER};
+    return n;
+}
+
+kvf_status_t kvf__streams_answer(kvf_peer_t *p, const kvf_wire_xport_t *e, char *err,
+                                 size_t len)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    uint32_t n = e->blob_len == KVF_WIRE_STREAMS_ANSWER ? kvf_get_u32(e->blob) : 0;
+    if (p->eng->nlanes < 2 || n < 2 || n > p->eng->nlanes) {
+        snprintf(err, len, "decode engine asked for %u streams (%u-byte entry), but %u "
+                 "were offered", n, e->blob_len, p->eng->nlanes < 2 ? 0 : p->eng->nlanes);
+        return KVF_ERR_PROTOCOL;
+    }
+    /* Streams may join before this answer is read (another connection):
+     * none beyond what it asks for. */
+    for (unsigned k = n; k < KVF_MAX_STREAMS; k++)
+        if (p->streams[k] != NULL) {
+            snprintf(err, len, "decode engine asked for %u streams after stream %u joined",
+                     n, k);
+            return KVF_ERR_PROTOCOL;
+        }
+    p->nstreams = n;
+    return KVF_OK;
+}
+
+/* A stream of p (k >= 1), owned by lane k from the start (decode side: it
+ * dials on its lane, kvf__lane_pass). */
+static kvf_peer_t *stream_new(kvf_peer_t *p, unsigned k)
+{
+    kvf_peer_t *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return NULL;
+    s->ev_kind = KVF_EV_PEER;
+    s->eng = p->eng;
+    s->refs = 1;                          /* p->streams[k] */
+    s->state = KVF_PEER_CONNECTING;
+    s->outbound = 1;
+    s->role = p->role;
+    s->tp_rank = p->tp_rank;
+    s->instance_id = p->instance_id;
+    s->nstreams = 1;
+    s->lane = k;
+    s->primary = p;
+    s->stream = k;
+    s->last_hb_ms = kvf_now_ms();
+    s->handshake_until_ms = p->handshake_until_ms;
+    snprintf(s->addr, sizeof(s->addr), "%s", p->addr);
+    return s;
+}
+
+void kvf__streams_open(kvf_peer_t *p)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    for (unsigned k = 1; k < p->nstreams; k++) {
+        kvf_peer_t *s = stream_new(p, k);
+        if (s == NULL) {
+            kvf__peer_fail(p, KVF_ERR_NO_MEMORY, "no memory for stream %u", k);
+            return;
+        }
+        p->streams[k] = s;
+        kvf__lane_wake(p->eng, k);
+    }
+}
+
+/* Decode, lane k: dial stream s, to where its primary was dialled. */
+static void stream_dial(kvf_peer_t *s)
+{
+    kvf_peer_t *p = s->primary;
+    kvf_status_t st = kvf__peer_dial(s);
+    if (st != KVF_OK) {
+        kvf__peer_fail(s, KVF_ERR_UNREACHABLE, "cannot connect to %s:%d: %s", p->dial_host,
+                       p->dial_port, kvf_status_str(st));
+    }
+}
+
+void kvf__stream_authenticated(kvf_peer_t *s)
+{
+    KVF_ASSERT_LOCKED(s->eng);
+    kvf_msg_t m = {.type = KVF_MSG_JOIN};
+    memcpy(m.u.join.cookie, s->primary->cookie, KVF_WIRE_COOKIE_LEN);
+    m.u.join.stream = s->stream;
+    s->state = KVF_PEER_HANDSHAKE;
+    kvf_status_t st = kvf__peer_send(s, &m);
+    if (st != KVF_OK)
+        kvf__peer_fail(s, st, "cannot send JOIN: %s", kvf_status_str(st));
+}
+
+/* Prefill: close a connection whose JOIN is refused; nothing else changes. */
+static void refuse_join(kvf_peer_t *j, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+static void refuse_join(kvf_peer_t *j, const char *fmt, ...)
+{
+    char why[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof(why), fmt, ap);
+    va_end(ap);
+    kvf_warn("refused a stream from %s: %s", j->remote_host, why);
+    j->quiet = 1;                  /* said above */
+    kvf__peer_fail(j, KVF_ERR_PROTOCOL, "JOIN refused: %s", why);
+}
+
+/* Decode: a stream's JOIN was answered; the peer is READY with the last. */
+static void join_answered(kvf_peer_t *s, const kvf_msg_join_t *m)
+{
+    kvf_peer_t *p = s->primary;
+    if (s->state != KVF_PEER_HANDSHAKE || m->stream != s->stream ||
+        CRYPTO_memcmp(m->cookie, p->cookie, KVF_WIRE_COOKIE_LEN) != 0) {
+        kvf__peer_fail(s, KVF_ERR_PROTOCOL, "unexpected JOIN answer (stream %u)", m->stream);
+        return;
+    }
+    s->state = KVF_PEER_READY;
+    if (++p->joined + 1 < p->nstreams || p->state != KVF_PEER_HANDSHAKE)
+        return;
+    kvf_info("prefill rank %d at %s: payload over %u tcp streams", p->tp_rank, p->addr,
+             p->nstreams);
+    p->state = KVF_PEER_READY;
+    p->eng->peer_events->ready(p->eng, p);
+}
+
+void kvf__stream_on_join(kvf_peer_t *j, const kvf_msg_join_t *m)
+{
+    KVF_ASSERT_LOCKED(j->eng);
+    kvf_engine_t *eng = j->eng;
+    char name[128];
+
+    if (j->outbound) {             /* decode: our stream's answer */
+        if (j->primary != NULL)
+            join_answered(j, m);
+        else
+            kvf__peer_fail(j, KVF_ERR_PROTOCOL, "JOIN on the first stream");
+        return;
+    }
+    if (!j->joining) {
+        refuse_join(j, "JOIN on a connection that did not announce one in its AUTH "
+                    "(a peer's first stream, or a second JOIN)");
+        return;
+    }
+    /* The peer's XPORT answer, on its own connection, may not have been
+     * read yet: any live peer that was offered streams, up to the offer
+     * (kvf__streams_answer refuses streams beyond the answer). */
+    kvf_peer_t *p = NULL;
+    for (kvf_peer_t *q = eng->peers; q != NULL && p == NULL; q = q->next)
+        if (q != j && q->primary == NULL && q->streams_offered && q->auth.done &&
+            q->state != KVF_PEER_DEAD &&
+            CRYPTO_memcmp(q->cookie, m->cookie, KVF_WIRE_COOKIE_LEN) == 0)
+            p = q;
+    if (p == NULL) {
+        refuse_join(j, "its cookie names no live peer of this engine");
+        return;
+    }
+    kvf__peer_name(p, name, sizeof(name));
+    if (p->auth.theirs.instance_id != j->auth.theirs.instance_id) {
+        refuse_join(j, "it authenticated as engine instance %016llx, but the cookie is %s's",
+                    (unsigned long long)j->auth.theirs.instance_id, name);
+        return;
+    }
+    unsigned most = p->nstreams > 1 ? p->nstreams : eng->nlanes;
+    if (m->stream >= most || p->streams[m->stream] != NULL) {
+        refuse_join(j, "stream %u of %s is %s", m->stream, name,
+                    m->stream >= most ? "beyond the streams agreed" : "taken");
+        return;
+    }
+    /* Reserved now (a second JOIN for the index is refused); attached to
+     * lane k after this pass, when lane 0 no longer holds the connection. */
+    p->streams[m->stream] = j;
+    j->refs++;                     /* the slot's */
+    j->joining = 0;
+    j->primary = p;
+    j->stream = m->stream;
+    j->role = KVF_ROLE_DECODE;     /* what it may send: nothing a decode rank may not */
+    j->move_pending = 1;
+}
+
+static void stream_detach(kvf_peer_t *s);
+
+/* Lane 0: j's JOIN was taken; hand its connection to lane k. */
+static void stream_move(kvf_peer_t *j)
+{
+    kvf_engine_t *eng = j->eng;
+    kvf_peer_t *p = j->primary;
+    unsigned k = j->stream;
+    kvf_conn_env_t env = {eng->lanes[k].epfd, j, kvf__engine_io_unlock,
+                          kvf__engine_io_lock, eng};
+
+    j->move_pending = 0;
+    if (j->conn->ops->rebind(j->conn, &env) != KVF_OK) {
+        kvf__peer_fail(j, KVF_ERR_IO, "cannot hand stream %u to its thread", k);
+        return;
+    }
+    j->lane = k;
+    j->state = KVF_PEER_READY;
+    p->joined++;
+    kvf_msg_t m = {.type = KVF_MSG_JOIN};
+    memcpy(m.u.join.cookie, p->cookie, KVF_WIRE_COOKIE_LEN);
+    m.u.join.stream = k;
+    kvf__peer_send(j, &m);         /* lane k sends it, in its next pass */
+    kvf_debug("stream %u of decode rank %d (%s) attached", k, p->tp_rank, p->addr);
+}
+
+void kvf__streams_move(kvf_engine_t *eng)
+{
+    KVF_ASSERT_LOCKED(eng);
+    for (kvf_peer_t **pp = &eng->peers; *pp != NULL;) {
+        kvf_peer_t *j = *pp;
+        if (!j->move_pending) {
+            pp = &j->next;
+            continue;
+        }
+        if (j->state != KVF_PEER_DEAD && !j->close_pending)
+            stream_move(j);
+        if (j->state == KVF_PEER_DEAD || j->close_pending) {
+            /* It, or its peer, failed first: the slot lets go of it here
+             * (no lane k ever saw it), the list in peers_tick. */
+            j->move_pending = 0;
+            stream_detach(j);
+            pp = &j->next;
+            continue;
+        }
+        *pp = j->next;                     /* the list's reference goes; the */
+        j->next = NULL;                    /* slot's stays */
+        j->refs--;
+    }
+}
+
+void kvf__stream_on_msg(kvf_peer_t *s, const kvf_msg_t *msg)
+{
+    KVF_ASSERT_LOCKED(s->eng);
+    kvf_peer_t *p = s->primary;
+    if (s->move_pending) {         /* prefill: nothing may follow its JOIN yet */
+        kvf__peer_fail(s, KVF_ERR_PROTOCOL, "%s before stream %u's JOIN was answered",
+                       kvf_wire_type_name((uint8_t)msg->type), s->stream);
+        return;
+    }
+    switch (msg->type) {
+    case KVF_MSG_JOIN:
+        kvf__stream_on_join(s, &msg->u.join);
+        return;
+    case KVF_MSG_HEARTBEAT:
+        return;
+    case KVF_MSG_DONE:
+        /* Its stream's end: it must name the stream it came on. */
+        if (s->state == KVF_PEER_READY && p->role == KVF_ROLE_PREFILL &&
+            msg->u.done.streams == p->nstreams && msg->u.done.stream == s->stream) {
+            kvf_verdict_t v = p->eng->peer_events->room_msg(p, msg);
+            kvf__peer_heed(p, &v);
+            return;
+        }
+        kvf__peer_fail(s, KVF_ERR_PROTOCOL, "DONE for stream %u of %u on stream %u of %u",
+                       msg->u.done.stream, msg->u.done.streams, s->stream, p->nstreams);
+        return;
+    default:
+        kvf__peer_fail(s, KVF_ERR_PROTOCOL, "%s on stream %u, which carries payload only",
+                       kvf_wire_type_name((uint8_t)msg->type), s->stream);
+        return;
+    }
+}
+
+/*
+ * Owner lane, at the top of its pass (never inside a connection's
+ * callback: the connection may still be on the stack there): let go of a
+ * closed stream.  Its connection is destroyed with it, by lane 0, once
+ * nothing else holds it.
+ */
+static void stream_detach(kvf_peer_t *s)
+{
+    kvf_peer_t *p = s->primary;
+    s->state = KVF_PEER_DEAD;
+    s->close_pending = 0;
+    s->eng->peer_events->rx_dropped(s);
+    if (s->conn != NULL)
+        s->conn->ops->shutdown(s->conn);   /* its puts complete, reset */
+    kvf__peer_outbox_drain(s);             /* dead: the same for what waits */
+    if (p->streams[s->stream] == s)
+        p->streams[s->stream] = NULL;
+    kvf__peer_put(s);
+}
+
+void kvf__streams_close(kvf_peer_t *p)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    for (unsigned k = 1; k < KVF_MAX_STREAMS; k++) {
+        kvf_peer_t *s = p->streams[k];
+        if (s == NULL || s->close_pending)
+            continue;
+        s->state = KVF_PEER_DEAD;
+        s->close_pending = 1;
+        if (s->conn != NULL && kvf__owns_lane(p->eng, s->lane))
+            s->conn->ops->shutdown(s->conn);   /* at once, as for the peer */
+        kvf__lane_wake(p->eng, s->lane);
+    }
+}
+
+void kvf__streams_release(kvf_peer_t *p)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    for (unsigned k = 1; k < KVF_MAX_STREAMS; k++)
+        if (p->streams[k] != NULL) {
+            p->streams[k]->state = KVF_PEER_DEAD;
+            stream_detach(p->streams[k]);
+        }
+}
+
+int kvf__streams_held(const kvf_peer_t *p)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    for (unsigned k = 1; k < KVF_MAX_STREAMS; k++)
+        if (p->streams[k] != NULL)
+            return 1;
+    return 0;
+}
+
+void kvf__lane_event(kvf_lane_t *lane, void *ptr, uint32_t events)
+{
+    KVF_ASSERT_LOCKED(lane->eng);
+    /* Only a stream still attached is touched: an event of one this lane
+     * let go of earlier in the batch names freed memory. */
+    for (kvf_peer_t *p = lane->eng->peers; p != NULL; p = p->next)
+        if (p->streams[lane->index] == ptr) {
+            kvf_peer_t *s = ptr;
+            if (s->lane == lane->index)
+                kvf__peer_handle(s, events);
+            return;
+        }
+}
+
+int kvf__lane_pass(kvf_lane_t *lane)
+{
+    KVF_ASSERT_LOCKED(lane->eng);
+    kvf_engine_t *eng = lane->eng;
+    unsigned k = lane->index;
+    int more = 0;
+
+    for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
+        kvf_peer_t *s = p->streams[k];
+        if (s == NULL || s->lane != k)
+            continue;
+        if (s->state == KVF_PEER_DEAD || s->close_pending) {
+            stream_detach(s);
+            continue;
+        }
+        if (s->conn == NULL) {     /* decode: dial it */
+            stream_dial(s);
+            continue;
+        }
+        if (s->state == KVF_PEER_REDIAL) {   /* decode: refused at the door */
+            uint64_t now = kvf_now_ms();
+            if (now >= s->redial_at_ms)
+                kvf__peer_redial(s, now);
+            continue;
+        }
+        /* Each step may fail the peer, and with it this stream (closed,
+         * detached on the next pass): ask again before the next. */
+        kvf__peer_outbox_drain(s);
+        if (s->state != KVF_PEER_DEAD)
+            s->conn->ops->flush(s->conn);
+        if (s->state != KVF_PEER_DEAD && s->conn->ops->tick != NULL)
+            s->conn->ops->tick(s->conn, kvf_now_ms());
+        if (s->state != KVF_PEER_DEAD && s->conn->ops->pending(s->conn)) {
+            s->conn->ops->handle(s->conn, EPOLLIN);
+            more |= s->state != KVF_PEER_DEAD && s->conn->ops->pending(s->conn);
+        }
+        more |= s->close_pending;
+    }
+    return more;
 }

@@ -202,26 +202,36 @@ typedef struct kvf_peer_events {
     /* p is dead (st why): keep what it still owes its other side
      * (acks.c: a reset peer's unconfirmed answers). */
     void (*dead)(kvf_peer_t *p, kvf_status_t st);
+    /* p's frame in progress was cut short (its stream let go): let go of
+     * the room it was for (p->rx_room). */
+    void (*rx_dropped)(kvf_peer_t *p);
 } kvf_peer_events_t;
 
 /* Bytes of DATA_REF reads one peer may have in flight: beyond it, its
  * stream is held (not parsed) until reads end. */
 #define KVF_READ_WINDOW (16ull << 20)
 
-/* peer.c */
-/* The connection to the prefill rank `tp_rank` at host:port (cached).
- * `watch`: one that only carries the failures of rooms whose bytes come
- * from other ranks (siblings.c): it takes no mover and one stream, and is
- * a connection of its own beside a data one to the same rank. */
-kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank,
-                           int watch);
+/* outbox.c: what a peer sends, and how it waits. */
+/* Queue a message (any thread; off the owner thread it waits in the
+ * outbox for the next pass).  KVF_ERR_CONN_RESET once the peer is dead. */
+kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);
+/* An outbound peer still connecting or authenticating: keep msg until it
+ * has proved itself, then send it after our HELLO (kvf__peer_send_soon). */
+void         kvf__peer_hold(kvf_peer_t *peer, const kvf_msg_t *msg);
+/* Queue a put the same way (it always completes). */
+void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
+/* Owner thread: give the connection what waits in the outbox. */
+void         kvf__peer_outbox_drain(kvf_peer_t *peer);
+/* Authenticated at last: what waited for it goes out, after our HELLO. */
+void         kvf__peer_send_held(kvf_peer_t *peer);
+/* Free what is still held (the peer is being freed). */
+void         kvf__peer_held_free(kvf_peer_t *peer);
 /* Send a room message now, or, to a peer this engine is still connecting
  * to or authenticating, once it has authenticated (right after our
  * HELLO).  Our HELLO is out once the connection is up, so a message may
  * follow it even before the peer's HELLO arrived (the peer may be
  * stopped, and read it later).  @return 1 if sent or kept. */
 int          kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg);
-void         kvf__peer_put(kvf_peer_t *peer);
 /* Tell `to` that room `room` (instance, request key `key`: FAIL's
  * sender_instance) failed with record f, the sides known to have failed
  * being `sides` (wire.h): a FAIL, or an ABORT when `abort`, sent as
@@ -237,6 +247,15 @@ void         kvf__send_fail(kvf_peer_t *to, uint64_t room, uint64_t instance,
  * (FAIL's sender_instance). */
 void         kvf__send_fail_keyed(kvf_peer_t *to, uint64_t room, uint64_t instance,
                                   uint64_t key, const kvf_failure_t *f, int abort);
+
+/* peer.c */
+/* The connection to the prefill rank `tp_rank` at host:port (cached).
+ * `watch`: one that only carries the failures of rooms whose bytes come
+ * from other ranks (siblings.c): it takes no mover and one stream, and is
+ * a connection of its own beside a data one to the same rank. */
+kvf_peer_t  *kvf__peer_get(kvf_engine_t *eng, const char *host, int port, int tp_rank,
+                           int watch);
+void         kvf__peer_put(kvf_peer_t *peer);
 /* Open the peer's connection (a stream's on its lane) to where its primary
  * was dialled.  KVF_OK, or what connect said (nothing was opened). */
 kvf_status_t kvf__peer_dial(kvf_peer_t *peer);
@@ -270,16 +289,6 @@ void         kvf__peer_heed(kvf_peer_t *peer, const kvf_verdict_t *v);
  * verdict on its peer acted on before the next is taken in (engine loop,
  * destroy). */
 void         kvf__peers_reads_done(kvf_engine_t *eng);
-/* Queue a message (any thread; off the owner thread it waits in the
- * outbox for the next pass).  KVF_ERR_CONN_RESET once the peer is dead. */
-kvf_status_t kvf__peer_send(kvf_peer_t *peer, const kvf_msg_t *msg);
-/* An outbound peer still connecting or authenticating: keep msg until it
- * has proved itself, then send it after our HELLO (kvf__peer_send_soon). */
-void         kvf__peer_hold(kvf_peer_t *peer, const kvf_msg_t *msg);
-/* Queue a put the same way (it always completes). */
-void         kvf__peer_put_data(kvf_peer_t *peer, kvf_put_t *put);
-/* Owner thread: give the connection what waits in the outbox. */
-void         kvf__peer_outbox_drain(kvf_peer_t *peer);
 /* Owner thread: free the peers whose last reference went elsewhere. */
 void         kvf__peers_free(kvf_engine_t *eng);
 /* Owner lane: close a peer whose failure came from another thread.  May
@@ -288,7 +297,7 @@ void         kvf__peer_close_pending(kvf_peer_t *peer);
 /* A peer of this engine's own: the connection handler every peer uses. */
 extern const kvf_conn_handler_t kvf__peer_handler;
 
-/* streams.c */
+/* peer.c: streams */
 /* Prefill: the XPORT entry offering streams (none when this engine has
  * one lane); @return 1 when *e was filled (blob: KVF_WIRE_STREAMS_OFFER
  * bytes). */

@@ -579,6 +579,16 @@ static int fail_for_peer(kvf_room_t *r, kvf_peer_t *p, kvf_room_failed_t *out,
     return done;
 }
 
+void kvf__room_rx_drop(kvf_peer_t *p)
+{
+    KVF_ASSERT_LOCKED(p->eng);
+    if (p->rx_room != NULL) {
+        kvf__room_put(p->rx_room);
+        p->rx_room = NULL;
+        p->rx_link = NULL;
+    }
+}
+
 int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
                            const char *reason, kvf_room_failed_t **failed_p,
                            size_t *nfailed_p)
@@ -588,11 +598,7 @@ int kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *p, kvf_status_t st,
     size_t nf = 0, cap = 0;
     kvf_room_failed_t *failed = NULL;
 
-    if (p->rx_room != NULL) {
-        kvf__room_put(p->rx_room);
-        p->rx_room = NULL;
-        p->rx_link = NULL;
-    }
+    kvf__room_rx_drop(p);
     uint64_t now = kvf_now_ms();
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next) {
         kvf_link_t *lk = link_of(r, p);

@@ -370,6 +370,8 @@ kvf_verdict_t kvf__room_on_msg(kvf_peer_t *peer, const kvf_msg_t *msg);
 kvf_verdict_t kvf__room_unexpected(const kvf_peer_t *peer, const kvf_msg_t *msg);
 /* What peers report to the rooms (peer.h, kvf_peer_events_t; engine.c
  * fills the table with these). */
+/* A frame from p cut short: let go of the room it was for (rx_dropped). */
+void kvf__room_rx_drop(kvf_peer_t *p);
 /* The peer went away (kvf_peer_events_t's `failed`). */
 int  kvf__rooms_peer_failed(kvf_engine_t *eng, kvf_peer_t *peer, kvf_status_t st,
                             const char *reason, kvf_room_failed_t **failed_p,

@@ -1,17 +1,14 @@
 #!/bin/bash
-# Core's files call each other one way (issue: "events one way"): for
+# Core's files call each other one way (docs/ARCHITECTURE.md): for
 # every pair of src/core files, at most one calls the other by name.  An
 # upcall goes through a documented callback table (a function pointer,
 # which no symbol table shows), never by name.
 #
 # Usage: one_way.sh OBJECT...   (the library's objects; CMake passes
 # $<TARGET_OBJECTS:kvferry_obj>).  Reads each src/core object's symbols
-# with nm: what it defines, what it calls from elsewhere.  Pairs listed
-# in one_way.allow (one "a b" per line, sorted, with a why) are still
-# tolerated; the test fails on any other pair, and on an allowed pair
-# that no longer calls both ways, so the list only shrinks.
+# with nm: what it defines, what it calls from elsewhere; fails naming
+# every pair of files that call each other, and the calls.
 set -euo pipefail
-allow="$(dirname "$0")/one_way.allow"
 objs=()
 for o in "$@"; do
     case "$o" in */src/core/*.o) objs+=("$o") ;; esac
@@ -32,20 +29,12 @@ found=$(awk '{seen[$1 " " $2] = 1}
              END {for (k in seen) {split(k, f, " ");
                       if (f[1] < f[2] && ((f[2] " " f[1]) in seen)) print k}}' \
         <<<"$pairs" | sort)
-allowed=$( { grep -v '^#' "$allow" 2>/dev/null || true; } | awk 'NF {print $1, $2}' | sort -u)
 rc=0
 while read -r a b; do
     [ -n "$a" ] || continue
-    grep -qx "$a $b" <<<"$allowed" && continue
     echo "FAIL: src/core/$a.c and src/core/$b.c call each other:"
     grep -E "^($a $b|$b $a) " <<<"$edges" | awk '{print "  " $1 ".c -> " $2 ".c: " $3}'
     rc=1
 done <<<"$found"
-while read -r a b; do
-    [ -n "$a" ] || continue
-    grep -qx "$a $b" <<<"$found" && continue
-    echo "FAIL: $a $b is in one_way.allow but no longer calls both ways: remove the line"
-    rc=1
-done <<<"$allowed"
-[ $rc -eq 0 ] && echo "ok: $(wc -l <<<"$found" | tr -d ' ') allowed two-way pairs left, no other"
+[ $rc -eq 0 ] && echo "ok: $(grep -c . <<<"$pairs") pairs of src/core files where one calls the other, none both ways"
 exit $rc
