@@ -3,7 +3,7 @@
  * threads.  Lane 0's is one epoll loop over the control listener
  * (listener.c), a wake-up eventfd, every peer's first stream and the
  * movers, plus a 50 ms tick for heartbeats and room deadlines; lane k >= 1's
- * loops over its own eventfd and stream k of every peer (streams.c).
+ * loops over its own eventfd and stream k of every peer (peer.c, "Streams").
  */
 #include <assert.h>
 #include <errno.h>

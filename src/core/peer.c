@@ -1,5 +1,8 @@
 /*
- * Peers: one stream per pair of engines, its handshake and its liveness.
+ * Peers: one per pair of engines, its handshake, its streams and its
+ * liveness.  What a peer sends, and how it waits, is outbox.c's; what it
+ * reports to the rooms goes through eng->peer_events (peer.h), so this
+ * file names no room code.
  *
  * Decode engines connect (one connection per prefill rank, cached by
  * address and shared by every room); prefill engines accept.  Both sides
@@ -314,7 +317,7 @@ static void choose_xport(kvf_peer_t *p, const kvf_msg_xport_t *x)
     if (!p->watch_only)
         check_device_memory(p);
     if (p->nstreams > 1) {
-        /* READY once every stream has joined (streams.c). */
+        /* READY once every stream has joined (below, "Streams"). */
         kvf__streams_open(p);
         return;
     }

@@ -4,7 +4,7 @@
  * its start decides is auth.c's: peer.c asks it (auth.h, one step per
  * event) and does what the step says, and auth.c calls nothing here.
  *
- * Streams (streams.c): a pair that agreed on n > 1 streams has n
+ * Streams (peer.c, "Streams"): a pair that agreed on n > 1 streams has n
  * connections.  The first is the peer itself (owned by lane 0, in
  * engine->peers, carrying the control messages); stream k >= 1 is a
  * kvf_peer_t of its own in peer->streams[k], owned by lane k, whose
@@ -81,7 +81,7 @@ struct kvf_peer {
     kvf_peer_t       *free_next;     /* engine->peers_free */
     /* Decode: the DONE_ACKs of push links it has not confirmed (acks.c). */
     struct kvf_acks  *owed;
-    /* Streams (streams.c).  lane: the lane that owns conn (0 but for a
+    /* Streams (peer.c, "Streams").  lane: the lane that owns conn (0 but for a
      * stream k >= 1, once it is attached).  A primary: nstreams agreed in
      * XPORT (1 without), streams[1..nstreams) (a reference each), joined
      * (attached ones), the cookie its joins name, and where to dial them
@@ -128,7 +128,7 @@ static inline unsigned kvf__peer_caps(const kvf_peer_t *p)
 
 /* Does this engine stage device memory over the stream (it has a copier:
  * stage.h)?  Here rather than in stage.c: the peer decides from it which
- * path device memory may take (peer.c, streams.c), and a peer reaches no
+ * path device memory may take (peer.c), and a peer reaches no
  * room file. */
 static inline int kvf__stages(const kvf_engine_t *eng)
 {
@@ -178,8 +178,8 @@ typedef struct kvf_room_failed {
 } kvf_room_failed_t;
 
 /*
- * What a peer reports to the layers above it.  peer.c and streams.c name
- * no room or acknowledgement code: they call up through this table alone
+ * What a peer reports to the layers above it.  peer.c names no room or
+ * acknowledgement code: it calls up through this table alone
  * (eng->peer_events), which engine.c fills with room.c's and acks.c's
  * functions, so those may call peers and events still flow one way:
  * transport -> peer -> room.  Every entry runs under the engine lock.

@@ -103,7 +103,7 @@ typedef struct kvf_link {
      * (kvf_receiver_create_remote), 0 without one.  Sender: the held
      * room's instance the reader named (ROOM_REQ sender_instance). */
     uint64_t       want_instance;
-    /* Per stream of the peer (streams.c; one without): the bytes queued
+    /* Per stream of the peer (peer.c, "Streams"; one without): the bytes queued
      * (sender) or placed (receiver) on it, their checksum in that
      * stream's order (or NULL), and, receiver, the streams whose DONE
      * checked (a bit each); lk->bytes is their sum. */
