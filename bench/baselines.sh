@@ -103,13 +103,15 @@ kvf() {   # name, round, kvferry bench options
 
 LLAMA=(--model llama3-8b --page-size 64 --tokens 8192)
 QWEN=(--model qwen2.5-7b --page-size 64 --tokens 8192 --concurrency 2 --requests 16)
-sockperf_pp() {   # round: sockperf's TCP ping-pong over loopback, 64-byte messages;
-                  # its "latency" is half the round trip: one hop
+sockperf_pp() {   # round [bytes [file]]: sockperf's TCP ping-pong over loopback,
+                  # 64-byte messages by default; its "latency" is half the round
+                  # trip: one hop
     local port; port=$(free_port)
     sockperf server --tcp -i 127.0.0.1 -p "$port" >/dev/null 2>&1 &
     PIDS+=($!)
     sleep 0.5   # until it listens
-    sockperf ping-pong --tcp -i 127.0.0.1 -p "$port" -t 5 -m 64 > "$TMP/sockperf.$1.txt" 2>&1 || true
+    sockperf ping-pong --tcp -i 127.0.0.1 -p "$port" -t 5 -m "${2:-64}" \
+        > "$TMP/${3:-sockperf}.$1.txt" 2>&1 || true
     kill "${PIDS[-1]}" 2>/dev/null || true
     wait "${PIDS[-1]}" 2>/dev/null || true
 }
@@ -140,6 +142,12 @@ for i in $(seq "$REPEATS"); do
         --concurrency 2 --requests 6
     kvf small "$i" --transport tcp --model tiny --tokens 16 --page-size 16 --concurrency 64 \
         --requests 30000
+    # issue 23: one 4 KiB room at a time, the last send to the decode's
+    # SUCCESS, beside one hop of a 4 KiB message
+    note "sockperf ping-pong, TCP, 4 KiB, 5 s ($i/$REPEATS)"
+    sockperf_pp "$i" 4096 sockperf4k
+    kvf room4k "$i" --transport tcp --model tiny --tokens 16 --page-size 16 --concurrency 1 \
+        --requests 2000
     note "kvferry bench --rooms-in-flight 10000 ($i/$REPEATS)"
     "$KVFERRY" bench --rooms-in-flight 10000 --transport tcp > "$TMP/kvf.inflight.$i.json"
     # issue 11: application call latency, idle and while 1 GiB rooms stream
@@ -237,17 +245,17 @@ def iperf3(name):
         g.append(r["bytes"] / r["seconds"] / 1e9)
         c.append((u["host_total"] + u["remote_total"]) / 100.0 * r["seconds"] / (r["bytes"] / 1e9))
     return g, c
-def sockperf():
+def sockperf(name="sockperf"):
     """One hop: sockperf ping-pong's median latency (half the round trip), ms."""
     v = []
     for i in R:
         try:
-            txt = open(f"{tmp}/sockperf.{i}.txt").read()
+            txt = open(f"{tmp}/{name}.{i}.txt").read()
             v.append(float(txt.split("percentile 50.000 =")[1].split()[0]) / 1000.0)
         except (OSError, IndexError, ValueError):
-            problems.append(f"sockperf round {i}: no figure")
+            problems.append(f"{name} round {i}: no figure")
             v.append(None)
-    put("sockperf_p50", v)
+    put(f"{name}_p50", v)
 
 def relay(name):
     """kvferry bench --relay runs: every room must have reached every rank."""
@@ -360,25 +368,26 @@ put("contiguous_cpu", [d["cpu_s_per_gb"] if d else None for d in runs["contiguou
 put("scattered", col("scattered", lambda d: d["gbps"], "tcp"))
 put("small_rps", col("small", lambda d: d["rooms_per_s"], "tcp"))
 put("small_p99", [d["p99_ms"] if d else None for d in runs["small"]])
+put("room4k_p50", [d["p50_ms"] if d else None for d in kvf("room4k", "tcp")])
+sockperf("sockperf4k")
 infl = [load(f"{tmp}/kvf.inflight.{i}.json") for i in R]
 put("inflight_bytes", [d["per_room_bytes"] for d in infl])
 put("inflight_poll", [d["poll_pass_ms"] for d in infl])
-calls = []
-for i in R:
-    try:
-        calls.append(load(f"{tmp}/kvf.calls.{i}.json"))
-    except (OSError, ValueError):
-        problems.append(f"round {i}: no call-latency result")
+def call_runs(name, what):
+    """--call-latency results of every round that has one."""
+    v = []
+    for i in R:
+        try:
+            v.append(load(f"{tmp}/kvf.{name}.{i}.json"))
+        except (OSError, ValueError):
+            problems.append(f"round {i}: no call-latency result{what}")
+    return v
+calls = call_runs("calls", "")
 put("calls_ratio", [d["worst_p99_ratio"] for d in calls])
 put("calls_max", [d["worst_max_ms_under_load"] for d in calls])
 put("calls_null99", [d["worst_p99_vs_null"] for d in calls])
 put("calls_null999", [d["worst_p999_vs_null"] for d in calls])
-calls64 = []
-for i in R:
-    try:
-        calls64.append(load(f"{tmp}/kvf.calls64.{i}.json"))
-    except (OSError, ValueError):
-        problems.append(f"round {i}: no call-latency result with 64 rooms in flight")
+calls64 = call_runs("calls64", " with 64 rooms in flight")
 put("calls64_null99", [d["worst_p99_vs_null"] for d in calls64])
 put("calls64_null999", [d["worst_p999_vs_null"] for d in calls64])
 for t in ("tcp", "shm"):
@@ -437,6 +446,8 @@ abs_row(23, "calls, 64 rooms in flight: worst p99 / null call p99", "calls64_nul
         "<= 2x", "<=")
 abs_row(23, "calls, 64 rooms in flight: worst p99.9 / null call p99.9", "calls64_null999", 4.0,
         "<= 4x", "<=")
+ratio_row(23, "one 4 KiB room: last send -> SUCCESS p50 / sockperf 4 KiB hop p50", "room4k_p50",
+          "sockperf4k_p50", "<= 1.5x", hi=1.5)
 ratio_row(5, "shm contiguous (4 in flight) / memcpy", "shm", "memcpy", ">= 0.8x", lo=0.8)
 ratio_row(11, "shm, 2 copier threads / memcpy", "shm2", "memcpy", "(2 cores)")
 if ucx:
