@@ -42,7 +42,7 @@
  * an engine's memory, at most. */
 #define CONN_BOUND (4u << 10)
 
-static unsigned tune_handshake_ms, tune_bootstrap_ms, tune_streams = 1;
+static unsigned tune_handshake_ms, tune_bootstrap_ms, tune_heartbeat_ms, tune_streams = 1;
 
 static void tune(kvf_engine_params_t *p)
 {
@@ -51,6 +51,8 @@ static void tune(kvf_engine_params_t *p)
         p->handshake_timeout_ms = tune_handshake_ms;
     if (tune_bootstrap_ms)
         p->bootstrap_timeout_ms = tune_bootstrap_ms;
+    if (tune_heartbeat_ms)
+        p->heartbeat_timeout_ms = tune_heartbeat_ms;
 }
 
 /* ---- a prefill engine in a child process ------------------------------- */
@@ -544,7 +546,13 @@ static void test_dialler_waits_out_a_full_queue(void)
 /*
  * A room whose deadline passes while the queue stays full fails then, and
  * says why: the prefill rank turned its connections away.  Once the
- * strangers are gone, the next room on the same engines succeeds.
+ * strangers are gone, the next room on the same engines succeeds.  The
+ * strangers send nothing, so the prefill would call them dead at its
+ * heartbeat timeout (2.5 s by default, as long as the room's deadline
+ * here, and counted from the first stranger, before the room began): the
+ * decode rank's redial could then get in just before its deadline, and
+ * the room fail later for another reason.  So the prefill waits 30 s for
+ * them both ways, handshake and heartbeat.
  */
 static void test_full_queue_fails_at_the_deadline(void)
 {
@@ -557,10 +565,10 @@ static void test_full_queue_fails_at_the_deadline(void)
 
     clear_env();
     side_tune = tune;
-    tune_handshake_ms = 30000;
+    tune_handshake_ms = tune_heartbeat_ms = 30000;
     side_init(&pre, KVF_ROLE_PREFILL, "127.0.0.1:0", TOKEN);
     CHECK_EQ_INT(kvf_engine_bootstrap_addr(pre.eng, bs, sizeof(bs)), KVF_OK);
-    tune_handshake_ms = 0;
+    tune_handshake_ms = tune_heartbeat_ms = 0;
     tune_bootstrap_ms = 2500;     /* a redial comes within 1 s of the queue emptying */
     side_init(&dec, KVF_ROLE_DECODE, NULL, TOKEN);
     tune_bootstrap_ms = 0;
