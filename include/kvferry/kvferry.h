@@ -14,14 +14,15 @@
  *   Every function is thread-safe and never waits on a peer, a socket or a
  *   deadline unless its comment says otherwise (kvf_*_await_failure waits
  *   by design; a destroy waits for reads into its room's pages, bounded by
- *   their deadline).  kvf_sender_init(), kvf_sender_send(),
- *   kvf_receiver_set_dest() (and kvf_receiver_init()) and kvf_*_poll()
- *   take no engine lock: the first ones publish their work for the
- *   progress threads, a poll reads one atomic, so a scheduler may call
- *   them for thousands of rooms in each step.  Other calls take the engine lock for their bookkeeping,
- *   which the engine's threads hold only for bounded passes, so such a
- *   call may wait for the rest of one pass (docs/ARCHITECTURE.md,
- *   docs/BENCHMARKS.md "Application calls against a null call").  All network I/O happens on the
+ *   their deadline).  kvf_sender_init(), kvf_sender_set_states(),
+ *   kvf_sender_send(), kvf_receiver_set_dest() (and the _init and
+ *   set_state forms) and kvf_*_poll() take no engine lock: the first ones
+ *   publish their work for the progress threads, a poll reads one atomic,
+ *   so a scheduler may call them for thousands of rooms in each step.
+ *   Other calls take the engine lock for their bookkeeping, which the
+ *   engine's threads hold only for bounded passes, so such a call may wait
+ *   for the rest of one pass (docs/ARCHITECTURE.md, docs/BENCHMARKS.md
+ *   "Application calls against a null call").  All network I/O happens on the
  *   engine's own threads.  A handle must not be used concurrently with, or
  *   after, its destroy call.
  *
@@ -714,7 +715,9 @@ KVF_API kvf_status_t kvf_sender_set_state(kvf_sender_t *sender,
  * @return KVF_OK, KVF_ERR_STATE, KVF_ERR_OUT_OF_RANGE (an index outside
  * its group's buffers), KVF_ERR_INVALID_PARAM (n differs from the number
  * of groups).  A group whose count differs from the decode's fails the
- * room at the last send (no partial state).
+ * room at the last send (no partial state).  Without the engine lock: the
+ * indices are checked and copied on the caller's thread, and go with the
+ * last send.
  */
 KVF_API kvf_status_t kvf_sender_set_states(kvf_sender_t *sender,
                                            const kvf_indices_t *states, size_t n);

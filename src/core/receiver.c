@@ -25,9 +25,9 @@
 #include "util/log.h"
 #include "util/time.h"
 
-/* Free what only a receiver holds (its room is being freed). */
 static void given_free(struct kvf_dest_given *g);
 
+/* Free what only a receiver holds (its room is being freed). */
 static void receiver_free(kvf_room_t *r)
 {
     kvf_receiver_t *rv = receiver_of(r);

@@ -2,8 +2,8 @@
  * Rooms, internal: what room.c (lifecycle, failures, deadlines, message
  * dispatch), failure.c (failure records), sender.c (prefill side) and
  * receiver.c (decode side) share, and the table of side ops through which
- * room.c and peer.c reach a side (kvf_room_ops_t).  Everything here runs
- * under the engine lock unless it says otherwise.
+ * room.c, peer.c and the resolver reach a side (kvf_room_ops_t).
+ * Everything here runs under the engine lock unless it says otherwise.
  *
  * Events flow one way: transport -> peer -> room.  A peer that fails
  * tells its rooms (kvf__rooms_peer_failed), and they do not call back
@@ -11,8 +11,8 @@
  * never takes, no memory for what the peer sent, a mover endpoint gone)
  * does not fail the peer either: failing a peer fails every room on it,
  * which would re-enter room code with this room's call still on the
- * stack.  It returns a verdict (core/verdict.h, kvf_verdict_t) from the entry
- * point the peer called, and the peer acts on it once that call has
+ * stack.  It returns a verdict (core/verdict.h, kvf_verdict_t) from the
+ * entry point the peer called, and the peer acts on it once that call has
  * returned (kvf__peer_heed).  So no file of a room's (room.c, failure.c,
  * sender.c, receiver.c, stash.c, siblings.c, acks.c) calls kvf__peer_fail.
  */

@@ -1032,10 +1032,11 @@ kvf_status_t kvf_sender_set_states(kvf_sender_t *s, const kvf_indices_t *states,
         kvf__states_free(&st_src);
         return KVF_ERR_OUT_OF_RANGE;
     }
-    /* The application's fields, which kvf_sender_send reads without the
-     * engine lock, under both. */
+    /* The application's field, under the room's app_lock alone: the lanes
+     * read state_src only once they took the last chunk in, which this
+     * call must come before (last_given), and whose publishing (release)
+     * follows this store. */
     pthread_mutex_lock(&r->app_lock);
-    kvf__lock(r->eng);
     if (s->last_given || s->state_src.ngroups > 0) {
         kvf_error("room %llu: state indices %s", id, s->last_given
                   ? "given after the last chunk" : "given twice");
@@ -1044,7 +1045,6 @@ kvf_status_t kvf_sender_set_states(kvf_sender_t *s, const kvf_indices_t *states,
         s->state_src = st_src;
         memset(&st_src, 0, sizeof(st_src));
     }
-    kvf__unlock(r->eng);
     pthread_mutex_unlock(&r->app_lock);
     kvf__states_free(&st_src);
     return st;
