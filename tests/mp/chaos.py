@@ -944,13 +944,19 @@ class Run:
         self.pump(d.route_ok, 30, "the %s registry to list every prefill rank at its "
                   "current address" % d.name)
 
-    def anchor(self, d, key):
+    def anchor(self, d, key, ev):
         """When the fault could first fail rooms on this rank: a stopped
         rank acts once continued; a stop or cut shorter than the heartbeat
-        timeout fails nothing until it is over."""
+        timeout fails nothing until it is over.  A room that had succeeded
+        here and failed later (a sibling's failure overrode it) is seen to
+        fail only when the rank reports it (tools/rank.c), once every rank
+        of the room is final: with a rank of this deployment stopped, not
+        before that rank runs again."""
         f = self.fault
+        overridden = ev.get("final_state") == "Success" and ev.get("state") == "Failed"
         if f["kind"] == "stop" and (f["victim"].key == key and f["victim"].dep is d
-                                    or f["t1"] - f["t0"] < HEARTBEAT_S):
+                                    or f["t1"] - f["t0"] < HEARTBEAT_S
+                                    or overridden and f["victim"].dep is d):
             return f["t1"]
         if f["kind"] == "cut" and f["t1"] - f["t0"] < HEARTBEAT_S:
             return f["t1"]
@@ -1010,7 +1016,7 @@ class Run:
             fail("%s failed, but no fault touched %s%s: %s: %s" % (
                 where, "these fresh rooms (the survivors did not recover)" if fresh
                 else "this deployment", "", st, fr.get("reason")))
-        late = ev["end"] - max(ev["start"], self.anchor(d, key))
+        late = ev["end"] - max(ev["start"], self.anchor(d, key, ev))
         if late > self.resolve_s:
             fail("%s failed %.2f s after the fault (or after its own start, if later), "
                  "past the %.1f s its deadlines allow: %s: %s"
