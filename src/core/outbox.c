@@ -33,6 +33,38 @@ typedef struct kvf_outq {
     uint8_t          msg[];
 } kvf_outq_t;
 
+/* A message encoded into a new entry (its arrays are copied), or NULL:
+ * *st_p says why (the codec's refusal, or no memory). */
+static kvf_outq_t *outq_encode(const kvf_msg_t *msg, kvf_status_t *st_p)
+{
+    kvf_buf_t b;
+    kvf_buf_init(&b);
+    kvf_status_t st = kvf_wire_encode(&b, msg);
+    kvf_outq_t *q = st == KVF_OK ? malloc(sizeof(*q) + b.len) : NULL;
+    if (q != NULL) {
+        q->next = NULL;
+        q->put = NULL;
+        q->len = b.len;
+        memcpy(q->msg, b.data, b.len);
+    }
+    kvf_buf_free(&b);
+    *st_p = st != KVF_OK ? st : q == NULL ? KVF_ERR_NO_MEMORY : KVF_OK;
+    return q;
+}
+
+/* The message back out of an entry (pointing into it): our own encoding
+ * decodes, and the parser checks it all the same.  @return 0 if not. */
+static int outq_decode(const kvf_outq_t *q, kvf_msg_t *m)
+{
+    kvf_wire_hdr_t h;
+    char err[128];
+    if (kvf_wire_parse_header(q->msg, &h, err, sizeof(err)) == KVF_OK &&
+        kvf_wire_decode(&h, q->msg + KVF_WIRE_HDR_LEN, m, err, sizeof(err)) == KVF_OK)
+        return 1;
+    kvf_error("queued message does not decode: %s (bug)", err);
+    return 0;
+}
+
 void kvf__peer_outbox_drain(kvf_peer_t *p)
 {
     KVF_ASSERT_LOCKED(p->eng);
@@ -51,15 +83,10 @@ void kvf__peer_outbox_drain(kvf_peer_t *p)
             else
                 q->put->complete(q->put, KVF_ERR_CONN_RESET);
         } else if (up) {
-            /* Our own encoding: it decodes (the parser checks it all the same). */
-            kvf_wire_hdr_t h;
             kvf_msg_t m;
-            char err[128];
-            if (kvf_wire_parse_header(q->msg, &h, err, sizeof(err)) != KVF_OK ||
-                kvf_wire_decode(&h, q->msg + KVF_WIRE_HDR_LEN, &m, err, sizeof(err)) != KVF_OK)
-                kvf_error("queued message does not decode: %s (bug)", err);
-            else if (p->conn->ops->send_msg(p->conn, &m) != KVF_OK)
-                kvf_debug("queued %s not sent: connection closing", kvf_wire_type_name(h.type));
+            if (outq_decode(q, &m) && p->conn->ops->send_msg(p->conn, &m) != KVF_OK)
+                kvf_debug("queued %s not sent: connection closing",
+                          kvf_wire_type_name((uint8_t)m.type));
         }
         free(q);
     }
@@ -82,18 +109,11 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
     if (p->state == KVF_PEER_DEAD || p->conn == NULL)
         return KVF_ERR_CONN_RESET;
     if (!kvf__owns_lane(p->eng, p->lane)) {
-        kvf_buf_t b;
-        kvf_buf_init(&b);
-        kvf_status_t st = kvf_wire_encode(&b, msg);
-        kvf_outq_t *q = st == KVF_OK ? malloc(sizeof(*q) + b.len) : NULL;
-        if (q != NULL) {
-            q->put = NULL;
-            q->len = b.len;
-            memcpy(q->msg, b.data, b.len);
+        kvf_status_t st;
+        kvf_outq_t *q = outq_encode(msg, &st);
+        if (q != NULL)
             outbox_add(p, q);
-        }
-        kvf_buf_free(&b);
-        return st != KVF_OK ? st : q == NULL ? KVF_ERR_NO_MEMORY : KVF_OK;
+        return st;
     }
     kvf__peer_outbox_drain(p);   /* what others queued goes first */
     kvf_status_t st = p->conn->ops->send_msg(p->conn, msg);
@@ -105,21 +125,15 @@ kvf_status_t kvf__peer_send(kvf_peer_t *p, const kvf_msg_t *msg)
 void kvf__peer_hold(kvf_peer_t *p, const kvf_msg_t *msg)
 {
     KVF_ASSERT_LOCKED(p->eng);
-    kvf_buf_t b;
-    kvf_buf_init(&b);
-    kvf_outq_t *q = kvf_wire_encode(&b, msg) == KVF_OK ? malloc(sizeof(*q) + b.len) : NULL;
-    if (q != NULL) {
-        q->next = NULL;
-        q->put = NULL;
-        q->len = b.len;
-        memcpy(q->msg, b.data, b.len);
-        if (p->held_tail != NULL)
-            p->held_tail->next = q;
-        else
-            p->held_head = q;
-        p->held_tail = q;
-    }
-    kvf_buf_free(&b);
+    kvf_status_t st;
+    kvf_outq_t *q = outq_encode(msg, &st);
+    if (q == NULL)
+        return;
+    if (p->held_tail != NULL)
+        p->held_tail->next = q;
+    else
+        p->held_head = q;
+    p->held_tail = q;
 }
 
 int kvf__peer_send_soon(kvf_peer_t *p, const kvf_msg_t *msg)
@@ -178,11 +192,8 @@ void kvf__peer_send_held(kvf_peer_t *p)
         kvf_outq_t *q = p->held_head;
         if ((p->held_head = q->next) == NULL)
             p->held_tail = NULL;
-        kvf_wire_hdr_t h;
         kvf_msg_t m;
-        char err[128];
-        if (kvf_wire_parse_header(q->msg, &h, err, sizeof(err)) == KVF_OK &&
-            kvf_wire_decode(&h, q->msg + KVF_WIRE_HDR_LEN, &m, err, sizeof(err)) == KVF_OK)
+        if (outq_decode(q, &m))
             kvf__peer_send(p, &m);
         free(q);
     }
