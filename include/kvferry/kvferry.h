@@ -13,13 +13,16 @@
  * Threads
  *   Every function is thread-safe and never waits on a peer, a socket or a
  *   deadline unless its comment says otherwise (kvf_*_await_failure waits
- *   by design; a destroy waits for reads into its room's pages, bounded by
- *   their deadline).  kvf_sender_init(), kvf_sender_set_states(),
- *   kvf_sender_send(), kvf_receiver_set_dest() (and the _init and
- *   set_state forms) and kvf_*_poll() take no engine lock: the first ones
- *   publish their work for the progress threads, a poll reads one atomic,
- *   so a scheduler may call them for thousands of rooms in each step.
- *   Other calls take the engine lock for their bookkeeping, which the
+ *   by design; a destroy of a room not yet final waits for reads into its
+ *   pages, bounded by their deadline).  kvf_sender_create(),
+ *   kvf_sender_create_held(), kvf_receiver_create(), kvf_sender_init(),
+ *   kvf_sender_set_states(), kvf_sender_send(), kvf_receiver_set_dest()
+ *   (and the _init and set_state forms), kvf_*_poll() and the destroy of
+ *   a room that is final with its pages released take no engine lock: a
+ *   create claims the room id under a lock of the ids alone, and these
+ *   calls publish their work for the progress threads; a poll reads one
+ *   atomic; so a scheduler may call them for thousands of rooms in each
+ *   step.  Other calls take the engine lock for their bookkeeping, which the
  *   engine's threads hold only for bounded passes, so such a call may wait
  *   for the rest of one pass (docs/ARCHITECTURE.md, docs/BENCHMARKS.md
  *   "Application calls against a null call").  All network I/O happens on the
@@ -802,7 +805,12 @@ KVF_API kvf_status_t kvf_sender_fail(kvf_sender_t *sender, kvf_status_t status,
  */
 KVF_API kvf_status_t kvf_sender_await_failure(kvf_sender_t *sender, unsigned timeout_ms);
 
-/** Release the sender (aborting the room if it is still live). */
+/**
+ * Release the sender (aborting the room if it is still live).  The room id
+ * may be used again as soon as this returns.  A sender that is final and
+ * whose pages no stream is reading is only marked for the engine's
+ * threads, without the engine lock; any other takes it.
+ */
 KVF_API void kvf_sender_destroy(kvf_sender_t *sender);
 
 /** The room id. */
@@ -1025,8 +1033,10 @@ KVF_API kvf_status_t kvf_receiver_await_failure(kvf_receiver_t *receiver,
 KVF_API int kvf_receiver_pages_released(const kvf_receiver_t *receiver);
 
 /**
- * Release the receiver; afterwards nothing more is written into its pages.
- * Destroying a room poll() showed final never waits.  A room destroyed
+ * Release the receiver; afterwards nothing more is written into its pages,
+ * and its room id may be used again.  Destroying a room poll() showed
+ * final never waits, and takes no engine lock (the room is only marked
+ * for the engine's threads).  A room destroyed
  * before that is aborted, and destroy waits until the reads into its pages
  * that are in flight have ended (microseconds normally; at most the
  * heartbeat timeout when the prefill process stopped answering).

@@ -161,6 +161,7 @@ static void engine_free(kvf_engine_t *eng)
     pthread_cond_destroy(&eng->resolver_cond);
     pthread_cond_destroy(&eng->reads_cond);
     pthread_cond_destroy(&eng->final_cond);
+    pthread_mutex_destroy(&eng->ids_lock);
     free(eng);
 }
 
@@ -203,6 +204,7 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
     pthread_cond_init(&eng->reads_cond, NULL);
     pthread_cond_init(&eng->final_cond, NULL);
     eng->reads_done_tail = &eng->reads_done;
+    pthread_mutex_init(&eng->ids_lock, NULL);
     kvf_map_init(&eng->rooms_by_id);
     kvf_map_init(&eng->stash);
     kvf_map_init(&eng->tombs);
@@ -437,6 +439,8 @@ void kvf_engine_destroy(kvf_engine_t *eng)
     /* Threads are gone; the lock is taken all the same, since the teardown
      * goes through the functions that expect it. */
     kvf__lock(eng);
+    /* Rooms destroyed since the last pass leave; created ones are listed. */
+    kvf__rooms_take_submitted(eng);
     if (eng->rooms != NULL)
         kvf_warn("engine destroyed with rooms still attached; destroy them first");
     while (eng->peers != NULL) {
@@ -674,7 +678,6 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         eng->kv_item_bytes_sum += l.kv[i].item_bytes;
     for (uint32_t i = 0; i < l.num_aux; i++)
         eng->aux_item_bytes_sum += l.aux[i].item_bytes;
-    eng->registered = 1;
     if (kvf__layout_on_device(&l) && start_copier(eng, err, sizeof(err)) != KVF_OK) {
         /* Without staging, device memory still moves over a mover that
          * carries it (ucx with CUDA). */
@@ -693,6 +696,8 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         kvf_error("device memory cannot move here: %s; %s", err, kvf_movers_device_hint());
         return KVF_ERR_UNSUPPORTED;
     }
+    /* Last: a create reads it without the lock. */
+    atomic_store(&eng->registered, 1);
     if (eng->params.role == KVF_ROLE_PREFILL && eng->bootstrap_addr != NULL) {
         /* (Without a registry, decode engines reach it by its descriptor.) */
         eng->want_register = 1;
@@ -712,6 +717,7 @@ kvf_status_t kvf_engine_stats(kvf_engine_t *eng, kvf_engine_stats_t *stats_p)
     kvf__lock(eng);
     st = eng->stats;
     memset(st.rooms_by_state, 0, sizeof(st.rooms_by_state));
+    kvf__rooms_take_submitted(eng);       /* the rooms as the application has them */
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
         st.rooms_by_state[atomic_load_explicit(&r->state, memory_order_relaxed)]++;
     st.peers_connected = 0;

@@ -104,7 +104,7 @@ struct kvf_engine {
     kvf_lane_t          lanes[KVF_MAX_STREAMS];
     uint64_t            stream_bytes[KVF_MAX_STREAMS]; /* payload per stream index */
 
-    int                 registered;       /* layout registered */
+    atomic_int          registered;       /* layout registered (set last) */
     kvf_layout_int_t    layout;
     uint64_t            kv_item_bytes_sum;
     uint64_t            aux_item_bytes_sum;
@@ -113,8 +113,12 @@ struct kvf_engine {
     kvf_mem_kind_t     *reg_kinds;        /* and what memory each is */
     size_t              nregs;
 
-    kvf_map_t           rooms_by_id;      /* attached rooms */
-    struct kvf_room    *rooms;            /* list of the same */
+    /* Every room the application holds a handle of, by id, under its own
+     * lock: taken alone by a create (the application's thread), or inside
+     * the engine lock (room.c: a lane's lookup, a room leaving). */
+    pthread_mutex_t     ids_lock;
+    kvf_map_t           rooms_by_id;
+    struct kvf_room    *rooms;            /* those lanes took in (listed) */
     /* Rooms the application published work on without the lock, newest
      * first, for the lanes to take in (room.c, kvf__room_submit). */
     _Atomic(struct kvf_room *) submitted;
@@ -192,7 +196,7 @@ struct kvf_engine {
      * protected mode's switch. */
     char                token[KVF_TOKEN_MAX + 1];
     int                 has_token;
-    int                 warned_no_registry;  /* kvf_sender_create without one: said once */
+    atomic_int          warned_no_registry;  /* kvf_sender_create without one: said once */
     int                 auth_open;        /* no token and KVF_AUTH=none */
     uint64_t            auth_refused;     /* connections refused, ever */
     kvf_auth_log_t      auth_log[KVF_AUTH_LOG_SLOTS];

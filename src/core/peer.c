@@ -1045,11 +1045,13 @@ static void on_data(void *arg, const kvf_msg_data_t *d, kvf_rx_target_t *t)
     kvf__peer_heed(p, &v);
 }
 
+/* Place the next bytes of the frame?  Not into a room that is final: its
+ * pages may be the application's again (kvf_receiver_pages_released, and
+ * a destroy that does not wait, room.c), and a SUCCESS has every byte. */
 static int rx_valid(void *arg)
 {
     kvf_peer_t *p = arg;
-    return p->rx_room != NULL && p->rx_room->attached &&
-           atomic_load_explicit(&p->rx_room->state, memory_order_relaxed) != KVF_POLL_FAILED;
+    return p->rx_room != NULL && p->rx_room->attached && !room_final(p->rx_room);
 }
 
 /* Parse on while the reads of this peer's DATA_REFs in flight are within

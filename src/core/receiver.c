@@ -51,20 +51,20 @@ kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
                   "prefill DP rank >= -1");
         return KVF_ERR_INVALID_PARAM;
     }
-    kvf__lock(eng);
+    char *addr = strdup(bootstrap_addr);
+    if (addr == NULL)
+        return KVF_ERR_NO_MEMORY;
     kvf_status_t st = kvf__room_create(eng, &kvf_receiver_room_ops, room, &r);
-    if (st == KVF_OK) {
-        kvf_receiver_t *rv = receiver_of(r);
-        rv->dp_rank = prefill_dp_rank;
-        rv->bootstrap_addr = strdup(bootstrap_addr);
-        if (rv->bootstrap_addr == NULL)
-            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory");
-        else
-            kvf__resolver_enqueue(eng, r);
-        *receiver_p = (kvf_receiver_t *)r;
+    if (st != KVF_OK) {
+        free(addr);
+        return st;
     }
-    kvf__unlock(eng);
-    return st;
+    kvf_receiver_t *rv = receiver_of(r);
+    rv->dp_rank = prefill_dp_rank;
+    rv->bootstrap_addr = addr;
+    *receiver_p = (kvf_receiver_t *)r;
+    kvf__room_submit(r);          /* a lane lists it: receiver_open */
+    return KVF_OK;
 }
 
 void kvf__receiver_tell_failed(kvf_room_t *r)
@@ -257,6 +257,7 @@ kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *r
         rv->dp_rank = -1;
         rv->sender_instance = rm.instance;
         rv->remote = 1;
+        kvf__room_list(r);
         receiver_link(r, t, n);
         *receiver_p = (kvf_receiver_t *)r;
     }
@@ -1096,7 +1097,7 @@ static int cover_mark(kvf_room_t *r, kvf_link_t *lk, const kvf_wire_seg_t *s, ch
 static kvf_link_t *frame_targets(kvf_peer_t *p, const kvf_msg_data_t *d,
                                  kvf_rx_target_t *t, kvf_room_t **room_p)
 {
-    kvf_room_t *r = kvf_map_get(&p->eng->rooms_by_id, d->room);
+    kvf_room_t *r = kvf__room_find(p->eng, d->room);
     char err[256], name[128];
 
     if (r == NULL || room_final(r)) {
@@ -1631,6 +1632,14 @@ static void on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m
 /* ---- the decode side's room ops (room.h, kvf_room_ops_t) ---------------- */
 
 /* Fresh per receiver: the instance every frame of this room will name. */
+/* Taken in: a room created by its registry's address asks the resolver
+ * for the prefill ranks (one created by descriptors is linked already). */
+static void receiver_open(kvf_room_t *r)
+{
+    if (!receiver_of(r)->remote)
+        kvf__resolver_enqueue(r->eng, r);
+}
+
 static void receiver_init(kvf_room_t *r)
 {
     while (r->instance == 0)
@@ -1860,6 +1869,7 @@ const kvf_room_ops_t kvf_receiver_room_ops = {
     .release_rx      = receiver_release_rx,
     .read_take       = receiver_read_take,
     .init            = receiver_init,
+    .open            = receiver_open,
     .free            = receiver_free,
     .instance_for    = receiver_instance_for,
     .fail_key        = receiver_fail_key,

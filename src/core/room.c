@@ -263,7 +263,7 @@ kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const 
 
     if (out == NULL)
         return KVF_ERR_INVALID_PARAM;
-    kvf__lock(r->eng);
+    kvf__room_lock(r);
     if (room_state(r) != KVF_POLL_FAILED)
         st = KVF_ERR_AGAIN;
     else if (r->failure_consumed || r->failure == NULL)
@@ -316,10 +316,9 @@ const char *kvf__room_ops_missing(const kvf_room_ops_t *o)
 kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                               kvf_room_t **room_p)
 {
-    KVF_ASSERT_LOCKED(eng);
     kvf_role_t side = ops->side;
 
-    if (!eng->registered) {
+    if (!atomic_load(&eng->registered)) {
         kvf_error("room %llu: register the engine's layout first "
                   "(kvf_engine_register_layout)", (unsigned long long)id);
         return KVF_ERR_STATE;
@@ -330,16 +329,9 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint
                   side == KVF_ROLE_PREFILL ? "sender" : "receiver");
         return KVF_ERR_STATE;
     }
-    if (kvf_map_get(&eng->rooms_by_id, id) != NULL) {
-        kvf_error("room %llu is already live on this engine; destroy it before "
-                  "reusing the id", (unsigned long long)id);
-        return KVF_ERR_ROOM_IN_USE;
-    }
     kvf_room_t *r = calloc(1, ops->size);
-    if (r == NULL || kvf_map_put(&eng->rooms_by_id, id, r) != KVF_OK) {
-        free(r);
+    if (r == NULL)
         return KVF_ERR_NO_MEMORY;
-    }
     r->eng = eng;
     r->id = id;
     r->side = side;
@@ -352,13 +344,80 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
     if (ops->init != NULL)
         ops->init(r);
+
+    /* A room the application destroyed but no lane took out yet gives its
+     * id up: it is final, and leaves the map only if still there. */
+    pthread_mutex_lock(&eng->ids_lock);
+    kvf_room_t *old = kvf_map_get(&eng->rooms_by_id, id);
+    kvf_status_t st = old != NULL && !atomic_load(&old->closing) ? KVF_ERR_ROOM_IN_USE
+                      : kvf_map_put(&eng->rooms_by_id, id, r);
+    pthread_mutex_unlock(&eng->ids_lock);
+    if (st != KVF_OK) {
+        if (st == KVF_ERR_ROOM_IN_USE)
+            kvf_error("room %llu is already live on this engine; destroy it before "
+                      "reusing the id", (unsigned long long)id);
+        ops->free(r);
+        pthread_mutex_destroy(&r->app_lock);
+        free(r);
+        return st;
+    }
+    *room_p = r;
+    return KVF_OK;
+}
+
+void kvf__room_list(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
+    r->listed = 1;
     r->next = eng->rooms;
     if (eng->rooms)
         eng->rooms->prev = r;
     eng->rooms = r;
     kvf__trace_event(r, "created");
-    *room_p = r;
-    return KVF_OK;
+    if (r->ops->open != NULL)
+        r->ops->open(r);
+}
+
+/* The room leaves the engine: out of the id map (unless its id is another
+ * room's already) and off the list.  Once. */
+static void room_close(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;
+    KVF_ASSERT_LOCKED(eng);
+    if (!r->attached)
+        return;
+    pthread_mutex_lock(&eng->ids_lock);
+    if (kvf_map_get(&eng->rooms_by_id, r->id) == r)
+        kvf_map_del(&eng->rooms_by_id, r->id);
+    pthread_mutex_unlock(&eng->ids_lock);
+    if (r->listed) {
+        if (r->ops->destroyed != NULL)
+            r->ops->destroyed(r);
+        if (r->prev)
+            r->prev->next = r->next;
+        else
+            eng->rooms = r->next;
+        if (r->next)
+            r->next->prev = r->prev;
+    }
+    /* From here on no inbound byte is placed into this room's pages:
+     * rx_valid() checks `attached` before every placement. */
+    r->attached = 0;
+    kvf__trace_event(r, "destroyed");
+}
+
+kvf_room_t *kvf__room_find(kvf_engine_t *eng, uint64_t id)
+{
+    KVF_ASSERT_LOCKED(eng);
+    pthread_mutex_lock(&eng->ids_lock);
+    kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, id);
+    pthread_mutex_unlock(&eng->ids_lock);
+    if (r != NULL && atomic_load(&r->closing)) {
+        room_close(r);     /* as if a lane had taken it out already */
+        return NULL;
+    }
+    return r != NULL && r->listed ? r : NULL;
 }
 
 /*
@@ -387,16 +446,24 @@ static void wait_reads(kvf_room_t *r)
         }
 }
 
-void kvf__room_submit(kvf_room_t *r)
+/* Put r on eng->submitted unless it is there; @return 1 if it was not. */
+static int push_submitted(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
     if (atomic_exchange(&r->submitted, 1))
-        return;          /* listed, not taken yet: the taker reads all of it */
+        return 0;        /* listed, not taken yet: the taker reads all of it */
     kvf_room_t *head = atomic_load_explicit(&eng->submitted, memory_order_relaxed);
     do
         r->submit_next = head;
     while (!atomic_compare_exchange_weak(&eng->submitted, &head, r));
-    kvf__engine_wake_idle(eng);
+    return 1;
+}
+
+void kvf__room_submit(kvf_room_t *r)
+{
+    kvf_engine_t *eng = r->eng;      /* r may be freed once pushed */
+    if (push_submitted(r))
+        kvf__engine_wake_idle(eng);
 }
 
 void kvf__rooms_take_submitted(kvf_engine_t *eng)
@@ -408,34 +475,47 @@ void kvf__rooms_take_submitted(kvf_engine_t *eng)
         /* Unlisted before its work is read: what is published from here
          * on lists it again, and is taken in then if not now. */
         atomic_store(&r->submitted, 0);
-        r->ops->take(r);
+        if (atomic_load(&r->closing)) {
+            room_close(r);
+            kvf__room_put(r);
+        } else {
+            if (!r->listed)
+                kvf__room_list(r);
+            r->ops->take(r);
+        }
         r = next;
     }
+}
+
+void kvf__room_lock(kvf_room_t *r)
+{
+    kvf__lock(r->eng);
+    if (!r->listed)
+        kvf__rooms_take_submitted(r->eng);
 }
 
 void kvf__room_destroy(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
+    /* Final, with no I/O on its pages: none can start (every placement
+     * and read checks that its room is not final, under the lock, and
+     * counts itself in `reads` before letting the lock go), so the pages
+     * are the caller's now.  The lanes take the room out at their next
+     * pass, or when a message names it; nothing to wake them for. */
+    if (room_final(r) && atomic_load_explicit(&r->reads, memory_order_acquire) == 0) {
+        atomic_store(&r->closing, 1);
+        push_submitted(r);
+        return;
+    }
     kvf__lock(eng);
-    /* The room is freed below: it may not stay on the list. */
+    /* The room is freed below: it may not stay on the list (and is on
+     * the engine's, taken in, from here). */
     kvf__rooms_take_submitted(eng);
     if (!room_final(r))
         kvf__room_fail(r, KVF_ERR_ABORTED, "room %llu destroyed by the application "
                        "on %s before it finished", (unsigned long long)r->id,
                        kvf__engine_rank_name(eng, (char[96]){0}, 96));
-    kvf_map_del(&eng->rooms_by_id, r->id);
-    if (r->ops->destroyed != NULL)
-        r->ops->destroyed(r);
-    if (r->prev)
-        r->prev->next = r->next;
-    else
-        eng->rooms = r->next;
-    if (r->next)
-        r->next->prev = r->prev;
-    /* From here on no inbound byte is placed into this room's pages:
-     * rx_valid() checks `attached` before every placement. */
-    r->attached = 0;
-    kvf__trace_event(r, "destroyed");
+    room_close(r);
     wait_reads(r);
     kvf__room_put(r);
     kvf__unlock(eng);
@@ -443,7 +523,7 @@ void kvf__room_destroy(kvf_room_t *r)
 
 void kvf__room_abort(kvf_room_t *r)
 {
-    kvf__lock(r->eng);
+    kvf__room_lock(r);
     kvf__room_fail(r, KVF_ERR_ABORTED, "aborted by the application on %s",
                    kvf__engine_rank_name(r->eng, (char[96]){0}, 96));
     kvf__unlock(r->eng);
@@ -456,7 +536,7 @@ kvf_status_t kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reas
                   (unsigned long long)r->id);
         return KVF_ERR_INVALID_PARAM;
     }
-    kvf__lock(r->eng);
+    kvf__room_lock(r);
     kvf__room_fail(r, st, "%s", reason);
     kvf__unlock(r->eng);
     return KVF_OK;
@@ -473,7 +553,7 @@ kvf_status_t kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms)
         until.tv_sec++;
         until.tv_nsec -= 1000000000L;
     }
-    kvf__lock(eng);
+    kvf__room_lock(r);
     /*
      * The caller says the request failed on another rank of this side (its
      * scheduler's all-reduce over its ranks): this side is among those
@@ -548,7 +628,7 @@ kvf_verdict_t kvf__room_on_msg(kvf_peer_t *p, const kvf_msg_t *msg)
 
     if (!msg_room(msg, &id))
         return kvf__room_unexpected(p, msg);
-    return eng->room_ops->on_msg(p, kvf_map_get(&eng->rooms_by_id, id), msg);
+    return eng->room_ops->on_msg(p, kvf__room_find(eng, id), msg);
 }
 
 kvf_verdict_t kvf__room_unexpected(const kvf_peer_t *p, const kvf_msg_t *msg)
@@ -709,7 +789,7 @@ kvf_status_t kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m)
         return KVF_ERR_INVALID_PARAM;
     }
     kvf_room_metric_t v = {.size = m->size};
-    kvf__lock(r->eng);
+    kvf__room_lock(r);
     for (uint32_t i = 0; i < r->nlinks; i++)
         v.bytes += r->links[i].bytes;
     if (r->t_dest_ns != 0) {

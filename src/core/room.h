@@ -205,6 +205,11 @@ typedef struct kvf_room_ops {
     void     (*init)(kvf_room_t *r);
     /* Free what only this side's room holds (the room is being freed). */
     void     (*free)(kvf_room_t *r);
+    /* A lane took the room in for the first time, and listed it on the
+     * engine (kvf__room_list): the side's first work (a receiver asks the
+     * resolver, a sender binds the destinations that came before it).
+     * NULL: nothing to do then. */
+    void     (*open)(kvf_room_t *r);
     /* The application destroyed the room, which is out of the engine's id
      * map and still on its list.  NULL: nothing to keep of it. */
     void     (*destroyed)(kvf_room_t *r);
@@ -264,6 +269,11 @@ struct kvf_room {
     _Atomic unsigned reads;
     int              refs;
     int              attached;    /* the application handle is live */
+    int              listed;      /* on eng->rooms: a lane took it in */
+    /* Destroyed by the application without the lock (final, nothing in
+     * flight on its pages): out of the engine once a lane takes it in, or
+     * sooner, when a lane looks its id up (kvf__room_find). */
+    atomic_int       closing;
     int              initialized;
     uint64_t         t_state_ms;  /* entered the state, or last progress */
     uint64_t         t_create_ms;
@@ -596,14 +606,34 @@ kvf_status_t   kvf__states_from_wire(kvf_states_t *s, const kvf_wire_arr32_t *co
 void           kvf__states_free(kvf_states_t *s);
 
 /* room.c */
-/* A room of ops->side (the engine's role), with its side's table. */
+/*
+ * A room of ops->side (the engine's role), with its side's table, without
+ * the engine lock: the id is the room's from here (a second create of it
+ * is refused), but lanes see the room only once one took it in.  The
+ * caller fills the side's fields, then hands it to the lanes
+ * (kvf__room_submit), or lists it at once holding the lock.
+ */
 kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                                 kvf_room_t **room_p);
-/* kvf_*_destroy (takes the lock). */
+/* Put a room just created on the engine's list (under the lock): lanes
+ * see it from here; its side's ops->open runs. */
+void           kvf__room_list(kvf_room_t *r);
+/* The live room of an id, or NULL (under the lock): a room not yet taken
+ * in is not live yet, one the application destroyed no longer is. */
+kvf_room_t    *kvf__room_find(kvf_engine_t *eng, uint64_t id);
+/* Take the engine lock for an application call on r: r is taken in
+ * first if no lane did yet, so the call sees it listed. */
+void           kvf__room_lock(kvf_room_t *r);
+/*
+ * kvf_*_destroy.  A final room with nothing in flight on its pages is
+ * only marked for the lanes (no lock, no wait): no byte can land in them
+ * any more.  Any other takes the lock, fails the room, and waits for
+ * what is in flight on its pages.
+ */
 void           kvf__room_destroy(kvf_room_t *r);
 /*
- * The application published work on r without the lock (a sender's init
- * and chunks): list r for the lanes, the first of which to end a pass
+ * The application published work on r without the lock (its create, a
+ * sender's init and chunks...): list r for the lanes, the first of which to end a pass
  * takes it in (ops->take), and wake lane 0 if every lane sleeps.  Without
  * the lock, from the thread that holds the room's handle; a room already
  * listed is not listed twice (what is published is taken in whole).
@@ -682,8 +712,9 @@ void kvf__siblings_link(kvf_room_t *r, const kvf_target_t *t, int n);
  * it has authenticated: kvf__peer_send_soon), and, for a room that failed
  * meanwhile, its FAIL after them. */
 void kvf__siblings_send(kvf_room_t *r);
-/* Prefill: a decode rank's watch (ROOM_REQ with KVF_REQ_WATCH). */
-void kvf__siblings_on_watch(kvf_peer_t *p, const kvf_msg_room_req_t *m);
+/* Prefill: a decode rank's watch (ROOM_REQ with KVF_REQ_WATCH) of room
+ * m->room, live here as r (NULL: not live). */
+void kvf__siblings_on_watch(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *m);
 /* Prefill: the same for a live sender (a watch that waited in the stash). */
 void kvf__siblings_take(kvf_room_t *r, kvf_peer_t *p, uint32_t rank, uint64_t instance);
 /* Prefill: a byte link of room r now binds decode rank p: a watch another

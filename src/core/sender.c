@@ -861,7 +861,8 @@ static void take_broken(kvf_room_t *r, kvf_stash_t *s)
     r->retry_at_ms = kvf_now_ms() + r->eng->params.heartbeat_timeout_ms;
 }
 
-/* What came for this room before its sender, oldest first. */
+/* Taken in (ops->open): what came for this room before its sender binds
+ * now, oldest first, under a held room's rules. */
 static void stash_apply(kvf_room_t *r)
 {
     kvf_stash_t *s;
@@ -905,21 +906,18 @@ static kvf_status_t create(kvf_engine_t *eng, uint64_t room, const kvf_hold_t *h
                            kvf_sender_t **sender_p)
 {
     kvf_room_t *r;
-    kvf__lock(eng);
     kvf_status_t st = kvf__room_create(eng, &kvf_sender_room_ops, room, &r);
-    if (st == KVF_OK) {
-        if (hold != NULL) {
-            kvf_sender_t *s = sender_of(r);
-            s->held = 1;
-            s->lease_ms = hold->lease_ms ? hold->lease_ms : kvf__lease_default();
-            s->hold_instance = hold->instance;
-        }
-        /* Destinations that came first bind now, under the hold's rules. */
-        stash_apply(r);
-        *sender_p = (kvf_sender_t *)r;
+    if (st != KVF_OK)
+        return st;
+    if (hold != NULL) {
+        kvf_sender_t *s = sender_of(r);
+        s->held = 1;
+        s->lease_ms = hold->lease_ms ? hold->lease_ms : kvf__lease_default();
+        s->hold_instance = hold->instance;
     }
-    kvf__unlock(eng);
-    return st;
+    *sender_p = (kvf_sender_t *)r;
+    kvf__room_submit(r);          /* a lane lists it: stash_apply */
+    return KVF_OK;
 }
 
 kvf_status_t kvf_sender_create(kvf_engine_t *eng, const char *bootstrap_addr,
@@ -930,14 +928,10 @@ kvf_status_t kvf_sender_create(kvf_engine_t *eng, const char *bootstrap_addr,
     if (bootstrap_addr && eng->bootstrap_addr && strcmp(bootstrap_addr, eng->bootstrap_addr) != 0)
         kvf_debug("room %llu: bootstrap address %s differs from the engine's %s",
                   (unsigned long long)room, bootstrap_addr, eng->bootstrap_addr);
-    kvf__lock(eng);
-    if (eng->bootstrap_addr == NULL && !eng->warned_no_registry) {
-        eng->warned_no_registry = 1;
+    if (eng->bootstrap_addr == NULL && !atomic_exchange(&eng->warned_no_registry, 1))
         kvf_warn("room %llu: this prefill engine has no bootstrap registry "
                  "(bootstrap_addr), so decode ranks can reach it only by its descriptor "
                  "(kvf_receiver_create_remote); said once", (unsigned long long)room);
-    }
-    kvf__unlock(eng);
     return create(eng, room, NULL, sender_p);
 }
 
@@ -1072,7 +1066,7 @@ kvf_status_t kvf_sender_decode_prefix_len(kvf_sender_t *s, uint32_t *tokens_p)
 {
     kvf_room_t *r = &s->room;
     kvf_status_t st = KVF_ERR_AGAIN;
-    kvf__lock(r->eng);
+    kvf__room_lock(r);
     if (r->nlinks == r->expected_links && r->nlinks > 0 &&
         room_state(r) >= KVF_POLL_WAITING_FOR_INPUT) {
         *tokens_p = s->decode_prefix;
@@ -1430,7 +1424,7 @@ static kvf_verdict_t on_room_req(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_roo
     const char *bad = NULL;
 
     if (m->flags & KVF_REQ_WATCH) {            /* a sibling's: no destination */
-        kvf__siblings_on_watch(p, m);
+        kvf__siblings_on_watch(p, r, m);
         return kvf__verdict_ok();
     }
     lk.rank = m->dst_rank;
@@ -1655,6 +1649,7 @@ const kvf_room_ops_t kvf_sender_room_ops = {
     .size            = sizeof(kvf_sender_t),
     .on_msg          = sender_on_msg,
     .free            = sender_free,
+    .open            = stash_apply,
     .destroyed       = sender_destroyed,
     .instance_for    = sender_instance_for,
     .fail_key        = sender_fail_key,

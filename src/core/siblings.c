@@ -227,11 +227,10 @@ void kvf__siblings_evict(kvf_room_t *r, const kvf_peer_t *p)
     }
 }
 
-void kvf__siblings_on_watch(kvf_peer_t *p, const kvf_msg_room_req_t *m)
+void kvf__siblings_on_watch(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_room_req_t *m)
 {
     KVF_ASSERT_LOCKED(p->eng);
     kvf_engine_t *eng = p->eng;
-    kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, m->room);
 
     if (r != NULL) {
         kvf__siblings_take(r, p, m->dst_rank, m->instance);

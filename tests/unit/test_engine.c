@@ -137,14 +137,17 @@ static void test_one_room(void)
 }
 
 /*
- * kvf_sender_send, kvf_sender_init and kvf_receiver_init publish without
- * the engine lock and the lanes take them in (room.c, kvf__room_submit):
- * application threads each drive their own rooms one page per call, with
- * no wait between calls, so that calls arrive while a lane is taking
- * others in and several are taken in at once; every byte lands where its
- * page was sent.  A room destroyed right after a call, still listed for
- * the lanes, is taken off the list first (a sanitizer build sees a freed
- * room read otherwise).
+ * Creates, kvf_sender_send, kvf_sender_init and kvf_receiver_init publish
+ * without the engine lock and the lanes take them in (room.c,
+ * kvf__room_submit): application threads each drive their own rooms one
+ * page per call, with no wait between calls, so that calls arrive while a
+ * lane is taking others in and several are taken in at once; every byte
+ * lands where its page was sent.  Each thread then destroys its final
+ * rooms (which only marks them for the lanes) and at once creates rooms of
+ * the same ids again, which must be allowed and must move every byte
+ * again.  A room destroyed right after a call, still listed for the
+ * lanes, is taken off the list first (a sanitizer build sees a freed room
+ * read otherwise).
  */
 #define PUB_THREADS 4
 #define PUB_PAGES   8   /* per room: the threads' pages fill PAGES (64) */
@@ -160,9 +163,19 @@ typedef struct {
 static uint32_t pub_src(unsigned t, unsigned i) { return t * PUB_PAGES + i; }
 static uint32_t pub_dst(unsigned t, unsigned i) { return PAGES - 1 - (t * PUB_PAGES + i); }
 
-static void *pub_thread(void *arg)
+/* Every page of thread t's room in place (dec's pages, as pre sent them). */
+static int pub_landed(const side_t *pre, const side_t *dec, unsigned t)
 {
-    pub_arg_t *a = arg;
+    for (int b = 0; b < NKV; b++)
+        for (unsigned i = 0; i < PUB_PAGES; i++)
+            if (memcmp(dec->kv[b] + (size_t)pub_dst(t, i) * PAGE_B,
+                       pre->kv[b] + (size_t)pub_src(t, i) * PAGE_B, PAGE_B) != 0)
+                return 0;
+    return 1;
+}
+
+static void pub_room(pub_arg_t *a)
+{
     uint64_t room = 700 + a->t;
     uint32_t dst[PUB_PAGES];
     for (unsigned i = 0; i < PUB_PAGES; i++)
@@ -176,6 +189,21 @@ static void *pub_thread(void *arg)
         uint32_t page = pub_src(a->t, i);
         CHECK_EQ_INT(kvf_sender_send(a->s, &page, 1, i + 1 == PUB_PAGES), KVF_OK);
     }
+}
+
+static void *pub_thread(void *arg)
+{
+    pub_arg_t *a = arg;
+    pub_room(a);
+    wait_final(a->s, a->r);
+    CHECK_EQ_INT(kvf_receiver_poll(a->r), KVF_POLL_SUCCESS);
+    CHECK(pub_landed(a->pre, a->dec, a->t));
+    for (int b = 0; b < NKV; b++)          /* the pages are ours again */
+        for (unsigned i = 0; i < PUB_PAGES; i++)
+            memset(a->dec->kv[b] + (size_t)pub_dst(a->t, i) * PAGE_B, 0, PAGE_B);
+    kvf_sender_destroy(a->s);
+    kvf_receiver_destroy(a->r);
+    pub_room(a);                           /* the same ids, at once */
     return NULL;
 }
 
@@ -207,6 +235,9 @@ static void test_sends_published_from_threads(void)
     CHECK_EQ_INT(kvf_receiver_init(gone_r, &one_dst, 1, 7, NULL, 0), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(gone_r, &one_dst, 1, 7, NULL, 0), KVF_ERR_STATE);
     kvf_receiver_destroy(gone_r);
+    /* Created and destroyed before a lane took it in. */
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 697, &gone), KVF_OK);
+    kvf_sender_destroy(gone);
 
     pthread_t th[PUB_THREADS];
     pub_arg_t args[PUB_THREADS];
@@ -220,13 +251,66 @@ static void test_sends_published_from_threads(void)
         wait_final(args[t].s, args[t].r);
         CHECK_EQ_INT(kvf_sender_poll(args[t].s), KVF_POLL_SUCCESS);
         CHECK_EQ_INT(kvf_receiver_poll(args[t].r), KVF_POLL_SUCCESS);
-        for (int b = 0; b < NKV; b++)
-            for (unsigned i = 0; i < PUB_PAGES; i++)
-                CHECK(memcmp(dec.kv[b] + (size_t)pub_dst(t, i) * PAGE_B,
-                             pre.kv[b] + (size_t)pub_src(t, i) * PAGE_B, PAGE_B) == 0);
+        CHECK(pub_landed(&pre, &dec, t));
         kvf_sender_destroy(args[t].s);
         kvf_receiver_destroy(args[t].r);
     }
+    /* Destroyed rooms are gone from the engine's count at once. */
+    kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
+    CHECK_EQ_INT(kvf_engine_stats(dec.eng, &st), KVF_OK);
+    for (int k = 0; k <= KVF_POLL_SUCCESS; k++)
+        CHECK_EQ_INT(st.rooms_by_state[k], 0);
+    CHECK_EQ_INT(st.rooms_succeeded, 2 * PUB_THREADS);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
+ * Two threads create rooms of the same ids at once (no engine lock: the
+ * ids' own map): of each id's two creates exactly one is the room's, the
+ * other is refused KVF_ERR_ROOM_IN_USE.
+ */
+#define RACE_IDS 200
+
+typedef struct {
+    kvf_engine_t  *eng;
+    const char    *bs;
+    kvf_sender_t  *s[RACE_IDS];
+} race_arg_t;
+
+static void *race_thread(void *arg)
+{
+    race_arg_t *a = arg;
+    for (unsigned i = 0; i < RACE_IDS; i++) {
+        kvf_status_t st = kvf_sender_create(a->eng, a->bs, 5000 + i, &a->s[i]);
+        CHECK(st == KVF_OK || st == KVF_ERR_ROOM_IN_USE);
+        if (st != KVF_OK)
+            a->s[i] = NULL;
+    }
+    return NULL;
+}
+
+static void test_creates_race_for_an_id(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    pthread_t th[2];
+    race_arg_t args[2] = {{pre.eng, bs, {0}}, {pre.eng, bs, {0}}};
+    for (int t = 0; t < 2; t++)
+        CHECK_EQ_INT(pthread_create(&th[t], NULL, race_thread, &args[t]), 0);
+    for (int t = 0; t < 2; t++)
+        pthread_join(th[t], NULL);
+    for (unsigned i = 0; i < RACE_IDS; i++) {
+        CHECK_EQ_INT((args[0].s[i] != NULL) + (args[1].s[i] != NULL), 1);
+        kvf_sender_destroy(args[0].s[i] ? args[0].s[i] : args[1].s[i]);
+    }
+    kvf_engine_stats_t st;
+    kvf_engine_stats_init(&st);
+    CHECK_EQ_INT(kvf_engine_stats(pre.eng, &st), KVF_OK);
+    CHECK_EQ_INT(st.rooms_by_state[KVF_POLL_BOOTSTRAPPING], 0);
+    CHECK_EQ_INT(st.rooms_failed, RACE_IDS);      /* destroyed unfinished */
     side_fini(&dec);
     side_fini(&pre);
 }
@@ -1814,6 +1898,7 @@ static void test_over_ucx(void)
 
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_sends_published_from_threads),
+              KVF_CASE(test_creates_race_for_an_id),
               KVF_CASE(test_trickling_handshake_is_closed),
               KVF_CASE(test_hostile_strided_segments),
               KVF_CASE(test_strided_only_when_accepted),
