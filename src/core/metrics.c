@@ -119,7 +119,7 @@ static void take_snapshot(kvf_engine_t *eng, snap_t *s)
     kvf__lock(eng);
     s->m = eng->metrics;
     for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
-        if (!atomic_load(&r->closing))    /* destroyed, not yet taken out */
+        if (!room_closing(r))    /* destroyed, not yet taken out */
             s->live[atomic_load_explicit(&r->state, memory_order_relaxed)]++;
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
         int st = peer_state(p->state);

@@ -349,7 +349,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint
      * id up: it is final, and leaves the map only if still there. */
     pthread_mutex_lock(&eng->ids_lock);
     kvf_room_t *old = kvf_map_get(&eng->rooms_by_id, id);
-    kvf_status_t st = old != NULL && !atomic_load(&old->closing) ? KVF_ERR_ROOM_IN_USE
+    kvf_status_t st = old != NULL && !room_closing(old) ? KVF_ERR_ROOM_IN_USE
                       : kvf_map_put(&eng->rooms_by_id, id, r);
     pthread_mutex_unlock(&eng->ids_lock);
     if (st != KVF_OK) {
@@ -413,7 +413,7 @@ kvf_room_t *kvf__room_find(kvf_engine_t *eng, uint64_t id)
     pthread_mutex_lock(&eng->ids_lock);
     kvf_room_t *r = kvf_map_get(&eng->rooms_by_id, id);
     pthread_mutex_unlock(&eng->ids_lock);
-    if (r != NULL && atomic_load(&r->closing)) {
+    if (r != NULL && room_closing(r)) {
         room_close(r);     /* as if a lane had taken it out already */
         return NULL;
     }
@@ -446,11 +446,12 @@ static void wait_reads(kvf_room_t *r)
         }
 }
 
-/* Put r on eng->submitted unless it is there; @return 1 if it was not. */
-static int push_submitted(kvf_room_t *r)
+/* Put r on eng->submitted, marked with `flags`, unless it is there;
+ * @return 1 if it was not (this call pushed it). */
+static int push_submitted(kvf_room_t *r, int flags)
 {
     kvf_engine_t *eng = r->eng;
-    if (atomic_exchange(&r->submitted, 1))
+    if (atomic_fetch_or(&r->submit, ROOM_SUBMITTED | flags) & ROOM_SUBMITTED)
         return 0;        /* listed, not taken yet: the taker reads all of it */
     kvf_room_t *head = atomic_load_explicit(&eng->submitted, memory_order_relaxed);
     do
@@ -462,7 +463,7 @@ static int push_submitted(kvf_room_t *r)
 void kvf__room_submit(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;      /* r may be freed once pushed */
-    if (push_submitted(r))
+    if (push_submitted(r, 0))
         kvf__engine_wake_idle(eng);
 }
 
@@ -473,9 +474,11 @@ void kvf__rooms_take_submitted(kvf_engine_t *eng)
     while (r != NULL) {
         kvf_room_t *next = r->submit_next;
         /* Unlisted before its work is read: what is published from here
-         * on lists it again, and is taken in then if not now. */
-        atomic_store(&r->submitted, 0);
-        if (atomic_load(&r->closing)) {
+         * on lists it again, and is taken in then if not now.  A room not
+         * closing yet may be destroyed (and pushed again, closing) as soon
+         * as this clears ROOM_SUBMITTED; one closing already is this
+         * lane's alone. */
+        if (atomic_fetch_and(&r->submit, ~ROOM_SUBMITTED) & ROOM_CLOSING) {
             room_close(r);
             kvf__room_put(r);
         } else {
@@ -503,8 +506,7 @@ void kvf__room_destroy(kvf_room_t *r)
      * are the caller's now.  The lanes take the room out at their next
      * pass, or when a message names it; nothing to wake them for. */
     if (room_final(r) && atomic_load_explicit(&r->reads, memory_order_acquire) == 0) {
-        atomic_store(&r->closing, 1);
-        push_submitted(r);
+        push_submitted(r, ROOM_CLOSING);     /* r is the lanes' from here */
         return;
     }
     kvf__lock(eng);

@@ -270,10 +270,6 @@ struct kvf_room {
     int              refs;
     int              attached;    /* the application handle is live */
     int              listed;      /* on eng->rooms: a lane took it in */
-    /* Destroyed by the application without the lock (final, nothing in
-     * flight on its pages): out of the engine once a lane takes it in, or
-     * sooner, when a lane looks its id up (kvf__room_find). */
-    atomic_int       closing;
     int              initialized;
     uint64_t         t_state_ms;  /* entered the state, or last progress */
     uint64_t         t_create_ms;
@@ -296,9 +292,16 @@ struct kvf_room {
     char            *last_err;      /* last resolver or connection error */
     uint32_t         retries;       /* reconnects used */
     uint64_t         retry_at_ms;   /* decode: next reconnect; prefill: resume deadline */
-    /* On eng->submitted (kvf__room_submit), which submit_next links: set
-     * by the application's thread, cleared by the one taking it in. */
-    atomic_int       submitted;
+    /* ROOM_SUBMITTED: on eng->submitted (kvf__room_submit), which
+     * submit_next links; set by the application's thread, cleared by the
+     * lane taking it in.  ROOM_CLOSING: destroyed by the application
+     * without the lock (final, nothing in flight on its pages); out of
+     * the engine once a lane takes it in, or sooner, when a lane looks its
+     * id up (kvf__room_find).  One word, so that the destroy that sets
+     * CLOSING learns in the same step whether the room is on the list
+     * already (a lane takes it out and frees it: the destroy may not
+     * touch it again) or is its to push. */
+    atomic_int       submit;
     kvf_room_t      *submit_next;
     /* The application's threads take turns on the handle's own fields
      * with this (calls that publish without the engine lock: a sender's
@@ -474,6 +477,13 @@ static inline kvf_receiver_t *receiver_of(kvf_room_t *r)
 static inline kvf_poll_t room_state(const kvf_room_t *r)
 {
     return (kvf_poll_t)atomic_load_explicit(&r->state, memory_order_acquire);
+}
+
+enum { ROOM_SUBMITTED = 1, ROOM_CLOSING = 2 };
+
+static inline int room_closing(kvf_room_t *r)
+{
+    return (atomic_load(&r->submit) & ROOM_CLOSING) != 0;
 }
 
 static inline int room_final(const kvf_room_t *r)
