@@ -118,9 +118,15 @@ static void take_snapshot(kvf_engine_t *eng, snap_t *s)
     memset(s, 0, sizeof(*s));
     kvf__lock(eng);
     s->m = eng->metrics;
-    for (kvf_room_t *r = eng->rooms; r != NULL; r = r->next)
+    /* The rooms as the application has them: created (a lane may not have
+     * taken one in yet, so not on eng->rooms) and not destroyed.  A room
+     * leaves the id map under both locks before it is freed. */
+    pthread_mutex_lock(&eng->ids_lock);
+    kvf_room_t *r;
+    for (size_t pos = 0; (r = kvf_map_next(&eng->rooms_by_id, &pos)) != NULL;)
         if (!room_closing(r))    /* destroyed, not yet taken out */
             s->live[atomic_load_explicit(&r->state, memory_order_relaxed)]++;
+    pthread_mutex_unlock(&eng->ids_lock);
     for (kvf_peer_t *p = eng->peers; p != NULL; p = p->next) {
         int st = peer_state(p->state);
         if (st < 0)

@@ -96,3 +96,11 @@ void *kvf_map_del(kvf_map_t *m, uint64_t key)
     m->count--;
     return val;
 }
+
+void *kvf_map_next(const kvf_map_t *m, size_t *pos)
+{
+    for (; *pos < m->cap; (*pos)++)
+        if (m->slots[*pos].val != NULL)
+            return m->slots[(*pos)++].val;
+    return NULL;
+}

@@ -30,5 +30,8 @@ void        *kvf_map_get(const kvf_map_t *m, uint64_t key);
 kvf_status_t kvf_map_put(kvf_map_t *m, uint64_t key, void *val);
 /* @return the removed value, or NULL. */
 void        *kvf_map_del(kvf_map_t *m, uint64_t key);
+/* The values one by one, in no order: start with *pos = 0; @return NULL
+ * after the last.  The map may not change meanwhile. */
+void        *kvf_map_next(const kvf_map_t *m, size_t *pos);
 
 #endif /* KVF_UTIL_MAP_H */

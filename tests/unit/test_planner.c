@@ -81,7 +81,18 @@ static void test_map(void)
     }
     CHECK_EQ_INT(bad, 0);
     CHECK_EQ_INT(m.count, N / 2);
+    /* kvf_map_next yields each value left once (the odd ones). */
+    static unsigned char seen[N];
+    size_t pos = 0, n = 0;
+    for (int *v; (v = kvf_map_next(&m, &pos)) != NULL; n++) {
+        bad += (v - vals) % 2 == 0 || seen[v - vals];
+        seen[v - vals] = 1;
+    }
+    CHECK_EQ_INT(bad, 0);
+    CHECK_EQ_INT(n, N / 2);
     kvf_map_free(&m);
+    pos = 0;
+    CHECK(kvf_map_next(&m, &pos) == NULL);
 
     /* Full up to the growth threshold: replacing a value must not grow
      * the table (a caller swapping a chain head relies on it never
