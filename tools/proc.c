@@ -282,10 +282,25 @@ void kvt_children_stop_all(kvt_children_t *t, unsigned grace_ms,
             ;
 }
 
+/* The exit status ThreadSanitizer ends a process with once it reported a
+ * race (its `exitcode` option); its children are this binary, built alike. */
+#if defined(__SANITIZE_THREAD__)
+#define TSAN_EXIT 66
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define TSAN_EXIT 66
+#endif
+#endif
+
 void kvt_child_exit_str(const kvt_child_t *c, char *buf, size_t len)
 {
     if (!c->reaped)
         snprintf(buf, len, c->pid > 0 ? "running" : "not started");
+#ifdef TSAN_EXIT
+    else if (WIFEXITED(c->wstatus) && WEXITSTATUS(c->wstatus) == TSAN_EXIT)
+        snprintf(buf, len, "exit %d (ThreadSanitizer stopped it: see its report)",
+                 TSAN_EXIT);
+#endif
     else if (WIFEXITED(c->wstatus))
         snprintf(buf, len, "exit %d", WEXITSTATUS(c->wstatus));
     else if (WIFSIGNALED(c->wstatus))
