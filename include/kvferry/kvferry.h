@@ -757,7 +757,8 @@ KVF_API kvf_status_t kvf_sender_send(kvf_sender_t *sender,
 KVF_API kvf_poll_t kvf_sender_poll(const kvf_sender_t *sender);
 
 /**
- * Consume the failure record, once.
+ * Consume the failure record, once.  Takes no engine lock: the record is
+ * fixed once the room is FAILED.
  *
  * @param [in,out] failure_p  the caller's record, its `size` set by
  *                            kvf_failure_init(): only that many bytes are

@@ -263,7 +263,11 @@ kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const 
 
     if (out == NULL)
         return KVF_ERR_INVALID_PARAM;
-    kvf__room_lock(r);
+    /* Without the engine lock: a room's record is set before it turns
+     * FAILED (room_failed, whose store releases it) and never changes
+     * after; only the room's free, which the application's destroy starts,
+     * lets it go.  `failure_consumed` is the application's alone. */
+    pthread_mutex_lock(&r->app_lock);
     if (room_state(r) != KVF_POLL_FAILED)
         st = KVF_ERR_AGAIN;
     else if (r->failure_consumed || r->failure == NULL)
@@ -275,7 +279,7 @@ kvf_status_t kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const 
         if (st == KVF_OK)
             r->failure_consumed = 1;
     }
-    kvf__unlock(r->eng);
+    pthread_mutex_unlock(&r->app_lock);
     if (st == KVF_ERR_INVALID_PARAM)
         kvf_error("%s", err);
     return st;

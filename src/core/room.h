@@ -278,10 +278,11 @@ struct kvf_room {
     uint64_t         t_create_ns, t_dest_ns, t_final_ns;
     kvf_failure_t   *failure;     /* first root cause, or NULL (a room that
                                      succeeded may keep one it did not take:
-                                     siblings.c) */
+                                     siblings.c); set before the room turns
+                                     FAILED, fixed from then on */
     uint8_t          failed_sides; /* KVF_SIDE_BIT of each side known to
                                       have failed the room (siblings.c) */
-    int              failure_consumed;
+    int              failure_consumed;  /* the application's, under app_lock */
     kvf_room_t      *prev, *next; /* engine->rooms list (attached rooms) */
     uint32_t         nlinks;
     uint32_t         expected_links;

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <pthread.h>
+#include <semaphore.h>
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -346,6 +347,48 @@ static void test_page_size_mismatch(void)
     side_fini(&pre);
 }
 
+/* kvf_receiver_failure on another thread, which says when it returned. */
+typedef struct {
+    kvf_receiver_t *r;
+    kvf_failure_t   f;
+    kvf_status_t    st;
+    sem_t           done;
+} failure_read_t;
+
+static void *read_failure(void *arg)
+{
+    failure_read_t *a = arg;
+    a->st = kvf_receiver_failure(a->r, &a->f);
+    sem_post(&a->done);
+    return NULL;
+}
+
+/* The failure record is read without the engine lock: the read returns
+ * while the lock is held (here by this thread, as a lane's pass would). */
+static void check_failure_read_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
+{
+    failure_read_t a = {.r = r};
+    kvf_failure_init(&a.f);
+    CHECK_EQ_INT(sem_init(&a.done, 0, 0), 0);
+    kvf__lock(eng);
+    pthread_t t;
+    CHECK_EQ_INT(pthread_create(&t, NULL, read_failure, &a), 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    int waited;
+    while ((waited = sem_timedwait(&a.done, &until)) != 0 && errno == EINTR)
+        ;
+    CHECK_EQ_INT(waited, 0);
+    kvf__unlock(eng);
+    pthread_join(t, NULL);
+    sem_destroy(&a.done);
+    CHECK_EQ_INT(a.st, KVF_OK);
+    CHECK_EQ_INT(a.f.status, KVF_ERR_ABORTED);
+    CHECK_EQ_INT(a.f.from_another_rank, 0);
+    CHECK_EQ_INT(kvf_receiver_failure(r, &a.f), KVF_ERR_NOT_FOUND);   /* once */
+}
+
 static void test_abort_propagates(void)
 {
     side_t pre, dec;
@@ -369,6 +412,7 @@ static void test_abort_propagates(void)
     CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
     CHECK_EQ_INT(f.from_another_rank, 1);
     CHECK_STR_CONTAINS(f.reason, "aborted by the application on decode rank 0");
+    check_failure_read_lock_free(dec.eng, r);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
     side_fini(&dec);
