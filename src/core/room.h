@@ -658,7 +658,8 @@ void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
 kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
 /* kvf_sender_failure / kvf_receiver_failure (`fn`, for messages): the
- * record into the caller's `out`, of its size (takes the lock). */
+ * record into the caller's `out`, of its size.  Without the engine lock,
+ * under the room's app_lock: a FAILED room's record does not change. */
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const char *fn);
 /* kvf_sender_metric / kvf_receiver_metric (takes the lock). */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
