@@ -12,11 +12,11 @@
  *
  *   --call-latency [--rooms N] [--load-mib M | --load-rooms K] [--transport NAME]
  *       the latency of every application call (create, init, send, poll,
- *       failure, destroy, both sides) over N one-page rooms, with the engines idle
- *       and then under load: two M MiB rooms streaming between them at a
- *       time, or with --load-rooms, K one-page rooms in flight at a time
- *       (below); each call beside a null call (kvf_null_call) timed at the
- *       same moments.
+ *       failure, metric, destroy, both sides) over N one-page rooms, with
+ *       the engines idle and then under load: two M MiB rooms streaming
+ *       between them at a time, or with --load-rooms, K one-page rooms in
+ *       flight at a time (below); each call beside a null call
+ *       (kvf_null_call) timed at the same moments.
  *
  * The one idea of the second: per-room cost only shows at scale, and one
  * process holding both sides makes the RSS of each phase attributable: the
@@ -370,10 +370,11 @@ out:
  * calls are measured.
  */
 enum { KVT_C_RCREATE, KVT_C_RINIT, KVT_C_SCREATE, KVT_C_SINIT, KVT_C_SEND, KVT_C_POLL,
-       KVT_C_FAILURE, KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_NULL, KVT_CALLS };
+       KVT_C_FAILURE, KVT_C_METRIC, KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_NULL, KVT_CALLS };
 static const char *const kvt_call_names[KVT_CALLS] = {
     "receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
-    "poll", "receiver_failure", "sender_destroy", "receiver_destroy", "null_call"
+    "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
+    "null_call"
 };
 
 typedef struct kvt_samples {
@@ -572,13 +573,19 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
         }
         /* A scheduler asks for a record once poll says FAILED; on this
          * room, which succeeded, the call answers KVF_ERR_AGAIN, the same
-         * way (a failed room's adds the copy of one record). */
+         * way (a failed room's adds the copy of one record).  Then for
+         * what the room cost (SGLang's KVTransferMetric). */
         if (!bad) {
             kvf_failure_t f;
             kvf_failure_init(&f);
             t = kvt_now_s();
             bad = kvf_receiver_failure(r, &f) != KVF_ERR_AGAIN;
             kvt_sample(&c[KVT_C_FAILURE], kvt_ms_since(t));
+            kvt_null_beside(c);
+            kvf_room_metric_t m = {.size = sizeof(m)};   /* what it cost */
+            t = kvt_now_s();
+            bad = bad || kvf_sender_metric(s, &m) != KVF_OK || m.bytes == 0;
+            kvt_sample(&c[KVT_C_METRIC], kvt_ms_since(t));
             kvt_null_beside(c);
         }
         t = kvt_now_s();

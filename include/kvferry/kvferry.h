@@ -833,7 +833,11 @@ typedef struct kvf_room_metric {
                                 now while it is not */
 } kvf_room_metric_t;
 
-/** Snapshot a sender's metric.  @return KVF_OK, KVF_ERR_INVALID_PARAM (size). */
+/**
+ * Snapshot a sender's metric.  Takes no engine lock.  Once the room is
+ * final, `bytes` is its last count.
+ * @return KVF_OK, KVF_ERR_INVALID_PARAM (size).
+ */
 KVF_API kvf_status_t kvf_sender_metric(kvf_sender_t *sender, kvf_room_metric_t *metric);
 
 /* ------------------------------------------------------------------------ */

@@ -66,21 +66,21 @@ void kvf__metrics_room_final(kvf_room_t *r, const kvf_failure_t *f, int reversed
     KVF_ASSERT_LOCKED(r->eng);
     kvf_metrics_t *m = &r->eng->metrics;
     int res = f != NULL ? KVF_MET_FAILED : KVF_MET_SUCCESS;
+    uint64_t final = atomic_load_explicit(&r->t_final_ns, memory_order_relaxed);
 
     m->rooms_final[res]++;
     m->rooms_reversed += reversed != 0;
-    hist_add(&m->room_seconds[res], (double)(r->t_final_ns - r->t_create_ns) * 1e-9, 0);
+    hist_add(&m->room_seconds[res], (double)(final - r->t_create_ns) * 1e-9, 0);
     if (f != NULL) {
         unsigned code = f->status < 0 && f->status > -KVF_MET_STATUS_N
                       ? (unsigned)-f->status : KVF_MET_STATUS_N;
         m->failures[code][f->from_another_rank ? KVF_MET_REMOTE : KVF_MET_LOCAL]++;
         return;
     }
-    uint64_t from = r->t_dest_ns ? r->t_dest_ns : r->t_create_ns, bytes = 0;
-    hist_add(&m->transfer_seconds, (double)(r->t_final_ns - from) * 1e-9, 0);
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        bytes += r->links[i].bytes;
-    hist_add(&m->room_bytes, (double)bytes, 1);
+    uint64_t dest = atomic_load_explicit(&r->t_dest_ns, memory_order_relaxed);
+    uint64_t from = dest ? dest : r->t_create_ns;
+    hist_add(&m->transfer_seconds, (double)(final - from) * 1e-9, 0);
+    hist_add(&m->room_bytes, (double)atomic_load_explicit(&r->bytes, memory_order_relaxed), 1);
 }
 
 /* ------------------------------------------------------------------------ */

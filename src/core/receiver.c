@@ -457,7 +457,7 @@ static void receiver_take(kvf_room_t *r)
     /* The waiting deadline runs from here: the time the scheduler took
      * to find pages is not the prefill's. */
     r->t_state_ms = kvf_now_ms();
-    r->t_dest_ns = g->t_ns;
+    atomic_store_explicit(&r->t_dest_ns, g->t_ns, memory_order_relaxed);
     free(g);
     kvf__trace_peer_event(r, "dest_set", NULL, -1, rv->n_pages, -1);
     kvf__receiver_try_request(r);
@@ -791,7 +791,7 @@ static int send_request(kvf_room_t *r, kvf_link_t *lk, int designee)
     /* Nothing owed (a zero-page room's link that carries neither aux
      * nor state): the prefill rank treats it as idle too. */
     lk->done = lk->idle || (rv->n_pages == 0 && !aux && !state);
-    kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(eng, p));
+    kvf__link_streams_reset(r, lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(eng, p));
     kvf_status_t st = kvf__peer_send(p, &m);
     if (st != KVF_OK) {
         kvf__room_fail(r, st, "cannot send the room's destination to %s: %s",
@@ -1337,8 +1337,7 @@ static void read_finish(kvf_read_t *rd, kvf_verdict_t *verdict_p)
         if (!room_final(r)) {
             for (uint32_t i = 0; lk->hash[0] != NULL && rd->bounce == NULL && i < rd->n; i++)
                 XXH3_64bits_update(lk->hash[0], local[i].iov_base, local[i].iov_len);
-            lk->bytes += rd->bytes;
-            lk->stream_bytes[0] += rd->bytes;
+            kvf__link_count(r, lk, 0, rd->bytes);
             eng->stats.bytes_received += rd->bytes;
             eng->metrics.path_bytes[kvf__metrics_path(p->mover, rd->bounce != NULL)] +=
                 rd->bytes;
@@ -1503,8 +1502,7 @@ static kvf_verdict_t receiver_on_data_end(kvf_peer_t *p, uint64_t placed)
         return kvf__verdict_ok();
     if (p->rx_bounce != NULL)
         placed -= stage_copy(p, r, p->rx_link, placed);   /* those count when copied */
-    p->rx_link->bytes += placed;
-    p->rx_link->stream_bytes[p->stream] += placed;
+    kvf__link_count(r, p->rx_link, p->stream, placed);
     p->eng->stats.bytes_received += placed;
     p->eng->metrics.path_bytes[KVF_PATH_TCP] += placed;
     p->eng->stream_bytes[p->stream] += placed;

@@ -44,8 +44,10 @@ static void link_free(kvf_link_t *l)
             XXH3_freeState(l->hash[k]);
 }
 
-void kvf__link_streams_reset(kvf_link_t *lk, uint32_t n, int hash)
+void kvf__link_streams_reset(kvf_room_t *r, kvf_link_t *lk, uint32_t n, int hash)
 {
+    KVF_ASSERT_LOCKED(r->eng);
+    atomic_fetch_sub_explicit(&r->bytes, lk->bytes, memory_order_relaxed);
     lk->nstreams = n;
     lk->ends = 0;
     lk->bytes = 0;
@@ -60,6 +62,14 @@ void kvf__link_streams_reset(kvf_link_t *lk, uint32_t n, int hash)
         if (lk->hash[k] != NULL)
             XXH3_64bits_reset(lk->hash[k]);
     }
+}
+
+void kvf__link_count(kvf_room_t *r, kvf_link_t *lk, uint32_t k, uint64_t n)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    lk->bytes += n;
+    lk->stream_bytes[k] += n;
+    atomic_fetch_add_explicit(&r->bytes, n, memory_order_relaxed);
 }
 
 void kvf__room_put(kvf_room_t *r)
@@ -82,7 +92,8 @@ void kvf__room_put(kvf_room_t *r)
 static void stats_final(kvf_room_t *r, const kvf_failure_t *f, int reversed)
 {
     kvf_engine_t *eng = r->eng;
-    r->t_final_ns = kvf_now_ns();
+    /* Release: kvf__room_metric, seeing it, sees every byte counted. */
+    atomic_store_explicit(&r->t_final_ns, kvf_now_ns(), memory_order_release);
     kvf__metrics_room_final(r, f, reversed);
     if (f == NULL) {
         eng->stats.rooms_succeeded++;
@@ -551,6 +562,8 @@ kvf_status_t kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reas
 kvf_status_t kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms)
 {
     kvf_engine_t *eng = r->eng;
+    if (room_state(r) == KVF_POLL_FAILED)
+        return KVF_OK;           /* for good: nothing to wait for or to lock */
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += timeout_ms / 1000;
@@ -795,15 +808,13 @@ kvf_status_t kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m)
         return KVF_ERR_INVALID_PARAM;
     }
     kvf_room_metric_t v = {.size = m->size};
-    kvf__room_lock(r);
-    for (uint32_t i = 0; i < r->nlinks; i++)
-        v.bytes += r->links[i].bytes;
-    if (r->t_dest_ns != 0) {
-        uint64_t end = r->t_final_ns ? r->t_final_ns : kvf_now_ns();
-        v.alloc_s = (double)(r->t_dest_ns - r->t_create_ns) * 1e-9;
-        v.transfer_s = (double)(end - r->t_dest_ns) * 1e-9;
+    uint64_t end = atomic_load_explicit(&r->t_final_ns, memory_order_acquire);
+    uint64_t dest = atomic_load_explicit(&r->t_dest_ns, memory_order_relaxed);
+    v.bytes = atomic_load_explicit(&r->bytes, memory_order_relaxed);
+    if (dest != 0) {
+        v.alloc_s = (double)(dest - r->t_create_ns) * 1e-9;
+        v.transfer_s = (double)((end ? end : kvf_now_ns()) - dest) * 1e-9;
     }
-    kvf__unlock(r->eng);
     memcpy(m, &v, m->size < sizeof(v) ? m->size : sizeof(v));
     return KVF_OK;
 }

@@ -274,8 +274,12 @@ struct kvf_room {
     uint64_t         t_state_ms;  /* entered the state, or last progress */
     uint64_t         t_create_ms;
     /* For kvf_*_metric and the metrics' histograms (monotonic ns): created,
-     * decode pages known, final (0: not yet). */
-    uint64_t         t_create_ns, t_dest_ns, t_final_ns;
+     * decode pages known, final (0: not yet).  Written by lanes under the
+     * lock, read by kvf_*_metric without it: t_final_ns is stored
+     * (release) after every byte the room moved is in `bytes`. */
+    uint64_t         t_create_ns;
+    _Atomic uint64_t t_dest_ns, t_final_ns;
+    _Atomic uint64_t bytes;       /* its links' lk->bytes, summed (kvf__link_count) */
     kvf_failure_t   *failure;     /* first root cause, or NULL (a room that
                                      succeeded may keep one it did not take:
                                      siblings.c); set before the room turns
@@ -604,9 +608,12 @@ static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
 }
 
 /* room.c: start a link's tallies over n streams afresh, lk->bytes
- * included, with a checksum per stream when `hash` (a stream without
- * memory for one goes without: the receiver fails the room on it). */
-void kvf__link_streams_reset(kvf_link_t *lk, uint32_t n, int hash);
+ * included (and out of the room's), with a checksum per stream when
+ * `hash` (a stream without memory for one goes without: the receiver
+ * fails the room on it). */
+void kvf__link_streams_reset(kvf_room_t *r, kvf_link_t *lk, uint32_t n, int hash);
+/* room.c: n payload bytes of room r moved on link lk's stream k. */
+void kvf__link_count(kvf_room_t *r, kvf_link_t *lk, uint32_t k, uint64_t n);
 
 /* states.c */
 /* Copy n per-group index arrays into s (n 0: none).  KVF_ERR_NO_MEMORY. */
@@ -653,7 +660,8 @@ void           kvf__room_submit(kvf_room_t *r);
 /* Take in every listed room's published work (each lane at each pass,
  * and whoever is about to free a room, which must not stay listed). */
 void           kvf__rooms_take_submitted(kvf_engine_t *eng);
-/* kvf_*_abort, kvf_*_fail, kvf_*_await_failure (each takes the lock). */
+/* kvf_*_abort, kvf_*_fail, kvf_*_await_failure (each takes the lock; the
+ * wait not when the room is FAILED already: that state is for good). */
 void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
 kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
@@ -661,7 +669,8 @@ kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
  * record into the caller's `out`, of its size.  Without the engine lock,
  * under the room's app_lock: a FAILED room's record does not change. */
 kvf_status_t   kvf__room_consume_failure(kvf_room_t *r, kvf_failure_t *out, const char *fn);
-/* kvf_sender_metric / kvf_receiver_metric (takes the lock). */
+/* kvf_sender_metric / kvf_receiver_metric, without the lock: it reads
+ * the room's atomics (t_dest_ns, t_final_ns, bytes). */
 kvf_status_t   kvf__room_metric(kvf_room_t *r, kvf_room_metric_t *m);
 /* Record `f` (owned) as the root cause and tell every peer but `from`;
  * `sides`: the FAIL's, for a record received (0 for one seen here). */

@@ -180,8 +180,7 @@ static int chunk_next(kvf_put_t *put, kvf_wire_seg_t *seg, const void **src)
     }
     uint64_t bytes = kvf_wire_seg_bytes(seg);
     XXH3_state_t *hash = lk->hash[c->stream];
-    lk->bytes += bytes;
-    lk->stream_bytes[c->stream] += bytes;
+    kvf__link_count(r, lk, c->stream, bytes);
     eng->stats.bytes_sent += bytes;
     eng->stream_bytes[c->stream] += bytes;
     eng->metrics.path_bytes[c->path] += bytes;
@@ -665,7 +664,7 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     if (lk->tx.state.ngroups > 0)
         atomic_store(&sender_of(r)->wants_states, 1);
     kvf__siblings_evict(r, p);
-    kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
+    kvf__link_streams_reset(r, lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     if (lk->tx.prefix != r->links[0].tx.prefix) {
         /* The prefill sends the rest of one prefix: the ranks must agree. */
         kvf__room_fail(r, KVF_ERR_BAD_INDICES, "decode ranks disagree on room %llu's "
@@ -678,7 +677,8 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     if (r->nlinks == r->expected_links) {
         sender_of(r)->decode_prefix = lk->tx.prefix;
         if (room_state(r) == KVF_POLL_BOOTSTRAPPING)
-            r->t_dest_ns = kvf_now_ns();     /* every decode rank's pages arrived */
+            atomic_store_explicit(&r->t_dest_ns, kvf_now_ns(),   /* every decode */
+                                  memory_order_relaxed);        /* rank's pages arrived */
         kvf__room_set_state(r, KVF_POLL_WAITING_FOR_INPUT);
         if (sender_of(r)->held)
             release_held(r);
@@ -1393,7 +1393,7 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     lk->broken = 0;
     lk->done = 0;
     lk->tx.last_queued = 0;
-    kvf__link_streams_reset(lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
+    kvf__link_streams_reset(r, lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     r->t_state_ms = kvf_now_ms();
     /* (A held room that is still waiting for readers keeps its pages.) */
     if ((snd->pages_sent > 0 || snd->last_sent) &&

@@ -28,8 +28,9 @@
  *       kvf_receiver_set_dest): they touch
  *       only atomics and fields the application's thread owns under the
  *       room's app_lock, and the lanes take what it published under the
- *       lock (kvf__rooms_take_submitted); and the read of a failed room's
- *       record (kvf__room_consume_failure), which is fixed once FAILED.
+ *       lock (kvf__rooms_take_submitted); the read of a failed room's
+ *       record (kvf__room_consume_failure), which is fixed once FAILED;
+ *       and the room's metric (kvf__room_metric), which reads atomics.
  *   Functions that take none of these (layouts, parallel plans, page runs,
  *   sized structs, wire messages) touch nothing the lock guards.
  *

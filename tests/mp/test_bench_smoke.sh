@@ -63,7 +63,7 @@ d = json.loads(sys.argv[1])
 assert d["load_in_flight"] == (8 if sys.argv[2] == "--load-rooms 8" else 2), d["load_in_flight"]
 assert d["load_mib"] == (0 if sys.argv[2] == "--load-rooms 8" else 8), d["load_mib"]
 calls = ("receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
-         "poll", "receiver_failure", "sender_destroy", "receiver_destroy")
+         "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy")
 for phase in ("idle", "load"):
     assert d[phase]["null_call"]["n"] >= 8 * 50, (phase, d[phase]["null_call"])
     for c in calls + ("null_call",):

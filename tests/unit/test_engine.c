@@ -347,32 +347,36 @@ static void test_page_size_mismatch(void)
     side_fini(&pre);
 }
 
-/* kvf_receiver_failure on another thread, which says when it returned. */
+/* What a failed receiver's application reads, each on another thread. */
 typedef struct {
-    kvf_receiver_t *r;
-    kvf_failure_t   f;
-    kvf_status_t    st;
-    sem_t           done;
-} failure_read_t;
+    kvf_receiver_t   *r;
+    kvf_failure_t     f;
+    kvf_room_metric_t m;
+    kvf_status_t      failure_st, metric_st, await_st;
+    sem_t             done;
+} failed_reads_t;
 
-static void *read_failure(void *arg)
+static void *read_failed(void *arg)
 {
-    failure_read_t *a = arg;
-    a->st = kvf_receiver_failure(a->r, &a->f);
+    failed_reads_t *a = arg;
+    a->failure_st = kvf_receiver_failure(a->r, &a->f);
+    a->metric_st = kvf_receiver_metric(a->r, &a->m);
+    a->await_st = kvf_receiver_await_failure(a->r, 0);
     sem_post(&a->done);
     return NULL;
 }
 
-/* The failure record is read without the engine lock: the read returns
- * while the lock is held (here by this thread, as a lane's pass would). */
-static void check_failure_read_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
+/* A failed room's record, its metric and the wait for its failure are
+ * read without the engine lock: the reads return while the lock is held
+ * (here by this thread, as a lane's pass would). */
+static void check_failed_reads_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
 {
-    failure_read_t a = {.r = r};
+    failed_reads_t a = {.r = r, .m = {.size = sizeof(a.m)}};
     kvf_failure_init(&a.f);
     CHECK_EQ_INT(sem_init(&a.done, 0, 0), 0);
     kvf__lock(eng);
     pthread_t t;
-    CHECK_EQ_INT(pthread_create(&t, NULL, read_failure, &a), 0);
+    CHECK_EQ_INT(pthread_create(&t, NULL, read_failed, &a), 0);
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += 10;
@@ -383,10 +387,13 @@ static void check_failure_read_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
     kvf__unlock(eng);
     pthread_join(t, NULL);
     sem_destroy(&a.done);
-    CHECK_EQ_INT(a.st, KVF_OK);
+    CHECK_EQ_INT(a.failure_st, KVF_OK);
     CHECK_EQ_INT(a.f.status, KVF_ERR_ABORTED);
     CHECK_EQ_INT(a.f.from_another_rank, 0);
     CHECK_EQ_INT(kvf_receiver_failure(r, &a.f), KVF_ERR_NOT_FOUND);   /* once */
+    CHECK_EQ_INT(a.metric_st, KVF_OK);
+    CHECK(a.m.bytes == 0 && a.m.alloc_s >= 0 && a.m.transfer_s >= 0);
+    CHECK_EQ_INT(a.await_st, KVF_OK);
 }
 
 static void test_abort_propagates(void)
@@ -412,7 +419,7 @@ static void test_abort_propagates(void)
     CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
     CHECK_EQ_INT(f.from_another_rank, 1);
     CHECK_STR_CONTAINS(f.reason, "aborted by the application on decode rank 0");
-    check_failure_read_lock_free(dec.eng, r);
+    check_failed_reads_lock_free(dec.eng, r);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
     side_fini(&dec);
