@@ -772,7 +772,8 @@ KVF_API kvf_poll_t kvf_sender_poll(const kvf_sender_t *sender);
 KVF_API kvf_status_t kvf_sender_failure(kvf_sender_t *sender,
                                         kvf_failure_t *failure_p);
 
-/** Abort the room here and on all its peers.  No-op once final. */
+/** Abort the room here and on all its peers.  No-op once final (and then
+ *  without the engine lock). */
 KVF_API void kvf_sender_abort(kvf_sender_t *sender);
 
 /**
@@ -783,7 +784,8 @@ KVF_API void kvf_sender_abort(kvf_sender_t *sender);
  * it as it would a failure kvferry saw itself (docs/FAILURES.md).  For an
  * application that refuses a request before kvferry sees it (an index
  * its own checks rejected, say), so that every rank names that refusal
- * rather than an abort.  No-op once the room is final.
+ * rather than an abort.  No-op once the room is final (and then without
+ * the engine lock).
  * @return KVF_OK, KVF_ERR_INVALID_PARAM (status not negative, no reason).
  */
 KVF_API kvf_status_t kvf_sender_fail(kvf_sender_t *sender, kvf_status_t status,
@@ -1015,7 +1017,8 @@ KVF_API kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *receiver);
 KVF_API kvf_status_t kvf_receiver_failure(kvf_receiver_t *receiver,
                                           kvf_failure_t *failure_p);
 
-/** Abort the room here and on all its peers.  No-op once final. */
+/** Abort the room here and on all its peers.  No-op once final (and then
+ *  without the engine lock). */
 KVF_API void kvf_receiver_abort(kvf_receiver_t *receiver);
 
 /** Fail the room here with the application's root cause (as kvf_sender_fail). */

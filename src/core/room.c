@@ -538,8 +538,12 @@ void kvf__room_destroy(kvf_room_t *r)
     kvf__unlock(eng);
 }
 
+/* Abort and fail are no-ops on a final room (room_vfail), which stays
+ * final: seeing it so, they return without the lock. */
 void kvf__room_abort(kvf_room_t *r)
 {
+    if (room_final(r))
+        return;
     kvf__room_lock(r);
     kvf__room_fail(r, KVF_ERR_ABORTED, "aborted by the application on %s",
                    kvf__engine_rank_name(r->eng, (char[96]){0}, 96));
@@ -553,6 +557,8 @@ kvf_status_t kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reas
                   (unsigned long long)r->id);
         return KVF_ERR_INVALID_PARAM;
     }
+    if (room_final(r))
+        return KVF_OK;
     kvf__room_lock(r);
     kvf__room_fail(r, st, "%s", reason);
     kvf__unlock(r->eng);

@@ -660,8 +660,9 @@ void           kvf__room_submit(kvf_room_t *r);
 /* Take in every listed room's published work (each lane at each pass,
  * and whoever is about to free a room, which must not stay listed). */
 void           kvf__rooms_take_submitted(kvf_engine_t *eng);
-/* kvf_*_abort, kvf_*_fail, kvf_*_await_failure (each takes the lock; the
- * wait not when the room is FAILED already: that state is for good). */
+/* kvf_*_abort, kvf_*_fail, kvf_*_await_failure: each takes the lock, but
+ * not on a room already final (abort, fail: a no-op then) or FAILED
+ * (await_failure): a final room stays final, a FAILED one FAILED. */
 void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
 kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);

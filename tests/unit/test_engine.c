@@ -352,13 +352,15 @@ typedef struct {
     kvf_receiver_t   *r;
     kvf_failure_t     f;
     kvf_room_metric_t m;
-    kvf_status_t      failure_st, metric_st, await_st;
+    kvf_status_t      fail_st, failure_st, metric_st, await_st;
     sem_t             done;
 } failed_reads_t;
 
 static void *read_failed(void *arg)
 {
     failed_reads_t *a = arg;
+    kvf_receiver_abort(a->r);                /* no-ops on a final room */
+    a->fail_st = kvf_receiver_fail(a->r, KVF_ERR_BAD_INDICES, "too late");
     a->failure_st = kvf_receiver_failure(a->r, &a->f);
     a->metric_st = kvf_receiver_metric(a->r, &a->m);
     a->await_st = kvf_receiver_await_failure(a->r, 0);
@@ -366,9 +368,9 @@ static void *read_failed(void *arg)
     return NULL;
 }
 
-/* A failed room's record, its metric and the wait for its failure are
- * read without the engine lock: the reads return while the lock is held
- * (here by this thread, as a lane's pass would). */
+/* On a failed room, abort and fail (no-ops), the record, the metric and
+ * the wait for its failure run without the engine lock: they return while
+ * the lock is held (here by this thread, as a lane's pass would). */
 static void check_failed_reads_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
 {
     failed_reads_t a = {.r = r, .m = {.size = sizeof(a.m)}};
@@ -387,8 +389,9 @@ static void check_failed_reads_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
     kvf__unlock(eng);
     pthread_join(t, NULL);
     sem_destroy(&a.done);
+    CHECK_EQ_INT(a.fail_st, KVF_OK);
     CHECK_EQ_INT(a.failure_st, KVF_OK);
-    CHECK_EQ_INT(a.f.status, KVF_ERR_ABORTED);
+    CHECK_EQ_INT(a.f.status, KVF_ERR_ABORTED);      /* the first cause stays */
     CHECK_EQ_INT(a.f.from_another_rank, 0);
     CHECK_EQ_INT(kvf_receiver_failure(r, &a.f), KVF_ERR_NOT_FOUND);   /* once */
     CHECK_EQ_INT(a.metric_st, KVF_OK);
