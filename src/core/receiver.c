@@ -457,7 +457,8 @@ static void receiver_take(kvf_room_t *r)
     /* The waiting deadline runs from here: the time the scheduler took
      * to find pages is not the prefill's. */
     r->t_state_ms = kvf_now_ms();
-    atomic_store_explicit(&r->t_dest_ns, g->t_ns, memory_order_relaxed);
+    if (!room_final(r))      /* a destination given too late is not in its times */
+        atomic_store_explicit(&r->t_dest_ns, g->t_ns, memory_order_relaxed);
     free(g);
     kvf__trace_peer_event(r, "dest_set", NULL, -1, rv->n_pages, -1);
     kvf__receiver_try_request(r);

@@ -24,6 +24,7 @@
 #include "bootstrap/bootstrap.h"
 #include "core/engine.h"
 #include "core/peer.h"
+#include "core/room.h"
 #include "kvferry/kvferry.h"
 #include "transport/transport.h"
 #define PAGES 64
@@ -347,7 +348,7 @@ static void test_page_size_mismatch(void)
     side_fini(&pre);
 }
 
-/* What a failed receiver's application reads, each on another thread. */
+/* What a failed receiver's application calls, on another thread. */
 typedef struct {
     kvf_receiver_t   *r;
     kvf_failure_t     f;
@@ -395,8 +396,36 @@ static void check_failed_reads_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
     CHECK_EQ_INT(a.f.from_another_rank, 0);
     CHECK_EQ_INT(kvf_receiver_failure(r, &a.f), KVF_ERR_NOT_FOUND);   /* once */
     CHECK_EQ_INT(a.metric_st, KVF_OK);
-    CHECK(a.m.bytes == 0 && a.m.alloc_s >= 0 && a.m.transfer_s >= 0);
+    CHECK(a.m.bytes == 0 && a.m.alloc_s < 60 && a.m.transfer_s < 60);
+    kvf_room_metric_t again = {.size = sizeof(again)};
+    CHECK_EQ_INT(kvf_receiver_metric(r, &again), KVF_OK);
+    CHECK(again.transfer_s == a.m.transfer_s);           /* final: its end is fixed */
     CHECK_EQ_INT(a.await_st, KVF_OK);
+}
+
+/* A receiver that failed before its destination was given, then given one:
+ * its metric says it never had one (no time from a destination given
+ * after the end). */
+static void test_metric_of_room_failed_first(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    kvf_receiver_t *r;
+    uint32_t dst[2] = {1, 2};
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 12, -1, &r), KVF_OK);
+    kvf_receiver_abort(r);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_FAILED);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
+    kvf__lock(dec.eng);
+    kvf__rooms_take_submitted(dec.eng);      /* as a lane's next pass */
+    kvf__unlock(dec.eng);
+    kvf_room_metric_t m = {.size = sizeof(m)};
+    CHECK_EQ_INT(kvf_receiver_metric(r, &m), KVF_OK);
+    CHECK(m.bytes == 0 && m.alloc_s == 0 && m.transfer_s == 0);
+    kvf_receiver_destroy(r);
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 static void test_abort_propagates(void)
@@ -1957,6 +1986,7 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_hostile_strided_segments),
               KVF_CASE(test_strided_only_when_accepted),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
+              KVF_CASE(test_metric_of_room_failed_first),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_reset_with_sends_queued),
               KVF_CASE(test_repeated_resets_give_up),
