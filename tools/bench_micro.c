@@ -26,11 +26,15 @@
  */
 #include <errno.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "kvferry/kvferry.h"
 #include "models.h"
@@ -370,11 +374,12 @@ out:
  * calls are measured.
  */
 enum { KVT_C_RCREATE, KVT_C_RINIT, KVT_C_SCREATE, KVT_C_SINIT, KVT_C_SEND, KVT_C_POLL,
-       KVT_C_FAILURE, KVT_C_METRIC, KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_NULL, KVT_CALLS };
+       KVT_C_FAILURE, KVT_C_METRIC, KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_NULL, KVT_C_WAKE,
+       KVT_CALLS };
 static const char *const kvt_call_names[KVT_CALLS] = {
     "receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
     "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
-    "null_call"
+    "null_call", "wake_call"
 };
 
 typedef struct kvt_samples {
@@ -524,6 +529,78 @@ static void kvt_null_beside(kvt_samples_t *c)
     kvt_sample(&c[KVT_C_NULL], kvt_ms_since(t));
 }
 
+/*
+ * The wake call, the other baseline: one eventfd write that wakes a thread
+ * asleep in epoll_wait, as a call that hands work to a sleeping lane must
+ * make (the engine's lanes sleep so).  Each write comes 50 us after the
+ * sleeper last woke, so that it is asleep again; under load it may not be
+ * yet, and that write costs less: the figure is a floor.
+ */
+typedef struct kvt_sleeper {
+    int   efd, ep;
+    sem_t woke;           /* posted after each wake */
+    int   stop;
+} kvt_sleeper_t;
+
+static void *kvt_sleeper_main(void *arg)
+{
+    kvt_sleeper_t *z = arg;
+    for (;;) {
+        struct epoll_event ev;
+        uint64_t v;
+        int k = epoll_wait(z->ep, &ev, 1, 100);     /* the timeout: to see stop */
+        if (__atomic_load_n(&z->stop, __ATOMIC_ACQUIRE))
+            return NULL;
+        if (k == 1 && read(z->efd, &v, sizeof(v)) == sizeof(v))
+            sem_post(&z->woke);
+    }
+}
+
+/* n wake calls into c[KVT_C_WAKE].  @return 0, or -1 (said on stderr). */
+static int kvt_wake_calls(uint32_t n, kvt_samples_t *c)
+{
+    kvt_sleeper_t z = {.efd = eventfd(0, EFD_NONBLOCK), .ep = epoll_create1(0)};
+    struct epoll_event ev = {.events = EPOLLIN};
+    pthread_t th;
+    uint64_t one = 1;
+    int rc = -1;
+    if (z.efd < 0 || z.ep < 0 || epoll_ctl(z.ep, EPOLL_CTL_ADD, z.efd, &ev) != 0 ||
+        sem_init(&z.woke, 0, 0) != 0) {
+        fprintf(stderr, "kvferry bench --call-latency: the wake call's eventfd: %s\n",
+                strerror(errno));
+        goto out;
+    }
+    if (pthread_create(&th, NULL, kvt_sleeper_main, &z) != 0) {
+        fprintf(stderr, "kvferry bench --call-latency: no thread for the wake call\n");
+        sem_destroy(&z.woke);
+        goto out;
+    }
+    rc = 0;
+    for (uint32_t i = 0; i < n && rc == 0; i++) {
+        struct timespec ts = {0, 50000};
+        nanosleep(&ts, NULL);
+        double t = kvt_now_s();
+        if (write(z.efd, &one, sizeof(one)) != sizeof(one)) {
+            fprintf(stderr, "kvferry bench --call-latency: eventfd write: %s\n",
+                    strerror(errno));
+            rc = -1;
+            break;
+        }
+        kvt_sample(&c[KVT_C_WAKE], kvt_ms_since(t));
+        while (sem_wait(&z.woke) != 0 && errno == EINTR)
+            ;
+    }
+    __atomic_store_n(&z.stop, 1, __ATOMIC_RELEASE);
+    pthread_join(th, NULL);
+    sem_destroy(&z.woke);
+out:
+    if (z.efd >= 0)
+        close(z.efd);
+    if (z.ep >= 0)
+        close(z.ep);
+    return rc;
+}
+
 /* n one-page rooms, one after the other, every call timed into c[]. */
 static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
                            uint32_t n, uint64_t id0, kvt_samples_t *c)
@@ -633,7 +710,7 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
         goto out;
     for (int k = 0; k < KVT_CALLS; k++)
         idle[k].n = 0;
-    if (kvt_small_rooms(&pre, &dec, reg, n, 1000, idle) != 0)
+    if (kvt_small_rooms(&pre, &dec, reg, n, 1000, idle) != 0 || kvt_wake_calls(n, idle) != 0)
         goto out;
 
     ld = (kvt_load_t){.pre = &pre, .dec = &dec, .reg = reg, .nrooms = nload, .first = 64,
@@ -651,6 +728,7 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);
     }
+    int woke = ld.streaming ? kvt_wake_calls(n, load) : 0;
     double t0 = kvt_now_s();
     int small = kvt_small_rooms(&pre, &dec, reg, n, 1000000, load);
     double dt = kvt_now_s() - t0;
@@ -659,7 +737,7 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
     pthread_mutex_unlock(&ld.lock);
     pthread_join(th, NULL);
     started = 0;
-    if (small != 0 || ld.failed || !ld.streaming) {
+    if (small != 0 || woke != 0 || ld.failed || !ld.streaming) {
         fprintf(stderr, "kvferry bench --call-latency: the load rooms %s\n",
                 ld.failed ? "failed" : "did not start");
         goto out;
@@ -677,6 +755,12 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
     printf(",\"load_vs_null\":");
     kvt_print_vs_null(lp99, lp999, &w99, &w999);
     printf(",\"worst_p99_vs_null\":%.2f,\"worst_p999_vs_null\":%.2f", w99, w999);
+    printf(",\"wake_vs_null\":{\"idle\":{\"p99\":%.2f,\"p999\":%.2f},"
+           "\"load\":{\"p99\":%.2f,\"p999\":%.2f}}",
+           ip99[KVT_C_NULL] > 0 ? ip99[KVT_C_WAKE] / ip99[KVT_C_NULL] : 0,
+           ip999[KVT_C_NULL] > 0 ? ip999[KVT_C_WAKE] / ip999[KVT_C_NULL] : 0,
+           lp99[KVT_C_NULL] > 0 ? lp99[KVT_C_WAKE] / lp99[KVT_C_NULL] : 0,
+           lp999[KVT_C_NULL] > 0 ? lp999[KVT_C_WAKE] / lp999[KVT_C_NULL] : 0);
     double worst_ratio = 0, worst_max = 0;
     printf(",\"p99_ratio\":{");
     for (int k = 0; k < KVT_C_NULL; k++) {

@@ -53,7 +53,8 @@ print("ok: --relay, TP 4 -> 4: %d/%d rooms relayed to every rank, p99 %.3f ms"
 ' "$out"
 
 # --call-latency, briefly: every call timed idle and under load, each beside
-# the null call, and their ratios to it reported (figures, not a target).
+# the null call, and their ratios to it reported (figures, not a target),
+# with the wake call's (an eventfd write waking a sleeping thread).
 # The load either two rooms streaming or, with --load-rooms, many small ones.
 for load in "--load-mib 8" "--load-rooms 8"; do
 out=$(timeout 120 "$KVFERRY" bench --call-latency --rooms 50 $load --transport tcp)
@@ -66,14 +67,17 @@ calls = ("receiver_create", "receiver_init", "sender_create", "sender_init", "se
          "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy")
 for phase in ("idle", "load"):
     assert d[phase]["null_call"]["n"] >= 8 * 50, (phase, d[phase]["null_call"])
-    for c in calls + ("null_call",):
+    for c in calls + ("null_call", "wake_call"):
         e = d[phase][c]
         assert e["n"] >= 50 and 0 <= e["p50_ms"] <= e["p99_ms"] <= e["p999_ms"] <= e["max_ms"], (phase, c, e)
     for c in calls:
         r = d[phase + "_vs_null"][c]
         assert isinstance(r["p99"], numbers.Number) and r["p99"] > 0, (phase, c, r)
 assert d["worst_p99_vs_null"] == max(d["load_vs_null"][c]["p99"] for c in calls), d
-print("ok: --call-latency %s: worst p99 under load %.0fx the null call"
-      % (sys.argv[2], d["worst_p99_vs_null"]))
+for phase in ("idle", "load"):
+    r = d["wake_vs_null"][phase]
+    assert r["p99"] > 0 and r["p999"] > 0, (phase, r)
+print("ok: --call-latency %s: worst p99 under load %.0fx the null call, a wake %.0fx"
+      % (sys.argv[2], d["worst_p99_vs_null"], d["wake_vs_null"]["load"]["p99"]))
 ' "$out" "$load"
 done
