@@ -532,14 +532,15 @@ static void kvt_null_beside(kvt_samples_t *c)
 /*
  * The wake call, the other baseline: one eventfd write that wakes a thread
  * asleep in epoll_wait, as a call that hands work to a sleeping lane must
- * make (the engine's lanes sleep so).  Each write comes 50 us after the
- * sleeper last woke, so that it is asleep again; under load it may not be
- * yet, and that write costs less: the figure is a floor.
+ * make (the engine's lanes sleep so).  One after each room, timed with
+ * its calls: the room's own calls leave the sleeper time to fall asleep
+ * again; if it has not, that write costs less, so the figure is a floor.
  */
 typedef struct kvt_sleeper {
-    int   efd, ep;
-    sem_t woke;           /* posted after each wake */
-    int   stop;
+    int       efd, ep;
+    sem_t     woke;       /* posted after each wake */
+    int       stop;
+    pthread_t th;
 } kvt_sleeper_t;
 
 static void *kvt_sleeper_main(void *arg)
@@ -556,54 +557,63 @@ static void *kvt_sleeper_main(void *arg)
     }
 }
 
-/* n wake calls into c[KVT_C_WAKE].  @return 0, or -1 (said on stderr). */
-static int kvt_wake_calls(uint32_t n, kvt_samples_t *c)
+static void kvt_sleeper_close(kvt_sleeper_t *z)
 {
-    kvt_sleeper_t z = {.efd = eventfd(0, EFD_NONBLOCK), .ep = epoll_create1(0)};
-    struct epoll_event ev = {.events = EPOLLIN};
-    pthread_t th;
-    uint64_t one = 1;
-    int rc = -1;
-    if (z.efd < 0 || z.ep < 0 || epoll_ctl(z.ep, EPOLL_CTL_ADD, z.efd, &ev) != 0 ||
-        sem_init(&z.woke, 0, 0) != 0) {
-        fprintf(stderr, "kvferry bench --call-latency: the wake call's eventfd: %s\n",
-                strerror(errno));
-        goto out;
-    }
-    if (pthread_create(&th, NULL, kvt_sleeper_main, &z) != 0) {
-        fprintf(stderr, "kvferry bench --call-latency: no thread for the wake call\n");
-        sem_destroy(&z.woke);
-        goto out;
-    }
-    rc = 0;
-    for (uint32_t i = 0; i < n && rc == 0; i++) {
-        struct timespec ts = {0, 50000};
-        nanosleep(&ts, NULL);
-        double t = kvt_now_s();
-        if (write(z.efd, &one, sizeof(one)) != sizeof(one)) {
-            fprintf(stderr, "kvferry bench --call-latency: eventfd write: %s\n",
-                    strerror(errno));
-            rc = -1;
-            break;
-        }
-        kvt_sample(&c[KVT_C_WAKE], kvt_ms_since(t));
-        while (sem_wait(&z.woke) != 0 && errno == EINTR)
-            ;
-    }
-    __atomic_store_n(&z.stop, 1, __ATOMIC_RELEASE);
-    pthread_join(th, NULL);
-    sem_destroy(&z.woke);
-out:
-    if (z.efd >= 0)
-        close(z.efd);
-    if (z.ep >= 0)
-        close(z.ep);
-    return rc;
+    if (z->efd >= 0)
+        close(z->efd);
+    if (z->ep >= 0)
+        close(z->ep);
 }
 
-/* n one-page rooms, one after the other, every call timed into c[]. */
-static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
-                           uint32_t n, uint64_t id0, kvt_samples_t *c)
+/* @return 0, or -1 (said on stderr). */
+static int kvt_sleeper_start(kvt_sleeper_t *z)
+{
+    *z = (kvt_sleeper_t){.efd = eventfd(0, EFD_NONBLOCK), .ep = epoll_create1(0)};
+    struct epoll_event ev = {.events = EPOLLIN};
+    if (z->efd < 0 || z->ep < 0 || epoll_ctl(z->ep, EPOLL_CTL_ADD, z->efd, &ev) != 0 ||
+        sem_init(&z->woke, 0, 0) != 0) {
+        fprintf(stderr, "kvferry bench --call-latency: the wake call's eventfd: %s\n",
+                strerror(errno));
+        kvt_sleeper_close(z);
+        return -1;
+    }
+    if (pthread_create(&z->th, NULL, kvt_sleeper_main, z) != 0) {
+        fprintf(stderr, "kvferry bench --call-latency: no thread for the wake call\n");
+        sem_destroy(&z->woke);
+        kvt_sleeper_close(z);
+        return -1;
+    }
+    return 0;
+}
+
+static void kvt_sleeper_stop(kvt_sleeper_t *z)
+{
+    __atomic_store_n(&z->stop, 1, __ATOMIC_RELEASE);
+    pthread_join(z->th, NULL);
+    sem_destroy(&z->woke);
+    kvt_sleeper_close(z);
+}
+
+/* One wake call into c[KVT_C_WAKE], back once the sleeper woke.
+ * @return 0, or -1 (said on stderr). */
+static int kvt_wake_call(kvt_sleeper_t *z, kvt_samples_t *c)
+{
+    uint64_t one = 1;
+    double t = kvt_now_s();
+    if (write(z->efd, &one, sizeof(one)) != sizeof(one)) {
+        fprintf(stderr, "kvferry bench --call-latency: eventfd write: %s\n", strerror(errno));
+        return -1;
+    }
+    kvt_sample(&c[KVT_C_WAKE], kvt_ms_since(t));
+    while (sem_wait(&z->woke) != 0 && errno == EINTR)
+        ;
+    return 0;
+}
+
+/* n one-page rooms, one after the other, every call timed into c[], and
+ * a wake call of z's after each. */
+static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, kvt_sleeper_t *z,
+                           const char *reg, uint32_t n, uint64_t id0, kvt_samples_t *c)
 {
     for (uint32_t i = 0; i < n; i++) {
         uint32_t page = i % 64, slot = i % 64;
@@ -677,6 +687,8 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, const char *reg,
             fprintf(stderr, "kvferry bench --call-latency: small room %u failed\n", i);
             return -1;
         }
+        if (kvt_wake_call(z, c) != 0)
+            return -1;
     }
     return 0;
 }
@@ -695,7 +707,8 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
     kvt_samples_t idle[KVT_CALLS] = {{0}}, load[KVT_CALLS] = {{0}};
     kvt_load_t ld = {0};
     pthread_t th;
-    int started = 0, rc = 1;
+    kvt_sleeper_t sleeper;
+    int started = 0, sleeping = 0, rc = 1;
     char reg[KVF_ADDR_MAX];
 
     if (big == 0) {
@@ -706,11 +719,14 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
         kvf_engine_bootstrap_addr(pre.eng, reg, sizeof(reg)) != KVF_OK ||
         kvt_side_make(&dec, KVF_ROLE_DECODE, &g, pages, transport, NULL))
         goto out;
-    if (kvt_small_rooms(&pre, &dec, reg, 16, 1, idle) != 0)   /* warm up */
+    if (kvt_sleeper_start(&sleeper) != 0)
+        goto out;
+    sleeping = 1;
+    if (kvt_small_rooms(&pre, &dec, &sleeper, reg, 16, 1, idle) != 0)   /* warm up */
         goto out;
     for (int k = 0; k < KVT_CALLS; k++)
         idle[k].n = 0;
-    if (kvt_small_rooms(&pre, &dec, reg, n, 1000, idle) != 0 || kvt_wake_calls(n, idle) != 0)
+    if (kvt_small_rooms(&pre, &dec, &sleeper, reg, n, 1000, idle) != 0)
         goto out;
 
     ld = (kvt_load_t){.pre = &pre, .dec = &dec, .reg = reg, .nrooms = nload, .first = 64,
@@ -728,16 +744,15 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);
     }
-    int woke = ld.streaming ? kvt_wake_calls(n, load) : 0;
     double t0 = kvt_now_s();
-    int small = kvt_small_rooms(&pre, &dec, reg, n, 1000000, load);
+    int small = kvt_small_rooms(&pre, &dec, &sleeper, reg, n, 1000000, load);
     double dt = kvt_now_s() - t0;
     pthread_mutex_lock(&ld.lock);
     ld.stop = 1;
     pthread_mutex_unlock(&ld.lock);
     pthread_join(th, NULL);
     started = 0;
-    if (small != 0 || woke != 0 || ld.failed || !ld.streaming) {
+    if (small != 0 || ld.failed || !ld.streaming) {
         fprintf(stderr, "kvferry bench --call-latency: the load rooms %s\n",
                 ld.failed ? "failed" : "did not start");
         goto out;
@@ -780,6 +795,8 @@ out:
         pthread_mutex_unlock(&ld.lock);
         pthread_join(th, NULL);
     }
+    if (sleeping)
+        kvt_sleeper_stop(&sleeper);
     if (dec.eng)
         kvf_engine_destroy(dec.eng);
     if (pre.eng)
