@@ -16,7 +16,8 @@
  *       the engines idle and then under load: two M MiB rooms streaming
  *       between them at a time, or with --load-rooms, K one-page rooms in
  *       flight at a time (below); each call beside a null call
- *       (kvf_null_call) timed at the same moments.
+ *       (kvf_null_call) timed at the same moments, and after each room a
+ *       wake call (an eventfd write that wakes a sleeping thread).
  *
  * The one idea of the second: per-room cost only shows at scale, and one
  * process holding both sides makes the RSS of each phase attributable: the
@@ -27,6 +28,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <semaphore.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -537,10 +539,10 @@ static void kvt_null_beside(kvt_samples_t *c)
  * again; if it has not, that write costs less, so the figure is a floor.
  */
 typedef struct kvt_sleeper {
-    int       efd, ep;
-    sem_t     woke;       /* posted after each wake */
-    int       stop;
-    pthread_t th;
+    int        efd, ep;
+    sem_t      woke;      /* posted after each wake */
+    atomic_int stop;
+    pthread_t  th;
 } kvt_sleeper_t;
 
 static void *kvt_sleeper_main(void *arg)
@@ -550,7 +552,7 @@ static void *kvt_sleeper_main(void *arg)
         struct epoll_event ev;
         uint64_t v;
         int k = epoll_wait(z->ep, &ev, 1, 100);     /* the timeout: to see stop */
-        if (__atomic_load_n(&z->stop, __ATOMIC_ACQUIRE))
+        if (atomic_load(&z->stop))
             return NULL;
         if (k == 1 && read(z->efd, &v, sizeof(v)) == sizeof(v))
             sem_post(&z->woke);
@@ -588,7 +590,7 @@ static int kvt_sleeper_start(kvt_sleeper_t *z)
 
 static void kvt_sleeper_stop(kvt_sleeper_t *z)
 {
-    __atomic_store_n(&z->stop, 1, __ATOMIC_RELEASE);
+    atomic_store(&z->stop, 1);
     pthread_join(z->th, NULL);
     sem_destroy(&z->woke);
     kvt_sleeper_close(z);
