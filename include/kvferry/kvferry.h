@@ -17,12 +17,17 @@
  *   pages, bounded by their deadline).  kvf_sender_create(),
  *   kvf_sender_create_held(), kvf_receiver_create(), kvf_sender_init(),
  *   kvf_sender_set_states(), kvf_sender_send(), kvf_receiver_set_dest()
- *   (and the _init and set_state forms), kvf_*_poll() and the destroy of
- *   a room that is final with its pages released take no engine lock: a
- *   create claims the room id under a lock of the ids alone, and these
- *   calls publish their work for the progress threads; a poll reads one
- *   atomic; so a scheduler may call them for thousands of rooms in each
- *   step.  Other calls take the engine lock for their bookkeeping, which the
+ *   (and the _init and set_state forms), kvf_*_poll(), kvf_*_failure(),
+ *   kvf_*_metric() and the destroy of a room that is final with its pages
+ *   released take no engine lock: a create claims the room id under a
+ *   lock of the ids alone, and these calls publish their work for the
+ *   progress threads; a poll reads one atomic, a failure read a record
+ *   fixed once the room failed (under the room's own lock), a metric the
+ *   room's atomics; so a scheduler may call them for thousands of rooms in
+ *   each step.  kvf_*_abort() and kvf_*_fail() on a room already final
+ *   (no-ops there) and kvf_*_await_failure() on one already FAILED take
+ *   none either.
+ *   Other calls take the engine lock for their bookkeeping, which the
  *   engine's threads hold only for bounded passes, so such a call may wait
  *   for the rest of one pass (docs/ARCHITECTURE.md, docs/BENCHMARKS.md
  *   "Application calls against a null call").  All network I/O happens on the
