@@ -47,7 +47,9 @@ static void link_free(kvf_link_t *l)
 void kvf__link_streams_reset(kvf_room_t *r, kvf_link_t *lk, uint32_t n, int hash)
 {
     KVF_ASSERT_LOCKED(r->eng);
-    atomic_fetch_sub_explicit(&r->bytes, lk->bytes, memory_order_relaxed);
+    atomic_store_explicit(&r->bytes,            /* out of the room's sum (kvf__link_count) */
+                          atomic_load_explicit(&r->bytes, memory_order_relaxed) - lk->bytes,
+                          memory_order_relaxed);
     lk->nstreams = n;
     lk->ends = 0;
     lk->bytes = 0;
@@ -62,14 +64,6 @@ void kvf__link_streams_reset(kvf_room_t *r, kvf_link_t *lk, uint32_t n, int hash
         if (lk->hash[k] != NULL)
             XXH3_64bits_reset(lk->hash[k]);
     }
-}
-
-void kvf__link_count(kvf_room_t *r, kvf_link_t *lk, uint32_t k, uint64_t n)
-{
-    KVF_ASSERT_LOCKED(r->eng);
-    lk->bytes += n;
-    lk->stream_bytes[k] += n;
-    atomic_fetch_add_explicit(&r->bytes, n, memory_order_relaxed);
 }
 
 void kvf__room_put(kvf_room_t *r)

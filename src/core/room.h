@@ -486,7 +486,7 @@ static inline kvf_poll_t room_state(const kvf_room_t *r)
 
 enum { ROOM_SUBMITTED = 1, ROOM_CLOSING = 2 };
 
-static inline int room_closing(kvf_room_t *r)
+static inline int room_closing(const kvf_room_t *r)
 {
     return (atomic_load(&r->submit) & ROOM_CLOSING) != 0;
 }
@@ -612,8 +612,18 @@ static inline int want_checksum(const kvf_engine_t *eng, const kvf_peer_t *p)
  * `hash` (a stream without memory for one goes without: the receiver
  * fails the room on it). */
 void kvf__link_streams_reset(kvf_room_t *r, kvf_link_t *lk, uint32_t n, int hash);
-/* room.c: n payload bytes of room r moved on link lk's stream k. */
-void kvf__link_count(kvf_room_t *r, kvf_link_t *lk, uint32_t k, uint64_t n);
+/* n payload bytes of room r moved on link lk's stream k (per segment: on
+ * the transfer's path).  The lanes write r->bytes under the lock, one at
+ * a time, so a load and a store do (no locked add); kvf__room_metric reads
+ * it without the lock. */
+static inline void kvf__link_count(kvf_room_t *r, kvf_link_t *lk, uint32_t k, uint64_t n)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    lk->bytes += n;
+    lk->stream_bytes[k] += n;
+    atomic_store_explicit(&r->bytes, atomic_load_explicit(&r->bytes, memory_order_relaxed) + n,
+                          memory_order_relaxed);
+}
 
 /* states.c */
 /* Copy n per-group index arrays into s (n 0: none).  KVF_ERR_NO_MEMORY. */
