@@ -150,7 +150,8 @@ struct kvf_engine {
      * alone unlinks (kvf__peers_tick), so its walks survive a connection
      * op that lets the lock go (sync.h, the lock rule). */
     struct kvf_peer    *peers;
-    uint64_t            peer_generation;  /* bumped when a peer dies */
+    uint64_t            peer_generation;  /* bumped when a peer dies or is to
+                                             be dialled again (redial_later) */
     struct kvf_reack   *reacks;           /* decode: acknowledgements to say again
                                              on a new connection (acks.c) */
     struct kvf_peer    *peers_free;       /* last reference dropped off the

@@ -490,6 +490,9 @@ static int redial_later(kvf_peer_t *p, kvf_status_t st, const char *reason)
     p->refused_ms = now;
     snprintf(p->refused_why, sizeof(p->refused_why), "%s", reason);
     p->state = KVF_PEER_REDIAL;
+    /* Or the engine there is gone (killed while this dialled) and comes
+     * back elsewhere: new rooms look its rank up afresh, as after a death. */
+    p->eng->peer_generation++;
     if (p->refused++ == 0)
         kvf_warn("%s%s closed the connection before its handshake (%s): it refuses new "
                  "connections while too many from this host are still authenticating, or "

@@ -8,7 +8,8 @@
  * again every few seconds so that a restarted registry learns it back.
  * Decode: for each new receiver, finds the prefill rank that serves it
  * (GET /route, cached per registry and per rank; the caches are dropped
- * whenever a peer dies, since a dead peer may have come back elsewhere) and
+ * whenever a peer dies or closes a connection before its handshake, since
+ * it may have come back elsewhere) and
  * hands what it found to the room's `resolved` op (receiver.c), which
  * links the room to those peers: the resolver names no receiver code.
  */
