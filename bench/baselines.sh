@@ -24,6 +24,7 @@
 #   REPEATS=5 PROFILE=0 KVFERRY=build/kvferry OUT=/tmp/bench.json bash bench/baselines.sh
 #   ONLY=streams bash bench/baselines.sh   (just the N-stream case and its iperf3 -P N)
 #   ONLY=relay bash bench/baselines.sh     (just the failure relay, TP 2->2 and 4->4)
+#   ONLY=room4k bash bench/baselines.sh    (just one 4 KiB room at a time, beside sockperf)
 # Installs nothing: `make deps` installs iperf3, python3 and ucx-utils.
 set -euo pipefail
 
@@ -34,7 +35,7 @@ IPERF_SECONDS=${IPERF_SECONDS:-5}
 UCX_MSG=${UCX_MSG:-4194304}    # kvferry's get size: segments are at most 4 MiB
 PROFILE=${PROFILE:-1}
 STREAMS=${STREAMS:-2}          # the N of --streams N and iperf3 -P N
-ONLY=${ONLY:-}                 # "streams" or "relay": that case alone
+ONLY=${ONLY:-}                 # "streams", "relay" or "room4k": that case alone
 OUT=${OUT:-}
 TMP=$(mktemp -d /tmp/kvferry-bench.XXXXXX)
 PIDS=()
@@ -125,8 +126,20 @@ relay() {   # round: prefill rank 0 aborts each room after its first chunk; ever
             --prefill-tp "$tp" --decode-tp "$tp" --requests 2000 --concurrency 8
     done
 }
+room4k() {   # round: one 4 KiB room at a time, the last send to the decode's
+             # SUCCESS, beside one hop of a 4 KiB message; the ranks poll
+             # without sleeping (--spin), then once more with the bench's
+             # back-off, whose sleeps the room waits out
+    note "sockperf ping-pong, TCP, 4 KiB, 5 s ($1/$REPEATS)"
+    sockperf_pp "$1" 4096 sockperf4k
+    kvf room4k "$1" --transport tcp --model tiny --tokens 16 --page-size 16 --concurrency 1 \
+        --requests 2000 --spin
+    kvf room4k_backoff "$1" --transport tcp --model tiny --tokens 16 --page-size 16 \
+        --concurrency 1 --requests 2000
+}
 for i in $(seq "$REPEATS"); do
     if [ "$ONLY" = relay ]; then relay "$i"; continue; fi
+    if [ "$ONLY" = room4k ]; then room4k "$i"; continue; fi
     # issue 11: N streams per pair against N iperf3 streams, side by side
     note "round $i/$REPEATS: iperf3 -P $STREAMS ${IPERF_SECONDS}s, kvferry --streams $STREAMS"
     iperf "$i" "$STREAMS"
@@ -142,12 +155,7 @@ for i in $(seq "$REPEATS"); do
         --concurrency 2 --requests 6
     kvf small "$i" --transport tcp --model tiny --tokens 16 --page-size 16 --concurrency 64 \
         --requests 30000
-    # issue 23: one 4 KiB room at a time, the last send to the decode's
-    # SUCCESS, beside one hop of a 4 KiB message
-    note "sockperf ping-pong, TCP, 4 KiB, 5 s ($i/$REPEATS)"
-    sockperf_pp "$i" 4096 sockperf4k
-    kvf room4k "$i" --transport tcp --model tiny --tokens 16 --page-size 16 --concurrency 1 \
-        --requests 2000
+    room4k "$i"
     note "kvferry bench --rooms-in-flight 10000 ($i/$REPEATS)"
     "$KVFERRY" bench --rooms-in-flight 10000 --transport tcp > "$TMP/kvf.inflight.$i.json"
     # issue 11: application call latency, idle and while 1 GiB rooms stream
@@ -304,7 +312,8 @@ if only == "relay":   # that case alone: its rows
         json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
                   open(out, "w"), indent=1)
     sys.exit(1 if problems else 0)
-put("iperf3_p", iperf3("iperf3p")[0])
+if only != "room4k":
+    put("iperf3_p", iperf3("iperf3p")[0])
 if not only:
     put("memcpy", [load(f"{tmp}/memcpy.{i}.json")["memcpy_gbps"] for i in R])
     ipg, ipc = iperf3("iperf3")
@@ -344,6 +353,39 @@ def kvf(name, transport=None):
 def col(name, f, transport=None):
     return [f(d) if d else None for d in kvf(name, transport)]
 
+def room4k():
+    put("room4k_p50", [d["p50_ms"] if d else None for d in kvf("room4k", "tcp")])
+    put("room4k_backoff_p50", [d["p50_ms"] if d else None for d in kvf("room4k_backoff", "tcp")])
+    sockperf("sockperf4k")
+    for d in runs["room4k"]:
+        if d and not d.get("config", {}).get("spin"):
+            problems.append("room4k: ran without --spin")
+if only == "room4k":   # that case alone: its rows
+    room4k()
+    print(f"machine: {machine['nproc']} CPUs, {machine['cpu']}, Linux {machine['kernel']}; "
+          f"commit {machine['commit'][:12]}; medians of {reps} rounds")
+    hop = [x for x in fig["sockperf4k_p50"] if x is not None]
+    if hop:
+        print(f"one hop of 4 KiB (sockperf ping-pong, TCP): p50 {med(hop) * 1000:.1f} us "
+              f"({min(hop) * 1000:.1f}-{max(hop) * 1000:.1f})")
+    for name, how in (("room4k", "polls spinning (--spin)"),
+                      ("room4k_backoff", "polls backing off")):
+        ratio = [a / b for a, b in zip(fig[f"{name}_p50"], fig["sockperf4k_p50"])
+                 if a is not None and b]
+        v = [x for x in fig[f"{name}_p50"] if x is not None]
+        if v and ratio:
+            print(f"one 4 KiB room, {how}: last send -> SUCCESS p50 {med(v) * 1000:.1f} us "
+                  f"({min(v) * 1000:.1f}-{max(v) * 1000:.1f}) = {med(ratio):.2f}x one hop "
+                  f"({min(ratio):.2f}-{max(ratio):.2f})"
+                  + (f"; goal <= 1.5x: {'met' if med(ratio) <= 1.5 else 'MISSED'}"
+                     if name == "room4k" else ""))
+    for p in problems:
+        print("problem: " + p)
+    if out:
+        json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
+                  open(out, "w"), indent=1)
+    sys.exit(1 if problems else 0)
+
 put("streams", col("streams", lambda d: d["gbps"], "tcp"))
 for d in runs["streams"]:
     if d and d.get("config", {}).get("streams") != nstreams:
@@ -368,8 +410,7 @@ put("contiguous_cpu", [d["cpu_s_per_gb"] if d else None for d in runs["contiguou
 put("scattered", col("scattered", lambda d: d["gbps"], "tcp"))
 put("small_rps", col("small", lambda d: d["rooms_per_s"], "tcp"))
 put("small_p99", [d["p99_ms"] if d else None for d in runs["small"]])
-put("room4k_p50", [d["p50_ms"] if d else None for d in kvf("room4k", "tcp")])
-sockperf("sockperf4k")
+room4k()
 infl = [load(f"{tmp}/kvf.inflight.{i}.json") for i in R]
 put("inflight_bytes", [d["per_room_bytes"] for d in infl])
 put("inflight_poll", [d["poll_pass_ms"] for d in infl])
@@ -448,6 +489,8 @@ abs_row(23, "calls, 64 rooms in flight: worst p99.9 / null call p99.9", "calls64
         "<= 4x", "<=")
 ratio_row(23, "one 4 KiB room: last send -> SUCCESS p50 / sockperf 4 KiB hop p50", "room4k_p50",
           "sockperf4k_p50", "<= 1.5x", hi=1.5)
+ratio_row(23, "the same, polls backing off (no --spin) / sockperf 4 KiB hop p50",
+          "room4k_backoff_p50", "sockperf4k_p50", "(the poll's sleeps)")
 ratio_row(5, "shm contiguous (4 in flight) / memcpy", "shm", "memcpy", ">= 0.8x", lo=0.8)
 ratio_row(11, "shm, 2 copier threads / memcpy", "shm2", "memcpy", "(2 cores)")
 if ucx:

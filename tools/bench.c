@@ -405,6 +405,7 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p, double **lat_p, size
                         json_integer((json_int_t)p->streams));
     json_object_set_new(json_object_get(out, "config"), "kv_order",
                         json_string(p->kv_order));
+    json_object_set_new(json_object_get(out, "config"), "spin", json_boolean(p->spin));
     json_object_set_new(out, "prefill_bytes", json_integer((json_int_t)prefill_bytes));
     json_object_set_new(out, "registry_auth", json_string(
         o->registry_auth[0] ? o->registry_auth : "unknown"));

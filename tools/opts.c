@@ -101,6 +101,10 @@ static const kvt_opt_t kvt_opt_table[] = {
       0, NULL, "time how fast a failure reaches every rank: prefill rank 0 aborts each "
       "room after its first chunk, the others send no more, and each rank notes when "
       "its room failed (default --chunk: one page)" },
+    { "spin", KVT_FLAG, OFF(spin), KVT_IN_BENCH | KVT_IN_RANK | KVT_FORWARD,
+      0, NULL, "poll rooms without sleeping between passes (yielding the CPU), as a "
+      "scheduler's loop polls every step: room latency is then the library's to within "
+      "a pass, not the polling's back-off (the CPU figures count the polling)" },
     { "timeout", KVT_U32, OFF(timeout), KVT_IN_DEMO | KVT_IN_BENCH, 1, "SECONDS",
       "kill every process after this; rooms not final are unresolved" },
     { "json", KVT_FLAG, OFF(json), KVT_IN_DEMO | KVT_IN_BENCH, 0, NULL,

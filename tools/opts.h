@@ -45,6 +45,7 @@ typedef struct kvt_opts {
     int         bench;             /**< _rank: run the bench loop (bench_rank.c) */
     int         relay;             /**< bench: prefill rank 0 aborts every room after
                                         its first chunk; time the failure's relay */
+    int         spin;              /**< bench: poll without sleeping between passes */
     const char *plot;              /**< bench: draw the figures into this PNG (plot.h) */
     const char *baselines;         /**< bench: bench/baselines.sh's JSON, for --plot */
     /* demo: faults (fault.h) */

@@ -30,6 +30,12 @@ out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 256 --page-size 
       --chunk 64 --pattern scattered --requests 20 --concurrency 4 --verify --timeout 60)
 check "$out" 20
 
+# --spin: one room at a time, the ranks polling without sleeping.
+out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 16 --page-size 16 \
+      --concurrency 1 --requests 50 --spin --transport tcp --timeout 60)
+check "$out" 50
+python3 -c 'import json, sys; assert json.loads(sys.argv[1])["config"]["spin"] is True' "$out"
+
 # --duration: both sides agree on the rooms they ran.
 out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 16 --page-size 16 \
       --concurrency 8 --duration 1 --timeout 60)
