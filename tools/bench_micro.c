@@ -17,7 +17,9 @@
  *       between them at a time, or with --load-rooms, K one-page rooms in
  *       flight at a time (below); each call beside a null call
  *       (kvf_null_call) timed at the same moments, and after each room a
- *       wake call (an eventfd write that wakes a sleeping thread).
+ *       wake call (an eventfd write that wakes a sleeping thread).  The
+ *       engines take their busy polling from KVF_BUSY_POLL_US (0: none),
+ *       which the JSON states as busy_poll_us.
  *
  * The one idea of the second: per-room cost only shows at scale, and one
  * process holding both sides makes the RSS of each phase attributable: the
@@ -762,8 +764,11 @@ static int kvt_bench_calls(uint32_t n, uint32_t load_mib, uint32_t load_rooms,
 
     double ip99[KVT_CALLS], ip999[KVT_CALLS], imax[KVT_CALLS];
     double lp99[KVT_CALLS], lp999[KVT_CALLS], lmax[KVT_CALLS], w99, w999;
+    kvf_engine_params_t defaults;   /* what kvt_side_make left as it was */
+    kvf_engine_params_init(&defaults);
     printf("{\"rooms\":%u,\"transport\":\"%s\",\"load_mib\":%u,\"load_in_flight\":%u,"
-           "\"idle\":", n, kvf_engine_transport(dec.eng), load_rooms ? 0 : load_mib, nload);
+           "\"busy_poll_us\":%u,\"idle\":", n, kvf_engine_transport(dec.eng),
+           load_rooms ? 0 : load_mib, nload, defaults.busy_poll_us);
     kvt_print_calls(idle, ip99, ip999, imax);
     printf(",\"load\":");
     kvt_print_calls(load, lp99, lp999, lmax);

@@ -119,6 +119,7 @@ class EngineParams(Structure):
         ("decode_allocation_policy", c_char_p),
         ("metrics_addr", c_char_p),
         ("trace", c_char_p),
+        ("busy_poll_us", c_uint),
     ]
 
 

@@ -106,7 +106,10 @@ class KVArgs:
     engine's Prometheus metrics there, GET /metrics; ``None`` takes
     ``KVF_METRICS_ADDR``, else none) and ``trace`` (a file path, or
     ``"fd:N"``: write the room trace there; ``None`` takes ``KVF_TRACE``,
-    else off), see docs/OPERATIONS.md.
+    else off), see docs/OPERATIONS.md, and ``busy_poll_us`` (how long the
+    progress threads poll on after work before they sleep, 0..1000000;
+    ``None`` takes ``KVF_BUSY_POLL_US``, else 0: see docs/GUIDE.md, "Busy
+    polling").
 
     Registration fields (prefill; what SGLang's decode servers and routers
     read from the registry): ``cp_rank``/``cp_size`` (attention context
@@ -176,6 +179,7 @@ class KVArgs:
     streams: Optional[int] = None
     metrics_addr: Optional[str] = None
     trace: Optional[str] = None
+    busy_poll_us: Optional[int] = None
 
     def replace(self, **changes):
         """A copy with some fields changed (``dataclasses.replace``)."""

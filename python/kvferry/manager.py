@@ -312,6 +312,8 @@ class KVManager(_Closing):
             p.metrics_addr = _addr("metrics_addr", a.metrics_addr)
         if a.trace is not None:
             p.trace = _str("trace", a.trace)
+        if a.busy_poll_us is not None:
+            p.busy_poll_us = _u32("busy_poll_us", a.busy_poll_us)
         for f in ("bootstrap_timeout_ms", "waiting_timeout_ms", "transfer_timeout_ms",
                   "heartbeat_interval_ms", "heartbeat_timeout_ms"):
             v = getattr(a, f)

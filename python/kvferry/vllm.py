@@ -149,7 +149,7 @@ _HANDED_OFF = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
 # kv_connector_extra_config["kvferry"]: KVArgs engine fields a deployment may set.
 _ENGINE_KEYS = ("host", "port", "transport", "checksum", "streams", "bootstrap_timeout_ms",
                 "waiting_timeout_ms", "transfer_timeout_ms", "heartbeat_interval_ms",
-                "heartbeat_timeout_ms", "faults", "metrics_addr", "trace")
+                "heartbeat_timeout_ms", "faults", "metrics_addr", "trace", "busy_poll_us")
 
 
 # ---------------------------------------------------------------------------
@@ -1111,7 +1111,8 @@ class KVFerryConnector(KVConnectorBase_V1):
     docs/VLLM.md).  ``kv_connector_extra_config`` keys: ``lease_s`` (how
     long P holds unread blocks; default ``$VLLM_NIXL_ABORT_REQUEST_TIMEOUT``,
     else 480), ``kvferry`` (engine settings: host, port, transport,
-    checksum, streams, the ``*_timeout_ms`` deadlines, heartbeat), and, for
+    checksum, streams, the ``*_timeout_ms`` deadlines, heartbeat, metrics_addr,
+    trace, busy_poll_us), and, for
     tests without vLLM, ``tp_rank`` / ``tp_size`` (also the ``tp_rank``
     keyword)."""
 

@@ -168,6 +168,12 @@ class Construction(unittest.TestCase):
         self.assertIsInstance(cm.exception, kvferry.KVFerryValueError)
         self.assertEqual(cm.exception.status, "KVF_ERR_INVALID_PARAM")
         self.assertIn("invalid parameter", str(cm.exception))
+        # Busy polling: at most a second.
+        with self.assertRaises(ValueError) as cm:
+            kvferry.KVManager(make_args(4, busy_poll_us=1000001), "decode")
+        self.assertEqual(cm.exception.status, "KVF_ERR_INVALID_PARAM")
+        with kvferry.KVManager(make_args(4, busy_poll_us=200), "decode"):
+            pass
 
     def test_room_args(self):
         with kvferry.KVManager(make_args(4), "decode") as dec:

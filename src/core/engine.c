@@ -7,6 +7,7 @@
  */
 #include <assert.h>
 #include <errno.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -81,6 +82,10 @@ static kvf_status_t check_params(const kvf_engine_params_t *p)
     if (p->streams > KVF_MAX_STREAMS) {
         kvf_error("invalid streams %u (1..%d, or 0 for the default)", p->streams,
                   KVF_MAX_STREAMS);
+        return KVF_ERR_INVALID_PARAM;
+    }
+    if (p->busy_poll_us > KVF_BUSY_POLL_MAX_US) {
+        kvf_error("invalid busy_poll_us %u (0..%d)", p->busy_poll_us, KVF_BUSY_POLL_MAX_US);
         return KVF_ERR_INVALID_PARAM;
     }
     return kvf__registration_check(p);
@@ -853,12 +858,19 @@ static void tick_if_due(kvf_engine_t *eng, uint64_t *next_tick)
  * A lane is about to wait up to `timeout` ms with the lock released: it
  * counts itself out of the awake lanes, then looks for work published
  * before it did (the other half of kvf__engine_wake_idle); lane_woke()
- * counts it back in.  @return the wait to make.
+ * counts it back in.  Busy polling (params.busy_poll_us): within its
+ * window the lane does not wait but yields its CPU and polls again,
+ * still counted awake, so that a call that publishes work makes no
+ * system call.  @return the wait to make.
  */
-static int lane_sleep(kvf_engine_t *eng, int timeout)
+static int lane_sleep(kvf_engine_t *eng, kvf_lane_t *ln, int timeout)
 {
     if (timeout == 0)
         return 0;
+    if (ln->busy_until_ns != 0 && kvf_now_ns() < ln->busy_until_ns) {
+        sched_yield();
+        return 0;
+    }
     atomic_fetch_sub(&eng->sync.awake, 1);
     if (atomic_load(&eng->submitted) != NULL) {
         atomic_fetch_add(&eng->sync.awake, 1);
@@ -867,10 +879,27 @@ static int lane_sleep(kvf_engine_t *eng, int timeout)
     return timeout;
 }
 
-static void lane_woke(kvf_engine_t *eng, int slept)
+/* After the wait: counted back in.  @return 1 if there is work: events,
+ * or work published (for lane_poll_on). */
+static int lane_woke(kvf_engine_t *eng, int slept, int events)
 {
     if (slept != 0)
         atomic_fetch_add(&eng->sync.awake, 1);
+    return events > 0 || atomic_load(&eng->submitted) != NULL;
+}
+
+/*
+ * After a pass that had work, while the engine has rooms: the lane's
+ * busy-polling window opens anew (params.busy_poll_us, lane_sleep).  A
+ * tick's timeout is no work, and an engine without rooms lets its window
+ * pass, so neither ticks nor a peer's heartbeats keep an idle engine
+ * spinning.
+ */
+static void lane_poll_on(kvf_engine_t *eng, kvf_lane_t *ln, int had_work)
+{
+    KVF_ASSERT_LOCKED(eng);
+    if (eng->params.busy_poll_us != 0 && had_work && eng->rooms != NULL)
+        ln->busy_until_ns = kvf_now_ns() + (uint64_t)eng->params.busy_poll_us * 1000u;
 }
 
 /*
@@ -893,9 +922,9 @@ static void *lane_main(void *arg)
         kvf__unlock(eng);
         /* Between passes: callers waiting for the lock have it first. */
         kvf__lock_yield(eng);
-        int timeout = lane_sleep(eng, more ? 0 : TICK_MS);
+        int timeout = lane_sleep(eng, ln, more ? 0 : TICK_MS);
         int n = epoll_wait(ln->epfd, evs, 64, timeout);
-        lane_woke(eng, timeout);
+        int work = lane_woke(eng, timeout, n);
         kvf__lock_lane(eng);
         if (n < 0 && errno != EINTR) {
             kvf_error("epoll_wait (lane %u): %m", ln->index);
@@ -913,6 +942,7 @@ static void *lane_main(void *arg)
         more = kvf__lane_pass(ln);
         /* Chunks the application published: whichever lane is awake. */
         kvf__rooms_take_submitted(eng);
+        lane_poll_on(eng, ln, work);
     }
     kvf__unlock(eng);
     atomic_fetch_sub(&eng->sync.awake, 1);
@@ -936,9 +966,9 @@ static void *progress_main(void *arg)
         kvf__unlock(eng);
         /* Between passes: callers waiting for the lock have it first. */
         kvf__lock_yield(eng);
-        timeout = lane_sleep(eng, timeout);
+        timeout = lane_sleep(eng, &eng->lanes[0], timeout);
         int n = epoll_wait(eng->epfd, evs, 64, timeout);
-        lane_woke(eng, timeout);
+        int work = lane_woke(eng, timeout, n);
         kvf__lock_lane(eng);
         eng->now_ms = kvf_now_ms();
         if (n < 0 && errno != EINTR) {
@@ -981,6 +1011,7 @@ static void *progress_main(void *arg)
             kvf__engine_progress_copier(eng);
         more |= peers_pending(eng);   /* windows the reads just reopened */
         tick_if_due(eng, &next_tick);
+        lane_poll_on(eng, &eng->lanes[0], work);
     }
     kvf__unlock(eng);
     atomic_fetch_sub(&eng->sync.awake, 1);

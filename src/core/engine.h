@@ -67,6 +67,7 @@ typedef struct kvf_lane {
     kvf_ev_kind_t  ev_wake;          /* KVF_EV_WAKE */
     pthread_t      thread;           /* lanes >= 1 */
     int            started;
+    uint64_t       busy_until_ns;    /* polls on until then (params.busy_poll_us) */
 } kvf_lane_t;
 
 /* epoll data for a mover's fd: which one. */
@@ -78,6 +79,7 @@ typedef struct kvf_mover_ev {
 #define KVF_TOMBS 4096   /* failure records kept for destroyed senders */
 #define KVF_RETIRED 16384 /* room instances of destroyed senders remembered */
 #define KVF_HANDSHAKE_TIMEOUT_MS 5000   /* handshake_timeout_ms 0 means this */
+#define KVF_BUSY_POLL_MAX_US 1000000    /* busy_poll_us: at most a second */
 
 
 struct kvf_engine {

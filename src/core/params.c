@@ -17,13 +17,28 @@
  * is added.  The assertions catch a new last field that grew the struct,
  * not one that fits in its trailing padding.
  */
-#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, trace)
+#define PARAMS_KNOWN KVF_FIELD_END(kvf_engine_params_t, busy_poll_us)
 _Static_assert(sizeof(kvf_engine_params_t) - PARAMS_KNOWN < _Alignof(kvf_engine_params_t),
                "PARAMS_KNOWN must name the last field of kvf_engine_params_t");
 
 static const kvf_sized_type_t params_type = {
     "kvf_engine_params_t", "kvf_engine_params_init", KVF_SIZED_SINCE_0_1_0,
     KVF_ENGINE_PARAMS_SIZE_V0, PARAMS_KNOWN};
+
+/* KVF_BUSY_POLL_US, else 0 (off). */
+static unsigned busy_poll_default(void)
+{
+    const char *v = getenv("KVF_BUSY_POLL_US");
+    if (v == NULL || *v == '\0')
+        return 0;
+    char *end;
+    unsigned long x = strtoul(v, &end, 10);
+    if (*end == '\0' && x <= KVF_BUSY_POLL_MAX_US)
+        return (unsigned)x;
+    kvf_warn("ignoring KVF_BUSY_POLL_US=%s: expected microseconds (0..%d)", v,
+             KVF_BUSY_POLL_MAX_US);
+    return 0;
+}
 
 static void params_defaults(void *dst)
 {
@@ -45,6 +60,7 @@ static void params_defaults(void *dst)
     p->faults = (v = getenv("KVF_FAULTS")) != NULL && *v != '\0' ? v : NULL;
     p->handshake_timeout_ms = kvf__env_ms("KVF_HANDSHAKE_TIMEOUT_MS", KVF_HANDSHAKE_TIMEOUT_MS);
     p->streams = 0;                    /* kvf__streams_default() at create */
+    p->busy_poll_us = busy_poll_default();
 }
 
 unsigned kvf__streams_default(void)

@@ -65,7 +65,7 @@ static void dump_engine_params(void)
     F(auth_token); F(cp_rank); F(cp_size); F(dp_attention);
     F(kv_cache_dtype); F(load_balance_method); F(prefill_http_port);
     F(dsa_cache_layer_split); F(streams); F(api_key);
-    F(decode_allocation_policy); F(metrics_addr); F(trace);
+    F(decode_allocation_policy); F(metrics_addr); F(trace); F(busy_poll_us);
     struct_end();
 }
 

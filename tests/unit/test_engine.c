@@ -46,9 +46,11 @@
 static const char *next_faults;
 static int next_checksum;
 static unsigned next_transfer_ms = 5000, next_hb_interval_ms = 500, next_hb_timeout_ms = 2500;
+static unsigned next_busy_poll_us;
 
 static void tune(kvf_engine_params_t *p)
 {
+    p->busy_poll_us = next_busy_poll_us;
     p->transfer_timeout_ms = next_transfer_ms;
     p->heartbeat_interval_ms = next_hb_interval_ms;
     p->heartbeat_timeout_ms = next_hb_timeout_ms;
@@ -454,6 +456,82 @@ static void test_abort_propagates(void)
     check_failed_reads_lock_free(dec.eng, r);
     kvf_sender_destroy(s);
     kvf_receiver_destroy(r);
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/* Lanes of `eng` counted awake (sync.h): 0 once every one sleeps. */
+static int lanes_awake(kvf_engine_t *eng)
+{
+    return atomic_load(&kvf__sync(eng)->awake);
+}
+
+/* Wait up to 5 s for every lane of both engines to sleep.  @return 1 if
+ * they did. */
+static int lanes_sleep(side_t *a, side_t *b)
+{
+    for (int i = 0; i < 5000; i++) {
+        if (lanes_awake(a->eng) == 0 && lanes_awake(b->eng) == 0)
+            return 1;
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+    return 0;
+}
+
+/*
+ * Busy polling (kvf_engine_params_t.busy_poll_us): rooms move with it as
+ * without (the published-from-threads case runs with it on: calls that
+ * find a lane awake and wake none); after their work the lanes stay
+ * counted awake through the window, which is what spares a publishing
+ * call its wake; and once the engine has no rooms and the window has
+ * passed they sleep again, so an idle engine spins no CPU.  Out of range, it is refused, from the
+ * parameter or from KVF_BUSY_POLL_US.
+ */
+static void test_busy_poll(void)
+{
+    kvf_engine_params_t p;
+    setenv("KVF_BUSY_POLL_US", "250", 1);
+    kvf_engine_params_init(&p);
+    CHECK_EQ_INT(p.busy_poll_us, 250);
+    setenv("KVF_BUSY_POLL_US", "1000001", 1);    /* over the bound: the default */
+    kvf_engine_params_init(&p);
+    CHECK_EQ_INT(p.busy_poll_us, 0);
+    unsetenv("KVF_BUSY_POLL_US");
+    kvf_engine_t *eng = NULL;
+    p.busy_poll_us = 1000001;
+    CHECK_EQ_INT(kvf_engine_create(&p, &eng), KVF_ERR_INVALID_PARAM);
+    CHECK(eng == NULL);
+
+    next_busy_poll_us = 1000000;                 /* a second: no hiccup ends it */
+    test_sends_published_from_threads();
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    next_busy_poll_us = 0;
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    uint32_t page = 3;
+    CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, 9, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 9, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, &page, 1, 0, NULL, 0), KVF_OK);
+    wait_sender(s, KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 1, 0), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, &page, 1, 1), KVF_OK);
+    wait_final(s, r);
+    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
+    /* Idle for a tenth of the window: without busy polling every lane
+     * would be asleep by now (but for a tick's pass, microseconds in
+     * 50 ms). */
+    struct timespec tenth = {0, 100000000};
+    nanosleep(&tenth, NULL);
+    CHECK(lanes_awake(pre.eng) > 0);
+    CHECK(lanes_awake(dec.eng) > 0);
+    /* Without rooms, neither ticks nor heartbeats (every 500 ms, events
+     * on the lanes) open the window again. */
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+    CHECK(lanes_sleep(&pre, &dec));
     side_fini(&dec);
     side_fini(&pre);
 }
@@ -1980,7 +2058,7 @@ static void test_over_ucx(void)
 }
 
 KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
-              KVF_CASE(test_sends_published_from_threads),
+              KVF_CASE(test_sends_published_from_threads), KVF_CASE(test_busy_poll),
               KVF_CASE(test_creates_race_for_an_id),
               KVF_CASE(test_trickling_handshake_is_closed),
               KVF_CASE(test_hostile_strided_segments),
