@@ -24,7 +24,9 @@
  *   progress threads; a poll reads one atomic, a failure read a record
  *   fixed once the room failed (under the room's own lock), a metric the
  *   room's atomics; so a scheduler may call them for thousands of rooms in
- *   each step.  kvf_*_abort() and kvf_*_fail() on a room already final
+ *   each step.  A call that publishes finds a progress thread awake or
+ *   wakes one (a system call, a few microseconds); with
+ *   kvf_engine_params_t.busy_poll_us they stay awake after their work.  kvf_*_abort() and kvf_*_fail() on a room already final
  *   (no-ops there) and kvf_*_await_failure() on one already FAILED take
  *   none either.
  *   Other calls take the engine lock for their bookkeeping, which the
