@@ -26,9 +26,10 @@
  *   room's atomics; so a scheduler may call them for thousands of rooms in
  *   each step.  A call that publishes finds a progress thread awake or
  *   wakes one (a system call, a few microseconds); with
- *   kvf_engine_params_t.busy_poll_us they stay awake after their work.  kvf_*_abort() and kvf_*_fail() on a room already final
- *   (no-ops there) and kvf_*_await_failure() on one already FAILED take
- *   none either.
+ *   kvf_engine_params_t.busy_poll_us they stay awake after their work.
+ *   kvf_*_abort() and kvf_*_fail() on a room already final (no-ops
+ *   there) and kvf_*_await_failure() on one already FAILED take none
+ *   either.
  *   Other calls take the engine lock for their bookkeeping, which the
  *   engine's threads hold only for bounded passes, so such a call may wait
  *   for the rest of one pass (docs/ARCHITECTURE.md, docs/BENCHMARKS.md
@@ -348,9 +349,9 @@ typedef struct kvf_engine_params {
     const char *trace;
     /**
      * Busy polling, in microseconds: after a pass that had work (an event,
-     * or work an application call published), each progress thread keeps
-     * polling for this long before it sleeps, yielding its CPU between
-     * polls.  While it does, the calls that publish work (the creates,
+     * or work an application call published) while the engine has rooms,
+     * each progress thread keeps polling for this long before it sleeps,
+     * yielding its CPU between polls.  While it does, the calls that publish work (the creates,
      * inits, sends and set_dest) find it awake and make no system call,
      * and a small room is not held up by waking a thread; the price is a
      * CPU per progress thread while rooms come and go.  0 (the default
