@@ -439,8 +439,10 @@ class Instances:
 class TransferTest(unittest.TestCase):
     """P holds, D reads: every byte, TP 1->1, 1->2, 2->1."""
 
-    def run_pair(self, p_tp, d_tp, layout="NHD", mla=False):
-        inst = Instances(p_tp, d_tp, layout, mla=mla)
+    def run_pair(self, p_tp, d_tp, layout="NHD", mla=False, kvferry=None):
+        extra = {"kvferry": dict(kvferry, heartbeat_interval_ms=200,
+                                 heartbeat_timeout_ms=2000)} if kvferry else None
+        inst = Instances(p_tp, d_tp, layout, mla=mla, p_extra=extra, d_extra=extra)
         self.addCleanup(inst.close)
         lengths = {"a": 13, "b": 4, "c": 31}      # a partial last block, one block, many
         params = {k: inst.prefill("req-%s" % k, n) for k, n in lengths.items()}
@@ -466,6 +468,10 @@ class TransferTest(unittest.TestCase):
 
     def test_tp_2_to_1(self):
         self.run_pair(2, 1)
+
+    def test_tp_1_to_2_busy_polling(self):
+        # The engine key reaches both sides' engines; bytes move as ever.
+        self.run_pair(1, 2, kvferry={"busy_poll_us": 200})
 
     def test_hnd_tp_1_to_1(self):
         self.run_pair(1, 1, "HND")
