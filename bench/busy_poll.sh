@@ -9,7 +9,8 @@
 #   room4k      one 4 KiB room at a time, the ranks polling (--spin): the
 #               last send -> decode SUCCESS p50, beside sockperf's 4 KiB hop
 #   throughput  tcp and shm llama3-8b contiguous, small tcp rooms (64 in
-#               flight), beside iperf3 (one stream, 5 s)
+#               flight), beside iperf3 (one stream, 5 s); tcp once more with
+#               busy polling on the decode engines alone
 #
 # Usage: make build && bash bench/busy_poll.sh     (about 3 minutes a round, 127.0.0.1 only)
 #   REPEATS=5 BUSY_US=100 KVFERRY=build/kvferry bash bench/busy_poll.sh
@@ -78,6 +79,8 @@ for i in $(seq "$REPEATS"); do
             --concurrency 64 --requests 30000 > "$TMP/small.$b.$i.json" 2>/dev/null
     done
     unset KVF_BUSY_POLL_US
+    "$KVFERRY" bench --json --transport tcp "${LLAMA[@]}" --requests 12 --busy-poll 0 \
+        --decode-busy-poll "$BUSY_US" > "$TMP/tcp.decode.$i.json" 2>/dev/null
 done
 
 python3 - "$TMP" "$REPEATS" "$BUSY_US" "$(git rev-parse --short HEAD 2>/dev/null || echo unknown)" <<'PY'
@@ -119,7 +122,7 @@ for i in R:
 print(f"\nthroughput (iperf3 {med(ip):.2f} GB/s, {min(ip):.2f}-{max(ip):.2f})")
 for case, what in (("tcp", "tcp llama3-8b contiguous"), ("shm", "shm llama3-8b contiguous"),
                    ("small", "tcp tiny, 64 in flight")):
-    for b in (0, busy):
+    for b in (0, busy) + (("decode",) if case == "tcp" else ()):
         d = [load(f"{case}.{b}.{i}.json") for i in R]
         bad = [x for x in d if not x.get("ok") or x.get("failed")]
         if case == "small":
@@ -128,7 +131,8 @@ for case, what in (("tcp", "tcp llama3-8b contiguous"), ("shm", "shm llama3-8b c
         else:
             v = [x["gbps"] for x in d]
             fig = f"{med(v):.2f} GB/s ({min(v):.2f}-{max(v):.2f})"
-        print(f"  {what:<26} busy {b:>6} us: {fig}, "
+        how = f"{b:>6} us" if b != "decode" else f"{busy} us, decode engines only"
+        print(f"  {what:<26} busy {how}: {fig}, "
               f"{med(x['cpu_s_per_gb'] for x in d):.3f} CPU s/GB"
               + (f"; {len(bad)} runs with failed rooms" if bad else ""))
 PY

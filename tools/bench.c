@@ -406,6 +406,12 @@ static json_t *kvt_bench_figures(kvt_bench_t *b, int *ok_p, double **lat_p, size
     json_object_set_new(json_object_get(out, "config"), "kv_order",
                         json_string(p->kv_order));
     json_object_set_new(json_object_get(out, "config"), "spin", json_boolean(p->spin));
+    unsigned us;
+    for (int prefill = 1; prefill >= 0; prefill--)
+        json_object_set_new(json_object_get(out, "config"),
+                            prefill ? "prefill_busy_poll_us" : "decode_busy_poll_us",
+                            kvt_opts_busy_poll(p, prefill, &us) > 0
+                                ? json_integer((json_int_t)us) : json_null());
     json_object_set_new(out, "prefill_bytes", json_integer((json_int_t)prefill_bytes));
     json_object_set_new(out, "registry_auth", json_string(
         o->registry_auth[0] ? o->registry_auth : "unknown"));

@@ -91,6 +91,11 @@ static const kvt_opt_t kvt_opt_table[] = {
     { "streams", KVT_U32, OFF(streams), ALL, 0, "N",
       "tcp streams (connections, progress threads) per peer pair, 1..8 (0: the engine's "
       "default, KVF_STREAMS)" },
+    { "busy-poll", KVT_STR, OFF(busy_poll), ALL, 0, "US",
+      "busy polling of every engine, in microseconds, 0..1000000 (default: the engine's, "
+      "KVF_BUSY_POLL_US)" },
+    { "decode-busy-poll", KVT_STR, OFF(decode_busy_poll), ALL, 0, "US",
+      "busy polling of the decode engines (default --busy-poll)" },
     { "contiguous", KVT_FLAG, OFF(contiguous), KVT_IN_DEMO | KVT_IN_RANK | KVT_FORWARD,
       0, NULL, "give decode contiguous pages instead of randomly scattered ones" },
     { "pattern", KVT_STR, OFF(pattern), KVT_IN_BENCH, 0, "contiguous|scattered",
@@ -322,6 +327,16 @@ int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode)
     }
     if (!o->decode_page_size)
         o->decode_page_size = o->page_size;
+    if (!o->decode_busy_poll)
+        o->decode_busy_poll = o->busy_poll;
+    unsigned us;
+    for (int prefill = 1; prefill >= 0; prefill--)   /* --busy-poll's own first */
+        if (kvt_opts_busy_poll(o, prefill, &us) < 0) {
+            fprintf(stderr, "kvferry %s: --%sbusy-poll %s: expected microseconds, "
+                    "0..1000000\n", cmd, prefill ? "" : "decode-",
+                    prefill ? o->busy_poll : o->decode_busy_poll);
+            return -1;
+        }
     if (o->relay && !o->chunk)
         o->chunk = o->page_size;   /* the first chunk is one page */
     if (o->relay && (o->chunk >= o->tokens || o->prefill_tp != o->decode_tp)) {
@@ -360,6 +375,20 @@ int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode)
         }
     }
     return 0;
+}
+
+int kvt_opts_busy_poll(const kvt_opts_t *o, int prefill, unsigned *us_p)
+{
+    const char *v = prefill ? o->busy_poll : o->decode_busy_poll;
+    if (v == NULL)
+        return 0;
+    char *end;
+    errno = 0;
+    unsigned long us = strtoul(v, &end, 10);
+    if (*v < '0' || *v > '9' || *end != '\0' || errno != 0 || us > 1000000ul)
+        return -1;
+    *us_p = (unsigned)us;
+    return 1;
 }
 
 uint32_t kvt_opts_nranks(const kvt_opts_t *o, int prefill)

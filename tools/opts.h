@@ -36,6 +36,9 @@ typedef struct kvt_opts {
     int         checksum;
     const char *transport;         /**< NULL: the engine's default */
     uint32_t    streams;           /**< tcp streams per peer pair; 0: the engine's default */
+    const char *busy_poll;         /**< microseconds, every engine; NULL: the engine's
+                                        default (KVF_BUSY_POLL_US) */
+    const char *decode_busy_poll;  /**< the decode engines'; NULL: busy_poll */
     int         contiguous;        /**< decode pages contiguous, not scattered */
     int         json;
     /* bench */
@@ -80,6 +83,12 @@ int kvt_opts_resolve(kvt_opts_t *o, kvt_opts_mode_t mode);
 
 /** Print the option list of a command, with the defaults in `defaults`. */
 void kvt_opts_usage(FILE *out, kvt_opts_mode_t mode, const kvt_opts_t *defaults);
+
+/**
+ * The busy polling (kvf_engine_params_t.busy_poll_us) a side's engines
+ * are given: 1 and *us_p set, or 0 for the engine's default.
+ */
+int kvt_opts_busy_poll(const kvt_opts_t *o, int prefill, unsigned *us_p);
 
 /** A rank process's parallel coordinates. */
 typedef struct kvt_coord {

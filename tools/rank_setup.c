@@ -73,6 +73,9 @@ int kvt_rank_setup_engine(kvt_rank_t *r)
     if (r->o.checksum)
         p.checksum = 1;
     p.streams = r->o.streams;
+    unsigned us;
+    if (kvt_opts_busy_poll(&r->o, r->prefill, &us) > 0)
+        p.busy_poll_us = us;
     if (r->o.faults)
         p.faults = r->o.faults;   /* the demo's --fault reset|corrupt|badaddr */
     kvf_status_t st = kvf_engine_create(&p, &r->eng);

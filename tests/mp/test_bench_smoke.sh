@@ -30,11 +30,19 @@ out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 256 --page-size 
       --chunk 64 --pattern scattered --requests 20 --concurrency 4 --verify --timeout 60)
 check "$out" 20
 
-# --spin: one room at a time, the ranks polling without sleeping.
+# --spin: one room at a time, the ranks polling without sleeping; the
+# decode engines busy polling (the prefill ones at their default).
 out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 16 --page-size 16 \
-      --concurrency 1 --requests 50 --spin --transport tcp --timeout 60)
+      --concurrency 1 --requests 50 --spin --decode-busy-poll 200 --transport tcp --timeout 60)
 check "$out" 50
-python3 -c 'import json, sys; assert json.loads(sys.argv[1])["config"]["spin"] is True' "$out"
+python3 -c '
+import json, sys
+c = json.loads(sys.argv[1])["config"]
+assert c["spin"] is True and c["decode_busy_poll_us"] == 200 and c["prefill_busy_poll_us"] is None, c
+' "$out"
+if "$KVFERRY" bench --busy-poll 1000001 --requests 1 2>/dev/null; then
+    echo "--busy-poll 1000001 was accepted" >&2; exit 1
+fi
 
 # --duration: both sides agree on the rooms they ran.
 out=$(timeout 120 "$KVFERRY" bench --json --model tiny --tokens 16 --page-size 16 \
