@@ -86,7 +86,8 @@ void kvt_opts_usage(FILE *out, kvt_opts_mode_t mode, const kvt_opts_t *defaults)
 
 /**
  * The busy polling (kvf_engine_params_t.busy_poll_us) a side's engines
- * are given: 1 and *us_p set, or 0 for the engine's default.
+ * are given: 1 and *us_p set, 0 for the engine's default, or -1 for a
+ * value that is not 0..1000000 (kvt_opts_resolve refuses it).
  */
 int kvt_opts_busy_poll(const kvt_opts_t *o, int prefill, unsigned *us_p);
 
