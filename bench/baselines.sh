@@ -128,14 +128,17 @@ relay() {   # round: prefill rank 0 aborts each room after its first chunk; ever
 }
 room4k() {   # round: one 4 KiB room at a time, the last send to the decode's
              # SUCCESS, beside one hop of a 4 KiB message; the ranks poll
-             # without sleeping (--spin), then once more with the bench's
-             # back-off, whose sleeps the room waits out
+             # without sleeping (--spin), then with the engines busy polling
+             # too, then with the bench's back-off, whose sleeps the room
+             # waits out
     note "sockperf ping-pong, TCP, 4 KiB, 5 s ($1/$REPEATS)"
     sockperf_pp "$1" 4096 sockperf4k
     kvf room4k "$1" --transport tcp --model tiny --tokens 16 --page-size 16 --concurrency 1 \
-        --requests 2000 --spin
+        --requests 2000 --spin --busy-poll 0
+    kvf room4k_busy "$1" --transport tcp --model tiny --tokens 16 --page-size 16 \
+        --concurrency 1 --requests 2000 --spin --busy-poll 200
     kvf room4k_backoff "$1" --transport tcp --model tiny --tokens 16 --page-size 16 \
-        --concurrency 1 --requests 2000
+        --concurrency 1 --requests 2000 --busy-poll 0
 }
 for i in $(seq "$REPEATS"); do
     if [ "$ONLY" = relay ]; then relay "$i"; continue; fi
@@ -355,6 +358,7 @@ def col(name, f, transport=None):
 
 def room4k():
     put("room4k_p50", [d["p50_ms"] if d else None for d in kvf("room4k", "tcp")])
+    put("room4k_busy_p50", [d["p50_ms"] if d else None for d in kvf("room4k_busy", "tcp")])
     put("room4k_backoff_p50", [d["p50_ms"] if d else None for d in kvf("room4k_backoff", "tcp")])
     sockperf("sockperf4k")
     for d in runs["room4k"]:
@@ -369,6 +373,7 @@ if only == "room4k":   # that case alone: its rows
         print(f"one hop of 4 KiB (sockperf ping-pong, TCP): p50 {med(hop) * 1000:.1f} us "
               f"({min(hop) * 1000:.1f}-{max(hop) * 1000:.1f})")
     for name, how in (("room4k", "polls spinning (--spin)"),
+                      ("room4k_busy", "polls spinning, engines busy polling 200 us"),
                       ("room4k_backoff", "polls backing off")):
         ratio = [a / b for a, b in zip(fig[f"{name}_p50"], fig["sockperf4k_p50"])
                  if a is not None and b]
@@ -489,6 +494,8 @@ abs_row(23, "calls, 64 rooms in flight: worst p99.9 / null call p99.9", "calls64
         "<= 4x", "<=")
 ratio_row(23, "one 4 KiB room: last send -> SUCCESS p50 / sockperf 4 KiB hop p50", "room4k_p50",
           "sockperf4k_p50", "<= 1.5x", hi=1.5)
+ratio_row(23, "the same, engines busy polling 200 us / sockperf 4 KiB hop p50",
+          "room4k_busy_p50", "sockperf4k_p50", "(busy_poll_us)")
 ratio_row(23, "the same, polls backing off (no --spin) / sockperf 4 KiB hop p50",
           "room4k_backoff_p50", "sockperf4k_p50", "(the poll's sleeps)")
 ratio_row(5, "shm contiguous (4 in flight) / memcpy", "shm", "memcpy", ">= 0.8x", lo=0.8)
