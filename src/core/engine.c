@@ -614,6 +614,13 @@ static int have_device_mover(const kvf_engine_t *eng)
     return 0;
 }
 
+static void regions_free(void **bases, size_t *lens, kvf_mem_kind_t *kinds)
+{
+    free(bases);
+    free(lens);
+    free(kinds);
+}
+
 /* Undo a registration that cannot stand (under the lock). */
 static void unregister(kvf_engine_t *eng)
 {
@@ -621,13 +628,39 @@ static void unregister(kvf_engine_t *eng)
     kvf__layout_free(&eng->layout);
     memset(&eng->layout, 0, sizeof(eng->layout));
     eng->kv_item_bytes_sum = eng->aux_item_bytes_sum = 0;
-    free(eng->reg_bases);
-    free(eng->reg_lens);
-    free(eng->reg_kinds);
+    regions_free(eng->reg_bases, eng->reg_lens, eng->reg_kinds);
     eng->reg_bases = NULL;
     eng->reg_lens = NULL;
     eng->reg_kinds = NULL;
     eng->nregs = 0;
+}
+
+/* The `n` registered regions of layout `l`, every buffer in family order
+ * (kv, aux, state): its base, length and memory kind.  @return
+ * KVF_ERR_NO_MEMORY, or KVF_OK and the three arrays (regions_free). */
+static kvf_status_t regions_of(const kvf_layout_int_t *l, size_t n, void ***bases_p,
+                               size_t **lens_p, kvf_mem_kind_t **kinds_p)
+{
+    void **bases = malloc(n * sizeof(void *));
+    size_t *lens = malloc(n * sizeof(size_t));
+    kvf_mem_kind_t *kinds = malloc(n * sizeof(kvf_mem_kind_t));
+    if (bases == NULL || lens == NULL || kinds == NULL) {
+        regions_free(bases, lens, kinds);
+        return KVF_ERR_NO_MEMORY;
+    }
+    const kvf_buffer_t *all[3] = {l->kv, l->aux, l->state};
+    uint32_t cnt[3] = {l->num_kv, l->num_aux, l->num_state};
+    size_t k = 0;
+    for (int f = 0; f < 3; f++)
+        for (uint32_t i = 0; i < cnt[f]; i++, k++) {
+            bases[k] = all[f][i].base;
+            lens[k] = all[f][i].length;
+            kinds[k] = kvf__family_mem(l, f);
+        }
+    *bases_p = bases;
+    *lens_p = lens;
+    *kinds_p = kinds;
+    return KVF_OK;
 }
 
 kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *layout)
@@ -645,32 +678,19 @@ kvf_status_t kvf_engine_register_layout(kvf_engine_t *eng, const kvf_layout_t *l
         kvf_error("layout rejected: %s", err);
         return st;
     }
-    size_t nregs = (size_t)l.num_kv + l.num_aux + l.num_state, k = 0;
-    void **bases = malloc(nregs * sizeof(void *));
-    size_t *lens = malloc(nregs * sizeof(size_t));
-    kvf_mem_kind_t *kinds = malloc(nregs * sizeof(kvf_mem_kind_t));
-    if (bases == NULL || lens == NULL || kinds == NULL) {
-        free(bases);
-        free(lens);
-        free(kinds);
+    size_t nregs = (size_t)l.num_kv + l.num_aux + l.num_state;
+    void **bases;
+    size_t *lens;
+    kvf_mem_kind_t *kinds;
+    if (regions_of(&l, nregs, &bases, &lens, &kinds) != KVF_OK) {
         kvf__layout_free(&l);
         return KVF_ERR_NO_MEMORY;
     }
-    const kvf_buffer_t *all[3] = {l.kv, l.aux, l.state};
-    uint32_t cnt[3] = {l.num_kv, l.num_aux, l.num_state};
-    for (int f = 0; f < 3; f++)
-        for (uint32_t i = 0; i < cnt[f]; i++, k++) {
-            bases[k] = all[f][i].base;
-            lens[k] = all[f][i].length;
-            kinds[k] = kvf__family_mem(&l, f);
-        }
     kvf__lock(eng);
     if (eng->registered) {
         kvf__unlock(eng);
         kvf__layout_free(&l);
-        free(bases);
-        free(lens);
-        free(kinds);
+        regions_free(bases, lens, kinds);
         kvf_error("layout already registered on this engine");
         return KVF_ERR_STATE;
     }
