@@ -37,26 +37,11 @@ PROFILE=${PROFILE:-1}
 STREAMS=${STREAMS:-2}          # the N of --streams N and iperf3 -P N
 ONLY=${ONLY:-}                 # "streams", "relay" or "room4k": that case alone
 OUT=${OUT:-}
-TMP=$(mktemp -d /tmp/kvferry-bench.XXXXXX)
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-
-need() {
-    command -v "$1" >/dev/null || { echo "baselines.sh: $1 not found; $2" >&2; exit 1; }
-}
+. bench/lib.sh
 [ -x "$KVFERRY" ] || { echo "baselines.sh: $KVFERRY not found; run 'make build' first" >&2; exit 1; }
 need python3 "run 'make deps' (installs python3, iperf3 and ucx-utils)"
 need iperf3 "run 'make deps' (installs python3, iperf3 and ucx-utils)"
 need sockperf "run 'make deps' (installs sockperf)"
-
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-note() { echo "== $*" >&2; }
 
 python3 - "$TMP/machine.json" "$(git rev-parse HEAD 2>/dev/null || echo unknown)" \
     "$(git status --porcelain -- src include 2>/dev/null | wc -l)" <<'PY'
@@ -110,7 +95,7 @@ sockperf_pp() {   # round [bytes [file]]: sockperf's TCP ping-pong over loopback
     local port; port=$(free_port)
     sockperf server --tcp -i 127.0.0.1 -p "$port" >/dev/null 2>&1 &
     PIDS+=($!)
-    sleep 0.5   # until it listens
+    server_up "$port"
     sockperf ping-pong --tcp -i 127.0.0.1 -p "$port" -t 5 -m "${2:-64}" \
         > "$TMP/${3:-sockperf}.$1.txt" 2>&1 || true
     kill "${PIDS[-1]}" 2>/dev/null || true
@@ -286,6 +271,15 @@ def relay(name):
     return v
 
 runs = {}
+def only_done():
+    """The end of a run of one case (ONLY=...): its problems, its JSON."""
+    for p in problems:
+        print("problem: " + p)
+    if out:
+        json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
+                  open(out, "w"), indent=1)
+    sys.exit(1 if problems else 0)
+
 if only == "relay":   # that case alone: its rows
     sockperf()
     for tp in (2, 4):
@@ -309,12 +303,7 @@ if only == "relay":   # that case alone: its rows
                   f", p99 {statistics.median(p99):.3f} ms "
                   f"({min(p99):.3f}-{max(p99):.3f}), max {statistics.median(mx):.3f} ms; "
                   f"goal p99 < 100 ms: {'met' if statistics.median(p99) < 100 else 'MISSED'}")
-    for p in problems:
-        print("problem: " + p)
-    if out:
-        json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
-                  open(out, "w"), indent=1)
-    sys.exit(1 if problems else 0)
+    only_done()
 if only != "room4k":
     put("iperf3_p", iperf3("iperf3p")[0])
 if not only:
@@ -384,12 +373,7 @@ if only == "room4k":   # that case alone: its rows
                   f"({min(ratio):.2f}-{max(ratio):.2f})"
                   + (f"; goal <= 1.5x: {'met' if med(ratio) <= 1.5 else 'MISSED'}"
                      if name == "room4k" else ""))
-    for p in problems:
-        print("problem: " + p)
-    if out:
-        json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
-                  open(out, "w"), indent=1)
-    sys.exit(1 if problems else 0)
+    only_done()
 
 put("streams", col("streams", lambda d: d["gbps"], "tcp"))
 for d in runs["streams"]:
@@ -404,12 +388,7 @@ if only:   # that case alone: its row, and nothing of the cases that did not run
     print(f"11 TCP contiguous --streams {nstreams} / iperf3 -P {nstreams}: kvferry {x:.4g} GB/s, "
           f"iperf3 {y:.4g} GB/s, ratio {x / y:.3f} (per round {min(rs):.2f}-{max(rs):.2f}), "
           f"goal >= 0.9x: {'met' if x / y >= 0.9 else 'MISSED'}")
-    for p in problems:
-        print("problem: " + p)
-    if out:
-        json.dump({"machine": machine, "figures": fig, "runs": runs, "problems": problems},
-                  open(out, "w"), indent=1)
-    sys.exit(1 if problems else 0)
+    only_done()
 put("contiguous", col("contiguous", lambda d: d["gbps"], "tcp"))
 put("contiguous_cpu", [d["cpu_s_per_gb"] if d else None for d in runs["contiguous"]])
 put("scattered", col("scattered", lambda d: d["gbps"], "tcp"))

@@ -20,33 +20,9 @@ cd "$(dirname "$0")/.."
 KVFERRY=${KVFERRY:-build/kvferry}
 REPEATS=${REPEATS:-3}
 BUSY_US=${BUSY_US:-200}
-TMP=$(mktemp -d /tmp/kvferry-busy.XXXXXX)
-PIDS=()
-cleanup() {
-    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-    rm -rf "$TMP"
-}
-trap cleanup EXIT
-for tool in sockperf iperf3 python3; do
-    command -v "$tool" >/dev/null || { echo "busy_poll.sh: $tool is missing (make deps)" >&2; exit 2; }
-done
-free_port() {
-    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
-}
-note() { echo "== $*" >&2; }
-server_up() {   # port: wait until something accepts on it (5 s at most)
-    python3 - "$1" <<'PY'
-import socket, sys, time
-end = time.time() + 5
-while time.time() < end:
-    try:
-        socket.create_connection(("127.0.0.1", int(sys.argv[1])), 0.1).close()
-        sys.exit(0)
-    except OSError:
-        time.sleep(0.02)
-sys.exit(1)
-PY
-}
+. bench/lib.sh
+[ -x "$KVFERRY" ] || { echo "busy_poll.sh: $KVFERRY not found; run 'make build' first" >&2; exit 1; }
+for tool in sockperf iperf3 python3; do need "$tool" "run 'make deps'"; done
 
 LLAMA=(--model llama3-8b --page-size 64 --tokens 8192 --pattern contiguous --concurrency 2)
 for i in $(seq "$REPEATS"); do
