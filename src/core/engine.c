@@ -247,6 +247,9 @@ static kvf_status_t engine_own_params(kvf_engine_t *eng, const kvf_engine_params
     if (getrandom(&eng->instance_id, sizeof(eng->instance_id), 0) !=
         sizeof(eng->instance_id))
         eng->instance_id = kvf_now_ns() ^ ((uint64_t)getpid() << 32);
+    if (getrandom(&eng->instance_base, sizeof(eng->instance_base), 0) !=
+        sizeof(eng->instance_base))
+        eng->instance_base = eng->instance_id * 0x9e3779b97f4a7c15ULL;
     return KVF_OK;
 }
 

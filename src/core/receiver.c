@@ -11,7 +11,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 
 #include "core/auth.h"
 #include "core/descriptor.h"
@@ -25,19 +24,13 @@
 #include "util/log.h"
 #include "util/time.h"
 
-static void given_free(struct kvf_dest_given *g);
-
 /* Free what only a receiver holds (its room is being freed). */
 static void receiver_free(kvf_room_t *r)
 {
     kvf_receiver_t *rv = receiver_of(r);
-    given_free(atomic_exchange(&rv->given, NULL));   /* never taken in */
+    free(atomic_exchange(&rv->given, NULL));   /* never taken in */
+    free(rv->dest);                            /* taken in: its arrays */
     free(rv->bootstrap_addr);
-    free(rv->pages);
-    free(rv->sorted_pages);
-    kvf__states_free(&rv->state_dst);
-    free(rv->state_sorted);
-    free(rv->state_bit0);
 }
 
 kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
@@ -271,8 +264,8 @@ static int cmp_u32(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* A sorted copy of v[0..n); @return the index in it of a value that
- * appears twice, or n.  *sorted_p NULL without memory. */
+/* A sorted copy of v[0..n) into sorted; @return the index in it of a
+ * value that appears twice, or n. */
 static size_t sort_unique(const uint32_t *v, size_t n, uint32_t *sorted)
 {
     if (n == 0)
@@ -285,39 +278,31 @@ static size_t sort_unique(const uint32_t *v, size_t n, uint32_t *sorted)
     return n;
 }
 
-/* What set_dest builds before it takes the lock. */
-typedef struct dest_copy {
-    uint32_t    *pages, *sorted;
-    kvf_states_t states;
-    uint32_t    *state_sorted;
-    uint64_t    *state_bit0;
-} dest_copy_t;
-
-/* A destination the application gave, until a lane takes it in. */
+/*
+ * A destination the application gave, checked and copied in one
+ * allocation (one malloc on the application's thread, one free by a
+ * lane): published until a lane takes it in, then the receiver's
+ * (rv->dest) until the room is freed.  The arrays follow the header:
+ * state_bit0[ngroups + 1], pages[n], sorted[n], states.count[ngroups],
+ * states.idx[total], state_sorted[total].
+ */
 typedef struct kvf_dest_given {
-    dest_copy_t c;
-    uint32_t    n_pages, aux_slot, decode_prefix;
-    uint64_t    t_ns;            /* when it was given (the room's metric) */
+    uint32_t    *pages, *sorted;   /* as given, and ascending */
+    kvf_states_t states;
+    uint32_t    *state_sorted;     /* per group, ascending */
+    uint64_t    *state_bit0;       /* per group, its first coverage bit */
+    uint32_t     n_pages, aux_slot, decode_prefix;
+    uint64_t     t_ns;             /* when it was given (the room's metric) */
 } kvf_dest_given_t;
 
-static void dest_copy_free(dest_copy_t *c)
-{
-    free(c->pages);
-    free(c->sorted);
-    kvf__states_free(&c->states);
-    free(c->state_sorted);
-    free(c->state_bit0);
-}
-
-/* Check d against the layout and copy it.  KVF_OK, or the status of the
- * refusal (logged). */
-static kvf_status_t dest_copy(kvf_room_t *r, const kvf_dest_t *d, dest_copy_t *c)
+/* Check d's shape against the layout: KVF_OK, or the status of the
+ * refusal (logged).  *total_p: its state indices, all groups. */
+static kvf_status_t dest_check(kvf_room_t *r, const kvf_dest_t *d, size_t *total_p)
 {
     const kvf_layout_int_t *l = &r->eng->layout;
     unsigned long long id = r->id;
-    size_t n = d->num_pages, bad;
+    size_t n = d->num_pages, bad, total = 0;
 
-    memset(c, 0, sizeof(*c));
     if ((n > 0 && d->pages == NULL) || n > UINT32_MAX) {
         kvf_error("room %llu: destination of %zu pages at %p", id, n, (void *)d->pages);
         return KVF_ERR_INVALID_PARAM;
@@ -339,52 +324,95 @@ static kvf_status_t dest_copy(kvf_room_t *r, const kvf_dest_t *d, dest_copy_t *c
         return KVF_ERR_INVALID_PARAM;
     }
     for (size_t g = 0; g < d->num_states; g++) {
-        if ((d->states[g].n > 0 && d->states[g].idx == NULL) || d->states[g].n > UINT32_MAX) {
+        if ((d->states[g].n > 0 && d->states[g].idx == NULL) || d->states[g].n > UINT32_MAX ||
+            (total += d->states[g].n) > UINT32_MAX) {
             kvf_error("room %llu: state group %zu: %zu indices at %p", id, g,
                       d->states[g].n, (const void *)d->states[g].idx);
             return KVF_ERR_INVALID_PARAM;
         }
     }
-    c->pages = malloc((n ? n : 1) * sizeof(uint32_t));
-    c->sorted = malloc((n ? n : 1) * sizeof(uint32_t));
-    if (c->pages == NULL || c->sorted == NULL ||
-        kvf__states_set(&c->states, d->states, d->num_states) != KVF_OK ||
-        (c->state_sorted = malloc((c->states.total + 1) * sizeof(uint32_t))) == NULL ||
-        (c->state_bit0 = malloc((c->states.ngroups + 1) * sizeof(uint64_t))) == NULL) {
-        dest_copy_free(c);
-        return KVF_ERR_NO_MEMORY;
-    }
+    *total_p = total;
+    return KVF_OK;
+}
+
+/* d's arrays copied into g's tail (sized by dest_check's total). */
+static void dest_fill(kvf_dest_given_t *g, const kvf_dest_t *d, size_t total)
+{
+    size_t n = d->num_pages, ng = d->num_states;
+    g->state_bit0 = (uint64_t *)(g + 1);
+    g->pages = (uint32_t *)(g->state_bit0 + ng + 1);
+    g->sorted = g->pages + n;
+    g->states = (kvf_states_t){.ngroups = (uint32_t)ng, .count = g->sorted + n,
+                               .idx = g->sorted + n + ng, .total = (uint32_t)total};
+    g->state_sorted = g->states.idx + total;
     if (n > 0)
-        memcpy(c->pages, d->pages, n * sizeof(uint32_t));
-    if ((bad = sort_unique(d->pages, n, c->sorted)) < n) {
-        kvf_error("room %llu: page %u appears twice in the destination", id, c->sorted[bad]);
-        dest_copy_free(c);
+        memcpy(g->pages, d->pages, n * sizeof(uint32_t));
+    for (size_t i = 0, at = 0; i < ng; at += d->states[i++].n) {
+        g->states.count[i] = (uint32_t)d->states[i].n;
+        if (d->states[i].n > 0)
+            memcpy(g->states.idx + at, d->states[i].idx, d->states[i].n * sizeof(uint32_t));
+    }
+}
+
+/* Sort g's pages and each state group's indices, and say where each
+ * group's coverage bits start (after every KV unit and aux buffer):
+ * KVF_OK, or the status of the refusal (logged). */
+static kvf_status_t dest_sort(kvf_room_t *r, kvf_dest_given_t *g)
+{
+    const kvf_layout_int_t *l = &r->eng->layout;
+    unsigned long long id = r->id;
+    size_t n = g->n_pages, bad;
+
+    if ((bad = sort_unique(g->pages, n, g->sorted)) < n) {
+        kvf_error("room %llu: page %u appears twice in the destination", id, g->sorted[bad]);
         return KVF_ERR_INVALID_PARAM;
     }
-    uint32_t k = first_bad_state(l, &c->states);
-    if (k < c->states.total) {
+    uint32_t k = first_bad_state(l, &g->states);
+    if (k < g->states.total) {
         kvf_error("room %llu: state index %u (position %u) outside its state group's "
-                  "buffers", id, c->states.idx[k], k);
-        dest_copy_free(c);
+                  "buffers", id, g->states.idx[k], k);
         return KVF_ERR_OUT_OF_RANGE;
     }
-    /* Each group's indices sorted (every index once), and where its
-     * coverage bits start: after every KV unit and aux buffer. */
     uint64_t bit = (uint64_t)l->num_kv * n * l->page_size + l->num_aux;
-    for (uint32_t g = 0, at = 0; g < c->states.ngroups; at += c->states.count[g++]) {
-        uint32_t cnt = c->states.count[g];
-        c->state_bit0[g] = bit;
-        bit += (uint64_t)cnt * (l->group_first[g + 1] - l->group_first[g]);
-        if ((bad = sort_unique(c->states.idx + at, cnt, c->state_sorted + at)) < cnt) {
+    for (uint32_t i = 0, at = 0; i < g->states.ngroups; at += g->states.count[i++]) {
+        uint32_t cnt = g->states.count[i];
+        g->state_bit0[i] = bit;
+        bit += (uint64_t)cnt * (l->group_first[i + 1] - l->group_first[i]);
+        if ((bad = sort_unique(g->states.idx + at, cnt, g->state_sorted + at)) < cnt) {
             char type[64];
-            kvf__group_type(l, g, type, sizeof(type));
+            kvf__group_type(l, i, type, sizeof(type));
             kvf_error("room %llu: state index %u appears twice in state group %u (%s)",
-                      id, c->state_sorted[at + bad], g, type);
-            dest_copy_free(c);
+                      id, g->state_sorted[at + bad], i, type);
             return KVF_ERR_INVALID_PARAM;
         }
     }
-    c->state_bit0[c->states.ngroups] = bit;
+    g->state_bit0[g->states.ngroups] = bit;
+    return KVF_OK;
+}
+
+/* d checked against the layout and copied: *g_p (free() it), or the
+ * status of the refusal (logged). */
+static kvf_status_t dest_copy(kvf_room_t *r, const kvf_dest_t *d, kvf_dest_given_t **g_p)
+{
+    size_t total;
+    kvf_status_t st = dest_check(r, d, &total);
+    if (st != KVF_OK)
+        return st;
+    size_t ng = d->num_states;
+    kvf_dest_given_t *g = malloc(sizeof(*g) + (ng + 1) * sizeof(uint64_t) +
+                                 (2 * d->num_pages + ng + 2 * total) * sizeof(uint32_t));
+    if (g == NULL)
+        return KVF_ERR_NO_MEMORY;
+    dest_fill(g, d, total);
+    g->n_pages = (uint32_t)d->num_pages;
+    g->aux_slot = d->aux_slot;
+    g->decode_prefix = d->decode_prefix_len;
+    g->t_ns = kvf_now_ns();
+    if ((st = dest_sort(r, g)) != KVF_OK) {
+        free(g);
+        return st;
+    }
+    *g_p = g;
     return KVF_OK;
 }
 
@@ -393,7 +421,7 @@ kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *rv, const kvf_dest_t *dest)
     kvf_room_t *r = &rv->room;
     char err[256];
     kvf_dest_t d;
-    dest_copy_t c;
+    kvf_dest_given_t *g;
 
     if (dest == NULL)
         return KVF_ERR_INVALID_PARAM;
@@ -401,16 +429,9 @@ kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *rv, const kvf_dest_t *dest)
         kvf_error("%s", err);
         return KVF_ERR_INVALID_PARAM;
     }
-    kvf_status_t st = dest_copy(r, &d, &c);
+    kvf_status_t st = dest_copy(r, &d, &g);
     if (st != KVF_OK)
         return st;
-    kvf_dest_given_t *g = malloc(sizeof(*g));
-    if (g == NULL) {
-        dest_copy_free(&c);
-        return KVF_ERR_NO_MEMORY;
-    }
-    *g = (kvf_dest_given_t){.c = c, .n_pages = (uint32_t)d.num_pages, .aux_slot = d.aux_slot,
-                            .decode_prefix = d.decode_prefix_len, .t_ns = kvf_now_ns()};
     /* Published as a sender's init is, without the engine lock: a lane
      * takes it in (receiver_take) and only then is the room initialized. */
     pthread_mutex_lock(&r->app_lock);
@@ -423,18 +444,10 @@ kvf_status_t kvf_receiver_set_dest(kvf_receiver_t *rv, const kvf_dest_t *dest)
         g = NULL;
     }
     pthread_mutex_unlock(&r->app_lock);
-    given_free(g);
+    free(g);
     if (st == KVF_OK)
         kvf__room_submit(r);
     return st;
-}
-
-static void given_free(kvf_dest_given_t *g)
-{
-    if (g != NULL) {
-        dest_copy_free(&g->c);
-        free(g);
-    }
 }
 
 /* The receiver's take op: the destination the application published. */
@@ -445,13 +458,14 @@ static void receiver_take(kvf_room_t *r)
     kvf_dest_given_t *g = atomic_exchange_explicit(&rv->given, NULL, memory_order_acquire);
     if (g == NULL)
         return;
-    rv->pages = g->c.pages;
-    rv->sorted_pages = g->c.sorted;
+    rv->dest = g;
+    rv->pages = g->pages;
+    rv->sorted_pages = g->sorted;
     rv->n_pages = g->n_pages;
     r->aux_slot = g->aux_slot;
-    rv->state_dst = g->c.states;
-    rv->state_sorted = g->c.state_sorted;
-    rv->state_bit0 = g->c.state_bit0;
+    rv->state_dst = g->states;
+    rv->state_sorted = g->state_sorted;
+    rv->state_bit0 = g->state_bit0;
     rv->decode_prefix = g->decode_prefix;
     r->initialized = 1;
     /* The waiting deadline runs from here: the time the scheduler took
@@ -459,7 +473,6 @@ static void receiver_take(kvf_room_t *r)
     r->t_state_ms = kvf_now_ms();
     if (!room_final(r))      /* a destination given too late is not in its times */
         atomic_store_explicit(&r->t_dest_ns, g->t_ns, memory_order_relaxed);
-    free(g);
     kvf__trace_peer_event(r, "dest_set", NULL, -1, rv->n_pages, -1);
     kvf__receiver_try_request(r);
 }
@@ -1630,7 +1643,6 @@ static void on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m
 
 /* ---- the decode side's room ops (room.h, kvf_room_ops_t) ---------------- */
 
-/* Fresh per receiver: the instance every frame of this room will name. */
 /* Taken in: a room created by its registry's address asks the resolver
  * for the prefill ranks (one created by descriptors is linked already). */
 static void receiver_open(kvf_room_t *r)
@@ -1639,11 +1651,10 @@ static void receiver_open(kvf_room_t *r)
         kvf__resolver_enqueue(r->eng, r);
 }
 
+/* Fresh per receiver: the instance every frame of this room will name. */
 static void receiver_init(kvf_room_t *r)
 {
-    while (r->instance == 0)
-        if (getrandom(&r->instance, sizeof(r->instance), 0) != sizeof(r->instance))
-            r->instance = kvf_now_ns() ^ ((uint64_t)(uintptr_t)r << 16) ^ r->id;
+    r->instance = kvf__room_new_instance(r->eng);
     receiver_of(r)->ok_first = 1;    /* empty: no page range checked yet */
     receiver_of(r)->ok_last = 0;
 }

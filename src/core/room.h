@@ -447,13 +447,15 @@ struct kvf_receiver {
     kvf_room_t  room;            /* first: what both sides share */
     char       *bootstrap_addr;  /* the registry to resolve its prefill ranks */
     int         dp_rank;
+    struct kvf_dest_given *dest; /* the destination taken in, whose */
     uint32_t   *pages;           /* declared pages, in order */
     uint32_t   *sorted_pages;    /* the same, ascending */
     uint32_t    n_pages;
     uint64_t    ok_first, ok_last; /* last page range found declared */
     kvf_states_t state_dst;      /* destination state indices */
     /* Per group, its indices ascending (as state_dst.idx) and the first
-     * coverage bit of its first buffer (cover_mark). */
+     * coverage bit of its first buffer (cover_mark).  These arrays are
+     * dest's: the room frees them with it. */
     uint32_t   *state_sorted;
     uint64_t   *state_bit0;
     uint32_t    decode_prefix;
@@ -643,6 +645,9 @@ void           kvf__states_free(kvf_states_t *s);
  */
 kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                                 kvf_room_t **room_p);
+/* A receiver's instance (docs/PROTOCOL.md, "Room instances"), any thread,
+ * no lock: never 0 and never the same twice on this engine. */
+uint64_t       kvf__room_new_instance(kvf_engine_t *eng);
 /* Put a room just created on the engine's list (under the lock): lanes
  * see it from here; its side's ops->open runs. */
 void           kvf__room_list(kvf_room_t *r);
