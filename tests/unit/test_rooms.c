@@ -1008,7 +1008,50 @@ static void test_room_ops_are_whole(void)
     CHECK_STR_CONTAINS(kvf__room_ops_missing(&o), "size");
 }
 
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Receivers' instances (room.c, kvf__room_new_instance): never 0, never
+ * the same twice on an engine nor, from their random starts, across two
+ * engines, and no draw is its predecessor plus one; a receiver created
+ * takes the next. */
+static void test_instances_are_distinct(void)
+{
+    enum { DRAWS = 100000 };
+    side_t a, b;
+    side_init(&a, KVF_ROLE_DECODE, NULL, NULL);
+    side_init(&b, KVF_ROLE_DECODE, NULL, NULL);
+    uint64_t *v = malloc(2 * DRAWS * sizeof(uint64_t));
+    CHECK(v != NULL);
+    int steps = 0;
+    for (int i = 0; i < DRAWS; i++) {
+        v[i] = kvf__room_new_instance(a.eng);
+        v[DRAWS + i] = kvf__room_new_instance(b.eng);
+        steps += i > 0 && v[i] == v[i - 1] + 1;
+    }
+    CHECK_EQ_INT(steps, 0);
+    kvf_receiver_t *r1, *r2;
+    CHECK_EQ_INT(kvf_receiver_create(a.eng, "127.0.0.1:1", 1, -1, &r1), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(a.eng, "127.0.0.1:1", 2, -1, &r2), KVF_OK);
+    CHECK(r1->room.instance != r2->room.instance);
+    qsort(v, 2 * DRAWS, sizeof(uint64_t), cmp_u64);
+    int same = v[0] == 0;
+    for (int i = 0; i < 2 * DRAWS; i++)
+        same += (i > 0 && v[i] == v[i - 1]) || v[i] == r1->room.instance ||
+                v[i] == r2->room.instance;
+    CHECK_EQ_INT(same, 0);
+    kvf_receiver_destroy(r1);
+    kvf_receiver_destroy(r2);
+    free(v);
+    side_fini(&b);
+    side_fini(&a);
+}
+
 KVF_TEST_MAIN(KVF_CASE(test_room_ops_are_whole),
+              KVF_CASE(test_instances_are_distinct),
               KVF_CASE(test_receiver_takes_only_its_peer_and_instance),
               KVF_CASE(test_reused_id_gets_only_its_own_frames),
               KVF_CASE(test_reused_id_real_engines),
