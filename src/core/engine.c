@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <openssl/crypto.h>
+#include <openssl/evp.h>
 
 #include "bootstrap/bootstrap.h"
 #include "core/resolver.h"
@@ -167,6 +168,8 @@ static void engine_free(kvf_engine_t *eng)
     pthread_cond_destroy(&eng->reads_cond);
     pthread_cond_destroy(&eng->final_cond);
     pthread_mutex_destroy(&eng->ids_lock);
+    EVP_CIPHER_CTX_free(eng->inst_cipher);
+    pthread_mutex_destroy(&eng->inst_lock);
     free(eng);
 }
 
@@ -210,6 +213,7 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
     pthread_cond_init(&eng->final_cond, NULL);
     eng->reads_done_tail = &eng->reads_done;
     pthread_mutex_init(&eng->ids_lock, NULL);
+    pthread_mutex_init(&eng->inst_lock, NULL);
     kvf_map_init(&eng->rooms_by_id);
     kvf_map_init(&eng->stash);
     kvf_map_init(&eng->tombs);
@@ -247,9 +251,7 @@ static kvf_status_t engine_own_params(kvf_engine_t *eng, const kvf_engine_params
     if (getrandom(&eng->instance_id, sizeof(eng->instance_id), 0) !=
         sizeof(eng->instance_id))
         eng->instance_id = kvf_now_ns() ^ ((uint64_t)getpid() << 32);
-    if (getrandom(&eng->instance_base, sizeof(eng->instance_base), 0) !=
-        sizeof(eng->instance_base))
-        eng->instance_base = eng->instance_id * 0x9e3779b97f4a7c15ULL;
+    kvf__room_instances_setup(eng);
     return KVF_OK;
 }
 

@@ -36,6 +36,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
+#include <openssl/types.h>
 #include <xxhash.h>
 
 #include "kvferry/kvferry.h"
@@ -120,10 +121,12 @@ struct kvf_engine {
      * the engine lock (room.c: a lane's lookup, a room leaving). */
     pthread_mutex_t     ids_lock;
     kvf_map_t           rooms_by_id;
-    /* Receivers' instances (kvf__room_new_instance): a random start, and
-     * how many were drawn. */
-    uint64_t            instance_base;
-    _Atomic uint64_t    instances_drawn;
+    /* Receivers' instances (room.c, kvf__room_new_instance): AES-128,
+     * under a key drawn at engine start, of how many were drawn, under
+     * inst_lock.  NULL cipher: getrandom() per draw. */
+    pthread_mutex_t     inst_lock;
+    EVP_CIPHER_CTX     *inst_cipher;
+    uint64_t            instances_drawn;
     struct kvf_room    *rooms;            /* those lanes took in (listed) */
     /* Rooms the application published work on without the lock, newest
      * first, for the lanes to take in (room.c, kvf__room_submit). */

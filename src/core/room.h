@@ -645,9 +645,12 @@ void           kvf__states_free(kvf_states_t *s);
  */
 kvf_status_t   kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint64_t id,
                                 kvf_room_t **room_p);
-/* A receiver's instance (docs/PROTOCOL.md, "Room instances"), any thread,
- * no lock: never 0 and never the same twice on this engine. */
+/* A receiver's instance (docs/PROTOCOL.md, "Room instances"), from any
+ * thread: never 0, as unpredictable as a random draw, and never the same
+ * twice on this engine but by a random collision (2^-64 per pair). */
 uint64_t       kvf__room_new_instance(kvf_engine_t *eng);
+/* The engine's key for them (at engine start, before any room). */
+void           kvf__room_instances_setup(kvf_engine_t *eng);
 /* Put a room just created on the engine's list (under the lock): lanes
  * see it from here; its side's ops->open runs. */
 void           kvf__room_list(kvf_room_t *r);

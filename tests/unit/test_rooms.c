@@ -1014,10 +1014,9 @@ static int cmp_u64(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-/* Receivers' instances (room.c, kvf__room_new_instance): never 0, never
- * the same twice on an engine nor, from their random starts, across two
- * engines, and no draw is its predecessor plus one; a receiver created
- * takes the next. */
+/* Receivers' instances (room.c, kvf__room_new_instance): never 0, none
+ * the same on an engine or across two (as random draws: 2^-64 a pair),
+ * and no draw its predecessor plus one; a receiver created takes one. */
 static void test_instances_are_distinct(void)
 {
     enum { DRAWS = 100000 };
