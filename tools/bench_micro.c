@@ -422,8 +422,9 @@ static void kvt_print_calls(kvt_samples_t *c, double *p99, double *p999, double 
         p99[k] = kvt_quantile(s, 0.99);
         p999[k] = kvt_quantile(s, 0.999);
         max[k] = kvt_quantile(s, 1.0);
-        printf("%s\"%s\":{\"p50_ms\":%.4f,\"p99_ms\":%.4f,\"p999_ms\":%.4f,"
-               "\"max_ms\":%.4f,\"n\":%zu}", k ? "," : "", kvt_call_names[k],
+        /* Nanosecond steps: most calls last a fraction of a microsecond. */
+        printf("%s\"%s\":{\"p50_ms\":%.6f,\"p99_ms\":%.6f,\"p999_ms\":%.6f,"
+               "\"max_ms\":%.6f,\"n\":%zu}", k ? "," : "", kvt_call_names[k],
                kvt_quantile(s, 0.5), p99[k], p999[k], max[k], s->n);
     }
     printf("}");
