@@ -89,18 +89,6 @@ kvf() {   # name, round, kvferry bench options
 
 LLAMA=(--model llama3-8b --page-size 64 --tokens 8192)
 QWEN=(--model qwen2.5-7b --page-size 64 --tokens 8192 --concurrency 2 --requests 16)
-sockperf_pp() {   # round [bytes [file]]: sockperf's TCP ping-pong over loopback,
-                  # 64-byte messages by default; its "latency" is half the round
-                  # trip: one hop
-    local port; port=$(free_port)
-    sockperf server --tcp -i 127.0.0.1 -p "$port" >/dev/null 2>&1 &
-    PIDS+=($!)
-    server_up "$port"
-    sockperf ping-pong --tcp -i 127.0.0.1 -p "$port" -t 5 -m "${2:-64}" \
-        > "$TMP/${3:-sockperf}.$1.txt" 2>&1 || true
-    kill "${PIDS[-1]}" 2>/dev/null || true
-    wait "${PIDS[-1]}" 2>/dev/null || true
-}
 relay() {   # round: prefill rank 0 aborts each room after its first chunk; every
             # rank of the room (its pair's and the others') times its FAILED;
             # beside it, one hop of a 64-byte message (sockperf)

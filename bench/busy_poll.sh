@@ -27,12 +27,7 @@ for tool in sockperf iperf3 python3; do need "$tool" "run 'make deps'"; done
 LLAMA=(--model llama3-8b --page-size 64 --tokens 8192 --pattern contiguous --concurrency 2)
 for i in $(seq "$REPEATS"); do
     note "round $i/$REPEATS"
-    port=$(free_port)
-    sockperf server --tcp -i 127.0.0.1 -p "$port" >/dev/null 2>&1 &
-    PIDS+=($!)
-    server_up "$port"
-    sockperf ping-pong --tcp -i 127.0.0.1 -p "$port" -t 5 -m 4096 > "$TMP/sockperf.$i.txt" 2>&1
-    kill "${PIDS[-1]}"; wait "${PIDS[-1]}" 2>/dev/null || true
+    sockperf_pp "$i" 4096 sockperf
     port=$(free_port)
     iperf3 -s -p "$port" >/dev/null 2>&1 &     # the probe's connection is not a test
     PIDS+=($!)

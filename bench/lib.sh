@@ -1,6 +1,7 @@
 # What the scripts of bench/ share (sourced, after `cd` to the tree's
 # root): a scratch directory $TMP and the pids of the servers they start
-# ($PIDS), both cleaned up on exit; free_port, server_up, note and need.
+# ($PIDS), both cleaned up on exit; free_port, server_up, note, need and
+# sockperf_pp.
 TMP=$(mktemp -d "/tmp/kvferry-$(basename "$0" .sh).XXXXXX")
 PIDS=()
 bench_cleanup() {
@@ -29,4 +30,17 @@ while time.time() < end:
         time.sleep(0.02)
 sys.exit(1)
 PY
+}
+
+sockperf_pp() {   # round [bytes [file]]: sockperf's TCP ping-pong over loopback
+                  # into $TMP/file.round.txt, 64-byte messages by default; its
+                  # "latency" is half the round trip: one hop
+    local port; port=$(free_port)
+    sockperf server --tcp -i 127.0.0.1 -p "$port" >/dev/null 2>&1 &
+    PIDS+=($!)
+    server_up "$port"
+    sockperf ping-pong --tcp -i 127.0.0.1 -p "$port" -t 5 -m "${2:-64}" \
+        > "$TMP/${3:-sockperf}.$1.txt" 2>&1 || true
+    kill "${PIDS[-1]}" 2>/dev/null || true
+    wait "${PIDS[-1]}" 2>/dev/null || true
 }

@@ -351,13 +351,14 @@ typedef struct kvf_engine_params {
      * Busy polling, in microseconds: after a pass that had work (an event,
      * or work an application call published) while the engine has rooms,
      * each progress thread keeps polling for this long before it sleeps,
-     * yielding its CPU between polls.  While it does, the calls that publish work (the creates,
-     * inits, sends and set_dest) find it awake and make no system call,
-     * and a small room is not held up by waking a thread; the price is a
-     * CPU per progress thread while rooms come and go.  0 (the default
-     * unless KVF_BUSY_POLL_US says otherwise): sleep at once, and a call
-     * that finds every progress thread asleep wakes one (a few
-     * microseconds).  At most 1000000 (docs/GUIDE.md, "Busy polling").
+     * yielding its CPU between polls.  While it does, the calls that
+     * publish work (the creates, inits, sends and set_dest) find it awake
+     * and make no system call, and a small room is not held up by waking
+     * a thread; the price is a CPU per progress thread while rooms come
+     * and go.  0 (the default unless KVF_BUSY_POLL_US says otherwise):
+     * sleep at once, and a call that finds every progress thread asleep
+     * wakes one (a few microseconds).  At most 1000000 (docs/GUIDE.md,
+     * "Busy polling").
      */
     unsigned    busy_poll_us;
 } kvf_engine_params_t;

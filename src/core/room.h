@@ -447,15 +447,16 @@ struct kvf_receiver {
     kvf_room_t  room;            /* first: what both sides share */
     char       *bootstrap_addr;  /* the registry to resolve its prefill ranks */
     int         dp_rank;
-    struct kvf_dest_given *dest; /* the destination taken in, whose */
+    /* The destination taken in, one block (receiver.c, kvf_dest_given_t):
+     * pages ... state_bit0 below point into it; freed with the room. */
+    struct kvf_dest_given *dest;
     uint32_t   *pages;           /* declared pages, in order */
     uint32_t   *sorted_pages;    /* the same, ascending */
     uint32_t    n_pages;
     uint64_t    ok_first, ok_last; /* last page range found declared */
     kvf_states_t state_dst;      /* destination state indices */
     /* Per group, its indices ascending (as state_dst.idx) and the first
-     * coverage bit of its first buffer (cover_mark).  These arrays are
-     * dest's: the room frees them with it. */
+     * coverage bit of its first buffer (cover_mark). */
     uint32_t   *state_sorted;
     uint64_t   *state_bit0;
     uint32_t    decode_prefix;

@@ -485,8 +485,8 @@ static int lanes_sleep(side_t *a, side_t *b)
  * find a lane awake and wake none); after their work the lanes stay
  * counted awake through the window, which is what spares a publishing
  * call its wake; and once the engine has no rooms and the window has
- * passed they sleep again, so an idle engine spins no CPU.  Out of range, it is refused, from the
- * parameter or from KVF_BUSY_POLL_US.
+ * passed they sleep again, so an idle engine spins no CPU.  Out of
+ * range, it is refused, from the parameter or from KVF_BUSY_POLL_US.
  */
 static void test_busy_poll(void)
 {
