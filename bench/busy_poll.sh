@@ -64,7 +64,8 @@ cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.start
 print(f"machine: {os.cpu_count()} CPUs, {cpu}; commit {commit}; medians of {reps} rounds; "
       f"busy polling 0 and {busy} us")
 calls = ("receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
-         "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy")
+         "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
+         "sender_abort", "receiver_abort")
 for case, what in (("calls64", "64 rooms in flight"), ("calls1g", "two 1 GiB rooms")):
     print(f"\ncalls under {what}: p50 us / p99 / p99.9 as a multiple of the null call's")
     for b in (0, busy):

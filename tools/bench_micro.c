@@ -378,12 +378,12 @@ out:
  * calls are measured.
  */
 enum { KVT_C_RCREATE, KVT_C_RINIT, KVT_C_SCREATE, KVT_C_SINIT, KVT_C_SEND, KVT_C_POLL,
-       KVT_C_FAILURE, KVT_C_METRIC, KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_NULL, KVT_C_WAKE,
-       KVT_CALLS };
+       KVT_C_FAILURE, KVT_C_METRIC, KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_SABORT,
+       KVT_C_RABORT, KVT_C_NULL, KVT_C_WAKE, KVT_CALLS };
 static const char *const kvt_call_names[KVT_CALLS] = {
     "receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
     "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
-    "null_call", "wake_call"
+    "sender_abort", "receiver_abort", "null_call", "wake_call"
 };
 
 typedef struct kvt_samples {
@@ -615,8 +615,59 @@ static int kvt_wake_call(kvt_sleeper_t *z, kvt_samples_t *c)
     return 0;
 }
 
-/* n one-page rooms, one after the other, every call timed into c[], and
- * a wake call of z's after each. */
+/* Until both sides of a room pass WAITING_FOR_INPUT (`failed` 0), or are
+ * FAILED (1), polling at a scheduler step's pace: 0, or -1 after 30 s. */
+static int kvt_await_rooms(kvf_sender_t *s, kvf_receiver_t *r, int failed)
+{
+    for (double until = kvt_now_s() + 30; kvt_now_s() < until;) {
+        kvf_poll_t ps = kvf_sender_poll(s), ds = kvf_receiver_poll(r);
+        if (failed ? ps == KVF_POLL_FAILED && ds == KVF_POLL_FAILED
+                   : ps >= KVF_POLL_WAITING_FOR_INPUT && ds >= KVF_POLL_WAITING_FOR_INPUT)
+            return 0;
+        if (!failed && (ps == KVF_POLL_FAILED || ds == KVF_POLL_FAILED))
+            return -1;
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+    return -1;
+}
+
+/* A room the application aborts while it is live (waiting for its
+ * input), on the decode side (`rx`) or the prefill side, that call timed
+ * into c[]; then its other side learns it, and both are destroyed.
+ * @return 0, or -1 (said on stderr). */
+static int kvt_aborted_room(kvt_side_t *pre, kvt_side_t *dec, const char *reg, uint64_t id,
+                            uint32_t page, int rx, kvt_samples_t *c)
+{
+    kvf_sender_t *s = NULL;
+    kvf_receiver_t *r = NULL;
+    int bad = kvf_receiver_create(dec->eng, reg, id, -1, &r) != KVF_OK ||
+              kvf_receiver_init(r, &page, 1, page, NULL, 0) != KVF_OK ||
+              kvf_sender_create(pre->eng, reg, id, &s) != KVF_OK ||
+              kvt_await_rooms(s, r, 0) != 0;
+    if (!bad) {
+        double t = kvt_now_s();
+        if (rx)
+            kvf_receiver_abort(r);
+        else
+            kvf_sender_abort(s);
+        kvt_sample(&c[rx ? KVT_C_RABORT : KVT_C_SABORT], kvt_ms_since(t));
+        kvt_null_beside(c);
+        bad = kvt_await_rooms(s, r, 1) != 0;
+    }
+    if (s != NULL)
+        kvf_sender_destroy(s);
+    if (r != NULL)
+        kvf_receiver_destroy(r);
+    if (bad)
+        fprintf(stderr, "kvferry bench --call-latency: aborted room %llu did not fail on "
+                "both sides\n", (unsigned long long)id);
+    return bad ? -1 : 0;
+}
+
+/* n one-page rooms, one after the other, every call timed into c[], then
+ * a room aborted on one side or the other, and a wake call of z's after
+ * each. */
 static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, kvt_sleeper_t *z,
                            const char *reg, uint32_t n, uint64_t id0, kvt_samples_t *c)
 {
@@ -692,6 +743,8 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, kvt_sleeper_t *z,
             fprintf(stderr, "kvferry bench --call-latency: small room %u failed\n", i);
             return -1;
         }
+        if (kvt_aborted_room(pre, dec, reg, (1ull << 40) + id, page, (int)(i & 1), c) != 0)
+            return -1;
         if (kvt_wake_call(z, c) != 0)
             return -1;
     }

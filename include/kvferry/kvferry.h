@@ -18,18 +18,17 @@
  *   kvf_sender_create_held(), kvf_receiver_create(), kvf_sender_init(),
  *   kvf_sender_set_states(), kvf_sender_send(), kvf_receiver_set_dest()
  *   (and the _init and set_state forms), kvf_*_poll(), kvf_*_failure(),
- *   kvf_*_metric() and the destroy of a room that is final with its pages
- *   released take no engine lock: a create claims the room id under a
- *   lock of the ids alone, and these calls publish their work for the
- *   progress threads; a poll reads one atomic, a failure read a record
- *   fixed once the room failed (under the room's own lock), a metric the
- *   room's atomics; so a scheduler may call them for thousands of rooms in
- *   each step.  A call that publishes finds a progress thread awake or
- *   wakes one (a system call, a few microseconds); with
- *   kvf_engine_params_t.busy_poll_us they stay awake after their work.
- *   kvf_*_abort() and kvf_*_fail() on a room already final (no-ops
- *   there) and kvf_*_await_failure() on one already FAILED take none
- *   either.
+ *   kvf_*_metric(), kvf_*_abort(), kvf_*_fail() and the destroy of a
+ *   room that is final with its pages released take no engine lock: a
+ *   create claims the room id under a lock of the ids alone, and these
+ *   calls publish their work for the progress threads; a poll reads one
+ *   atomic, a failure read a record fixed once the room failed (under the
+ *   room's own lock), a metric the room's atomics; so a scheduler may call
+ *   them for thousands of rooms in each step.  A call that publishes finds
+ *   a progress thread awake or wakes one (a system call, a few
+ *   microseconds); with kvf_engine_params_t.busy_poll_us they stay awake
+ *   after their work.  kvf_*_await_failure() on a room already FAILED
+ *   takes none either.
  *   Other calls take the engine lock for their bookkeeping, which the
  *   engine's threads hold only for bounded passes, so such a call may wait
  *   for the rest of one pass (docs/ARCHITECTURE.md, docs/BENCHMARKS.md
@@ -794,8 +793,12 @@ KVF_API kvf_poll_t kvf_sender_poll(const kvf_sender_t *sender);
 KVF_API kvf_status_t kvf_sender_failure(kvf_sender_t *sender,
                                         kvf_failure_t *failure_p);
 
-/** Abort the room here and on all its peers.  No-op once final (and then
- *  without the engine lock). */
+/**
+ * Abort the room here and on all its peers.  No-op once final.  Without
+ * the engine lock: the room is FAILED (poll, kvf_sender_failure) when the
+ * call returns, and its peers hear it once a progress thread took it in
+ * (its next pass, which the call wakes).
+ */
 KVF_API void kvf_sender_abort(kvf_sender_t *sender);
 
 /**
@@ -806,8 +809,8 @@ KVF_API void kvf_sender_abort(kvf_sender_t *sender);
  * it as it would a failure kvferry saw itself (docs/FAILURES.md).  For an
  * application that refuses a request before kvferry sees it (an index
  * its own checks rejected, say), so that every rank names that refusal
- * rather than an abort.  No-op once the room is final (and then without
- * the engine lock).
+ * rather than an abort.  No-op once the room is final.  Without the
+ * engine lock, as kvf_sender_abort.
  * @return KVF_OK, KVF_ERR_INVALID_PARAM (status not negative, no reason).
  */
 KVF_API kvf_status_t kvf_sender_fail(kvf_sender_t *sender, kvf_status_t status,
@@ -834,7 +837,8 @@ KVF_API kvf_status_t kvf_sender_await_failure(kvf_sender_t *sender, unsigned tim
  * Release the sender (aborting the room if it is still live).  The room id
  * may be used again as soon as this returns.  A sender that is final and
  * whose pages no stream is reading is only marked for the engine's
- * threads, without the engine lock; any other takes it.
+ * threads, without the engine lock; any other takes it, and so does one
+ * its application aborted or failed that no progress thread took in yet.
  */
 KVF_API void kvf_sender_destroy(kvf_sender_t *sender);
 
@@ -1039,8 +1043,14 @@ KVF_API kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *receiver);
 KVF_API kvf_status_t kvf_receiver_failure(kvf_receiver_t *receiver,
                                           kvf_failure_t *failure_p);
 
-/** Abort the room here and on all its peers.  No-op once final (and then
- *  without the engine lock). */
+/**
+ * Abort the room here and on all its peers.  No-op once final.  Without
+ * the engine lock: kvf_receiver_failure has the record when the call
+ * returns, but poll shows the room's state before, and its pages stay
+ * unreleased, until a progress thread took the abort in (its next pass,
+ * which the call wakes): one may be placing bytes it checked live a
+ * moment before, and FAILED says that no byte can land any more.
+ */
 KVF_API void kvf_receiver_abort(kvf_receiver_t *receiver);
 
 /** Fail the room here with the application's root cause (as kvf_sender_fail). */

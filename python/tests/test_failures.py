@@ -143,7 +143,8 @@ class Failures(unittest.TestCase):
         rx.init([1, 2, 3], 0)
         self.peer.room_event(9, ("WaitingForInput",))
         rx.abort()
-        self.assertEqual(rx.poll(), KVPoll.Failed)
+        # Failed once the engine's thread took the abort in (its next pass).
+        self.assertEqual(wait_state(rx, FINAL, SURVIVOR_DEADLINE), KVPoll.Failed)
         mine = catch(rx)
         self.assertFalse(mine.is_from_another_rank)
         self.assertEqual(mine.status, "KVF_ERR_ABORTED")

@@ -11,7 +11,7 @@
  * So siblings.c and stash.c, which room.c calls, use these without calling
  * back into room.c: core's files call each other one way
  * (tests/structure/one_way.sh).  Everything here runs under the engine
- * lock.
+ * lock, but kvf__failure_vset_unlocked.
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -27,10 +27,9 @@
 /* Records                                                               */
 /* ------------------------------------------------------------------------ */
 
-void kvf__failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
-                       const char *fmt, va_list ap)
+void kvf__failure_vset_unlocked(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                                const char *fmt, va_list ap)
 {
-    KVF_ASSERT_LOCKED(eng);
     memset(f, 0, sizeof(*f));
     f->size = sizeof(*f);
     f->status = st;
@@ -46,7 +45,7 @@ void kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st
     KVF_ASSERT_LOCKED(eng);
     va_list ap;
     va_start(ap, fmt);
-    kvf__failure_vset(f, eng, st, fmt, ap);
+    kvf__failure_vset_unlocked(f, eng, st, fmt, ap);
     va_end(ap);
 }
 

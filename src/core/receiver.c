@@ -508,11 +508,12 @@ kvf_status_t kvf_receiver_init(kvf_receiver_t *rv, const uint32_t *pages, size_t
 
 /*
  * Bytes land in a room's pages in two ways.  The stream places them under
- * the engine lock after checking that the room is live (rx_valid), and the
- * final state is stored under the same lock.  A mover read is started only
- * for a live room, and counted in `reads` until the mover says no byte of
- * it can land.  So once the room is final and `reads` is 0, nothing is
- * written into its pages or can start to be.
+ * the engine lock after checking that the room is live (rx_valid), and a
+ * lane turns the room final under the same lock, or takes in the turn an
+ * application's abort made without it (room_settled).  A mover read is
+ * started only for a live room, and counted in `reads` until the mover
+ * says no byte of it can land.  So once the room is settled and `reads`
+ * is 0, nothing is written into its pages or can start to be.
  */
 static int pages_busy(const kvf_receiver_t *rv)
 {
@@ -521,16 +522,24 @@ static int pages_busy(const kvf_receiver_t *rv)
 
 int kvf_receiver_pages_released(const kvf_receiver_t *rv)
 {
-    return room_final(&rv->room) && !pages_busy(rv);
+    return room_settled(&rv->room) && !pages_busy(rv);
 }
 
 /* A room that failed while reads into its pages were in flight shows as
  * TRANSFERRING until they end: FAILED tells the scheduler it may free the
  * pages (SUCCESS never comes before its reads ended). */
+/* FAILED only once no byte can still land in the pages: not while reads
+ * are in flight (TRANSFERRING), nor while the application's abort waits
+ * for a lane (the state before it). */
 kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *rv)
 {
     kvf_poll_t s = room_state(&rv->room);
-    return s == KVF_POLL_FAILED && pages_busy(rv) ? KVF_POLL_TRANSFERRING : s;
+    if (s != KVF_POLL_FAILED)
+        return s;
+    int was = atomic_load(&rv->room.app_failed);
+    if (was != 0)
+        return (kvf_poll_t)(was - 1);
+    return pages_busy(rv) ? KVF_POLL_TRANSFERRING : s;
 }
 
 kvf_status_t kvf_receiver_failure(kvf_receiver_t *rv, kvf_failure_t *f)

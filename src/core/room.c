@@ -83,6 +83,7 @@ void kvf__room_put(kvf_room_t *r)
     r->ops->free(r);
     free(r->last_err);
     pthread_mutex_destroy(&r->app_lock);
+    pthread_mutex_destroy(&r->final_lock);
     free(r);
 }
 
@@ -109,12 +110,17 @@ static void stats_final(kvf_room_t *r, const kvf_failure_t *f, int reversed)
 void kvf__room_set_state(kvf_room_t *r, kvf_poll_t s)
 {
     KVF_ASSERT_LOCKED(r->eng);
+    /* Under final_lock: the application's abort may turn it FAILED meanwhile. */
+    pthread_mutex_lock(&r->final_lock);
     kvf_poll_t cur = room_state(r);
-    if (cur == KVF_POLL_FAILED || cur == KVF_POLL_SUCCESS || s <= cur)
+    int moves = !(cur == KVF_POLL_FAILED || cur == KVF_POLL_SUCCESS || s <= cur);
+    /* Release: a poller that sees SUCCESS also sees the bytes in place. */
+    if (moves)
+        atomic_store_explicit(&r->state, (int)s, memory_order_release);
+    pthread_mutex_unlock(&r->final_lock);
+    if (!moves)
         return;
     r->t_state_ms = kvf_now_ms();
-    /* Release: a poller that sees SUCCESS also sees the bytes in place. */
-    atomic_store_explicit(&r->state, (int)s, memory_order_release);
     if (s == KVF_POLL_SUCCESS)
         stats_final(r, NULL, 0);
     kvf__trace_state(r, s);
@@ -146,21 +152,40 @@ static void tell_peers(kvf_room_t *r, const kvf_peer_t *from, int abort, uint8_t
     kvf__siblings_tell(r, skip, abort);
 }
 
-/* The room fails here with the record it holds (r->failure), after `was`;
- * its peers are told (tell_peers: `from` told it, with `told`). */
+/* Turn r FAILED from `was`, with f as its record unless it keeps one (f
+ * is then freed; NULL: it keeps one): 1, or 0, f untouched, when r is no
+ * longer `was` (the application's abort turned it FAILED meanwhile). */
+static int room_turn_failed(kvf_room_t *r, kvf_poll_t was, kvf_failure_t *f)
+{
+    pthread_mutex_lock(&r->final_lock);
+    int turns = room_state(r) == was;
+    if (turns) {
+        if (r->failure == NULL)
+            r->failure = f;
+        else
+            free(f);              /* the cause it kept while it succeeded */
+        /* Release: whoever sees FAILED sees the record. */
+        atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
+    }
+    pthread_mutex_unlock(&r->final_lock);
+    return turns;
+}
+
+/* The room turned FAILED here from `was` with the record it holds
+ * (r->failure): counted, traced, and its peers told (tell_peers: `from`
+ * told it, with `told`). */
 static void room_failed(kvf_room_t *r, kvf_poll_t was, kvf_peer_t *from, int abort,
                         uint8_t told, const char *how)
 {
     const kvf_failure_t *f = r->failure;
     r->failed_sides |= KVF_SIDE_BIT(r->side);
     r->t_state_ms = kvf_now_ms();
-    atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
     if (was == KVF_POLL_SUCCESS)
         r->eng->stats.rooms_succeeded--;
     stats_final(r, f, was == KVF_POLL_SUCCESS);
     kvf__trace_failed(r, f, from, was == KVF_POLL_SUCCESS);
     kvf_info("room %llu failed on %s%s%s: %s", (unsigned long long)r->id,
-             kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
+             kvf__engine_rank_name_unlocked(r->eng, (char[96]){0}, 96),
              f->from_another_rank ? " (from another rank)" : "", how, f->reason);
     tell_peers(r, from, abort, told);
     pthread_cond_broadcast(&r->eng->final_cond);
@@ -180,6 +205,7 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
 {
     KVF_ASSERT_LOCKED(r->eng);
     uint8_t mine = KVF_SIDE_BIT(r->side);
+    kvf__room_take_app_failure(r);      /* the application's came first */
     kvf_poll_t was = room_state(r);
     if (was == KVF_POLL_SUCCESS && !f->from_another_rank) {
         free(f);                  /* a consequence here of a finished room */
@@ -206,10 +232,12 @@ void kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t *from,
      * succeeded takes the failure from the first FAIL it hears, not from
      * a relay that a scheduler's clear() of a sibling's room may cut. */
     r->failed_sides |= mine | r->ops->doomed_side(r);
-    if (r->failure == NULL)
-        r->failure = f;
-    else
-        free(f);                  /* the cause it kept while it succeeded */
+    if (!room_turn_failed(r, was, f)) {
+        /* The application's abort or fail came between: the first cause. */
+        free(f);
+        kvf__room_take_app_failure(r);
+        return;
+    }
     room_failed(r, was, from, abort, sides,
                 was == KVF_POLL_SUCCESS ? " after it had succeeded here" : "");
 }
@@ -226,14 +254,14 @@ static int room_vfail(kvf_room_t *r, kvf_peer_t *from, kvf_room_failed_t *out,
     kvf_failure_t *f = malloc(sizeof(*f));
     if (f == NULL)
         return 0;
-    kvf__failure_vset(f, r->eng, st, fmt, ap);
-    if (out != NULL) {
+    kvf__failure_vset_unlocked(f, r->eng, st, fmt, ap);
+    kvf__room_fail_record(r, f, from, st == KVF_ERR_ABORTED, sides);
+    if (out != NULL) {           /* f, or the application's abort, first */
         out->room = r->id;
         out->instance = r->ops->instance_for(r, from);
         out->key = r->ops->fail_key(r);
-        out->failure = *f;
+        out->failure = *r->failure;
     }
-    kvf__room_fail_record(r, f, from, st == KVF_ERR_ABORTED, sides);
     return 1;
 }
 
@@ -352,6 +380,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint
     r->refs = 1;
     r->attached = 1;
     pthread_mutex_init(&r->app_lock, NULL);
+    pthread_mutex_init(&r->final_lock, NULL);
     r->t_create_ns = kvf_now_ns();
     r->t_state_ms = r->t_create_ms = r->t_create_ns / 1000000u;
     atomic_init(&r->state, KVF_POLL_BOOTSTRAPPING);
@@ -371,6 +400,7 @@ kvf_status_t kvf__room_create(kvf_engine_t *eng, const kvf_room_ops_t *ops, uint
                       "reusing the id", (unsigned long long)id);
         ops->free(r);
         pthread_mutex_destroy(&r->app_lock);
+        pthread_mutex_destroy(&r->final_lock);
         free(r);
         return st;
     }
@@ -544,6 +574,7 @@ void kvf__rooms_take_submitted(kvf_engine_t *eng)
             if (!r->listed)
                 kvf__room_list(r);
             r->ops->take(r);
+            kvf__room_take_app_failure(r);
         }
         r = next;
     }
@@ -559,12 +590,14 @@ void kvf__room_lock(kvf_room_t *r)
 void kvf__room_destroy(kvf_room_t *r)
 {
     kvf_engine_t *eng = r->eng;
-    /* Final, with no I/O on its pages: none can start (every placement
+    /* Settled, with no I/O on its pages: none can start (every placement
      * and read checks that its room is not final, under the lock, and
-     * counts itself in `reads` before letting the lock go), so the pages
-     * are the caller's now.  The lanes take the room out at their next
-     * pass, or when a message names it; nothing to wake them for. */
-    if (room_final(r) && atomic_load_explicit(&r->reads, memory_order_acquire) == 0) {
+     * counts itself in `reads` before letting the lock go; and a lane
+     * took in, under the lock, the turn to final that an abort of the
+     * application's makes without it), so the pages are the caller's now.
+     * The lanes take the room out at their next pass, or when a message
+     * names it; nothing to wake them for. */
+    if (room_settled(r) && atomic_load_explicit(&r->reads, memory_order_acquire) == 0) {
         push_submitted(r, ROOM_CLOSING);     /* r is the lanes' from here */
         return;
     }
@@ -575,23 +608,66 @@ void kvf__room_destroy(kvf_room_t *r)
     if (!room_final(r))
         kvf__room_fail(r, KVF_ERR_ABORTED, "room %llu destroyed by the application "
                        "on %s before it finished", (unsigned long long)r->id,
-                       kvf__engine_rank_name(eng, (char[96]){0}, 96));
+                       kvf__engine_rank_name_unlocked(eng, (char[96]){0}, 96));
     room_close(r);
     wait_reads(r);
     kvf__room_put(r);
     kvf__unlock(eng);
 }
 
-/* Abort and fail are no-ops on a final room (room_vfail), which stays
- * final: seeing it so, they return without the lock. */
+/*
+ * The application fails live room r with its own record (abort, fail),
+ * without the engine lock: FAILED at once, under final_lock, so that a
+ * lane's turn of it (to SUCCESS, or FAILED with a cause of its own) and
+ * this one do not both happen.  The rest of the failure (telling the
+ * peers...) is the lanes', at their next pass: the room is listed for them
+ * with its state before (app_failed), which a receiver's poll still shows
+ * until then, as a lane may be placing bytes it checked live before.
+ */
+static void room_fail_app(kvf_room_t *r, kvf_status_t st, const char *fmt, ...)
+{
+    kvf_failure_t *f = malloc(sizeof(*f));
+    if (f == NULL) {
+        kvf_error("room %llu: no memory to fail it", (unsigned long long)r->id);
+        return;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    kvf__failure_vset_unlocked(f, r->eng, st, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&r->final_lock);
+    kvf_poll_t was = room_state(r);
+    int turns = was != KVF_POLL_FAILED && was != KVF_POLL_SUCCESS;
+    if (turns) {
+        r->failure = f;            /* none yet: a live room has no record */
+        atomic_store(&r->app_failed, (int)was + 1);
+        atomic_store_explicit(&r->state, KVF_POLL_FAILED, memory_order_release);
+    }
+    pthread_mutex_unlock(&r->final_lock);
+    if (turns)
+        kvf__room_submit(r);
+    else
+        free(f);
+}
+
+void kvf__room_take_app_failure(kvf_room_t *r)
+{
+    KVF_ASSERT_LOCKED(r->eng);
+    int was = atomic_exchange(&r->app_failed, 0);
+    if (was == 0)
+        return;
+    r->failed_sides |= KVF_SIDE_BIT(r->side) | r->ops->doomed_side(r);
+    room_failed(r, (kvf_poll_t)(was - 1), NULL, r->failure->status == KVF_ERR_ABORTED, 0,
+                "");
+}
+
+/* Abort and fail are no-ops on a final room, which stays final: seeing
+ * it so, they return at once. */
 void kvf__room_abort(kvf_room_t *r)
 {
-    if (room_final(r))
-        return;
-    kvf__room_lock(r);
-    kvf__room_fail(r, KVF_ERR_ABORTED, "aborted by the application on %s",
-                   kvf__engine_rank_name(r->eng, (char[96]){0}, 96));
-    kvf__unlock(r->eng);
+    if (!room_final(r))
+        room_fail_app(r, KVF_ERR_ABORTED, "aborted by the application on %s",
+                      kvf__engine_rank_name_unlocked(r->eng, (char[96]){0}, 96));
 }
 
 kvf_status_t kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason)
@@ -601,11 +677,8 @@ kvf_status_t kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reas
                   (unsigned long long)r->id);
         return KVF_ERR_INVALID_PARAM;
     }
-    if (room_final(r))
-        return KVF_OK;
-    kvf__room_lock(r);
-    kvf__room_fail(r, st, "%s", reason);
-    kvf__unlock(r->eng);
+    if (!room_final(r))
+        room_fail_app(r, st, "%s", reason);
     return KVF_OK;
 }
 
@@ -636,7 +709,7 @@ kvf_status_t kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms)
      */
     if (room_state(r) == KVF_POLL_SUCCESS) {
         r->failed_sides |= KVF_SIDE_BIT(r->side);
-        if (r->failure != NULL)
+        if (r->failure != NULL && room_turn_failed(r, KVF_POLL_SUCCESS, NULL))
             room_failed(r, KVF_POLL_SUCCESS, NULL, r->failure->status == KVF_ERR_ABORTED, 0,
                         " after it had succeeded here (its application says this side "
                         "failed)");

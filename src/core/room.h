@@ -26,11 +26,11 @@
 
 typedef struct kvf_room kvf_room_t;
 
-/* This engine's rank as a failure reason names it (kvf__rank_name). */
-static inline const char *kvf__engine_rank_name(const kvf_engine_t *eng, char *buf,
-                                                size_t len)
+/* This engine's rank as a failure reason names it (kvf__rank_name): from
+ * its parameters, which do not change once it runs. */
+static inline const char *kvf__engine_rank_name_unlocked(const kvf_engine_t *eng,
+                                                         char *buf, size_t len)
 {
-    KVF_ASSERT_LOCKED(eng);
     const kvf_engine_params_t *p = &eng->params;
     return kvf__rank_name(p->role, p->tp_rank, p->pp_rank, p->pp_size, p->dp_rank,
                           p->dp_size, buf, len);
@@ -260,7 +260,18 @@ struct kvf_room {
                                      drawn at create, kept across resumes */
     kvf_role_t       side;
     const kvf_room_ops_t *ops;    /* its side's */
-    _Atomic int      state;       /* kvf_poll_t; written under the lock */
+    /* kvf_poll_t.  Turned by the lanes under the lock, and by an
+     * application's abort or fail without it (kvf__room_fail_app); either
+     * turn, and the record (`failure`) a FAILED one carries, is made under
+     * final_lock, so that exactly one wins. */
+    _Atomic int      state;
+    /* The state (+1) before the application's abort or fail turned the
+     * room FAILED, until a lane takes that failure in (tells the peers,
+     * counts it: kvf__room_take_app_failure); 0 otherwise.  Until then a
+     * lane may still be placing bytes in its pages, which it checked live
+     * before the turn: the pages are not released (room_settled). */
+    atomic_int       app_failed;
+    pthread_mutex_t  final_lock;  /* a leaf: nothing is taken under it */
     /* I/O on its pages with the lock released: mover reads into a
      * receiver's pages in flight, and a stream's system call writing into
      * them (receiver) or reading them (sender).  Written under the lock,
@@ -500,6 +511,13 @@ static inline int room_final(const kvf_room_t *r)
     return s == KVF_POLL_FAILED || s == KVF_POLL_SUCCESS;
 }
 
+/* Final, and the lanes have taken in how: no lane is still acting on it
+ * as live (an abort of the application's not taken in yet is not). */
+static inline int room_settled(const kvf_room_t *r)
+{
+    return room_final(r) && atomic_load(&r->app_failed) == 0;
+}
+
 /* Sender: the link bound to this peer and room instance, or NULL. */
 static inline kvf_link_t *link_bound(kvf_room_t *r, const kvf_peer_t *p, uint64_t instance)
 {
@@ -679,11 +697,21 @@ void           kvf__room_submit(kvf_room_t *r);
 /* Take in every listed room's published work (each lane at each pass,
  * and whoever is about to free a room, which must not stay listed). */
 void           kvf__rooms_take_submitted(kvf_engine_t *eng);
-/* kvf_*_abort, kvf_*_fail, kvf_*_await_failure: each takes the lock, but
- * not on a room already final (abort, fail: a no-op then) or FAILED
- * (await_failure): a final room stays final, a FAILED one FAILED. */
+/*
+ * kvf_*_abort and kvf_*_fail, without the engine lock: a live room turns
+ * FAILED at once with the application's record (under its final_lock),
+ * and is listed for the lanes, which take the failure in at their next
+ * pass (kvf__room_take_app_failure: the peers are told then).  A no-op on
+ * a final room, which stays final.
+ */
 void           kvf__room_abort(kvf_room_t *r);
 kvf_status_t   kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason);
+/* A lane takes in the failure an application's abort or fail published,
+ * if r has one: what a failure here does besides turning the room FAILED
+ * (its peers told, its stats and trace, await_failure's waiters woken). */
+void           kvf__room_take_app_failure(kvf_room_t *r);
+/* kvf_*_await_failure: takes the lock, but not on a room already FAILED,
+ * which stays FAILED. */
 kvf_status_t   kvf__room_await_failure(kvf_room_t *r, unsigned timeout_ms);
 /* kvf_sender_failure / kvf_receiver_failure (`fn`, for messages): the
  * record into the caller's `out`, of its size.  Without the engine lock,
@@ -702,9 +730,11 @@ void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t
  * address): the one place a local failure record is made. */
 void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
                                 const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-/* The same with a va_list (room.c's room_vfail). */
-void           kvf__failure_vset(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
-                                 const char *fmt, va_list ap)
+/* The same with a va_list, and without the lock (it reads only what
+ * does not change once the engine runs): room.c's room_vfail and the
+ * application's abort or fail. */
+void           kvf__failure_vset_unlocked(kvf_failure_t *f, const kvf_engine_t *eng,
+                                          kvf_status_t st, const char *fmt, va_list ap)
     __attribute__((format(printf, 4, 0)));
 /* The record a FAIL or ABORT brought, learned from another rank (malloc'd;
  * NULL without memory). */

@@ -192,7 +192,7 @@ void kvf__siblings_take(kvf_room_t *r, kvf_peer_t *p, uint32_t rank, uint64_t in
                          "(instance %016llx) on %s, %s: refused", kvf__peer_name(p,
                          (char[128]){0}, 128), (unsigned long long)r->id,
                          (unsigned long long)instance,
-                         kvf__engine_rank_name(r->eng, (char[96]){0}, 96),
+                         kvf__engine_rank_name_unlocked(r->eng, (char[96]){0}, 96),
                          holder != NULL ? "but that decode rank is bound to the room "
                                           "already: two live requests use one room id?"
                          : (uint32_t)p->tp_rank != rank ? "naming another decode rank "

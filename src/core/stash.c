@@ -106,7 +106,7 @@ void kvf__stash_expire(kvf_engine_t *eng, uint64_t now)
                              "room %llu %.1f s after this decode rank asked for it (the "
                              "bootstrap deadline): the prefill side never created it, or "
                              "it had ended before",
-                             kvf__engine_rank_name(eng, (char[96]){0}, 96),
+                             kvf__engine_rank_name_unlocked(eng, (char[96]){0}, 96),
                              (unsigned long long)o->room,
                              eng->params.bootstrap_timeout_ms / 1000.0);
             kvf__send_fail(o->peer, o->room, o->instance, &f, 0);
@@ -178,7 +178,7 @@ void kvf__sender_answer_gone(kvf_peer_t *p, uint64_t room, uint64_t instance)
         kvf__failure_set(&gone, eng, KVF_ERR_ABORTED, "room %llu is not live on %s any "
                          "more: its sender was destroyed before the transfer was "
                          "confirmed", (unsigned long long)room,
-                         kvf__engine_rank_name(eng, (char[96]){0}, 96));
+                         kvf__engine_rank_name_unlocked(eng, (char[96]){0}, 96));
         f = &gone;
     }
     kvf__send_fail(p, room, instance, f, f->status == KVF_ERR_ABORTED);

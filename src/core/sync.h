@@ -28,7 +28,10 @@
  *       kvf_receiver_set_dest): they touch
  *       only atomics and fields the application's thread owns under the
  *       room's app_lock, and the lanes take what it published under the
- *       lock (kvf__rooms_take_submitted); the read of a failed room's
+ *       lock (kvf__rooms_take_submitted); an abort or fail of the
+ *       application's (kvf__room_abort, kvf__room_fail_app), which turns
+ *       a live room FAILED under the room's final_lock, a leaf lock the
+ *       lanes take for their own turns too; the read of a failed room's
  *       record (kvf__room_consume_failure), which is fixed once FAILED;
  *       and the room's metric (kvf__room_metric), which reads atomics.
  *   Functions that take none of these (layouts, parallel plans, page runs,

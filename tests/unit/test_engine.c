@@ -405,6 +405,185 @@ static void check_failed_reads_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
     CHECK_EQ_INT(a.await_st, KVF_OK);
 }
 
+/* One side's abort (receiver) or fail (sender) of a live room, on another
+ * thread, and what that thread sees when it returns. */
+typedef struct {
+    kvf_sender_t   *s;
+    kvf_receiver_t *r;
+    kvf_poll_t      seen;
+    int             released;
+    kvf_failure_t   f;
+    kvf_status_t    fail_st, failure_st;
+    sem_t           done;
+} live_fail_t;
+
+static void *fail_live(void *arg)
+{
+    live_fail_t *a = arg;
+    if (a->r != NULL) {
+        kvf_receiver_abort(a->r);
+        a->seen = kvf_receiver_poll(a->r);
+        a->released = kvf_receiver_pages_released(a->r);
+        a->failure_st = kvf_receiver_failure(a->r, &a->f);
+    } else {
+        a->fail_st = kvf_sender_fail(a->s, KVF_ERR_BAD_INDICES, "refused by its scheduler");
+        a->seen = kvf_sender_poll(a->s);
+        a->failure_st = kvf_sender_failure(a->s, &a->f);
+    }
+    sem_post(&a->done);
+    return NULL;
+}
+
+/* Run fail_live while this thread holds eng's lock (as a lane's pass
+ * would): it must return all the same. */
+static void fail_live_locked(kvf_engine_t *eng, live_fail_t *a)
+{
+    kvf_failure_init(&a->f);
+    CHECK_EQ_INT(sem_init(&a->done, 0, 0), 0);
+    kvf__lock(eng);
+    pthread_t t;
+    CHECK_EQ_INT(pthread_create(&t, NULL, fail_live, a), 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    int waited;
+    while ((waited = sem_timedwait(&a->done, &until)) != 0 && errno == EINTR)
+        ;
+    CHECK_EQ_INT(waited, 0);
+    kvf__unlock(eng);
+    pthread_join(t, NULL);
+    sem_destroy(&a->done);
+}
+
+/*
+ * kvf_*_abort and kvf_*_fail on a live room publish without the engine
+ * lock: they return while a lane would hold it.  The room is FAILED with
+ * the application's record at once; a receiver's poll shows its state
+ * before, and its pages stay unreleased, until a lane took the abort in
+ * (a lane checked the room live before, and may be placing bytes); the
+ * peers hear it then.
+ */
+static void test_abort_of_live_room_without_lock(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    uint32_t dst[2] = {1, 2};
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    for (int side = 0; side < 2; side++) {
+        kvf_sender_t *s;
+        kvf_receiver_t *r;
+        uint64_t room = 31 + (uint64_t)side;
+        CHECK_EQ_INT(kvf_sender_create(pre.eng, bs, room, &s), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, room, -1, &r), KVF_OK);
+        CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
+        CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+        CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT),
+                     KVF_POLL_WAITING_FOR_INPUT);
+        live_fail_t a = {.s = side ? s : NULL, .r = side ? NULL : r};
+        fail_live_locked(side ? pre.eng : dec.eng, &a);
+        CHECK_EQ_INT(a.failure_st, KVF_OK);
+        CHECK_EQ_INT(a.f.from_another_rank, 0);
+        kvf_failure_t there;
+        kvf_failure_init(&there);
+        if (side == 0) {
+            CHECK_EQ_INT(a.seen, KVF_POLL_WAITING_FOR_INPUT);
+            CHECK_EQ_INT(a.released, 0);
+            CHECK_EQ_INT(a.f.status, KVF_ERR_ABORTED);
+            CHECK_EQ_INT(a.f.origin_side, KVF_ROLE_DECODE);
+            CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+            CHECK(kvf_receiver_pages_released(r));
+            CHECK_EQ_INT(wait_sender(s, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+            CHECK_EQ_INT(kvf_sender_failure(s, &there), KVF_OK);
+            CHECK_EQ_INT(there.status, KVF_ERR_ABORTED);
+        } else {
+            CHECK_EQ_INT(a.fail_st, KVF_OK);
+            CHECK_EQ_INT(a.seen, KVF_POLL_FAILED);
+            CHECK_EQ_INT(a.f.status, KVF_ERR_BAD_INDICES);
+            CHECK_STR_CONTAINS(a.f.reason, "refused by its scheduler");
+            CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
+            CHECK_EQ_INT(kvf_receiver_failure(r, &there), KVF_OK);
+            CHECK_EQ_INT(there.status, KVF_ERR_BAD_INDICES);
+        }
+        CHECK_EQ_INT(there.from_another_rank, 1);
+        kvf_sender_destroy(s);
+        kvf_receiver_destroy(r);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
+/*
+ * An abort races the lanes finishing the room: around the last chunk, one
+ * side or the other aborts.  Whichever turn comes first wins on that side:
+ * a receiver that succeeded holds every byte, one that failed did so by
+ * this abort or by the sender's; a sender fails with the abort (its own,
+ * or heard from the decode side) unless it succeeded first, and it
+ * succeeds only if the receiver did, or had answered the last bytes when
+ * its own abort came.  Destroyed at once, then the next room.
+ */
+#define RACE_ROOMS 200
+
+static void race_one(side_t *pre, side_t *dec, const char *bs, uint64_t room, int rx_aborts)
+{
+    kvf_sender_t *s;
+    kvf_receiver_t *r;
+    uint32_t src[2] = {room % 8, 8 + room % 8}, dst[2] = {40 + room % 8, 50 + room % 8};
+    kvf_failure_t f;
+    CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, room, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_create(dec->eng, bs, room, -1, &r), KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
+    CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
+    CHECK_EQ_INT(kvf_sender_init(s, 2, 0), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, src, 2, 1), KVF_OK);
+    /* At once, or while the bytes move, or as they end: spread, not waited on. */
+    for (volatile unsigned spin = 0; spin < (unsigned)(room % 16) * 20000; spin++)
+        ;
+    if (rx_aborts)
+        kvf_receiver_abort(r);
+    else
+        kvf_sender_abort(s);
+    kvf_poll_t rs = wait_receiver(r, KVF_POLL_SUCCESS);
+    kvf_poll_t ss = wait_sender(s, KVF_POLL_SUCCESS);
+    CHECK(rs == KVF_POLL_SUCCESS || rs == KVF_POLL_FAILED);
+    CHECK(ss == KVF_POLL_SUCCESS || ss == KVF_POLL_FAILED);
+    if (rs == KVF_POLL_SUCCESS) {
+        for (int b = 0; b < NKV; b++)
+            for (int i = 0; i < 2; i++)
+                CHECK(memcmp(dec->kv[b] + (size_t)dst[i] * PAGE_B,
+                             pre->kv[b] + (size_t)src[i] * PAGE_B, PAGE_B) == 0);
+    } else {
+        kvf_failure_init(&f);
+        CHECK_EQ_INT(kvf_receiver_failure(r, &f), KVF_OK);
+        CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
+        CHECK_EQ_INT(f.from_another_rank, !rx_aborts);
+    }
+    if (ss == KVF_POLL_FAILED) {
+        kvf_failure_init(&f);
+        CHECK_EQ_INT(kvf_sender_failure(s, &f), KVF_OK);
+        CHECK_EQ_INT(f.status, KVF_ERR_ABORTED);
+        CHECK_EQ_INT(f.from_another_rank, rx_aborts);
+    } else {
+        /* A sender aborted first fails.  One that succeeded keeps its
+         * success when the receiver's abort came as the room ended (the
+         * receiver had answered the last bytes: the abort is not the
+         * prefill side's failure), and learns its record all the same. */
+        CHECK(rs == KVF_POLL_SUCCESS || rx_aborts);
+    }
+    kvf_sender_destroy(s);
+    kvf_receiver_destroy(r);
+}
+
+static void test_abort_races_the_lanes(void)
+{
+    side_t pre, dec;
+    char bs[64];
+    pair_up(&pre, &dec, PAGE, "bfloat16", bs, sizeof(bs));
+    for (uint64_t k = 0; k < RACE_ROOMS; k++)
+        race_one(&pre, &dec, bs, 1000 + k, (int)(k & 1));
+    side_fini(&dec);
+    side_fini(&pre);
+}
+
 /* A receiver that failed before its destination was given, then given one:
  * its metric says it never had one (no time from a destination given
  * after the end). */
@@ -417,7 +596,8 @@ static void test_metric_of_room_failed_first(void)
     uint32_t dst[2] = {1, 2};
     CHECK_EQ_INT(kvf_receiver_create(dec.eng, bs, 12, -1, &r), KVF_OK);
     kvf_receiver_abort(r);
-    CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_FAILED);
+    /* FAILED once a lane took the abort in: no byte can land from then. */
+    CHECK_EQ_INT(wait_receiver(r, KVF_POLL_SUCCESS), KVF_POLL_FAILED);
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 2, 0, NULL, 0), KVF_OK);
     kvf__lock(dec.eng);
     kvf__rooms_take_submitted(dec.eng);      /* as a lane's next pass */
@@ -2065,6 +2245,8 @@ KVF_TEST_MAIN(KVF_CASE(test_status_strings), KVF_CASE(test_one_room),
               KVF_CASE(test_strided_only_when_accepted),
               KVF_CASE(test_page_size_mismatch), KVF_CASE(test_abort_propagates),
               KVF_CASE(test_metric_of_room_failed_first),
+              KVF_CASE(test_abort_of_live_room_without_lock),
+              KVF_CASE(test_abort_races_the_lanes),
               KVF_CASE(test_bad_calls), KVF_CASE(test_reset_resumes),
               KVF_CASE(test_reset_with_sends_queued),
               KVF_CASE(test_repeated_resets_give_up),
