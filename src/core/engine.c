@@ -263,6 +263,9 @@ static kvf_status_t engine_listen(kvf_engine_t *eng, const kvf_engine_params_t *
     if (st != KVF_OK)
         return st;
     snprintf(eng->addr, sizeof(eng->addr), "%s:%d", eng->host, eng->port);
+    kvf__failure_set_unlocked(&eng->app_abort, eng, KVF_ERR_ABORTED,
+                              "aborted by the application on %s",
+                              kvf__engine_rank_name_unlocked(eng, (char[96]){0}, 96));
     /* The token, and protected mode, from the address actually bound. */
     struct sockaddr_storage bound;
     socklen_t blen = sizeof(bound);

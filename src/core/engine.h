@@ -128,6 +128,10 @@ struct kvf_engine {
     EVP_CIPHER_CTX     *inst_cipher;
     uint64_t            instances_drawn;
     struct kvf_room    *rooms;            /* those lanes took in (listed) */
+    /* The record of an abort of the application's, made once its address
+     * is bound (its origin does not change): kvf_*_abort and kvf_*_fail
+     * copy it rather than format one (room.c). */
+    kvf_failure_t       app_abort;
     /* Rooms the application published work on without the lock, newest
      * first, for the lanes to take in (room.c, kvf__room_submit). */
     _Atomic(struct kvf_room *) submitted;

@@ -11,7 +11,8 @@
  * So siblings.c and stash.c, which room.c calls, use these without calling
  * back into room.c: core's files call each other one way
  * (tests/structure/one_way.sh).  Everything here runs under the engine
- * lock, but kvf__failure_vset_unlocked.
+ * lock, but the _unlocked ones (what they read does not change once the
+ * engine runs).
  */
 #include <stdarg.h>
 #include <stdio.h>
@@ -43,6 +44,15 @@ void kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st
                       const char *fmt, ...)
 {
     KVF_ASSERT_LOCKED(eng);
+    va_list ap;
+    va_start(ap, fmt);
+    kvf__failure_vset_unlocked(f, eng, st, fmt, ap);
+    va_end(ap);
+}
+
+void kvf__failure_set_unlocked(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
+                               const char *fmt, ...)
+{
     va_list ap;
     va_start(ap, fmt);
     kvf__failure_vset_unlocked(f, eng, st, fmt, ap);

@@ -623,18 +623,23 @@ void kvf__room_destroy(kvf_room_t *r)
  * peers...) is the lanes', at their next pass: the room is listed for them
  * with its state before (app_failed), which a receiver's poll still shows
  * until then, as a lane may be placing bytes it checked live before.
+ * The record is the engine's abort record (no formatting on the caller's
+ * thread), with st and `reason` in place of its own unless reason is NULL.
  */
-static void room_fail_app(kvf_room_t *r, kvf_status_t st, const char *fmt, ...)
+static void room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason)
 {
     kvf_failure_t *f = malloc(sizeof(*f));
     if (f == NULL) {
         kvf_error("room %llu: no memory to fail it", (unsigned long long)r->id);
         return;
     }
-    va_list ap;
-    va_start(ap, fmt);
-    kvf__failure_vset_unlocked(f, r->eng, st, fmt, ap);
-    va_end(ap);
+    *f = r->eng->app_abort;
+    if (reason != NULL) {
+        f->status = st;
+        size_t n = strnlen(reason, sizeof(f->reason) - 1);
+        memcpy(f->reason, reason, n);
+        f->reason[n] = '\0';
+    }
     pthread_mutex_lock(&r->final_lock);
     kvf_poll_t was = room_state(r);
     int turns = was != KVF_POLL_FAILED && was != KVF_POLL_SUCCESS;
@@ -666,8 +671,7 @@ void kvf__room_take_app_failure(kvf_room_t *r)
 void kvf__room_abort(kvf_room_t *r)
 {
     if (!room_final(r))
-        room_fail_app(r, KVF_ERR_ABORTED, "aborted by the application on %s",
-                      kvf__engine_rank_name_unlocked(r->eng, (char[96]){0}, 96));
+        room_fail_app(r, KVF_ERR_ABORTED, NULL);
 }
 
 kvf_status_t kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason)
@@ -678,7 +682,7 @@ kvf_status_t kvf__room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reas
         return KVF_ERR_INVALID_PARAM;
     }
     if (!room_final(r))
-        room_fail_app(r, st, "%s", reason);
+        room_fail_app(r, st, reason);
     return KVF_OK;
 }
 

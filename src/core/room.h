@@ -731,11 +731,15 @@ void           kvf__room_fail_record(kvf_room_t *r, kvf_failure_t *f, kvf_peer_t
 void           kvf__failure_set(kvf_failure_t *f, const kvf_engine_t *eng, kvf_status_t st,
                                 const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 /* The same with a va_list, and without the lock (it reads only what
- * does not change once the engine runs): room.c's room_vfail and the
- * application's abort or fail. */
+ * does not change once the engine runs): room.c's room_vfail. */
 void           kvf__failure_vset_unlocked(kvf_failure_t *f, const kvf_engine_t *eng,
                                           kvf_status_t st, const char *fmt, va_list ap)
     __attribute__((format(printf, 4, 0)));
+/* The same, without the lock: the engine's record of an abort of the
+ * application's (engine->app_abort), once its address is bound. */
+void           kvf__failure_set_unlocked(kvf_failure_t *f, const kvf_engine_t *eng,
+                                         kvf_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 /* The record a FAIL or ABORT brought, learned from another rank (malloc'd;
  * NULL without memory). */
 kvf_failure_t *kvf__room_remote_failure(const kvf_msg_fail_t *m);
