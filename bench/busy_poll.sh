@@ -65,7 +65,7 @@ print(f"machine: {os.cpu_count()} CPUs, {cpu}; commit {commit}; medians of {reps
       f"busy polling 0 and {busy} us")
 calls = ("receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
          "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
-         "sender_abort", "receiver_abort")
+         "sender_abort", "receiver_abort", "sender_create_held", "receiver_create_remote")
 for case, what in (("calls64", "64 rooms in flight"), ("calls1g", "two 1 GiB rooms")):
     print(f"\ncalls under {what}: p50 us / p99 / p99.9 as a multiple of the null call's")
     for b in (0, busy):
@@ -79,7 +79,7 @@ for case, what in (("calls64", "64 rooms in flight"), ("calls1g", "two 1 GiB roo
             p50 = med(x["load"][c]["p50_ms"] * 1e3 for x in d)
             r99 = med(x["load_vs_null"][c]["p99"] for x in d)
             r999 = med(x["load_vs_null"][c]["p999"] for x in d)
-            print(f"    {c:<17} {p50:5.1f} / {r99:4.0f}x / {r999:4.0f}x")
+            print(f"    {c:<22} {p50:5.1f} / {r99:4.0f}x / {r999:4.0f}x")
 hop = [float(open(f"{tmp}/sockperf.{i}.txt").read().split("percentile 50.000 =")[1].split()[0])
        for i in R]
 print(f"\none 4 KiB room, --spin: last send -> SUCCESS p50, sockperf 4 KiB hop {med(hop):.1f} us")

@@ -379,11 +379,12 @@ out:
  */
 enum { KVT_C_RCREATE, KVT_C_RINIT, KVT_C_SCREATE, KVT_C_SINIT, KVT_C_SEND, KVT_C_POLL,
        KVT_C_FAILURE, KVT_C_METRIC, KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_SABORT,
-       KVT_C_RABORT, KVT_C_NULL, KVT_C_WAKE, KVT_CALLS };
+       KVT_C_RABORT, KVT_C_SHELD, KVT_C_RREMOTE, KVT_C_NULL, KVT_C_WAKE, KVT_CALLS };
 static const char *const kvt_call_names[KVT_CALLS] = {
     "receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
     "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
-    "sender_abort", "receiver_abort", "null_call", "wake_call"
+    "sender_abort", "receiver_abort", "sender_create_held", "receiver_create_remote",
+    "null_call", "wake_call"
 };
 
 typedef struct kvt_samples {
@@ -665,12 +666,63 @@ static int kvt_aborted_room(kvt_side_t *pre, kvt_side_t *dec, const char *reg, u
     return bad ? -1 : 0;
 }
 
+/* A room as vLLM's connector moves it: the prefill holds its page first
+ * (kvf_sender_create_held, then init and send at once), the decode reads
+ * it by the prefill's descriptor (kvf_receiver_create_remote); both
+ * creates timed into c[], the room waited for and destroyed.
+ * @return 0, or -1 (said on stderr). */
+static int kvt_held_room(kvt_side_t *pre, kvt_side_t *dec, const char *desc, uint64_t id,
+                         uint32_t page, kvt_samples_t *c)
+{
+    kvf_sender_t *s = NULL;
+    kvf_receiver_t *r = NULL;
+    kvf_hold_t h;
+    kvf_hold_init(&h);
+    double t = kvt_now_s();
+    int bad = kvf_sender_create_held(pre->eng, id, &h, &s) != KVF_OK;
+    kvt_sample(&c[KVT_C_SHELD], kvt_ms_since(t));
+    kvt_null_beside(c);
+    bad = bad || kvf_sender_init(s, 1, page) != KVF_OK ||
+          kvf_sender_send(s, &page, 1, 1) != KVF_OK;
+    kvf_remote_t rm;
+    kvf_remote_init(&rm);
+    rm.room = id;
+    rm.descriptors = &desc;
+    rm.num_descriptors = 1;
+    t = kvt_now_s();
+    bad = bad || kvf_receiver_create_remote(dec->eng, &rm, &r) != KVF_OK;
+    kvt_sample(&c[KVT_C_RREMOTE], kvt_ms_since(t));
+    kvt_null_beside(c);
+    bad = bad || kvf_receiver_init(r, &page, 1, page, NULL, 0) != KVF_OK;
+    for (double until = kvt_now_s() + 30; !bad;) {
+        kvf_poll_t ps = kvf_sender_poll(s), ds = kvf_receiver_poll(r);
+        if (ps == KVF_POLL_SUCCESS && ds == KVF_POLL_SUCCESS)
+            break;
+        bad = ps == KVF_POLL_FAILED || ds == KVF_POLL_FAILED || kvt_now_s() > until;
+        struct timespec ts = {0, 20000};
+        nanosleep(&ts, NULL);
+    }
+    if (s != NULL)
+        kvf_sender_destroy(s);
+    if (r != NULL)
+        kvf_receiver_destroy(r);
+    if (bad)
+        fprintf(stderr, "kvferry bench --call-latency: held room %llu did not succeed\n",
+                (unsigned long long)id);
+    return bad ? -1 : 0;
+}
+
 /* n one-page rooms, one after the other, every call timed into c[], then
- * a room aborted on one side or the other, and a wake call of z's after
- * each. */
+ * a room aborted on one side or the other and a held room read by
+ * descriptor, and a wake call of z's after each. */
 static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, kvt_sleeper_t *z,
                            const char *reg, uint32_t n, uint64_t id0, kvt_samples_t *c)
 {
+    char desc[KVF_DESCRIPTOR_MAX];
+    if (kvf_engine_descriptor(pre->eng, desc, sizeof(desc)) != KVF_OK) {
+        fprintf(stderr, "kvferry bench --call-latency: no descriptor of the prefill engine\n");
+        return -1;
+    }
     for (uint32_t i = 0; i < n; i++) {
         uint32_t page = i % 64, slot = i % 64;
         uint64_t id = id0 + i;
@@ -743,7 +795,8 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, kvt_sleeper_t *z,
             fprintf(stderr, "kvferry bench --call-latency: small room %u failed\n", i);
             return -1;
         }
-        if (kvt_aborted_room(pre, dec, reg, (1ull << 40) + id, page, (int)(i & 1), c) != 0)
+        if (kvt_aborted_room(pre, dec, reg, (1ull << 40) + id, page, (int)(i & 1), c) != 0 ||
+            kvt_held_room(pre, dec, desc, (1ull << 39) + id, page, c) != 0)
             return -1;
         if (kvt_wake_call(z, c) != 0)
             return -1;

@@ -31,6 +31,7 @@ static void receiver_free(kvf_room_t *r)
     free(atomic_exchange(&rv->given, NULL));   /* never taken in */
     free(rv->dest);                            /* taken in: its arrays */
     free(rv->bootstrap_addr);
+    free(rv->targets);                         /* never listed */
 }
 
 kvf_status_t kvf_receiver_create(kvf_engine_t *eng, const char *bootstrap_addr,
@@ -139,7 +140,8 @@ static void receiver_resolved(kvf_room_t *r, const kvf_lookup_t *res)
  * The prefill ranks of a remote room, from their descriptors: every one a
  * prefill engine's, of one server (TP and PP sizes, DP group, page size,
  * dtype, attention, heads alike), each rank once; then the ranks this
- * engine reads from, each of which must be among them.
+ * engine reads from, each of which must be among them.  Without the lock:
+ * what it reads of the engine is fixed once the engine registered.
  */
 static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *rm,
                                    kvf_target_t *t, int *n_p)
@@ -223,7 +225,6 @@ kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *r
                                         kvf_receiver_t **receiver_p)
 {
     kvf_remote_t rm;
-    kvf_target_t t[KVF_MAX_TARGETS];
     kvf_room_t *r;
     char err[KVF_REASON_MAX];
     int n = 0;
@@ -241,21 +242,29 @@ kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *r
         kvf_error("kvf_receiver_create_remote: no descriptors of the prefill ranks");
         return KVF_ERR_INVALID_PARAM;
     }
-    kvf__lock(eng);
-    kvf_status_t st = eng->registered ? remote_targets(eng, &rm, t, &n) : KVF_OK;
+    /* Published as a create by address is, without the engine lock: the
+     * lane that lists the room links it (receiver_open). */
+    kvf_target_t found[KVF_MAX_TARGETS], *t = NULL;
+    kvf_status_t st = atomic_load(&eng->registered) ? remote_targets(eng, &rm, found, &n)
+                                                    : KVF_OK;
+    if (st == KVF_OK && (t = malloc((n ? (size_t)n : 1) * sizeof(*t))) == NULL)
+        st = KVF_ERR_NO_MEMORY;
     if (st == KVF_OK)
         st = kvf__room_create(eng, &kvf_receiver_room_ops, rm.room, &r);
-    if (st == KVF_OK) {
-        kvf_receiver_t *rv = receiver_of(r);
-        rv->dp_rank = -1;
-        rv->sender_instance = rm.instance;
-        rv->remote = 1;
-        kvf__room_list(r);
-        receiver_link(r, t, n);
-        *receiver_p = (kvf_receiver_t *)r;
+    if (st != KVF_OK) {
+        free(t);
+        return st;
     }
-    kvf__unlock(eng);
-    return st;
+    memcpy(t, found, (size_t)n * sizeof(*t));
+    kvf_receiver_t *rv = receiver_of(r);
+    rv->dp_rank = -1;
+    rv->sender_instance = rm.instance;
+    rv->remote = 1;
+    rv->targets = t;
+    rv->ntargets = n;
+    *receiver_p = (kvf_receiver_t *)r;
+    kvf__room_submit(r);
+    return KVF_OK;
 }
 
 static int cmp_u32(const void *a, const void *b)
@@ -1653,11 +1662,18 @@ static void on_confirm(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_ack_t *m
 /* ---- the decode side's room ops (room.h, kvf_room_ops_t) ---------------- */
 
 /* Taken in: a room created by its registry's address asks the resolver
- * for the prefill ranks (one created by descriptors is linked already). */
+ * for the prefill ranks; one created by descriptors is linked to the
+ * ranks they named (checked by kvf_receiver_create_remote). */
 static void receiver_open(kvf_room_t *r)
 {
-    if (!receiver_of(r)->remote)
+    kvf_receiver_t *rv = receiver_of(r);
+    if (!rv->remote) {
         kvf__resolver_enqueue(r->eng, r);
+        return;
+    }
+    receiver_link(r, rv->targets, rv->ntargets);
+    free(rv->targets);
+    rv->targets = NULL;
 }
 
 /* Fresh per receiver: the instance every frame of this room will name. */

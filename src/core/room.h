@@ -473,6 +473,10 @@ struct kvf_receiver {
     uint32_t    decode_prefix;
     uint64_t    sender_instance; /* the held room's instance to ask for (0: any) */
     int         remote;          /* from descriptors (kvf_receiver_create_remote) */
+    /* A remote room's prefill ranks, checked on the application's thread,
+     * until the lane that lists the room links it to them (receiver_open). */
+    kvf_target_t *targets;
+    int         ntargets;
     kvf_room_t *rq_next;         /* resolver queue */
     /* The application's destination, published without the engine lock
      * (kvf_receiver_set_dest) until a lane takes it in (the receiver's

@@ -9,6 +9,9 @@
  * takes the rest; a restarted prefill is told apart from the one its
  * descriptor names; descriptors and room keys themselves.
  */
+#include <errno.h>
+#include <pthread.h>
+#include <semaphore.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +19,7 @@
 #include <time.h>
 
 #include "core/descriptor.h"
+#include "core/sync.h"
 #include "kvferry/kvferry.h"
 
 #define PAGES  16
@@ -239,6 +243,64 @@ static void test_held_shm(void)
     held_case(1, 1, "shm");
     held_case(1, 2, "shm");
     held_case(2, 1, "shm");
+}
+
+/* A reader created by descriptors on another thread. */
+typedef struct {
+    side_t         *dec;
+    const char     *desc;
+    kvf_room_key_t  key;
+    kvf_receiver_t *r;
+    kvf_status_t    st;
+    sem_t           done;
+} reader_arg_t;
+
+static void *create_reader(void *arg)
+{
+    reader_arg_t *a = arg;
+    kvf_remote_t rm;
+    kvf_remote_init(&rm);
+    rm.room = a->key.room;
+    rm.instance = a->key.instance;
+    rm.descriptors = &a->desc;
+    rm.num_descriptors = 1;
+    a->st = kvf_receiver_create_remote(a->dec->eng, &rm, &a->r);
+    sem_post(&a->done);
+    return NULL;
+}
+
+/* The create by descriptors publishes, as the create by a registry's
+ * address does: it returns while the decode engine's lock is held (here
+ * by this thread, as a lane's pass would), and the room, linked by the
+ * lane that takes it in, reads every byte. */
+static void test_reader_created_without_lock(void)
+{
+    side_t pre = {0}, dec = {0};
+    kvf_sender_t *s;
+    uint32_t src[3] = {3, 4, 5}, dst[3] = {7, 1, 2};
+    char text[KVF_DESCRIPTOR_MAX];
+    reader_arg_t a = {.dec = &dec, .key = kvf_room_key("cmpl-held-unlocked", 12)};
+
+    held_pair(&pre, &dec, a.key, 10000, src, 3, &s);
+    a.desc = desc_of(&pre, text);
+    CHECK_EQ_INT(sem_init(&a.done, 0, 0), 0);
+    kvf__lock(dec.eng);
+    pthread_t t;
+    CHECK_EQ_INT(pthread_create(&t, NULL, create_reader, &a), 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    int waited;
+    while ((waited = sem_timedwait(&a.done, &until)) != 0 && errno == EINTR)
+        ;
+    CHECK_EQ_INT(waited, 0);
+    CHECK_EQ_INT(a.st, KVF_OK);
+    CHECK_EQ_INT(kvf_receiver_poll(a.r), KVF_POLL_BOOTSTRAPPING);   /* not taken in */
+    kvf__unlock(dec.eng);
+    pthread_join(t, NULL);
+    sem_destroy(&a.done);
+    give_dest(a.r, dst, 3, 0);
+    all_read(&pre, &s, 1, &dec, &a.r, 1, src, 0, dst, 3);
 }
 
 /* No reader within the lease: the room fails, its pages free. */
@@ -857,6 +919,7 @@ static void test_room_key(void)
 }
 
 KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
+              KVF_CASE(test_reader_created_without_lock),
               KVF_CASE(test_held_shm),
               KVF_CASE(test_lease_expires_unread),
               KVF_CASE(test_lease_expires_half_read),
