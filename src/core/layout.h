@@ -23,6 +23,9 @@ typedef struct kvf_layout_int {
     int             cuda_device;
     kvf_kv_order_t  kv_order;           /* how a KV page orders its heads and tokens */
     uint32_t        num_layers, first_layer;
+    /* An engine that left its heads to its peers adopts a peer's (peer.c,
+     * on_hello), total_heads atomically: kvf_receiver_create_remote reads
+     * it without the lock. */
     uint32_t        heads_per_rank, total_heads, bytes_per_head;
     uint32_t        num_kv, num_aux, num_state;
     kvf_buffer_t   *kv, *aux, *state;   /* base NULL for a peer's layout */

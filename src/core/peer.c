@@ -941,7 +941,8 @@ static void on_hello(kvf_peer_t *p, const kvf_msg_hello_t *h)
                       p->addr, err);
     } else {
         eng->layout.heads_per_rank = own.heads_per_rank;   /* adopted, or as they were */
-        eng->layout.total_heads = own.total_heads;
+        /* Atomic: kvf_receiver_create_remote reads it without the lock. */
+        __atomic_store_n(&eng->layout.total_heads, own.total_heads, __ATOMIC_RELAXED);
         eng->layout.bytes_per_head = own.bytes_per_head;
     }
     kvf_info("%s rank %d at %s connected (instance %016llx)", kvf_role_name(p->role),

@@ -141,7 +141,8 @@ static void receiver_resolved(kvf_room_t *r, const kvf_lookup_t *res)
  * prefill engine's, of one server (TP and PP sizes, DP group, page size,
  * dtype, attention, heads alike), each rank once; then the ranks this
  * engine reads from, each of which must be among them.  Without the lock:
- * what it reads of the engine is fixed once the engine registered.
+ * what it reads of the engine is fixed once the engine registered, but
+ * the heads a peer may tell it (read atomically).
  */
 static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *rm,
                                    kvf_target_t *t, int *n_p)
@@ -188,7 +189,10 @@ static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *
     }
     int tp[KVF_MAX_TARGETS], pp[KVF_MAX_TARGETS], n = 0;
     if (st == KVF_OK) {
-        uint32_t heads = eng->layout.total_heads ? eng->layout.total_heads : d[0].total_heads;
+        /* Atomic: a peer's HELLO may set it meanwhile (on_hello), to the
+         * prefill's own, which its descriptors name too. */
+        uint32_t heads = __atomic_load_n(&eng->layout.total_heads, __ATOMIC_RELAXED);
+        heads = heads ? heads : d[0].total_heads;
         n = kvf__receiver_targets_unlocked(eng, heads, d[0].tp_size, d[0].pp_size, tp, pp);
         if (n < 0) {
             kvf_error("kvf_receiver_create_remote: decode rank %d would read room %llu from "
@@ -534,12 +538,11 @@ int kvf_receiver_pages_released(const kvf_receiver_t *rv)
     return room_settled(&rv->room) && !pages_busy(rv);
 }
 
-/* A room that failed while reads into its pages were in flight shows as
- * TRANSFERRING until they end: FAILED tells the scheduler it may free the
- * pages (SUCCESS never comes before its reads ended). */
-/* FAILED only once no byte can still land in the pages: not while reads
- * are in flight (TRANSFERRING), nor while the application's abort waits
- * for a lane (the state before it). */
+/* FAILED tells the scheduler it may free the pages, so it shows only once
+ * no byte can still land in them: a room that failed while reads into its
+ * pages were in flight shows TRANSFERRING until they end, one the
+ * application aborted its state before until a lane took the abort in
+ * (SUCCESS never comes before its reads ended). */
 kvf_poll_t kvf_receiver_poll(const kvf_receiver_t *rv)
 {
     kvf_poll_t s = room_state(&rv->room);
