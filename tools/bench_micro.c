@@ -671,11 +671,17 @@ static int kvt_aborted_room(kvt_side_t *pre, kvt_side_t *dec, const char *reg, u
  * it by the prefill's descriptor (kvf_receiver_create_remote); both
  * creates timed into c[], the room waited for and destroyed.
  * @return 0, or -1 (said on stderr). */
-static int kvt_held_room(kvt_side_t *pre, kvt_side_t *dec, const char *desc, uint64_t id,
-                         uint32_t page, kvt_samples_t *c)
+static int kvt_held_room(kvt_side_t *pre, kvt_side_t *dec, uint64_t id, uint32_t page,
+                         kvt_samples_t *c)
 {
     kvf_sender_t *s = NULL;
     kvf_receiver_t *r = NULL;
+    char text[KVF_DESCRIPTOR_MAX];
+    const char *desc = text;     /* what the prefill hands the decode, via vLLM */
+    if (kvf_engine_descriptor(pre->eng, text, sizeof(text)) != KVF_OK) {
+        fprintf(stderr, "kvferry bench --call-latency: no descriptor of the prefill engine\n");
+        return -1;
+    }
     kvf_hold_t h;
     kvf_hold_init(&h);
     double t = kvt_now_s();
@@ -718,11 +724,7 @@ static int kvt_held_room(kvt_side_t *pre, kvt_side_t *dec, const char *desc, uin
 static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, kvt_sleeper_t *z,
                            const char *reg, uint32_t n, uint64_t id0, kvt_samples_t *c)
 {
-    char desc[KVF_DESCRIPTOR_MAX];
-    if (kvf_engine_descriptor(pre->eng, desc, sizeof(desc)) != KVF_OK) {
-        fprintf(stderr, "kvferry bench --call-latency: no descriptor of the prefill engine\n");
-        return -1;
-    }
+
     for (uint32_t i = 0; i < n; i++) {
         uint32_t page = i % 64, slot = i % 64;
         uint64_t id = id0 + i;
@@ -796,7 +798,7 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, kvt_sleeper_t *z,
             return -1;
         }
         if (kvt_aborted_room(pre, dec, reg, (1ull << 40) + id, page, (int)(i & 1), c) != 0 ||
-            kvt_held_room(pre, dec, desc, (1ull << 39) + id, page, c) != 0)
+            kvt_held_room(pre, dec, (1ull << 39) + id, page, c) != 0)
             return -1;
         if (kvt_wake_call(z, c) != 0)
             return -1;
