@@ -15,7 +15,8 @@
  *   deadline unless its comment says otherwise (kvf_*_await_failure waits
  *   by design; a destroy of a room not yet final waits for reads into its
  *   pages, bounded by their deadline).  kvf_sender_create(),
- *   kvf_sender_create_held(), kvf_receiver_create(), kvf_sender_init(),
+ *   kvf_sender_create_held(), kvf_receiver_create(),
+ *   kvf_receiver_create_remote(), kvf_sender_init(),
  *   kvf_sender_set_states(), kvf_sender_send(), kvf_receiver_set_dest()
  *   (and the _init and set_state forms), kvf_*_poll(), kvf_*_failure(),
  *   kvf_*_metric(), kvf_*_abort(), kvf_*_fail() and the destroy of a
