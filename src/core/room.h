@@ -684,10 +684,10 @@ kvf_room_t    *kvf__room_find(kvf_engine_t *eng, uint64_t id);
  * first if no lane did yet, so the call sees it listed. */
 void           kvf__room_lock(kvf_room_t *r);
 /*
- * kvf_*_destroy.  A final room with nothing in flight on its pages is
- * only marked for the lanes (no lock, no wait): no byte can land in them
- * any more.  Any other takes the lock, fails the room, and waits for
- * what is in flight on its pages.
+ * kvf_*_destroy.  A settled room (room_settled) with nothing in flight on
+ * its pages is only marked for the lanes (no lock, no wait): no byte can
+ * land in them any more.  Any other takes the lock, fails the room if it
+ * is live, and waits for what is in flight on its pages.
  */
 void           kvf__room_destroy(kvf_room_t *r);
 /*
