@@ -305,3 +305,90 @@ kvf_status_t kvf__descriptor_parse(const char *text, kvf_descriptor_t *d, char *
     }
     return KVF_OK;
 }
+
+/* ------------------------------------------------------------------------ */
+/* Descriptor sets seen lately (kvf_receiver_create_remote)                  */
+/* ------------------------------------------------------------------------ */
+
+static uint64_t set_hash(const char *const *descs, size_t n, uint32_t heads)
+{
+    uint64_t h = XXH3_64bits(&heads, sizeof(heads));
+    for (size_t i = 0; i < n; i++)        /* each one seeded by those before */
+        h = XXH3_64bits_withSeed(descs[i], strlen(descs[i]) + 1, h);
+    return h;
+}
+
+/* Is e the set (descs, n, heads)? */
+static int set_is(const kvf_remote_seen_t *e, const char *const *descs, size_t n,
+                  uint32_t heads)
+{
+    size_t at = sizeof(heads);
+    if (e->key == NULL || e->key_len < at || memcmp(e->key, &heads, at) != 0)
+        return 0;
+    for (size_t i = 0; i < n; i++) {
+        size_t len = strlen(descs[i]) + 1;
+        if (e->key_len - at < len || memcmp(e->key + at, descs[i], len) != 0)
+            return 0;
+        at += len;
+    }
+    return at == e->key_len;
+}
+
+size_t kvf__remote_seen_get(kvf_engine_t *eng, const char *const *descs, size_t n,
+                            uint32_t heads, void *out, size_t cap)
+{
+    uint64_t h = set_hash(descs, n, heads);
+    size_t got = 0;
+    pthread_mutex_lock(&eng->remote_lock);
+    for (unsigned i = 0; i < KVF_REMOTE_SEEN && got == 0; i++) {
+        const kvf_remote_seen_t *e = &eng->remote_seen[i];
+        if (e->hash == h && set_is(e, descs, n, heads) && e->value_len <= cap) {
+            memcpy(out, e->value, e->value_len);
+            got = e->value_len;
+            eng->remote_hits++;
+        }
+    }
+    pthread_mutex_unlock(&eng->remote_lock);
+    return got;
+}
+
+void kvf__remote_seen_put(kvf_engine_t *eng, const char *const *descs, size_t n,
+                          uint32_t heads, const void *value, size_t len)
+{
+    size_t key_len = sizeof(heads);
+    for (size_t i = 0; i < n; i++)
+        key_len += strlen(descs[i]) + 1;
+    char *key = malloc(key_len);
+    void *val = malloc(len ? len : 1);
+    if (key == NULL || val == NULL) {
+        free(key);
+        free(val);
+        return;
+    }
+    memcpy(key, &heads, sizeof(heads));
+    for (size_t i = 0, at = sizeof(heads); i < n; i++) {
+        size_t l = strlen(descs[i]) + 1;
+        memcpy(key + at, descs[i], l);
+        at += l;
+    }
+    memcpy(val, value, len);
+    uint64_t h = set_hash(descs, n, heads);
+    pthread_mutex_lock(&eng->remote_lock);
+    kvf_remote_seen_t *e = &eng->remote_seen[eng->remote_next];
+    eng->remote_next = (eng->remote_next + 1) % KVF_REMOTE_SEEN;
+    char *old_key = e->key;
+    void *old_val = e->value;
+    *e = (kvf_remote_seen_t){.hash = h, .key = key, .key_len = key_len, .value = val,
+                             .value_len = len};
+    pthread_mutex_unlock(&eng->remote_lock);
+    free(old_key);
+    free(old_val);
+}
+
+void kvf__remote_seen_free_unlocked(kvf_engine_t *eng)
+{
+    for (unsigned i = 0; i < KVF_REMOTE_SEEN; i++) {
+        free(eng->remote_seen[i].key);
+        free(eng->remote_seen[i].value);
+    }
+}

@@ -170,6 +170,8 @@ static void engine_free(kvf_engine_t *eng)
     pthread_mutex_destroy(&eng->ids_lock);
     EVP_CIPHER_CTX_free(eng->inst_cipher);
     pthread_mutex_destroy(&eng->inst_lock);
+    kvf__remote_seen_free_unlocked(eng);
+    pthread_mutex_destroy(&eng->remote_lock);
     free(eng);
 }
 
@@ -214,6 +216,7 @@ static void engine_init(kvf_engine_t *eng, const kvf_engine_params_t *full)
     eng->reads_done_tail = &eng->reads_done;
     pthread_mutex_init(&eng->ids_lock, NULL);
     pthread_mutex_init(&eng->inst_lock, NULL);
+    pthread_mutex_init(&eng->remote_lock, NULL);
     kvf_map_init(&eng->rooms_by_id);
     kvf_map_init(&eng->stash);
     kvf_map_init(&eng->tombs);

@@ -41,6 +41,7 @@
 
 #include "kvferry/kvferry.h"
 #include "core/auth.h"
+#include "core/descriptor.h"
 #include "core/layout.h"
 #include "core/metrics.h"
 #include "core/planner.h"
@@ -132,6 +133,12 @@ struct kvf_engine {
      * is bound (its origin does not change): kvf_*_abort and kvf_*_fail
      * copy it rather than format one (room.c). */
     kvf_failure_t       app_abort;
+    /* Descriptor sets given to kvf_receiver_create_remote lately
+     * (descriptor.c), under remote_lock; remote_next: the one to replace. */
+    pthread_mutex_t     remote_lock;
+    kvf_remote_seen_t   remote_seen[KVF_REMOTE_SEEN];
+    unsigned            remote_next;
+    uint64_t            remote_hits;       /* sets found there (tests) */
     /* Rooms the application published work on without the lock, newest
      * first, for the lanes to take in (room.c, kvf__room_submit). */
     _Atomic(struct kvf_room *) submitted;

@@ -140,12 +140,12 @@ static void receiver_resolved(kvf_room_t *r, const kvf_lookup_t *res)
  * The prefill ranks of a remote room, from their descriptors: every one a
  * prefill engine's, of one server (TP and PP sizes, DP group, page size,
  * dtype, attention, heads alike), each rank once; then the ranks this
- * engine reads from, each of which must be among them.  Without the lock:
- * what it reads of the engine is fixed once the engine registered, but
- * the heads a peer may tell it (read atomically).
+ * engine reads from, each of which must be among them (known_heads: the
+ * engine's total heads, 0 if it has none yet).  Without the lock: what it
+ * reads of the engine is fixed once the engine registered.
  */
 static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *rm,
-                                   kvf_target_t *t, int *n_p)
+                                   uint32_t known_heads, kvf_target_t *t, int *n_p)
 {
     kvf_descriptor_t *d = calloc(rm->num_descriptors ? rm->num_descriptors : 1, sizeof(*d));
     char err[256];
@@ -189,10 +189,7 @@ static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *
     }
     int tp[KVF_MAX_TARGETS], pp[KVF_MAX_TARGETS], n = 0;
     if (st == KVF_OK) {
-        /* Atomic: a peer's HELLO may set it meanwhile (on_hello), to the
-         * prefill's own, which its descriptors name too. */
-        uint32_t heads = __atomic_load_n(&eng->layout.total_heads, __ATOMIC_RELAXED);
-        heads = heads ? heads : d[0].total_heads;
+        uint32_t heads = known_heads ? known_heads : d[0].total_heads;
         n = kvf__receiver_targets_unlocked(eng, heads, d[0].tp_size, d[0].pp_size, tp, pp);
         if (n < 0) {
             kvf_error("kvf_receiver_create_remote: decode rank %d would read room %llu from "
@@ -225,6 +222,28 @@ static kvf_status_t remote_targets(const kvf_engine_t *eng, const kvf_remote_t *
     return st;
 }
 
+/* remote_targets, or what it made of the same set lately (descriptor.c):
+ * a decode engine is given the same few sets, request after request.
+ * Only a set that passed is kept; one refused is refused (and said) again. */
+static kvf_status_t remote_ranks(kvf_engine_t *eng, const kvf_remote_t *rm, kvf_target_t *t,
+                                 int *n_p)
+{
+    /* Atomic: a peer's HELLO may set them meanwhile (on_hello), to the
+     * prefill's own, which its descriptors name too. */
+    uint32_t heads = __atomic_load_n(&eng->layout.total_heads, __ATOMIC_RELAXED);
+    size_t got = kvf__remote_seen_get(eng, rm->descriptors, rm->num_descriptors, heads, t,
+                                      KVF_MAX_TARGETS * sizeof(*t));
+    if (got != 0) {
+        *n_p = (int)(got / sizeof(*t));
+        return KVF_OK;
+    }
+    kvf_status_t st = remote_targets(eng, rm, heads, t, n_p);
+    if (st == KVF_OK && *n_p > 0)
+        kvf__remote_seen_put(eng, rm->descriptors, rm->num_descriptors, heads, t,
+                             (size_t)*n_p * sizeof(*t));
+    return st;
+}
+
 kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *remote,
                                         kvf_receiver_t **receiver_p)
 {
@@ -249,7 +268,7 @@ kvf_status_t kvf_receiver_create_remote(kvf_engine_t *eng, const kvf_remote_t *r
     /* Published as a create by address is, without the engine lock: the
      * lane that lists the room links it (receiver_open). */
     kvf_target_t found[KVF_MAX_TARGETS], *t = NULL;
-    kvf_status_t st = atomic_load(&eng->registered) ? remote_targets(eng, &rm, found, &n)
+    kvf_status_t st = atomic_load(&eng->registered) ? remote_ranks(eng, &rm, found, &n)
                                                     : KVF_OK;
     if (st == KVF_OK && (t = malloc((n ? (size_t)n : 1) * sizeof(*t))) == NULL)
         st = KVF_ERR_NO_MEMORY;

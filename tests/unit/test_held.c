@@ -19,6 +19,7 @@
 #include <time.h>
 
 #include "core/descriptor.h"
+#include "core/engine.h"
 #include "core/sync.h"
 #include "kvferry/kvferry.h"
 
@@ -301,6 +302,46 @@ static void test_reader_created_without_lock(void)
     sem_destroy(&a.done);
     give_dest(a.r, dst, 3, 0);
     all_read(&pre, &s, 1, &dec, &a.r, 1, src, 0, dst, 3);
+}
+
+/* A decode engine given the same descriptor set again takes what it made
+ * of it before (descriptor.c), and the room reads every byte as the first
+ * did; a set it refused is refused again, not kept. */
+static void test_descriptor_set_seen_again(void)
+{
+    side_t pre = {0}, dec = {0};
+    kvf_sender_t *s[2];
+    kvf_receiver_t *r[2];
+    uint32_t src[3] = {3, 4, 5}, dst[2][3] = {{7, 1, 2}, {9, 10, 11}};
+    kvf_room_key_t key[2] = {kvf_room_key("cmpl-seen-1", 11), kvf_room_key("cmpl-seen-2", 11)};
+    char text[KVF_DESCRIPTOR_MAX], dtext[KVF_DESCRIPTOR_MAX];
+
+    rank_up(&pre, KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    rank_up(&dec, KVF_ROLE_DECODE, 0, 1, "tcp", 0);
+    const char *descs[1] = {desc_of(&pre, text)}, *wrong[1] = {desc_of(&dec, dtext)};
+    for (int k = 0; k < 2; k++) {
+        hold_all(&pre, 1, key[k], 10000, src, 3, &s[k]);
+        r[k] = reader_of(&dec, descs, 1, key[k].room, key[k].instance);
+        CHECK_EQ_INT((int)dec.eng->remote_hits, k);     /* parsed once, then seen */
+        kvf_remote_t rm;
+        kvf_remote_init(&rm);
+        rm.room = 900 + (uint64_t)k;
+        rm.descriptors = wrong;                         /* a decode engine's */
+        rm.num_descriptors = 1;
+        kvf_receiver_t *bad;
+        CHECK_EQ_INT(kvf_receiver_create_remote(dec.eng, &rm, &bad), KVF_ERR_INVALID_PARAM);
+        CHECK_EQ_INT((int)dec.eng->remote_hits, k);
+        give_dest(r[k], dst[k], 3, 0);
+        CHECK_EQ_INT(wait_sender(s[k], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+        CHECK_EQ_INT(wait_receiver(r[k], KVF_POLL_SUCCESS), KVF_POLL_SUCCESS);
+        CHECK(placed_ok(&dec, src, 0, dst[k], 3));
+    }
+    for (int k = 0; k < 2; k++) {
+        kvf_sender_destroy(s[k]);
+        kvf_receiver_destroy(r[k]);
+    }
+    side_fini(&dec);
+    side_fini(&pre);
 }
 
 /* No reader within the lease: the room fails, its pages free. */
@@ -920,6 +961,7 @@ static void test_room_key(void)
 
 KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
               KVF_CASE(test_reader_created_without_lock),
+              KVF_CASE(test_descriptor_set_seen_again),
               KVF_CASE(test_held_shm),
               KVF_CASE(test_lease_expires_unread),
               KVF_CASE(test_lease_expires_half_read),
