@@ -397,8 +397,9 @@ static int kvt_injector_route_ok(kvt_injector_t *inj)
     if (!inj->restarted_addr[0])
         return 0;
     char path[160], body[512];
-    snprintf(path, sizeof(path), "/route?prefill_dp_rank=0&prefill_cp_rank=0"
-             "&target_tp_rank=%u&target_pp_rank=0", r->rank);
+    kvt_coord_t at = kvt_opts_coord(inj->o, 1, r->rank);   /* its DP group, stage, TP rank */
+    snprintf(path, sizeof(path), "/route?prefill_dp_rank=%u&prefill_cp_rank=0"
+             "&target_tp_rank=%u&target_pp_rank=%u", at.dp, at.tp, at.pp);
     if (kvt_orch_http_get(inj->orch, path, body, sizeof(body)) != 200)
         return 0;
     json_t *j = json_loads(body, 0, NULL);
