@@ -31,7 +31,9 @@
  *       lock (kvf__rooms_take_submitted); an abort or fail of the
  *       application's (kvf__room_abort, kvf__room_fail_app), which turns
  *       a live room FAILED under the room's final_lock, a leaf lock the
- *       lanes take for their own turns too; the read of a failed room's
+ *       lanes take for their own turns too; the descriptor sets a decode
+ *       engine keeps (kvf__remote_seen_get, _put: descriptor.c), under
+ *       the engine's remote_lock, another leaf; the read of a failed room's
  *       record (kvf__room_consume_failure), which is fixed once FAILED;
  *       and the room's metric (kvf__room_metric), which reads atomics.
  *   Functions that take none of these (layouts, parallel plans, page runs,
