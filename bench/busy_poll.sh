@@ -65,7 +65,8 @@ print(f"machine: {os.cpu_count()} CPUs, {cpu}; commit {commit}; medians of {reps
       f"busy polling 0 and {busy} us")
 calls = ("receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
          "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
-         "sender_abort", "receiver_abort", "sender_create_held", "receiver_create_remote")
+         "sender_abort", "receiver_abort", "sender_create_held", "receiver_create_remote",
+         "sender_prefix_len")
 for case, what in (("calls64", "64 rooms in flight"), ("calls1g", "two 1 GiB rooms")):
     print(f"\ncalls under {what}: p50 us / p99 / p99.9 as a multiple of the null call's")
     for b in (0, busy):

@@ -379,12 +379,13 @@ out:
  */
 enum { KVT_C_RCREATE, KVT_C_RINIT, KVT_C_SCREATE, KVT_C_SINIT, KVT_C_SEND, KVT_C_POLL,
        KVT_C_FAILURE, KVT_C_METRIC, KVT_C_SDESTROY, KVT_C_RDESTROY, KVT_C_SABORT,
-       KVT_C_RABORT, KVT_C_SHELD, KVT_C_RREMOTE, KVT_C_NULL, KVT_C_WAKE, KVT_CALLS };
+       KVT_C_RABORT, KVT_C_SHELD, KVT_C_RREMOTE, KVT_C_PREFIX, KVT_C_NULL, KVT_C_WAKE,
+       KVT_CALLS };
 static const char *const kvt_call_names[KVT_CALLS] = {
     "receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
     "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
     "sender_abort", "receiver_abort", "sender_create_held", "receiver_create_remote",
-    "null_call", "wake_call"
+    "sender_prefix_len", "null_call", "wake_call"
 };
 
 typedef struct kvt_samples {
@@ -718,6 +719,27 @@ static int kvt_held_room(kvt_side_t *pre, kvt_side_t *dec, uint64_t id, uint32_t
     return bad ? -1 : 0;
 }
 
+/* A sender WAITING_FOR_INPUT asked for the decode's prefix (as SGLang's
+ * prefill does then), initialised and sent its page, each call timed into
+ * c[]: 0, or -1 if one refused. */
+static int kvt_sender_go(kvf_sender_t *s, uint32_t page, uint32_t slot, kvt_samples_t *c)
+{
+    uint32_t prefix;
+    double t = kvt_now_s();
+    int bad = kvf_sender_decode_prefix_len(s, &prefix) != KVF_OK || prefix != 0;
+    kvt_sample(&c[KVT_C_PREFIX], kvt_ms_since(t));
+    kvt_null_beside(c);
+    t = kvt_now_s();
+    bad = bad || kvf_sender_init(s, 1, slot) != KVF_OK;
+    kvt_sample(&c[KVT_C_SINIT], kvt_ms_since(t));
+    kvt_null_beside(c);
+    t = kvt_now_s();
+    bad = bad || kvf_sender_send(s, &page, 1, 1) != KVF_OK;
+    kvt_sample(&c[KVT_C_SEND], kvt_ms_since(t));
+    kvt_null_beside(c);
+    return bad ? -1 : 0;
+}
+
 /* n one-page rooms, one after the other, every call timed into c[], then
  * a room aborted on one side or the other and a held room read by
  * descriptor, and a wake call of z's after each. */
@@ -752,14 +774,7 @@ static int kvt_small_rooms(kvt_side_t *pre, kvt_side_t *dec, kvt_sleeper_t *z,
             if (ps == KVF_POLL_FAILED || ds == KVF_POLL_FAILED || kvt_now_s() > until) {
                 bad = 1;
             } else if (stage == 0 && ps >= KVF_POLL_WAITING_FOR_INPUT) {
-                t = kvt_now_s();
-                bad = kvf_sender_init(s, 1, slot) != KVF_OK;
-                kvt_sample(&c[KVT_C_SINIT], kvt_ms_since(t));
-                kvt_null_beside(c);
-                t = kvt_now_s();
-                bad = bad || kvf_sender_send(s, &page, 1, 1) != KVF_OK;
-                kvt_sample(&c[KVT_C_SEND], kvt_ms_since(t));
-                kvt_null_beside(c);
+                bad = kvt_sender_go(s, page, slot, c) != 0;
                 stage = 1;
             } else if (stage == 1 && ps == KVF_POLL_SUCCESS && ds == KVF_POLL_SUCCESS) {
                 break;

@@ -17,6 +17,7 @@
  *   pages, bounded by their deadline).  kvf_sender_create(),
  *   kvf_sender_create_held(), kvf_receiver_create(),
  *   kvf_receiver_create_remote(), kvf_sender_init(),
+ *   kvf_sender_decode_prefix_len(),
  *   kvf_sender_set_states(), kvf_sender_send(), kvf_receiver_set_dest()
  *   (and the _init and set_state forms), kvf_*_poll(), kvf_*_failure(),
  *   kvf_*_metric(), kvf_*_abort(), kvf_*_fail() and the destroy of a
@@ -752,6 +753,7 @@ KVF_API kvf_status_t kvf_sender_set_states(kvf_sender_t *sender,
  * cache), told with its destination (kvf_dest_t.decode_prefix_len); the
  * prefill sends only the rest, so its pages start there.  Known once every
  * decode rank's destination arrived (the room is WAITING_FOR_INPUT).
+ * Without the engine lock: two atomic loads.
  * @return KVF_OK, KVF_ERR_AGAIN (not yet known).
  */
 KVF_API kvf_status_t kvf_sender_decode_prefix_len(kvf_sender_t *sender,

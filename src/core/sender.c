@@ -676,6 +676,8 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
     }
     if (r->nlinks == r->expected_links) {
         sender_of(r)->decode_prefix = lk->tx.prefix;
+        atomic_store_explicit(&sender_of(r)->prefix_known, KVF_PREFIX_KNOWN | lk->tx.prefix,
+                              memory_order_relaxed);
         if (room_state(r) == KVF_POLL_BOOTSTRAPPING)
             atomic_store_explicit(&r->t_dest_ns, kvf_now_ns(),   /* every decode */
                                   memory_order_relaxed);        /* rank's pages arrived */
@@ -1062,18 +1064,17 @@ kvf_status_t kvf_sender_set_state(kvf_sender_t *s, const uint32_t *slots, size_t
     return st;
 }
 
+/* Without the engine lock: the lane stores the prefix before it turns
+ * the room WAITING_FOR_INPUT (whose store releases it). */
 kvf_status_t kvf_sender_decode_prefix_len(kvf_sender_t *s, uint32_t *tokens_p)
 {
-    kvf_room_t *r = &s->room;
-    kvf_status_t st = KVF_ERR_AGAIN;
-    kvf__room_lock(r);
-    if (r->nlinks == r->expected_links && r->nlinks > 0 &&
-        room_state(r) >= KVF_POLL_WAITING_FOR_INPUT) {
-        *tokens_p = s->decode_prefix;
-        st = KVF_OK;
-    }
-    kvf__unlock(r->eng);
-    return st;
+    if (room_state(&s->room) < KVF_POLL_WAITING_FOR_INPUT)
+        return KVF_ERR_AGAIN;
+    uint64_t known = atomic_load_explicit(&s->prefix_known, memory_order_relaxed);
+    if (!(known & KVF_PREFIX_KNOWN))
+        return KVF_ERR_AGAIN;
+    *tokens_p = (uint32_t)known;
+    return KVF_OK;
 }
 
 /*

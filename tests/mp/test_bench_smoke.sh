@@ -80,9 +80,10 @@ assert d["load_in_flight"] == (8 if sys.argv[2] == "--load-rooms 8" else 2), d["
 assert d["load_mib"] == (0 if sys.argv[2] == "--load-rooms 8" else 8), d["load_mib"]
 calls = ("receiver_create", "receiver_init", "sender_create", "sender_init", "sender_send",
          "poll", "receiver_failure", "sender_metric", "sender_destroy", "receiver_destroy",
-         "sender_abort", "receiver_abort", "sender_create_held", "receiver_create_remote")
+         "sender_abort", "receiver_abort", "sender_create_held", "receiver_create_remote",
+         "sender_prefix_len")
 for phase in ("idle", "load"):
-    assert d[phase]["null_call"]["n"] >= 11 * 50, (phase, d[phase]["null_call"])
+    assert d[phase]["null_call"]["n"] >= 12 * 50, (phase, d[phase]["null_call"])
     for c in calls + ("null_call", "wake_call"):
         e = d[phase][c]
         n = 25 if c.endswith("_abort") else 50      # a room aborted per room, each side in turn

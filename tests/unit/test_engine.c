@@ -413,7 +413,8 @@ typedef struct {
     kvf_poll_t      seen;
     int             released;
     kvf_failure_t   f;
-    kvf_status_t    fail_st, failure_st;
+    kvf_status_t    fail_st, failure_st, prefix_st;
+    uint32_t        prefix;
     sem_t           done;
 } live_fail_t;
 
@@ -426,6 +427,8 @@ static void *fail_live(void *arg)
         a->released = kvf_receiver_pages_released(a->r);
         a->failure_st = kvf_receiver_failure(a->r, &a->f);
     } else {
+        /* What SGLang's prefill asks of a room WAITING_FOR_INPUT, first. */
+        a->prefix_st = kvf_sender_decode_prefix_len(a->s, &a->prefix);
         a->fail_st = kvf_sender_fail(a->s, KVF_ERR_BAD_INDICES, "refused by its scheduler");
         a->seen = kvf_sender_poll(a->s);
         a->failure_st = kvf_sender_failure(a->s, &a->f);
@@ -457,7 +460,8 @@ static void fail_live_locked(kvf_engine_t *eng, live_fail_t *a)
 
 /*
  * kvf_*_abort and kvf_*_fail on a live room publish without the engine
- * lock: they return while a lane would hold it.  The room is FAILED with
+ * lock, and kvf_sender_decode_prefix_len reads without it: they return
+ * while a lane would hold it.  The room is FAILED with
  * the application's record at once; a receiver's poll shows its state
  * before, and its pages stay unreleased, until a lane took the abort in
  * (a lane checked the room live before, and may be placing bytes); the
@@ -496,6 +500,8 @@ static void test_abort_of_live_room_without_lock(void)
             CHECK_EQ_INT(kvf_sender_failure(s, &there), KVF_OK);
             CHECK_EQ_INT(there.status, KVF_ERR_ABORTED);
         } else {
+            CHECK_EQ_INT(a.prefix_st, KVF_OK);
+            CHECK_EQ_INT(a.prefix, 0);
             CHECK_EQ_INT(a.fail_st, KVF_OK);
             CHECK_EQ_INT(a.seen, KVF_POLL_FAILED);
             CHECK_EQ_INT(a.f.status, KVF_ERR_BAD_INDICES);
