@@ -617,14 +617,16 @@ static int kvt_wake_call(kvt_sleeper_t *z, kvt_samples_t *c)
     return 0;
 }
 
-/* Until both sides of a room pass WAITING_FOR_INPUT (`failed` 0), or are
- * FAILED (1), polling at a scheduler step's pace: 0, or -1 after 30 s. */
-static int kvt_await_rooms(kvf_sender_t *s, kvf_receiver_t *r, int failed)
+/* Until both sides of a room reach `want` (WAITING_FOR_INPUT: or pass it;
+ * FAILED: both failed), polling at a scheduler step's pace: 0, or -1 when
+ * one failed unasked or after 30 s. */
+static int kvt_await_rooms(kvf_sender_t *s, kvf_receiver_t *r, kvf_poll_t want)
 {
+    int failed = want == KVF_POLL_FAILED;
     for (double until = kvt_now_s() + 30; kvt_now_s() < until;) {
         kvf_poll_t ps = kvf_sender_poll(s), ds = kvf_receiver_poll(r);
         if (failed ? ps == KVF_POLL_FAILED && ds == KVF_POLL_FAILED
-                   : ps >= KVF_POLL_WAITING_FOR_INPUT && ds >= KVF_POLL_WAITING_FOR_INPUT)
+                   : ps >= want && ds >= want)
             return 0;
         if (!failed && (ps == KVF_POLL_FAILED || ds == KVF_POLL_FAILED))
             return -1;
@@ -646,7 +648,7 @@ static int kvt_aborted_room(kvt_side_t *pre, kvt_side_t *dec, const char *reg, u
     int bad = kvf_receiver_create(dec->eng, reg, id, -1, &r) != KVF_OK ||
               kvf_receiver_init(r, &page, 1, page, NULL, 0) != KVF_OK ||
               kvf_sender_create(pre->eng, reg, id, &s) != KVF_OK ||
-              kvt_await_rooms(s, r, 0) != 0;
+              kvt_await_rooms(s, r, KVF_POLL_WAITING_FOR_INPUT) != 0;
     if (!bad) {
         double t = kvt_now_s();
         if (rx)
@@ -655,7 +657,7 @@ static int kvt_aborted_room(kvt_side_t *pre, kvt_side_t *dec, const char *reg, u
             kvf_sender_abort(s);
         kvt_sample(&c[rx ? KVT_C_RABORT : KVT_C_SABORT], kvt_ms_since(t));
         kvt_null_beside(c);
-        bad = kvt_await_rooms(s, r, 1) != 0;
+        bad = kvt_await_rooms(s, r, KVF_POLL_FAILED) != 0;
     }
     if (s != NULL)
         kvf_sender_destroy(s);
@@ -700,15 +702,8 @@ static int kvt_held_room(kvt_side_t *pre, kvt_side_t *dec, uint64_t id, uint32_t
     bad = bad || kvf_receiver_create_remote(dec->eng, &rm, &r) != KVF_OK;
     kvt_sample(&c[KVT_C_RREMOTE], kvt_ms_since(t));
     kvt_null_beside(c);
-    bad = bad || kvf_receiver_init(r, &page, 1, page, NULL, 0) != KVF_OK;
-    for (double until = kvt_now_s() + 30; !bad;) {
-        kvf_poll_t ps = kvf_sender_poll(s), ds = kvf_receiver_poll(r);
-        if (ps == KVF_POLL_SUCCESS && ds == KVF_POLL_SUCCESS)
-            break;
-        bad = ps == KVF_POLL_FAILED || ds == KVF_POLL_FAILED || kvt_now_s() > until;
-        struct timespec ts = {0, 20000};
-        nanosleep(&ts, NULL);
-    }
+    bad = bad || kvf_receiver_init(r, &page, 1, page, NULL, 0) != KVF_OK ||
+          kvt_await_rooms(s, r, KVF_POLL_SUCCESS) != 0;
     if (s != NULL)
         kvf_sender_destroy(s);
     if (r != NULL)

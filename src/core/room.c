@@ -658,7 +658,9 @@ static void room_fail_app(kvf_room_t *r, kvf_status_t st, const char *reason)
 void kvf__room_take_app_failure(kvf_room_t *r)
 {
     KVF_ASSERT_LOCKED(r->eng);
-    int was = atomic_exchange(&r->app_failed, 0);
+    /* A load first: every room a lane takes in comes here, few aborted. */
+    int was = atomic_load_explicit(&r->app_failed, memory_order_relaxed) != 0
+              ? atomic_exchange(&r->app_failed, 0) : 0;
     if (was == 0)
         return;
     r->failed_sides |= KVF_SIDE_BIT(r->side) | r->ops->doomed_side(r);

@@ -426,10 +426,10 @@ struct kvf_sender {
     uint32_t    pages_sent;
     uint32_t   *src_pages;       /* source pages sent so far (for resends) */
     kvf_states_t state_src;      /* source state indices (kvf_sender_set_states) */
-    uint32_t    decode_prefix;   /* tokens, as the destinations say */
-    /* KVF_PREFIX_KNOWN | decode_prefix, stored by the lane once every
-     * destination came; 0 before: kvf_sender_decode_prefix_len reads it
-     * without the engine lock. */
+    /* KVF_PREFIX_KNOWN | the decode's prefix in tokens, as the
+     * destinations say, stored by the lane once every destination came; 0
+     * before: kvf_sender_decode_prefix_len reads it without the engine
+     * lock. */
     _Atomic uint64_t prefix_known;
 #define KVF_PREFIX_KNOWN (1ull << 32)
     int         last_sent;

@@ -675,7 +675,6 @@ static void add_destination(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *dst,
         return;
     }
     if (r->nlinks == r->expected_links) {
-        sender_of(r)->decode_prefix = lk->tx.prefix;
         atomic_store_explicit(&sender_of(r)->prefix_known, KVF_PREFIX_KNOWN | lk->tx.prefix,
                               memory_order_relaxed);
         if (room_state(r) == KVF_POLL_BOOTSTRAPPING)

@@ -17,12 +17,16 @@
  *   - a prefill's KV holds side_rank_byte() from the start;
  *   - a "legit" room moved whole and checked byte for byte (in one
  *     process, or its halves in two), beside whatever a test does;
- *   - stranger processes forked before any engine thread exists.
+ *   - stranger processes forked before any engine thread exists;
+ *   - a call made while an engine's lock is held (call_while_locked).
  * Waits are kvf_rooms.h's, raw sockets kvf_wire_peer.h's.  Header-only.
  */
 #ifndef KVF_SIDES_H
 #define KVF_SIDES_H
 
+#include <errno.h>
+#include <pthread.h>
+#include <semaphore.h>
 #include <stdio.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -30,6 +34,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "core/sync.h"
 #include "kvferry/kvferry.h"
 #include "unit/kvf_rooms.h"
 #include "unit/kvf_test.h"
@@ -378,6 +383,43 @@ static inline int stranger_join(stranger_t *s, int port)
     close(s->wfd);
     CHECK(waitpid(s->pid, &status, 0) == s->pid);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+/* What call_while_locked runs on its thread. */
+typedef struct {
+    void  (*fn)(void *arg);
+    void   *arg;
+    sem_t   done;
+} locked_call_t;
+
+static inline void *locked_call_main(void *arg)
+{
+    locked_call_t *c = arg;
+    c->fn(c->arg);
+    sem_post(&c->done);
+    return NULL;
+}
+
+/* fn(arg) on a thread of its own while this thread holds eng's lock, as a
+ * lane's pass would: 0 once fn returned, -1 if it had not within 10 s (it
+ * waits for the engine lock).  The lock is let go and the thread joined
+ * either way. */
+static inline int call_while_locked(kvf_engine_t *eng, void (*fn)(void *), void *arg)
+{
+    locked_call_t c = {.fn = fn, .arg = arg};
+    pthread_t t;
+    CHECK_EQ_INT(sem_init(&c.done, 0, 0), 0);
+    kvf__lock(eng);
+    CHECK_EQ_INT(pthread_create(&t, NULL, locked_call_main, &c), 0);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += 10;
+    int waited;
+    while ((waited = sem_timedwait(&c.done, &until)) != 0 && errno == EINTR)
+        ;
+    kvf__unlock(eng);
+    pthread_join(t, NULL);
+    sem_destroy(&c.done);
+    return waited == 0 ? 0 : -1;
 }
 
 #endif /* KVF_SIDES_H */

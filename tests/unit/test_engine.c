@@ -10,7 +10,6 @@
 #include <unistd.h>
 
 #include <pthread.h>
-#include <semaphore.h>
 
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -356,10 +355,9 @@ typedef struct {
     kvf_failure_t     f;
     kvf_room_metric_t m;
     kvf_status_t      fail_st, failure_st, metric_st, await_st;
-    sem_t             done;
 } failed_reads_t;
 
-static void *read_failed(void *arg)
+static void read_failed(void *arg)
 {
     failed_reads_t *a = arg;
     kvf_receiver_abort(a->r);                /* no-ops on a final room */
@@ -367,8 +365,6 @@ static void *read_failed(void *arg)
     a->failure_st = kvf_receiver_failure(a->r, &a->f);
     a->metric_st = kvf_receiver_metric(a->r, &a->m);
     a->await_st = kvf_receiver_await_failure(a->r, 0);
-    sem_post(&a->done);
-    return NULL;
 }
 
 /* On a failed room, abort and fail (no-ops), the record, the metric and
@@ -378,20 +374,7 @@ static void check_failed_reads_lock_free(kvf_engine_t *eng, kvf_receiver_t *r)
 {
     failed_reads_t a = {.r = r, .m = {.size = sizeof(a.m)}};
     kvf_failure_init(&a.f);
-    CHECK_EQ_INT(sem_init(&a.done, 0, 0), 0);
-    kvf__lock(eng);
-    pthread_t t;
-    CHECK_EQ_INT(pthread_create(&t, NULL, read_failed, &a), 0);
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += 10;
-    int waited;
-    while ((waited = sem_timedwait(&a.done, &until)) != 0 && errno == EINTR)
-        ;
-    CHECK_EQ_INT(waited, 0);
-    kvf__unlock(eng);
-    pthread_join(t, NULL);
-    sem_destroy(&a.done);
+    CHECK_EQ_INT(call_while_locked(eng, read_failed, &a), 0);
     CHECK_EQ_INT(a.fail_st, KVF_OK);
     CHECK_EQ_INT(a.failure_st, KVF_OK);
     CHECK_EQ_INT(a.f.status, KVF_ERR_ABORTED);      /* the first cause stays */
@@ -415,10 +398,9 @@ typedef struct {
     kvf_failure_t   f;
     kvf_status_t    fail_st, failure_st, prefix_st;
     uint32_t        prefix;
-    sem_t           done;
 } live_fail_t;
 
-static void *fail_live(void *arg)
+static void fail_live(void *arg)
 {
     live_fail_t *a = arg;
     if (a->r != NULL) {
@@ -433,29 +415,6 @@ static void *fail_live(void *arg)
         a->seen = kvf_sender_poll(a->s);
         a->failure_st = kvf_sender_failure(a->s, &a->f);
     }
-    sem_post(&a->done);
-    return NULL;
-}
-
-/* Run fail_live while this thread holds eng's lock (as a lane's pass
- * would): it must return all the same. */
-static void fail_live_locked(kvf_engine_t *eng, live_fail_t *a)
-{
-    kvf_failure_init(&a->f);
-    CHECK_EQ_INT(sem_init(&a->done, 0, 0), 0);
-    kvf__lock(eng);
-    pthread_t t;
-    CHECK_EQ_INT(pthread_create(&t, NULL, fail_live, a), 0);
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += 10;
-    int waited;
-    while ((waited = sem_timedwait(&a->done, &until)) != 0 && errno == EINTR)
-        ;
-    CHECK_EQ_INT(waited, 0);
-    kvf__unlock(eng);
-    pthread_join(t, NULL);
-    sem_destroy(&a->done);
 }
 
 /*
@@ -484,7 +443,8 @@ static void test_abort_of_live_room_without_lock(void)
         CHECK_EQ_INT(wait_receiver(r, KVF_POLL_WAITING_FOR_INPUT),
                      KVF_POLL_WAITING_FOR_INPUT);
         live_fail_t a = {.s = side ? s : NULL, .r = side ? NULL : r};
-        fail_live_locked(side ? pre.eng : dec.eng, &a);
+        kvf_failure_init(&a.f);
+        CHECK_EQ_INT(call_while_locked(side ? pre.eng : dec.eng, fail_live, &a), 0);
         CHECK_EQ_INT(a.failure_st, KVF_OK);
         CHECK_EQ_INT(a.f.from_another_rank, 0);
         kvf_failure_t there;
