@@ -87,7 +87,7 @@ static const char *role_name(uint32_t role, char *buf, size_t len)
 }
 
 /* "layer 3 V" or "layer 0 K of group 1" */
-static const char *tag_name(const kvf_kv_tag_t *t, char *buf, size_t len)
+const char *kvf__tag_name(const kvf_kv_tag_t *t, char *buf, size_t len)
 {
     char rb[24];
     const char *r = role_name(t->role, rb, sizeof(rb));
@@ -96,6 +96,43 @@ static const char *tag_name(const kvf_kv_tag_t *t, char *buf, size_t len)
     else
         snprintf(buf, len, "layer %u %s of group %u", t->layer, r, t->group);
     return buf;
+}
+
+/* The layer slots of l's tags (layout.h), from its buffers sorted by
+ * tag: group, then layer, then role. */
+static kvf_status_t make_slots(kvf_layout_int_t *l)
+{
+    tagged_t *v = sorted_by_tag(l->tags, l->num_kv);
+    l->slots = malloc((l->num_kv ? l->num_kv : 1) * sizeof(kvf_kv_tag_t));
+    l->kv_slot = malloc((l->num_kv ? l->num_kv : 1) * sizeof(uint32_t));
+    if (v == NULL || l->slots == NULL || l->kv_slot == NULL) {
+        free(v);
+        return KVF_ERR_NO_MEMORY;
+    }
+    l->num_slots = 0;
+    for (uint32_t k = 0; k < l->num_kv; k++) {
+        const kvf_kv_tag_t *t = &v[k].t;
+        if (l->num_slots == 0 || l->slots[l->num_slots - 1].group != t->group ||
+            l->slots[l->num_slots - 1].layer != t->layer)
+            l->slots[l->num_slots++] = (kvf_kv_tag_t){.layer = t->layer, .group = t->group};
+        l->kv_slot[v[k].i] = l->num_slots - 1;
+    }
+    free(v);
+    return KVF_OK;
+}
+
+uint32_t kvf__slot_of(const kvf_layout_int_t *l, uint32_t group, uint32_t layer)
+{
+    kvf_kv_tag_t want = {.layer = layer, .group = group};
+    uint32_t lo = 0, hi = l->num_slots;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (tag_cmp(&l->slots[mid], &want) < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < l->num_slots && tag_cmp(&l->slots[lo], &want) == 0 ? lo : UINT32_MAX;
 }
 
 /* The tags: the caller's, checked, or those of the 0.1.0 order. */
@@ -130,7 +167,7 @@ static kvf_status_t copy_tags(kvf_layout_int_t *l, const kvf_kv_tag_t *tags, cha
             uint32_t a = v[k - 1].i, b = v[k].i;
             snprintf(err, errlen, "KV buffers %u and %u have the same tag (%s): each "
                      "buffer must hold a different layer, role or group",
-                     a < b ? a : b, a < b ? b : a, tag_name(&v[k].t, tb, sizeof(tb)));
+                     a < b ? a : b, a < b ? b : a, kvf__tag_name(&v[k].t, tb, sizeof(tb)));
             free(v);
             return KVF_ERR_INVALID_PARAM;
         }
@@ -232,7 +269,7 @@ static kvf_status_t check_heads(const kvf_layout_int_t *l, char *err, size_t err
             snprintf(err, errlen,
                      "KV buffer %u (%s) has %llu bytes per page, but page_size %u x "
                      "heads_per_rank %u x bytes_per_head %u = %llu%s", i,
-                     tag_name(&l->tags[i], tb, sizeof(tb)), (unsigned long long)ib,
+                     kvf__tag_name(&l->tags[i], tb, sizeof(tb)), (unsigned long long)ib,
                      l->page_size, l->heads_per_rank, l->bytes_per_head,
                      (unsigned long long)(per_token * l->page_size),
                      l->tags[i].group == 0 ? ""
@@ -354,7 +391,7 @@ kvf_status_t kvf__layout_copy(kvf_layout_int_t *l, const kvf_layout_t *caller,
     if ((st = copy_bufs(&l->kv, src->kv, src->num_kv, "KV", 1, err, errlen)) ||
         (st = copy_bufs(&l->aux, src->aux, src->num_aux, "aux", 1, err, errlen)) ||
         (st = copy_groups(l, src, err, errlen)) ||
-        (st = copy_tags(l, src->kv_tags, err, errlen)) ||
+        (st = copy_tags(l, src->kv_tags, err, errlen)) || (st = make_slots(l)) ||
         (l->attn == KVF_ATTN_MHA && l->heads_per_rank != 0 &&
          (st = check_heads(l, err, errlen)))) {
         kvf__layout_free(l);
@@ -395,7 +432,7 @@ static const char *buffer_name(const kvf_layout_int_t *l, int family, uint32_t i
 {
     char tb[64] = "";
     if (family == KVF_FAMILY_KV) {
-        snprintf(buf, len, "KV buffer %u (%s)", i, tag_name(&l->tags[i], tb, sizeof(tb)));
+        snprintf(buf, len, "KV buffer %u (%s)", i, kvf__tag_name(&l->tags[i], tb, sizeof(tb)));
         return buf;
     }
     if (family == KVF_FAMILY_STATE)
@@ -475,10 +512,14 @@ void kvf__layout_free(kvf_layout_int_t *l)
     free(l->aux);
     free(l->state);
     free(l->tags);
+    free(l->slots);
+    free(l->kv_slot);
     free(l->group_first);
     free(l->state_types);
     l->kv = l->aux = l->state = NULL;
     l->tags = NULL;
+    l->slots = NULL;
+    l->kv_slot = NULL;
     l->group_first = NULL;
     l->state_types = NULL;
 }
@@ -528,7 +569,7 @@ kvf_status_t kvf__kv_map(const kvf_layout_int_t *pl, const kvf_layout_int_t *dl,
             snprintf(err, errlen, "KV buffer mismatch: prefill KV buffer %u holds %s, "
                      "which no decode KV buffer holds. Both servers must serve the same "
                      "model (and the same draft model, if any).", i,
-                     tag_name(&pl->tags[i], tb, sizeof(tb)));
+                     kvf__tag_name(&pl->tags[i], tb, sizeof(tb)));
             free(v);
             return KVF_ERR_INCOMPATIBLE;
         }
@@ -600,7 +641,7 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
                      "KV bytes-per-page mismatch on %s: prefill server has %zu "
                      "bytes per page, but decode server has %zu. Check --page-size, the "
                      "KV head count per rank (--tp-size) and the head dimension on both "
-                     "servers.", tag_name(&pl->tags[i], tb, sizeof(tb)),
+                     "servers.", kvf__tag_name(&pl->tags[i], tb, sizeof(tb)),
                      pl->kv[i].item_bytes, d->item_bytes);
             st = KVF_ERR_INCOMPATIBLE;
         }
@@ -620,7 +661,7 @@ kvf_status_t kvf__pair_check(const kvf_layout_int_t *pl, const kvf_par_t *pp,
                 snprintf(err, errlen, "KV buffer mismatch: decode KV buffer %u holds %s, "
                          "which no prefill KV buffer holds. Both servers must serve the "
                          "same model (and the same draft model, if any).", j,
-                         tag_name(&dl->tags[j], tb, sizeof(tb)));
+                         kvf__tag_name(&dl->tags[j], tb, sizeof(tb)));
                 st = KVF_ERR_INCOMPATIBLE;
             }
         }

@@ -30,6 +30,13 @@ typedef struct kvf_layout_int {
     uint32_t        num_kv, num_aux, num_state;
     kvf_buffer_t   *kv, *aux, *state;   /* base NULL for a peer's layout */
     kvf_kv_tag_t   *tags;               /* what kv[i] holds (always set) */
+    /* Layer slots (an engine's own layout): each (group, layer) its KV
+     * buffers hold, in tag order, so that a group's range of layers is a
+     * range of slots; kv_slot[i] is KV buffer i's.  What a per-layer send
+     * names (kvf_sender_send_layers).  NULL for a peer's layout. */
+    uint32_t        num_slots;
+    kvf_kv_tag_t   *slots;              /* role 0 */
+    uint32_t       *kv_slot;
     /* State groups: group g is state[group_first[g] .. group_first[g+1]);
      * a layout of plain state buffers has one group per buffer, type "".
      * Their types, joined by ',' (what HELLO carries). */
@@ -46,6 +53,12 @@ static inline uint32_t kvf__group_of(const kvf_layout_int_t *l, uint32_t b)
         g++;
     return g;
 }
+
+/* The slot of layer `layer` of group `group`, or UINT32_MAX: no KV
+ * buffer of this layout holds it. */
+uint32_t kvf__slot_of(const kvf_layout_int_t *l, uint32_t group, uint32_t layer);
+/* "layer 3 V", "layer 0 K of group 1": a tag as messages name it. */
+const char *kvf__tag_name(const kvf_kv_tag_t *t, char *buf, size_t len);
 
 /* MHA: bytes per head per token of KV buffer i (each group's own).  The
  * same in either kv_order: an NHD page is [tokens][heads][bytes], an HND
