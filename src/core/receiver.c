@@ -1592,6 +1592,55 @@ static void on_done(kvf_peer_t *p, kvf_room_t *r, const kvf_msg_done_t *m)
     check_done(p, r, lk, k, m->bytes, m->has_checksum, m->checksum);
 }
 
+/* The set bits of c in [lo, hi). */
+static uint64_t bits_set(const uint8_t *c, uint64_t lo, uint64_t hi)
+{
+    uint64_t n = 0;
+    for (uint64_t i = lo; i < hi; i++)
+        n += (c[i >> 3] >> (i & 7)) & 1;
+    return n;
+}
+
+/*
+ * What a link's coverage still lacks of the room's KV, for a reason:
+ * "; layer 3 V has 8 of 24 of its tokens from it (and 5 more KV buffers
+ * are short)", the lowest layer short named (a prefill sending layer by
+ * layer that stopped).  @return 0 when every token it owes is in.
+ */
+static int kv_short(kvf_room_t *r, const kvf_link_t *lk, char *buf, size_t len)
+{
+    const kvf_receiver_t *rv = receiver_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    uint64_t per = (uint64_t)rv->n_pages * l->page_size, have = 0;
+    uint32_t first = UINT32_MAX, more = 0;
+    char tb[64];
+    if (lk->rx.cover == NULL || lk->peer == NULL || lk->peer->kv_src == NULL)
+        return 0;
+    for (uint32_t b = 0; b < l->num_kv; b++) {
+        uint64_t got = lk->peer->kv_src[b] == UINT32_MAX ? per
+                                                         : bits_set(lk->rx.cover, b * per,
+                                                                    (b + 1) * per);
+        if (got == per)
+            continue;
+        if (first != UINT32_MAX && l->kv_slot[first] <= l->kv_slot[b]) {
+            more++;
+            continue;
+        }
+        more += first != UINT32_MAX;
+        first = b;
+        have = got;
+    }
+    if (first == UINT32_MAX)
+        return 0;
+    char also[64] = "";
+    if (more > 0)
+        snprintf(also, sizeof(also), " (and %u more KV buffers are short)", more);
+    snprintf(buf, len, "; %s has %llu of %llu of its tokens from it%s",
+             kvf__tag_name(&l->tags[first], tb, sizeof(tb)), (unsigned long long)have,
+             (unsigned long long)per, also);
+    return 1;
+}
+
 /*
  * The DONE of stream k with every byte of that stream before it in place:
  * compare its count and checksum with what came on that stream.  Once
@@ -1607,10 +1656,13 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
         snprintf(on, sizeof(on), " on stream %u of %u", k, lk->nstreams);
 
     if (bytes != lk->stream_bytes[k] || (lk->nstreams == 1 && bytes != lk->rx.expected)) {
+        char lack[160] = "";
+        kv_short(r, lk, lack, sizeof(lack));
         kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s%s: it reported "
-                       "%llu bytes, %llu were placed, room %llu expects %llu", name, on,
+                       "%llu bytes, %llu were placed, room %llu expects %llu%s", name, on,
                        (unsigned long long)bytes, (unsigned long long)lk->stream_bytes[k],
-                       (unsigned long long)r->id, (unsigned long long)lk->rx.expected);
+                       (unsigned long long)r->id, (unsigned long long)lk->rx.expected,
+                       lack);
         return;
     }
     if (lk->hash[k] != NULL) {
@@ -1628,10 +1680,12 @@ static void check_done(kvf_peer_t *p, kvf_room_t *r, kvf_link_t *lk, uint32_t k,
     if (lk->ends != (1u << lk->nstreams) - 1)
         return;                    /* other streams' DONEs to come */
     if (lk->bytes != lk->rx.expected) {
+        char lack[160] = "";
+        kv_short(r, lk, lack, sizeof(lack));
         kvf__room_fail(r, KVF_ERR_INCOMPLETE, "incomplete transfer from %s: its %u streams "
-                       "carried %llu bytes, room %llu expects %llu", name, lk->nstreams,
+                       "carried %llu bytes, room %llu expects %llu%s", name, lk->nstreams,
                        (unsigned long long)lk->bytes, (unsigned long long)r->id,
-                       (unsigned long long)lk->rx.expected);
+                       (unsigned long long)lk->rx.expected, lack);
         return;
     }
     kvf_msg_t ack = {.type = KVF_MSG_DONE_ACK};
@@ -1899,8 +1953,25 @@ static int awaiting_confirmation(const kvf_room_t *r)
     return 0;
 }
 
+/* The first link still owed KV, as kv_short says it, after its peer's
+ * name: "; from prefill rank 1: layer 3 V has ...", or "". */
+static const char *kv_lacks(kvf_room_t *r, char *buf, size_t len)
+{
+    char name[128], lack[160];
+    for (uint32_t i = 0; i < r->nlinks; i++) {
+        const kvf_link_t *lk = &r->links[i];
+        if (!lk->done && lk->rx.req_sent && kv_short(r, lk, lack, sizeof(lack))) {
+            snprintf(buf, len, "; from %s: %s", kvf__peer_name(lk->peer, name, sizeof(name)),
+                     lack + 2);
+            return buf;
+        }
+    }
+    return "";
+}
+
 static void receiver_deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
 {
+    char lack[320];
     if (s == KVF_POLL_BOOTSTRAPPING && r->last_err == NULL && refused_detail(r, buf, len))
         return;
     if (s == KVF_POLL_BOOTSTRAPPING)
@@ -1913,7 +1984,7 @@ static void receiver_deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, siz
         snprintf(buf, len, "every byte was read, but the prefill side did not "
                  "confirm its room was still live while it was read");
     else
-        snprintf(buf, len, "no bytes placed since");
+        snprintf(buf, len, "no bytes placed since%s", kv_lacks(r, lack, sizeof(lack)));
 }
 
 const kvf_room_ops_t kvf_receiver_room_ops = {
