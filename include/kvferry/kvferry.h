@@ -18,7 +18,8 @@
  *   kvf_sender_create_held(), kvf_receiver_create(),
  *   kvf_receiver_create_remote(), kvf_sender_init(),
  *   kvf_sender_decode_prefix_len(),
- *   kvf_sender_set_states(), kvf_sender_send(), kvf_receiver_set_dest()
+ *   kvf_sender_set_states(), kvf_sender_send(), kvf_sender_send_layers(),
+ *   kvf_receiver_set_dest()
  *   (and the _init and set_state forms), kvf_*_poll(), kvf_*_failure(),
  *   kvf_*_metric(), kvf_*_abort(), kvf_*_fail() and the destroy of a
  *   room that is final with its pages released take no engine lock: a
@@ -776,6 +777,40 @@ KVF_API kvf_status_t kvf_sender_decode_prefix_len(kvf_sender_t *sender,
 KVF_API kvf_status_t kvf_sender_send(kvf_sender_t *sender,
                                      const uint32_t *pages, size_t n,
                                      int is_last);
+
+/**
+ * Send some layers of one prefill chunk as soon as they are computed
+ * (layer-wise transfer): the room's pages [first_page, first_page + n),
+ * source pages pages[0..n), of the KV buffers that hold layers
+ * [layer_begin, layer_end) of `group` (kvf_kv_tag_t: group 0 is the model,
+ * its layers numbered from 0 at the model's first, so a pipeline stage's
+ * are [first_layer, first_layer + num_layers); 1, 2, ... a draft model).
+ * The decode's bytes of those layers start moving at once, while the
+ * prefill computes the next ones.  Non-blocking and without the engine
+ * lock, as kvf_sender_send.
+ *
+ * Any order of layer ranges and chunks, each layer's chunks in page order:
+ * every layer of the range must have had exactly pages [0, first_page)
+ * (a layer sent twice, or a chunk skipped, is refused).  A position sent
+ * for one layer names the same source page for every other (one page
+ * table per room).  kvf_sender_send() still sends a chunk of every layer
+ * (when every layer has the same pages so far).  The room ends with
+ * kvf_sender_send(sender, pages, n, 1): the last pages of every layer, or
+ * none (n 0) when the layer sends gave them all, with aux and state; a last
+ * send that leaves a layer short fails the room, on every rank, with a
+ * reason naming the layer, its pages and this rank (and returns
+ * KVF_ERR_INVALID_PARAM).  State moves with that last send.
+ *
+ * @return KVF_OK; KVF_ERR_STATE (as kvf_sender_send); KVF_ERR_OUT_OF_RANGE
+ *         (a page outside the registered buffers or past the declared
+ *         pages, a layer this rank holds no KV buffer of);
+ *         KVF_ERR_INVALID_PARAM (no pages, an empty layer range, a layer
+ *         not at first_page, a source page other than the one a position
+ *         was sent with): nothing is sent, and kvf_last_error() says why.
+ */
+KVF_API kvf_status_t kvf_sender_send_layers(kvf_sender_t *sender, const uint32_t *pages,
+                                            size_t n, uint32_t first_page, uint32_t group,
+                                            uint32_t layer_begin, uint32_t layer_end);
 
 /** @return the sender's poll state (an atomic load: cheap). */
 KVF_API kvf_poll_t kvf_sender_poll(const kvf_sender_t *sender);

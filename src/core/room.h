@@ -447,6 +447,15 @@ struct kvf_sender {
     int         last_given;
     int         init_given;
     _Atomic uint64_t published;
+    /* Layer-wise (kvf_sender_send_layers): NULL until the first per-layer
+     * send, then, per layer slot (layout.h), the pages given so far,
+     * stored (release) after src_pages as `published` is, and read by the
+     * lanes (acquire); slot_sent, the lanes' own, what they took in of it.
+     * pages_known, the application's: how many of src_pages are set (the
+     * most pages any slot was given). */
+    _Atomic uint32_t *_Atomic slot_given;
+    uint32_t   *slot_sent;
+    uint32_t    pages_known;
     /* A decode rank declared state indices: set before the room is
      * WAITING_FOR_INPUT, so a sender that sees that state sees it too. */
     atomic_int  wants_states;

@@ -36,6 +36,7 @@ typedef struct chunk_put {
     uint32_t    stream;       /* on this stream of it */
     uint32_t    link;
     uint32_t    nruns, run, buf;
+    uint32_t    slot_lo, slot_hi; /* the layer slots it carries (layout.h) */
     uint32_t    page, tok;    /* sliced: position inside the current run */
     uint32_t    extra;        /* aux segments, on the last chunk */
     int         last;
@@ -67,7 +68,8 @@ static int next_kv(chunk_put_t *c, const kvf_layout_int_t *l, const kvf_link_t *
                    kvf_wire_seg_t *seg, const void **src)
 {
     const kvf_slice_t *sl = &lk->slice;
-    while (c->buf < l->num_kv && c->run >= c->nruns) {
+    while (c->buf < l->num_kv && (c->run >= c->nruns || l->kv_slot[c->buf] < c->slot_lo ||
+                                  l->kv_slot[c->buf] >= c->slot_hi)) {
         c->buf++;
         c->run = c->page = c->tok = 0;
     }
@@ -351,10 +353,15 @@ static void spread_runs(const kvf_run_t *runs, size_t nruns, chunk_put_t **c, ui
     }
 }
 
-/* Queue src[i] -> the link's destination page dst_off + i, i < n: one put
- * per stream of the link. */
+/* The layer slots a chunk carries: [lo, hi). */
+typedef struct slots {
+    uint32_t lo, hi;
+} slots_t;
+
+/* Queue src[i] -> the link's destination page dst_off + i, i < n, of the
+ * KV buffers of layer slots sl: one put per stream of the link. */
 static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *pages,
-                                uint32_t dst_off, size_t n, int last)
+                                uint32_t dst_off, size_t n, int last, slots_t sl)
 {
     kvf_link_t *lk = &r->links[li];
     uint32_t ns = lk->nstreams > 1 ? lk->nstreams : 1;
@@ -406,6 +413,8 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
         c[k]->stream = k;
         c[k]->link = li;
         c[k]->last = last;
+        c[k]->slot_lo = sl.lo;
+        c[k]->slot_hi = sl.hi;
         r->refs++;
         lk->peer->refs++;
         kvf_put_t *put = &c[k]->put;
@@ -433,13 +442,13 @@ static kvf_status_t queue_chunk(kvf_room_t *r, uint32_t li, const uint32_t *page
 }
 
 /*
- * Queue the room's pages [first, first + n) (source pages pages[0..n)) to
- * link li, as far as its destination takes them: a held room's reader
- * takes the held pages from its prefix's page on (as many as it has
- * pages), any other destination the room's pages one for one.
+ * Queue the room's pages [first, first + n) (source pages pages[0..n)) of
+ * layer slots sl to link li, as far as its destination takes them: a held
+ * room's reader takes the held pages from its prefix's page on (as many
+ * as it has pages), any other destination the room's pages one for one.
  */
 static kvf_status_t queue_pages(kvf_room_t *r, uint32_t li, const uint32_t *pages,
-                                uint32_t first, size_t n, int last)
+                                uint32_t first, size_t n, int last, slots_t sl)
 {
     const kvf_link_t *lk = &r->links[li];
     uint64_t skip = sender_of(r)->held ? lk->tx.prefix / r->eng->layout.page_size : 0;
@@ -449,9 +458,9 @@ static kvf_status_t queue_pages(kvf_room_t *r, uint32_t li, const uint32_t *page
         hi = skip + lk->tx.n_pages;
     if (lo >= hi) {
         /* None of these pages for it: only the last chunk's aux and state. */
-        return last ? queue_chunk(r, li, pages, 0, 0, 1) : KVF_OK;
+        return last ? queue_chunk(r, li, pages, 0, 0, 1, sl) : KVF_OK;
     }
-    return queue_chunk(r, li, pages + (lo - first), (uint32_t)(lo - skip), hi - lo, last);
+    return queue_chunk(r, li, pages + (lo - first), (uint32_t)(lo - skip), hi - lo, last, sl);
 }
 
 /*
@@ -535,8 +544,42 @@ static int states_missing(const kvf_room_t *r)
     return 0;
 }
 
-static void queue_all(kvf_room_t *r, const uint32_t *pages, uint32_t first, size_t n,
-                      int last);
+/*
+ * What to queue: every layer's pages [first, first + n) (source pages
+ * pages[0..n)), or, when `to` is set (a layer-wise room), each layer slot
+ * k's pages [from[k], to[k]) (from NULL: 0); then, with `last`, the last
+ * chunk.
+ */
+typedef struct sends {
+    const uint32_t *pages;
+    uint32_t        first;
+    size_t          n;
+    const uint32_t *from, *to;
+    int             last;
+} sends_t;
+
+static void queue_all(kvf_room_t *r, const sends_t *w);
+
+/* Everything taken in so far: what a resumed link or a held room's
+ * readers get. */
+static sends_t sent_so_far(const kvf_sender_t *s)
+{
+    if (s->slot_sent != NULL)
+        return (sends_t){.to = s->slot_sent, .last = s->last_sent};
+    return (sends_t){.pages = s->src_pages, .n = s->pages_sent, .last = s->last_sent};
+}
+
+/* Did the engine take in anything to send (a page of some layer, or the
+ * last chunk)? */
+static int anything_sent(const kvf_sender_t *s)
+{
+    if (s->pages_sent > 0 || s->last_sent)
+        return 1;
+    for (uint32_t k = 0; s->slot_sent != NULL && k < s->room.eng->layout.num_slots; k++)
+        if (s->slot_sent[k] > 0)
+            return 1;
+    return 0;
+}
 
 /*
  * The checks of a last chunk that need the room's destinations, made when
@@ -562,11 +605,12 @@ static int last_chunk_fits(kvf_room_t *r)
 static void release_held(kvf_room_t *r)
 {
     kvf_sender_t *s = sender_of(r);
-    if (s->pages_sent == 0 && !s->last_sent)
+    if (!anything_sent(s))
         return;              /* nothing given yet: sends go out as they come */
     if (s->last_sent && !last_chunk_fits(r))
         return;
-    queue_all(r, s->src_pages, 0, s->pages_sent, s->last_sent);
+    sends_t w = sent_so_far(s);
+    queue_all(r, &w);
 }
 
 /* May this request take one of the room's decode slots?  The first one
@@ -898,6 +942,8 @@ static void stash_apply(kvf_room_t *r)
 static void sender_free(kvf_room_t *r)
 {
     kvf_sender_t *s = sender_of(r);
+    free((void *)atomic_load_explicit(&s->slot_given, memory_order_relaxed));
+    free(s->slot_sent);
     free(s->src_pages);
     kvf__states_free(&s->state_src);
 }
@@ -1103,13 +1149,12 @@ static int state_counts_agree(kvf_room_t *r)
 }
 
 /*
- * Why kvf_sender_send may not send this chunk now (with its status in
- * *st_p), or NULL.  Under the room's app_lock, without the engine lock:
- * the fields read are the application's own (pages_given, last_given,
- * state_src, init_given, num_pages) or set before it could call (held),
- * and the room's state and wants_states are atomic.
+ * Why the room takes no send now (with its status in *st_p), or NULL.
+ * Under the room's app_lock, without the engine lock: the fields read are
+ * the application's own (last_given, init_given) or set before it could
+ * call (held), and the room's state is atomic.
  */
-static const char *send_refusal(kvf_sender_t *s, size_t n, int is_last, kvf_status_t *st_p)
+static const char *room_refusal(const kvf_sender_t *s, kvf_status_t *st_p)
 {
     kvf_poll_t state = room_state(&s->room);
     *st_p = KVF_ERR_STATE;
@@ -1121,6 +1166,15 @@ static const char *send_refusal(kvf_sender_t *s, size_t n, int is_last, kvf_stat
         return "the room failed";
     if (state < KVF_POLL_WAITING_FOR_INPUT && !s->held)
         return "the room is still Bootstrapping (poll until WaitingForInput)";
+    *st_p = KVF_OK;
+    return NULL;
+}
+
+/* Why kvf_sender_send may not send this chunk of every layer now, from
+ * pages_given on, or NULL (room_refusal first); under app_lock. */
+static const char *send_refusal(kvf_sender_t *s, size_t n, int is_last, kvf_status_t *st_p)
+{
+    *st_p = KVF_ERR_STATE;
     if (is_last && s->state_src.ngroups == 0 && atomic_load(&s->wants_states))
         return "the decode side declared state indices: call kvf_sender_set_states "
                "before the last chunk";
@@ -1136,12 +1190,137 @@ static const char *send_refusal(kvf_sender_t *s, size_t n, int is_last, kvf_stat
     return NULL;
 }
 
+/* "layer 3", "layer 2 of group 1": layer slot k as messages name it. */
+static const char *slot_name(const kvf_layout_int_t *l, uint32_t k, char *buf, size_t len)
+{
+    if (l->slots[k].group == 0)
+        snprintf(buf, len, "layer %u", l->slots[k].layer);
+    else
+        snprintf(buf, len, "layer %u of group %u", l->slots[k].layer, l->slots[k].group);
+    return buf;
+}
+
+/* Is slot k short of `want` pages once `add` more are given to each? */
+static int slot_short(_Atomic uint32_t *given, uint32_t k, uint32_t add, uint32_t want)
+{
+    return (uint64_t)atomic_load_explicit(&given[k], memory_order_relaxed) + add < want;
+}
+
+/*
+ * The layers of a layer-wise room that have fewer than `want` pages once
+ * `add` more are given to each, as ranges into buf ("layers 4-7, layer 9
+ * of group 1": the first four ranges, then how many layers more).
+ * @return the first such slot, or num_slots: none.
+ */
+static uint32_t short_layers(const kvf_layout_int_t *l, _Atomic uint32_t *given,
+                             uint32_t add, uint32_t want, char *buf, size_t len)
+{
+    uint32_t first = l->num_slots, runs = 0, more = 0;
+    size_t at = 0;
+    buf[0] = '\0';
+    for (uint32_t k = 0, e; k < l->num_slots; k = e) {
+        e = k + 1;
+        if (!slot_short(given, k, add, want))
+            continue;
+        while (e < l->num_slots && l->slots[e].group == l->slots[k].group &&
+               l->slots[e].layer == l->slots[e - 1].layer + 1 &&
+               slot_short(given, e, add, want))
+            e++;
+        first = first < k ? first : k;
+        if (runs++ == 4 || at >= len) {
+            more += e - k;
+            runs--;
+            continue;
+        }
+        char g[24] = "";
+        if (l->slots[k].group != 0)
+            snprintf(g, sizeof(g), " of group %u", l->slots[k].group);
+        if (e - k == 1)
+            at += (size_t)snprintf(buf + at, len - at, "%slayer %u%s", runs > 1 ? ", " : "",
+                                   l->slots[k].layer, g);
+        else
+            at += (size_t)snprintf(buf + at, len - at, "%slayers %u-%u%s",
+                                   runs > 1 ? ", " : "", l->slots[k].layer,
+                                   l->slots[e - 1].layer, g);
+    }
+    if (more > 0 && at < len)
+        snprintf(buf + at, len - at, " and %u layers more", more);
+    return first;
+}
+
+/* The first slot of [lo, hi) that has not exactly `at` pages, or hi. */
+static uint32_t slot_not_at(_Atomic uint32_t *given, uint32_t lo, uint32_t hi, uint32_t at)
+{
+    for (uint32_t k = lo; k < hi; k++)
+        if (atomic_load_explicit(&given[k], memory_order_relaxed) != at)
+            return k;
+    return hi;
+}
+
+/*
+ * kvf_sender_send on a layer-wise room (under app_lock): it sends every
+ * layer's next pages, so every layer must be at the same page, which
+ * pages_given then is; and a last send must leave no layer short, or the
+ * room fails (*fail_p, the reason in why).  @return NULL, or why not.
+ */
+static const char *layered_refusal(kvf_sender_t *s, _Atomic uint32_t *given, size_t n,
+                                   int is_last, int *fail_p, char *why, size_t len,
+                                   kvf_status_t *st_p)
+{
+    const kvf_layout_int_t *l = &s->room.eng->layout;
+    uint32_t at = atomic_load_explicit(&given[0], memory_order_relaxed);
+    uint32_t odd = slot_not_at(given, 0, l->num_slots, at);
+    char a[48], b[48], list[160], rank[96];
+    *st_p = KVF_ERR_INVALID_PARAM;
+    if (odd < l->num_slots && n > 0) {
+        snprintf(why, len, "its layers are at different pages (%s has %u, %s %u), and "
+                 "kvf_sender_send sends the next pages of every layer: send each layer's "
+                 "rest with kvf_sender_send_layers", slot_name(l, 0, a, sizeof(a)), at,
+                 slot_name(l, odd, b, sizeof(b)),
+                 atomic_load_explicit(&given[odd], memory_order_relaxed));
+        return why;
+    }
+    s->pages_given = at;
+    if (!is_last || n > s->num_pages - at)
+        return NULL;
+    uint32_t k = short_layers(l, given, (uint32_t)n, s->num_pages, list, sizeof(list));
+    if (k == l->num_slots)
+        return NULL;
+    *fail_p = 1;
+    snprintf(why, len, "room %llu: the last send left %s without every one of the %u pages "
+             "kvf_sender_init declared (%s had %u) on %s: a layer never sent",
+             (unsigned long long)s->room.id, list, s->num_pages, slot_name(l, k, a, sizeof(a)),
+             atomic_load_explicit(&given[k], memory_order_relaxed) + (uint32_t)n,
+             kvf__engine_rank_name_unlocked(s->room.eng, rank, sizeof(rank)));
+    return why;
+}
+
+/* Publish the next n pages of every layer (after the checks, under
+ * app_lock): the pages first, then how far they go (release), then the
+ * room on the lanes' list (take_sends takes them in). */
+static void publish_send(kvf_sender_t *s, _Atomic uint32_t *given, const uint32_t *pages,
+                         size_t n, int is_last)
+{
+    if (n > 0)
+        memcpy(s->src_pages + s->pages_given, pages, n * sizeof(uint32_t));
+    s->pages_given += (uint32_t)n;
+    s->pages_known = s->pages_given > s->pages_known ? s->pages_given : s->pages_known;
+    for (uint32_t k = 0; given != NULL && n > 0 && k < s->room.eng->layout.num_slots; k++)
+        atomic_store_explicit(&given[k], s->pages_given, memory_order_release);
+    s->last_given = is_last;
+    atomic_store_explicit(&s->published,
+                          KVF_SENT_INIT | s->pages_given | (is_last ? KVF_SENT_LAST : 0),
+                          memory_order_release);
+}
+
 kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
                              int is_last)
 {
     kvf_room_t *r = &s->room;
     const kvf_layout_int_t *l = &r->eng->layout;
     kvf_status_t st;
+    char why_buf[KVF_REASON_MAX];
+    int fail = 0;
     size_t bad;
 
     if (n > 0 && pages == NULL)
@@ -1153,26 +1332,199 @@ kvf_status_t kvf_sender_send(kvf_sender_t *s, const uint32_t *pages, size_t n,
         return KVF_ERR_OUT_OF_RANGE;
     }
     pthread_mutex_lock(&r->app_lock);
-    const char *why = send_refusal(s, n, is_last, &st);
+    _Atomic uint32_t *given = atomic_load_explicit(&s->slot_given, memory_order_relaxed);
+    const char *why = room_refusal(s, &st);
+    if (why == NULL && given != NULL)
+        why = layered_refusal(s, given, n, is_last, &fail, why_buf, sizeof(why_buf), &st);
+    if (why == NULL)
+        why = send_refusal(s, n, is_last, &st);
     if (why != NULL) {
         kvf_error("room %llu: send of %zu pages (pages %u..%zu of %u%s) refused: %s",
                   (unsigned long long)r->id, n, s->pages_given, s->pages_given + n,
                   s->num_pages, is_last ? ", last" : "", why);
         pthread_mutex_unlock(&r->app_lock);
+        if (fail)
+            kvf__room_fail_app(r, KVF_ERR_INCOMPLETE, why);
         return st;
     }
-    /* Publish: the pages first, then how far they go (release), then the
-     * room on the lanes' list (take_sends takes them in). */
-    if (n > 0)
-        memcpy(s->src_pages + s->pages_given, pages, n * sizeof(uint32_t));
-    s->pages_given += (uint32_t)n;
-    s->last_given = is_last;
-    atomic_store_explicit(&s->published,
-                          KVF_SENT_INIT | s->pages_given | (is_last ? KVF_SENT_LAST : 0),
-                          memory_order_release);
+    publish_send(s, given, pages, n, is_last);
     pthread_mutex_unlock(&r->app_lock);
     kvf__room_submit(r);
     return KVF_OK;
+}
+
+/* The layer slots of layers [lb, le) of `group`, every one held here:
+ * [*lo_p, *hi_p).  @return NULL, or why not (with its status). */
+static const char *layer_slots(const kvf_layout_int_t *l, uint32_t group, uint32_t lb,
+                               uint32_t le, uint32_t *lo_p, uint32_t *hi_p, char *why,
+                               size_t len, kvf_status_t *st_p)
+{
+    *st_p = KVF_ERR_INVALID_PARAM;
+    if (lb >= le) {
+        snprintf(why, len, "layers [%u, %u) of group %u: no layer", lb, le, group);
+        return why;
+    }
+    *st_p = KVF_ERR_OUT_OF_RANGE;
+    for (uint32_t layer = lb; layer < le; layer++) {
+        uint32_t k = kvf__slot_of(l, group, layer);
+        if (k == UINT32_MAX) {
+            snprintf(why, len, "layer %u of group %u: no KV buffer of this rank holds it",
+                     layer, group);
+            return why;
+        }
+        *lo_p = layer == lb ? k : *lo_p;
+        *hi_p = k + 1;
+    }
+    *st_p = KVF_OK;
+    return NULL;
+}
+
+/*
+ * Why kvf_sender_send_layers may not send pages [first, first + n) of
+ * layer slots [lo, hi) now, or NULL (room_refusal first); under app_lock.
+ * given is NULL before the room's first per-layer send: every slot then
+ * has pages_given.
+ */
+static const char *layers_refusal(kvf_sender_t *s, _Atomic uint32_t *given,
+                                  const uint32_t *pages, size_t n, uint32_t first,
+                                  uint32_t lo, uint32_t hi, char *why, size_t len,
+                                  kvf_status_t *st_p)
+{
+    const kvf_layout_int_t *l = &s->room.eng->layout;
+    char a[48];
+    *st_p = KVF_ERR_OUT_OF_RANGE;
+    if (first > s->num_pages || n > s->num_pages - first) {
+        snprintf(why, len, "pages [%u, %llu) are past the %u kvf_sender_init declared", first,
+                 (unsigned long long)first + n, s->num_pages);
+        return why;
+    }
+    *st_p = KVF_ERR_INVALID_PARAM;
+    for (uint32_t k = lo; k < hi; k++) {
+        uint32_t at = given != NULL ? atomic_load_explicit(&given[k], memory_order_relaxed)
+                                    : s->pages_given;
+        if (at > first)
+            snprintf(why, len, "%s already has pages [0, %u): a layer's pages are sent once",
+                     slot_name(l, k, a, sizeof(a)), at);
+        else if (at < first)
+            snprintf(why, len, "%s has pages [0, %u) only: pages [%u, %u) come first (each "
+                     "layer's chunks in page order)", slot_name(l, k, a, sizeof(a)), at, at,
+                     first);
+        if (at != first)
+            return why;
+    }
+    for (uint32_t p = first; p < s->pages_known && p - first < n; p++) {
+        if (s->src_pages[p] != pages[p - first]) {
+            snprintf(why, len, "page %u of the room was sent as source page %u, and is "
+                     "named %u now: every layer has the same pages", p, s->src_pages[p],
+                     pages[p - first]);
+            return why;
+        }
+    }
+    *st_p = KVF_OK;
+    return NULL;
+}
+
+/* A layer-wise room's slots, made at its first per-layer send (under
+ * app_lock): each with the pages every layer had so far.  NULL: no memory. */
+static _Atomic uint32_t *layered(kvf_sender_t *s)
+{
+    uint32_t ns = s->room.eng->layout.num_slots;
+    _Atomic uint32_t *given = malloc(ns * sizeof(*given));
+    for (uint32_t k = 0; given != NULL && k < ns; k++)
+        atomic_init(&given[k], s->pages_given);
+    if (given != NULL)
+        atomic_store_explicit(&s->slot_given, given, memory_order_release);
+    return given;
+}
+
+kvf_status_t kvf_sender_send_layers(kvf_sender_t *s, const uint32_t *pages, size_t n,
+                                    uint32_t first, uint32_t group, uint32_t layer_begin,
+                                    uint32_t layer_end)
+{
+    kvf_room_t *r = &s->room;
+    const kvf_layout_int_t *l = &r->eng->layout;
+    kvf_status_t st = KVF_ERR_INVALID_PARAM;
+    char why_buf[256];
+    const char *why = n == 0 || pages == NULL ? "no pages" : NULL;
+    uint32_t lo = 0, hi = 0;
+    size_t bad;
+
+    if (why == NULL && (bad = first_bad_page(l, pages, n)) < n) {
+        snprintf(why_buf, sizeof(why_buf), "page %u (chunk index %zu) is outside the "
+                 "registered KV buffers (%llu pages)", pages[bad], bad,
+                 (unsigned long long)min_items(l->kv, l->num_kv));
+        why = why_buf;
+        st = KVF_ERR_OUT_OF_RANGE;
+    }
+    if (why == NULL)
+        why = layer_slots(l, group, layer_begin, layer_end, &lo, &hi, why_buf,
+                          sizeof(why_buf), &st);
+    pthread_mutex_lock(&r->app_lock);
+    _Atomic uint32_t *given = atomic_load_explicit(&s->slot_given, memory_order_relaxed);
+    if (why == NULL)
+        why = room_refusal(s, &st);
+    if (why == NULL)
+        why = layers_refusal(s, given, pages, n, first, lo, hi, why_buf, sizeof(why_buf), &st);
+    if (why == NULL && given == NULL && (given = layered(s)) == NULL) {
+        why = "no memory for its layers";
+        st = KVF_ERR_NO_MEMORY;
+    }
+    if (why != NULL) {
+        kvf_error("room %llu: send of pages [%u, %llu) of layers [%u, %u) of group %u "
+                  "refused: %s", (unsigned long long)r->id, first,
+                  (unsigned long long)first + n, layer_begin, layer_end, group, why);
+        pthread_mutex_unlock(&r->app_lock);
+        return st;
+    }
+    /* The positions no layer had named yet, then how far each layer goes
+     * (release), then the room on the lanes' list (take_layers). */
+    if (first + n > s->pages_known) {
+        memcpy(s->src_pages + s->pages_known, pages + (s->pages_known - first),
+               (first + n - s->pages_known) * sizeof(uint32_t));
+        s->pages_known = first + (uint32_t)n;
+    }
+    for (uint32_t k = lo; k < hi; k++)
+        atomic_store_explicit(&given[k], first + (uint32_t)n, memory_order_release);
+    pthread_mutex_unlock(&r->app_lock);
+    kvf__room_submit(r);
+    return KVF_OK;
+}
+
+/*
+ * take_sends for a layer-wise room: each layer slot's pages given since
+ * the last time (a snapshot of slot_given, after slot_sent in the same
+ * block), slots that moved alike in one chunk, then the last chunk.
+ */
+static void take_layers(kvf_room_t *r, _Atomic uint32_t *given, int last)
+{
+    kvf_sender_t *s = sender_of(r);
+    uint32_t ns = r->eng->layout.num_slots;
+    if (s->slot_sent == NULL) {
+        if ((s->slot_sent = malloc(2 * (size_t)ns * sizeof(uint32_t))) == NULL) {
+            kvf__room_fail(r, KVF_ERR_NO_MEMORY, "no memory to take in room %llu's "
+                           "sends of %u layers", (unsigned long long)r->id, ns);
+            return;
+        }
+        for (uint32_t k = 0; k < ns; k++)
+            s->slot_sent[k] = s->pages_sent;
+    }
+    uint32_t *to = s->slot_sent + ns, least = UINT32_MAX;
+    int moved = last != s->last_sent;
+    for (uint32_t k = 0; k < ns; k++) {
+        to[k] = atomic_load_explicit(&given[k], memory_order_acquire);
+        moved |= to[k] != s->slot_sent[k];
+        least = to[k] < least ? to[k] : least;
+    }
+    if (!moved)
+        return;
+    sends_t w = {.from = s->slot_sent, .to = to, .last = last && !s->last_sent};
+    s->pages_sent = least;               /* every layer has these */
+    s->last_sent = last;
+    kvf_poll_t state = room_state(r);
+    if (state != KVF_POLL_FAILED && state >= KVF_POLL_WAITING_FOR_INPUT &&
+        (!w.last || last_chunk_fits(r)))
+        queue_all(r, &w);
+    memcpy(s->slot_sent, to, ns * sizeof(uint32_t));
 }
 
 /*
@@ -1187,11 +1539,16 @@ static void take_sends(kvf_room_t *r)
     KVF_ASSERT_LOCKED(r->eng);
     kvf_sender_t *s = sender_of(r);
     uint64_t pub = atomic_load_explicit(&s->published, memory_order_acquire);
+    _Atomic uint32_t *given = atomic_load_explicit(&s->slot_given, memory_order_acquire);
     uint32_t upto = (uint32_t)pub, first = s->pages_sent;
     int last = (pub & KVF_SENT_LAST) != 0;
 
     if ((pub & KVF_SENT_INIT) && !r->initialized)
         take_init(r);
+    if (given != NULL) {
+        take_layers(r, given, last);
+        return;
+    }
     if (upto == first && last == s->last_sent)
         return;
     s->pages_sent = upto;
@@ -1201,25 +1558,47 @@ static void take_sends(kvf_room_t *r)
         return;
     if (last && !last_chunk_fits(r))
         return;      /* the room failed, with the reason; the call did not */
-    queue_all(r, s->src_pages + first, first, upto - first, last);
+    sends_t w = {.pages = s->src_pages + first, .first = first, .n = upto - first,
+                 .last = last};
+    queue_all(r, &w);
+}
+
+/* To link li: what w says (sends_t), layer slots that move alike in one
+ * chunk per stream, the last chunk after every other. */
+static kvf_status_t queue_link(kvf_room_t *r, uint32_t li, const sends_t *w)
+{
+    const kvf_sender_t *s = sender_of(r);
+    uint32_t ns = r->eng->layout.num_slots;
+    kvf_status_t st = KVF_OK;
+    if (w->to == NULL)
+        return queue_pages(r, li, w->pages, w->first, w->n, w->last, (slots_t){0, ns});
+    for (uint32_t lo = 0, hi; lo < ns && st == KVF_OK; lo = hi) {
+        uint32_t a = w->from != NULL ? w->from[lo] : 0, b = w->to[lo];
+        for (hi = lo + 1; hi < ns && (w->from != NULL ? w->from[hi] : 0) == a &&
+                          w->to[hi] == b; hi++)
+            ;
+        if (b > a)
+            st = queue_pages(r, li, s->src_pages + a, a, b - a, 0, (slots_t){lo, hi});
+    }
+    if (st == KVF_OK && w->last)
+        st = queue_pages(r, li, NULL, 0, 0, 1, (slots_t){0, 0});
+    return st;
 }
 
 /*
- * Queue pages [first, first + n) of the room (source pages pages[0..n)) to
- * every link: a link that owes nothing is done with the last chunk, a
- * broken one gets it all again when it resumes.  The room is then
- * TRANSFERRING, or SUCCESS when nothing is owed.
+ * Queue what w says to every link: a link that owes nothing is done with
+ * the last chunk, a broken one gets it all again when it resumes.  The
+ * room is then TRANSFERRING, or SUCCESS when nothing is owed.
  */
-static void queue_all(kvf_room_t *r, const uint32_t *pages, uint32_t first, size_t n,
-                      int last)
+static void queue_all(kvf_room_t *r, const sends_t *w)
 {
     kvf_status_t st = KVF_OK;
     for (uint32_t i = 0; i < r->nlinks && st == KVF_OK; i++) {
         kvf_link_t *lk = &r->links[i];
         if (lk->idle)
-            lk->done = last;
+            lk->done = w->last;
         else if (!lk->broken)
-            st = queue_pages(r, i, pages, first, n, last);
+            st = queue_link(r, i, w);
     }
     if (st != KVF_OK) {
         kvf__room_fail(r, st, "cannot queue chunk: %s", kvf_status_str(st));
@@ -1396,10 +1775,9 @@ static int resume(kvf_room_t *r, kvf_peer_t *p, kvf_link_t *lk, const kvf_link_t
     kvf__link_streams_reset(r, lk, kvf__peer_nstreams(p), !lk->idle && want_checksum(r->eng, p));
     r->t_state_ms = kvf_now_ms();
     /* (A held room that is still waiting for readers keeps its pages.) */
-    if ((snd->pages_sent > 0 || snd->last_sent) &&
-        room_state(r) >= KVF_POLL_WAITING_FOR_INPUT) {
-        kvf_status_t st = queue_pages(r, li, snd->src_pages, 0, snd->pages_sent,
-                                      snd->last_sent);
+    if (anything_sent(snd) && room_state(r) >= KVF_POLL_WAITING_FOR_INPUT) {
+        sends_t w = sent_so_far(snd);
+        kvf_status_t st = queue_link(r, li, &w);
         if (st != KVF_OK)
             kvf__room_fail(r, st, "cannot queue the resend: %s", kvf_status_str(st));
     }
@@ -1629,6 +2007,25 @@ static int sender_tick(kvf_room_t *r, uint64_t now)
     return 0;
 }
 
+/* A layer-wise room whose application has not given every layer its
+ * pages: which (into buf).  @return 0 when it has, or the room is not
+ * layer-wise. */
+static int layers_short(kvf_room_t *r, char *buf, size_t len)
+{
+    kvf_sender_t *s = sender_of(r);
+    const kvf_layout_int_t *l = &r->eng->layout;
+    _Atomic uint32_t *given = atomic_load_explicit(&s->slot_given, memory_order_acquire);
+    char list[160], a[48];
+    uint32_t k = given != NULL ? short_layers(l, given, 0, s->num_pages, list, sizeof(list))
+                               : l->num_slots;
+    if (k == l->num_slots)
+        return 0;
+    snprintf(buf, len, "the application sent %s fewer than the %u pages declared (%s: %u)",
+             list, s->num_pages, slot_name(l, k, a, sizeof(a)),
+             atomic_load_explicit(&given[k], memory_order_relaxed));
+    return 1;
+}
+
 static void sender_deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_t len)
 {
     kvf_engine_t *eng = r->eng;
@@ -1639,7 +2036,7 @@ static void sender_deadline_detail(kvf_room_t *r, kvf_poll_t s, char *buf, size_
                  eng->register_error ? eng->register_error : "");
     else if (s == KVF_POLL_WAITING_FOR_INPUT)
         snprintf(buf, len, "the scheduler did not call kvf_sender_send");
-    else
+    else if (!layers_short(r, buf, len))
         snprintf(buf, len, "%u of %u pages queued, no bytes moved since",
                  sender_of(r)->pages_sent, sender_of(r)->num_pages);
 }

@@ -24,7 +24,7 @@
  *     - the plumbing of this file;
  *     - publishing without the lock (kvf__room_submit, and the public
  *       calls that fill what it publishes, kvf_sender_init,
- *       kvf_sender_set_states, kvf_sender_send and
+ *       kvf_sender_set_states, kvf_sender_send, kvf_sender_send_layers and
  *       kvf_receiver_set_dest): they touch
  *       only atomics and fields the application's thread owns under the
  *       room's app_lock, and the lanes take what it published under the

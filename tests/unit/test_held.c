@@ -242,6 +242,42 @@ static void test_held_shm(void)
     held_case(2, 1, "shm");
 }
 
+/*
+ * A held room given layer by layer (kvf_sender_send_layers) before any
+ * reader asked: the prefill keeps each layer's chunks, and every reader,
+ * once all asked, gets them all (TP 1 -> 2: each its heads).
+ */
+static void test_held_layer_by_layer(void)
+{
+    side_t pre[1] = {0}, dec[2] = {0};
+    kvf_sender_t *s;
+    kvf_receiver_t *r[2];
+    uint32_t src[5] = {3, 4, 5, 11, 0}, dst[5] = {7, 1, 2, 3, 15};
+    kvf_room_key_t key = kvf_room_key("cmpl-held-layers", 16);
+    kvf_hold_t h;
+
+    rank_up(&pre[0], KVF_ROLE_PREFILL, 0, 1, "tcp", 0);
+    for (int i = 0; i < 2; i++)
+        rank_up(&dec[i], KVF_ROLE_DECODE, i, 2, "tcp", 0);
+    kvf_hold_init(&h);
+    h.lease_ms = 10000;
+    h.instance = key.instance;
+    CHECK_EQ_INT(kvf_sender_create_held(pre[0].eng, key.room, &h, &s), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_init(s, 5, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send_layers(s, src, 3, 0, 0, 0, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send_layers(s, src, 5, 0, 0, 1, 2), KVF_OK);
+    for (int i = 0; i < 2; i++) {
+        CHECK_EQ_INT(kvf_sender_poll(s), KVF_POLL_BOOTSTRAPPING);   /* a reader missing */
+        r[i] = reader(&dec[i], pre, 1, key.room, key.instance);
+        give_dest(r[i], dst, 5, 0);
+    }
+    /* Released with its layers at different pages: each gets its own. */
+    CHECK_EQ_INT(wait_receiver(r[1], KVF_POLL_TRANSFERRING), KVF_POLL_TRANSFERRING);
+    CHECK_EQ_INT(kvf_sender_send_layers(s, src + 3, 2, 3, 0, 0, 1), KVF_OK);
+    CHECK_EQ_INT(kvf_sender_send(s, NULL, 0, 1), KVF_OK);
+    all_read(pre, &s, 1, dec, r, 2, src, 0, dst, 5);
+}
+
 /* A reader created by descriptors on another thread. */
 typedef struct {
     side_t         *dec;
@@ -942,7 +978,7 @@ static void test_room_key(void)
     CHECK(abc.room == 0x78af5f94892f3950ull && abc.instance == 0x06b05ab6733a6185ull);
 }
 
-KVF_TEST_MAIN(KVF_CASE(test_held_tcp),
+KVF_TEST_MAIN(KVF_CASE(test_held_tcp), KVF_CASE(test_held_layer_by_layer),
               KVF_CASE(test_reader_created_without_lock),
               KVF_CASE(test_descriptor_set_seen_again),
               KVF_CASE(test_held_shm),
