@@ -330,6 +330,8 @@ _OPTIONAL = {
     "kvf_dest_init_sized": (None, [POINTER(Dest), c_size_t]),
     "kvf_sender_set_states": (c_int, [c_void_p, POINTER(Indices), c_size_t]),
     "kvf_sender_decode_prefix_len": (c_int, [c_void_p, POINTER(c_uint32)]),
+    "kvf_sender_send_layers": (c_int, [c_void_p, _u32p, c_size_t, c_uint32, c_uint32,
+                                       c_uint32, c_uint32]),
     "kvf_sender_metric": (c_int, [c_void_p, POINTER(RoomMetric)]),
     "kvf_receiver_metric": (c_int, [c_void_p, POINTER(RoomMetric)]),
     # held rooms, descriptors and room keys (vLLM's flow)

@@ -180,6 +180,7 @@ class KVSender(_Room):
         self.bootstrap_addr = bootstrap_addr
         self.num_kv_indices = None
         self.curr_idx = 0
+        self._layered = False
         self._open(mgr, bootstrap_room,
                    lambda eng, p: lib.kvf_sender_create(
                        eng, addr, self.bootstrap_room, ctypes.byref(p)))
@@ -211,6 +212,7 @@ class KVSender(_Room):
         self.bootstrap_addr = None
         self.num_kv_indices = None
         self.curr_idx = 0
+        self._layered = False
         self.instance = h.instance
         self._open(mgr, bootstrap_room,
                    lambda eng, p: lib.kvf_sender_create_held(
@@ -248,7 +250,11 @@ class KVSender(_Room):
                                     % self.bootstrap_room)
         pages = to_u32_array("kv_indices", kv_indices, allow_empty=True)
         check_range("kv_indices", pages, self.mgr.num_pages, "KV pages")
-        if self.curr_idx + len(pages) > self.num_kv_indices:
+        if self._layered and is_last is None:
+            raise ValueError("KVSender.send(room %d) after send_layers: say is_last "
+                             "(the library checks the pages of every layer)"
+                             % self.bootstrap_room)
+        if not self._layered and self.curr_idx + len(pages) > self.num_kv_indices:
             raise ValueError("kv_indices: %d pages sent plus %d more exceeds the "
                              "%d declared in init()"
                              % (self.curr_idx, len(pages), self.num_kv_indices))
@@ -264,6 +270,33 @@ class KVSender(_Room):
               "until the last chunk")
         self.curr_idx += len(pages)
 
+
+    def send_layers(self, kv_indices, first_page, layer_begin, layer_end, group=0):
+        """Send pages ``[first_page, first_page + len(kv_indices))`` of the
+        room for layers ``[layer_begin, layer_end)`` of ``group`` only, as soon
+        as they are computed (``kvf_sender_send_layers``; docs/GUIDE.md,
+        "Layer-wise sends").  Layers are the model's (group 0; a pipeline
+        stage names its own) or a draft model's (group 1, ...).  Each layer's
+        pages in page order, each once; a page position names the same
+        source page for every layer.  End the room with
+        ``send(rest, is_last=True)``: ``rest`` the last pages of every layer,
+        or empty when the layer sends gave them all; one that leaves a layer
+        short fails the room, naming it.  Raises ValueError/TypeError for bad
+        indices, KVFerryStateError as ``send`` does."""
+        _lib.require("kvf_sender_send_layers", "KVSender.send_layers")
+        ptr = self._live()
+        if self.num_kv_indices is None:
+            raise KVFerryStateError("KVSender.send_layers(room %d): call init() first"
+                                    % self.bootstrap_room)
+        pages = to_u32_array("kv_indices", kv_indices)
+        check_range("kv_indices", pages, self.mgr.num_pages, "KV pages")
+        args = [to_uint(name, v, 32) for name, v in (
+            ("first_page", first_page), ("group", group), ("layer_begin", layer_begin),
+            ("layer_end", layer_end))]
+        check(lib.kvf_sender_send_layers(ptr, as_c_u32(pages), len(pages), *args),
+              "KVSender.send_layers(room %d)" % self.bootstrap_room,
+              "each layer's pages once, in page order, after init(), until the last send")
+        self._layered = True
 
     def set_states(self, state_indices):
         """Source state indices, written with the last chunk.  With

@@ -9,6 +9,9 @@
     rooms       [{"room": id, "pages": [...], "aux": slot, "state": slot?}]
     mode        "run"     complete every room (prefill sends the pattern in
                           chunks of 3 pages; decode verifies every byte)
+                "layers"  prefill: as "run", each chunk layer by layer, the
+                          last layer first (send_layers), then an empty last
+                          send with the state
                 "partial" prefill: send one non-last chunk, then hold
                 "hold"    only create (and on decode init) the rooms, then hold
                 "abort"   decode: abort each room once WaitingForInput
@@ -24,7 +27,7 @@ import sys
 import time
 
 from _util import (fill_room, failure_dict, kvferry, make_args, verify_room,
-                   FINAL, KVPoll)
+                   FINAL, KVPoll, LAYERS)
 
 
 def emit(**ev):
@@ -70,11 +73,18 @@ def main():
             elif s == KVPoll.Success and not prefill:
                 ev["bad"] = verify_room(mgr, room, r["pages"], r["aux"], r.get("state"))
             emit(**ev)
-            if s == KVPoll.WaitingForInput and prefill and mode in ("run", "partial"):
+            if s == KVPoll.WaitingForInput and prefill and mode in ("run", "partial",
+                                                                    "layers"):
                 fill_room(mgr, room, r["pages"], r["aux"], r.get("state"))
                 h.init(len(r["pages"]), r["aux"])
                 if mode == "partial":
                     h.send(r["pages"][:1], is_last=False)
+                    continue
+                if mode == "layers":
+                    for i in range(0, len(r["pages"]), 3):
+                        for layer in reversed(range(LAYERS)):
+                            h.send_layers(r["pages"][i:i + 3], i, layer, layer + 1)
+                    h.send([], [r["state"]] if "state" in r else None, is_last=True)
                     continue
                 for i in range(0, len(r["pages"]), 3):
                     st = [r["state"]] if "state" in r and i + 3 >= len(r["pages"]) \

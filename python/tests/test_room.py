@@ -80,6 +80,53 @@ class RoomEndToEnd(unittest.TestCase):
                          sum(sizes) * 4 * len(self.mgr.args.kv_data_ptrs) * 32
                          + len(rooms) * (32 + 48))
 
+    def test_layer_by_layer(self):
+        """A prefill that sends each chunk layer by layer (send_layers, the
+        last layer first) and ends with an empty last send carrying the
+        state: every byte arrives; and the refusals say why."""
+        rooms = [{"room": 11, "pages": [5, 6, 7, 8, 9], "aux": 1, "state": 2,
+                  "dst": [40, 3, 4, 50, 51]},
+                 {"room": 12, "pages": [20], "aux": 2, "state": 3, "dst": [1]}]
+        self.peer = Peer({"role": "prefill", "page_size": 4, "state": True,
+                          "mode": "layers",
+                          "rooms": [{k: r[k] for k in ("room", "pages", "aux", "state")}
+                                    for r in rooms]})
+        boot = self.peer.expect(lambda e: e["event"] == "ready")["bootstrap"]
+        self.mgr = kvferry.KVManager(make_args(4, state=True), "decode")
+        rxs = []
+        for r in rooms:
+            rx = kvferry.KVReceiver(self.mgr, boot, r["room"])
+            rx.init(r["dst"], r["aux"], [r["state"]])
+            rxs.append(rx)
+        for r, rx in zip(rooms, rxs):
+            self.assertEqual(wait_state(rx, FINAL, 30), KVPoll.Success, self._why(rx))
+            self.assertEqual(verify_room(self.mgr, r["room"], r["dst"], r["aux"],
+                                         r["state"]), [])
+            ev = self.peer.room_event(r["room"], ("Success", "Failed"))
+            self.assertEqual(ev["state"], "Success", ev)
+
+    def test_send_layers_refusals(self):
+        """What send_layers refuses, before and in the library."""
+        self.mgr = kvferry.KVManager(make_args(4, host_bootstrap=True,
+                                               bootstrap_addr="127.0.0.1:0"), "prefill")
+        tx = kvferry.KVSender(self.mgr, self.mgr.bootstrap_addr, 13)
+        with self.assertRaises(kvferry.KVFerryStateError):
+            tx.send_layers([1], 0, 0, 1)             # before init
+        tx.close()
+        tx = kvferry.KVSender.held(self.mgr, 14)
+        tx.init(2, 0)
+        with self.assertRaises(ValueError):
+            tx.send_layers([1, 99999], 0, 0, 1)       # outside the pool
+        with self.assertRaises(ValueError):
+            tx.send_layers([1], -1, 0, 1)
+        tx.send_layers([1, 2], 0, 0, 1)
+        with self.assertRaises(kvferry.KVFerryError) as cm:
+            tx.send_layers([1, 2], 0, 0, 1)           # layer 0 a second time
+        self.assertIn("layer 0 already has pages [0, 2)", str(cm.exception))
+        with self.assertRaises(ValueError):
+            tx.send([])                               # is_last must be said
+        tx.close()
+
     def test_prefill_here_decode_in_child(self):
         """The other direction: senders here, chunked sends with explicit
         is_last, the child verifies every byte."""
