@@ -44,6 +44,7 @@
 
 #include <jansson.h>
 
+#include "bench_micro.h"
 #include "kvferry/kvferry.h"
 #include "models.h"
 #include "opts.h"
@@ -51,9 +52,6 @@
 #include "plot.h"
 #include "progress.h"
 #include "tool.h"
-
-/* The hidden micro-benchmarks (bench_micro.c). */
-int kvt_bench_micro_main(int argc, char **argv);
 
 typedef struct kvt_bench {
     kvt_opts_t  o;
@@ -527,11 +525,24 @@ static void kvt_bench_usage(FILE *out)
         "failed (CLOCK_MONOTONIC), checking that its record names the abort.\n"
         "Reported: abort -> the last rank's FAILED and abort -> the first\n"
         "sibling's, p50/p99/max over rooms; exit status 1 if any rank of any\n"
-        "room failed it for another cause or never.\n");
+        "room failed it for another cause or never.\n"
+        "\n--layerwise [--model M] [--tokens N] [--page-size P]\n"
+        "  [--compute-us-per-token U] [--layers-per-send K] [--repeats R]\n"
+        "  [--transport T] [--json]\n"
+        "compares sending each layer as the prefill computes it with sending\n"
+        "the chunk after its forward pass, in one process (defaults: llama3-8b,\n"
+        "4096 tokens, page 64, 40 us of emulated compute per token, a send\n"
+        "per layer, 5 repeats, tcp).  Reported: the tail, from the last\n"
+        "layer's compute end to the decode's SUCCESS, of each, and tail_ratio\n"
+        "(layer-wise / whole); the throughput of each without compute, and\n"
+        "throughput_ratio.\n");
 }
 
 int kvt_bench_main(int argc, char **argv)
 {
+    for (int i = 2; i < argc; i++)
+        if (strcmp(argv[i], "--layerwise") == 0)
+            return kvt_bench_layers_main(argc, argv);
     for (int i = 2; i < argc; i++)
         if (strcmp(argv[i], "--memcpy") == 0 ||
             strcmp(argv[i], "--call-latency") == 0 ||

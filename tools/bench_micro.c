@@ -41,17 +41,18 @@
 #include <unistd.h>
 
 #include "kvferry/kvferry.h"
+#include "bench_micro.h"
 #include "models.h"
 #include "tool.h"
 
-static double kvt_now_s(void)
+double kvt_now_s(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static int kvt_cmp_d(const void *a, const void *b)
+int kvt_cmp_d(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
@@ -70,7 +71,7 @@ static long kvt_vm_rss_kb(void)
     return kb;
 }
 
-static int kvt_arg_u32(int argc, char **argv, const char *name, uint32_t *v)
+int kvt_arg_u32(int argc, char **argv, const char *name, uint32_t *v)
 {
     size_t len = strlen(name);
     for (int i = 2; i < argc; i++) {
@@ -93,7 +94,7 @@ static int kvt_arg_u32(int argc, char **argv, const char *name, uint32_t *v)
     return 0;
 }
 
-static const char *kvt_arg_str(int argc, char **argv, const char *name)
+const char *kvt_arg_str(int argc, char **argv, const char *name)
 {
     size_t len = strlen(name);
     for (int i = 2; i < argc; i++) {
@@ -147,17 +148,8 @@ static int kvt_bench_memcpy(uint32_t mib, uint32_t repeats)
 /* Rooms in flight                                                          */
 /* ------------------------------------------------------------------------ */
 
-typedef struct kvt_side {
-    kvf_engine_t *eng;
-    uint8_t      *kv;
-    uint8_t      *aux;
-    size_t        kv_len;
-    uint32_t      npages;
-} kvt_side_t;
-
-static int kvt_side_make(kvt_side_t *s, kvf_role_t role, const kvt_geom_t *g,
-                         uint32_t pages, const char *transport,
-                         const char *registry)
+int kvt_side_make(kvt_side_t *s, kvf_role_t role, const kvt_geom_t *g, uint32_t pages,
+                  const char *transport, const char *registry)
 {
     kvf_engine_params_t p;
     kvf_engine_params_init(&p);

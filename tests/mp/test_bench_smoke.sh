@@ -100,3 +100,21 @@ print("ok: --call-latency %s: worst p99 under load %.0fx the null call, a wake %
       % (sys.argv[2], d["worst_p99_vs_null"], d["wake_vs_null"]["load"]["p99"]))
 ' "$out" "$load"
 done
+
+# --layerwise, briefly: layer-wise against whole-chunk sending of the same
+# rooms (every room's bytes compared by the tool); the report's shape.
+out=$(timeout 120 "$KVFERRY" bench --layerwise --json --model tiny --tokens 256 --page-size 16 \
+      --compute-us-per-token 20 --repeats 3 --transport tcp)
+python3 -c '
+import json, numbers, sys
+d = json.loads(sys.argv[1])
+assert d["model"] == "tiny" and d["layers"] == 2 and d["repeats"] == 3, d
+for mode in ("whole", "layerwise"):
+    for k in ("tail_ms", "total_ms", "gbps"):
+        e = d[mode][k]
+        assert 0 < e["min"] <= e["p50"] <= e["max"], (mode, k, e)
+for k in ("tail_ratio", "throughput_ratio"):
+    assert isinstance(d[k], numbers.Number) and d[k] > 0, (k, d)
+print("ok: --layerwise: tail ratio %.3f, throughput ratio %.3f"
+      % (d["tail_ratio"], d["throughput_ratio"]))
+' "$out"
