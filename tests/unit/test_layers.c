@@ -298,7 +298,24 @@ static const config_t configs[] = {
     {"tcp, a draft model's group", "tcp", 1, 1, 1, 0, 0, 1, 2},
     {"shm, TP 1 to 2, NHD", "shm", 1, 2, 1, 0, 0, 0, 1},
     {"shm, a draft model's group, TP 2 to 2", "shm", 2, 2, 1, 0, 0, 1, 1},
+#ifdef KVF_HAVE_UCX
+    /* Under UCX_TLS=tcp, with reads moved in software allowed (test_ucx). */
+    {"ucx, TP 1 to 2, HND", "ucx", 1, 2, 1, 1, 0, 0, 1},
+#endif
 };
+
+/* A ucx config's UCX: tcp, reads in software allowed; read when an
+ * engine creates its UCX context. */
+static void ucx_env(int on)
+{
+    if (on) {
+        setenv("UCX_TLS", "tcp", 1);
+        setenv("KVF_UCX_SOFTWARE_RMA", "allow", 1);
+    } else {
+        unsetenv("UCX_TLS");
+        unsetenv("KVF_UCX_SOFTWARE_RMA");
+    }
+}
 
 /* Each config, rounds of rooms with fresh random orders: every byte of
  * every decode rank checked after each round. */
@@ -310,7 +327,9 @@ static void test_every_layout_pair(void)
         char bs[64];
         cfg = &configs[c];
         rng = 0x9E3779B9u ^ (uint32_t)c;
+        ucx_env(strcmp(cfg->transport, "ucx") == 0);
         int np = config_up(pre, dec, bs, sizeof(bs));
+        CHECK(strcmp(kvf_engine_transport(dec[0].eng), cfg->transport) == 0);
         for (int round = 0; round < 6; round++, id += 2) {
             for (int j = 0; j < cfg->nd; j++) {
                 for (int b = 0; b < dec[j].nkv; b++)
@@ -322,6 +341,7 @@ static void test_every_layout_pair(void)
                 CHECK_EQ_INT(check_decode(&dec[j]), 0);
         }
         config_down(pre, np, dec);
+        ucx_env(0);
     }
 }
 

@@ -28,6 +28,7 @@
 static fake_cuda_t fake;
 static kvf_kv_order_t kv_order = KVF_KV_NHD;     /* of the next side_init */
 static int kv_device;                            /* of the next side_init */
+static int layer_wise;                           /* of the next room_start */
 
 /* Every engine here checks its bytes. */
 static void tune(kvf_engine_params_t *p)
@@ -68,7 +69,10 @@ static void staged_side(side_t *s, kvf_role_t role, const char *bs, int device)
 }
 
 /* A room of n scattered pages (every other source page, destinations
- * reversed in runs), n_chunks chunks; pages filled with a pattern. */
+ * reversed in runs), in two chunks; pages filled with a pattern.  With
+ * layer_wise, layer by layer (kvf_sender_send_layers): the first chunk's
+ * last layer first, then its other layers, the second chunk's layers at
+ * once, then the last send without pages. */
 typedef struct room {
     kvf_sender_t   *s;
     kvf_receiver_t *r;
@@ -108,6 +112,15 @@ static void room_start(room_t *m, side_t *pre, side_t *dec, const char *bs, uint
     CHECK_EQ_INT(kvf_sender_init(m->s, n, 3), KVF_OK);
     CHECK_EQ_INT(kvf_sender_set_states(m->s, &src_states, 1), KVF_OK);
     uint32_t half = n / 2;
+    if (layer_wise) {
+        CHECK_EQ_INT(kvf_sender_send_layers(m->s, m->src, half, 0, 0, LAYERS - 1, LAYERS),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send_layers(m->s, m->src, half, 0, 0, 0, LAYERS - 1), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send_layers(m->s, m->src + half, n - half, half, 0, 0, LAYERS),
+                     KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send(m->s, NULL, 0, 1), KVF_OK);
+        return;
+    }
     CHECK_EQ_INT(kvf_sender_send(m->s, m->src, half, 0), KVF_OK);
     CHECK_EQ_INT(kvf_sender_send(m->s, m->src + half, n - half, 1), KVF_OK);
 }
@@ -350,6 +363,22 @@ static void test_ipc_device_to_device(void)
     side_fini(&pre);
 }
 
+/* Layer by layer, staged over tcp and pulled through IPC: each byte
+ * copied as often as when the chunks hold every layer. */
+static void test_layer_wise_staged(void)
+{
+    layer_wise = 1;
+    pair_room(1, 1);
+    layer_wise = 0;
+}
+
+static void test_layer_wise_ipc(void)
+{
+    layer_wise = 1;
+    test_ipc_device_to_device();
+    layer_wise = 0;
+}
+
 /* A decode engine's cuda mover refuses offers it cannot use, saying why;
  * the pair then goes over the stream. */
 static void test_ipc_offer_refused(void)
@@ -437,6 +466,8 @@ int main(int argc, char **argv)
         KVF_CASE(test_pages_held_until_copies_end),
         KVF_CASE(test_ipc_device_to_device),
         KVF_CASE(test_ipc_offer_refused),
+        KVF_CASE(test_layer_wise_staged),
+        KVF_CASE(test_layer_wise_ipc),
     };
     return kvf_test_run(cases, sizeof(cases) / sizeof(cases[0]), argc, argv);
 }
