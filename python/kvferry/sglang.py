@@ -53,6 +53,7 @@ from typing import List, Optional
 from . import _lib
 from ._convert import addr_problem, text_problem, to_u32_array, to_uint
 from ._logquota import LogQuota
+from ._sglang_layers import LayerwiseSender
 from .args import KVArgs as _FerryArgs
 from .args import KVPoll as _Poll
 from .args import StateGroup
@@ -1065,8 +1066,10 @@ def _length(v):
         return None
 
 
-class KVFerryKVSender(_Room, BaseKVSender):
-    """The prefill side of one request (SGLang's ``BaseKVSender``)."""
+class KVFerryKVSender(LayerwiseSender, _Room, BaseKVSender):
+    """The prefill side of one request (SGLang's ``BaseKVSender``); the
+    layer-pipelined methods of SGLang's open PRs come from LayerwiseSender
+    (_sglang_layers.py)."""
 
     def __init__(self, mgr, bootstrap_addr, bootstrap_room, dest_tp_ranks=None,
                  pp_rank=None, req_has_disagg_prefill_dp_rank=False):
@@ -1080,8 +1083,10 @@ class KVFerryKVSender(_Room, BaseKVSender):
         self._prefix_popped = False
         self._dummy = mgr.is_dummy_cp_rank
         self._held = mgr.optimistic
-        self._pad = 0                   # held: leading pages the decode holds
+        self._pad = 0                   # held: leading pages the decode holds, unsent
+        self._lead = 0                  # ... how many lead the room
         self._failure_posted = False
+        self._layers_setup()
         if self._dummy:
             return
         if self._room_why is not None:
@@ -1109,6 +1114,8 @@ class KVFerryKVSender(_Room, BaseKVSender):
             return self.conclude_state
         if self._dummy:
             return _Poll.WaitingForInput
+        if self._queued:
+            self._flush_layers(False)   # layers whose kernels finished since
         s = self._poll_handle()
         if s == _Poll.WaitingForInput and not self._prefix_popped and \
                 self.bootstrap_room not in self.kv_mgr.req_to_decode_prefix_len:
@@ -1198,7 +1205,7 @@ class KVFerryKVSender(_Room, BaseKVSender):
                 # the prefix: the pages the decode holds lead the room as
                 # placeholders that no reader takes.
                 prefix = self._h.decode_prefix_len() or 0
-                self._pad = prefix // int(self.kv_mgr.ferry_args.page_size)
+                self._pad = self._lead = prefix // int(self.kv_mgr.ferry_args.page_size)
             self._h.init(self._pad + self.num_kv_indices, aux_index)
         except (KVFerryError, ValueError, TypeError) as e:
             self._fail_here("KVSender.init(%s, %s) refused on prefill rank %d: %s"
@@ -1225,6 +1232,8 @@ class KVFerryKVSender(_Room, BaseKVSender):
                                 "%s, not page indices" % (self.kv_mgr.attn_tp_rank,
                                                           type(kv_indices).__name__))
             return
+        if self._ended and n == 0:
+            return      # the final metadata ended a layer-wise room already
         last = self.num_kv_indices is not None and self.curr_idx + n >= self.num_kv_indices
         self.curr_idx += n
         if self._dummy:
@@ -1240,10 +1249,12 @@ class KVFerryKVSender(_Room, BaseKVSender):
                             % self.kv_mgr.attn_tp_rank)
             return
         pages = [] if kv_indices is None else kv_indices
+        if self._queued:
+            self._flush_layers(True)    # a layer-wise chunk's layers go first
+            if self.conclude_state is not None:
+                return
         try:
-            states = None
-            if last and state_indices is not None and self.kv_mgr.engine.state_group_items:
-                states = _state_lists(state_indices)
+            states = self._last_states(state_indices) if last else None
             if self._pad:
                 pages = _after_placeholders(pages, self._pad)
                 self._pad = 0
@@ -1254,6 +1265,13 @@ class KVFerryKVSender(_Room, BaseKVSender):
             self._fail_here("KVSender.send(%d pages%s) refused on prefill rank %d: %s"
                             % (n, ", last" if last else "", self.kv_mgr.attn_tp_rank,
                                _refused(e)), code=_lib.KVF_ERR_BAD_INDICES)
+
+    def _last_states(self, state_indices):
+        """The last chunk's state indices as the room takes them (one entry
+        per state type), or None when none or nothing is registered."""
+        if state_indices is None or not self.kv_mgr.engine.state_group_items:
+            return None
+        return _state_lists(state_indices)
 
     def get_transfer_metric(self):
         """SGLang's ``KVTransferMetric`` of this room: bytes this rank sent,

@@ -42,8 +42,10 @@ decode allocation policy, "early" or "prefill_complete"), hold_mark
 (prefill: mark rooms complete only after "go"; decode: note rooms that
 reach WaitingForInput before "go"), checksum (SGLang's
 --disaggregation-enable-kv-checksum), gpu (the pools are CUDA memory of the
-fake driver).  A request is {room, tokens, prefix?, decode?, abort?,
-after?, starve?, refuse?, skip?, hold?}:
+fake driver), layered (the prefill sends each request's last chunk layer
+by layer, as SGLang's open PR #34905 drives a sender: run_layered).  A
+request is {room, tokens, prefix?, decode?, abort?, after?, starve?,
+refuse?, skip?, hold?, drop_layer?}:
 
 - prefix: tokens the decode server already holds (decode_prefix_len).
 - decode: false: no decode rank ever asks for the request.
@@ -63,6 +65,8 @@ after?, starve?, refuse?, skip?, hold?}:
 - refuse: the decode rank whose allocator hands send_metadata() a page
   past its pool (the adapter refuses it before the library sees it).
 - skip: the prefill rank whose scheduler never sends the request's chunks.
+- drop_layer: [rank, layer]: with layered, that prefill rank never sends
+  that layer of the last chunk (it still sends the final metadata).
 - hold: the prefill rank that, once it sent the first chunk, emits "held"
   and waits for "go" (the test kills, stops or cuts something meanwhile);
   every decode rank emits "landed" once that chunk's bytes are in its
@@ -443,6 +447,8 @@ class Req:
         self.starve = r.get("starve", False)
         self.refuse = r.get("refuse") == TP
         self.skip = r.get("skip") == TP
+        drop = r.get("drop_layer")
+        self.drop_layer = drop[1] if drop and drop[0] == TP else None
         self.hold = r.get("hold") == TP
         self.watch_first_chunk = r.get("hold") is not None
         self.rid = "req-%d" % self.room
@@ -578,9 +584,13 @@ def run_batch(sched):
             sched.done.append(req)
             continue
         end = min(req.filled + CFG["chunk"], req.tokens)
+        last = end == req.tokens
+        if last and CFG.get("layered"):
+            run_layered(sched.pools, req, req.filled, end)
+            sched.inflight.append(req)
+            continue
         forward(sched.pools, req, req.filled, end)
         req.filled = end
-        last = end == req.tokens
         if CFG.get("optimistic"):
             if last:
                 computed(sched, req)
@@ -647,18 +657,88 @@ def process_inflight(sched, group):
     sched.inflight = keep
 
 
-def forward(pools, req, start, end):
+def forward(pools, req, start, end, buffers=None):
     """The model writes the KV of tokens [start, end) into the request's
-    pages (and, at the end, its state)."""
+    pages (``buffers``: only those KV buffers; and, at the end, its
+    state)."""
     locs = req.req_to_token[start:end]
     toks = np.arange(start, end)
     for b, buf in enumerate(pools.kv):
-        buf[locs] = pattern(req.room, toks, pools.codes[b], pools.dims(b))
+        if buffers is None or b in buffers:
+            buf[locs] = pattern(req.room, toks, pools.codes[b], pools.dims(b))
+    if buffers is not None:
+        return
     if end == req.tokens and pools.state:
         for g, idx in enumerate(state_indices_of(pools, req, np.int64)):
             for k, buf in enumerate(pools.state[g]):
                 for j, i in enumerate(idx):
                     buf[i] = slot_pattern(req.room, 1 + 10 * g + j, buf.shape[1], k)
+
+
+class Event:
+    """A CUDA event of the fake GPU: complete once its kernels ran (the
+    scheduler runs them after the call it gave the event to)."""
+
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        if not self.done:
+            raise RuntimeError("synchronize() on an event whose kernels the test "
+                               "runs only after this call returns")
+
+
+def layer_buffers(pools, layer):
+    """The KV buffers of the model's ``layer`` (K and V; MLA: one)."""
+    return {layer} if MLA else {layer, LAYERS + layer}
+
+
+def run_layered(pools, req, start, end):
+    """The last chunk as PR #34905's LayerPipelinedKVTransferAdapter drives
+    a sender: prepare_layer_pipelined_transfer with the chunk's pages (from
+    start_send_idx) and every state type's indices; for each layer, the
+    call send_layers(layer_ids, ready_event) and then the layer's kernels
+    (the bytes land after the call: the sender must wait for the event);
+    the draft model's layers (is_draft); then set_buf and
+    send_final_metadata (finalize_pipelined_transfer)."""
+    s = req.start_send_idx
+    req.filled = end
+    state_indices = state_indices_of(pools, req, np.int64)
+    req.sender.prepare_layer_pipelined_transfer(
+        req.req_to_token[s:end][::PS] // PS, state_indices,
+        final_state_indices=None, skip_dsa_state_layer_ids=None)
+    for layer in range(LAYERS):
+        ev = Event()
+        if layer != req.drop_layer:
+            req.sender.send_layers([layer], ready_event=ev)
+        forward(pools, req, start, end, layer_buffers(pools, layer))
+        ev.done = True
+    if CFG.get("draft"):
+        ev = Event()
+        req.sender.send_layers([0], is_draft=True, ready_event=ev)
+        forward(pools, req, start, end, {len(pools.kv) - 2, len(pools.kv) - 1})
+        ev.done = True
+    forward(pools, req, end, end)                       # the state, at the end
+    set_buf(pools, req)
+    req.sender.send_final_metadata(Event(done=True))
+    req.start_send_idx = end
+
+
+def set_buf(pools, req):
+    """SGLang's MetadataBuffers.set_buf (and the KV checksum) for the
+    request's row."""
+    row = req.metadata_buffer_index
+    pools.aux[0][row] = np.arange(16) + req.room % 1000
+    pools.aux[1][row] = np.arange(16) * 0.5 + req.room % 7
+    pools.aux[2][row] = 0
+    pools.aux[2][row, 0] = req.room
+    if CFG.get("checksum"):                        # set_kv_checksum(req, ...)
+        pools.aux[3][row] = 0
+        pools.aux[3][row, 0] = kv_digest(
+            pools, req.req_to_token[req.decode_prefix_len:req.tokens])
 
 
 def send_kv_chunk(pools, req, last_chunk):
@@ -672,15 +752,7 @@ def send_kv_chunk(pools, req, last_chunk):
     kv_indices = req.req_to_token[start_idx:end_idx]
     state_indices = None
     if last_chunk:
-        row = req.metadata_buffer_index                 # set_buf(req)
-        pools.aux[0][row] = np.arange(16) + req.room % 1000
-        pools.aux[1][row] = np.arange(16) * 0.5 + req.room % 7
-        pools.aux[2][row] = 0
-        pools.aux[2][row, 0] = req.room
-        if CFG.get("checksum"):                        # set_kv_checksum(req, ...)
-            pools.aux[3][row] = 0
-            pools.aux[3][row, 0] = kv_digest(
-                pools, req.req_to_token[req.decode_prefix_len:req.tokens])
+        set_buf(pools, req)
         state_indices = state_indices_of(pools, req, np.int64)
     page_indices = kv_indices[::PS] // PS
     if not req.sender.should_send_kv_chunk(len(page_indices), last_chunk) or req.skip:
