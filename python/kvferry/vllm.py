@@ -26,6 +26,12 @@ ends every room on every rank in SUCCESS or FAILED with the root cause:
   ``get_block_ids_with_load_errors()`` (kvferry never lands part of a room),
   and the reason is logged.
 
+Push mode (``kv_connector_extra_config`` ``transfer_mode: "push"``): the
+proxy names the room by a ``transfer_id`` it gives P and D; P opens a held
+room on a request's first chunk and sends each chunk's blocks of each layer
+from ``save_kv_layer`` (``send_layers``), ending the room in
+``wait_for_save`` of its last chunk, while D waits with its blocks.
+
 ``kv_transfer_params`` come from the client's request, and the scheduler
 side runs in vLLM's engine core: they are judged once per request, in one
 place (``parse_params``), and a request whose params kvferry cannot use
@@ -38,9 +44,12 @@ does no work at import: vLLM imports it in its API server, engine core and
 every worker process; engines are created in ``register_kv_caches``.
 """
 import enum
+import functools
 import logging
 import os
+import queue
 import sys
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -310,6 +319,20 @@ class RecvMeta:
     instance: int
     report: bool = True             # False: only tells P it may free (no async load)
     refused: str = ""               # why nothing can be read: its blocks are reported invalid
+    prompt_blocks: int = None       # push: the prompt's blocks (P's are not named)
+
+
+@dataclass
+class PushMeta:
+    """P, push mode: this step's chunk of a request whose prefill sends
+    each layer as it is computed (room from the proxy's transfer_id)."""
+    room: int
+    instance: int
+    num_pages: int                  # the prompt's blocks: the room's pages
+    block_ids: list                 # this step's chunk: pages [first_page, +len)
+    first_page: int
+    last: bool = False              # the prompt's last chunk: end the room after it
+    abort: str = ""                 # why the request ended before its prefill did
 
 
 class KVFerryConnectorMetadata(KVConnectorMetadata):
@@ -318,10 +341,12 @@ class KVFerryConnectorMetadata(KVConnectorMetadata):
     def __init__(self):
         self.reqs_to_hold = {}      # req_id -> HoldMeta
         self.reqs_to_recv = {}      # req_id -> RecvMeta
+        self.reqs_to_push = {}      # req_id -> PushMeta (push mode)
 
     def __repr__(self):
-        return "<KVFerryConnectorMetadata hold=%s recv=%s>" % (
-            sorted(self.reqs_to_hold), sorted(self.reqs_to_recv))
+        return "<KVFerryConnectorMetadata hold=%s recv=%s push=%s>" % (
+            sorted(self.reqs_to_hold), sorted(self.reqs_to_recv),
+            sorted(getattr(self, "reqs_to_push", {})))
 
 
 @dataclass
@@ -330,6 +355,29 @@ class KVFerryHandshakeMetadata(KVConnectorHandshakeMetadata):
     tp_rank: int
     descriptor: str
     engine_id: str = ""
+
+
+@dataclass
+class _Push:
+    """The scheduler's view of a P request that pushes its layers."""
+    transfer_id: str
+    room: int
+    instance: int
+    num_tokens: int                 # the prompt's
+    num_pages: int                  # the prompt's blocks
+    blocks: list = None             # the request's blocks so far, in order
+    sent: int = 0                   # pages given to the room so far
+    started: bool = False           # the workers have its room
+    done: bool = False              # its last chunk went
+
+    def __post_init__(self):
+        if self.blocks is None:
+            self.blocks = []
+
+    def meta(self, block_ids=(), first_page=0, last=False, abort=""):
+        return PushMeta(room=self.room, instance=self.instance, num_pages=self.num_pages,
+                        block_ids=list(block_ids), first_page=first_page, last=last,
+                        abort=abort)
 
 
 def _room_key(request_id):
@@ -382,6 +430,12 @@ class _Config:
                              "VLLM_NIXL_ABORT_REQUEST_TIMEOUT must be a positive number of "
                              "seconds, got %r" % (extra.get("lease_s"),))
         self.lease_s = lease
+        # "pull" (NIXL's order: D reads P's finished request) or "push" (P
+        # sends each layer as its forward pass computes it: save_kv_layer).
+        self.mode = extra.get("transfer_mode") or "pull"
+        if self.mode not in ("pull", "push"):
+            raise ValueError("KVFerryConnector: kv_connector_extra_config.transfer_mode must "
+                             "be \"pull\" (the default) or \"push\", got %r" % (self.mode,))
         par = getattr(vllm_config, "parallel_config", None)
         self.tp_size = int(extra.get("tp_size") or getattr(par, "tensor_parallel_size", 1) or 1)
         if tp_rank is None:
@@ -532,7 +586,7 @@ def _descriptors(params):
     return tuple(v)
 
 
-def parse_params(params, num_prompt_tokens=None, block_size=None):
+def parse_params(params, num_prompt_tokens=None, block_size=None, mode="pull"):
     """What D reads from ``kv_transfer_params`` (a ``RemotePrefill``), or
     ``ParamsRefused`` saying which field is wrong and how.  The one place
     that reads P's fields (docs/VLLM.md lists the rules): each must be
@@ -540,15 +594,23 @@ def parse_params(params, num_prompt_tokens=None, block_size=None):
     characters, at most ``ID_MAX_BYTES``), block ids fit 32 bits and cover
     the prompt (given its tokens and ``block_size``; only the prompt's are
     kept), and the descriptors are one prefill server's, every rank once,
-    each as the library reads it.  Nothing else of ``params`` is read."""
+    each as the library reads it.  Nothing else of ``params`` is read.
+    ``mode`` "push": the room is named by ``transfer_id`` (the proxy's,
+    given to P and D alike) and P's blocks are not read (none are named:
+    D's blocks reach P inside kvferry's room)."""
     if not isinstance(params, dict):
         raise ParamsRefused("kv_transfer_params must be a JSON object (a dict), got a %s"
                             % _kind(params))
-    need = None
-    if num_prompt_tokens is not None and block_size:
-        need = -(-num_prompt_tokens // block_size)
-    blocks = _block_ids(params, need)
-    rid = _name(params, "remote_request_id", "P's request id")
+    if mode == "push":
+        blocks = ()
+        rid = _name(params, "transfer_id", "the proxy's id of the transfer, the same on P "
+                    "and D")
+    else:
+        need = None
+        if num_prompt_tokens is not None and block_size:
+            need = -(-num_prompt_tokens // block_size)
+        blocks = _block_ids(params, need)
+        rid = _name(params, "remote_request_id", "P's request id")
     eid = _name(params, "remote_engine_id", "P's engine id")
     descs = _descriptors(params)
     room, instance = _room_key(rid)
@@ -556,11 +618,11 @@ def parse_params(params, num_prompt_tokens=None, block_size=None):
                          room=room, instance=instance)
 
 
-def check_params(params, num_prompt_tokens=None, block_size=None):
+def check_params(params, num_prompt_tokens=None, block_size=None, mode="pull"):
     """Why D cannot read from these ``kv_transfer_params`` (a str), or None
     when they are usable (``parse_params``)."""
     try:
-        parse_params(params, num_prompt_tokens, block_size)
+        parse_params(params, num_prompt_tokens, block_size, mode)
     except ParamsRefused as e:
         return str(e)
     return None
@@ -580,6 +642,8 @@ class _Scheduler:
         self.descriptors = None         # P TP rank -> descriptor, once workers told
         self.holds = {}                 # req_id -> HoldMeta, for the next step
         self.recvs = {}                 # req_id -> RecvMeta, for the next step
+        self.pushing = {}               # req_id -> _Push: P requests sending layer by layer
+        self.push_aborts = {}           # req_id -> PushMeta (abort), for the next step
         self.judged = {}                # req_id -> (params, RemotePrefill or None)
         self.refused = set()            # req_ids whose refusal was logged
         self.quota = LogQuota(logger)   # clients can repeat refusals at will
@@ -614,7 +678,9 @@ class _Scheduler:
                                     "a %s" % _kind(params))
             if not _flag(params, "do_remote_prefill"):
                 return False, None
-            remote = parse_params(params, self._num_prompt(request), self.cfg.block_size)
+            # The proxy's transfer_id names a pushed room (push mode's params).
+            mode = "push" if "transfer_id" in params else "pull"
+            remote = parse_params(params, self._num_prompt(request), self.cfg.block_size, mode)
         except ParamsRefused as e:
             self._refuse(request, "kv_transfer_params refused: %s; %s" % (e, _PREFILLED_HERE))
             remote = None
@@ -641,6 +707,8 @@ class _Scheduler:
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if self.cfg.producer and self.cfg.mode == "push":
+            self._push_begin(request)
         if not self.cfg.consumer:
             return
         asked, remote = self._remote(request)
@@ -650,21 +718,109 @@ class _Scheduler:
         if remote is None:
             return                      # refused, and logged
         local = list(blocks.get_unhashed_block_ids()) if num_external_tokens > 0 else []
-        self.recvs[request.request_id] = self._recv_meta(remote, local, report=bool(local))
+        self.recvs[request.request_id] = self._recv_meta(
+            remote, local, report=bool(local), prompt_blocks=self._prompt_blocks(request))
+
+    def _prompt_blocks(self, request):
+        """The prompt's blocks (a pushed room's params do not name P's)."""
+        if not self.cfg.block_size:
+            return None
+        return -(-self._num_prompt(request) // self.cfg.block_size)
 
     @staticmethod
-    def _recv_meta(remote, local, report):
+    def _recv_meta(remote, local, report, prompt_blocks=None):
         return RecvMeta(local_block_ids=local, remote_block_ids=list(remote.block_ids),
                         remote_request_id=remote.request_id,
                         remote_engine_id=remote.engine_id,
                         descriptors=list(remote.descriptors), room=remote.room,
-                        instance=remote.instance, report=report)
+                        instance=remote.instance, report=report, prompt_blocks=prompt_blocks)
 
     def build_connector_meta(self, scheduler_output):
         meta = KVFerryConnectorMetadata()
         meta.reqs_to_hold, self.holds = self.holds, {}
         meta.reqs_to_recv, self.recvs = self.recvs, {}
+        meta.reqs_to_push, self.push_aborts = self.push_aborts, {}
+        if self.pushing:
+            self._push_chunks(meta, scheduler_output)
         return meta
+
+    # -- push mode, P: each step's new blocks are a chunk of the room -------
+
+    def _push_begin(self, request):
+        """A P request that asks for push (``do_remote_decode`` and the
+        proxy's ``transfer_id``): its layers go to the room
+        ``room_key(transfer_id)`` as the forward computes them.  A second
+        call for a request already started means vLLM preempted it (its
+        blocks were freed, it is scheduled again): its room is aborted."""
+        rid = request.request_id
+        params = getattr(request, "kv_transfer_params", None)
+        old = self.pushing.pop(rid, None)
+        if old is not None:
+            if old.started:
+                self.push_aborts[rid] = old.meta(abort="vLLM preempted the request during "
+                                                 "its prefill and freed its KV blocks")
+            return
+        try:
+            if not isinstance(params, dict) or "transfer_id" not in params \
+                    or not _flag(params, "do_remote_decode"):
+                return                  # pulled (NIXL's order), as without push
+            tid = _name(params, "transfer_id", "the proxy's id of the transfer, the same on "
+                        "P and D")
+        except ParamsRefused as e:
+            self._refuse(request, "kv_transfer_params refused: %s; its KV is not pushed to a "
+                         "decoder" % e)
+            return
+        room, instance = _room_key(tid)
+        ntok = self._num_prompt(request)
+        self.pushing[rid] = _Push(transfer_id=tid, room=room, instance=instance,
+                                  num_tokens=ntok, num_pages=-(-ntok // self.cfg.block_size))
+
+    def _push_chunks(self, meta, out):
+        """This step's chunk of each pushing request, from vLLM's
+        SchedulerOutput (as vllm-ascend's layerwise connector reads it):
+        the blocks given to the request so far, and its tokens computed
+        by the end of this step.  Full blocks go as soon as they are
+        computed; the prompt's last, partial one with the last chunk."""
+        computed, added = {}, {}
+        for r in getattr(out, "scheduled_new_reqs", None) or ():
+            computed[r.req_id], added[r.req_id] = r.num_computed_tokens, r.block_ids
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        if cached is not None:
+            for i, rid in enumerate(cached.req_ids):
+                computed[rid], added[rid] = cached.num_computed_tokens[i], cached.new_block_ids[i]
+        tokens = getattr(out, "num_scheduled_tokens", None) or {}
+        for rid, p in self.pushing.items():
+            if rid not in tokens or rid not in computed or p.done:
+                continue
+            if added.get(rid):
+                p.blocks.extend(added[rid][0])
+            upto = computed[rid] + tokens[rid]
+            last = upto >= p.num_tokens
+            pages = p.num_pages if last else min(upto // self.cfg.block_size, p.num_pages)
+            meta.reqs_to_push[rid] = p.meta(block_ids=p.blocks[p.sent:pages],
+                                            first_page=p.sent, last=last)
+            p.sent, p.started, p.done = pages, True, last
+
+    def _push_finished(self, request, p):
+        """``request_finished`` of a pushing P request: a whole prefill hands
+        its room to the decoder (vLLM keeps the blocks until the room is
+        final); an aborted one aborts its room, and vLLM keeps the blocks
+        until no byte of them can still move."""
+        rid = request.request_id
+        status = _status_name(getattr(request, "status", None))
+        if status in _HANDED_OFF and p.done:
+            params = {"do_remote_prefill": True, "do_remote_decode": False,
+                      "transfer_id": p.transfer_id, "remote_engine_id": self.cfg.engine_id,
+                      "transfer_mode": "push"}
+            if self.descriptors is not None:
+                params.update(tp_size=len(self.descriptors),
+                              kvferry_descriptors=list(self.descriptors))
+            return True, params
+        if not p.started:
+            return False, None
+        self.push_aborts[rid] = p.meta(abort="the prefill request ended (%s) before its last "
+                                       "chunk was computed" % status)
+        return True, None
 
     def request_finished(self, request, block_ids):
         rid = request.request_id
@@ -691,6 +847,9 @@ class _Scheduler:
                 return False, None
         if not self.cfg.producer:
             return False, None
+        push = self.pushing.pop(rid, None)
+        if push is not None:
+            return self._push_finished(request, push)
         try:
             if not isinstance(params, dict):
                 raise ParamsRefused("kv_transfer_params must be a JSON object (a dict), got "
@@ -760,6 +919,7 @@ class _Scheduler:
             return                      # no state is kept under it
         self.holds.pop(rid, None)
         self.recvs.pop(rid, None)
+        self.pushing.pop(rid, None)
         if final:
             self.judged.pop(rid, None)
             self.refused.discard(rid)
@@ -889,6 +1049,64 @@ def kv_cache_layout(kv_caches, tp_size=1, total_heads=None):
     return out
 
 
+class _AfterKernels:
+    """Runs a room call once the KV it names is written.  vLLM calls
+    ``save_kv_layer`` from the attention layer right after it *enqueued*
+    the kernel that writes the layer's cache on the current CUDA stream,
+    so the bytes may not be there yet: as MoRIIO's connector does, an
+    event is recorded on that stream, and one thread per worker waits
+    for it before the call, in call order (each layer's chunks stay in
+    page order, and a room's last send comes after its layers).  Host
+    tensors are written when the call comes: the call runs at once.
+    ``lock`` serialises room calls with closing a room (a handle must not
+    be used during or after its destroy)."""
+
+    _STOP = object()
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self._queue = None
+        self._thread = None
+
+    def run(self, tensor, fn):
+        dev = getattr(getattr(tensor, "device", None), "type", None)
+        if dev == "cuda":
+            import torch
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(tensor.device))
+            self._start()
+        elif self._queue is None:
+            with self.lock:
+                fn()
+            return
+        else:
+            event = None                # behind the queued calls it must follow
+        self._queue.put((event, fn))
+
+    def _start(self):
+        if self._thread is None:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._loop, name="kvferry-push",
+                                            daemon=True)
+            self._thread.start()
+
+    def _loop(self):
+        while True:
+            event, fn = self._queue.get()
+            if event is self._STOP:
+                return
+            if event is not None:
+                event.synchronize()
+            with self.lock:
+                fn()
+
+    def stop(self):
+        if self._thread is not None:
+            self._queue.put((self._STOP, None))
+            self._thread.join()
+            self._thread = None
+
+
 class _Worker:
     """Runs in each vLLM worker (one TP rank): its kvferry engines and rooms."""
 
@@ -902,6 +1120,11 @@ class _Worker:
         self.recving = {}               # req_id -> (KVReceiver or failure text, RecvMeta)
         self.invalid = set()
         self.stats = KVFerryConnectorStats()    # rooms ended since vLLM last asked
+        self.layer_index = {}           # layer name -> its index (the KV buffers' tags)
+        self.step_push = {}             # req_id -> (KVSender, PushMeta): this step's chunks
+        self.unannounced = set()        # pushed req_ids vLLM has not finished yet
+        self.after = _AfterKernels()
+        self.unknown_layers = set()     # layer names save_kv_layer met unregistered
 
     # -- registration -----------------------------------------------------
 
@@ -914,6 +1137,9 @@ class _Worker:
                              "but --block-size is %d: a kernel block size other than the "
                              "scheduler's is not supported" % (lay["page_size"], bs))
         self.block_size = lay["page_size"]
+        # kv_cache_layout tags layers in the dict's order: a layer name's
+        # index is its position, as MoRIIO's connector numbers its sessions.
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         args = kvferry.KVArgs(
             kv_data_ptrs=lay["regions"], kv_item_lens=[lay["block_bytes"]],
             kv_tags=lay["tags"], num_layers=lay["num_layers"], page_size=lay["page_size"],
@@ -962,6 +1188,91 @@ class _Worker:
                 logger.exception("KVFerryConnector: request %s: reading its KV failed",
                                  _shown(rid))
                 self.recving.setdefault(rid, ("%s: %s" % (type(e).__name__, e), rm))
+        self.step_push = {}
+        for rid, pm in getattr(meta, "reqs_to_push", {}).items():
+            try:
+                self._push(rid, pm)
+            except Exception as e:
+                logger.exception("KVFerryConnector: request %s: pushing its KV failed",
+                                 _shown(rid))
+                self.sending.setdefault(rid, "cannot push its KV: %s: %s"
+                                        % (type(e).__name__, e))
+
+    # -- push mode, P: a held room that takes each layer as it is computed --
+
+    def _push(self, rid, pm):
+        """Open the request's room on its first chunk (a held room: it takes
+        pages before the decoder asked, and they move once it has), keep
+        this step's chunk for save_kv_layer, or abort the room."""
+        import kvferry
+        s = self.sending.get(rid)
+        if pm.abort:
+            if s is not None and not isinstance(s, str):
+                self.after.run(None, functools.partial(self._fail_push, s, pm.abort))
+            return
+        if s is None:
+            self.unannounced.add(rid)
+            if self.prefill is None:
+                s = "this worker has no prefill engine (register_kv_caches)"
+            else:
+                try:
+                    s = kvferry.KVSender.held(self.prefill, pm.room, pm.instance,
+                                              lease_s=self.cfg.lease_s)
+                    s.init(pm.num_pages)
+                except (kvferry.KVFerryError, ValueError, TypeError) as e:
+                    if not isinstance(s, str) and s is not None:
+                        s.close()
+                    s = "cannot open its room: %s" % e
+            self.sending[rid] = s
+        if not isinstance(s, str):
+            self.step_push[rid] = (s, pm)
+
+    def _fail_push(self, s, why):
+        """Fail a pushed room with the application's reason (no-op once final)."""
+        import kvferry
+        try:
+            s.fail(why)
+        except kvferry.KVFerryError:
+            pass                        # closed: it was final already
+
+    def _push_call(self, s, what, call):
+        """A room call of the push path: one refused fails the room with
+        the reason (a room already final refuses it, and keeps its end)."""
+        import kvferry
+        try:
+            call()
+        except (kvferry.KVFerryError, ValueError, TypeError) as e:
+            self._fail_push(s, "the prefill could not give its room %s: %s" % (what, e))
+
+    def save_layer(self, layer_name, kv_layer):
+        if not self.step_push:
+            return
+        layer = self.layer_index.get(layer_name)
+        if layer is None:
+            if layer_name not in self.unknown_layers:
+                self.unknown_layers.add(layer_name)
+                logger.error("KVFerryConnector: TP rank %d: save_kv_layer(%r): not a layer "
+                             "register_kv_caches registered; its KV is not pushed, and the "
+                             "rooms that need it fail", self.tp_rank, layer_name)
+            return
+        for s, pm in self.step_push.values():
+            if pm.block_ids:
+                what = "layer %d, pages %d..%d" % (layer, pm.first_page,
+                                                   pm.first_page + len(pm.block_ids) - 1)
+                self.after.run(kv_layer, functools.partial(
+                    self._push_call, s, what, functools.partial(
+                        s.send_layers, pm.block_ids, pm.first_page, layer, layer + 1)))
+
+    def wait_for_save(self):
+        """The forward pass is over: end the rooms whose last chunk it
+        computed.  A layer whose save never came leaves the room short,
+        and the library fails it naming that layer."""
+        for s, pm in self.step_push.values():
+            if pm.last:
+                self.after.run(None, functools.partial(
+                    self._push_call, s, "its end", functools.partial(s.send, [],
+                                                                      is_last=True)))
+        self.step_push = {}
 
     def _hold(self, rid, hold):
         import kvferry
@@ -1000,13 +1311,15 @@ class _Worker:
         if self.decode is None:
             self.recving[rid] = ("this worker has no decode engine (register_kv_caches)", rm)
             return
-        if len(local) > len(remote):
+        if rm.prompt_blocks is None and len(local) > len(remote):
             self.recving[rid] = ("%d local blocks to fill but P holds %d"
                                  % (len(local), len(remote)), rm)
             return
         # D holds the first blocks already (its prefix cache): read P's tail,
-        # NIXL's remote_block_ids[-len(local):].
-        prefix = (len(remote) - len(local)) * self.block_size
+        # NIXL's remote_block_ids[-len(local):].  A pushed room's params do
+        # not name P's blocks: the prompt's count.
+        total = len(remote) if rm.prompt_blocks is None else rm.prompt_blocks
+        prefix = (total - len(local)) * self.block_size
         try:
             r = kvferry.KVReceiver.remote(self.decode, rm.room, rm.descriptors, rm.instance)
         except (kvferry.KVFerryError, ValueError, TypeError) as e:
@@ -1036,10 +1349,15 @@ class _Worker:
         if m is not None:
             self.stats.record_transfer(m["transfer_s"], m["bytes"])
 
-    def get_finished(self):
+    def get_finished(self, finished_req_ids=()):
         from kvferry import KVPoll
         sending, recving = set(), set()
+        # A pushed room may end before vLLM finished its request: it is
+        # reported once vLLM did (finished_req_ids), never before.
+        self.unannounced -= set(finished_req_ids or ())
         for rid, s in list(self.sending.items()):
+            if rid in self.unannounced:
+                continue
             if isinstance(s, str):
                 logger.error("KVFerryConnector: TP rank %d: request %s: %s; its blocks are "
                              "freed", self.tp_rank, _shown(rid), s)
@@ -1053,7 +1371,8 @@ class _Worker:
                                    self.tp_rank, _shown(rid), self._reason(s))
                 else:
                     self._succeeded(s)
-                s.close()
+                with self.after.lock:
+                    s.close()
             del self.sending[rid]
             sending.add(rid)
         for rid, (r, rm) in list(self.recving.items()):
@@ -1089,6 +1408,7 @@ class _Worker:
         return self.stats.clone_and_reset()
 
     def shutdown(self):
+        self.after.stop()
         for s in self.sending.values():
             if not isinstance(s, str):
                 s.close()
@@ -1110,7 +1430,8 @@ class KVFerryConnector(KVConnectorBase_V1):
     """vLLM v1 KV connector over kvferry held rooms (module docstring,
     docs/VLLM.md).  ``kv_connector_extra_config`` keys: ``lease_s`` (how
     long P holds unread blocks; default ``$VLLM_NIXL_ABORT_REQUEST_TIMEOUT``,
-    else 480), ``kvferry`` (engine settings: host, port, transport,
+    else 480), ``transfer_mode`` ("pull", the default, or "push": layers
+    sent as computed), ``kvferry`` (engine settings: host, port, transport,
     checksum, streams, the ``*_timeout_ms`` deadlines, heartbeat, metrics_addr,
     trace, busy_poll_us), and, for
     tests without vLLM, ``tp_rank`` / ``tp_size`` (also the ``tp_rank``
@@ -1209,13 +1530,23 @@ class KVFerryConnector(KVConnectorBase_V1):
         pass                            # loads complete between steps (async)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        pass                            # D reads P's blocks where they are
+        """Push mode: this step's chunk of each pushing request, for this
+        layer, to its room (pull mode: nothing, D reads P's blocks where
+        they are).  Called in the forward pass: a bug is logged, never
+        raised (a room it leaves short fails at its last send)."""
+        try:
+            self._work().save_layer(layer_name, kv_layer)
+        except Exception:
+            logger.exception("KVFerryConnector: save_kv_layer(%r) failed", layer_name)
 
     def wait_for_save(self):
-        pass
+        try:
+            self._work().wait_for_save()
+        except Exception:
+            logger.exception("KVFerryConnector: wait_for_save failed")
 
     def get_finished(self, finished_req_ids):
-        return self._work().get_finished()
+        return self._work().get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self):
         return self._work().get_block_ids_with_load_errors()

@@ -18,12 +18,15 @@ own KV cache and kvferry engine), stepped like vLLM's engine core
 
 ``python3 _vllm_instance.py '<json config>'``; config: role ("prefill" /
 "decode"), tp, layout ("NHD"/"HND"), mla, lease_s, kvferry (engine settings),
+mode ("pull"/"push": kv_connector_extra_config.transfer_mode), chunk (push:
+the tokens a prefill step computes, chunked prefill),
 rank_kvferry ({tp rank: settings of that rank's engine, over kvferry's}),
 collide ({forged P request id: real P request id}: this process's room
 key of the forged id names the real one's room under another instance, as
 two ids whose rooms collide would).  Commands on stdin, one JSON object a
-line: {"cmd": "prefill", "id", "tokens"}, {"cmd": "decode", "id", "tokens",
-"params", "prefix_blocks", "abort"}, {"cmd": "metrics"}, {"cmd": "quit"}.
+line: {"cmd": "prefill", "id", "tokens", "params" (push: with the transfer_id),
+"stop_after_layer" (the last chunk's forward writes and saves only the layers
+below it)}, {"cmd": "decode", "id", "tokens", "params", "prefix_blocks", "abort"}, {"cmd": "metrics"}, {"cmd": "quit"}.
 Events on stdout: ready, params, freed, recv, stats (the workers' connector
 stats of a step, aggregated), metrics (each rank's engine metrics text and
 endpoint), log, violation (a broken scheduler invariant), error.
@@ -144,7 +147,8 @@ def make_cache():
 
 def vllm_config(tp_rank=None):
     engine = dict(CFG.get("kvferry", {}), **CFG.get("rank_kvferry", {}).get(str(tp_rank), {}))
-    extra = {"lease_s": CFG.get("lease_s", 120), "kvferry": engine}
+    extra = {"lease_s": CFG.get("lease_s", 120), "kvferry": engine,
+             "transfer_mode": CFG.get("mode", "pull")}
     if tp_rank is not None:
         extra["tp_rank"] = tp_rank
     return types.SimpleNamespace(
@@ -163,19 +167,20 @@ class Worker:
                        for i in range(LAYERS)}
         self.conn.register_kv_caches(self.caches)
         self.reported = set()           # ids this worker reported (once each)
-        self.writes = []                # (request, blocks) to prefill in the forward
+        self.writes = []                # (request, blocks, lo, hi, layers) for the forward
 
     def layer(self, i, role):
         """Role's (NB, BS, HL, D) view of layer i's cache."""
         c = self.caches["model.layers.%d.self_attn.attn" % i]
         return c[:, :, None, :] if MLA else c[role]
 
-    def write(self, ext_id, blocks, ntok):
-        t = np.arange(ntok)
+    def write(self, ext_id, blocks, ntok, lo=0, layers=range(LAYERS)):
+        """Tokens [lo, ntok) of the request, into its blocks, in ``layers``."""
+        t = np.arange(lo, ntok)
         b, s = np.asarray(blocks, dtype=np.int64)[t // BS], t % BS
-        for i in range(LAYERS):
+        for i in layers:
             for role in ROLES:
-                self.layer(i, role)[b, s] = expected(ext_id, i, role, self.rank, ntok)
+                self.layer(i, role)[b, s] = expected(ext_id, i, role, self.rank, ntok)[lo:]
 
     def check(self, ext_id, blocks, ntok):
         t = np.arange(ntok)
@@ -198,10 +203,17 @@ class Worker:
         c = self.conn
         c.bind_connector_metadata(pickle.loads(meta_bytes))
         c.start_load_kv(types.SimpleNamespace(attn_metadata=None))
-        for ext_id, blocks, ntok in self.writes:        # the forward pass
-            self.write(ext_id, blocks, ntok)
+        # The forward pass, layer by layer: each attention layer writes its
+        # KV of this step's tokens, then calls save_kv_layer (vLLM's
+        # unified_attention -> maybe_save_kv_layer_to_connector).  A
+        # forward that stops after a layer saves no more.
+        for i in range(min([w[4] for w in self.writes] or [LAYERS])):
+            for ext_id, blocks, lo, hi, _ in self.writes:
+                self.write(ext_id, blocks, hi, lo, [i])
+            name = "model.layers.%d.self_attn.attn" % i
+            c.save_kv_layer(name, self.caches[name], None)
         self.writes = []
-        c.wait_for_save()
+        c.wait_for_save()                   # vLLM calls it even when the forward raised
         sending, recving = c.get_finished(set(finished_req_ids))
         invalid = c.get_block_ids_with_load_errors()
         c.clear_connector_metadata()
@@ -218,6 +230,43 @@ class Worker:
         """The engine of this instance's role (a kv_both worker has two)."""
         w = self.conn._worker
         return w.decode if ROLE == "decode" else w.prefill
+
+
+def schedule_prefills(sched, prefilling, free, workers):
+    """One step of vLLM's chunked prefill for the prefill requests: each
+    computes up to CFG["chunk"] more tokens, its blocks allocated as it
+    grows (update_state_after_alloc on its first step), and the step's
+    SchedulerOutput (scheduled_new_reqs, scheduled_cached_reqs,
+    num_scheduled_tokens).  Returns it and the requests whose prompt is
+    now computed (they stop: max_tokens=1)."""
+    chunk = CFG.get("chunk") or 1 << 30
+    new, tokens, done = [], {}, []
+    cached = types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+    for req in prefilling:
+        ntok = len(req.prompt_token_ids)
+        lo = req.num_computed_tokens
+        hi = min(ntok, lo + chunk)
+        added = [free.pop() for _ in range(-(-hi // BS) - len(req.blocks))]
+        req.blocks += added
+        if lo == 0:
+            sched.update_state_after_alloc(req, Blocks(req.blocks, 0), 0)
+            new.append(types.SimpleNamespace(req_id=req.request_id, num_computed_tokens=lo,
+                                             block_ids=(list(req.blocks),)))
+        else:
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append((added,) if added else None)
+            cached.num_computed_tokens.append(lo)
+        tokens[req.request_id] = hi - lo
+        for w in workers:
+            w.writes.append((req.ext_id, req.blocks, lo, hi,
+                             req.stop_after if hi == ntok else LAYERS))
+        req.num_computed_tokens = hi
+        if hi == ntok:
+            done.append(req)
+    for req in done:
+        prefilling.remove(req)
+    return types.SimpleNamespace(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                                 num_scheduled_tokens=tokens), done
 
 
 def main():
@@ -238,8 +287,10 @@ def main():
             cmds.put(json.loads(line))
         cmds.put({"cmd": "quit"})
     threading.Thread(target=read, daemon=True).start()
+    prefilling = []                 # prefill requests still computing their prompt
     emit(event="ready", addrs=[w.conn._worker.prefill.address for w in workers
                                if w.conn._worker.prefill is not None],
+         descriptors=sched._scheduler.descriptors,
          decode_addrs=[w.conn._worker.decode.address for w in workers
                        if w.conn._worker.decode is not None])
     pool = ThreadPoolExecutor(TPS)
@@ -261,11 +312,8 @@ def main():
                     n, async_ = sched.get_num_new_matched_tokens(req, 0)
                     if (n, async_) != (0, False):
                         emit(event="violation", what="prefill matched %r" % ((n, async_),))
-                    req.blocks = [free.pop() for _ in range(nblocks)]
-                    sched.update_state_after_alloc(req, Blocks(req.blocks, 0), 0)
-                    for w in workers:
-                        w.writes.append((req.ext_id, req.blocks, c["tokens"]))
-                    stopping.append(req)          # max_tokens=1: stops this step
+                    req.stop_after = c.get("stop_after_layer", LAYERS)
+                    prefilling.append(req)        # max_tokens=1: stops once computed
                 elif c.get("abort"):
                     # Aborted while waiting, before the scheduler allocated it.
                     req.status = types.SimpleNamespace(name="FINISHED_ABORTED")
@@ -286,8 +334,10 @@ def main():
                 requests[req.request_id] = req
         except queue.Empty:
             pass
-        meta = sched.build_connector_meta(types.SimpleNamespace(
-            finished_req_ids=set(finished_ids)))
+        out, done = schedule_prefills(sched, prefilling, free, workers)
+        stopping.extend(done)
+        out.finished_req_ids = set(finished_ids)
+        meta = sched.build_connector_meta(out)
         if meta is None:
             emit(event="violation", what="build_connector_meta returned None")
         blob = pickle.dumps(meta)

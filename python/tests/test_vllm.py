@@ -395,16 +395,19 @@ class Instances:
         self.d = Peer(dict({"role": "decode", "tp": d_tp, "layout": layout, "mla": mla,
                             "kvferry": fast}, **(d_extra or {})),
                       timeout=240, script="_vllm_instance.py")
-        self.p_addrs = self.p.expect(lambda e: e["event"] == "ready", TIMEOUT, "P ready")["addrs"]
+        ready = self.p.expect(lambda e: e["event"] == "ready", TIMEOUT, "P ready")
+        self.p_addrs, self.p_descriptors = ready["addrs"], ready["descriptors"]
         self.d_addrs = self.d.expect(lambda e: e["event"] == "ready", TIMEOUT,
                                      "D ready")["decode_addrs"]
 
-    def prefill(self, ext_id, tokens):
-        """The proxy's request to P (do_remote_decode, max_tokens=1): P's
-        kv_transfer_params."""
-        self.p.send(cmd="prefill", id=ext_id, tokens=tokens,
-                    params={"do_remote_decode": True, "do_remote_prefill": False,
-                            "remote_engine_id": None, "remote_block_ids": None})
+    def prefill(self, ext_id, tokens, transfer_id=None, **cmd):
+        """The proxy's request to P (do_remote_decode, max_tokens=1; push
+        mode: with the proxy's transfer_id): P's kv_transfer_params."""
+        params = {"do_remote_decode": True, "do_remote_prefill": False,
+                  "remote_engine_id": None, "remote_block_ids": None}
+        if transfer_id is not None:
+            params["transfer_id"] = transfer_id
+        self.p.send(cmd="prefill", id=ext_id, tokens=tokens, params=params, **cmd)
         ev = self.p.expect(lambda e: e["event"] == "params" and e["id"] == ext_id, TIMEOUT,
                            "params of %s" % ext_id)
         assert ev["delay"] and ev["params"], ev
@@ -512,6 +515,73 @@ class TransferTest(unittest.TestCase):
         ev = inst.recv("req-prefix")
         self.assertEqual((ev["invalid"], ev["bad"]), ([], []), ev)
         inst.freed("req-prefix")
+        inst.no_violation(self)
+
+
+PUSH = {"mode": "push", "chunk": 6}     # P computes a prompt 6 tokens a step
+
+
+class PushTest(unittest.TestCase):
+    """Push mode (kv_connector_extra_config.transfer_mode "push"): the proxy
+    gives D the transfer_id and P's descriptors (known from an earlier
+    response of P) before P computes; P, prefilling in chunks of 6 tokens,
+    sends each chunk's blocks of each layer from save_kv_layer, and ends
+    the room in wait_for_save of its last chunk."""
+
+    def push_params(self, inst, tid):
+        return {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": tid,
+                "remote_engine_id": "prefill-engine", "tp_size": len(inst.p_descriptors),
+                "kvferry_descriptors": inst.p_descriptors}
+
+    def run_push(self, p_tp, d_tp, mla=False):
+        inst = Instances(p_tp, d_tp, mla=mla, p_extra=PUSH, d_extra={"mode": "push"})
+        self.addCleanup(inst.close)
+        lengths = {"a": 13, "b": 4, "c": 31}      # a partial last block, one block, many
+        for k, n in lengths.items():                # D first: it waits for the layers
+            inst.decode("req-%s" % k, n, self.push_params(inst, "xfer-%s" % k))
+            params = inst.prefill("req-%s" % k, n, "xfer-%s" % k)
+            self.assertEqual((params["transfer_mode"], params["kvferry_descriptors"]),
+                             ("push", inst.p_descriptors), params)
+        # A proxy that waits for P hands D P's params as they are.
+        late = inst.prefill("req-late", 9, "xfer-late")
+        inst.decode("req-late", 9, late)
+        for k in list(lengths) + ["late"]:
+            ev = inst.recv("req-%s" % k)
+            self.assertTrue(ev["loaded"], ev)
+            self.assertEqual((ev["invalid"], ev["bad"]), ([], []), ev)
+            inst.freed("req-%s" % k)
+        self.assertEqual(inst.logs(inst.p, "req-"), [])
+        self.assertEqual(inst.logs(inst.d, "req-"), [])
+        inst.no_violation(self)
+
+    def test_push_tp_1_to_1(self):
+        self.run_push(1, 1)
+
+    def test_push_tp_1_to_2(self):
+        self.run_push(1, 2)
+
+    def test_push_tp_2_to_1(self):
+        self.run_push(2, 1)
+
+    def test_push_mla_tp_2_to_1(self):
+        self.run_push(2, 1, mla=True)
+
+    def test_push_prefill_stops_after_a_layer(self):
+        # P's last chunk computes layer 0 and stops (its forward raised;
+        # vLLM still calls wait_for_save): the room's last send leaves
+        # layers 1 and 2 short, and every rank fails it naming them.  D
+        # reports every block invalid; P frees its blocks.
+        inst = Instances(2, 1, p_extra=PUSH, d_extra={"mode": "push"})
+        self.addCleanup(inst.close)
+        inst.decode("req-stop", 17, self.push_params(inst, "xfer-stop"))
+        inst.prefill("req-stop", 17, "xfer-stop", stop_after_layer=1)
+        ev = inst.recv("req-stop")
+        self.assertEqual(ev["invalid"], sorted(ev["blocks"]), ev)
+        inst.freed("req-stop")
+        why = inst.logs(inst.d, "req-stop")
+        self.assertEqual(len(why), 1, why)
+        for text in ("KVF_ERR_INCOMPLETE", "layer 1"):
+            self.assertIn(text, why[0])
         inst.no_violation(self)
 
 
