@@ -104,8 +104,8 @@ static int kvt_room_open(kvt_lw_t *b, kvf_sender_t **s_p, kvf_receiver_t **r_p)
 }
 
 /* The emulated forward pass of one chunk, sending each group of per_send
- * layers as its compute ends when `layered`.  @return the last layer's compute end, or
- * a negative time: a send failed. */
+ * layers as its compute ends when `layered`.  @return the last layer's
+ * compute end, or a negative time: a send failed. */
 static double kvt_forward(kvt_lw_t *b, kvf_sender_t *s, int layered, double layer_s)
 {
     double t0 = kvt_now_s(), end = t0;
@@ -136,8 +136,8 @@ static int kvt_room(kvt_lw_t *b, int mode, double layer_s, double *tail_ms, doub
         goto out;
     double t0 = kvt_now_s();
     double end = kvt_forward(b, s, mode == KVT_LAYERED, layer_s);
-    if (end < 0 || (mode == KVT_LAYERED ? kvf_sender_send(s, NULL, 0, 1)
-                                        : kvf_sender_send(s, b->pages, b->npages, 1)) != KVF_OK) {
+    uint32_t rest = mode == KVT_LAYERED ? 0 : b->npages;   /* the layers had them */
+    if (end < 0 || kvf_sender_send(s, rest ? b->pages : NULL, rest, 1) != KVF_OK) {
         fprintf(stderr, "kvferry bench --layerwise: a send was refused: %s\n",
                 kvf_last_error());
         goto out;
@@ -147,7 +147,10 @@ static int kvt_room(kvt_lw_t *b, int mode, double layer_s, double *tail_ms, doub
     if (st != KVF_POLL_SUCCESS || kvt_await_final(s, NULL) != KVF_POLL_SUCCESS) {
         kvf_failure_t f;
         kvf_failure_init(&f);
-        kvf_receiver_failure(r, &f);
+        if (st != KVF_POLL_SUCCESS)
+            kvf_receiver_failure(r, &f);
+        else
+            kvf_sender_failure(s, &f);
         fprintf(stderr, "kvferry bench --layerwise: a %s room failed: %s\n",
                 kvt_mode_names[mode], f.reason);
         goto out;
