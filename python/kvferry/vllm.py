@@ -146,6 +146,10 @@ except ImportError:
         def get_required_kvcache_layout(cls, vllm_config):
             return None
 
+        @classmethod
+        def requires_piecewise_for_cudagraph(cls, extra_config):
+            return False
+
 __all__ = ["KVFerryConnector", "KVFerryConnectorMetadata", "KVFerryHandshakeMetadata",
            "HoldMeta", "RecvMeta", "RemotePrefill", "ParamsRefused", "parse_params",
            "check_params", "kv_cache_layout"]
@@ -1514,6 +1518,14 @@ class KVFerryConnector(KVConnectorBase_V1):
         if getattr(model, "use_mla", False):
             return None
         return "HND"
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config):
+        """Push mode: True.  vLLM replays a full CUDA graph without running
+        ``save_kv_layer``, which push mode needs for every layer (a room
+        left short fails); PIECEWISE graphs run it between their pieces,
+        as MoRIIO asks too.  Pull mode does nothing per layer: False."""
+        return (extra_config or {}).get("transfer_mode") == "push"
 
     # -- worker side ------------------------------------------------------
 

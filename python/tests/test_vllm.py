@@ -379,6 +379,11 @@ class LayoutTest(unittest.TestCase):
         mla = types.SimpleNamespace(model_config=types.SimpleNamespace(use_mla=True))
         self.assertIsNone(V.KVFerryConnector.get_required_kvcache_layout(mla))
         self.assertEqual(V.KVFerryConnector.get_required_kvcache_layout(config()), "HND")
+        # Push mode needs save_kv_layer in every forward: no full CUDA graphs.
+        self.assertTrue(V.KVFerryConnector.requires_piecewise_for_cudagraph(
+            {"transfer_mode": "push"}))
+        for extra in ({}, {"transfer_mode": "pull"}, None):
+            self.assertFalse(V.KVFerryConnector.requires_piecewise_for_cudagraph(extra))
         w.register_kv_caches({"l0": a})
         self.assertEqual(w._worker.prefill.args.kv_order, "HND")
 
