@@ -13,6 +13,8 @@
                           last layer first (send_layers), then an empty last
                           send with the state
                 "partial" prefill: send one non-last chunk, then hold
+                "partial_layers"  prefill: send layer 0 of the first page
+                          (send_layers), then hold
                 "hold"    only create (and on decode init) the rooms, then hold
                 "abort"   decode: abort each room once WaitingForInput
     heartbeat   [interval_ms, timeout_ms]
@@ -20,7 +22,7 @@
 Events, one JSON object per line: {"event": "ready", "addr", "bootstrap"},
 {"event": "state", "room", "state", "failure"?, "bad"?} on every change, and
 {"event": "done"} once every room is final (the process then exits, unless
-mode is "hold" or "partial", where it waits to be killed).
+mode is "hold" or "partial"(_layers), where it waits to be killed).
 """
 import json
 import sys
@@ -73,12 +75,15 @@ def main():
             elif s == KVPoll.Success and not prefill:
                 ev["bad"] = verify_room(mgr, room, r["pages"], r["aux"], r.get("state"))
             emit(**ev)
-            if s == KVPoll.WaitingForInput and prefill and mode in ("run", "partial",
-                                                                    "layers"):
+            if s == KVPoll.WaitingForInput and prefill and mode in (
+                    "run", "partial", "layers", "partial_layers"):
                 fill_room(mgr, room, r["pages"], r["aux"], r.get("state"))
                 h.init(len(r["pages"]), r["aux"])
                 if mode == "partial":
                     h.send(r["pages"][:1], is_last=False)
+                    continue
+                if mode == "partial_layers":
+                    h.send_layers(r["pages"][:1], 0, 0, 1)
                     continue
                 if mode == "layers":
                     for i in range(0, len(r["pages"]), 3):
@@ -93,7 +98,7 @@ def main():
             if s == KVPoll.WaitingForInput and not prefill and mode == "abort":
                 h.abort()
         if all(slot[2] in FINAL for slot in rooms.values()) and mode not in (
-                "hold", "partial"):
+                "hold", "partial", "partial_layers"):
             break
         time.sleep(0.002)
     emit(event="done")

@@ -5,6 +5,7 @@ mid-room (the survivor fails within seconds, as the origin), and an abort
 propagated to the other side (which learns it from another rank).
 """
 import os
+import signal
 import sys
 import time
 import unittest
@@ -114,14 +115,27 @@ class Failures(unittest.TestCase):
         self._killed_decode(partial=True)
 
     def test_prefill_killed_while_receiver_waits(self):
-        ready = self._prefill_child(mode="partial")
+        self._killed_prefill("partial")
+
+    def test_prefill_killed_between_layers(self):
+        # It sent layer 0 of its first page (send_layers), then died: the
+        # decode fails the room with the dead peer as the cause.
+        self._killed_prefill("partial_layers")
+
+    def test_prefill_stopped_between_layers(self):
+        # The same, stopped (SIGSTOP): its heartbeats end, and the decode
+        # fails the room naming it (close() kills it).
+        self._killed_prefill("partial_layers", signal.SIGSTOP)
+
+    def _killed_prefill(self, mode, sig=signal.SIGKILL):
+        ready = self._prefill_child(mode=mode)
         args = make_args(4, heartbeat_interval_ms=HEARTBEAT[0],
                          heartbeat_timeout_ms=HEARTBEAT[1])
         self.mgr = kvferry.KVManager(args, "decode")
         rx = kvferry.KVReceiver(self.mgr, ready["bootstrap"], 9)
         rx.init([11, 12, 13], 2)
         self.peer.room_event(9, ("Transferring",))
-        self.peer.kill()
+        self.peer.kill(sig)
         t0 = time.monotonic()
         self.assertEqual(wait_state(rx, FINAL, SURVIVOR_DEADLINE + 5), KVPoll.Failed)
         self.assertLess(time.monotonic() - t0, SURVIVOR_DEADLINE)
@@ -130,6 +144,8 @@ class Failures(unittest.TestCase):
         self.assertEqual((e.origin_side, e.origin_rank, e.origin_addr),
                          ("decode", 0, self.mgr.address))
         self.assertIn(ready["addr"], e.failure_reason)
+        if sig == signal.SIGSTOP:       # alive, silent: its heartbeats stopped
+            self.assertEqual(e.status, "KVF_ERR_PEER_TIMEOUT", e)
         # The destination pages are handed back once no write can land.
         deadline = time.monotonic() + SURVIVOR_DEADLINE
         while not rx.pages_released() and time.monotonic() < deadline:
