@@ -25,6 +25,7 @@
 #   ONLY=streams bash bench/baselines.sh   (just the N-stream case and its iperf3 -P N)
 #   ONLY=relay bash bench/baselines.sh     (just the failure relay, TP 2->2 and 4->4)
 #   ONLY=room4k bash bench/baselines.sh    (just one 4 KiB room at a time, beside sockperf)
+#   ONLY=layerwise bash bench/baselines.sh (just layer-wise against whole-chunk sends)
 # Installs nothing: `make deps` installs iperf3, python3 and ucx-utils.
 set -euo pipefail
 
@@ -35,7 +36,7 @@ IPERF_SECONDS=${IPERF_SECONDS:-5}
 UCX_MSG=${UCX_MSG:-4194304}    # kvferry's get size: segments are at most 4 MiB
 PROFILE=${PROFILE:-1}
 STREAMS=${STREAMS:-2}          # the N of --streams N and iperf3 -P N
-ONLY=${ONLY:-}                 # "streams", "relay" or "room4k": that case alone
+ONLY=${ONLY:-}                 # "streams", "relay", "room4k" or "layerwise": that case alone
 OUT=${OUT:-}
 . bench/lib.sh
 [ -x "$KVFERRY" ] || { echo "baselines.sh: $KVFERRY not found; run 'make build' first" >&2; exit 1; }
@@ -113,8 +114,15 @@ room4k() {   # round: one 4 KiB room at a time, the last send to the decode's
     kvf room4k_backoff "$1" --transport tcp --model tiny --tokens 16 --page-size 16 \
         --concurrency 1 --requests 2000 --busy-poll 0
 }
+layerwise() {   # round: each layer sent as its emulated compute ends, against the
+                # chunk sent once its last layer is computed (kvferry bench --layerwise)
+    note "kvferry bench --layerwise --repeats 5 ($1/$REPEATS)"
+    "$KVFERRY" bench --layerwise --json --repeats 5 --transport tcp \
+        > "$TMP/kvf.layerwise.$1.json" || note "  layerwise: exit status $?"
+}
 for i in $(seq "$REPEATS"); do
     if [ "$ONLY" = relay ]; then relay "$i"; continue; fi
+    if [ "$ONLY" = layerwise ]; then layerwise "$i"; continue; fi
     if [ "$ONLY" = room4k ]; then room4k "$i"; continue; fi
     # issue 11: N streams per pair against N iperf3 streams, side by side
     note "round $i/$REPEATS: iperf3 -P $STREAMS ${IPERF_SECONDS}s, kvferry --streams $STREAMS"
@@ -291,6 +299,36 @@ if only == "relay":   # that case alone: its rows
                   f", p99 {statistics.median(p99):.3f} ms "
                   f"({min(p99):.3f}-{max(p99):.3f}), max {statistics.median(mx):.3f} ms; "
                   f"goal p99 < 100 ms: {'met' if statistics.median(p99) < 100 else 'MISSED'}")
+    only_done()
+def layerwise():
+    """kvferry bench --layerwise runs: each a ratio of two modes in one run."""
+    v = []
+    for i in R:
+        try: d = load(f"{tmp}/kvf.layerwise.{i}.json")
+        except Exception: d = None
+        if d is None:
+            problems.append(f"layerwise round {i}: no result")
+        elif d.get("transport") != "tcp":
+            problems.append(f"layerwise round {i}: transport {d.get('transport')}")
+        v.append(d)
+    runs["layerwise"] = v
+    for k in ("tail_ratio", "throughput_ratio"):
+        put(f"layerwise_{k}", [d[k] if d else None for d in v])
+    return [d for d in v if d]
+if only == "layerwise":   # that case alone: its rows
+    got = layerwise()
+    print(f"machine: {machine['nproc']} CPUs, {machine['cpu']}, Linux {machine['kernel']}; "
+          f"commit {machine['commit'][:12]}; medians of {reps} rounds of 5 repeats")
+    if got:
+        tr, th = (sorted(d[k] for d in got) for k in ("tail_ratio", "throughput_ratio"))
+        tail = {m: med(d[m]["tail_ms"]["p50"] for d in got) for m in ("whole", "layerwise")}
+        print(f"layer-wise sends ({got[0]['model']}, {got[0]['tokens']} tokens, tcp, "
+              f"{got[0]['compute_ms']:.0f} ms of emulated compute): last layer -> SUCCESS "
+              f"{tail['layerwise']:.2f} ms against {tail['whole']:.2f} ms sent whole = "
+              f"{med(tr):.3f}x ({tr[0]:.3f}-{tr[-1]:.3f}); goal <= 0.15x: "
+              f"{'met' if med(tr) <= 0.15 else 'MISSED'}")
+        print(f"throughput without compute, layer-wise / whole: {med(th):.3f}x "
+              f"({th[0]:.3f}-{th[-1]:.3f})")
     only_done()
 if only != "room4k":
     put("iperf3_p", iperf3("iperf3p")[0])
