@@ -3,9 +3,10 @@
 # and no package registry, build kvferry and run, in about five minutes:
 #
 #   1. the build (the cuda component on); test_cuda (the real driver's
-#      pointer kinds, a staged room in device memory); test_memkind and
-#      test_stage (their logic, on the fake driver); the Python memory
-#      tests (with torch here: a CUDA tensor registers);
+#      pointer kinds, a staged room in device memory, sent whole and
+#      layer by layer); test_memkind and test_stage (their logic, on the
+#      fake driver); the Python memory tests (with torch here: a CUDA
+#      tensor registers);
 #   2. two processes on the GPU, rooms over the cuda mover (IPC), checked
 #      byte for byte on the device, at 64 KiB and 4 KiB segments;
 #   3. GPU to host and host to GPU (staged tcp, one side), and staged tcp

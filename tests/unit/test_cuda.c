@@ -1,7 +1,8 @@
 /*
  * On a real GPU (skipped, with the reason, anywhere else): memory kinds as
- * the real driver reports them, and one room of device memory staged over
- * tcp between two engines of this process, verified byte for byte.  The
+ * the real driver reports them, and a room of device memory staged over
+ * tcp between two engines of this process, sent whole and layer by layer
+ * (kvf_sender_send_layers), verified byte for byte.  The
  * device check (tests/gpu/run.sh) runs it; the same paths run everywhere
  * against the fake driver in test_memkind and test_stage.
  */
@@ -85,7 +86,10 @@ static void test_device_pointer_declared_host_is_refused(void)
     device_side_fini(&s);
 }
 
-static void test_staged_room_on_the_device(void)
+/* One room of 8 pages, device memory on both sides staged over tcp: sent
+ * whole, or (layered) in two chunks of every layer by
+ * kvf_sender_send_layers, then a last send without pages. */
+static void staged_room(int layered)
 {
     side_t pre, dec;
     char bs[64];
@@ -109,7 +113,13 @@ static void test_staged_room_on_the_device(void)
     CHECK_EQ_INT(kvf_receiver_init(r, dst, 8, 1, NULL, 0), KVF_OK);
     wait_sender_ms(s, KVF_POLL_WAITING_FOR_INPUT, 10000);
     CHECK_EQ_INT(kvf_sender_init(s, 8, 2), KVF_OK);
-    CHECK_EQ_INT(kvf_sender_send(s, src, 8, 1), KVF_OK);
+    if (layered) {
+        CHECK_EQ_INT(kvf_sender_send_layers(s, src, 4, 0, 0, 0, LAYERS), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send_layers(s, src + 4, 4, 4, 0, 0, LAYERS), KVF_OK);
+        CHECK_EQ_INT(kvf_sender_send(s, NULL, 0, 1), KVF_OK);
+    } else {
+        CHECK_EQ_INT(kvf_sender_send(s, src, 8, 1), KVF_OK);
+    }
     wait_receiver(r, KVF_POLL_SUCCESS);
     CHECK_EQ_INT(kvf_receiver_poll(r), KVF_POLL_SUCCESS);
     drv->CtxSetCurrent(ctx);
@@ -131,6 +141,9 @@ static void test_staged_room_on_the_device(void)
     free(pat);
     free(got);
 }
+
+static void test_staged_room_on_the_device(void) { staged_room(0); }
+static void test_layer_wise_room_on_the_device(void) { staged_room(1); }
 
 int main(int argc, char **argv)
 {
@@ -160,6 +173,7 @@ int main(int argc, char **argv)
     kvf_test_case_t cases[] = {
         KVF_CASE(test_device_pointer_declared_host_is_refused),
         KVF_CASE(test_staged_room_on_the_device),
+        KVF_CASE(test_layer_wise_room_on_the_device),
     };
     return kvf_test_run(cases, sizeof(cases) / sizeof(cases[0]), argc, argv);
 }
