@@ -20,8 +20,6 @@ no call waits for the GPU until the final metadata, which needs the
 bytes anyway; the Mooncake PRs wait on the event in their transfer
 threads instead.  Failures fail the room, never raise, as ``send`` does.
 """
-import array
-
 from . import _lib
 from .args import KVPoll as _Poll
 from ._convert import to_uint
@@ -71,9 +69,9 @@ def _run_name(g, lo, hi):
 
 class LayerwiseSender:
     """What KVFerryKVSender adds for layer-pipelined sends.  Uses the
-    sender's ``_h`` (the room), ``curr_idx``, ``_lead``/``_pad`` (a held
-    room's placeholder pages), ``_dummy``, ``conclude_state``, ``kv_mgr``
-    and ``_fail_here``."""
+    sender's ``_h`` (the room), ``curr_idx``, ``_lead``/``_pad`` (the
+    decode's prefix pages that lead a held room), ``_dummy``,
+    ``conclude_state``, ``kv_mgr`` and ``_fail_here``."""
 
     def _layers_setup(self):
         self._chunk = None       # (first room page, pages) of the layer-wise chunk
@@ -98,10 +96,11 @@ class LayerwiseSender:
         self._layer_states = state_indices if state_indices is not None \
             else final_state_indices
         if self._pad and self._layered_live():
-            # The decode's prefix pages lead a held room as placeholders,
-            # the same for every layer: one plain send of them first.
-            lead = array.array("I", [0] * self._pad)     # no reader takes them
-            self._attempt("the held room's %d placeholder pages" % self._pad,
+            # The decode's prefix pages lead a held room (no reader takes
+            # them), the same for every layer: one plain send of them first.
+            from .sglang import _after_placeholders     # (sglang imports this module)
+            lead = _after_placeholders([], self._pad)
+            self._attempt("the held room's %d leading prefix pages" % self._pad,
                           lambda: self._h.send(lead, is_last=False))
             self._pad = 0
 

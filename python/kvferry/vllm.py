@@ -1176,31 +1176,27 @@ class _Worker:
     # -- per step ---------------------------------------------------------
 
     def start(self, meta):
-        # A bug met with one request fails that request, not the worker.
-        for rid, hold in meta.reqs_to_hold.items():
-            try:
-                self._hold(rid, hold)
-            except Exception as e:
-                logger.exception("KVFerryConnector: request %s: holding its blocks failed",
-                                 _shown(rid))
-                self.sending.setdefault(rid, "cannot hold its blocks: %s: %s"
-                                        % (type(e).__name__, e))
-        for rid, rm in meta.reqs_to_recv.items():
-            try:
-                self._recv(rid, rm)
-            except Exception as e:
-                logger.exception("KVFerryConnector: request %s: reading its KV failed",
-                                 _shown(rid))
-                self.recving.setdefault(rid, ("%s: %s" % (type(e).__name__, e), rm))
+        self._each(meta.reqs_to_hold, self._hold, "holding its blocks",
+                   lambda rid, m, e: self.sending.setdefault(
+                       rid, "cannot hold its blocks: %s" % e))
+        self._each(meta.reqs_to_recv, self._recv, "reading its KV",
+                   lambda rid, m, e: self.recving.setdefault(rid, (e, m)))
         self.step_push = {}
-        for rid, pm in getattr(meta, "reqs_to_push", {}).items():
+        self._each(getattr(meta, "reqs_to_push", {}), self._push, "pushing its KV",
+                   lambda rid, m, e: self.sending.setdefault(
+                       rid, "cannot push its KV: %s" % e))
+
+    @staticmethod
+    def _each(reqs, step, what, failed):
+        """step(rid, meta) for each request of this step.  A bug met with
+        one request fails that request (failed(rid, meta, "Type: why")),
+        not the worker."""
+        for rid, m in reqs.items():
             try:
-                self._push(rid, pm)
+                step(rid, m)
             except Exception as e:
-                logger.exception("KVFerryConnector: request %s: pushing its KV failed",
-                                 _shown(rid))
-                self.sending.setdefault(rid, "cannot push its KV: %s: %s"
-                                        % (type(e).__name__, e))
+                logger.exception("KVFerryConnector: request %s: %s failed", _shown(rid), what)
+                failed(rid, m, "%s: %s" % (type(e).__name__, e))
 
     # -- push mode, P: a held room that takes each layer as it is computed --
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import unittest
 import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -225,6 +226,22 @@ class Cluster:
 
 
 P0, P1, D0, D1 = RANKS = [(side, r) for side in ("prefill", "decode") for r in range(2)]
+
+
+class ClusterCase(unittest.TestCase):
+    """A test case whose tests run one Cluster at a time (self.cluster),
+    closed after each test."""
+
+    def setUp(self):
+        self.cluster = None
+
+    def tearDown(self):
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def run_cluster(self, requests, **kw):
+        self.cluster = Cluster(requests, **kw)
+        return self.cluster.results()
 
 
 class Netns:

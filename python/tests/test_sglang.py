@@ -25,23 +25,13 @@ over the fake CUDA driver.
 import os
 import unittest
 
-from _sglang_cluster import HAVE_NUMPY, MISSING, RANKS, ROOM, WHY_NUMPY, Cluster, S
+from _sglang_cluster import (HAVE_NUMPY, MISSING, RANKS, ROOM, WHY_NUMPY, Cluster,
+                             ClusterCase, S)
 
 
 @unittest.skipUnless(HAVE_NUMPY, WHY_NUMPY)
 @unittest.skipIf(MISSING, "libkvferry lacks %s" % ", ".join(MISSING))
-class SGLangScheduler(unittest.TestCase):
-
-    def setUp(self):
-        self.cluster = None
-
-    def tearDown(self):
-        if self.cluster is not None:
-            self.cluster.close()
-
-    def run_cluster(self, requests, **kw):
-        self.cluster = Cluster(requests, **kw)
-        return self.cluster.results()
+class SGLangScheduler(ClusterCase):
 
     def assertAllSucceeded(self, res, rooms):
         for rank in res:

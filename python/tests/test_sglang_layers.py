@@ -11,25 +11,16 @@ import unittest
 
 import test_sglang_causes as causes
 from _sglang_cluster import (D0, D1, HAVE_NUMPY, MISSING, P0, P1, ROOM, WHY_NUMPY,
-                             Cluster, S)
-
-
-def cluster_results(tc, reqs, **kw):
-    tc.cluster = Cluster(reqs, chunk=8, layered=True, **kw)
-    return tc.cluster.results()
+                             ClusterCase, S)
 
 
 @unittest.skipUnless(HAVE_NUMPY, WHY_NUMPY)
 @unittest.skipIf(MISSING + [n for n in ("kvf_sender_send_layers",) if not S._lib.has(n)],
                  "libkvferry lacks layer-wise sends")
-class LayerPipelined(unittest.TestCase):
+class LayerPipelined(ClusterCase):
 
-    def setUp(self):
-        self.cluster = None
-
-    def tearDown(self):
-        if self.cluster is not None:
-            self.cluster.close()
+    def cluster_results(self, reqs, **kw):
+        return self.run_cluster(reqs, chunk=8, layered=True, **kw)
 
     def test_rooms_layer_by_layer(self):
         """A room of one chunk, rooms with middle chunks sent whole before
@@ -41,7 +32,7 @@ class LayerPipelined(unittest.TestCase):
         rooms = [r["room"] for r in reqs]
         for kw in (dict(state=True, draft=True), dict(mla=True, tp=(2, 1))):
             with self.subTest(**kw):
-                res = cluster_results(self, reqs, **kw)
+                res = self.cluster_results(reqs, **kw)
                 self.assertEqual(len(res), sum(kw.get("tp", (2, 2))))
                 for rank in res:
                     for room in rooms:
@@ -58,7 +49,7 @@ class LayerPipelined(unittest.TestCase):
         that reason, naming the layer and the rank; another room is not
         touched."""
         short, control = ROOM, ROOM + 1
-        res = cluster_results(self, [{"room": short, "tokens": 20, "drop_layer": [0, 1]},
+        res = self.cluster_results([{"room": short, "tokens": 20, "drop_layer": [0, 1]},
                                      {"room": control, "tokens": 12}])
         causes.check_cause(self, res, self.cluster.addrs, short, (P0,),
                            {P0: ["the last send left layer 1 without every one of the",

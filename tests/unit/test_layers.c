@@ -350,17 +350,24 @@ static void test_every_layout_pair(void)
 static const config_t plain = {"tcp, TP 1 to 1", "tcp", 1, 1, 1, 0, 0, 0, 1};
 static const config_t drafted = {"tcp, a draft model's group", "tcp", 1, 1, 1, 0, 0, 1, 1};
 
-/* A room of cfg between one prefill and one decode rank, the sender
- * initialised (NP pages, aux slot 1), the receiver's destination dst_layers. */
-static void one_room(side_t *pre, side_t *dec, char *bs, uint64_t id, kvf_sender_t **s,
-                     kvf_receiver_t **r)
+/* Room id between pre[0] and dec[0], the sender initialised (NP pages,
+ * aux slot 1), the receiver's destination dst_layers. */
+static void open_room(side_t *pre, side_t *dec, const char *bs, uint64_t id,
+                      kvf_sender_t **s, kvf_receiver_t **r)
 {
-    config_up(pre, dec, bs, 64);
     CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, id, s), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_create(dec->eng, bs, id, -1, r), KVF_OK);
     CHECK_EQ_INT(kvf_receiver_init(*r, dst_layers, NP, 3, NULL, 0), KVF_OK);
     CHECK_EQ_INT(wait_sender(*s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
     CHECK_EQ_INT(kvf_sender_init(*s, NP, 1), KVF_OK);
+}
+
+/* The ranks of cfg (one each) and room id between them (open_room). */
+static void one_room(side_t *pre, side_t *dec, char *bs, uint64_t id, kvf_sender_t **s,
+                     kvf_receiver_t **r)
+{
+    config_up(pre, dec, bs, 64);
+    open_room(pre, dec, bs, id, s, r);
 }
 
 /* Both sides failed with `status`, their reasons naming `what` and `who`. */
@@ -491,11 +498,7 @@ static void test_stopped_between_layers(void)
         side_transfer_ms = decode_first ? 800 : 20000;
         side_init(&dec[0], KVF_ROLE_DECODE, NULL, NULL);
         side_transfer_ms = 5000;
-        CHECK_EQ_INT(kvf_sender_create(pre->eng, bs, 4, &s), KVF_OK);
-        CHECK_EQ_INT(kvf_receiver_create(dec->eng, bs, 4, -1, &r), KVF_OK);
-        CHECK_EQ_INT(kvf_receiver_init(r, dst_layers, NP, 3, NULL, 0), KVF_OK);
-        CHECK_EQ_INT(wait_sender(s, KVF_POLL_WAITING_FOR_INPUT), KVF_POLL_WAITING_FOR_INPUT);
-        CHECK_EQ_INT(kvf_sender_init(s, NP, 1), KVF_OK);
+        open_room(pre, dec, bs, 4, &s, &r);
         CHECK_EQ_INT(kvf_sender_send_layers(s, src_pages, NP, 0, 0, 0, 2), KVF_OK);
         CHECK_EQ_INT(kvf_sender_send_layers(s, src_pages, 2, 0, 0, 2, 3), KVF_OK);
         if (decode_first)
